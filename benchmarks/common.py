@@ -1,0 +1,37 @@
+"""Shared pieces of the CPU benchmarks: a small random Qwen3 and seeded workloads."""
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass
+
+SMALL_QWEN3 = dict(vocab_size=32000, hidden_size=512, intermediate_size=1536,
+                   num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
+                   head_dim=64, max_position_embeddings=2048, tie_word_embeddings=True)
+
+
+def make_small_qwen3(path: str, seed: int = 0) -> str:
+    """A random-weight Qwen3 (about hidden 512, 8 layers) saved as float32 safetensors."""
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(**SMALL_QWEN3, eos_token_id=None, bos_token_id=None)
+    model = Qwen3ForCausalLM(cfg).to(torch.float32)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@dataclass(frozen=True)
+class Item:
+    prompt_token_ids: list[int]
+    max_tokens: int
+
+
+def workload(name: str, num_prompts: int = 64, vocab: int = 32000, seed: int = 0) -> list[Item]:
+    """decode-heavy: prompts 16-96, outputs 8-384; prefill-heavy: 32-400 / 16-200."""
+    rng = random.Random(seed)
+    lo_p, hi_p, lo_o, hi_o = {"decode": (16, 96, 8, 384), "prefill": (32, 400, 16, 200)}[name]
+    return [Item([rng.randrange(3, vocab) for _ in range(rng.randint(lo_p, hi_p))],
+                 rng.randint(lo_o, hi_o)) for _ in range(num_prompts)]

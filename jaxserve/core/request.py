@@ -1,0 +1,158 @@
+"""Request state on the host: tokens, progress, status and chained page hashes."""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import Any, Iterable
+
+# Parent value for the first page of a sequence (no parent page).
+_ROOT_HASH = 0x5BD1E995
+
+
+def hash_block_tokens(
+    parent_hash: int | None, token_ids: tuple[int, ...], extra: Any = None
+) -> int:
+    """Chained hash of one full page: depends on every token before it.
+
+    `extra` (e.g. a cache salt) is only mixed into the first page; the chain
+    carries it to every later page.
+    """
+    # Python's builtin 64-bit tuple hash is fast but not cryptographic: a
+    # collision would silently reuse another sequence's KV. With ~1e6 cached
+    # pages the accidental odds are ~1e-8; adversarial collisions are possible,
+    # so multi-tenant deployments should give tenants distinct cache salts.
+    parent = _ROOT_HASH if parent_hash is None else parent_hash
+    if extra is None:
+        return hash((parent, token_ids))
+    return hash((parent, token_ids, extra))
+
+
+class RequestStatus(enum.IntEnum):
+    """Ordered so that every status greater than RUNNING is a finished one."""
+
+    WAITING = 0
+    PREEMPTED = 1
+    RUNNING = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH_CAPPED = 4
+    FINISHED_ABORTED = 5
+
+    @staticmethod
+    def is_finished(status: RequestStatus) -> bool:
+        return status > RequestStatus.RUNNING
+
+    @staticmethod
+    def finish_reason(status: RequestStatus) -> str | None:
+        return _FINISH_REASONS.get(status)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class Request:
+    """One generation request. The scheduler owns and mutates it.
+
+    `sampling_params` is duck-typed; the core reads `max_tokens` (None: up
+    to max_model_len), `min_tokens`, `ignore_eos`, `stop_token_ids` and, if
+    present, the three penalties from it.
+    """
+
+    __slots__ = (
+        "request_id", "prompt_token_ids", "sampling_params", "eos_token_id",
+        "arrival_time", "priority", "cache_salt", "page_size",
+        "output_token_ids", "all_token_ids", "num_computed_tokens",
+        "num_cached_tokens", "num_preemptions", "status", "stop_reason",
+        "block_hashes", "needs_output_history",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: Iterable[int],
+        sampling_params: Any,
+        eos_token_id: int | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        *,
+        page_size: int,
+    ) -> None:
+        prompt = [int(t) for t in prompt_token_ids]
+        if not prompt:
+            raise ValueError(f"request {request_id!r}: prompt_token_ids is empty")
+        if page_size <= 0:
+            raise ValueError(f"page_size must be positive, got {page_size}")
+        self.request_id = request_id
+        self.prompt_token_ids = prompt
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.priority = priority
+        self.cache_salt = cache_salt
+        self.page_size = page_size
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # set when first scheduled
+        self.num_preemptions = 0
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.block_hashes: list[int] = []
+        self._extend_block_hashes()
+        # Only penalties need the token history on the device side; copying it
+        # every step for every request would dominate scheduling time.
+        self.needs_output_history = (
+            getattr(sampling_params, "presence_penalty", 0.0) != 0.0
+            or getattr(sampling_params, "frequency_penalty", 0.0) != 0.0
+            or getattr(sampling_params, "repetition_penalty", 1.0) != 1.0
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def is_finished(self) -> bool:
+        return self.status > RequestStatus.RUNNING
+
+    def get_finish_reason(self) -> str | None:
+        return RequestStatus.finish_reason(self.status)
+
+    def append_output_token_ids(self, ids: int | list[int]) -> None:
+        if isinstance(ids, int):
+            self.output_token_ids.append(ids)
+            self.all_token_ids.append(ids)
+        else:
+            self.output_token_ids.extend(ids)
+            self.all_token_ids.extend(ids)
+        self._extend_block_hashes()
+
+    def _extend_block_hashes(self) -> None:
+        # Hash only the pages that became full; earlier ones never change.
+        ps = self.page_size
+        hashes = self.block_hashes
+        tokens = self.all_token_ids
+        start = len(hashes) * ps
+        while start + ps <= len(tokens):
+            parent = hashes[-1] if hashes else None
+            extra = self.cache_salt if not hashes else None
+            hashes.append(hash_block_tokens(parent, tuple(tokens[start:start + ps]), extra))
+            start += ps
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, "
+            f"tokens={self.num_tokens}, computed={self.num_computed_tokens})"
+        )

@@ -1,0 +1,1 @@
+"""The engine loop and its front doors (offline LLM, async engine)."""

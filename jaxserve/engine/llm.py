@@ -1,0 +1,105 @@
+"""LLM: offline batch generation with vLLM's names and behaviour."""
+from __future__ import annotations
+
+import itertools
+from typing import Any, Sequence
+
+from tqdm.auto import tqdm
+
+from jaxserve.config import EngineConfig
+from jaxserve.core.outputs import RequestOutput
+from jaxserve.engine.engine_core import EngineCore
+from jaxserve.sampling_params import SamplingParams
+
+PromptType = str | dict[str, Any]
+
+
+class LLM:
+    """`LLM(model=...)`, then `generate(prompts, sampling_params)` or `chat(messages)`.
+
+    Engine arguments are EngineConfig's fields; `block_size` is an alias of `page_size`.
+    """
+
+    def __init__(self, model: str, **engine_args: Any):
+        if "block_size" in engine_args:
+            engine_args["page_size"] = engine_args.pop("block_size")
+        self.engine = EngineCore(EngineConfig(model=model, **engine_args))
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None
+                 ) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        elif len(sampling_params) != len(prompts):
+            raise ValueError(f"got {len(sampling_params)} SamplingParams for {len(prompts)} "
+                             "prompts; give one, or one per prompt")
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+        # Validate everything before adding anything, so a bad prompt harms no other.
+        requests = []
+        for i, (p, sp) in enumerate(zip(prompts, sampling_params)):
+            text, ids = self._tokenize(p)
+            self.engine.validate(ids, sp)
+            requests.append((text, ids, sp, 0 if priority is None else priority[i]))
+        order = {}
+        for text, ids, sp, prio in requests:
+            rid = str(next(self._ids))
+            order[rid] = len(order)
+            self.engine.add_request(rid, ids, sp, prompt=text, priority=prio)
+        return self._run(order, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, chat_template: str | None = None,
+             add_generation_prompt: bool = True, **template_kwargs: Any) -> list[RequestOutput]:
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer; this model has none")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [{"prompt_token_ids": self.tokenizer.apply_chat_template(
+            conv, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+            tokenize=True, return_dict=False, **template_kwargs)} for conv in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer; pass "
+                                 "{'prompt_token_ids': [...]} instead")
+            return prompt, self.tokenizer(prompt).input_ids
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if not all(isinstance(t, int) for t in ids):
+                raise ValueError("prompt_token_ids must be a list of ints")
+            return prompt.get("prompt"), list(ids)
+        if isinstance(prompt, dict) and "prompt" in prompt:
+            return self._tokenize(prompt["prompt"])
+        raise ValueError(f"a prompt must be a str or a dict with 'prompt_token_ids', got "
+                         f"{type(prompt).__name__}")
+
+    def _run(self, order: dict[str, int], use_tqdm: bool) -> list[RequestOutput]:
+        results: list[RequestOutput | None] = [None] * len(order)
+        bar = tqdm(total=len(order), desc="Processed prompts", disable=not use_tqdm)
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished and out.request_id in order:
+                        results[order[out.request_id]] = out
+                        bar.update(1)
+        except BaseException:
+            for rid in order:
+                self.engine.abort_request(rid)
+            raise
+        finally:
+            bar.close()
+        return results

@@ -1,0 +1,1 @@
+"""Device side of the engine: batches, the jitted step, sampling."""

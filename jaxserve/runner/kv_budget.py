@@ -1,0 +1,50 @@
+"""How many KV pages to allocate: explicit, from a byte budget, or from free memory."""
+from __future__ import annotations
+
+import logging
+import os
+
+import jax
+
+logger = logging.getLogger("jaxserve")
+
+_CPU_RAM_FRACTION = 0.25  # on CPU never take more than this share of available RAM
+
+
+def page_bytes(*, num_layers: int, page_size: int, num_kv_heads: int, head_dim: int,
+               itemsize: int) -> int:
+    """Bytes of one page across all layers (K and V)."""
+    return num_layers * 2 * page_size * num_kv_heads * head_dim * itemsize
+
+
+def available_host_bytes() -> int:
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 8 << 30
+
+
+def choose_num_pages(*, num_pages: int | None, kv_cache_memory_bytes: int | None,
+                     hbm_utilization: float, bytes_per_page: int, max_num_seqs: int,
+                     max_model_len: int, page_size: int, device: jax.Device) -> int:
+    """Total pages including the null page 0."""
+    pages_per_seq = -(-max_model_len // page_size)
+    if num_pages is not None:
+        total = num_pages
+    elif kv_cache_memory_bytes is not None:
+        total = kv_cache_memory_bytes // bytes_per_page
+    elif device.platform == "cpu":
+        want = max_num_seqs * pages_per_seq + 1
+        cap = int(available_host_bytes() * _CPU_RAM_FRACTION) // bytes_per_page
+        total = min(want, cap)
+    else:
+        stats = device.memory_stats() or {}
+        free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
+        total = int(free * hbm_utilization) // bytes_per_page
+    if total < pages_per_seq + 1:
+        raise ValueError(
+            f"the KV cache holds {max(total - 1, 0)} pages of {page_size} tokens, fewer than one "
+            f"sequence of max_model_len={max_model_len} needs ({pages_per_seq}); lower "
+            f"max_model_len or give the cache more memory (num_pages / kv_cache_memory_bytes / "
+            f"hbm_utilization)")
+    return total

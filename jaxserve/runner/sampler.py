@@ -1,0 +1,319 @@
+"""Token sampling on device for a batch of R rows (one row per request).
+
+Under ``jax.jit(sample, static_argnames=("variant",))`` each `SamplerVariant`
+compiles once per (R, V, penalty length) shape; every per-row setting is an array,
+so changing values never recompiles.
+
+Order (as vLLM): raw logprobs (log_softmax of the model logits) -> penalties ->
+greedy rows take the argmax; sampling rows divide by temperature, then min_p,
+top_k and top_p (each renormalising what is left) become one threshold per row,
+and a Gumbel-max draw picks the token.
+
+Batch invariance: a row's token depends only on its logits, its settings and its
+key ``fold_in(PRNGKey(seed), step)``, step = the index of the token being sampled.
+The filters are applied as a per-row logit threshold in vocabulary order (the
+sort only finds the threshold), so rows that filter and rows that do not draw
+their noise the same way, whatever else is in the batch.
+
+Penalty inputs (penalties variant only): ``penalty_token_ids`` int32[R, L] holds
+each row's prompt ids then output ids, padded with V (dropped by the scatter),
+and ``num_prompt_tokens`` int32[R] splits them; the [R, V] counts are built on
+device by scatter-add, so the host ships O(R*L) ids, not O(R*V) masks. L is a
+static bucket: pass a fixed ``penalty_len`` (e.g. max_model_len) to avoid one
+compile per bucket.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.core.outputs import Logprob
+from jaxserve.sampling_params import MAX_LOGPROBS, SAMPLING_EPS, SamplingParams
+
+_MIN_PENALTY_LEN = 16
+_KEY_IMPL = "threefry2x32"
+_U32 = 0xFFFFFFFF
+
+
+@dataclass(frozen=True)
+class SamplerVariant:
+    """Static sampler flags; one compiled program per variant and shape."""
+
+    do_sample: bool = True  # False: every row is greedy (no sort, no noise)
+    penalties: bool = False  # repetition / frequency / presence penalties
+    logprobs: bool = False  # return sampled + top-MAX_LOGPROBS logprobs
+
+
+@flax.struct.dataclass
+class SamplingTensors:
+    temperature: jax.Array  # f32[R]; < SAMPLING_EPS => greedy row
+    top_k: jax.Array  # int32[R]; <= 0 => off
+    top_p: jax.Array  # f32[R]; 1 => off
+    min_p: jax.Array  # f32[R]; 0 => off
+    keys: jax.Array  # uint32[R, 2]; raw threefry key data of PRNGKey(seed)
+    steps: jax.Array  # int32[R]; index of the token being sampled, folded into keys
+    presence_penalty: jax.Array  # f32[R]
+    frequency_penalty: jax.Array  # f32[R]
+    repetition_penalty: jax.Array  # f32[R]
+    penalty_token_ids: jax.Array | None = None  # int32[R, L]: prompt ids, output ids, V pad
+    num_prompt_tokens: jax.Array | None = None  # int32[R]
+
+
+@flax.struct.dataclass
+class SamplerOutput:
+    token_ids: jax.Array  # int32[R]
+    # Only with variant.logprobs; column 0 is the sampled token, 1.. the top tokens
+    # (ids -1 / logprob -inf past the vocabulary when V < MAX_LOGPROBS).
+    logprobs: jax.Array | None = None  # f32[R, MAX_LOGPROBS + 1]
+    logprob_token_ids: jax.Array | None = None  # int32[R, MAX_LOGPROBS + 1]
+    sampled_rank: jax.Array | None = None  # int32[R]; 1 = most likely
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingRow:
+    """What the sampler needs to know about one request this step.
+
+    seed: the effective seed (defaults to params.seed). When both are None the
+    row gets a fresh random key each step (not reproducible, as vLLM). The
+    engine may instead give every request a random seed at arrival, which also
+    makes preempted-and-recomputed requests draw the same tokens.
+    prompt/output ids are read only when penalties are on.
+    """
+
+    params: SamplingParams
+    num_output_tokens: int
+    seed: int | None = None
+    prompt_token_ids: Sequence[int] = ()
+    output_token_ids: Sequence[int] = ()
+
+
+def choose_variant(params: Sequence[SamplingParams]) -> SamplerVariant:
+    """The cheapest variant that serves every request in `params`."""
+    return SamplerVariant(
+        do_sample=any(not p.is_greedy for p in params),
+        penalties=any(p.has_penalties for p in params),
+        logprobs=any(p.logprobs is not None for p in params),
+    )
+
+
+def seed_to_key_data(seed: int) -> tuple[int, int]:
+    """Key data of jax.random.PRNGKey(seed) (64-bit seed semantics), without jax."""
+    return (seed >> 32) & _U32, seed & _U32
+
+
+def _bucket(n: int) -> int:
+    return max(_MIN_PENALTY_LEN, 1 << max(n - 1, 0).bit_length())
+
+
+def make_sampling_tensors(
+    rows: Sequence[SamplingRow],
+    num_rows_padded: int,
+    vocab_size: int,
+    *,
+    penalties: bool = False,
+    penalty_len: int | None = None,
+    rng: np.random.Generator | None = None,
+) -> SamplingTensors:
+    """Host-side (numpy) batch of per-row settings; rows past len(rows) are padding.
+
+    Padding rows are greedy with neutral settings and no penalty tokens.
+    `penalties` must match the variant passed to `sample`. `penalty_len` fixes
+    the padded length L of the token history (default: a power-of-two bucket).
+    """
+    r = len(rows)
+    if r > num_rows_padded:
+        raise ValueError(f"{r} rows do not fit num_rows_padded={num_rows_padded}")
+    pad = num_rows_padded - r
+    f32, i32 = np.float32, np.int32
+
+    def col(values: list, fill, dtype) -> np.ndarray:
+        return np.asarray(values + [fill] * pad, dtype=dtype)
+
+    ps = [row.params for row in rows]
+    keys = np.zeros((num_rows_padded, 2), np.uint32)
+    for i, row in enumerate(rows):
+        seed = row.seed if row.seed is not None else row.params.seed
+        if seed is None:
+            rng = rng if rng is not None else np.random.default_rng()
+            keys[i] = rng.integers(0, 1 << 32, size=2, dtype=np.uint64)
+        else:
+            keys[i] = seed_to_key_data(seed)
+    tensors = dict(
+        temperature=col([p.temperature for p in ps], 0.0, f32),
+        top_k=col([p.top_k for p in ps], 0, i32),
+        top_p=col([p.top_p for p in ps], 1.0, f32),
+        min_p=col([p.min_p for p in ps], 0.0, f32),
+        keys=keys,
+        steps=col([row.num_output_tokens for row in rows], 0, i32),
+        presence_penalty=col([p.presence_penalty for p in ps], 0.0, f32),
+        frequency_penalty=col([p.frequency_penalty for p in ps], 0.0, f32),
+        repetition_penalty=col([p.repetition_penalty for p in ps], 1.0, f32),
+    )
+    if penalties:
+        lengths = [len(row.prompt_token_ids) + len(row.output_token_ids) for row in rows]
+        need = max(lengths, default=0)
+        length = _bucket(need) if penalty_len is None else penalty_len
+        if need > length:
+            raise ValueError(f"penalty_len={length} is shorter than a row's {need} tokens")
+        ids = np.full((num_rows_padded, length), vocab_size, dtype=i32)
+        for i, row in enumerate(rows):
+            n_prompt = len(row.prompt_token_ids)
+            ids[i, :n_prompt] = row.prompt_token_ids
+            ids[i, n_prompt : lengths[i]] = row.output_token_ids
+        tensors["penalty_token_ids"] = ids
+        tensors["num_prompt_tokens"] = col([len(row.prompt_token_ids) for row in rows], 0, i32)
+    return SamplingTensors(**tensors)
+
+
+def apply_penalties(logits: jax.Array, t: SamplingTensors) -> jax.Array:
+    """Repetition penalty on prompt+output tokens, frequency/presence on output tokens."""
+    num_rows, vocab = logits.shape
+    ids = t.penalty_token_ids  # [R, L]
+    is_output = jnp.arange(ids.shape[1])[None, :] >= t.num_prompt_tokens[:, None]
+    row = jnp.arange(num_rows)[:, None]
+    zeros = jnp.zeros((num_rows, vocab), jnp.int32)
+    seen = zeros.at[row, ids].add(1, mode="drop") > 0  # [R, V]
+    counts = zeros.at[row, ids].add(is_output.astype(jnp.int32), mode="drop")  # [R, V]
+    rep = t.repetition_penalty[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    logits = logits - t.frequency_penalty[:, None] * counts.astype(logits.dtype)
+    return logits - t.presence_penalty[:, None] * (counts > 0).astype(logits.dtype)
+
+
+def _thresholds(scaled: jax.Array, t: SamplingTensors) -> jax.Array:
+    """Per-row logit threshold for min_p, top_k and top_p: f32[R]; keep scaled >= it."""
+    vocab = scaled.shape[-1]
+    desc = -jnp.sort(-scaled, axis=-1)  # [R, V], most likely first
+    pos = jnp.arange(vocab)[None, :]
+    k = jnp.where((t.top_k <= 0) | (t.top_k > vocab), vocab, t.top_k)
+    keep = pos < k[:, None]
+    # min_p: p_i >= min_p * p_max  <=>  logit_i - logit_max >= log(min_p); log(0) = -inf.
+    keep &= (desc - desc[:, :1]) >= jnp.log(t.min_p)[:, None]
+    probs = jax.nn.softmax(jnp.where(keep, desc, -jnp.inf), axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs  # mass of the more likely tokens
+    keep &= (before < t.top_p[:, None]) | (t.top_p[:, None] >= 1.0)
+    n_keep = jnp.maximum(jnp.sum(keep, axis=-1), 1)
+    return jnp.take_along_axis(desc, (n_keep - 1)[:, None], axis=-1)[:, 0]
+
+
+def _random_sample(logits: jax.Array, t: SamplingTensors) -> jax.Array:
+    num_rows, vocab = logits.shape
+    greedy_row = t.temperature < SAMPLING_EPS
+    temp = jnp.where(greedy_row, 1.0, t.temperature)
+    scaled = logits / temp[:, None]
+    filtered = ~greedy_row & (
+        ((t.top_k > 0) & (t.top_k < vocab)) | (t.top_p < 1.0) | (t.min_p > 0.0)
+    )
+    # Skip the sort at run time when no row filters (a device-side branch, no sync).
+    threshold = jax.lax.cond(
+        jnp.any(filtered),
+        lambda: _thresholds(scaled, t),
+        lambda: jnp.full((num_rows,), -jnp.inf, scaled.dtype),
+    )
+    scaled = jnp.where(scaled >= threshold[:, None], scaled, -jnp.inf)
+    base = jax.random.wrap_key_data(t.keys, impl=_KEY_IMPL)  # [R] keys
+    keys = jax.vmap(jax.random.fold_in)(base, t.steps)
+    gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (vocab,), jnp.float32))(keys)
+    return jnp.argmax(scaled + gumbel, axis=-1).astype(jnp.int32)
+
+
+def _top_logprobs(logprobs: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """top-k over the last axis, padded with (-inf, -1) when the vocabulary is smaller."""
+    kk = min(k, logprobs.shape[-1])
+    values, ids = jax.lax.top_k(logprobs, kk)
+    if kk < k:
+        pad = [(0, 0)] * (logprobs.ndim - 1) + [(0, k - kk)]
+        values = jnp.pad(values, pad, constant_values=-jnp.inf)
+        ids = jnp.pad(ids, pad, constant_values=-1)
+    return values, ids.astype(jnp.int32)
+
+
+def _token_logprob_and_rank(logprobs: jax.Array, ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+    chosen = jnp.take_along_axis(logprobs, ids[:, None], axis=-1)  # [*, 1]
+    rank = jnp.sum(logprobs > chosen, axis=-1).astype(jnp.int32) + 1
+    return chosen[:, 0], rank
+
+
+def sample(logits: jax.Array, tensors: SamplingTensors, variant: SamplerVariant) -> SamplerOutput:
+    """Pick one token per row. logits: [R, V] (any float dtype; computed in f32)."""
+    logits = logits.astype(jnp.float32)
+    raw_logprobs = jax.nn.log_softmax(logits, axis=-1) if variant.logprobs else None
+    if variant.penalties:
+        logits = apply_penalties(logits, tensors)
+    token_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if variant.do_sample:
+        sampled = _random_sample(logits, tensors)
+        token_ids = jnp.where(tensors.temperature < SAMPLING_EPS, token_ids, sampled)
+    if not variant.logprobs:
+        return SamplerOutput(token_ids=token_ids)
+    chosen, rank = _token_logprob_and_rank(raw_logprobs, token_ids)
+    top_values, top_ids = _top_logprobs(raw_logprobs, MAX_LOGPROBS)
+    return SamplerOutput(
+        token_ids=token_ids,
+        logprobs=jnp.concatenate([chosen[:, None], top_values], axis=-1),
+        logprob_token_ids=jnp.concatenate([token_ids[:, None], top_ids], axis=-1),
+        sampled_rank=rank,
+    )
+
+
+def compute_prompt_logprobs(
+    logits: jax.Array, target_ids: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Logprobs of the next prompt tokens under the model's raw logits.
+
+    logits f32[T, V] (row t predicts target_ids[t]), target_ids int32[T] ->
+    (target logprob f32[T], target rank int32[T], top logprobs f32[T, MAX_LOGPROBS],
+    top ids int32[T, MAX_LOGPROBS]).
+    """
+    logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    chosen, rank = _token_logprob_and_rank(logprobs, target_ids.astype(jnp.int32))
+    top_values, top_ids = _top_logprobs(logprobs, MAX_LOGPROBS)
+    return chosen, rank, top_values, top_ids
+
+
+# --- host helpers: device arrays (as numpy) -> vLLM's {token_id: Logprob} ---
+
+
+def make_logprob_dict(
+    token_id: int,
+    logprob: float,
+    rank: int,
+    top_ids: Sequence[int],
+    top_logprobs: Sequence[float],
+    num_logprobs: int,
+    decode: Callable[[int], str] | None = None,
+) -> dict[int, Logprob]:
+    """The chosen token first, then the `num_logprobs` most likely (ranks 1..k).
+
+    Entries with id < 0 (vocabulary smaller than asked) are skipped.
+    """
+    def entry(tid: int, lp: float, r: int) -> Logprob:
+        return Logprob(logprob=float(lp), rank=int(r), decoded_token=decode(tid) if decode else None)
+
+    out = {int(token_id): entry(int(token_id), logprob, rank)}
+    for i in range(min(num_logprobs, len(top_ids))):
+        tid = int(top_ids[i])
+        if tid >= 0 and tid not in out:
+            out[tid] = entry(tid, top_logprobs[i], i + 1)
+    return out
+
+
+def sampler_row_logprobs(
+    logprobs: np.ndarray,
+    logprob_token_ids: np.ndarray,
+    sampled_rank: np.ndarray,
+    row: int,
+    num_logprobs: int,
+    decode: Callable[[int], str] | None = None,
+) -> dict[int, Logprob]:
+    """`make_logprob_dict` for row `row` of a SamplerOutput (arrays already on host)."""
+    lp, ids = logprobs[row], logprob_token_ids[row]
+    return make_logprob_dict(
+        int(ids[0]), float(lp[0]), int(sampled_rank[row]), ids[1:], lp[1:], num_logprobs, decode
+    )

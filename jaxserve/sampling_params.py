@@ -1,0 +1,161 @@
+"""Per-request sampling parameters with vLLM's field names and defaults.
+
+Host-only: this module must never import jax (the server and the scheduler use it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass, field
+
+# Most logprobs a request may ask for (per sampled token and per prompt token). The
+# sampler always computes this many top entries, so it is a compile-time constant.
+MAX_LOGPROBS = 20
+
+# Temperatures below this are greedy (as vLLM): dividing by ~0 would overflow.
+SAMPLING_EPS = 1e-5
+
+
+class SamplingType(enum.IntEnum):
+    GREEDY = 0
+    RANDOM = 1
+    RANDOM_SEED = 2
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample the completion(s) of one request.
+
+    Frozen: derive variants with ``dataclasses.replace`` (which re-validates),
+    ``clone()`` or ``child(i)``. ``top_k`` of -1 is normalised to 0 (off), a
+    string ``stop`` to a one-element list, ``stop_token_ids=None`` to ``[]``. A
+    greedy request (temperature < SAMPLING_EPS) has its top_p/top_k/min_p reset
+    to their neutral values, since they cannot change an argmax.
+    """
+
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    detokenize: bool = True
+    # As in vLLM: a free-form slot for extensions; not validated, not compared.
+    extra_args: dict | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
+        # --- normalise ---
+        if self.stop is None:
+            set_("stop", [])
+        elif isinstance(self.stop, str):
+            set_("stop", [self.stop])
+        else:
+            set_("stop", list(self.stop))
+        set_("stop_token_ids", [] if self.stop_token_ids is None else list(self.stop_token_ids))
+        if _is_int(self.top_k) and self.top_k == -1:
+            set_("top_k", 0)
+        self._validate()
+        if self.temperature < SAMPLING_EPS:
+            set_("top_p", 1.0)
+            set_("top_k", 0)
+            set_("min_p", 0.0)
+
+    def _validate(self) -> None:
+        def bad(name: str, value: object, want: str) -> ValueError:
+            return ValueError(f"{name} must be {want}, got {value!r}")
+
+        if not _is_int(self.n) or self.n < 1:
+            raise bad("n", self.n, "an int >= 1")
+        if not _is_number(self.temperature) or self.temperature < 0.0:
+            raise bad("temperature", self.temperature, "a number >= 0")
+        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", self.top_p, "in (0, 1]")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise bad("top_k", self.top_k, "an int >= -1 (0 or -1 disables it)")
+        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", self.min_p, "in [0, 1]")
+        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0.0:
+            raise bad("repetition_penalty", self.repetition_penalty, "a number > 0")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2.0 <= value <= 2.0:
+                raise bad(name, value, "in [-2, 2]")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise bad("max_tokens", self.max_tokens, "None or an int >= 1")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise bad("min_tokens", self.min_tokens, "an int >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be <= max_tokens={self.max_tokens}, got {self.min_tokens!r}"
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise bad(name, value, f"None or an int in [0, {MAX_LOGPROBS}]")
+        if self.seed is not None and not _is_int(self.seed):
+            raise bad("seed", self.seed, "None or an int")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise bad("stop", self.stop, "a list of non-empty strings")
+        for t in self.stop_token_ids:
+            if not _is_int(t) or t < 0:
+                raise bad("stop_token_ids", self.stop_token_ids, "a list of ints >= 0")
+
+    # --- derived views ---
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < SAMPLING_EPS
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        if self.is_greedy:
+            return SamplingType.GREEDY
+        return SamplingType.RANDOM if self.seed is None else SamplingType.RANDOM_SEED
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether any penalty differs from its neutral value (sampler needs token history)."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+    @property
+    def max_stop_len(self) -> int:
+        return max((len(s) for s in self.stop), default=0)
+
+    def clone(self) -> SamplingParams:
+        """An independent copy (list fields copied too)."""
+        return dataclasses.replace(self)
+
+    def child(self, index: int) -> SamplingParams:
+        """Parameters of the `index`-th of the n parallel samples: n=1, seed+index."""
+        if not _is_int(index) or not 0 <= index < self.n:
+            raise ValueError(f"child index must be in [0, n={self.n}), got {index!r}")
+        seed = None if self.seed is None else self.seed + index
+        return dataclasses.replace(self, n=1, seed=seed)

@@ -1,0 +1,1 @@
+"""Functional Flax model definitions served by jaxserve."""

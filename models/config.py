@@ -1,0 +1,198 @@
+"""ModelConfig: the architecture facts jaxserve needs, read from a HF config.json.
+
+Host-only (no jax import) so host code may read model facts cheaply.
+Accepts both RoPE formats: transformers 5 `rope_parameters` and the older
+`rope_theta` + `rope_scaling`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# HF model_type -> architecture, for config.json files without `architectures`.
+_MODEL_TYPE_TO_ARCH = {
+    "llama": "LlamaForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
+# Families whose attention has q_norm / k_norm (RMSNorm over head_dim, before RoPE).
+_QK_NORM_ARCHS = frozenset({"Qwen3ForCausalLM", "Qwen3MoeForCausalLM"})
+_QK_NORM_MODEL_TYPES = frozenset({"qwen3", "qwen3_moe"})
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    # None for plain RoPE; else a normalised dict with "rope_type" and its parameters.
+    rope_scaling: dict[str, Any] | None = None
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 4096
+    attention_bias: bool = False
+    qk_norm: bool = False
+    dtype: str | None = None                           # checkpoint dtype name, e.g. "bfloat16"
+    eos_token_id: int | tuple[int, ...] | None = None  # lists become tuples (immutable)
+    bos_token_id: int | None = None
+    # Mixture of experts (0 experts = dense model).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok {self.num_experts_per_tok} must be in [1, {self.num_experts}]")
+        if self.decoder_sparse_step <= 0:
+            raise ValueError(f"decoder_sparse_step must be positive, got {self.decoder_sparse_step}")
+
+    def __hash__(self) -> int:  # rope_scaling is a dict; hash a frozen view of it
+        items = []
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            items.append(tuple(sorted(v.items())) if isinstance(v, dict) else v)
+        return hash(tuple(items))
+
+    # ---- derived facts -------------------------------------------------
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """Same rule as transformers' Qwen3-MoE decoder layer."""
+        return (self.num_experts > 0 and layer_idx not in self.mlp_only_layers
+                and (layer_idx + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        if self.eos_token_id is None:
+            return ()
+        if isinstance(self.eos_token_id, int):
+            return (self.eos_token_id,)
+        return tuple(self.eos_token_id)
+
+    # ---- construction --------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path) -> ModelConfig:
+        path = Path(model_dir)
+        if not path.is_dir():
+            raise ValueError(f"model directory {str(model_dir)!r} does not exist")
+        cfg_file = path / "config.json"
+        if not cfg_file.is_file():
+            raise ValueError(f"no config.json in model directory {str(model_dir)!r}")
+        with open(cfg_file) as f:
+            return cls.from_hf_dict(json.load(f))
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        archs = d.get("architectures") or []
+        model_type = d.get("model_type")
+        if archs:
+            architecture = archs[0]
+        elif model_type in _MODEL_TYPE_TO_ARCH:
+            architecture = _MODEL_TYPE_TO_ARCH[model_type]
+        else:
+            raise ValueError(f"config has no 'architectures' and unknown model_type {model_type!r}")
+        t = d.get("text_config") or d  # multimodal wrappers keep the text model here
+
+        def need(key: str) -> Any:
+            if t.get(key) is None:
+                raise ValueError(f"config for {architecture} is missing {key!r}")
+            return t[key]
+
+        if t.get("hidden_act", "silu") not in ("silu", "swish"):
+            raise ValueError(f"hidden_act {t['hidden_act']!r} is not supported (only silu)")
+        if t.get("mlp_bias"):
+            raise ValueError("mlp_bias=True is not supported")
+        if t.get("use_sliding_window") and t.get("sliding_window"):
+            raise ValueError(f"sliding-window attention (sliding_window={t['sliding_window']}) is not supported")
+
+        hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
+        max_pos = int(t.get("max_position_embeddings") or 4096)
+        theta, scaling = _parse_rope(t, max_pos)
+        eos = t.get("eos_token_id", d.get("eos_token_id"))
+        if isinstance(eos, list):
+            eos = tuple(int(e) for e in eos)
+        mt = t.get("model_type", model_type)
+        return cls(
+            architecture=architecture,
+            vocab_size=int(need("vocab_size")),
+            hidden_size=hidden,
+            intermediate_size=int(need("intermediate_size")),
+            num_layers=int(need("num_hidden_layers")),
+            num_heads=heads,
+            num_kv_heads=int(t.get("num_key_value_heads") or heads),
+            head_dim=int(t.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(t.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            tie_word_embeddings=bool(t.get("tie_word_embeddings", d.get("tie_word_embeddings", False))),
+            max_position_embeddings=max_pos,
+            attention_bias=bool(t.get("attention_bias", False)),
+            qk_norm=architecture in _QK_NORM_ARCHS or mt in _QK_NORM_MODEL_TYPES,
+            dtype=t.get("dtype") or t.get("torch_dtype") or d.get("dtype") or d.get("torch_dtype"),
+            eos_token_id=eos,
+            bos_token_id=t.get("bos_token_id", d.get("bos_token_id")),
+            num_experts=int(t.get("num_experts") or t.get("num_local_experts") or 0),
+            num_experts_per_tok=int(t.get("num_experts_per_tok") or 0),
+            moe_intermediate_size=int(t.get("moe_intermediate_size") or 0),
+            norm_topk_prob=bool(t.get("norm_topk_prob", False)),
+            decoder_sparse_step=int(t.get("decoder_sparse_step") or 1),
+            mlp_only_layers=tuple(int(i) for i in (t.get("mlp_only_layers") or ())),
+        )
+
+
+def _parse_rope(t: dict[str, Any], max_pos: int) -> tuple[float, dict[str, Any] | None]:
+    """Returns (theta, normalised scaling dict or None) from either config format."""
+    params = t.get("rope_parameters")
+    if params:
+        if all(isinstance(v, dict) for v in params.values()):
+            raise ValueError(f"per-layer-type rope_parameters are not supported: {sorted(params)}")
+        theta = params.get("rope_theta", t.get("rope_theta"))
+    else:
+        params = t.get("rope_scaling") or {}
+        theta = t.get("rope_theta")
+    theta = float(theta if theta is not None else 10000.0)
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if float(params.get("partial_rotary_factor", t.get("partial_rotary_factor") or 1.0)) != 1.0:
+        raise ValueError("partial_rotary_factor != 1 is not supported")
+
+    if rope_type == "default":
+        return theta, None
+    if rope_type == "linear":
+        return theta, {"rope_type": "linear", "factor": float(params["factor"])}
+    if rope_type == "llama3":
+        try:
+            return theta, {
+                "rope_type": "llama3",
+                "factor": float(params["factor"]),
+                "low_freq_factor": float(params["low_freq_factor"]),
+                "high_freq_factor": float(params["high_freq_factor"]),
+                "original_max_position_embeddings": int(
+                    params.get("original_max_position_embeddings")
+                    or t.get("original_max_position_embeddings") or max_pos),
+            }
+        except KeyError as e:
+            raise ValueError(f"llama3 rope scaling is missing {e.args[0]!r}") from None
+    raise ValueError(f"unsupported rope type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")

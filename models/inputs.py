@@ -1,0 +1,16 @@
+"""The device batch every model takes: one ragged step, padded into a bucket."""
+from __future__ import annotations
+
+import jax
+from flax import struct
+
+
+@struct.dataclass
+class ModelInputs:
+    token_ids: jax.Array        # int32[T]   T = token bucket; padding tokens are 0
+    positions: jax.Array        # int32[T]   position of each token in its sequence
+    slot_mapping: jax.Array     # int32[T]   page * page_size + offset; padding -> slots of null page 0
+    query_start_loc: jax.Array  # int32[R+1] cumulative query lengths; padded rows repeat the last value
+    seq_lens: jax.Array         # int32[R]   KV length of each request after this step
+    page_table: jax.Array       # int32[R, P] pages of each request; unused entries 0
+    num_seqs: jax.Array         # int32[1]   live requests (rows past it are padding)

@@ -1,0 +1,155 @@
+"""Building blocks shared by the decoder families: norm, RoPE, attention, MLP.
+
+Glossary (docs/CONVENTIONS.md): T tokens, E hidden, N query heads, K kv heads,
+H head dim, F MLP width, V vocab. Parameters carry logical axis names
+(embed, vocab, heads, kv_heads, head_dim, mlp, experts, norm) for sharding.
+Weights are stored [in..., out...] so each projection is one einsum.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models.config import ModelConfig
+from models.inputs import ModelInputs
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention, write_kv
+
+Dtype = Any
+INIT_STD = 0.02
+
+
+def logical_param(module: nn.Module, name: str, init, shape: tuple[int, ...], axes: tuple[str | None, ...],
+           dtype: Dtype) -> jax.Array:
+    return module.param(name, nn.with_logical_partitioning(init, axes), shape, dtype)
+
+
+class RMSNorm(nn.Module):
+    """x * rsqrt(mean(x^2) + eps) * w, normalised in float32 (plain w, as Llama/Qwen3)."""
+    dim: int
+    eps: float
+    dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        w = logical_param(self, "scale", nn.initializers.ones, (self.dim,), ("norm",), self.dtype)
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return w * y.astype(x.dtype)  # transformers casts back before the weight multiply
+
+
+class Einsum(nn.Module):
+    """A projection: one einsum with a kernel whose first `num_contract` dims contract."""
+    eq: str
+    shape: tuple[int, ...]
+    axes: tuple[str | None, ...]
+    num_contract: int = 1
+    use_bias: bool = False
+    dtype: Dtype = jnp.float32
+    out_dtype: Dtype | None = None
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        w = logical_param(self, "kernel", nn.initializers.normal(INIT_STD), self.shape, self.axes, self.dtype)
+        y = jnp.einsum(self.eq, x.astype(self.dtype), w, preferred_element_type=self.out_dtype)
+        if self.use_bias:
+            b = logical_param(self, "bias", nn.initializers.zeros, self.shape[self.num_contract:],
+                       self.axes[self.num_contract:], self.dtype)
+            y = y + b
+        return y
+
+
+class Embed(nn.Module):
+    vocab_size: int
+    dim: int
+    dtype: Dtype = jnp.float32
+
+    def setup(self) -> None:
+        self.embedding = logical_param(self, "embedding", nn.initializers.normal(INIT_STD),
+                                (self.vocab_size, self.dim), ("vocab", "embed"), self.dtype)
+
+    def __call__(self, token_ids: jax.Array) -> jax.Array:   # int32[T] -> [T, E]
+        return jnp.take(self.embedding, token_ids, axis=0)
+
+    def attend(self, x: jax.Array) -> jax.Array:             # [T, E] -> float32 [T, V]
+        return jnp.einsum("TE,VE->TV", x.astype(self.dtype), self.embedding,
+                          preferred_element_type=jnp.float32)
+
+
+# ---- rotary position embedding ---------------------------------------------
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> np.ndarray:
+    """Inverse frequencies float32[H/2], computed in float32 as transformers does."""
+    exponent = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
+    inv = (np.float32(1.0) / np.power(np.float32(theta), exponent)).astype(np.float32)
+    if scaling is None:
+        return inv
+    kind = scaling["rope_type"]
+    if kind == "linear":
+        return (inv / np.float32(scaling["factor"])).astype(np.float32)
+    if kind == "llama3":
+        factor = np.float32(scaling["factor"])
+        low, high = np.float32(scaling["low_freq_factor"]), np.float32(scaling["high_freq_factor"])
+        old_len = np.float32(scaling["original_max_position_embeddings"])
+        wavelen = np.float32(2 * np.pi) / inv
+        # Long wavelengths are slowed by `factor`, short ones kept, the band between blended.
+        scaled = np.where(wavelen > old_len / low, inv / factor, inv)
+        smooth = (old_len / wavelen - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return np.where(medium, blended, scaled).astype(np.float32)
+    raise ValueError(f"unsupported rope type {kind!r}")
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotate-half RoPE (dim i pairs with i + H/2) on x [T, n, H] at positions int32[T]."""
+    freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]   # [T, H/2]
+    cos, sin = jnp.cos(freqs)[:, None, :], jnp.sin(freqs)[:, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+# ---- attention and MLP -------------------------------------------------------
+
+class Attention(nn.Module):
+    """GQA attention over the paged KV cache (Llama / Qwen3 style)."""
+    config: ModelConfig
+    dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array, cache: jax.Array, inputs: ModelInputs) -> tuple[jax.Array, jax.Array]:
+        cfg, dt = self.config, self.dtype
+        E, N, K, H = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        bias = cfg.attention_bias
+        q = Einsum("TE,ENH->TNH", (E, N, H), ("embed", "heads", "head_dim"), 1, bias, dt, name="q_proj")(x)
+        k = Einsum("TE,EKH->TKH", (E, K, H), ("embed", "kv_heads", "head_dim"), 1, bias, dt, name="k_proj")(x)
+        v = Einsum("TE,EKH->TKH", (E, K, H), ("embed", "kv_heads", "head_dim"), 1, bias, dt, name="v_proj")(x)
+        if cfg.qk_norm:
+            q = RMSNorm(H, cfg.rms_norm_eps, dt, name="q_norm")(q)
+            k = RMSNorm(H, cfg.rms_norm_eps, dt, name="k_norm")(k)
+        inv_freq = rope_inv_freq(H, cfg.rope_theta, cfg.rope_scaling)
+        q = apply_rope(q, inputs.positions, inv_freq)
+        k = apply_rope(k, inputs.positions, inv_freq)
+        # Write first: a request may read pages that this very step fills.
+        cache = write_kv(cache, k, v, inputs.slot_mapping)
+        o = ragged_paged_attention(q, cache, inputs.seq_lens, inputs.page_table, inputs.query_start_loc,
+                                   inputs.num_seqs, sm_scale=H ** -0.5)
+        out = Einsum("TNH,NHE->TE", (N, H, E), ("heads", "head_dim", "embed"), 2, bias, dt, name="o_proj")(o)
+        return out, cache
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    config: ModelConfig
+    dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        E, F, dt = self.config.hidden_size, self.config.intermediate_size, self.dtype
+        gate = Einsum("TE,EF->TF", (E, F), ("embed", "mlp"), dtype=dt, name="gate_proj")(x)
+        up = Einsum("TE,EF->TF", (E, F), ("embed", "mlp"), dtype=dt, name="up_proj")(x)
+        return Einsum("TF,FE->TE", (F, E), ("mlp", "embed"), dtype=dt, name="down_proj")(nn.silu(gate) * up)

@@ -1,0 +1,40 @@
+"""HF `architectures` name -> model class, and model construction."""
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from models.config import ModelConfig
+from models.llama import LlamaForCausalLM, Qwen3ForCausalLM
+from models.qwen3_moe import Qwen3MoeForCausalLM
+
+ARCHITECTURES: dict[str, type] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+}
+
+
+def get_model_class(architecture: str) -> type:
+    try:
+        return ARCHITECTURES[architecture]
+    except KeyError:
+        raise ValueError(f"Architecture {architecture!r} is not supported; "
+                         f"supported: {', '.join(sorted(ARCHITECTURES))}") from None
+
+
+def resolve_dtype(dtype: Any, config: ModelConfig) -> jnp.dtype:
+    """"auto" (or None) -> the checkpoint's dtype (float32 when config.json names none)."""
+    if dtype is None or (isinstance(dtype, str) and dtype == "auto"):
+        dtype = config.dtype or "float32"
+    try:
+        return jnp.dtype(dtype)
+    except TypeError:
+        raise ValueError(f"unknown dtype {dtype!r}") from None
+
+
+def build_model(config: ModelConfig, dtype: Any = "auto") -> nn.Module:
+    """The flax module for `config`; parameters and activations in `dtype`."""
+    return get_model_class(config.architecture)(config=config, dtype=resolve_dtype(dtype, config))

@@ -1,0 +1,193 @@
+"""Load HF safetensors checkpoints (or dummy weights) into the model's param tree.
+
+Our param paths mirror the HF names, so the mapping is mechanical:
+  ("layers_3", "self_attn", "q_proj", "kernel") <- "model.layers.3.self_attn.q_proj.weight"
+  ("lm_head", "kernel") <- "lm_head.weight";  ("mlp", "experts", "gate_proj") <- stack of
+  "mlp.experts.{i}.gate_proj.weight".
+HF linear weights are [out, in]; our kernels are [in..., out...], so a kernel is
+`w.T.reshape(param_shape)` (q_proj [N*H, E] -> [E, N, H], o_proj [E, N*H] -> [N, H, E]).
+Tensors go to the device one at a time: the host never holds the model twice.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax.traverse_util import flatten_dict, unflatten_dict
+
+from models.config import ModelConfig
+from models.inputs import ModelInputs
+from models.registry import resolve_dtype
+from models.safetensors_io import SafeTensorsFile
+
+Path_ = tuple[str, ...]
+_EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
+# Present in some checkpoints, never needed.
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+# ---- the expected parameter tree ---------------------------------------------
+
+def dummy_inputs(num_tokens: int = 1, num_rows: int = 1, pages_per_row: int = 1) -> ModelInputs:
+    """A minimal all-padding batch, for init / eval_shape."""
+    z = lambda *s: jnp.zeros(s, jnp.int32)
+    return ModelInputs(token_ids=z(num_tokens), positions=z(num_tokens), slot_mapping=z(num_tokens),
+                       query_start_loc=z(num_rows + 1), seq_lens=z(num_rows),
+                       page_table=z(num_rows, pages_per_row), num_seqs=z(1))
+
+
+def abstract_params(model: nn.Module, *, boxed: bool = False) -> dict:
+    """Param tree of ShapeDtypeStructs, without allocating. boxed=True keeps the
+    nn.LogicallyPartitioned wrappers (for nn.get_partition_spec / logical sharding rules)."""
+    cfg: ModelConfig = model.config
+    caches = [jax.ShapeDtypeStruct((2, 1, 1, cfg.num_kv_heads, cfg.head_dim), jnp.float32)] * cfg.num_layers
+    variables = jax.eval_shape(model.init, jax.random.key(0), caches, dummy_inputs())
+    params = variables["params"]
+    return params if boxed else nn.unbox(params)
+
+
+def param_logical_axes(model: nn.Module) -> dict:
+    """Tree of PartitionSpecs of logical axis names, same structure as the params."""
+    return nn.get_partition_spec(abstract_params(model, boxed=True))
+
+
+def param_bytes(params: Any) -> int:
+    return sum(int(x.size) * jnp.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(params))
+
+
+# ---- name mapping -------------------------------------------------------------
+
+def hf_names(path: Path_, cfg: ModelConfig) -> list[str]:
+    """HF tensor names feeding one param (several for stacked experts)."""
+    if path == ("lm_head", "kernel"):
+        return ["lm_head.weight"]
+    parts = []
+    for p in path:
+        if p.startswith("layers_"):
+            parts += ["layers", p[len("layers_"):]]
+        elif p in ("kernel", "scale", "embedding"):
+            parts.append("weight")
+        else:
+            parts.append(p)
+    if len(path) >= 2 and path[-2] == "experts" and path[-1] in _EXPERT_PROJS:
+        base = "model." + ".".join(parts[:-1])
+        return [f"{base}.{e}.{path[-1]}.weight" for e in range(cfg.num_experts)]
+    return ["model." + ".".join(parts)]
+
+
+def _to_param_layout(w: np.ndarray, path: Path_, shape: tuple[int, ...], name: str) -> np.ndarray:
+    kind = path[-1]
+    if kind == "kernel" or kind in _EXPERT_PROJS:   # HF [out, in] -> ours [in..., out...]
+        if w.ndim != 2:
+            raise ValueError(f"tensor {name!r} has shape {w.shape}; expected a 2-D [out, in] weight")
+        w = w.T
+    if int(np.prod(w.shape)) != int(np.prod(shape)):
+        raise ValueError(f"tensor {name!r} has shape {w.shape}; param {'/'.join(path)} needs {shape}")
+    return w.reshape(shape)
+
+
+def _describe(names: set[str], limit: int = 5) -> str:
+    first = sorted(names)[:limit]
+    more = f", ... ({len(names)} in all)" if len(names) > limit else ""
+    return ", ".join(first) + more
+
+
+# ---- loading --------------------------------------------------------------------
+
+def _open_checkpoint(model_dir: Path) -> dict[str, SafeTensorsFile]:
+    """tensor name -> the file that holds it."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    elif (model_dir / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        files = sorted(p.name for p in model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no safetensors weights in {str(model_dir)!r}")
+    where: dict[str, SafeTensorsFile] = {}
+    for fname in files:
+        if not (model_dir / fname).is_file():
+            raise ValueError(f"checkpoint shard {fname!r} listed in the index is missing from {str(model_dir)!r}")
+        st = SafeTensorsFile(model_dir / fname)
+        for name in st.keys():
+            if name in where:
+                raise ValueError(f"tensor {name!r} appears in both {where[name].path.name} and {fname}")
+            where[name] = st
+    return where
+
+
+def _sharding_for(shardings: dict[Path_, Any], path: Path_) -> Any:
+    return shardings.get(path) if shardings else None
+
+
+def load_params(model_dir: str | Path | None, cfg: ModelConfig, model: nn.Module, dtype: Any = "auto", *,
+                load_format: str = "auto", seed: int = 0, shardings: Any = None) -> dict:
+    """Params for `model` from `model_dir`, cast to `dtype` ("auto" = checkpoint dtype).
+
+    shardings: optional tree (same structure as the params) of jax.sharding.Sharding
+    per param; None = the default device. load_format "dummy" needs no files.
+    """
+    if load_format not in ("auto", "safetensors", "dummy"):
+        raise ValueError(f"load_format must be 'auto', 'safetensors' or 'dummy', got {load_format!r}")
+    dtype = resolve_dtype(dtype, cfg)
+    expected = flatten_dict(abstract_params(model))
+    shard_flat = flatten_dict(shardings) if shardings is not None else {}
+    if load_format == "dummy":
+        return _dummy_params(expected, dtype, seed, shard_flat)
+    if model_dir is None or not Path(model_dir).is_dir():
+        raise ValueError(f"model directory {str(model_dir)!r} does not exist")
+    where = _open_checkpoint(Path(model_dir))
+
+    sources = {path: hf_names(path, cfg) for path in expected}
+    wanted = {n for names in sources.values() for n in names}
+    missing = wanted - where.keys()
+    ignored = {n for n in where if n.endswith(_IGNORED_SUFFIXES)}
+    if cfg.tie_word_embeddings:
+        ignored.add("lm_head.weight")   # some tied checkpoints still store a copy
+    unexpected = where.keys() - wanted - ignored
+    if missing:
+        raise ValueError(f"checkpoint {str(model_dir)!r} lacks {len(missing)} tensors: {_describe(missing)}")
+    if unexpected:
+        raise ValueError(f"checkpoint {str(model_dir)!r} has {len(unexpected)} unexpected tensors: "
+                         f"{_describe(unexpected)}")
+
+    np_dtype = np.dtype(dtype)
+    out: dict[Path_, jax.Array] = {}
+    for path, sds in expected.items():
+        names = sources[path]
+        if len(names) == 1 and path[-1] not in _EXPERT_PROJS:
+            host = _to_param_layout(where[names[0]].get(names[0]), path, sds.shape, names[0])
+            host = np.ascontiguousarray(host.astype(np_dtype, copy=False))
+        else:   # stacked experts: fill one host buffer, then one transfer
+            host = np.empty(sds.shape, np_dtype)
+            for e, name in enumerate(names):
+                host[e] = _to_param_layout(where[name].get(name), path, sds.shape[1:], name)
+        out[path] = jax.device_put(host, _sharding_for(shard_flat, path))
+        del host
+    return unflatten_dict(out)
+
+
+def _dummy_params(expected: dict[Path_, jax.ShapeDtypeStruct], dtype: jnp.dtype, seed: int,
+                  shard_flat: dict[Path_, Any]) -> dict:
+    """Normal(0, 0.02) weights, ones for norms, zeros for biases, made on device."""
+    key = jax.random.key(seed)
+    out = {}
+    for i, (path, sds) in enumerate(sorted(expected.items())):
+        kind = path[-1]
+        if kind == "scale":
+            make = lambda k, s=sds.shape: jnp.ones(s, dtype)
+        elif kind == "bias":
+            make = lambda k, s=sds.shape: jnp.zeros(s, dtype)
+        else:
+            make = lambda k, s=sds.shape: (0.02 * jax.random.normal(k, s, jnp.float32)).astype(dtype)
+        sharding = _sharding_for(shard_flat, path)
+        leaf_key = jax.random.fold_in(key, i)
+        out[path] = jax.jit(make, out_shardings=sharding)(leaf_key) if sharding is not None else make(leaf_key)
+    return unflatten_dict(out)

@@ -1,0 +1,1 @@
+"""Pallas kernels for jaxserve, each with a pure-jnp reference beside it."""

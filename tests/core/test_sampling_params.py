@@ -1,0 +1,129 @@
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jaxserve.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingType
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_defaults_match_vllm():
+    p = SamplingParams()
+    assert (p.n, p.temperature, p.top_p, p.top_k, p.min_p) == (1, 1.0, 1.0, 0, 0.0)
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.0, 0.0, 1.0)
+    assert p.seed is None and p.stop == [] and p.stop_token_ids == []
+    assert p.max_tokens == 16 and p.min_tokens == 0 and not p.ignore_eos
+    assert p.logprobs is None and p.prompt_logprobs is None
+    assert not p.include_stop_str_in_output
+    assert p.skip_special_tokens and p.spaces_between_special_tokens and p.detokenize
+    assert MAX_LOGPROBS == 20
+
+
+def test_normalisation():
+    assert SamplingParams(stop="###").stop == ["###"]
+    assert SamplingParams(stop=("a", "b")).stop == ["a", "b"]
+    assert SamplingParams(top_k=-1).top_k == 0
+    assert SamplingParams(stop_token_ids=(3, 4)).stop_token_ids == [3, 4]
+    assert SamplingParams(max_tokens=None).max_tokens is None
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(n=0), "n"),
+        (dict(n=1.5), "n"),
+        (dict(temperature=-0.1), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.01), "top_p"),
+        (dict(top_k=-2), "top_k"),
+        (dict(top_k=2.0), "top_k"),
+        (dict(min_p=-0.01), "min_p"),
+        (dict(min_p=1.5), "min_p"),
+        (dict(repetition_penalty=0.0), "repetition_penalty"),
+        (dict(repetition_penalty=-1.0), "repetition_penalty"),
+        (dict(presence_penalty=2.5), "presence_penalty"),
+        (dict(presence_penalty=-2.5), "presence_penalty"),
+        (dict(frequency_penalty=2.01), "frequency_penalty"),
+        (dict(frequency_penalty=-3.0), "frequency_penalty"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(min_tokens=-1), "min_tokens"),
+        (dict(min_tokens=5, max_tokens=4), "min_tokens"),
+        (dict(logprobs=-1), "logprobs"),
+        (dict(logprobs=MAX_LOGPROBS + 1), "logprobs"),
+        (dict(prompt_logprobs=-1), "prompt_logprobs"),
+        (dict(prompt_logprobs=MAX_LOGPROBS + 1), "prompt_logprobs"),
+        (dict(stop=""), "stop"),
+        (dict(stop=["ok", ""]), "stop"),
+        (dict(stop=[3]), "stop"),
+        (dict(seed=1.5), "seed"),
+        (dict(seed="7"), "seed"),
+        (dict(seed=True), "seed"),
+        (dict(stop_token_ids=[-1]), "stop_token_ids"),
+    ],
+)
+def test_validation_errors_name_field_and_value(kwargs, field):
+    with pytest.raises(ValueError) as err:
+        SamplingParams(**kwargs)
+    message = str(err.value)
+    assert message.startswith(field)
+    assert repr(next(iter(kwargs.values()))) in message
+
+
+def test_boundary_values_are_accepted():
+    SamplingParams(top_p=1.0, min_p=1.0, top_k=0, presence_penalty=2.0, frequency_penalty=-2.0)
+    SamplingParams(logprobs=0, prompt_logprobs=MAX_LOGPROBS, min_tokens=16, max_tokens=16)
+    SamplingParams(temperature=0.0, seed=0, min_tokens=100, max_tokens=None)
+
+
+def test_greedy_and_sampling_type():
+    greedy = SamplingParams(temperature=0.0, top_k=5, top_p=0.5, min_p=0.2)
+    assert greedy.is_greedy and greedy.sampling_type == SamplingType.GREEDY
+    # Filters cannot change an argmax, so greedy requests drop them.
+    assert (greedy.top_k, greedy.top_p, greedy.min_p) == (0, 1.0, 0.0)
+    assert SamplingParams(temperature=1e-6).is_greedy
+    assert SamplingParams(temperature=0.5).sampling_type == SamplingType.RANDOM
+    assert SamplingParams(temperature=0.5, seed=3).sampling_type == SamplingType.RANDOM_SEED
+    assert not SamplingParams(temperature=0.5, top_k=3).is_greedy
+
+
+def test_has_penalties_and_max_stop_len():
+    assert not SamplingParams().has_penalties
+    assert SamplingParams(repetition_penalty=1.1).has_penalties
+    assert SamplingParams(presence_penalty=-0.5).has_penalties
+    assert SamplingParams(stop=["a", "abcd"]).max_stop_len == 4
+
+
+def test_frozen_clone_and_children():
+    p = SamplingParams(n=3, seed=10, stop=["x"], temperature=0.7)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.temperature = 1.0  # type: ignore[misc]
+    q = p.clone()
+    assert q == p and q.stop is not p.stop
+    children = [p.child(i) for i in range(3)]
+    assert [c.seed for c in children] == [10, 11, 12]
+    assert all(c.n == 1 and c.temperature == 0.7 and c.stop == ["x"] for c in children)
+    assert SamplingParams(n=2).child(1).seed is None
+    with pytest.raises(ValueError, match="child index"):
+        p.child(3)
+    with pytest.raises(ValueError, match="temperature"):
+        dataclasses.replace(p, temperature=-1.0)
+
+
+def test_core_modules_do_not_import_jax():
+    code = (
+        "import sys\n"
+        "import jaxserve.sampling_params, jaxserve.core.detokenizer, jaxserve.core.outputs\n"
+        "bad = sorted(m for m in sys.modules if m == 'jax' or m.startswith('jax.'))\n"
+        "assert not bad, bad\n"
+        "print('ok')\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"

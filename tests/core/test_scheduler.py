@@ -1,0 +1,376 @@
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from jaxserve.core.request import Request, RequestStatus
+from jaxserve.core.scheduler import Scheduler
+
+PS = 4
+EOS = 2
+
+
+def sp(max_tokens=8, min_tokens=0, ignore_eos=False, stop_token_ids=None):
+    return SimpleNamespace(max_tokens=max_tokens, min_tokens=min_tokens,
+                           ignore_eos=ignore_eos, stop_token_ids=stop_token_ids)
+
+
+def req(rid, prompt, t=0.0, priority=0, salt=None, **kw):
+    if isinstance(prompt, int):  # distinct per request, so nothing is shared by accident
+        base = 100 * (ord(rid[0]) - ord("a") + 1)
+        prompt = list(range(base, base + prompt))
+    return Request(rid, prompt, sp(**kw), eos_token_id=EOS, arrival_time=t,
+                   priority=priority, cache_salt=salt, page_size=PS)
+
+
+def sched(num_pages=65, max_num_seqs=8, budget=64, max_model_len=64, **kw):
+    return Scheduler(num_pages=num_pages, page_size=PS, max_num_seqs=max_num_seqs,
+                     max_num_batched_tokens=budget, max_model_len=max_model_len, **kw)
+
+
+def token_for(rid, k):
+    """Deterministic 'sampled' token: the k-th output of request rid (never EOS)."""
+    return 1000 * (ord(rid[0]) - ord("a") + 1) + k
+
+
+def step(s, tokens=None):
+    """One engine step. Returns (output, [(req_id, start_pos, n, sample)])."""
+    out = s.schedule()
+    assert out.num_scheduled_tokens == sum(len(r.token_ids) for r in out.requests)
+    sampled = {}
+    for r in out.requests:
+        if r.sample:
+            sampled[r.req_id] = (tokens or {}).get(r.req_id, token_for(r.req_id, r.num_output_tokens))
+    s.update_from_output(out, sampled)
+    return out, [(r.req_id, r.start_pos, len(r.token_ids), r.sample) for r in out.requests]
+
+
+def test_chunked_prefill_token_accounting():
+    s = sched(budget=8)
+    a = req("a", 20, max_tokens=3)
+    s.add_request(a)
+    out, got = step(s)
+    assert got == [("a", 0, 8, False)]
+    assert out.requests[0].token_ids == list(range(100, 108))
+    assert out.requests[0].block_ids == [1, 2]
+    _, got = step(s)
+    assert got == [("a", 8, 8, False)]
+    out, got = step(s)
+    assert got == [("a", 16, 4, True)]
+    assert out.requests[0].num_output_tokens == 0
+    assert out.requests[0].block_ids == [1, 2, 3, 4, 5]
+    assert a.output_token_ids == [token_for("a", 0)]
+    out, got = step(s)
+    assert got == [("a", 20, 1, True)]
+    assert out.requests[0].token_ids == [token_for("a", 0)]
+    assert out.requests[0].output_token_ids == ()  # no penalties: no history copy
+    assert out.requests[0].block_ids == [1, 2, 3, 4, 5, 6]
+    _, got = step(s)
+    assert got == [("a", 21, 1, True)]
+    assert a.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    assert a.output_token_ids == [token_for("a", k) for k in range(3)]
+    assert not s.has_unfinished_requests()
+    out = s.schedule()
+    assert out.requests == [] and out.finished_req_ids == ["a"]
+    assert s.kv.get_num_free_pages() == 64
+
+
+def test_output_history_is_a_copy_only_with_penalties():
+    s = sched()
+    a = req("a", 3, max_tokens=8)
+    a.sampling_params.repetition_penalty = 1.2
+    a = Request("a", a.prompt_token_ids, a.sampling_params, page_size=PS)
+    s.add_request(a)
+    step(s)
+    out, _ = step(s)
+    hist = out.requests[0].output_token_ids
+    assert hist == [token_for("a", 0)] and hist is not a.output_token_ids
+    assert a.output_token_ids == [token_for("a", 0), token_for("a", 1)]
+    assert hist == [token_for("a", 0)]  # unaffected by the later append
+
+
+def test_max_tokens_none_runs_to_max_model_len():
+    s = sched(max_model_len=10)
+    a = req("a", 7, max_tokens=None)
+    s.add_request(a)
+    for _ in range(3):
+        step(s)
+    assert a.status == RequestStatus.FINISHED_LENGTH_CAPPED and a.num_output_tokens == 3
+
+
+def test_decode_and_prefill_share_a_step():
+    s = sched(budget=10)
+    s.add_request(req("a", 5, max_tokens=10))
+    assert step(s)[1] == [("a", 0, 5, True)]
+    s.add_request(req("b", 20, max_tokens=10))
+    assert step(s)[1] == [("a", 5, 1, True), ("b", 0, 9, False)]
+    assert step(s)[1] == [("a", 6, 1, True), ("b", 9, 9, False)]
+    assert step(s)[1] == [("a", 7, 1, True), ("b", 18, 2, True)]
+    assert step(s)[1] == [("a", 8, 1, True), ("b", 20, 1, True)]
+
+
+def test_max_num_seqs_cap():
+    s = sched(max_num_seqs=2)
+    for rid in "abc":
+        s.add_request(req(rid, 3, max_tokens=2))
+    assert step(s)[1] == [("a", 0, 3, True), ("b", 0, 3, True)]
+    assert s.num_running == 2 and s.num_waiting == 1
+    out, got = step(s)  # a and b finish here
+    assert got == [("a", 3, 1, True), ("b", 3, 1, True)]
+    out, got = step(s)
+    assert got == [("c", 0, 3, True)]
+    assert out.finished_req_ids == ["a", "b"]
+
+
+def test_preemption_and_resumption_fcfs():
+    s = sched(num_pages=5)  # 4 usable pages
+    a = req("a", 7, max_tokens=4)
+    b = req("b", list(range(30, 37)), max_tokens=4)
+    s.add_request(a)
+    s.add_request(b)
+    assert step(s)[1] == [("a", 0, 7, True), ("b", 0, 7, True)]
+    assert s.kv.get_block_ids("a") == [1, 2] and s.kv.get_block_ids("b") == [3, 4]
+    assert step(s)[1] == [("a", 7, 1, True), ("b", 7, 1, True)]
+    # a needs a third page: b (last in running order) is preempted
+    out, got = step(s)
+    assert got == [("a", 8, 1, True)]
+    assert out.preempted_req_ids == ["b"]
+    assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0
+    assert b.num_preemptions == 1 and s.kv.get_block_ids("b") == []
+    assert s.kv.get_block_ids("a") == [1, 2, 4]  # b's tail page evicted first
+    # b (9 tokens, 3 pages) cannot come back while a holds 3 of 4 pages
+    out, got = step(s)
+    assert got == [("a", 9, 1, True)] and a.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    # b resumes as a prefill of prompt + outputs; its first page is still cached
+    out, got = step(s)
+    assert got == [("b", 4, 5, True)]
+    r = out.requests[0]
+    assert r.token_ids == [34, 35, 36, token_for("b", 0), token_for("b", 1)]
+    assert r.num_output_tokens == 2 and r.block_ids[0] == 3
+    assert b.num_cached_tokens == 0  # recorded at the first schedule only
+    while s.has_unfinished_requests():
+        step(s)
+    assert a.output_token_ids == [token_for("a", k) for k in range(4)]
+    assert b.output_token_ids == [token_for("b", k) for k in range(4)]
+    assert s.kv.get_num_free_pages() == 4 and s.kv_cache_usage == 0.0
+    assert s.stats().num_preemptions == 1
+
+
+def test_preempting_itself_fcfs():
+    s = sched(num_pages=4)  # 3 usable pages
+    a = req("a", 2, max_tokens=3)
+    b = req("b", 7, max_tokens=3)
+    s.add_request(a)
+    s.add_request(b)
+    assert step(s)[1] == [("a", 0, 2, True), ("b", 0, 7, True)]
+    assert step(s)[1] == [("a", 2, 1, True), ("b", 7, 1, True)]
+    out, got = step(s)  # b needs a third page; it is the last, so it yields itself
+    assert got == [("a", 3, 1, True)] and out.preempted_req_ids == ["b"]
+    assert s.num_waiting == 1 and s.num_running == 0  # a finished this step
+    out, got = step(s)
+    assert got == [("b", 8, 1, True)]  # both its full pages were still cached
+    assert out.requests[0].block_ids == [2, 3, 1]  # its own pages, then a's
+    while s.has_unfinished_requests():
+        step(s)
+    assert b.output_token_ids == [token_for("b", k) for k in range(3)]
+    assert s.kv.get_num_free_pages() == 3
+
+
+def test_no_waiting_admitted_in_a_step_with_preemption():
+    s = sched(num_pages=5)
+    s.add_request(req("a", 7, max_tokens=9))
+    s.add_request(req("b", 7, max_tokens=9))
+    step(s)
+    step(s)
+    s.add_request(req("c", 1, max_tokens=9))
+    out, got = step(s)
+    assert out.preempted_req_ids == ["b"] and [g[0] for g in got] == ["a"]
+
+
+def test_priority_policy_order():
+    s = sched(max_num_seqs=1, policy="priority")
+    s.add_request(req("a", 2, t=0.0, priority=5, max_tokens=1))
+    s.add_request(req("b", 2, t=1.0, priority=0, max_tokens=1))
+    s.add_request(req("c", 2, t=2.0, priority=5, max_tokens=1))
+    s.add_request(req("d", 2, t=0.5, priority=0, max_tokens=1))
+    order = [step(s)[1][0][0] for _ in range(4)]
+    assert order == ["d", "b", "a", "c"]
+
+
+def test_priority_victim_already_scheduled_this_step():
+    s = sched(num_pages=6, policy="priority")  # 5 usable pages
+    a = req("a", 3, t=0.0, priority=0, max_tokens=8)
+    b = req("b", [40, 41], t=1.0, priority=5, max_tokens=8)
+    c = req("c", 8, t=2.0, priority=1, max_tokens=8)
+    s.add_request(a)
+    s.add_request(b)
+    assert step(s)[1] == [("a", 0, 3, True), ("b", 0, 2, True)]
+    s.add_request(c)
+    assert step(s)[1] == [("a", 3, 1, True), ("b", 2, 1, True), ("c", 0, 8, True)]
+    # a takes page 5 of 5; c needs one more: b (largest priority value) is the
+    # victim although it was already scheduled this step, so its slot is undone
+    out, got = step(s)
+    assert got == [("a", 4, 1, True), ("c", 8, 1, True)]
+    assert out.preempted_req_ids == ["b"] and out.num_scheduled_tokens == 2
+    assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0
+    assert b.output_token_ids == [token_for("b", 0), token_for("b", 1)]
+    while s.has_unfinished_requests():
+        step(s)
+    assert b.output_token_ids == [token_for("b", k) for k in range(8)]
+    assert s.kv.get_num_free_pages() == 5
+
+
+def test_undone_victim_forgets_pages_it_would_have_filled():
+    s = sched(num_pages=6, budget=10, policy="priority")  # 5 usable pages
+    e = req("e", 5, t=0.0, priority=0, max_tokens=4)
+    b = req("b", 2, t=1.0, priority=5, max_tokens=4)
+    c = req("c", 16, t=2.0, priority=1, max_tokens=4)
+    s.add_request(e)
+    s.add_request(b)
+    assert step(s)[1] == [("e", 0, 5, True), ("b", 0, 2, True)]
+    s.add_request(c)
+    assert step(s)[1] == [("e", 5, 1, True), ("b", 2, 1, True), ("c", 0, 8, False)]
+    assert s.kv.get_block_ids("b") == [3]
+    # b's decode fills its page 3 (registered at allocation); then c needs two
+    # pages: b is undone and preempted, which is not enough, so c yields too.
+    out, got = step(s)
+    assert got == [("e", 6, 1, True)] and out.preempted_req_ids == ["b", "c"]
+    assert b.num_computed_tokens == 0 and c.num_computed_tokens == 0
+    # page 3 is free and will never hold b's 4th token: its hash must be gone
+    pool = s.kv.pool
+    assert pool.blocks[3].ref_cnt == 0 and pool.blocks[3].block_hash is None
+    assert pool.get_cached_block(b.block_hashes[0]) is None
+    # c's computed pages stay shareable
+    assert [pool.get_cached_block(h).block_id for h in c.block_hashes[:2]] == [4, 5]
+    while s.has_unfinished_requests():
+        step(s)
+    for r in (e, b, c):
+        assert r.output_token_ids == [token_for(r.request_id, k) for k in range(4)]
+    assert s.kv.get_num_free_pages() == 5
+
+
+def test_priority_victim_is_lowest_priority_not_last():
+    s = sched(num_pages=5, policy="priority")  # 4 usable pages
+    s.add_request(req("a", 7, t=0.0, priority=9, max_tokens=8))
+    s.add_request(req("b", 7, t=1.0, priority=0, max_tokens=8))
+    assert step(s)[1] == [("b", 0, 7, True), ("a", 0, 7, True)]
+    step(s)
+    out, got = step(s)  # b needs a page; a is both last and lowest priority
+    assert out.preempted_req_ids == ["a"] and got == [("b", 8, 1, True)]
+
+
+def test_stop_eos():
+    s = sched()
+    a = req("a", 3, max_tokens=8)
+    s.add_request(a)
+    step(s, {"a": 7})
+    step(s, {"a": EOS})
+    assert a.status == RequestStatus.FINISHED_STOPPED and a.stop_reason is None
+    assert a.get_finish_reason() == "stop" and a.output_token_ids == [7, EOS]
+    assert s.kv.get_num_free_pages() == 64 and s.num_running == 0
+
+
+def test_ignore_eos_runs_to_max_tokens():
+    s = sched()
+    a = req("a", 3, max_tokens=3, ignore_eos=True)
+    s.add_request(a)
+    for _ in range(3):
+        step(s, {"a": EOS})
+    assert a.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    assert a.get_finish_reason() == "length" and a.output_token_ids == [EOS] * 3
+
+
+def test_stop_token_ids_and_min_tokens():
+    s = sched()
+    a = req("a", 3, max_tokens=8, stop_token_ids=[5, 6])
+    b = req("b", 3, max_tokens=8, min_tokens=2, stop_token_ids=[5])
+    s.add_request(a)
+    s.add_request(b)
+    step(s, {"a": 6, "b": EOS})  # b ignores eos before min_tokens
+    assert a.status == RequestStatus.FINISHED_STOPPED and a.stop_reason == 6
+    assert b.status == RequestStatus.RUNNING
+    step(s, {"b": 5})
+    assert b.status == RequestStatus.FINISHED_STOPPED and b.stop_reason == 5
+    assert b.output_token_ids == [EOS, 5]
+
+
+def test_max_model_len_caps_length():
+    s = sched(max_model_len=8)
+    a = req("a", 6, max_tokens=100, min_tokens=50)
+    s.add_request(a)
+    step(s)
+    step(s)
+    assert a.status == RequestStatus.FINISHED_LENGTH_CAPPED and a.num_tokens == 8
+    with pytest.raises(ValueError):
+        s.add_request(req("long", 9))
+
+
+def test_abort_frees_pages():
+    s = sched(max_num_seqs=1)
+    a = req("a", 9, max_tokens=8)
+    b = req("b", 3, max_tokens=8)
+    s.add_request(a)
+    s.add_request(b)
+    out = s.schedule()
+    assert s.kv.get_block_ids("a") == [1, 2, 3]
+    s.abort_requests(["a", "b", "nope"])
+    assert a.status == RequestStatus.FINISHED_ABORTED and a.get_finish_reason() == "abort"
+    assert b.status == RequestStatus.FINISHED_ABORTED
+    assert s.kv.get_num_free_pages() == 64 and s.kv_cache_usage == 0.0
+    assert s.num_running == 0 and s.num_waiting == 0 and not s.has_unfinished_requests()
+    assert s.update_from_output(out, {"a": 7}) == [] and a.output_token_ids == []
+    out = s.schedule()
+    assert out.requests == [] and out.finished_req_ids == ["a", "b"]
+    assert s.schedule().finished_req_ids == []
+
+
+def test_same_step_prefix_sharing_and_salted_siblings():
+    for caching, salt, shared in ((True, None, True), (False, "n2", True), (False, None, False)):
+        s = sched(enable_prefix_caching=caching)
+        s.add_request(req("a", list(range(9)), salt=salt))
+        s.add_request(req("b", list(range(9)), salt=salt))
+        out, got = step(s)
+        b = out.requests[1]
+        if shared:
+            assert got == [("a", 0, 9, True), ("b", 8, 1, True)]
+            assert b.block_ids == [1, 2, 4] and s.get_request("b").num_cached_tokens == 8
+            assert s.stats().prefix_cache_hits == 8
+        else:
+            assert got == [("a", 0, 9, True), ("b", 0, 9, True)]
+            assert b.block_ids == [4, 5, 6]
+
+
+def test_add_request_validation_and_counts():
+    s = sched(num_pages=3)
+    s.add_request(req("a", 3))
+    with pytest.raises(ValueError):
+        s.add_request(req("a", 3))
+    with pytest.raises(ValueError):  # needs 3 pages, the pool has 2
+        s.add_request(req("big", 9))
+    with pytest.raises(ValueError):
+        s.add_request(Request("x", [1], sp(), page_size=8))
+    with pytest.raises(ValueError):
+        sched(policy="lifo")
+    assert s.get_num_unfinished_requests() == 1 and s.get_request("a") is not None
+
+
+def test_fast_constructor_builds_the_same_message():
+    from jaxserve.core.scheduler import ScheduledRequest, _scheduled_request
+    args = ("r", [1, 2], 3, [4, 5], True, sp(), 6, [7], ())
+    fast = _scheduled_request(*args)
+    assert type(fast) is ScheduledRequest and fast == ScheduledRequest(*args)
+    with pytest.raises(AttributeError):  # still frozen
+        fast.start_pos = 0
+
+
+def test_core_does_not_import_jax():
+    root = Path(__file__).resolve().parents[2]
+    code = ("import sys, jaxserve.core.scheduler, jaxserve.core.kv_cache_manager; "
+            "assert 'jax' not in sys.modules, sorted(m for m in sys.modules if 'jax' in m)")
+    env = dict(os.environ, PYTHONPATH=str(root))
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=root, env=env)

@@ -1,0 +1,31 @@
+"""Engine fixtures: tiny checkpoints (written once per session) and a leak check."""
+from __future__ import annotations
+
+import pytest
+
+from tests.checkpoints import make_tiny_checkpoint
+
+# The tiny tokenizer's special ids (tests/tokenizer_util.py): pad 0, bos 1, eos 2.
+TOKENIZER_IDS = dict(bos_token_id=1, eos_token_id=2)
+KINDS = ("llama", "qwen3", "qwen3_moe")
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory):
+    """checkpoint(kind) -> path of a tiny float32 checkpoint with a tokenizer."""
+    made: dict[str, str] = {}
+
+    def get(kind: str) -> str:
+        if kind not in made:
+            made[kind] = make_tiny_checkpoint(kind, tmp_path_factory.mktemp(kind),
+                                              **TOKENIZER_IDS)
+        return made[kind]
+    return get
+
+
+def assert_no_leaks(engine) -> None:
+    """Every page is free (or free-and-cached) and no request is left behind."""
+    sched = engine.scheduler
+    assert not sched.has_unfinished_requests(), sched.requests
+    assert sched.kv.get_num_free_pages() == engine.num_pages - 1
+    assert sched.kv_cache_usage == 0.0

@@ -1,0 +1,146 @@
+"""jaxserve models vs transformers on the same tiny safetensors files (float32)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from models.config import ModelConfig
+from models.registry import build_model
+from models.weights import load_params
+from pallas_kernels.ragged_paged_attention import make_kv_cache
+from tests.checkpoints import make_tiny_checkpoint
+from tests.models.batch_util import make_inputs
+
+KINDS = ["llama", "qwen3", "qwen3_moe"]
+PAGE = 16
+NUM_PAGES = 24
+T_PAD, R_PAD, P_PAD = 96, 4, 8   # one static shape per model: one compile
+
+
+class Loaded:
+    """A checkpoint loaded by both jaxserve and transformers."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.cfg = ModelConfig.from_pretrained(path)
+        self.model = build_model(self.cfg, jnp.float32)
+        self.params = load_params(path, self.cfg, self.model, jnp.float32)
+        self.apply = jax.jit(self.model.apply)
+        self.logits_fn = jax.jit(lambda p, h: self.model.apply({"params": p}, h, method="compute_logits"))
+        self.torch = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+    def caches(self) -> list[jax.Array]:
+        c = self.cfg
+        return [make_kv_cache(NUM_PAGES, PAGE, c.num_kv_heads, c.head_dim, jnp.float32)
+                for _ in range(c.num_layers)]
+
+    def step(self, caches, seqs):
+        """seqs: list of (new_tokens, num_computed, pages). Returns per-seq logits, caches."""
+        inputs, spans = make_inputs(seqs, page_size=PAGE, num_tokens=T_PAD, num_rows=R_PAD,
+                                    pages_per_row=P_PAD)
+        hidden, caches = self.apply({"params": self.params}, caches, inputs)
+        logits = np.asarray(self.logits_fn(self.params, hidden))
+        return [logits[a:b] for a, b in spans], caches
+
+    def torch_logits(self, tokens: np.ndarray) -> np.ndarray:
+        with torch.no_grad():
+            return self.torch(torch.tensor(tokens, dtype=torch.long)[None]).logits[0].float().numpy()
+
+
+def assert_close(got, want, rel=1e-4):
+    scale = max(1.0, float(np.abs(want).max()))
+    err = float(np.abs(np.asarray(got) - np.asarray(want)).max())
+    assert err < rel * scale, f"max abs diff {err} (logit scale {scale})"
+
+
+def prompt(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(3, 256, n)
+
+
+def shuffled_pages(n: int, seed: int) -> list[int]:
+    return [int(p) for p in np.random.default_rng(seed).permutation(np.arange(1, NUM_PAGES))[:n]]
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory):
+    cache: dict[str, Loaded] = {}
+
+    def get(kind: str) -> Loaded:
+        if kind not in cache:
+            cache[kind] = Loaded(make_tiny_checkpoint(kind, tmp_path_factory.mktemp(kind)))
+        return cache[kind]
+    return get
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_prefill_matches_transformers(loaded, kind):
+    m = loaded(kind)
+    toks = prompt(70, seed=1)   # 70 tokens: 5 pages of 16, in shuffled order
+    (logits,), _ = m.step(m.caches(), [(toks, 0, shuffled_pages(5, seed=2))])
+    assert logits.shape == (70, m.cfg.vocab_size) and logits.dtype == np.float32
+    assert_close(logits, m.torch_logits(toks))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_chunked_prefill_and_decode_equal_full_forward(loaded, kind):
+    m = loaded(kind)
+    toks = prompt(76, seed=3)
+    pages = shuffled_pages(5, seed=4)
+    (full,), _ = m.step(m.caches(), [(toks, 0, pages)])
+    assert_close(full, m.torch_logits(toks))
+
+    caches, done = m.caches(), 0
+    for n in [30, 25, 15, 1, 1, 1, 1, 1, 1]:   # three prefill chunks, six decode steps
+        (logits,), caches = m.step(caches, [(toks[done:done + n], done, pages)])
+        assert_close(logits, full[done:done + n], rel=1e-5)
+        done += n
+    assert done == 76
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_packed_batch_equals_each_alone(loaded, kind):
+    m = loaded(kind)
+    a, b = prompt(40, seed=5), prompt(50, seed=6)
+    pages = shuffled_pages(8, seed=7)
+    pa, pb = pages[:3], pages[3:7]
+    (alone_a,), _ = m.step(m.caches(), [(a, 0, pa)])
+    (alone_b,), _ = m.step(m.caches(), [(b, 0, pb)])
+    (got_a, got_b), caches = m.step(m.caches(), [(a[:24], 0, pa), (b, 0, pb)])
+    assert_close(got_a, alone_a[:24], rel=1e-5)
+    assert_close(got_b, alone_b, rel=1e-5)
+    # Next step mixes a prefill chunk (a) and a decode (b, one more token).
+    nxt = np.array([7])
+    (got_a, got_b1), _ = m.step(caches, [(a[24:], 24, pa), (nxt, 50, pb)])
+    assert_close(got_a, alone_a[24:], rel=1e-5)
+    assert_close(got_b1, m.torch_logits(np.concatenate([b, nxt]))[-1:])
+
+
+def test_moe_dense_layers_and_no_renormalisation(tmp_path):
+    """mlp_only_layers / decoder_sparse_step give dense layers; norm_topk_prob False."""
+    path = make_tiny_checkpoint("qwen3_moe", tmp_path, num_hidden_layers=4, mlp_only_layers=[0],
+                                decoder_sparse_step=2, norm_topk_prob=False)
+    m = Loaded(path)
+    assert [m.cfg.is_moe_layer(i) for i in range(4)] == [False, True, False, True]
+    assert "experts" in m.params["layers_1"]["mlp"] and "up_proj" in m.params["layers_2"]["mlp"]
+    toks = prompt(40, seed=8)
+    (logits,), _ = m.step(m.caches(), [(toks, 0, shuffled_pages(3, seed=9))])
+    assert_close(logits, m.torch_logits(toks))
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_llama_tied_and_untied(tmp_path, tied):
+    path = make_tiny_checkpoint("llama", tmp_path, tie_word_embeddings=tied, num_hidden_layers=2)
+    with open(Path(path) / "config.json") as f:
+        assert json.load(f)["tie_word_embeddings"] is tied
+    m = Loaded(path)
+    assert ("lm_head" in m.params) is not tied
+    toks = prompt(20, seed=10)
+    (logits,), _ = m.step(m.caches(), [(toks, 0, shuffled_pages(2, seed=11))])
+    assert_close(logits, m.torch_logits(toks))
