@@ -18,6 +18,8 @@ _MODEL_TYPE_TO_ARCH = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
 }
+# Architectures served (models/registry.py maps each to its module).
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 # Families whose attention has q_norm / k_norm (RMSNorm over head_dim, before RoPE).
 _QK_NORM_ARCHS = frozenset({"Qwen3ForCausalLM", "Qwen3MoeForCausalLM"})
 _QK_NORM_MODEL_TYPES = frozenset({"qwen3", "qwen3_moe"})
@@ -114,6 +116,9 @@ class ModelConfig:
             architecture = _MODEL_TYPE_TO_ARCH[model_type]
         else:
             raise ValueError(f"config has no 'architectures' and unknown model_type {model_type!r}")
+        if architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"Architecture {architecture!r} is not supported; "
+                             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
         t = d.get("text_config") or d  # multimodal wrappers keep the text model here
 
         def need(key: str) -> Any:

@@ -6,7 +6,7 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
-from models.config import ModelConfig
+from models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from models.llama import LlamaForCausalLM, Qwen3ForCausalLM
 from models.qwen3_moe import Qwen3MoeForCausalLM
 
@@ -15,6 +15,7 @@ ARCHITECTURES: dict[str, type] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
+assert tuple(sorted(ARCHITECTURES)) == SUPPORTED_ARCHITECTURES
 
 
 def get_model_class(architecture: str) -> type:
@@ -22,7 +23,7 @@ def get_model_class(architecture: str) -> type:
         return ARCHITECTURES[architecture]
     except KeyError:
         raise ValueError(f"Architecture {architecture!r} is not supported; "
-                         f"supported: {', '.join(sorted(ARCHITECTURES))}") from None
+                         f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}") from None
 
 
 def resolve_dtype(dtype: Any, config: ModelConfig) -> jnp.dtype:

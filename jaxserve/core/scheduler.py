@@ -119,6 +119,9 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
+        # A request alone must always fit in the pool, or preempting it would
+        # loop forever: a pool smaller than max_model_len caps lengths too.
+        self.max_len = min(max_model_len, (num_pages - 1) * page_size)
         self.policy = policy
         self.kv = KVCacheManager(num_pages, page_size, enable_prefix_caching)
         self.requests: dict[str, Request] = {}  # unfinished only
@@ -140,15 +143,11 @@ class Scheduler:
                 f"request {rid!r} hashes pages of {request.page_size} tokens, "
                 f"the scheduler uses {self.page_size}"
             )
-        if request.num_tokens > self.max_model_len:
+        if request.num_tokens > self.max_len:
             raise ValueError(
-                f"request {rid!r} has {request.num_tokens} tokens, "
-                f"more than max_model_len={self.max_model_len}"
-            )
-        pages = -(-request.num_tokens // self.page_size)
-        if pages > self.kv.num_pages - 1:
-            raise ValueError(
-                f"request {rid!r} needs {pages} pages, the pool has {self.kv.num_pages - 1}"
+                f"request {rid!r} has {request.num_tokens} tokens, more than "
+                f"max_model_len={self.max_model_len} or the {self.kv.num_pages - 1} "
+                f"pages of {self.page_size} tokens in the KV pool"
             )
         request.status = RequestStatus.WAITING
         self.requests[rid] = request
@@ -325,7 +324,9 @@ class Scheduler:
     def _check_stop(self, req: Request, tok: int) -> bool:
         sp = req.sampling_params
         n_out = len(req.output_token_ids)
-        if n_out >= getattr(sp, "min_tokens", 0):
+        # The first min_tokens outputs may not stop the request (vLLM masks stop tokens
+        # there; we let them through and keep going).
+        if n_out > getattr(sp, "min_tokens", 0):
             if tok == req.eos_token_id and not getattr(sp, "ignore_eos", False):
                 req.status = RequestStatus.FINISHED_STOPPED
                 req.stop_reason = None
@@ -335,10 +336,10 @@ class Scheduler:
                 req.status = RequestStatus.FINISHED_STOPPED
                 req.stop_reason = tok
                 return True
-        # The model length is a hard limit, even before min_tokens.
+        # The model length (and pool size) is a hard limit, even before min_tokens.
         max_tokens = sp.max_tokens
         if (max_tokens is not None and n_out >= max_tokens) or (
-            len(req.all_token_ids) >= self.max_model_len
+            len(req.all_token_ids) >= self.max_len
         ):
             req.status = RequestStatus.FINISHED_LENGTH_CAPPED
             return True

@@ -97,6 +97,8 @@ class EngineCore:
             max_model_len=max_model_len, enable_prefix_caching=config.enable_prefix_caching,
             policy=config.scheduling_policy)
         self.outputs = OutputProcessor(self.tokenizer, stream=stream_outputs)
+        self.num_steps = 0
+        self.num_scheduled_tokens = 0   # tokens computed on device, all steps
         # Seeds for requests that bring none: reproducible from the engine seed.
         self._seed_counter = itertools.count(config.seed * 1_000_003 + 1)
 
@@ -153,6 +155,8 @@ class EngineCore:
 
     def step(self) -> list[RequestOutput]:
         sched_out = self.scheduler.schedule()
+        self.num_steps += 1
+        self.num_scheduled_tokens += sched_out.num_scheduled_tokens
         runner_out = self.runner.execute(sched_out)
         updated = self.scheduler.update_from_output(sched_out, runner_out.sampled)
         outs, stopped = self.outputs.process(updated, runner_out)

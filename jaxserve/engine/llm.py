@@ -73,6 +73,8 @@ class LLM:
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("the prompt is empty")
             if self.tokenizer is None:
                 raise ValueError("text prompts need a tokenizer; pass "
                                  "{'prompt_token_ids': [...]} instead")

@@ -128,7 +128,7 @@ class ModelRunner:
         if not spans:
             return
         lp, rank, top_lp, top_ids = jax.device_get(
-            self._prompt_logprobs(self.params, hidden, jnp.asarray(targets)))
+            self._prompt_logprobs(self.params, hidden, jax.device_put(targets)))
         for req_id, a, n, first in spans:
             out.prompt_logprobs[req_id] = (first, lp[a:a + n], rank[a:a + n],
                                            top_ids[a:a + n], top_lp[a:a + n])

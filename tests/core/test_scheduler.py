@@ -291,12 +291,14 @@ def test_stop_token_ids_and_min_tokens():
     b = req("b", 3, max_tokens=8, min_tokens=2, stop_token_ids=[5])
     s.add_request(a)
     s.add_request(b)
-    step(s, {"a": 6, "b": EOS})  # b ignores eos before min_tokens
+    step(s, {"a": 6, "b": EOS})  # b ignores eos among its first min_tokens outputs
     assert a.status == RequestStatus.FINISHED_STOPPED and a.stop_reason == 6
+    assert b.status == RequestStatus.RUNNING
+    step(s, {"b": 5})            # the 2nd output is still within min_tokens
     assert b.status == RequestStatus.RUNNING
     step(s, {"b": 5})
     assert b.status == RequestStatus.FINISHED_STOPPED and b.stop_reason == 5
-    assert b.output_token_ids == [EOS, 5]
+    assert b.output_token_ids == [EOS, 5, 5]
 
 
 def test_max_model_len_caps_length():
@@ -345,6 +347,16 @@ def test_same_step_prefix_sharing_and_salted_siblings():
             assert b.block_ids == [4, 5, 6]
 
 
+def test_pool_smaller_than_max_model_len_caps_length():
+    s = sched(num_pages=3, max_model_len=64)  # 2 pages: 8 tokens fit
+    a = req("a", 6, max_tokens=20)
+    s.add_request(a)
+    while s.has_unfinished_requests():
+        step(s)
+    assert a.status == RequestStatus.FINISHED_LENGTH_CAPPED and a.num_tokens == 8
+    assert s.stats().num_preemptions == 0
+
+
 def test_add_request_validation_and_counts():
     s = sched(num_pages=3)
     s.add_request(req("a", 3))
@@ -374,3 +386,64 @@ def test_core_does_not_import_jax():
             "assert 'jax' not in sys.modules, sorted(m for m in sys.modules if 'jax' in m)")
     env = dict(os.environ, PYTHONPATH=str(root))
     subprocess.run([sys.executable, "-c", code], check=True, cwd=root, env=env)
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+@pytest.mark.parametrize("caching", [True, False])
+def test_random_workload_against_a_fake_kv_cache(policy, caching):
+    """Random arrivals, shared prefixes, a tight pool and aborts. A fake device
+    writes each scheduled token into its page slot, then checks that every
+    request's pages hold exactly its tokens so far (prefix hits included)."""
+    import random
+
+    rng = random.Random(1234)
+    s = sched(num_pages=13, budget=12, max_num_seqs=4, max_model_len=40, policy=policy,
+              enable_prefix_caching=caching)
+    kv_slots: dict[tuple[int, int], int] = {}
+    prefixes = [[rng.randrange(3, 50) for _ in range(9)] for _ in range(3)]
+    expected: dict[str, int] = {}
+    reqs: list[Request] = []
+    for t in range(400):
+        if len(reqs) < 40 and rng.random() < 0.3:
+            rid = f"r{len(reqs)}"
+            tail = [rng.randrange(3, 50) for _ in range(rng.randrange(1, 12))]
+            prompt = prefixes[rng.randrange(3)][: rng.randrange(0, 10)] + tail
+            max_tokens = rng.randrange(1, 10)
+            salt = "s" if rng.random() < 0.3 else None
+            r = Request(rid, prompt, sp(max_tokens=max_tokens), eos_token_id=EOS,
+                        arrival_time=float(t), priority=rng.randrange(3),
+                        cache_salt=salt, page_size=PS)
+            s.add_request(r)
+            reqs.append(r)
+            expected[rid] = max_tokens
+        if rng.random() < 0.02 and s.running:
+            victim = rng.choice(s.running)
+            s.abort_requests(victim.request_id)
+            expected[victim.request_id] = -1
+        out = s.schedule()
+        for r in out.requests:  # "layer 0 writes K/V for the whole batch"
+            for k, tok in enumerate(r.token_ids):
+                pos = r.start_pos + k
+                kv_slots[(r.block_ids[pos // PS], pos % PS)] = tok
+        for r in out.requests:  # "then attention reads each request's context"
+            req_obj = s.get_request(r.req_id)
+            end = r.start_pos + len(r.token_ids)
+            assert r.token_ids == req_obj.all_token_ids[r.start_pos:end]
+            assert len(r.block_ids) == -(-end // PS)
+            got = [kv_slots.get((r.block_ids[p // PS], p % PS)) for p in range(end)]
+            assert got == req_obj.all_token_ids[:end], r.req_id
+        used = {b for ids_ in (s.kv.get_block_ids(x.request_id) for x in s.running) for b in ids_}
+        assert s.kv.get_num_free_pages() == 12 - len(used)
+        assert 0 not in used
+        s.update_from_output(out, {r.req_id: token_for("a", r.num_output_tokens)
+                                   for r in out.requests if r.sample})
+        if t > 300 and not s.has_unfinished_requests():
+            break
+    assert not s.has_unfinished_requests()
+    for r in reqs:
+        if expected[r.request_id] >= 0:
+            assert r.output_token_ids == [token_for("a", k) for k in range(expected[r.request_id])]
+    assert s.kv.get_num_free_pages() == 12 and s.kv_cache_usage == 0.0
+    assert s.stats().num_preemptions > 0
+    if caching:
+        assert s.stats().prefix_cache_hits > 0

@@ -1,0 +1,45 @@
+"""After warmup, nothing compiles: 200 random requests with every sampling feature."""
+from __future__ import annotations
+
+import random
+
+from jaxserve import LLM, SamplingParams
+from tests.engine.conftest import assert_no_leaks
+
+
+def test_200_random_requests_compile_nothing_new(checkpoint):
+    llm = LLM(checkpoint("qwen3_moe"), dtype="float32", max_model_len=128, max_num_seqs=16,
+              max_num_batched_tokens=64)
+    engine = llm.engine
+    assert engine.runner.warmup_compilations > 0
+    before = engine.num_compilations
+    rng = random.Random(0)
+    prompts, params = [], []
+    for i in range(200):
+        n = rng.randint(1, 90)
+        prompts.append({"prompt_token_ids": [rng.randrange(3, 256) for _ in range(n)]})
+        kw = dict(max_tokens=rng.randint(1, 128 - n - 1), ignore_eos=rng.random() < 0.5)
+        if rng.random() < 0.6:
+            kw.update(temperature=rng.choice([0.5, 1.0, 1.3]), top_p=rng.choice([1.0, 0.8]),
+                      top_k=rng.choice([0, 5, 40]), min_p=rng.choice([0.0, 0.05]),
+                      seed=rng.choice([None, rng.randrange(1000)]))
+        else:
+            kw.update(temperature=0.0)
+        if rng.random() < 0.2:
+            kw.update(n=rng.randint(2, 3), temperature=1.0)
+        if rng.random() < 0.2:
+            kw.update(logprobs=rng.randint(0, 5))
+        if rng.random() < 0.1:
+            kw.update(prompt_logprobs=rng.randint(0, 3))
+        if rng.random() < 0.2:
+            kw.update(stop=["e", "ab"], include_stop_str_in_output=rng.random() < 0.5)
+        if rng.random() < 0.2:
+            kw.update(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=-0.5)
+        if rng.random() < 0.1:
+            kw.update(stop_token_ids=[rng.randrange(3, 256)], min_tokens=min(2, kw["max_tokens"]))
+        params.append(SamplingParams(**kw))
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert len(outs) == 200 and all(o.finished for o in outs)
+    assert all(len(o.outputs) == p.n for o, p in zip(outs, params))
+    assert engine.num_compilations == before, "something compiled after warmup"
+    assert_no_leaks(engine)
