@@ -33,7 +33,9 @@ def main() -> None:
     rng = random.Random(0)
     sched = Scheduler(num_pages=n * (mml // ps) + 1, page_size=ps, max_num_seqs=n,
                       max_num_batched_tokens=max(2048, n), max_model_len=mml)
-    params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=2000, ignore_eos=True)
+    # The engine gives every request a seed (its own or one drawn from the engine seed).
+    params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=2000, ignore_eos=True,
+                            seed=1)
     for i in range(n):
         prompt = [rng.randrange(100, 30000) for _ in range(rng.randint(100, 1000))]
         sched.add_request(Request(str(i), prompt, params, page_size=ps))

@@ -76,6 +76,8 @@ def main() -> None:
     ap.add_argument("--checkpoint", default=os.path.join(tempfile.gettempdir(),
                                                          "jaxserve-bench-qwen3-small"))
     ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--skip-reference", action="store_true",
+                    help="run jaxserve only (no ratio), e.g. while tuning")
     args = ap.parse_args()
     path = make_small_qwen3(args.checkpoint)
     names = ["decode", "prefill"] if args.workload == "both" else [args.workload]
@@ -83,6 +85,10 @@ def main() -> None:
     for name in names:
         items = workload(name, args.num_prompts)
         js = run_jaxserve(path, items, args.max_num_seqs, args.max_num_batched_tokens)
+        if args.skip_reference:
+            print(f"{name}-heavy: jaxserve {js['tokens_per_s']:.1f} tok/s "
+                  f"(startup {js['startup_s']:.1f} s)", flush=True)
+            continue
         hf = run_transformers(path, items, args.hf_batch_size)
         results[name] = dict(jaxserve=js, transformers=hf,
                              ratio=js["tokens_per_s"] / hf["tokens_per_s"])

@@ -1,17 +1,18 @@
 """Tiny random transformers checkpoints for tests (written with save_pretrained)."""
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from jaxserve.tiny_tokenizer import make_tiny_tokenizer
+
 # Small but non-trivial: GQA (4 q heads / 2 kv heads), several layers, llama3 RoPE scaling.
 _BASE: dict[str, Any] = dict(
     vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4,
     num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-    eos_token_id=1, bos_token_id=2, pad_token_id=None,
+    bos_token_id=1, eos_token_id=2, pad_token_id=0,   # the tiny tokenizer's ids
 )
 _KINDS: dict[str, dict[str, Any]] = {
     "llama": dict(
@@ -65,11 +66,5 @@ def make_tiny_checkpoint(kind: str, path: str | Path, *, dtype: torch.dtype = to
     model = make_tiny_model(kind, seed=seed, **config_overrides).to(dtype)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(str(path), safe_serialization=True, **kwargs)
-    tok_util = Path(__file__).with_name("tokenizer_util.py")
-    if tok_util.is_file():   # written by another helper; optional
-        spec = importlib.util.spec_from_file_location("_jaxserve_tests_tokenizer_util", tok_util)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        if hasattr(module, "make_tiny_tokenizer"):
-            module.make_tiny_tokenizer(str(path))
+    make_tiny_tokenizer(str(path))
     return str(path)

@@ -39,11 +39,18 @@ class HostBatch:
 
 
 class InputBatchBuilder:
+    """`page_buckets` are the page-table widths a step may use: the narrowest one that
+    holds the longest request is passed, so attention that reads whole page-table
+    rows (the jnp reference) reads no more context than the batch needs."""
+
     def __init__(self, *, max_num_seqs: int, max_model_len: int, page_size: int,
-                 token_buckets: tuple[int, ...]):
+                 token_buckets: tuple[int, ...], page_buckets: tuple[int, ...] | None = None):
         self.page_size = page_size
         self.token_buckets = token_buckets
         self.pages_per_req = -(-max_model_len // page_size)
+        self.page_buckets = page_buckets or (self.pages_per_req,)
+        if self.page_buckets[-1] != self.pages_per_req:
+            raise ValueError(f"the widest page bucket must be {self.pages_per_req}")
         t_max, r_max = token_buckets[-1], max_num_seqs
         self._token_ids = np.zeros(t_max, np.int32)
         self._positions = np.zeros(t_max, np.int32)
@@ -85,10 +92,12 @@ class InputBatchBuilder:
 
         self._seq_lens[:] = 0
         self._seq_lens[:num_reqs] = starts + lens
+        longest = int(self._seq_lens[:num_reqs].max(initial=1))
+        width = pick_bucket(self.page_buckets, -(-longest // self.page_size))
         self._logits_idx[:] = 0
         self._logits_idx[:num_reqs] = cu[1:num_reqs + 1] - 1
         inputs = ModelInputs(
             token_ids=token_ids.copy(), positions=positions.copy(), slot_mapping=slots.copy(),
             query_start_loc=cu.copy(), seq_lens=self._seq_lens.copy(),
-            page_table=pt.copy(), num_seqs=np.array([num_reqs], np.int32))
+            page_table=pt[:, :width].copy(), num_seqs=np.array([num_reqs], np.int32))
         return HostBatch(inputs, self._logits_idx.copy(), num_tokens, num_reqs)

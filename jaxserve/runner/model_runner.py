@@ -36,23 +36,32 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, tuple] = field(default_factory=dict)
 
 
+def capped_buckets(smallest: int, largest: int) -> tuple[int, ...]:
+    """Powers of two from `smallest`, then exactly `largest`."""
+    return tuple(b for b in power_of_two_buckets(smallest, largest) if b < largest) + (largest,)
+
+
 def row_buckets(max_num_seqs: int) -> tuple[int, ...]:
-    small = [b for b in power_of_two_buckets(8, max_num_seqs) if b < max_num_seqs]
-    return tuple(small) + (max_num_seqs,)
+    return capped_buckets(8, max_num_seqs)
 
 
 class ModelRunner:
     def __init__(self, *, model, params, num_layers: int, num_kv_heads: int, head_dim: int,
                  vocab_size: int, num_pages: int, page_size: int, max_num_seqs: int,
-                 max_model_len: int, max_num_batched_tokens: int, kv_dtype):
+                 max_model_len: int, max_num_batched_tokens: int, kv_dtype,
+                 context_buckets: bool = True):
         self.model = model
         self.params = params
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.token_buckets = power_of_two_buckets(16, max_num_batched_tokens)
         self.row_buckets = row_buckets(max_num_seqs)
+        pages_per_req = -(-max_model_len // page_size)
+        # The jnp reference attention reads whole page-table rows: bucket their width.
+        page_buckets = capped_buckets(4, pages_per_req) if context_buckets else None
         self.builder = InputBatchBuilder(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                                         page_size=page_size, token_buckets=self.token_buckets)
+                                         page_size=page_size, token_buckets=self.token_buckets,
+                                         page_buckets=page_buckets)
         self.kv_caches = [make_kv_cache(num_pages, page_size, num_kv_heads, head_dim, kv_dtype)
                           for _ in range(num_layers)]
         self._forward = jax.jit(self._forward_fn, donate_argnums=(1,))
@@ -138,8 +147,7 @@ class ModelRunner:
         """Compile every token bucket, row bucket and sampler variant now."""
         start, before = time.perf_counter(), compile_counter.num_compilations()
         r_max = self.builder._seq_lens.shape[0]
-        p = self.builder.pages_per_req
-        for t in self.token_buckets:
+        for t, p in itertools.product(self.token_buckets, self.builder.page_buckets):
             z = np.zeros(t, np.int32)
             inputs = ModelInputs(
                 token_ids=z, positions=z, slot_mapping=z,
@@ -148,6 +156,8 @@ class ModelRunner:
             inputs, li = jax.device_put((inputs, np.zeros(r_max, np.int32)))
             hidden, hidden_rows, self.kv_caches = self._forward(self.params, self.kv_caches,
                                                                 inputs, li)
+        for t in self.token_buckets:
+            hidden = jnp.zeros((t, hidden_rows.shape[-1]), hidden_rows.dtype)
             jax.block_until_ready(self._prompt_logprobs(self.params, hidden,
                                                         jnp.full(t, -1, jnp.int32)))
         for rows in self.row_buckets:
@@ -160,6 +170,7 @@ class ModelRunner:
                                                    num_rows=rows, variant=variant))
         self.warmup_seconds = time.perf_counter() - start
         self.warmup_compilations = compile_counter.num_compilations() - before
-        logger.info("warmup: %d compilations in %.1f s (token buckets %s, row buckets %s)",
-                    self.warmup_compilations, self.warmup_seconds, list(self.token_buckets),
+        logger.info("warmup: %d compilations in %.1f s (token buckets %s, page-table widths %s, "
+                    "row buckets %s)", self.warmup_compilations, self.warmup_seconds,
+                    list(self.token_buckets), list(self.builder.page_buckets),
                     list(self.row_buckets))

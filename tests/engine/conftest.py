@@ -5,8 +5,6 @@ import pytest
 
 from tests.checkpoints import make_tiny_checkpoint
 
-# The tiny tokenizer's special ids (tests/tokenizer_util.py): pad 0, bos 1, eos 2.
-TOKENIZER_IDS = dict(bos_token_id=1, eos_token_id=2)
 KINDS = ("llama", "qwen3", "qwen3_moe")
 
 
@@ -17,8 +15,7 @@ def checkpoint(tmp_path_factory):
 
     def get(kind: str) -> str:
         if kind not in made:
-            made[kind] = make_tiny_checkpoint(kind, tmp_path_factory.mktemp(kind),
-                                              **TOKENIZER_IDS)
+            made[kind] = make_tiny_checkpoint(kind, tmp_path_factory.mktemp(kind))
         return made[kind]
     return get
 

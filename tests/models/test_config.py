@@ -33,8 +33,8 @@ def test_llama_fields(dirs):
     assert cfg.rope_theta == 500000.0 and cfg.rms_norm_eps == 1e-5
     assert cfg.rope_scaling == {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
-    assert (cfg.eos_token_id, cfg.bos_token_id, cfg.dtype) == (1, 2, "float32")
-    assert cfg.eos_token_ids == (1,)
+    assert (cfg.eos_token_id, cfg.bos_token_id, cfg.dtype) == (2, 1, "float32")
+    assert cfg.eos_token_ids == (2,)
 
 
 def test_qwen3_families(dirs):

@@ -1,5 +1,5 @@
-"""A tiny byte-level BPE tokenizer built offline, for tests that need a real
-transformers tokenizer (detokenizer, engine, server) without any download.
+"""A tiny byte-level BPE tokenizer built offline: the built-in default model's
+tokenizer, and the one tests use (detokenizer, engine, server), with no download.
 
 Special tokens: ``<pad>`` = 0, ``<s>`` (bos) = 1, ``</s>`` (eos) = 2. Encoding
 with ``add_special_tokens=True`` prepends ``<s>``. The alphabet is printable

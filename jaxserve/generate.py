@@ -1,0 +1,57 @@
+"""`python -m jaxserve.generate`: offline generation from the command line.
+
+With no --model it runs the built-in tiny random-weight model, whose output is
+random text; pass --model /path/to/hf-checkpoint for a real one.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+
+from jaxserve.default_model import DEFAULT_MODEL_NAME, default_model_dir
+
+logger = logging.getLogger("jaxserve")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m jaxserve.generate", description=__doc__)
+    ap.add_argument("--model", default=None,
+                    help="checkpoint directory (config.json, *.safetensors, tokenizer); "
+                         "default: the built-in tiny random model")
+    ap.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
+    ap.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt")
+    ap.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    ap.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass")
+    ap.add_argument("--seed", type=int, default=0, help="engine seed")
+    ap.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    ap.add_argument("--max-model-len", type=int, default=None, help="context length")
+    ap.add_argument("--max-num-seqs", type=int, default=16, help="requests per step")
+    ap.add_argument("--load-format", default="auto", help="auto, safetensors or dummy")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+
+    from jaxserve import LLM, SamplingParams
+    model, load_format = args.model, args.load_format
+    if model is None:
+        model, load_format = default_model_dir(), "dummy"
+        logger.info("no --model given: using the built-in %s (random weights, so the output "
+                    "is random text); pass --model /path/to/hf-checkpoint for a real model",
+                    DEFAULT_MODEL_NAME)
+    llm = LLM(model, dtype=args.dtype, max_model_len=args.max_model_len,
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=max(256, args.max_num_seqs),
+              seed=args.seed, load_format=load_format)
+    prompts = args.prompt or ["Hello, my name is", "The capital of France is"]
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p,
+                            max_tokens=args.max_tokens)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - t0
+    for o in outs:
+        print(f"{o.prompt!r} -> {o.outputs[0].text!r}")
+    n = sum(len(o.outputs[0].token_ids) for o in outs)
+    print(f"{n} tokens in {elapsed:.2f} s ({n / elapsed:.1f} tokens/s)")
+
+
+if __name__ == "__main__":
+    main()
