@@ -8,6 +8,9 @@ from dataclasses import dataclass
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _LOAD_FORMATS = ("auto", "safetensors", "dummy")
 _POLICIES = ("fcfs", "priority")
+# "auto": the Pallas kernels on GPU/TPU, the jnp reference on CPU; "pallas_interpret":
+# the Pallas kernel body in interpret mode on CPU (tests; slow).
+_ATTENTION_BACKENDS = ("auto", "reference", "pallas", "pallas_interpret")
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,7 @@ class EngineConfig:
     hbm_utilization: float = 0.9          # accelerators: fraction of free memory after weights
     kv_cache_memory_bytes: int | None = None  # explicit KV cache budget in bytes
     mesh: str | None = None               # "DxM"; parsed here, made real by the sharding work
+    attention_backend: str = "auto"       # one of _ATTENTION_BACKENDS
     compilation_cache_dir: str | None = dataclasses.field(
         default_factory=lambda: os.environ.get(
             "JAXSERVE_COMPILATION_CACHE", os.path.expanduser("~/.cache/jaxserve/xla")))
@@ -46,6 +50,8 @@ class EngineConfig:
             raise bad("load_format", f"must be one of {_LOAD_FORMATS}")
         if self.scheduling_policy not in _POLICIES:
             raise bad("scheduling_policy", f"must be one of {_POLICIES}")
+        if self.attention_backend not in _ATTENTION_BACKENDS:
+            raise bad("attention_backend", f"must be one of {_ATTENTION_BACKENDS}")
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise bad("page_size", "must be a positive power of two")
         if self.max_num_seqs < 1:

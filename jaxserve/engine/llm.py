@@ -6,6 +6,7 @@ from typing import Any, Sequence
 
 from tqdm.auto import tqdm
 
+from jaxserve.chat import render_chat
 from jaxserve.config import EngineConfig
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.engine.engine_core import EngineCore
@@ -63,12 +64,11 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, chat_template: str | None = None,
              add_generation_prompt: bool = True, **template_kwargs: Any) -> list[RequestOutput]:
-        if self.tokenizer is None:
-            raise ValueError("chat needs a tokenizer; this model has none")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [{"prompt_token_ids": self.tokenizer.apply_chat_template(
-            conv, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
-            tokenize=True, return_dict=False, **template_kwargs)} for conv in conversations]
+        prompts = [{"prompt_token_ids": render_chat(
+            self.tokenizer, conv, chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt, **template_kwargs)}
+            for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:

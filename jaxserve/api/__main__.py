@@ -1,0 +1,3 @@
+from jaxserve.api.cli import main
+
+main()

@@ -1,0 +1,140 @@
+"""`python -m jaxserve.api`: command-line flags (vLLM's names) -> engine + server."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import time
+
+import uvicorn
+
+from jaxserve.config import EngineConfig
+from jaxserve.default_model import DEFAULT_MODEL_NAME, default_model_dir
+
+logger = logging.getLogger("jaxserve")
+
+# generation_config.json fields that become default sampling values (as vLLM does).
+_GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m jaxserve.api",
+                                 description="OpenAI-compatible server for jaxserve.")
+    a = ap.add_argument
+    a("--model", default=None, help="checkpoint directory; default: a built-in tiny random "
+                                    "model (its output is random text)")
+    a("--served-model-name", default=None, help="model name clients use (default: --model)")
+    a("--host", default="127.0.0.1", help="address to listen on")
+    a("--port", type=int, default=8000, help="port to listen on")
+    a("--api-key", default=os.environ.get("JAXSERVE_API_KEY"),
+      help="require 'Authorization: Bearer KEY' (default: env JAXSERVE_API_KEY)")
+    a("--mesh", default=None, help="device mesh 'DxM' (data x model parallel)")
+    a("--max-model-len", type=int, default=None, help="context length (prompt + output)")
+    a("--max-num-seqs", type=int, default=64, help="most requests in one step")
+    a("--max-num-batched-tokens", type=int, default=None, help="token budget of one step")
+    a("--page-size", "--block-size", dest="page_size", type=int, default=16,
+      help="tokens per KV cache page")
+    a("--hbm-utilization", "--gpu-memory-utilization", dest="hbm_utilization", type=float,
+      default=0.9, help="share of free accelerator memory for the KV cache")
+    a("--dtype", default="auto", help="weights/activations: auto, float32, bfloat16, float16")
+    a("--kv-cache-dtype", default="auto", help="KV cache dtype (auto = model dtype)")
+    a("--load-format", default="auto", help="auto, safetensors or dummy (random weights)")
+    a("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+      help="reuse the KV pages of shared prompt prefixes")
+    a("--seed", type=int, default=0, help="engine seed (requests without a seed)")
+    a("--chat-template", default=None, help="chat template file or string (default: the "
+                                            "tokenizer's)")
+    a("--generation-config", default="auto",
+      help="'auto': default sampling values from the model's generation_config.json; "
+           "'vllm': none; or a directory holding one")
+    a("--max-waiting-requests", type=int, default=1024,
+      help="answer 503 when more requests than this are waiting")
+    a("--disable-log-requests", action="store_true", help="do not log each request")
+    a("--scheduling-policy", default="fcfs", help="fcfs or priority")
+    a("--attention-backend", default="auto", help="auto, reference, pallas, pallas_interpret")
+    a("--timeout-graceful-shutdown", type=float, default=5.0,
+      help="seconds in-flight requests get to finish on SIGTERM/SIGINT")
+    return ap
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    model, load_format = args.model, args.load_format
+    if model is None:
+        model, load_format = default_model_dir(), "dummy"
+        logger.warning("no --model given: serving the built-in %s, a tiny model with RANDOM "
+                       "weights (its output is random text). Serve a real checkpoint with "
+                       "--model /path/to/hf-checkpoint", DEFAULT_MODEL_NAME)
+    return EngineConfig(
+        model=model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size,
+        seed=args.seed, enable_prefix_caching=args.enable_prefix_caching,
+        load_format=load_format, scheduling_policy=args.scheduling_policy,
+        hbm_utilization=args.hbm_utilization, mesh=args.mesh,
+        attention_backend=args.attention_backend)
+
+
+def chat_template(value: str | None) -> str | None:
+    if value is not None and os.path.isfile(value):
+        with open(value) as f:
+            return f.read()
+    return value
+
+
+def generation_defaults(setting: str, model_dir: str) -> dict:
+    if setting == "vllm":
+        return {}
+    path = os.path.join(model_dir if setting == "auto" else setting, "generation_config.json")
+    if not os.path.isfile(path):
+        if setting != "auto":
+            raise ValueError(f"--generation-config {setting!r}: no generation_config.json there")
+        return {}
+    with open(path) as f:
+        cfg = json.load(f)
+    defaults = {k: cfg[k] for k in _GENERATION_DEFAULTS if cfg.get(k) is not None}
+    if defaults:
+        logger.info("default sampling values from %s: %s", path, defaults)
+    return defaults
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    from jaxserve.api.server import create_app
+    from jaxserve.api.serving import ServerSettings
+    from jaxserve.engine.async_engine import AsyncEngine
+
+    t0 = time.perf_counter()
+    config = engine_config(args)
+    engine = AsyncEngine(config)
+    core = engine.core
+    served = args.served_model_name or (args.model or DEFAULT_MODEL_NAME)
+    settings = ServerSettings(
+        served_model_name=served, max_model_len=core.max_model_len, api_key=args.api_key,
+        max_waiting_requests=args.max_waiting_requests,
+        disable_log_requests=args.disable_log_requests,
+        chat_template=chat_template(args.chat_template),
+        generation_defaults=generation_defaults(args.generation_config, config.model))
+    app = create_app(engine, settings)
+    kv_tokens = (core.num_pages - 1) * config.page_size
+    logger.info(
+        "serving %s (%s) | mesh %s | dtype %s | weights %.1f MiB | KV cache %d pages = %d tokens "
+        "| max concurrency at %d tokens: %.1f | warmup %d compilations in %.1f s | ready in "
+        "%.1f s at http://%s:%d/v1", served, core.model_config.architecture,
+        config.mesh or "1x1", core.dtype.__name__ if hasattr(core.dtype, "__name__")
+        else core.dtype, core.weight_bytes / 2**20, core.num_pages - 1, kv_tokens,
+        core.max_model_len, kv_tokens / core.max_model_len, core.runner.warmup_compilations,
+        core.runner.warmup_seconds, time.perf_counter() - t0, args.host, args.port)
+    server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
+                                    timeout_graceful_shutdown=args.timeout_graceful_shutdown))
+    server.run()
+
+
+class _Server(uvicorn.Server):
+    """Exits 0 after a graceful SIGTERM/SIGINT shutdown (uvicorn would re-raise the
+    signal once done, making the exit status 128+signal)."""
+
+    def handle_exit(self, sig, frame) -> None:
+        super().handle_exit(sig, frame)
+        self._captured_signals.clear()

@@ -1,0 +1,415 @@
+"""The OpenAI completions and chat endpoints on top of AsyncEngine.
+
+Every prompt of a request becomes one engine request (its n completions are
+children inside the engine); their delta outputs are merged into one stream
+of choices, indexed prompt_index * n + completion_index as OpenAI does.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from jaxserve.api.errors import APIError, bad_request, error_body
+from jaxserve.api.metrics import Metrics
+from jaxserve.api.protocol import ChatCompletionRequest, CompletionRequest, sampling_params
+from jaxserve.chat import render_chat
+from jaxserve.core.outputs import RequestOutput
+from jaxserve.engine.async_engine import AsyncEngine
+from jaxserve.sampling_params import SamplingParams
+
+logger = logging.getLogger("jaxserve")
+
+_DISCONNECT_POLL_S = 0.2
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    served_model_name: str
+    max_model_len: int
+    api_key: str | None = None
+    max_waiting_requests: int = 1024
+    disable_log_requests: bool = False
+    chat_template: str | None = None
+    generation_defaults: dict = field(default_factory=dict)
+
+
+@dataclass
+class _Prompt:
+    text: str | None
+    ids: list[int]
+
+
+@dataclass
+class _Choice:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: Any = None
+
+
+@dataclass
+class _Tracker:
+    """Per prompt: timing for the metrics."""
+    arrival: float
+    first_token: float | None = None
+    num_output: int = 0
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncEngine, settings: ServerSettings, metrics: Metrics):
+        self.engine = engine
+        self.settings = settings
+        self.metrics = metrics
+        self.tokenizer = engine.tokenizer
+        self.num_in_flight = 0   # prompts admitted and not finished (event-loop thread only)
+
+    # ---- checks ----------------------------------------------------------------------
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.settings.served_model_name:
+            raise APIError(404, f"The model `{name}` does not exist; this server serves "
+                                f"`{self.settings.served_model_name}`.", "model")
+
+    def check_capacity(self, num_new: int) -> None:
+        """Admits `num_new` prompts or answers 503 when too many already wait."""
+        waiting = max(self.num_in_flight - self.engine.stats.num_running, 0)
+        if waiting + num_new > self.settings.max_waiting_requests:
+            raise APIError(503, f"the server is overloaded: {waiting} requests are waiting "
+                                f"(--max-waiting-requests={self.settings.max_waiting_requests})",
+                           headers={"Retry-After": "1"})
+        self.num_in_flight += num_new
+
+    def _validate(self, prompts: list[_Prompt], params: SamplingParams) -> None:
+        for p in prompts:
+            try:
+                self.engine.core.validate(p.ids, params)
+            except ValueError as e:
+                raise bad_request(e, "prompt" if "max_tokens" not in str(e) else "max_tokens")
+
+    def _tokenize(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer: send token ids", "prompt")
+        return list(self.tokenizer(text).input_ids)
+
+    # ---- /v1/completions ----------------------------------------------------------------
+    def _completion_prompts(self, prompt) -> list[_Prompt]:
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        elif prompt and all(isinstance(t, int) for t in prompt):
+            prompt = [prompt]
+        if not prompt:
+            raise APIError(400, "prompt must not be empty", "prompt")
+        out = []
+        for p in prompt:
+            if isinstance(p, str):
+                if not p:
+                    raise APIError(400, "prompt must not be empty", "prompt")
+                out.append(_Prompt(p, self._tokenize(p)))
+            else:
+                out.append(_Prompt(None, list(p)))
+        return out
+
+    async def completions(self, req: CompletionRequest, raw: Request):
+        self.check_model(req.model)
+        prompts = self._completion_prompts(req.prompt)
+        try:
+            params = sampling_params(req, self.settings.generation_defaults,
+                                     max_tokens=req.max_tokens, logprobs=req.logprobs,
+                                     prompt_logprobs=req.logprobs if req.echo else None)
+        except ValueError as e:
+            raise bad_request(e)
+        self._validate(prompts, params)
+        self.check_capacity(len(prompts))
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        stream = self._merged(rid, prompts, params, req.priority)
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return _sse(self._completion_chunks(rid, prompts, params, req, stream,
+                                                include_usage))
+        prompt_lps: dict[int, list] = {}
+        choices = await self._collect(stream, raw, params.n, prompt_lps)
+        return JSONResponse({
+            "id": rid, "object": "text_completion", "created": int(time.time()),
+            "model": self.settings.served_model_name,
+            "choices": [self._completion_choice(c, c.index // params.n, prompts, prompt_lps, req)
+                        for c in choices],
+            "usage": _usage(prompts, choices)})
+
+    def _completion_choice(self, c: _Choice, i: int, prompts: list[_Prompt],
+                           prompt_lps: dict[int, list], req: CompletionRequest) -> dict:
+        text, logprobs = c.text, None
+        if req.echo:
+            text = self._prompt_text(prompts[i]) + text
+        if req.logprobs is not None:
+            logprobs = _completion_logprobs(
+                c.logprobs, req.logprobs, self, prompts[i].ids if req.echo else None,
+                prompt_lps.get(i))
+        return {"index": c.index, "text": text, "logprobs": logprobs,
+                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+
+    def _prompt_text(self, prompt: _Prompt) -> str:
+        if prompt.text is not None:
+            return prompt.text
+        return self.tokenizer.decode(prompt.ids) if self.tokenizer is not None else ""
+
+    async def _completion_chunks(self, rid, prompts, params, req, stream,
+                                 include_usage) -> AsyncIterator[str]:
+        created, model, n = int(time.time()), self.settings.served_model_name, params.n
+        choices: dict[int, _Choice] = {}
+        echoed: set[int] = set()
+        async for i, out, delta in stream:
+            for c in delta:
+                idx = i * n + c.index
+                acc = choices.setdefault(idx, _Choice(idx))
+                _accumulate(acc, c)
+                text = c.text
+                if req.echo and idx not in echoed:
+                    echoed.add(idx)
+                    text = self._prompt_text(prompts[i]) + text
+                logprobs = None
+                if req.logprobs is not None and c.logprobs:
+                    logprobs = _completion_logprobs(c.logprobs, req.logprobs, self)
+                yield _data({"id": rid, "object": "text_completion", "created": created,
+                             "model": model, "choices": [{
+                                 "index": idx, "text": text, "logprobs": logprobs,
+                                 "finish_reason": c.finish_reason,
+                                 "stop_reason": c.stop_reason}]})
+        if include_usage:
+            yield _data({"id": rid, "object": "text_completion", "created": created,
+                         "model": model, "choices": [],
+                         "usage": _usage(prompts, list(choices.values()))})
+
+    # ---- /v1/chat/completions -------------------------------------------------------------
+    async def chat(self, req: ChatCompletionRequest, raw: Request):
+        self.check_model(req.model)
+        try:
+            ids = render_chat(self.tokenizer, [m.model_dump() for m in req.messages],
+                              chat_template=self.settings.chat_template,
+                              add_generation_prompt=req.add_generation_prompt,
+                              **(req.chat_template_kwargs or {}))
+        except ValueError as e:
+            raise bad_request(e, "messages")
+        prompts = [_Prompt(None, ids)]
+        top = req.top_logprobs
+        if top is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
+        try:
+            params = sampling_params(
+                req, self.settings.generation_defaults,
+                max_tokens=req.max_completion_tokens or req.max_tokens,
+                logprobs=(top or 0) if req.logprobs else None)
+        except ValueError as e:
+            raise bad_request(e)
+        self._validate(prompts, params)
+        self.check_capacity(1)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        stream = self._merged(rid, prompts, params, req.priority)
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return _sse(self._chat_chunks(rid, prompts, req, stream, include_usage))
+        choices = await self._collect(stream, raw, params.n)
+        return JSONResponse({
+            "id": rid, "object": "chat.completion", "created": int(time.time()),
+            "model": self.settings.served_model_name,
+            "choices": [{"index": c.index,
+                         "message": {"role": "assistant", "content": c.text},
+                         "logprobs": _chat_logprobs(c.logprobs, top or 0)
+                         if req.logprobs else None,
+                         "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                        for c in choices],
+            "usage": _usage(prompts, choices)})
+
+    async def _chat_chunks(self, rid, prompts, req, stream, include_usage) -> AsyncIterator[str]:
+        created, model = int(time.time()), self.settings.served_model_name
+        base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
+        choices: dict[int, _Choice] = {}
+        async for _, out, delta in stream:
+            for c in delta:
+                first = c.index not in choices
+                acc = choices.setdefault(c.index, _Choice(c.index))
+                _accumulate(acc, c)
+                if first:
+                    yield _data({**base, "choices": [{
+                        "index": c.index, "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None, "finish_reason": None}]})
+                logprobs = (_chat_logprobs(c.logprobs, req.top_logprobs or 0)
+                            if req.logprobs and c.logprobs else None)
+                delta_msg = {"content": c.text} if c.text else {}
+                yield _data({**base, "choices": [{
+                    "index": c.index, "delta": delta_msg, "logprobs": logprobs,
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]})
+        if include_usage:
+            yield _data({**base, "choices": [], "usage": _usage(prompts, list(choices.values()))})
+
+    # ---- shared machinery ---------------------------------------------------------------------
+    async def _merged(self, rid: str, prompts: list[_Prompt], params: SamplingParams,
+                      priority: int) -> AsyncIterator[tuple[int, RequestOutput, list]]:
+        """Runs every prompt; yields (prompt index, output, its delta completions)."""
+        queue: asyncio.Queue = asyncio.Queue()
+        trackers = [_Tracker(time.monotonic()) for _ in prompts]
+        if not self.settings.disable_log_requests:
+            logger.info("request %s: %d prompt(s) of %s tokens, %s", rid, len(prompts),
+                        [len(p.ids) for p in prompts], params)
+
+        async def pump(i: int, p: _Prompt) -> None:
+            try:
+                async for out in self.engine.generate(f"{rid}-{i}", p.ids, params,
+                                                      prompt=p.text, priority=priority):
+                    queue.put_nowait((i, out))
+            except asyncio.CancelledError:
+                raise
+            except BaseException as e:   # noqa: BLE001 - handed to the consumer
+                queue.put_nowait((i, e))
+
+        tasks = [asyncio.create_task(pump(i, p)) for i, p in enumerate(prompts)]
+        remaining = len(prompts)
+        try:
+            while remaining:
+                i, out = await queue.get()
+                if isinstance(out, BaseException):
+                    if isinstance(out, ValueError):
+                        raise bad_request(out, "prompt")
+                    raise APIError(500, f"the engine failed: {out}")
+                tr = trackers[i]
+                new = sum(len(c.token_ids) for c in out.outputs)
+                if new and tr.first_token is None:
+                    tr.first_token = time.monotonic()
+                tr.num_output += new
+                if out.finished:
+                    remaining -= 1
+                    self.metrics.observe_request(
+                        arrival=tr.arrival, first_token=tr.first_token, end=time.monotonic(),
+                        num_prompt=len(prompts[i].ids), num_output=tr.num_output)
+                yield i, out, out.outputs
+        finally:
+            self.num_in_flight -= len(prompts)
+            for t in tasks:
+                t.cancel()
+
+    async def _collect(self, stream, raw: Request, n: int,
+                       prompt_logprobs: dict | None = None) -> list[_Choice]:
+        """Gathers a whole (non-streamed) answer; a client that hangs up aborts it.
+        Prompt logprobs, when the engine sends them, go into `prompt_logprobs[i]`."""
+        choices: dict[int, _Choice] = {}
+
+        async def consume() -> None:
+            async for i, out, delta in stream:
+                if prompt_logprobs is not None and out.prompt_logprobs is not None:
+                    prompt_logprobs[i] = out.prompt_logprobs
+                for c in delta:
+                    idx = i * n + c.index
+                    _accumulate(choices.setdefault(idx, _Choice(idx)), c)
+
+        task = asyncio.create_task(consume())
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
+                if done:
+                    task.result()
+                    break
+                if await raw.is_disconnected():
+                    raise asyncio.CancelledError("client disconnected")
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+            await stream.aclose()
+        return [choices[k] for k in sorted(choices)]
+
+
+# ---- formatting helpers --------------------------------------------------------------------
+def _accumulate(acc: _Choice, c) -> None:
+    acc.text += c.text
+    acc.token_ids.extend(c.token_ids)
+    if c.logprobs:
+        acc.logprobs.extend(c.logprobs)
+    if c.finish_reason is not None:
+        acc.finish_reason, acc.stop_reason = c.finish_reason, c.stop_reason
+
+
+def _usage(prompts: list[_Prompt], choices: list[_Choice]) -> dict:
+    prompt_tokens = sum(len(p.ids) for p in prompts)
+    completion_tokens = sum(len(c.token_ids) for c in choices)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _ranked(entry: dict, k: int) -> list[tuple[int, Any]]:
+    """The top-k alternatives of one position, most likely first."""
+    alts = [(tid, lp) for tid, lp in entry.items() if lp.rank is not None and lp.rank <= k]
+    return sorted(alts, key=lambda a: a[1].rank)[:k]
+
+
+def _token_str(serving: OpenAIServing, tid: int, lp) -> str:
+    if lp is not None and lp.decoded_token is not None:
+        return lp.decoded_token
+    tok = serving.tokenizer
+    return tok.decode([tid]) if tok is not None else f"token_id:{tid}"
+
+
+def _completion_logprobs(entries: list[dict], k: int, serving: OpenAIServing,
+                         prompt_ids: list[int] | None = None,
+                         prompt_entries: list | None = None) -> dict:
+    """OpenAI completions logprobs: tokens, token_logprobs, top_logprobs, text_offset.
+
+    With echo, the prompt's tokens come first (the first has no logprob)."""
+    rows: list[tuple[int, dict | None]] = []
+    if prompt_ids is not None:
+        rows += [(tid, prompt_entries[pos] if prompt_entries else None)
+                 for pos, tid in enumerate(prompt_ids)]
+    rows += [(next(iter(entry)), entry) for entry in entries]   # the sampled token is first
+    tokens, token_lps, tops, offsets = [], [], [], []
+    offset = 0
+    for tid, entry in rows:
+        lp = entry[tid] if entry is not None else None
+        s = _token_str(serving, tid, lp)
+        tokens.append(s)
+        token_lps.append(lp.logprob if lp is not None else None)
+        tops.append({_token_str(serving, t, v): v.logprob for t, v in _ranked(entry, k)}
+                    if entry is not None else None)
+        offsets.append(offset)
+        offset += len(s)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
+            "text_offset": offsets}
+
+
+def _chat_logprobs(entries: list[dict], k: int) -> dict:
+    content = []
+    for entry in entries:
+        chosen = next(iter(entry))
+        lp = entry[chosen]
+        token = lp.decoded_token or ""
+        content.append({
+            "token": token, "logprob": lp.logprob, "bytes": list(token.encode()),
+            "top_logprobs": [{"token": v.decoded_token or "", "logprob": v.logprob,
+                              "bytes": list((v.decoded_token or "").encode())}
+                             for _, v in _ranked(entry, k)]})
+    return {"content": content}
+
+
+def _data(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def _sse(chunks: AsyncIterator[str]) -> StreamingResponse:
+    async def body() -> AsyncIterator[str]:
+        try:
+            async for chunk in chunks:
+                yield chunk
+        except APIError as e:
+            yield _data(error_body(e.status, e.message, e.param))
+        except Exception as e:  # noqa: BLE001 - a stream cannot change its status any more
+            logger.exception("stream failed")
+            yield _data(error_body(500, f"internal error: {e}"))
+        yield "data: [DONE]\n\n"
+    return StreamingResponse(body(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})

@@ -1,0 +1,182 @@
+"""AsyncEngine: one engine thread drives EngineCore; each request gets its own stream.
+
+The engine thread owns the EngineCore (nothing else touches it). Coroutines
+submit commands through a queue; the thread runs steps while work remains and
+delivers each request's delta outputs to the asyncio queue of its caller.
+A caller that goes away (client disconnect, cancellation) aborts its request,
+which frees its pages at the next step boundary.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from jaxserve.config import EngineConfig
+from jaxserve.core.outputs import RequestOutput
+from jaxserve.engine.engine_core import EngineCore
+from jaxserve.sampling_params import SamplingParams
+
+logger = logging.getLogger("jaxserve")
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot the engine thread publishes after every step (read by /metrics)."""
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_hit_rate: float = 0.0
+    num_compilations: int = 0
+    num_preemptions: int = 0
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig, *, core: EngineCore | None = None):
+        self.core = core or EngineCore(config, stream_outputs=True)
+        self.config = config
+        self.tokenizer = self.core.tokenizer
+        self.stats = EngineStats()
+        self._commands: queue.Queue = queue.Queue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
+        self._thread.start()
+
+    # ---- caller side (any thread / event loop) --------------------------------------
+    @property
+    def dead(self) -> bool:
+        """True once a failed step stopped the engine thread."""
+        return self._error is not None
+
+    @property
+    def num_pending(self) -> int:
+        """Requests submitted and not finished (waiting + running + not yet added)."""
+        return len(self._streams)
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams, *, prompt: str | None = None,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Streams the request's delta outputs; the last one has finished=True."""
+        if self._error is not None:
+            raise EngineDeadError(f"the engine stopped: {self._error!r}")
+        loop = asyncio.get_running_loop()
+        stream: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._streams[request_id] = (loop, stream)
+        self._commands.put(("add", request_id, prompt_token_ids, params, prompt, priority))
+        finished = False
+        try:
+            while not finished:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Abort everything in flight and stop the engine thread."""
+        self._stopping.set()
+        self._commands.put(("stop",))
+        self._thread.join(timeout)
+
+    # ---- engine thread ----------------------------------------------------------------
+    def _deliver(self, request_id: str, item) -> None:
+        with self._lock:
+            entry = self._streams.get(request_id)
+            if entry is not None and (isinstance(item, BaseException) or item.finished):
+                del self._streams[request_id]
+        if entry is not None:
+            loop, stream = entry
+            try:
+                loop.call_soon_threadsafe(stream.put_nowait, item)
+            except RuntimeError:   # the caller's loop is closed
+                pass
+
+    def _handle(self, cmd: tuple) -> None:
+        core = self.core
+        if cmd[0] == "add":
+            _, rid, ids, params, prompt, priority = cmd
+            try:
+                core.add_request(rid, ids, params, prompt=prompt, priority=priority)
+            except ValueError as e:
+                self._deliver(rid, e)
+        elif cmd[0] == "abort":
+            out = core.abort_request(cmd[1])
+            if out is not None:
+                self._deliver(cmd[1], out)
+
+    def _run(self) -> None:
+        core = self.core
+        while True:
+            # Block while idle; otherwise take whatever arrived since the last step.
+            idle = not core.has_unfinished_requests()
+            try:
+                cmd = self._commands.get() if idle else self._commands.get_nowait()
+            except queue.Empty:
+                cmd = None
+            while cmd is not None:
+                if cmd[0] == "stop":
+                    self._abort_all()
+                    return
+                self._handle(cmd)
+                try:
+                    cmd = self._commands.get_nowait()
+                except queue.Empty:
+                    cmd = None
+            if not core.has_unfinished_requests():
+                self._publish_stats()
+                continue
+            try:
+                outs = core.step()
+            except Exception as e:   # a broken step must not hang every caller
+                logger.exception("engine step failed; failing all requests in flight")
+                self._error = e
+                self._fail_all(e)
+                return
+            for out in outs:
+                self._deliver(out.request_id, out)
+            self._publish_stats()
+
+    def _publish_stats(self) -> None:
+        s = self.core.scheduler
+        self.stats = EngineStats(
+            num_running=s.num_running, num_waiting=s.num_waiting,
+            kv_cache_usage=s.kv_cache_usage, prefix_cache_hit_rate=s.prefix_cache_hit_rate,
+            num_compilations=self.core.num_compilations, num_preemptions=s.num_preemptions)
+
+    def _abort_all(self) -> None:
+        with self._lock:
+            ids = list(self._streams)
+        for rid in ids:
+            out = self.core.abort_request(rid)
+            self._deliver(rid, out if out is not None else EngineDeadError("engine stopped"))
+        self._publish_stats()
+
+    def _fail_all(self, error: BaseException) -> None:
+        with self._lock:
+            entries = list(self._streams.items())
+            self._streams.clear()
+        for _, (loop, stream) in entries:
+            try:
+                loop.call_soon_threadsafe(stream.put_nowait, EngineDeadError(repr(error)))
+            except RuntimeError:
+                pass

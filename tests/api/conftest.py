@@ -1,0 +1,76 @@
+"""A real `python -m jaxserve.api` process on 127.0.0.1, driven by the openai client."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from tests.checkpoints import make_tiny_checkpoint
+
+API_KEY = "test-key"
+SERVER_ARGS = ["--dtype", "float32", "--max-model-len", "128", "--max-num-seqs", "16",
+               "--max-num-batched-tokens", "64", "--disable-log-requests"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, model: str, *extra: str, api_key: str | None = API_KEY):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        args = [sys.executable, "-m", "jaxserve.api", "--model", model, "--port", str(self.port),
+                *SERVER_ARGS, *extra]
+        if api_key:
+            args += ["--api-key", api_key]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env.pop("JAXSERVE_API_KEY", None)
+        self.log = open(os.path.join(os.path.dirname(model), f"server-{self.port}.log"), "w+")
+        self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.output()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.proc.kill()
+        raise RuntimeError(f"server did not start:\n{self.output()}")
+
+    def output(self) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()
+
+    def stop(self, timeout: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="session")
+def api_checkpoint(tmp_path_factory) -> str:
+    return make_tiny_checkpoint("qwen3", tmp_path_factory.mktemp("api") / "qwen3")
+
+
+@pytest.fixture(scope="session")
+def server(api_checkpoint):
+    srv = Server(api_checkpoint)
+    yield srv
+    srv.stop()
