@@ -16,7 +16,7 @@ import numpy as np
 
 from models.config import ModelConfig
 from models.inputs import ModelInputs
-from pallas_kernels.ragged_paged_attention import ragged_paged_attention, write_kv
+from pallas_kernels.ragged_paged_attention import backend_options, ragged_paged_attention, write_kv
 
 Dtype = Any
 INIT_STD = 0.02
@@ -119,6 +119,7 @@ class Attention(nn.Module):
     """GQA attention over the paged KV cache (Llama / Qwen3 style)."""
     config: ModelConfig
     dtype: Dtype = jnp.float32
+    attention_backend: str = "reference"   # EngineConfig.attention_backend, "auto" resolved
 
     @nn.compact
     def __call__(self, x: jax.Array, cache: jax.Array, inputs: ModelInputs) -> tuple[jax.Array, jax.Array]:
@@ -134,10 +135,17 @@ class Attention(nn.Module):
         inv_freq = rope_inv_freq(H, cfg.rope_theta, cfg.rope_scaling)
         q = apply_rope(q, inputs.positions, inv_freq)
         k = apply_rope(k, inputs.positions, inv_freq)
-        # Write first: a request may read pages that this very step fills.
-        cache = write_kv(cache, k, v, inputs.slot_mapping)
-        o = ragged_paged_attention(q, cache, inputs.seq_lens, inputs.page_table, inputs.query_start_loc,
-                                   inputs.num_seqs, sm_scale=H ** -0.5)
+        if self.is_initializing():
+            # init only needs parameter shapes; the cache layout belongs to the kernel
+            # module, so init callers may pass any placeholder cache.
+            o = q
+        else:
+            # Write first: a request may read pages that this very step fills.
+            cache = write_kv(cache, k, v, inputs.slot_mapping)
+            impl, interpret = backend_options(self.attention_backend)
+            o = ragged_paged_attention(q, cache, inputs.seq_lens, inputs.page_table,
+                                       inputs.query_start_loc, inputs.num_seqs, sm_scale=H ** -0.5,
+                                       impl=impl, interpret=interpret)
         out = Einsum("TNH,NHE->TE", (N, H, E), ("heads", "head_dim", "embed"), 2, bias, dt, name="o_proj")(o)
         return out, cache
 

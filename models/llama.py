@@ -23,12 +23,13 @@ class DecoderLayer(nn.Module):
     config: ModelConfig
     mlp_cls: type = MLP          # MLP or a mixture-of-experts block with the same call signature
     dtype: Dtype = jnp.float32
+    attention_backend: str = "reference"
 
     @nn.compact
     def __call__(self, x: jax.Array, cache: jax.Array, inputs: ModelInputs) -> tuple[jax.Array, jax.Array]:
         cfg, dt = self.config, self.dtype
         h = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt, name="input_layernorm")(x)
-        a, cache = Attention(cfg, dt, name="self_attn")(h, cache, inputs)
+        a, cache = Attention(cfg, dt, self.attention_backend, name="self_attn")(h, cache, inputs)
         x = x + a
         h = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt, name="post_attention_layernorm")(x)
         x = x + self.mlp_cls(cfg, dt, name="mlp")(h)
@@ -38,6 +39,7 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     config: ModelConfig
     dtype: Dtype = jnp.float32
+    attention_backend: str = "reference"   # see pallas_kernels.ragged_paged_attention.backend_options
 
     def mlp_cls_for(self, layer_idx: int) -> type:
         return MLP
@@ -46,7 +48,8 @@ class LlamaForCausalLM(nn.Module):
         cfg = self.config
         self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, self.dtype)
         # A Python loop over layers: simple, and each layer owns one cache array.
-        self.layers = [DecoderLayer(cfg, self.mlp_cls_for(i), self.dtype) for i in range(cfg.num_layers)]
+        self.layers = [DecoderLayer(cfg, self.mlp_cls_for(i), self.dtype, self.attention_backend)
+                       for i in range(cfg.num_layers)]
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head = Einsum("TE,EV->TV", (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"),

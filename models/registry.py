@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from models.llama import LlamaForCausalLM, Qwen3ForCausalLM
 from models.qwen3_moe import Qwen3MoeForCausalLM
+from pallas_kernels.ragged_paged_attention import resolve_backend
 
 ARCHITECTURES: dict[str, type] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -36,6 +37,12 @@ def resolve_dtype(dtype: Any, config: ModelConfig) -> jnp.dtype:
         raise ValueError(f"unknown dtype {dtype!r}") from None
 
 
-def build_model(config: ModelConfig, dtype: Any = "auto") -> nn.Module:
-    """The flax module for `config`; parameters and activations in `dtype`."""
-    return get_model_class(config.architecture)(config=config, dtype=resolve_dtype(dtype, config))
+def build_model(config: ModelConfig, dtype: Any = "auto", attention_backend: str = "auto") -> nn.Module:
+    """The flax module for `config`; parameters and activations in `dtype`.
+
+    attention_backend: "auto" (Pallas kernels on GPU/TPU, the jnp reference on CPU),
+    "reference", "pallas" or "pallas_interpret"; "auto" is resolved here, for the
+    default backend.
+    """
+    return get_model_class(config.architecture)(config=config, dtype=resolve_dtype(dtype, config),
+                                                attention_backend=resolve_backend(attention_backend))

@@ -324,8 +324,8 @@ class Scheduler:
     def _check_stop(self, req: Request, tok: int) -> bool:
         sp = req.sampling_params
         n_out = len(req.output_token_ids)
-        # The first min_tokens outputs may not stop the request (vLLM masks stop tokens
-        # there; we let them through and keep going).
+        # The first min_tokens outputs may not stop the request (the sampler masks stop
+        # tokens there, as vLLM does).
         if n_out > getattr(sp, "min_tokens", 0):
             if tok == req.eos_token_id and not getattr(sp, "ignore_eos", False):
                 req.status = RequestStatus.FINISHED_STOPPED

@@ -18,6 +18,7 @@ from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.runner import compile_counter
 from jaxserve.runner.kv_budget import choose_num_pages, page_bytes
 from jaxserve.runner.model_runner import ModelRunner
+from jaxserve.runner.sampler import MAX_BANNED_TOKENS
 from jaxserve.sampling_params import SamplingParams
 from models.config import ModelConfig
 from models.registry import build_model
@@ -60,10 +61,13 @@ class EngineCore:
                 f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
                 f"{mc.max_position_embeddings}")
         self.max_model_len = max_model_len
+        if config.mesh is not None and config.mesh != "1x1":
+            logger.warning("mesh=%s is parsed but not applied yet: running on one device "
+                           "(tensor/data parallelism is issue 5)", config.mesh)
         self.eos_token_id = _eos_token_id(self.tokenizer, mc)
 
         t0 = time.perf_counter()
-        self.model = build_model(mc, dtype=self.dtype)
+        self.model = build_model(mc, dtype=self.dtype, attention_backend=config.attention_backend)
         self.params = load_params(config.model, mc, self.model, self.dtype,
                                   load_format=config.load_format, seed=config.seed)
         self.weight_bytes = param_bytes(self.params)
@@ -89,7 +93,8 @@ class EngineCore:
             num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, vocab_size=mc.vocab_size,
             num_pages=self.num_pages, page_size=config.page_size,
             max_num_seqs=config.max_num_seqs, max_model_len=max_model_len,
-            max_num_batched_tokens=config.num_batched_tokens, kv_dtype=kv_dtype)
+            max_num_batched_tokens=config.num_batched_tokens, kv_dtype=kv_dtype,
+            eos_token_id=self.eos_token_id)
         self.runner.warmup()
         self.scheduler = Scheduler(
             num_pages=self.num_pages, page_size=config.page_size,
@@ -115,6 +120,9 @@ class EngineCore:
         if n >= self.max_model_len:
             raise ValueError(f"the prompt has {n} tokens; max_model_len={self.max_model_len} "
                              f"leaves no room to generate (prompt must be < max_model_len)")
+        if params.min_tokens and len(params.stop_token_ids) + 1 > MAX_BANNED_TOKENS:
+            raise ValueError(f"stop_token_ids: at most {MAX_BANNED_TOKENS - 1} with min_tokens "
+                             f"> 0, got {len(params.stop_token_ids)}")
         room = self.max_model_len - n
         if params.max_tokens is None:
             params = replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
@@ -132,9 +140,12 @@ class EngineCore:
         child_ids = [request_id] if params.n == 1 else [f"{i}_{request_id}"
                                                         for i in range(params.n)]
         self.outputs.add(request_id, prompt, list(prompt_token_ids), params, child_ids)
-        # n > 1 siblings share the prompt's pages through the prefix cache; with prefix
-        # caching off a per-request salt keeps that sharing among siblings only.
-        salt = None if self.config.enable_prefix_caching or params.n == 1 else request_id
+        # A request-private salt keeps the prefix cache among the request's own n
+        # completions: when caching is off, and when prompt logprobs are wanted (a
+        # cached position would not be computed, so it would have no logprob).
+        private = (params.prompt_logprobs is not None
+                   or (not self.config.enable_prefix_caching and params.n > 1))
+        salt = request_id if private else None
         for i, cid in enumerate(child_ids):
             child = params if params.n == 1 else params.child(i)
             if child.seed is None:

@@ -49,10 +49,11 @@ class ModelRunner:
     def __init__(self, *, model, params, num_layers: int, num_kv_heads: int, head_dim: int,
                  vocab_size: int, num_pages: int, page_size: int, max_num_seqs: int,
                  max_model_len: int, max_num_batched_tokens: int, kv_dtype,
-                 context_buckets: bool = True):
+                 eos_token_id: int | None = None, context_buckets: bool = True):
         self.model = model
         self.params = params
         self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
         self.max_model_len = max_model_len
         self.token_buckets = power_of_two_buckets(16, max_num_batched_tokens)
         self.row_buckets = row_buckets(max_num_seqs)
@@ -103,7 +104,8 @@ class ModelRunner:
         variant = choose_variant([r.sampling_params for r in reqs])
         rows = [SamplingRow(r.sampling_params, r.num_output_tokens,
                             prompt_token_ids=r.prompt_token_ids,
-                            output_token_ids=r.output_token_ids) for r in reqs]
+                            output_token_ids=r.output_token_ids,
+                            banned_token_ids=self._banned(r)) for r in reqs]
         tensors = make_sampling_tensors(rows, num_rows, self.vocab_size,
                                         penalties=variant.penalties,
                                         penalty_len=self.max_model_len)
@@ -118,6 +120,14 @@ class ModelRunner:
                 out.logprobs[r.req_id] = (result.logprob_token_ids[i], result.logprobs[i],
                                           int(result.sampled_rank[i]))
         return out
+
+    def _banned(self, r) -> tuple[int, ...]:
+        """Stop tokens may not be sampled among the first min_tokens outputs (as vLLM)."""
+        sp = r.sampling_params
+        if r.num_output_tokens >= sp.min_tokens:
+            return ()
+        eos = () if sp.ignore_eos or self.eos_token_id is None else (self.eos_token_id,)
+        return eos + tuple(sp.stop_token_ids)
 
     def _collect_prompt_logprobs(self, reqs, hb, hidden, out: ModelRunnerOutput) -> None:
         """Logprob of each prompt token given its prefix, for the tokens of this chunk."""

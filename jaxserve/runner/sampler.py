@@ -37,6 +37,8 @@ from jaxserve.core.outputs import Logprob
 from jaxserve.sampling_params import MAX_LOGPROBS, SAMPLING_EPS, SamplingParams
 
 _MIN_PENALTY_LEN = 16
+# Stop tokens (eos + stop_token_ids) a row may have banned while below min_tokens.
+MAX_BANNED_TOKENS = 16
 _KEY_IMPL = "threefry2x32"
 _U32 = 0xFFFFFFFF
 
@@ -61,6 +63,7 @@ class SamplingTensors:
     presence_penalty: jax.Array  # f32[R]
     frequency_penalty: jax.Array  # f32[R]
     repetition_penalty: jax.Array  # f32[R]
+    banned_token_ids: jax.Array  # int32[R, MAX_BANNED_TOKENS]; V = none (min_tokens stops)
     penalty_token_ids: jax.Array | None = None  # int32[R, L]: prompt ids, output ids, V pad
     num_prompt_tokens: jax.Array | None = None  # int32[R]
 
@@ -91,6 +94,7 @@ class SamplingRow:
     seed: int | None = None
     prompt_token_ids: Sequence[int] = ()
     output_token_ids: Sequence[int] = ()
+    banned_token_ids: Sequence[int] = ()  # may not be sampled now (stop tokens < min_tokens)
 
 
 def choose_variant(params: Sequence[SamplingParams]) -> SamplerVariant:
@@ -144,7 +148,15 @@ def make_sampling_tensors(
             keys[i] = rng.integers(0, 1 << 32, size=2, dtype=np.uint64)
         else:
             keys[i] = seed_to_key_data(seed)
+    banned = np.full((num_rows_padded, MAX_BANNED_TOKENS), vocab_size, np.int32)
+    for i, row in enumerate(rows):
+        if row.banned_token_ids:
+            if len(row.banned_token_ids) > MAX_BANNED_TOKENS:
+                raise ValueError(f"at most {MAX_BANNED_TOKENS} stop tokens can be held back "
+                                 f"by min_tokens, got {len(row.banned_token_ids)}")
+            banned[i, :len(row.banned_token_ids)] = row.banned_token_ids
     tensors = dict(
+        banned_token_ids=banned,
         temperature=col([p.temperature for p in ps], 0.0, f32),
         top_k=col([p.top_k for p in ps], 0, i32),
         top_p=col([p.top_p for p in ps], 1.0, f32),
@@ -244,6 +256,8 @@ def sample(logits: jax.Array, tensors: SamplingTensors, variant: SamplerVariant)
     """Pick one token per row. logits: [R, V] (any float dtype; computed in f32)."""
     logits = logits.astype(jnp.float32)
     raw_logprobs = jax.nn.log_softmax(logits, axis=-1) if variant.logprobs else None
+    rows = jnp.arange(logits.shape[0])[:, None]
+    logits = logits.at[rows, tensors.banned_token_ids].set(-jnp.inf, mode="drop")
     if variant.penalties:
         logits = apply_penalties(logits, tensors)
     token_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)

@@ -1,7 +1,17 @@
 """Pure-jnp ragged paged attention: the spec, the CPU path and the test oracle.
 
-Cache layout: one array per layer, [2, num_pages, page_size, K, H] (K and V
-stacked on the leading axis). Page 0 is the null page that padding writes to.
+Semantics: the packed queries q [T, N, H] hold the new tokens of requests
+0..num_seqs-1, request r owning tokens query_start_loc[r]:query_start_loc[r+1]
+(its last q_len positions: kv_lens[r] - q_len .. kv_lens[r] - 1; their K/V are
+already in the cache). Each token attends causally to its own request's
+positions, optionally only to the last `sliding_window` of them, with scores
+sm_scale * q.k, soft-capped as soft_cap * tanh(s / soft_cap). Tokens past
+query_start_loc[num_seqs] are padding and give zeros.
+
+Only the first cdiv(kv_lens[r], S) entries of page_table[r] are request r's
+pages; anything past them (and any slot past kv_lens[r]) may hold garbage or
+NaN and must not reach the output, so masked scores and masked V rows are
+selected away (a select, never a multiply by zero).
 
 Glossary: T tokens, R request rows, N query heads, K kv heads, G = N // K,
 H head dim, P pages per request, S page size, L = P * S context slots.
@@ -11,28 +21,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-# Per-block gather budget: a block of B tokens gathers [B, L, K, H] of K and V.
+from pallas_kernels.ragged_paged_attention.cache import cache_dims
+
+# Per-block gather budget: a block of B tokens gathers [B, K, 2, L, H] of K and V.
 _GATHER_BUDGET_BYTES = 64 * 1024 * 1024
 
 
-def make_kv_cache(num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
-                  dtype=jnp.bfloat16) -> jax.Array:
-    return jnp.zeros((2, num_pages, page_size, num_kv_heads, head_dim), dtype)
-
-
-def write_kv(cache: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> jax.Array:
-    """Scatter k, v [T, K, H] into their slots (page * page_size + offset).
-
-    Under jit with the cache donated this is an in-place scatter.
-    """
-    _, num_pages, page_size, kh, hd = cache.shape
-    flat = cache.reshape(2, num_pages * page_size, kh, hd)
-    kv = jnp.stack([k, v]).astype(cache.dtype)
-    flat = flat.at[:, slot_mapping].set(kv, mode="drop", unique_indices=False)
-    return flat.reshape(cache.shape)
-
-
-def _token_metadata(query_start_loc, kv_lens, num_seqs, num_tokens):
+def token_metadata(query_start_loc, kv_lens, num_seqs, num_tokens):
     """For each packed token: its request row, its position in the sequence, validity."""
     t = jnp.arange(num_tokens, dtype=jnp.int32)
     num_rows = kv_lens.shape[0]
@@ -46,7 +41,7 @@ def _token_metadata(query_start_loc, kv_lens, num_seqs, num_tokens):
 
 def ragged_paged_attention(
     q: jax.Array,                 # [T, N, H]
-    cache: jax.Array,             # [2, num_pages, S, K, H]
+    cache: jax.Array,             # [num_pages, K, 2, S, H]
     kv_lens: jax.Array,           # int32[R] KV length after this step
     page_table: jax.Array,        # int32[R, P]
     query_start_loc: jax.Array,   # int32[R + 1]
@@ -56,16 +51,12 @@ def ragged_paged_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
 ) -> jax.Array:                   # [T, N, H]
-    """Each token attends causally to its own request's pages.
-
-    Tokens are processed in blocks; each token gathers its request's pages, so
-    pages not in a request's table are never read. Padding tokens give zeros.
-    """
     num_tokens, num_heads, head_dim = q.shape
-    _, _, page_size, num_kv, _ = cache.shape
+    _, page_size, num_kv, _ = cache_dims(cache)
     group = num_heads // num_kv
-    ctx = page_table.shape[1] * page_size
-    row, pos, valid = _token_metadata(query_start_loc, kv_lens, num_seqs, num_tokens)
+    num_pages_per_req = page_table.shape[1]
+    ctx = num_pages_per_req * page_size
+    row, pos, valid = token_metadata(query_start_loc, kv_lens, num_seqs, num_tokens)
 
     bytes_per_token = 2 * ctx * num_kv * head_dim * jnp.dtype(cache.dtype).itemsize
     block = num_tokens
@@ -75,23 +66,29 @@ def ragged_paged_attention(
 
     def attend(args):
         qb, rb, pb, vb = args                                   # [B,N,H], [B], [B], [B]
-        pages = page_table[rb]                                   # [B, P]
-        kv = cache[:, pages].reshape(2, block, ctx, num_kv, head_dim)
-        qg = qb.reshape(block, num_kv, group, head_dim).astype(jnp.float32)
-        s = jnp.einsum("BKGH,BLKH->BKGL", qg, kv[0].astype(jnp.float32)) * sm_scale
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
+        kv_len = kv_lens[rb]                                    # [B]
+        # Unlisted page slots point at page 0; whatever they hold is selected away below.
+        listed = jnp.arange(num_pages_per_req)[None, :] * page_size < kv_len[:, None]
+        pages = jnp.where(listed, page_table[rb], 0)           # [B, P]
+        kv = cache[pages]                                       # [B, P, K, 2, S, H]
+        kv = kv.transpose(0, 3, 2, 1, 4, 5).reshape(block, 2, num_kv, ctx, head_dim)
         slot = jnp.arange(ctx, dtype=jnp.int32)[None, :]
-        mask = (slot <= pb[:, None]) & (slot < kv_lens[rb][:, None]) & vb[:, None]
+        mask = (slot <= pb[:, None]) & (slot < kv_len[:, None]) & vb[:, None]   # [B, L]
         if sliding_window is not None:
             mask &= slot > pb[:, None] - sliding_window
+        k = kv[:, 0].astype(jnp.float32)                        # [B, K, L, H]
+        v = jnp.where(mask[:, None, :, None], kv[:, 1].astype(jnp.float32), 0.0)
+        qg = qb.reshape(block, num_kv, group, head_dim).astype(jnp.float32)
+        s = jnp.einsum("BKGH,BKLH->BKGL", qg, k, precision="highest") * sm_scale
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
         s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
         m = jnp.max(s, axis=-1, keepdims=True)
         p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
         p = jnp.where(mask[:, None, None, :], p, 0.0)
         denom = jnp.sum(p, axis=-1, keepdims=True)
-        o = jnp.einsum("BKGL,BLKH->BKGH", p / jnp.where(denom > 0, denom, 1.0),
-                       kv[1].astype(jnp.float32))
+        o = jnp.einsum("BKGL,BKLH->BKGH", p / jnp.where(denom > 0, denom, 1.0), v,
+                       precision="highest")
         return o.reshape(block, num_heads, head_dim).astype(q.dtype)
 
     split = lambda x: x.reshape(nblk, block, *x.shape[1:])

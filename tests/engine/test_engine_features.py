@@ -111,6 +111,18 @@ def test_logprobs_and_prompt_logprobs_match_torch(llm, checkpoint):
             assert int(t) in entry
 
 
+def test_prompt_logprobs_are_complete_even_when_the_prompt_is_cached(llm):
+    prompt = {"prompt_token_ids": _ids(40, seed=8)}
+    params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=1)
+    first = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=2),
+                         use_tqdm=False)[0]      # fills the prefix cache
+    again = llm.generate(prompt, params, use_tqdm=False)[0]
+    assert again.num_cached_tokens == 0          # prompt logprobs need every position
+    assert again.prompt_logprobs[0] is None
+    assert all(e is not None for e in again.prompt_logprobs[1:])
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+
+
 def test_stop_strings_stop_tokens_and_eos(llm):
     tok = llm.get_tokenizer()
     prompt = {"prompt_token_ids": _ids(10, seed=5)}
@@ -138,10 +150,12 @@ def test_stop_strings_stop_tokens_and_eos(llm):
                          use_tqdm=False)[0].outputs[0]
     assert by_id.finish_reason == "stop" and by_id.stop_reason == stop_id
     assert by_id.token_ids == free.token_ids[:first + 1]
-    # min_tokens defers the stop token.
+    # min_tokens: the stop token cannot be sampled among the first min_tokens outputs.
     later = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=40,
                                                 stop_token_ids=[stop_id], min_tokens=first + 1,
                                                 ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert later.token_ids[:first] == free.token_ids[:first]
+    assert stop_id not in later.token_ids[:first + 1]
     assert len(later.token_ids) > first + 1
 
 

@@ -273,3 +273,26 @@ def test_compute_prompt_logprobs_matches_numpy():
     order = np.argsort(-ref, axis=-1)[:, :MAX_LOGPROBS]
     np.testing.assert_array_equal(top_ids, order)
     np.testing.assert_allclose(top_lp, np.take_along_axis(ref, order, -1), atol=1e-5)
+
+
+@pytest.mark.parametrize("variant", [SamplerVariant(do_sample=False), RANDOM,
+                                     SamplerVariant(do_sample=True, penalties=True,
+                                                    logprobs=True)])
+def test_banned_tokens_are_never_sampled(variant):
+    # Row 0 bans its two most likely tokens (stop tokens held back by min_tokens); row 1
+    # bans nothing. Raw logprobs still describe the unmasked distribution.
+    logits = np.tile(np.array([[5.0, 4.0, 3.0, 0.0, -1.0]], np.float32), (2, 1))
+    greedy = SamplingParams(temperature=0.0)
+    hot = SamplingParams(temperature=1.0)
+    params = greedy if not variant.do_sample else hot
+    rows = [SamplingRow(params, 0, seed=1, banned_token_ids=(0, 1)),
+            SamplingRow(params, 0, seed=2)]
+    for step in range(20):
+        rows = [SamplingRow(r.params, step, seed=r.seed, banned_token_ids=r.banned_token_ids)
+                for r in rows]
+        out = run(logits, rows, variant)
+        assert out.token_ids[0] not in (0, 1)
+        if not variant.do_sample:
+            assert out.token_ids[0] == 2 and out.token_ids[1] == 0
+        if variant.logprobs:
+            assert np.allclose(out.logprobs[0, 1:6], np_log_softmax(logits[0])[:5], atol=1e-6)

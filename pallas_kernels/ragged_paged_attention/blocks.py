@@ -1,0 +1,101 @@
+"""Work items shared by the kernels: one item = one query block of one request.
+
+A request with q_len new tokens is cut into cdiv(q_len, BQ) blocks of BQ
+tokens; every block becomes an item, and a kernel program handles one item
+(for one or all kv heads) with an online-softmax loop over the KV steps the
+item needs. Decodes are items with one token; a long prefill chunk is many.
+The item count is bounded statically by min(T, cdiv(T, BQ) + R); items past
+the real count have NUM_STEPS = 0 and are skipped.
+
+The queries of an item are laid out as a dense [M, H] tile per kv head,
+row m = t * G + g (token t of the block, query head g of the group), padded
+to M rows, so the kernels never see ragged shapes; gather_queries builds the
+[I, K, M, H] tiles and scatter_outputs puts the result rows back in [T, N, H].
+
+Per-item metadata (int32[I, NUM_FIELDS]) is computed here in XLA, once per
+call, so the kernels only read scalars.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+# Fields of the per-item metadata.
+REQ, Q_START, Q_COUNT, Q_POS, KV_LEN, STEP_LO, NUM_STEPS, NUM_PAGES, NUM_ITEMS = range(9)
+NUM_FIELDS = 9     # NUM_ITEMS (the real item count) is the same in every row
+
+
+def max_items(num_tokens: int, num_rows: int, block_q: int) -> int:
+    return max(1, min(num_tokens, -(-num_tokens // block_q) + num_rows))
+
+
+def plan_items(query_start_loc: jax.Array, kv_lens: jax.Array, num_seqs: jax.Array, *,
+               num_tokens: int, block_q: int, kv_step: int, page_size: int,
+               sliding_window: int | None):
+    """-> (meta int32[I, NUM_FIELDS], token_item int32[T], token_row int32[T], token_valid bool[T]).
+
+    kv_step is the kernel's KV block in tokens: items loop over the steps
+    STEP_LO .. STEP_LO + NUM_STEPS - 1, the ones that hold a position some
+    query of the item may attend to (causal, and the window when given).
+    """
+    num_rows = kv_lens.shape[0]
+    n_items = max_items(num_tokens, num_rows, block_q)
+    rows = jnp.arange(num_rows, dtype=jnp.int32)
+    live = rows < num_seqs[0]
+    q_start_row = query_start_loc[:-1]
+    q_len = jnp.where(live, query_start_loc[1:] - q_start_row, 0)
+    kv_len_row = jnp.where(live, kv_lens, 0)
+    blocks = -(-q_len // block_q)                                 # items per request
+    ends = jnp.cumsum(blocks)                                     # [R]
+    firsts = ends - blocks
+
+    i = jnp.arange(n_items, dtype=jnp.int32)
+    req = jnp.minimum(jnp.searchsorted(ends, i, side="right").astype(jnp.int32), num_rows - 1)
+    valid = i < ends[-1]
+    j = i - firsts[req]                                           # block index within its request
+    q_start = q_start_row[req] + j * block_q
+    q_count = jnp.clip(q_len[req] - j * block_q, 0, block_q)
+    kv_len = kv_len_row[req]
+    q_pos = kv_len - q_len[req] + j * block_q                    # position of the block's first token
+    last_pos = q_pos + q_count - 1
+    lo = jnp.zeros_like(q_pos) if sliding_window is None else \
+        jnp.maximum(q_pos - sliding_window + 1, 0)
+    step_lo = lo // kv_step
+    num_steps = jnp.where(valid & (q_count > 0), last_pos // kv_step + 1 - step_lo, 0)
+    num_pages = -(-kv_len // page_size)
+    meta = jnp.stack([req, q_start, q_count, q_pos, kv_len, step_lo, num_steps, num_pages], axis=1)
+    meta = jnp.where(valid[:, None], meta, 0)
+    meta = jnp.concatenate([meta, jnp.broadcast_to(ends[-1], (n_items, 1))], axis=1).astype(jnp.int32)
+
+    # Each real token belongs to exactly one item.
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    t_req = jnp.minimum(jnp.searchsorted(query_start_loc[1:], t, side="right").astype(jnp.int32),
+                        num_rows - 1)
+    t_valid = t < query_start_loc[num_seqs[0]]
+    within = t - q_start_row[t_req]
+    token_item = jnp.where(t_valid, firsts[t_req] + within // block_q, 0)
+    token_row = jnp.where(t_valid, within % block_q, 0)
+    return meta, token_item.astype(jnp.int32), token_row.astype(jnp.int32), t_valid
+
+
+def gather_queries(q: jax.Array, meta: jax.Array, *, num_kv_heads: int, block_q: int,
+                   rows: int) -> jax.Array:
+    """q [T, N, H] -> [I, K, rows, H]; row t * G + g holds token t, head g (rest zero)."""
+    num_tokens, num_heads, head_dim = q.shape
+    group = num_heads // num_kv_heads
+    n_items = meta.shape[0]
+    tok = jnp.minimum(meta[:, Q_START, None] + jnp.arange(block_q, dtype=jnp.int32), num_tokens - 1)
+    qb = q.reshape(num_tokens, num_kv_heads, group, head_dim)[tok]     # [I, BQ, K, G, H]
+    qb = qb.transpose(0, 2, 1, 3, 4).reshape(n_items, num_kv_heads, block_q * group, head_dim)
+    return jnp.pad(qb, ((0, 0), (0, 0), (0, rows - block_q * group), (0, 0)))
+
+
+def scatter_outputs(out_blocks: jax.Array, token_item: jax.Array, token_row: jax.Array,
+                    token_valid: jax.Array, *, num_heads: int, block_q: int) -> jax.Array:
+    """[I, K, rows, H] -> [T, N, H]; padding tokens get zeros."""
+    n_items, num_kv_heads, _, head_dim = out_blocks.shape
+    group = num_heads // num_kv_heads
+    ob = out_blocks[:, :, :block_q * group].reshape(n_items, num_kv_heads, block_q, group, head_dim)
+    out = ob[token_item, :, token_row]                                   # [T, K, G, H]
+    out = jnp.where(token_valid[:, None, None, None], out, 0)
+    return out.reshape(token_item.shape[0], num_heads, head_dim)

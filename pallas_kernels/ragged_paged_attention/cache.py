@@ -1,0 +1,54 @@
+"""The paged KV cache: its layout, how to build it and how to write new tokens.
+
+Layout (one array per layer): [num_pages, K, 2, S, H]. Each (page, kv head)
+holds its K rows and V rows as two contiguous [S, H] tiles, so the kernels
+fetch one page of one head with two rectangular copies (a TMA box on Hopper,
+one DMA on TPU) and the [S, H] minor dims tile cleanly on TPU (no padding of a
+small K axis to 8 sublanes). Page 0 is the null page that padding tokens
+write to. KV_HEAD_AXIS names the axis to shard for tensor parallelism.
+
+Glossary: K kv heads, S page size, H head dim, N tokens written.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+KV_HEAD_AXIS = 1
+
+
+def make_kv_cache(num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
+                  dtype=jnp.bfloat16) -> jax.Array:
+    for name, value in (("num_pages", num_pages), ("page_size", page_size),
+                        ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+        if value < 1:
+            raise ValueError(f"{name}={value}: must be >= 1")
+    return jnp.zeros((num_pages, num_kv_heads, 2, page_size, head_dim), dtype)
+
+
+def cache_dims(cache: jax.Array) -> tuple[int, int, int, int]:
+    """(num_pages, page_size, num_kv_heads, head_dim) of a cache from make_kv_cache."""
+    if cache.ndim != 5 or cache.shape[2] != 2:
+        raise ValueError(f"cache shape {cache.shape}: expected [num_pages, K, 2, S, H] "
+                         f"from make_kv_cache")
+    num_pages, kv_heads, _, page_size, head_dim = cache.shape
+    return num_pages, page_size, kv_heads, head_dim
+
+
+def write_kv(cache: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> jax.Array:
+    """Scatter k, v [N, K, H] into their slots (page * page_size + offset).
+
+    One XLA scatter: under jit with the cache donated it updates the buffer in
+    place (tests/kernels/test_write_kv.py checks the compiled engine step).
+    Slots outside the cache are dropped.
+    """
+    num_pages, page_size, kv_heads, head_dim = cache_dims(cache)
+    if k.shape != v.shape or k.shape[1:] != (kv_heads, head_dim):
+        raise ValueError(f"k {k.shape} / v {v.shape}: expected [N, {kv_heads}, {head_dim}]")
+    slot_mapping = slot_mapping.astype(jnp.int32)
+    page = slot_mapping // page_size
+    offset = slot_mapping % page_size
+    page = jnp.where(slot_mapping < 0, num_pages, page)      # negative slots are dropped too
+    kv = jnp.stack([k, v], axis=2).astype(cache.dtype)      # [N, K, 2, H]
+    # Index arrays on axes 0 and 3 (separated by slices) put N first: [N, K, 2, H].
+    return cache.at[page, :, :, offset, :].set(kv, mode="drop")

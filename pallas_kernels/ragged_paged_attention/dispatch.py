@@ -1,0 +1,114 @@
+"""ragged_paged_attention: one entry point over the reference and the two kernels.
+
+impl="reference": the pure-jnp spec (reference.py), any platform.
+impl="pallas": the kernel for the platform the computation is *lowered* for,
+  chosen with lax.platform_dependent, so jax.export(..., platforms=["cuda"])
+  and platforms=["tpu"] both work from a CPU-only machine:
+    cuda -> gpu.py (Mosaic GPU) when gpu.supports(...) (bf16/f16, head_dim
+            64/128/256), else the reference;
+    tpu  -> tpu.py (Mosaic TPU);
+    anything else (cpu, rocm) -> the reference.
+  interpret=True (or "tpu") runs the TPU kernel body in Pallas TPU interpret
+  mode, interpret="gpu" the Mosaic GPU body in GPU interpret mode; both run
+  on CPU. The TPU body is the default because TPU interpret mode runs every
+  kernel feature and is fast; GPU interpret mode compiles each CTA separately
+  (seconds each) and lacks WGMMA on transposed/register operands (see gpu.py).
+The kernels compute in the cache dtype (q is cast to it; the output comes back
+in q's dtype) with float32 softmax statistics and accumulators.
+Multi-platform export (e.g. platforms=["cpu", "cuda"]) is not possible: jax
+0.10.2 cannot lower a Mosaic GPU kernel inside a multi-platform module.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels.ragged_paged_attention import gpu, reference, tpu
+from pallas_kernels.ragged_paged_attention.cache import cache_dims
+
+IMPLS = ("pallas", "reference")
+# Engine-level names (EngineConfig.attention_backend) -> (impl, interpret).
+BACKENDS = {
+    "reference": ("reference", False),
+    "pallas": ("pallas", False),
+    "pallas_interpret": ("pallas", True),
+}
+
+
+def resolve_backend(backend: str, platform: str | None = None) -> str:
+    """An attention backend name with "auto" resolved: the Pallas kernels on GPU/TPU,
+    the reference elsewhere (platform defaults to jax.default_backend())."""
+    if backend == "auto":
+        platform = platform or jax.default_backend()
+        backend = "pallas" if platform in ("gpu", "cuda", "tpu") else "reference"
+    if backend not in BACKENDS:
+        raise ValueError(f"attention backend {backend!r}: expected 'auto' or one of {tuple(BACKENDS)}")
+    return backend
+
+
+def backend_options(backend: str) -> tuple[str, bool]:
+    """(impl, interpret) to pass to ragged_paged_attention for a backend name."""
+    return BACKENDS[resolve_backend(backend)]
+
+
+def _validate(q, cache, kv_lens, page_table, query_start_loc, num_seqs, sliding_window, soft_cap):
+    _, _, num_kv, head_dim = cache_dims(cache)
+    if q.ndim != 3 or q.shape[2] != head_dim:
+        raise ValueError(f"q shape {q.shape}: expected [T, N, {head_dim}]")
+    if q.shape[1] % num_kv:
+        raise ValueError(f"{q.shape[1]} query heads is not a multiple of {num_kv} kv heads")
+    rows = kv_lens.shape[0]
+    if kv_lens.shape != (rows,) or page_table.ndim != 2 or page_table.shape[0] != rows:
+        raise ValueError(f"kv_lens {kv_lens.shape} / page_table {page_table.shape}: expected [R], [R, P]")
+    if query_start_loc.shape != (rows + 1,):
+        raise ValueError(f"query_start_loc shape {query_start_loc.shape}: expected ({rows + 1},)")
+    if num_seqs.shape != (1,):
+        raise ValueError(f"num_seqs shape {num_seqs.shape}: expected (1,)")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window={sliding_window}: must be >= 1")
+    if soft_cap is not None and soft_cap <= 0:
+        raise ValueError(f"soft_cap={soft_cap}: must be > 0")
+
+
+def ragged_paged_attention(
+    q: jax.Array,                 # [T, N, H]
+    cache: jax.Array,             # [num_pages, K, 2, S, H] from make_kv_cache
+    kv_lens: jax.Array,           # int32[R] KV length after this step
+    page_table: jax.Array,        # int32[R, P]
+    query_start_loc: jax.Array,   # int32[R + 1]
+    num_seqs: jax.Array,          # int32[1]
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    impl: str = "pallas",
+    interpret: bool | str = False,
+) -> jax.Array:                   # [T, N, H]
+    """Causal attention of each packed token over its own request's pages (see reference.py)."""
+    _validate(q, cache, kv_lens, page_table, query_start_loc, num_seqs, sliding_window, soft_cap)
+    args = (q, cache, kv_lens.astype(jnp.int32), page_table.astype(jnp.int32),
+            query_start_loc.astype(jnp.int32), num_seqs.astype(jnp.int32))
+    kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    if impl == "reference":
+        return reference.ragged_paged_attention(*args, **kw)
+    if impl != "pallas":
+        raise ValueError(f"impl={impl!r}: expected one of {IMPLS}")
+
+    _, page_size, num_kv, head_dim = cache_dims(cache)
+    gpu_ok = gpu.supports(cache.dtype, head_dim, q.shape[1], num_kv, page_size)
+    if interpret in (True, "tpu"):
+        from jax.experimental.pallas import tpu as pltpu
+        return tpu.ragged_paged_attention_tpu(*args, **kw, interpret=pltpu.InterpretParams())
+    if interpret == "gpu":
+        if not gpu_ok:
+            raise ValueError(f"the Mosaic GPU kernel does not support dtype {cache.dtype}, "
+                             f"head_dim {head_dim}, page_size {page_size}")
+        return gpu.ragged_paged_attention_gpu(*args, **kw, interpret=gpu.interpret_params())
+    if interpret is not False:
+        raise ValueError(f"interpret={interpret!r}: expected False, True, 'tpu' or 'gpu'")
+
+    ref = lambda *a: reference.ragged_paged_attention(*a, **kw)
+    on_gpu = (lambda *a: gpu.ragged_paged_attention_gpu(*a, **kw)) if gpu_ok else ref
+    on_tpu = lambda *a: tpu.ragged_paged_attention_tpu(*a, **kw)
+    return lax.platform_dependent(*args, cuda=on_gpu, tpu=on_tpu, default=ref)

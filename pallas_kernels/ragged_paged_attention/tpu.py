@@ -1,0 +1,194 @@
+"""Ragged paged attention for TPU, written with Pallas Mosaic TPU.
+
+Grid (I,): one program per item (a query block of one request, blocks.py),
+covering all K kv heads, so one DMA per page brings K and V of every head
+(the cache's [K, 2, S, H] page is contiguous).
+  - Scalar prefetch: the item metadata and the page table (flattened) sit in
+    SMEM before the grid starts, so page indices are plain scalar loads.
+  - Queries and outputs are [K, M, H] tiles (M = BQ * G rows, GQA heads of a
+    kv head share every K/V load) moved by the BlockSpec pipeline.
+  - The cache stays in HBM (memory_space ANY); the item's KV steps (KV_STEP
+    tokens = PPS pages) are double-buffered by hand: step s+1's page DMAs start
+    before step s is computed. Page slots past the request's last page re-read
+    that last page (never an unlisted page) and are masked.
+  - Per step and kv head: S = Q K^T on the MXU (f32 accumulation), positional
+    mask, online softmax with the running max / sum in VMEM scratch, then
+    P V. V rows at or past KV_LEN are selected to zero first (stale slots may
+    hold NaN and 0 * NaN is NaN).
+Decode and prefill chunks are the same code path.
+
+Verified without a TPU: TPU interpret mode on CPU (the logic, DMAs and
+semaphores) and lowering/export for platform "tpu" (the Pallas -> Mosaic
+lowering). Unverified: Mosaic's own compilation (vector layouts, done by
+libtpu on a TPU), performance and block-size tuning. Known limits: the whole
+page table is scalar-prefetched into SMEM (R * P int32; keep it well under
+the chip's SMEM, e.g. larger pages for long contexts), and the first KV step
+of each item is not prefetched during the previous item.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels.ragged_paged_attention import blocks
+from pallas_kernels.ragged_paged_attention.cache import cache_dims
+
+_MXU_ROWS = 128                  # target query rows per item
+_KV_BUF_BYTES = 2 * 1024 * 1024  # one KV slot (all heads); two slots are live
+_MAX_KV_STEP = 256
+_MASK_M = -1e30                  # running-max floor: fully masked rows stay finite
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuConfig:
+    block_q: int            # tokens per item
+    rows: int               # M, block_q * G rounded up to the sublane tile
+    pages_per_step: int
+    kv_step: int            # pages_per_step * page_size
+
+
+def choose_config(group: int, page_size: int, num_kv_heads: int, head_dim: int,
+                  itemsize: int) -> TpuConfig:
+    block_q = max(1, _MXU_ROWS // group)
+    sublanes = 8 * (4 // itemsize)                      # 8 rows of f32, 16 of bf16
+    rows = -(-block_q * group // sublanes) * sublanes
+    per_token = num_kv_heads * 2 * head_dim * itemsize
+    want = max(page_size, min(_MAX_KV_STEP, _KV_BUF_BYTES // per_token))
+    pages = max(1, want // page_size)
+    return TpuConfig(block_q=block_q, rows=rows, pages_per_step=pages, kv_step=pages * page_size)
+
+
+def _kernel(meta_ref, pages_ref, q_ref, cache_hbm, o_ref, kv_buf, sems, m_scr, l_scr, acc_scr,
+            *, cfg: TpuConfig, group: int, num_kv_heads: int, pages_per_req: int,
+            page_size: int, sm_scale: float, soft_cap: float | None,
+            sliding_window: int | None):
+    item = pl.program_id(0)
+    field = lambda f: meta_ref[item * blocks.NUM_FIELDS + f]
+    num_steps = field(blocks.NUM_STEPS)
+    req, q_pos, q_count = field(blocks.REQ), field(blocks.Q_POS), field(blocks.Q_COUNT)
+    kv_len, step_lo, last_page = field(blocks.KV_LEN), field(blocks.STEP_LO), field(blocks.NUM_PAGES) - 1
+    pps, kv_step, rows = cfg.pages_per_step, cfg.kv_step, cfg.rows
+
+    def copies(s, slot):
+        first = (step_lo + s) * pps
+        out = []
+        for j in range(pps):
+            page = pages_ref[req * pages_per_req + jnp.minimum(first + j, last_page)]
+            out.append(pltpu.make_async_copy(cache_hbm.at[page], kv_buf.at[slot, j], sems.at[slot]))
+        return out
+
+    @pl.when(num_steps == 0)
+    def _idle():
+        o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
+
+    @pl.when(num_steps > 0)
+    def _run():
+        m_scr[...] = jnp.full(m_scr.shape, _MASK_M, jnp.float32)
+        l_scr[...] = jnp.full(l_scr.shape, 0.0, jnp.float32)
+        acc_scr[...] = jnp.full(acc_scr.shape, 0.0, jnp.float32)
+        for c in copies(0, 0):
+            c.start()
+
+        precision = lax.Precision.HIGHEST if kv_buf.dtype == jnp.float32 else None
+
+        def step(s, carry):
+            slot = lax.rem(s, 2)
+
+            @pl.when(s + 1 < num_steps)
+            def _prefetch():
+                for c in copies(s + 1, 1 - slot):
+                    c.start()
+
+            for c in copies(s, slot):
+                c.wait()
+            base = (step_lo + s) * kv_step
+            # Token of each query row (row = t * G + g; padding rows copy the last real
+            # token). t = floor((row + 0.5) / G) in f32 is exact here and avoids a
+            # vector integer division.
+            row = lax.broadcasted_iota(jnp.int32, (rows, kv_step), 0).astype(jnp.float32)
+            tok = ((row + 0.5) * (1.0 / group)).astype(jnp.int32)
+            q_of_row = q_pos + jnp.minimum(tok, q_count - 1)
+            kv_pos = base + lax.broadcasted_iota(jnp.int32, (rows, kv_step), 1)
+            keep = kv_pos <= q_of_row
+            if sliding_window is not None:
+                keep &= kv_pos > q_of_row - sliding_window
+            v_live = base + lax.broadcasted_iota(jnp.int32, (kv_step, kv_buf.shape[-1]), 0) < kv_len
+            for h in range(num_kv_heads):
+                k = kv_buf[slot, :, h, 0].reshape(kv_step, -1)          # [PPS, S, H] -> [L, H]
+                v = kv_buf[slot, :, h, 1].reshape(kv_step, -1)
+                v = jnp.where(v_live, v, jnp.zeros_like(v))
+                q = q_ref[h]                                           # [M, H]
+                scores = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                                         preferred_element_type=jnp.float32,
+                                         precision=precision) * sm_scale
+                if soft_cap is not None:
+                    scores = soft_cap * jnp.tanh(scores / soft_cap)
+                scores = jnp.where(keep, scores, -jnp.inf)
+                m_prev = m_scr[h][:, :1]                               # [M, 1]
+                m_new = jnp.maximum(m_prev, scores.max(axis=1, keepdims=True))
+                alpha = jnp.exp(m_prev - m_new)
+                p = jnp.exp(scores - m_new)
+                l_scr[h] = jnp.broadcast_to(alpha * l_scr[h][:, :1] + p.sum(axis=1, keepdims=True),
+                                            l_scr.shape[1:])
+                m_scr[h] = jnp.broadcast_to(m_new, m_scr.shape[1:])
+                pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32,
+                             precision=precision)
+                acc_scr[h] = alpha * acc_scr[h] + pv
+            return carry
+
+        lax.fori_loop(0, num_steps, step, 0)
+        for h in range(num_kv_heads):
+            o_ref[h] = (acc_scr[h] / l_scr[h][:, :1]).astype(o_ref.dtype)
+
+
+def ragged_paged_attention_tpu(q, cache, kv_lens, page_table, query_start_loc, num_seqs, *,
+                               sm_scale: float, sliding_window: int | None = None,
+                               soft_cap: float | None = None, interpret=False,
+                               config: TpuConfig | None = None):
+    """interpret: False, or TPU interpret-mode params (pltpu.InterpretParams()).
+    config: block sizes (tests use small ones); default choose_config(...)."""
+    num_tokens, num_heads, head_dim = q.shape
+    _, page_size, num_kv, _ = cache_dims(cache)
+    group = num_heads // num_kv
+    cfg = config or choose_config(group, page_size, num_kv, head_dim, jnp.dtype(cache.dtype).itemsize)
+    if cfg.kv_step != cfg.pages_per_step * page_size or cfg.rows < cfg.block_q * group:
+        raise ValueError(f"inconsistent {cfg} for page_size {page_size}, G {group}")
+    meta, token_item, token_row, token_valid = blocks.plan_items(
+        query_start_loc, kv_lens, num_seqs, num_tokens=num_tokens, block_q=cfg.block_q,
+        kv_step=cfg.kv_step, page_size=page_size, sliding_window=sliding_window)
+    q_blocks = blocks.gather_queries(q.astype(cache.dtype), meta, num_kv_heads=num_kv,
+                                     block_q=cfg.block_q, rows=cfg.rows)
+    n_items = meta.shape[0]
+    pages_per_req = page_table.shape[1]
+    kernel = functools.partial(
+        _kernel, cfg=cfg, group=group, num_kv_heads=num_kv, pages_per_req=pages_per_req,
+        page_size=page_size, sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
+    tile = pl.BlockSpec((None, num_kv, cfg.rows, head_dim), lambda i, *_: (i, 0, 0, 0))
+    out_blocks = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct(q_blocks.shape, cache.dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2,
+            grid=(n_items,),
+            in_specs=[tile, pl.BlockSpec(memory_space=pl.ANY)],
+            out_specs=tile,
+            scratch_shapes=[
+                pltpu.VMEM((2, cfg.pages_per_step, num_kv, 2, page_size, head_dim), cache.dtype),
+                pltpu.SemaphoreType.DMA((2,)),
+                pltpu.VMEM((num_kv, cfg.rows, 128), jnp.float32),
+                pltpu.VMEM((num_kv, cfg.rows, 128), jnp.float32),
+                pltpu.VMEM((num_kv, cfg.rows, head_dim), jnp.float32),
+            ],
+        ),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
+        interpret=interpret,
+    )(meta.reshape(-1), page_table.astype(jnp.int32).reshape(-1), q_blocks, cache)
+    out = blocks.scatter_outputs(out_blocks, token_item, token_row, token_valid,
+                                 num_heads=num_heads, block_q=cfg.block_q)
+    return out.astype(q.dtype)

@@ -1,0 +1,174 @@
+"""Ragged paged attention: the reference and both Pallas kernels (in interpret mode on
+CPU) against an independent float64 numpy oracle.
+
+Each configuration compiles once (fixed T = 128 tokens, R = 8 rows) and runs the
+decode / prefill / mixed scenarios of tests/kernels/rpa_cases.py: kv lengths 1,
+S-1, S, S+1 and long, padded rows and tokens, pages in random order, everything
+unlisted NaN. Small block sizes are forced where the defaults would fit a whole
+request in one block, so multi-step and multi-item paths run.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels.ragged_paged_attention import gpu, reference, tpu
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+from tests.kernels.rpa_cases import make_batch, oracle, scenarios, tolerance
+
+T, R = 128, 8
+
+
+def _cfg(name, dtype, kv_heads, group, head_dim, page_size, window=None, soft_cap=None,
+         tpu_config=None, gpu_config=None, long=300):
+    return pytest.param(dict(dtype=dtype, kv_heads=kv_heads, group=group, head_dim=head_dim,
+                             page_size=page_size, window=window, soft_cap=soft_cap,
+                             tpu_config=tpu_config, gpu_config=gpu_config, long=long), id=name)
+
+
+CONFIGS = [
+    _cfg("f32-g1-h128-s16", jnp.float32, 2, 1, 128, 16,
+         tpu_config=tpu.TpuConfig(block_q=8, rows=8, pages_per_step=2, kv_step=32)),
+    _cfg("bf16-g4-h128-s16", jnp.bfloat16, 2, 4, 128, 16),
+    _cfg("f32-g8-h256-s32", jnp.float32, 1, 8, 256, 32,
+         tpu_config=tpu.TpuConfig(block_q=2, rows=16, pages_per_step=1, kv_step=32)),
+    _cfg("f32-g3-h64-s64-window-softcap", jnp.float32, 2, 3, 64, 64, window=24, soft_cap=5.0),
+    _cfg("bf16-g2-h256-s256-window", jnp.bfloat16, 1, 2, 256, 256, window=100, long=700),
+    _cfg("f32-g2-h512-s16", jnp.float32, 1, 2, 512, 16,
+         tpu_config=tpu.TpuConfig(block_q=4, rows=8, pages_per_step=4, kv_step=64)),
+]
+
+GPU_CONFIGS = [
+    _cfg("bf16-g4-h128-s16", jnp.bfloat16, 2, 4, 128, 16),
+    _cfg("bf16-g1-h256-s128-window-softcap", jnp.bfloat16, 1, 1, 256, 128, window=50,
+         soft_cap=5.0),
+    _cfg("bf16-g8-h64-s32", jnp.bfloat16, 2, 8, 64, 32,
+         gpu_config=gpu.GpuConfig(block_q=8, kv_step=32, piece=32, stages=2, num_ctas=2)),
+]
+
+
+@functools.lru_cache(maxsize=None)
+def _case(key: tuple, scenario: str):
+    c = dict(key)
+    reqs = scenarios(c["page_size"], c["long"])[scenario]
+    pages_per_req = max(-(-kv // c["page_size"]) for _, kv in reqs) + 2
+    batch = make_batch(reqs, page_size=c["page_size"], num_kv_heads=c["kv_heads"],
+                       group=c["group"], head_dim=c["head_dim"], dtype=c["dtype"],
+                       num_tokens=T, num_rows=R, pages_per_req=pages_per_req,
+                       seed=("decode", "prefill", "mixed").index(scenario))
+    want = oracle(batch, sm_scale=c["head_dim"] ** -0.5, sliding_window=c["window"],
+                  soft_cap=c["soft_cap"])
+    return batch, want
+
+
+def _key(c: dict) -> tuple:
+    return tuple(sorted((k, v) for k, v in c.items() if not k.endswith("_config")))
+
+
+def _check(fn, c: dict, names=("decode", "prefill", "mixed")):
+    for name in names:
+        batch, want = _case(_key(c), name)
+        got = np.asarray(fn(*batch.args()).astype(jnp.float32))
+        assert np.isfinite(got).all(), name
+        np.testing.assert_allclose(got, want, **tolerance(c["dtype"]), err_msg=name)
+
+
+def _kw(c: dict) -> dict:
+    return dict(sm_scale=c["head_dim"] ** -0.5, sliding_window=c["window"], soft_cap=c["soft_cap"])
+
+
+@pytest.mark.parametrize("c", CONFIGS)
+def test_reference(c):
+    _check(jax.jit(functools.partial(reference.ragged_paged_attention, **_kw(c))), c)
+
+
+@pytest.mark.parametrize("c", CONFIGS)
+def test_tpu_kernel_interpret(c):
+    fn = functools.partial(tpu.ragged_paged_attention_tpu, **_kw(c),
+                           interpret=pltpu.InterpretParams(), config=c["tpu_config"])
+    _check(jax.jit(fn), c)
+
+
+@pytest.mark.parametrize("c", GPU_CONFIGS)
+def test_gpu_kernel_interpret(c):
+    # GPU interpret mode compiles every CTA on every call (seconds each): the first
+    # configuration runs all scenarios, the others the mixed batch.
+    fn = functools.partial(gpu.ragged_paged_attention_gpu, **_kw(c),
+                           interpret=gpu.interpret_params(), config=c["gpu_config"])
+    names = ("decode", "prefill", "mixed") if c is GPU_CONFIGS[0].values[0] else ("mixed",)
+    _check(jax.jit(fn), c, names)
+
+
+def test_public_entry_point():
+    """impl="pallas" with interpret=True runs the TPU body; without interpret on CPU it
+    falls back to the reference; interpret="gpu" runs the GPU body."""
+    c = CONFIGS[1].values[0]
+    batch, want = _case(_key(c), "mixed")
+    tol = tolerance(c["dtype"])
+    for impl, interpret in (("reference", False), ("pallas", False), ("pallas", True)):
+        f = jax.jit(functools.partial(ragged_paged_attention, **_kw(c), impl=impl,
+                                      interpret=interpret))
+        got = np.asarray(f(*batch.args()).astype(jnp.float32))
+        np.testing.assert_allclose(got, want, **tol, err_msg=f"{impl} {interpret}")
+
+
+def test_bad_arguments():
+    c = CONFIGS[0].values[0]
+    batch, _ = _case(_key(c), "decode")
+    args = batch.args()
+    with pytest.raises(ValueError, match="impl"):
+        ragged_paged_attention(*args, sm_scale=1.0, impl="triton")
+    with pytest.raises(ValueError, match="interpret"):
+        ragged_paged_attention(*args, sm_scale=1.0, interpret="cpu")
+    with pytest.raises(ValueError, match="sliding_window"):
+        ragged_paged_attention(*args, sm_scale=1.0, sliding_window=0)
+    with pytest.raises(ValueError, match="query heads"):
+        ragged_paged_attention(jnp.zeros((T, 3, c["head_dim"])), *args[1:], sm_scale=1.0)
+    with pytest.raises(ValueError, match="Mosaic GPU kernel does not support"):
+        ragged_paged_attention(*args, sm_scale=1.0, interpret="gpu")   # float32
+
+
+def test_plan_items_cuts_requests_into_query_blocks():
+    from pallas_kernels.ragged_paged_attention import blocks
+    qsl = jnp.array([0, 1, 21, 21], jnp.int32)             # a decode, a 20-token chunk, a padding row
+    meta, token_item, token_row, valid = blocks.plan_items(
+        qsl, jnp.array([5, 30, 7], jnp.int32), jnp.array([2], jnp.int32), num_tokens=24,
+        block_q=8, kv_step=16, page_size=16, sliding_window=None)
+    meta = np.asarray(meta)
+    assert meta.shape == (6, blocks.NUM_FIELDS)             # min(24, cdiv(24, 8) + 3)
+    assert (meta[:, blocks.NUM_ITEMS] == 4).all()
+    np.testing.assert_array_equal(meta[:4, blocks.REQ], [0, 1, 1, 1])
+    np.testing.assert_array_equal(meta[:4, blocks.Q_START], [0, 1, 9, 17])
+    np.testing.assert_array_equal(meta[:4, blocks.Q_COUNT], [1, 8, 8, 4])
+    np.testing.assert_array_equal(meta[:4, blocks.Q_POS], [4, 10, 18, 26])
+    np.testing.assert_array_equal(meta[:, blocks.NUM_STEPS], [1, 2, 2, 2, 0, 0])
+    np.testing.assert_array_equal(meta[:4, blocks.NUM_PAGES], [1, 2, 2, 2])
+    np.testing.assert_array_equal(np.asarray(token_item)[:21], [0] + [1] * 8 + [2] * 8 + [3] * 4)
+    np.testing.assert_array_equal(np.asarray(token_row)[1:10], list(range(8)) + [0])
+    assert not np.asarray(valid)[21:].any()
+    # A window moves the first KV step up: the last block's first query sits at 26.
+    meta_w, *_ = blocks.plan_items(
+        qsl, jnp.array([5, 30, 7], jnp.int32), jnp.array([2], jnp.int32), num_tokens=24,
+        block_q=8, kv_step=16, page_size=16, sliding_window=4)
+    np.testing.assert_array_equal(np.asarray(meta_w)[:4, blocks.STEP_LO], [0, 0, 0, 1])
+
+
+# On a machine with an accelerator: the compiled kernel (not interpret mode) against the
+# oracle. Skipped on CPU; a GPU or TPU session runs them with the rest of this file.
+_ON = jax.default_backend()
+
+
+@pytest.mark.skipif(_ON not in ("gpu", "tpu"), reason="needs a GPU or TPU")
+@pytest.mark.parametrize("c", CONFIGS + GPU_CONFIGS)
+def test_compiled_kernel_on_device(c):
+    fn = functools.partial(ragged_paged_attention, **_kw(c), impl="pallas")
+    tol = tolerance(c["dtype"])      # (f32 on GPU takes the XLA reference, same tolerance)
+    for name in ("decode", "prefill", "mixed"):
+        batch, want = _case(_key(c), name)
+        got = np.asarray(jax.jit(fn)(*batch.args()).astype(jnp.float32))
+        np.testing.assert_allclose(got, want, **tol, err_msg=name)
