@@ -1,6 +1,8 @@
 """ragged_paged_attention: one entry point over the reference and the two kernels.
 
 impl="reference": the pure-jnp spec (reference.py), any platform.
+impl="xla": a page-by-page online-softmax loop in plain XLA (paged_loop.py), the
+  fast path on CPU (the engine's "auto" there).
 impl="pallas": the kernel for the platform the computation is *lowered* for,
   chosen with lax.platform_dependent, so jax.export(..., platforms=["cuda"])
   and platforms=["tpu"] both work from a CPU-only machine:
@@ -24,13 +26,14 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.ragged_paged_attention import gpu, reference, tpu
+from pallas_kernels.ragged_paged_attention import gpu, paged_loop, reference, tpu
 from pallas_kernels.ragged_paged_attention.cache import cache_dims
 
-IMPLS = ("pallas", "reference")
+IMPLS = ("pallas", "xla", "reference")
 # Engine-level names (EngineConfig.attention_backend) -> (impl, interpret).
 BACKENDS = {
     "reference": ("reference", False),
+    "xla": ("xla", False),
     "pallas": ("pallas", False),
     "pallas_interpret": ("pallas", True),
 }
@@ -41,7 +44,7 @@ def resolve_backend(backend: str, platform: str | None = None) -> str:
     the reference elsewhere (platform defaults to jax.default_backend())."""
     if backend == "auto":
         platform = platform or jax.default_backend()
-        backend = "pallas" if platform in ("gpu", "cuda", "tpu") else "reference"
+        backend = "pallas" if platform in ("gpu", "cuda", "tpu") else "xla"
     if backend not in BACKENDS:
         raise ValueError(f"attention backend {backend!r}: expected 'auto' or one of {tuple(BACKENDS)}")
     return backend
@@ -92,6 +95,8 @@ def ragged_paged_attention(
     kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
     if impl == "reference":
         return reference.ragged_paged_attention(*args, **kw)
+    if impl == "xla":
+        return paged_loop.ragged_paged_attention(*args, **kw)
     if impl != "pallas":
         raise ValueError(f"impl={impl!r}: expected one of {IMPLS}")
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.ragged_paged_attention import gpu, reference, tpu
+from pallas_kernels.ragged_paged_attention import gpu, paged_loop, reference, tpu
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 from tests.kernels.rpa_cases import make_batch, oracle, scenarios, tolerance
 
@@ -87,6 +87,13 @@ def test_reference(c):
     _check(jax.jit(functools.partial(reference.ragged_paged_attention, **_kw(c))), c)
 
 
+@pytest.mark.parametrize("block_q", [1, 4, 16])
+@pytest.mark.parametrize("c", CONFIGS)
+def test_xla_page_loop(c, block_q):
+    fn = functools.partial(paged_loop.ragged_paged_attention, **_kw(c), block_q=block_q)
+    _check(jax.jit(fn), c)
+
+
 @pytest.mark.parametrize("c", CONFIGS)
 def test_tpu_kernel_interpret(c):
     fn = functools.partial(tpu.ragged_paged_attention_tpu, **_kw(c),
@@ -110,7 +117,8 @@ def test_public_entry_point():
     c = CONFIGS[1].values[0]
     batch, want = _case(_key(c), "mixed")
     tol = tolerance(c["dtype"])
-    for impl, interpret in (("reference", False), ("pallas", False), ("pallas", True)):
+    for impl, interpret in (("reference", False), ("xla", False), ("pallas", False),
+                            ("pallas", True)):
         f = jax.jit(functools.partial(ragged_paged_attention, **_kw(c), impl=impl,
                                       interpret=interpret))
         got = np.asarray(f(*batch.args()).astype(jnp.float32))
