@@ -10,9 +10,23 @@ SMALL_QWEN3 = dict(vocab_size=32000, hidden_size=512, intermediate_size=1536,
                    head_dim=64, max_position_embeddings=2048, tie_word_embeddings=True)
 
 
+def make_word_tokenizer(path: str, vocab_size: int) -> None:
+    """A word-level tokenizer whose every id decodes to a word ("w123"), so a random
+    model's output is text a client can count (the benchmarks need streamed text)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab_size)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")   # joins words with spaces
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                            eos_token="</s>").save_pretrained(path)
+
+
 def make_small_qwen3(path: str, seed: int = 0) -> str:
-    """A random-weight Qwen3 (about hidden 512, 8 layers) saved as float32 safetensors."""
-    if os.path.exists(os.path.join(path, "config.json")):
+    """A random-weight Qwen3 (about hidden 512, 8 layers) saved as float32 safetensors,
+    with a word-level tokenizer over its whole vocabulary."""
+    if os.path.exists(os.path.join(path, "tokenizer.json")):
         return path
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -20,6 +34,7 @@ def make_small_qwen3(path: str, seed: int = 0) -> str:
     cfg = Qwen3Config(**SMALL_QWEN3, eos_token_id=None, bos_token_id=None)
     model = Qwen3ForCausalLM(cfg).to(torch.float32)
     model.save_pretrained(path, safe_serialization=True)
+    make_word_tokenizer(path, SMALL_QWEN3["vocab_size"])
     return path
 
 

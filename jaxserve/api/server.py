@@ -98,12 +98,15 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     async def chat(req: ChatCompletionRequest, raw: Request):
         return await serving.chat(req, raw)
 
+    def tokenizer_for(model: str | None):
+        serving.check_model(model)
+        if engine.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer")
+        return engine.tokenizer
+
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> dict:
-        serving.check_model(req.model)
-        tok = engine.tokenizer
-        if tok is None:
-            raise APIError(400, "this model has no tokenizer")
+        tok = tokenizer_for(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of 'prompt' and 'messages'", "prompt")
         if req.prompt is not None:
@@ -119,10 +122,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest) -> dict:
-        serving.check_model(req.model)
-        tok = engine.tokenizer
-        if tok is None:
-            raise APIError(400, "this model has no tokenizer")
+        tok = tokenizer_for(req.model)
         vocab = engine.core.model_config.vocab_size
         bad = [t for t in req.tokens if not 0 <= t < vocab]
         if bad:

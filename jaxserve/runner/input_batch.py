@@ -74,7 +74,7 @@ class InputBatchBuilder:
         np.cumsum(lens, out=cu[1:num_reqs + 1])
         cu[num_reqs + 1:] = num_tokens
         pt = self._page_table
-        pt[:num_reqs] = 0
+        pt[:] = 0   # rows past num_reqs stay zero: no stale pages in padding rows
         for i, r in enumerate(requests):
             token_ids[cu[i]:cu[i + 1]] = r.token_ids
             pt[i, :len(r.block_ids)] = r.block_ids

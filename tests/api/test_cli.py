@@ -1,0 +1,43 @@
+"""Server flags and request -> SamplingParams translation, without a server."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from jaxserve.api.cli import engine_config, generation_defaults, parser
+from jaxserve.api.protocol import CompletionRequest, sampling_params
+
+
+def test_generation_config_supplies_defaults_requests_override(tmp_path):
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "eos_token_id": 2}))
+    defaults = generation_defaults("auto", str(tmp_path))
+    assert defaults == {"temperature": 0.6, "top_p": 0.9, "top_k": 20}
+    assert generation_defaults("vllm", str(tmp_path)) == {}
+    plain = sampling_params(CompletionRequest(prompt="x"), defaults, max_tokens=16, logprobs=None)
+    assert (plain.temperature, plain.top_p, plain.top_k) == (0.6, 0.9, 20)
+    mine = sampling_params(CompletionRequest(prompt="x", temperature=0.0, top_k=5), defaults,
+                           max_tokens=16, logprobs=None)
+    assert (mine.temperature, mine.top_k) == (0.0, 0)   # greedy resets top_k
+    with pytest.raises(ValueError, match="generation_config.json"):
+        generation_defaults(str(tmp_path / "missing"), str(tmp_path))
+
+
+def test_flags_use_vllm_names_and_aliases():
+    args = parser().parse_args(["--model", "/m", "--block-size", "32",
+                                "--gpu-memory-utilization", "0.5", "--no-enable-prefix-caching",
+                                "--max-num-seqs", "8", "--max-num-batched-tokens", "64"])
+    cfg = engine_config(args)
+    assert (cfg.page_size, cfg.hbm_utilization, cfg.enable_prefix_caching) == (32, 0.5, False)
+    assert args.port == 8000
+    for action in parser()._actions:
+        if action.dest != "help":
+            assert action.help, f"--{action.dest} has no help text"
+
+
+def test_no_model_means_the_builtin_random_model(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXSERVE_CACHE", str(tmp_path))
+    cfg = engine_config(parser().parse_args([]))
+    assert cfg.load_format == "dummy" and cfg.model.startswith(str(tmp_path))
+    assert (tmp_path / "jaxserve-tiny-random" / "config.json").exists()
