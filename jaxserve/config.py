@@ -31,7 +31,7 @@ class EngineConfig:
     num_pages: int | None = None          # explicit KV page count (includes the null page)
     hbm_utilization: float = 0.9          # accelerators: fraction of free memory after weights
     kv_cache_memory_bytes: int | None = None  # explicit KV cache budget in bytes
-    mesh: str | None = None               # "DxM"; parsed here, made real by the sharding work
+    mesh: str | None = None               # "DxM": D data-parallel replicas x M-way tensor parallel
     attention_backend: str = "auto"       # one of _ATTENTION_BACKENDS
     compilation_cache_dir: str | None = dataclasses.field(
         default_factory=lambda: os.environ.get(

@@ -13,10 +13,13 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec
 
 from models.config import ModelConfig
 from models.inputs import ModelInputs
-from pallas_kernels.ragged_paged_attention import backend_options, ragged_paged_attention, write_kv
+from pallas_kernels.ragged_paged_attention import (KV_HEAD_AXIS, backend_options,
+                                                    ragged_paged_attention, write_kv)
+from sharding.parallel import heads_spec, over_model_axis
 
 Dtype = Any
 INIT_STD = 0.02
@@ -140,14 +143,36 @@ class Attention(nn.Module):
             # module, so init callers may pass any placeholder cache.
             o = q
         else:
-            # Write first: a request may read pages that this very step fills.
-            cache = write_kv(cache, k, v, inputs.slot_mapping)
-            impl, interpret = backend_options(self.attention_backend)
-            o = ragged_paged_attention(q, cache, inputs.seq_lens, inputs.page_table,
-                                       inputs.query_start_loc, inputs.num_seqs, sm_scale=H ** -0.5,
-                                       impl=impl, interpret=interpret)
+            o, cache = paged_attention(q, k, v, cache, inputs, sm_scale=H ** -0.5,
+                                       backend=self.attention_backend)
         out = Einsum("TNH,NHE->TE", (N, H, E), ("heads", "head_dim", "embed"), 2, bias, dt, name="o_proj")(o)
         return out, cache
+
+
+def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, cache: jax.Array,
+                    inputs: ModelInputs, *, sm_scale: float, backend: str
+                    ) -> tuple[jax.Array, jax.Array]:
+    """Writes k, v [T, K, H] into the cache, then attends q [T, N, H] over it.
+
+    Under a mesh each device does this for its own heads only (shard_map over the
+    model axis): attention is independent per KV head, so no collective is needed
+    and the cache never leaves its shard.
+    """
+    impl, interpret = backend_options(backend)
+
+    def local(q, k, v, cache, slots, seq_lens, page_table, query_start_loc, num_seqs):
+        # Write first: a request may read pages that this very step fills.
+        cache = write_kv(cache, k, v, slots)
+        o = ragged_paged_attention(q, cache, seq_lens, page_table, query_start_loc, num_seqs,
+                                   sm_scale=sm_scale, impl=impl, interpret=interpret)
+        return o, cache
+
+    heads, kv = heads_spec(3, 1), heads_spec(cache.ndim, KV_HEAD_AXIS)
+    rep = PartitionSpec()
+    fn = over_model_axis(local, in_specs=(heads, heads, heads, kv, rep, rep, rep, rep, rep),
+                         out_specs=(heads, kv))
+    return fn(q, k, v, cache, inputs.slot_mapping, inputs.seq_lens, inputs.page_table,
+              inputs.query_start_loc, inputs.num_seqs)
 
 
 class MLP(nn.Module):

@@ -12,9 +12,12 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
 from models.layers import INIT_STD, MLP, Einsum, logical_param
 from models.llama import LlamaForCausalLM
+from sharding.mesh import MODEL
+from sharding.parallel import over_model_axis
 
 Dtype = Any
 
@@ -40,17 +43,27 @@ class SparseMoeBlock(nn.Module):
         experts = _Experts(cfg, dt, name="experts")
         w_gate, w_up, w_down = experts()
 
-        # Group the T*k (token, expert) pairs by expert for ragged_dot.
-        flat_expert = top_i.reshape(T * k)
-        order = jnp.argsort(flat_expert, stable=True)
-        token = order // k                                                 # source token of each row
-        group_sizes = jnp.bincount(flat_expert, length=X).astype(jnp.int32)
-        xs = x[token].astype(dt)                                           # [T*k, E]
-        gate = jax.lax.ragged_dot(xs, w_gate, group_sizes)                 # [T*k, F]
-        up = jax.lax.ragged_dot(xs, w_up, group_sizes)
-        y = jax.lax.ragged_dot(nn.silu(gate) * up, w_down, group_sizes)    # [T*k, E]
-        y = y * top_w.reshape(T * k)[order][:, None]
-        return jnp.zeros_like(x).at[token].add(y.astype(x.dtype))
+        def grouped(x, top_w, top_i, w_gate, w_up, w_down):
+            # Group the T*k (token, expert) pairs by expert for ragged_dot.
+            flat_expert = top_i.reshape(T * k)
+            order = jnp.argsort(flat_expert, stable=True)
+            token = order // k                                             # source token of each row
+            group_sizes = jnp.bincount(flat_expert, length=X).astype(jnp.int32)
+            xs = x[token].astype(dt)                                       # [T*k, E]
+            gate = jax.lax.ragged_dot(xs, w_gate, group_sizes)             # [T*k, F]
+            up = jax.lax.ragged_dot(xs, w_up, group_sizes)
+            y = jax.lax.ragged_dot(nn.silu(gate) * up, w_down, group_sizes)   # [T*k, E]
+            y = y * top_w.reshape(T * k)[order][:, None]
+            return jnp.zeros_like(x).at[token].add(y.astype(x.dtype))
+
+        # Tensor-parallel experts (sharding/rules.py): each device runs every expert on
+        # its slice of F and the partial [T, E] outputs are summed once, after the
+        # combine (left to XLA, the all-reduce lands on the k-times larger [T*k, E] rows).
+        rep, f_out, f_in = PartitionSpec(), PartitionSpec(None, None, MODEL), \
+            PartitionSpec(None, MODEL, None)
+        return over_model_axis(grouped, in_specs=(rep, rep, rep, f_out, f_out, f_in),
+                               out_specs=rep, sum_outputs=True)(x, top_w, top_i, w_gate, w_up,
+                                                                w_down)
 
 
 class _Experts(nn.Module):

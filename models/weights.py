@@ -127,20 +127,35 @@ def _sharding_for(shardings: dict[Path_, Any], path: Path_) -> Any:
     return shardings.get(path) if shardings else None
 
 
+def _kv_repeat_axes(model: nn.Module, kv_head_repeat: int) -> dict[Path_, int]:
+    """param path -> its kv_heads axis, for the params to repeat (none when repeat is 1)."""
+    if kv_head_repeat == 1:
+        return {}
+    axes = flatten_dict(param_logical_axes(model))
+    return {path: tuple(spec).index("kv_heads") for path, spec in axes.items()
+            if "kv_heads" in tuple(spec)}
+
+
 def load_params(model_dir: str | Path | None, cfg: ModelConfig, model: nn.Module, dtype: Any = "auto", *,
-                load_format: str = "auto", seed: int = 0, shardings: Any = None) -> dict:
+                load_format: str = "auto", seed: int = 0, shardings: Any = None,
+                kv_head_repeat: int = 1) -> dict:
     """Params for `model` from `model_dir`, cast to `dtype` ("auto" = checkpoint dtype).
 
     shardings: optional tree (same structure as the params) of jax.sharding.Sharding
-    per param; None = the default device. load_format "dummy" needs no files.
+    per param; None = the default device. Each tensor is device_put from the host
+    straight into its sharding: every device receives only its own slice.
+    kv_head_repeat: `model` has this many times the checkpoint's KV heads (KV heads
+    replicated for tensor parallelism, sharding.kv_head_layout); each KV head's
+    weights are repeated that often, consecutively. load_format "dummy" needs no files.
     """
     if load_format not in ("auto", "safetensors", "dummy"):
         raise ValueError(f"load_format must be 'auto', 'safetensors' or 'dummy', got {load_format!r}")
     dtype = resolve_dtype(dtype, cfg)
     expected = flatten_dict(abstract_params(model))
     shard_flat = flatten_dict(shardings) if shardings is not None else {}
+    repeat_axes = _kv_repeat_axes(model, kv_head_repeat)
     if load_format == "dummy":
-        return _dummy_params(expected, dtype, seed, shard_flat)
+        return _dummy_params(expected, dtype, seed, shard_flat, repeat_axes, kv_head_repeat)
     if model_dir is None or not Path(model_dir).is_dir():
         raise ValueError(f"model directory {str(model_dir)!r} does not exist")
     where = _open_checkpoint(Path(model_dir))
@@ -163,7 +178,11 @@ def load_params(model_dir: str | Path | None, cfg: ModelConfig, model: nn.Module
     for path, sds in expected.items():
         names = sources[path]
         if len(names) == 1 and path[-1] not in _EXPERT_PROJS:
-            host = _to_param_layout(where[names[0]].get(names[0]), path, sds.shape, names[0])
+            axis = repeat_axes.get(path)
+            shape = sds.shape if axis is None else _unrepeated(sds.shape, axis, kv_head_repeat)
+            host = _to_param_layout(where[names[0]].get(names[0]), path, shape, names[0])
+            if axis is not None:
+                host = np.repeat(host, kv_head_repeat, axis=axis)
             host = np.ascontiguousarray(host.astype(np_dtype, copy=False))
         else:   # stacked experts: fill one host buffer, then one transfer
             host = np.empty(sds.shape, np_dtype)
@@ -174,17 +193,26 @@ def load_params(model_dir: str | Path | None, cfg: ModelConfig, model: nn.Module
     return unflatten_dict(out)
 
 
+def _unrepeated(shape: tuple[int, ...], axis: int, repeat: int) -> tuple[int, ...]:
+    return shape[:axis] + (shape[axis] // repeat,) + shape[axis + 1:]
+
+
 def _dummy_params(expected: dict[Path_, jax.ShapeDtypeStruct], dtype: jnp.dtype, seed: int,
-                  shard_flat: dict[Path_, Any]) -> dict:
-    """Normal(0, 0.02) weights, ones for norms, zeros for biases, made on device."""
+                  shard_flat: dict[Path_, Any], repeat_axes: dict[Path_, int],
+                  kv_head_repeat: int) -> dict:
+    """Normal(0, 0.02) weights, ones for norms, zeros for biases, made on device.
+    Replicated KV heads are repeats, as from a checkpoint: any mesh gives the same model."""
     key = jax.random.key(seed)
     out = {}
     for i, (path, sds) in enumerate(sorted(expected.items())):
-        kind = path[-1]
+        kind, axis = path[-1], repeat_axes.get(path)
         if kind == "scale":
             make = lambda k, s=sds.shape: jnp.ones(s, dtype)
         elif kind == "bias":
             make = lambda k, s=sds.shape: jnp.zeros(s, dtype)
+        elif axis is not None:
+            make = lambda k, s=_unrepeated(sds.shape, axis, kv_head_repeat), a=axis: jnp.repeat(
+                (0.02 * jax.random.normal(k, s, jnp.float32)).astype(dtype), kv_head_repeat, a)
         else:
             make = lambda k, s=sds.shape: (0.02 * jax.random.normal(k, s, jnp.float32)).astype(dtype)
         sharding = _sharding_for(shard_flat, path)

@@ -29,7 +29,15 @@ def parser() -> argparse.ArgumentParser:
     a("--port", type=int, default=8000, help="port to listen on")
     a("--api-key", default=os.environ.get("JAXSERVE_API_KEY"),
       help="require 'Authorization: Bearer KEY' (default: env JAXSERVE_API_KEY)")
-    a("--mesh", default=None, help="device mesh 'DxM' (data x model parallel)")
+    a("--mesh", default=None, help="device mesh 'DxM': D data-parallel replicas, each tensor "
+                                   "parallel over M devices")
+    a("--coordinator-address", default=os.environ.get("JAXSERVE_COORDINATOR_ADDRESS"),
+      help="multi-host: host:port of process 0's jax.distributed coordinator (default: env "
+           "JAXSERVE_COORDINATOR_ADDRESS)")
+    a("--num-processes", type=int, default=_env_int("JAXSERVE_NUM_PROCESSES"),
+      help="multi-host: number of processes, one per host (env JAXSERVE_NUM_PROCESSES)")
+    a("--process-id", type=int, default=_env_int("JAXSERVE_PROCESS_ID"),
+      help="multi-host: this process's index; 0 serves HTTP (env JAXSERVE_PROCESS_ID)")
     a("--max-model-len", type=int, default=None, help="context length (prompt + output)")
     a("--max-num-seqs", type=int, default=64, help="most requests in one step")
     a("--max-num-batched-tokens", type=int, default=None, help="token budget of one step")
@@ -56,6 +64,11 @@ def parser() -> argparse.ArgumentParser:
     a("--timeout-graceful-shutdown", type=float, default=5.0,
       help="seconds in-flight requests get to finish on SIGTERM/SIGINT")
     return ap
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    return int(value) if value else None
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -101,14 +114,23 @@ def generation_defaults(setting: str, model_dir: str) -> dict:
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    from jaxserve.engine import multihost
+    if multihost.initialize(args.coordinator_address, args.num_processes, args.process_id) \
+            and not multihost.is_leader():
+        # Hosts other than process 0 serve no HTTP: they run the steps process 0 publishes.
+        from jaxserve.engine.data_parallel import make_engine
+        make_engine(engine_config(args)).follow()
+        return
     from jaxserve.api.server import create_app
     from jaxserve.api.serving import ServerSettings
     from jaxserve.engine.async_engine import AsyncEngine
+    from jaxserve.plan import plan_for_engine
 
     t0 = time.perf_counter()
     config = engine_config(args)
     engine = AsyncEngine(config)
     core = engine.core
+    logger.info("%s", plan_for_engine(core))
     served = args.served_model_name or (args.model or DEFAULT_MODEL_NAME)
     settings = ServerSettings(
         served_model_name=served, max_model_len=core.max_model_len, api_key=args.api_key,
@@ -124,8 +146,8 @@ def main(argv: list[str] | None = None) -> None:
         "%.1f s at http://%s:%d/v1", served, core.model_config.architecture,
         config.mesh or "1x1", core.dtype.__name__ if hasattr(core.dtype, "__name__")
         else core.dtype, core.weight_bytes / 2**20, core.num_pages - 1, kv_tokens,
-        core.max_model_len, kv_tokens / core.max_model_len, core.runner.warmup_compilations,
-        core.runner.warmup_seconds, time.perf_counter() - t0, args.host, args.port)
+        core.max_model_len, kv_tokens / core.max_model_len, core.warmup_compilations,
+        core.warmup_seconds, time.perf_counter() - t0, args.host, args.port)
     server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
                                     timeout_graceful_shutdown=args.timeout_graceful_shutdown))
     server.run()

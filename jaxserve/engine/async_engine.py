@@ -1,6 +1,7 @@
 """AsyncEngine: one engine thread drives EngineCore; each request gets its own stream.
 
-The engine thread owns the EngineCore (nothing else touches it). Coroutines
+The engine thread owns the EngineCore, or the DataParallelEngine for a "DxM"
+mesh with D > 1 (nothing else touches it). Coroutines
 submit commands through a queue; the thread runs steps while work remains and
 delivers each request's delta outputs to the asyncio queue of its caller.
 A caller that goes away (client disconnect, cancellation) aborts its request,
@@ -18,6 +19,7 @@ from typing import AsyncIterator
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.outputs import RequestOutput
+from jaxserve.engine.data_parallel import DataParallelEngine, make_engine
 from jaxserve.engine.engine_core import EngineCore
 from jaxserve.sampling_params import SamplingParams
 
@@ -40,8 +42,9 @@ class EngineDeadError(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig, *, core: EngineCore | None = None):
-        self.core = core or EngineCore(config, stream_outputs=True)
+    def __init__(self, config: EngineConfig, *,
+                 core: EngineCore | DataParallelEngine | None = None):
+        self.core = core or make_engine(config, stream_outputs=True)
         self.config = config
         self.tokenizer = self.core.tokenizer
         self.stats = EngineStats()
@@ -97,6 +100,7 @@ class AsyncEngine:
         self._stopping.set()
         self._commands.put(("stop",))
         self._thread.join(timeout)
+        self.core.shutdown()
 
     # ---- engine thread ----------------------------------------------------------------
     def _deliver(self, request_id: str, item) -> None:
@@ -157,7 +161,7 @@ class AsyncEngine:
             self._publish_stats()
 
     def _publish_stats(self) -> None:
-        s = self.core.scheduler
+        s = self.core.stats()
         self.stats = EngineStats(
             num_running=s.num_running, num_waiting=s.num_waiting,
             kv_cache_usage=s.kv_cache_usage, prefix_cache_hit_rate=s.prefix_cache_hit_rate,

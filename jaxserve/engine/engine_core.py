@@ -1,11 +1,13 @@
 """EngineCore: loads the model, then runs schedule -> execute -> update, step by step."""
 from __future__ import annotations
 
+import atexit
 import itertools
 import logging
 import os
 import time
 from dataclasses import replace
+from typing import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +15,8 @@ import jax.numpy as jnp
 from jaxserve.config import EngineConfig
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.request import Request, RequestStatus
-from jaxserve.core.scheduler import Scheduler
+from jaxserve.core.scheduler import Scheduler, SchedulerStats
+from jaxserve.engine import multihost
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.runner import compile_counter
 from jaxserve.runner.kv_budget import choose_num_pages, page_bytes
@@ -22,7 +25,10 @@ from jaxserve.runner.sampler import MAX_BANNED_TOKENS
 from jaxserve.sampling_params import SamplingParams
 from models.config import ModelConfig
 from models.registry import build_model
-from models.weights import load_params, param_bytes
+from models.weights import load_params, param_bytes, param_logical_axes
+from pallas_kernels.ragged_paged_attention import resolve_backend
+from sharding import (DATA, MODEL, bytes_per_device, check_model_axis, kv_head_layout, make_mesh,
+                      mesh_rules, param_shardings)
 
 logger = logging.getLogger("jaxserve")
 
@@ -45,7 +51,16 @@ def enable_compilation_cache(path: str | None) -> None:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, *, stream_outputs: bool = False):
+    """One engine replica on a 1xM mesh (tensor parallel over M devices).
+
+    mesh: this replica's mesh; None = make_mesh(config.mesh), which must then have
+    D = 1 (D > 1 is jaxserve.engine.data_parallel.DataParallelEngine's job).
+    seed_counter: where seeds for seedless requests come from (a data-parallel front
+    door shares one, so every mesh gives a request the same seed).
+    """
+
+    def __init__(self, config: EngineConfig, *, stream_outputs: bool = False, mesh=None,
+                 seed_counter: Iterator[int] | None = None):
         self.config = config
         enable_compilation_cache(config.compilation_cache_dir)
         if config.load_format != "dummy" and not os.path.isdir(config.model):
@@ -61,40 +76,72 @@ class EngineCore:
                 f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
                 f"{mc.max_position_embeddings}")
         self.max_model_len = max_model_len
-        if config.mesh is not None and config.mesh != "1x1":
-            logger.warning("mesh=%s is parsed but not applied yet: running on one device "
-                           "(tensor/data parallelism is issue 5)", config.mesh)
+        self.mesh = mesh if mesh is not None else make_mesh(config.mesh)
+        if self.mesh.shape[DATA] != 1:
+            raise ValueError(f"EngineCore runs one replica (a 1xM mesh), got mesh "
+                             f"{dict(self.mesh.shape)}; jaxserve.engine.data_parallel."
+                             f"make_engine builds D replicas")
+        m = self.mesh.shape[MODEL]
+        check_model_axis(mc, m)
+        # Several processes (multi-host): process 0 schedules and publishes each step.
+        self.channel = None
+        if jax.process_count() > 1:
+            multihost.check_mesh(self.mesh)
+            self.channel = multihost.StepChannel()
+            atexit.register(self.shutdown)   # followers must not wait for ever
+        # KV heads as stored on this mesh: a multiple of M (replicated heads when K % M).
+        kv_heads = kv_head_layout(mc.num_heads, mc.num_kv_heads, m)
+        if kv_heads != mc.num_kv_heads:
+            logger.warning("num_kv_heads=%d does not divide by the model axis %d: each KV head "
+                           "is replicated on %d devices (%d KV heads stored, %d per device)",
+                           mc.num_kv_heads, m, kv_heads // mc.num_kv_heads, kv_heads,
+                           kv_heads // m)
         self.eos_token_id = _eos_token_id(self.tokenizer, mc)
 
         t0 = time.perf_counter()
-        self.model = build_model(mc, dtype=self.dtype, attention_backend=config.attention_backend)
+        self.attention_backend = resolve_backend(config.attention_backend)
+        run_config = replace(mc, num_kv_heads=kv_heads)
+        self.model = build_model(run_config, dtype=self.dtype,
+                                 attention_backend=self.attention_backend)
+        rules = mesh_rules(mc, m)
+        shardings = param_shardings(param_logical_axes(self.model), self.mesh, rules)
         self.params = load_params(config.model, mc, self.model, self.dtype,
-                                  load_format=config.load_format, seed=config.seed)
+                                  load_format=config.load_format, seed=config.seed,
+                                  shardings=shardings, kv_head_repeat=kv_heads // mc.num_kv_heads)
         self.weight_bytes = param_bytes(self.params)
-        logger.info("loaded %s (%s, %s) in %.1f s: %.2f GiB of weights", config.model,
-                    mc.architecture, jnp.dtype(self.dtype).name, time.perf_counter() - t0,
-                    self.weight_bytes / 2**30)
+        self.weight_bytes_per_device = bytes_per_device(self.params)
+        logger.info("loaded %s (%s, %s) in %.1f s: %.2f GiB of weights, %.2f GiB per device "
+                    "(model axis %d)", config.model, mc.architecture, jnp.dtype(self.dtype).name,
+                    time.perf_counter() - t0, self.weight_bytes / 2**30,
+                    self.weight_bytes_per_device / 2**30, m)
 
+        # Pages are sized per device: each device holds kv_heads / M heads of every page.
         per_page = page_bytes(num_layers=mc.num_layers, page_size=config.page_size,
-                              num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
+                              num_kv_heads=kv_heads // m, head_dim=mc.head_dim,
                               itemsize=jnp.dtype(kv_dtype).itemsize)
         self.num_pages = choose_num_pages(
             num_pages=config.num_pages, kv_cache_memory_bytes=config.kv_cache_memory_bytes,
             hbm_utilization=config.hbm_utilization, bytes_per_page=per_page,
             max_num_seqs=config.max_num_seqs, max_model_len=max_model_len,
-            page_size=config.page_size, device=jax.devices()[0])
+            page_size=config.page_size, device=self.mesh.devices.flat[0])
+        if self.channel is not None:   # every process must build the same cache shape
+            self.num_pages = multihost.agree_on_min(self.num_pages)
         kv_tokens = (self.num_pages - 1) * config.page_size
-        logger.info("KV cache: %d pages x %d tokens = %d tokens (%.2f GiB); max concurrency at "
-                    "%d tokens: %.1fx", self.num_pages - 1, config.page_size, kv_tokens,
+        logger.info("KV cache: %d pages x %d tokens = %d tokens (%.2f GiB per device); max "
+                    "concurrency at %d tokens: %.1fx", self.num_pages - 1, config.page_size,
+                    kv_tokens,
                     self.num_pages * per_page / 2**30, max_model_len, kv_tokens / max_model_len)
 
         self.runner = ModelRunner(
             model=self.model, params=self.params, num_layers=mc.num_layers,
-            num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, vocab_size=mc.vocab_size,
+            num_kv_heads=kv_heads, head_dim=mc.head_dim, vocab_size=mc.vocab_size,
             num_pages=self.num_pages, page_size=config.page_size,
             max_num_seqs=config.max_num_seqs, max_model_len=max_model_len,
             max_num_batched_tokens=config.num_batched_tokens, kv_dtype=kv_dtype,
-            eos_token_id=self.eos_token_id)
+            eos_token_id=self.eos_token_id,
+            # Only the reference reads whole page-table rows; the others stop at kv_len.
+            context_buckets=self.attention_backend == "reference", mesh=self.mesh,
+            vocab_axis=rules["vocab"])
         self.runner.warmup()
         self.scheduler = Scheduler(
             num_pages=self.num_pages, page_size=config.page_size,
@@ -104,8 +151,7 @@ class EngineCore:
         self.outputs = OutputProcessor(self.tokenizer, stream=stream_outputs)
         self.num_steps = 0
         self.num_scheduled_tokens = 0   # tokens computed on device, all steps
-        # Seeds for requests that bring none: reproducible from the engine seed.
-        self._seed_counter = itertools.count(config.seed * 1_000_003 + 1)
+        self._seed_counter = seed_counter or engine_seeds(config.seed)
 
     # ---- requests ------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
@@ -165,10 +211,21 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[RequestOutput]:
+        return self.finish_step(self.begin_step())
+
+    def begin_step(self):
+        """Schedules and dispatches one step; the device works while the host goes on."""
         sched_out = self.scheduler.schedule()
         self.num_steps += 1
         self.num_scheduled_tokens += sched_out.num_scheduled_tokens
-        runner_out = self.runner.execute(sched_out)
+        if self.channel is not None and sched_out.requests:
+            self.channel.publish(sched_out)
+        return sched_out, self.runner.dispatch(sched_out)
+
+    def finish_step(self, begun) -> list[RequestOutput]:
+        """Waits for a step from begin_step and applies its results."""
+        sched_out, in_flight = begun
+        runner_out = self.runner.collect(in_flight)
         updated = self.scheduler.update_from_output(sched_out, runner_out.sampled)
         outs, stopped = self.outputs.process(updated, runner_out)
         if stopped:
@@ -178,6 +235,53 @@ class EngineCore:
     @property
     def num_compilations(self) -> int:
         return compile_counter.num_compilations()
+
+    # ---- multi-host -------------------------------------------------------------------
+    def follow(self) -> None:
+        """Processes other than 0: run every step process 0 publishes, until it stops."""
+        if self.channel is None or multihost.is_leader():
+            raise ValueError("follow() is for processes other than 0 of a multi-host run")
+        while (sched_out := self.channel.receive()) is not None:
+            self.runner.execute(sched_out)
+
+    def shutdown(self) -> None:
+        """Process 0 of a multi-host run: release the followers (no-op otherwise)."""
+        if self.channel is not None and multihost.is_leader():
+            self.channel.close()
+
+    # ---- load, for the data-parallel front door and the metrics ------------------------
+    def num_unfinished(self) -> int:
+        return self.scheduler.get_num_unfinished_requests()
+
+    def cached_prefix_pages(self, block_hashes: list[int]) -> int:
+        """How many leading pages (by chained hash, prompt_block_hashes) this replica's
+        prefix cache holds; a read-only look-up that counts no cache statistics."""
+        if not self.config.enable_prefix_caching:
+            return 0
+        cached = self.scheduler.kv.pool.cached_blocks
+        return next((i for i, h in enumerate(block_hashes) if h not in cached),
+                    len(block_hashes))
+
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.stats()
+
+    @property
+    def warmup_compilations(self) -> int:
+        return self.runner.warmup_compilations
+
+    @property
+    def warmup_seconds(self) -> float:
+        return self.runner.warmup_seconds
+
+
+def prompt_block_hashes(prompt_token_ids: list[int], page_size: int) -> list[int]:
+    """The chained hashes of the prompt's full pages, as an unsalted request has them."""
+    return Request("probe", prompt_token_ids, None, page_size=page_size).block_hashes
+
+
+def engine_seeds(seed: int) -> Iterator[int]:
+    """Seeds for requests that bring none: reproducible from the engine seed."""
+    return itertools.count(seed * 1_000_003 + 1)
 
 
 def _load_tokenizer(path: str):

@@ -9,7 +9,7 @@ from tqdm.auto import tqdm
 from jaxserve.chat import render_chat
 from jaxserve.config import EngineConfig
 from jaxserve.core.outputs import RequestOutput
-from jaxserve.engine.engine_core import EngineCore
+from jaxserve.engine.data_parallel import make_engine
 from jaxserve.sampling_params import SamplingParams
 
 PromptType = str | dict[str, Any]
@@ -19,12 +19,13 @@ class LLM:
     """`LLM(model=...)`, then `generate(prompts, sampling_params)` or `chat(messages)`.
 
     Engine arguments are EngineConfig's fields; `block_size` is an alias of `page_size`.
+    `mesh="DxM"` runs D data-parallel replicas, each tensor-parallel over M devices.
     """
 
     def __init__(self, model: str, **engine_args: Any):
         if "block_size" in engine_args:
             engine_args["page_size"] = engine_args.pop("block_size")
-        self.engine = EngineCore(EngineConfig(model=model, **engine_args))
+        self.engine = make_engine(EngineConfig(model=model, **engine_args))
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 

@@ -4,6 +4,12 @@ Three jitted functions, each compiled for a small fixed set of shapes at
 warmup: the forward pass (one per token bucket, KV caches donated so every
 write is in place), the sampler (one per row bucket and sampler variant) and
 prompt logprobs (one per token bucket). Nothing compiles after warmup.
+
+Under a mesh (this replica's 1xM devices) every function is jitted with explicit
+shardings: parameters and KV caches as they were placed (KV split by KV head,
+donated), batch inputs and all outputs replicated. The shardings are fixed at
+construction, so warmup compiles exactly what serving runs. Calls trace under
+`jax.set_mesh`, which lets the model put attention under shard_map.
 """
 from __future__ import annotations
 
@@ -11,10 +17,11 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxserve.runner import compile_counter
 from jaxserve.runner.input_batch import (InputBatchBuilder, pick_bucket,
@@ -22,7 +29,8 @@ from jaxserve.runner.input_batch import (InputBatchBuilder, pick_bucket,
 from jaxserve.runner.sampler import (SamplerVariant, SamplingRow, choose_variant,
                                      compute_prompt_logprobs, make_sampling_tensors, sample)
 from models.inputs import ModelInputs
-from pallas_kernels.ragged_paged_attention import make_kv_cache
+from pallas_kernels.ragged_paged_attention import KV_HEAD_AXIS, make_kv_cache
+from sharding import kv_cache_sharding, make_mesh, replicated
 
 logger = logging.getLogger("jaxserve")
 
@@ -34,6 +42,14 @@ class ModelRunnerOutput:
     logprobs: dict[str, tuple[np.ndarray, np.ndarray, int]] = field(default_factory=dict)
     # req_id -> (first position, target logprob [n], rank [n], top ids [n, MAX], top lps [n, MAX])
     prompt_logprobs: dict[str, tuple] = field(default_factory=dict)
+
+
+@dataclass
+class _InFlight:
+    """A dispatched step: device results not yet read back (see ModelRunner.dispatch)."""
+    reqs: list
+    sampled: Any = None          # SamplerOutput on device, or None
+    prompt_lps: Any = None       # (device arrays, spans), or None
 
 
 def capped_buckets(smallest: int, largest: int) -> tuple[int, ...]:
@@ -49,9 +65,16 @@ class ModelRunner:
     def __init__(self, *, model, params, num_layers: int, num_kv_heads: int, head_dim: int,
                  vocab_size: int, num_pages: int, page_size: int, max_num_seqs: int,
                  max_model_len: int, max_num_batched_tokens: int, kv_dtype,
-                 eos_token_id: int | None = None, context_buckets: bool = True):
+                 eos_token_id: int | None = None, context_buckets: bool = True, mesh=None,
+                 vocab_axis: str | None = None):
         self.model = model
         self.params = params
+        # No mesh: a 1x1 mesh on the default device, so one code path serves both.
+        self.mesh = mesh if mesh is not None else make_mesh("1x1", jax.devices()[:1])
+        self._rep = replicated(self.mesh)
+        # How the logits come out of the lm_head: split over vocab_axis (the rules table's
+        # mesh axis for "vocab"), or whole.
+        self._vocab_parallel = NamedSharding(self.mesh, PartitionSpec(None, vocab_axis))
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
         self.max_model_len = max_model_len
@@ -63,11 +86,22 @@ class ModelRunner:
         self.builder = InputBatchBuilder(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                                          page_size=page_size, token_buckets=self.token_buckets,
                                          page_buckets=page_buckets)
-        self.kv_caches = [make_kv_cache(num_pages, page_size, num_kv_heads, head_dim, kv_dtype)
-                          for _ in range(num_layers)]
-        self._forward = jax.jit(self._forward_fn, donate_argnums=(1,))
-        self._sample = jax.jit(self._sample_fn, static_argnames=("num_rows", "variant"))
-        self._prompt_logprobs = jax.jit(self._prompt_logprobs_fn)
+        # num_kv_heads is what this mesh stores: a multiple of M (sharding.kv_head_layout).
+        kv_sharding = kv_cache_sharding(self.mesh, KV_HEAD_AXIS)
+        new_cache = jax.jit(lambda: make_kv_cache(num_pages, page_size, num_kv_heads, head_dim,
+                                                  kv_dtype), out_shardings=kv_sharding)
+        self.kv_caches = [new_cache() for _ in range(num_layers)]
+        p_sh = jax.tree_util.tree_map(lambda x: x.sharding, params)
+        kv_sh = [kv_sharding] * num_layers
+        rep = self._rep
+        self._forward = jax.jit(self._forward_fn, donate_argnums=(1,),
+                                in_shardings=(p_sh, kv_sh, rep, rep),
+                                out_shardings=(rep, rep, kv_sh))
+        # (num_rows, variant) are static; jit takes no keyword arguments with in_shardings.
+        self._sample = jax.jit(self._sample_fn, static_argnums=(3, 4),
+                               in_shardings=(p_sh, rep, rep), out_shardings=rep)
+        self._prompt_logprobs = jax.jit(self._prompt_logprobs_fn, in_shardings=(p_sh, rep, rep),
+                                        out_shardings=rep)
         self.warmup_seconds = 0.0
         self.warmup_compilations = 0
 
@@ -76,9 +110,15 @@ class ModelRunner:
         hidden, kv_caches = self.model.apply({"params": params}, kv_caches, inputs)
         return hidden, hidden[logits_indices], kv_caches
 
-    def _sample_fn(self, params, hidden_rows, tensors, *, num_rows: int, variant: SamplerVariant):
+    def _sample_fn(self, params, hidden_rows, tensors, num_rows: int, variant: SamplerVariant):
         logits = self.model.apply({"params": params}, hidden_rows[:num_rows],
                                   method="compute_logits")
+        if variant != SamplerVariant(do_sample=False):
+            # Logits computed vocab-parallel, then gathered once here rather than at each
+            # use in the sampler (or the [V, E] weight gathered). Pure greedy needs no
+            # gather: XLA reduces the per-shard argmaxes.
+            logits = jax.lax.with_sharding_constraint(logits, self._vocab_parallel)
+            logits = jax.lax.with_sharding_constraint(logits, self._rep)
         return sample(logits, tensors, variant)
 
     def _prompt_logprobs_fn(self, params, hidden, targets):
@@ -87,19 +127,48 @@ class ModelRunner:
 
     # ---- one step ------------------------------------------------------------------
     def execute(self, scheduler_output) -> ModelRunnerOutput:
-        reqs = scheduler_output.requests
+        return self.collect(self.dispatch(scheduler_output))
+
+    def dispatch(self, scheduler_output) -> _InFlight:
+        """Launches the step's device work and returns without waiting for it
+        (data-parallel replicas dispatch in turn, then collect)."""
+        with jax.set_mesh(self.mesh):
+            return self._dispatch(scheduler_output.requests)
+
+    def collect(self, step: _InFlight) -> ModelRunnerOutput:
+        """Waits for a dispatched step and reads its results back to the host."""
         out = ModelRunnerOutput()
-        if not reqs:
+        if step.prompt_lps is not None:
+            arrays, spans = step.prompt_lps
+            lp, rank, top_lp, top_ids = jax.device_get(arrays)
+            for req_id, a, n, first in spans:
+                out.prompt_logprobs[req_id] = (first, lp[a:a + n], rank[a:a + n],
+                                               top_ids[a:a + n], top_lp[a:a + n])
+        if step.sampled is None:
             return out
+        result = jax.device_get(step.sampled)
+        for i, r in enumerate(step.reqs):
+            if not r.sample:
+                continue
+            out.sampled[r.req_id] = int(result.token_ids[i])
+            if r.sampling_params.logprobs is not None:
+                out.logprobs[r.req_id] = (result.logprob_token_ids[i], result.logprobs[i],
+                                          int(result.sampled_rank[i]))
+        return out
+
+    def _dispatch(self, reqs) -> _InFlight:
+        step = _InFlight(reqs)
+        if not reqs:
+            return step
         hb = self.builder.build(reqs)
-        inputs, logits_indices = jax.device_put((hb.inputs, hb.logits_indices))
+        inputs, logits_indices = jax.device_put((hb.inputs, hb.logits_indices), self._rep)
         hidden, hidden_rows, self.kv_caches = self._forward(
             self.params, self.kv_caches, inputs, logits_indices)
 
         if any(r.sampling_params.prompt_logprobs is not None for r in reqs):
-            self._collect_prompt_logprobs(reqs, hb, hidden, out)
+            step.prompt_lps = self._prompt_logprobs_async(reqs, hb, hidden)
         if not any(r.sample for r in reqs):
-            return out
+            return step
         num_rows = pick_bucket(self.row_buckets, hb.num_reqs)
         variant = choose_variant([r.sampling_params for r in reqs])
         rows = [SamplingRow(r.sampling_params, r.num_output_tokens,
@@ -109,17 +178,8 @@ class ModelRunner:
         tensors = make_sampling_tensors(rows, num_rows, self.vocab_size,
                                         penalties=variant.penalties,
                                         penalty_len=self.max_model_len)
-        result = self._sample(self.params, hidden_rows, tensors, num_rows=num_rows,
-                              variant=variant)
-        result = jax.device_get(result)
-        for i, r in enumerate(reqs):
-            if not r.sample:
-                continue
-            out.sampled[r.req_id] = int(result.token_ids[i])
-            if r.sampling_params.logprobs is not None:
-                out.logprobs[r.req_id] = (result.logprob_token_ids[i], result.logprobs[i],
-                                          int(result.sampled_rank[i]))
-        return out
+        step.sampled = self._sample(self.params, hidden_rows, tensors, num_rows, variant)
+        return step
 
     def _banned(self, r) -> tuple[int, ...]:
         """Stop tokens may not be sampled among the first min_tokens outputs (as vLLM)."""
@@ -129,8 +189,9 @@ class ModelRunner:
         eos = () if sp.ignore_eos or self.eos_token_id is None else (self.eos_token_id,)
         return eos + tuple(sp.stop_token_ids)
 
-    def _collect_prompt_logprobs(self, reqs, hb, hidden, out: ModelRunnerOutput) -> None:
-        """Logprob of each prompt token given its prefix, for the tokens of this chunk."""
+    def _prompt_logprobs_async(self, reqs, hb, hidden):
+        """Logprob of each prompt token given its prefix, for the tokens of this chunk:
+        (device arrays, spans) or None."""
         t = hb.inputs.token_ids.shape[0]
         targets = np.full(t, -1, np.int32)
         spans = []
@@ -145,16 +206,17 @@ class ModelRunner:
             targets[cu[i]:cu[i] + hi - lo] = r.prompt_token_ids[lo + 1:hi + 1]
             spans.append((r.req_id, cu[i], hi - lo, lo))
         if not spans:
-            return
-        lp, rank, top_lp, top_ids = jax.device_get(
-            self._prompt_logprobs(self.params, hidden, jax.device_put(targets)))
-        for req_id, a, n, first in spans:
-            out.prompt_logprobs[req_id] = (first, lp[a:a + n], rank[a:a + n],
-                                           top_ids[a:a + n], top_lp[a:a + n])
+            return None
+        targets = jax.device_put(targets, self._rep)
+        return self._prompt_logprobs(self.params, hidden, targets), spans
 
     # ---- warmup --------------------------------------------------------------------
     def warmup(self) -> None:
         """Compile every token bucket, row bucket and sampler variant now."""
+        with jax.set_mesh(self.mesh):
+            self._warmup()
+
+    def _warmup(self) -> None:
         start, before = time.perf_counter(), compile_counter.num_compilations()
         r_max = self.builder._seq_lens.shape[0]
         for t, p in itertools.product(self.token_buckets, self.builder.page_buckets):
@@ -163,21 +225,22 @@ class ModelRunner:
                 token_ids=z, positions=z, slot_mapping=z,
                 query_start_loc=np.zeros(r_max + 1, np.int32), seq_lens=np.zeros(r_max, np.int32),
                 page_table=np.zeros((r_max, p), np.int32), num_seqs=np.zeros(1, np.int32))
-            inputs, li = jax.device_put((inputs, np.zeros(r_max, np.int32)))
+            inputs, li = jax.device_put((inputs, np.zeros(r_max, np.int32)), self._rep)
             hidden, hidden_rows, self.kv_caches = self._forward(self.params, self.kv_caches,
                                                                 inputs, li)
         for t in self.token_buckets:
-            hidden = jnp.zeros((t, hidden_rows.shape[-1]), hidden_rows.dtype)
-            jax.block_until_ready(self._prompt_logprobs(self.params, hidden,
-                                                        jnp.full(t, -1, jnp.int32)))
+            hidden, targets = jax.device_put(
+                (np.zeros((t, hidden_rows.shape[-1]), hidden_rows.dtype),
+                 np.full(t, -1, np.int32)), self._rep)
+            jax.block_until_ready(self._prompt_logprobs(self.params, hidden, targets))
         for rows in self.row_buckets:
             for flags in itertools.product((False, True), repeat=3):
                 variant = SamplerVariant(*flags)
                 tensors = make_sampling_tensors([], rows, self.vocab_size,
                                                 penalties=variant.penalties,
                                                 penalty_len=self.max_model_len)
-                jax.block_until_ready(self._sample(self.params, hidden_rows, tensors,
-                                                   num_rows=rows, variant=variant))
+                jax.block_until_ready(self._sample(self.params, hidden_rows, tensors, rows,
+                                                   variant))
         self.warmup_seconds = time.perf_counter() - start
         self.warmup_compilations = compile_counter.num_compilations() - before
         logger.info("warmup: %d compilations in %.1f s (token buckets %s, page-table widths %s, "

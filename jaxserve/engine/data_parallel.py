@@ -1,0 +1,139 @@
+"""Data parallelism: D engine replicas behind one front door.
+
+`make_engine(config)` is what LLM and AsyncEngine build: a plain EngineCore
+for a "1xM" mesh, a DataParallelEngine for "DxM" with D > 1. The front door
+speaks EngineCore's interface, so callers do not know which they hold.
+
+Each replica is a whole EngineCore (scheduler, KV pages, runner) on its own
+1xM sub-mesh, devices d*M .. (d+1)*M - 1. A step dispatches every busy
+replica's device work first and only then waits for the results, so on an
+accelerator the replicas run at the same time (jit dispatch is asynchronous);
+on CPU they simply take turns.
+
+Routing (at add time, a request never moves): the replica with the longest
+cached prompt prefix among those within `balance_slack` unfinished requests of
+the least loaded one; ties go to the least loaded, then the lowest index. The
+slack bounds how much imbalance a prefix hit may buy.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Iterator
+
+from jaxserve.config import EngineConfig
+from jaxserve.core.outputs import RequestOutput
+from jaxserve.core.scheduler import SchedulerStats
+from jaxserve.engine import multihost
+from jaxserve.engine.engine_core import EngineCore, engine_seeds, prompt_block_hashes
+from jaxserve.sampling_params import SamplingParams
+from sharding import DATA, make_mesh, replica_meshes
+
+logger = logging.getLogger("jaxserve")
+
+
+def make_engine(config: EngineConfig, *, stream_outputs: bool = False
+                ) -> EngineCore | DataParallelEngine:
+    multihost.initialize()   # from JAXSERVE_* env, when set (the CLI passes its flags first)
+    mesh = make_mesh(config.mesh)
+    if mesh.shape[DATA] == 1:
+        return EngineCore(config, stream_outputs=stream_outputs, mesh=mesh)
+    return DataParallelEngine(config, stream_outputs=stream_outputs, mesh=mesh)
+
+
+class DataParallelEngine:
+    def __init__(self, config: EngineConfig, *, stream_outputs: bool = False, mesh=None,
+                 balance_slack: int = 2):
+        mesh = mesh if mesh is not None else make_mesh(config.mesh)
+        self.config = config
+        self.balance_slack = balance_slack
+        # One seed sequence for all replicas: a seedless request gets the same seed
+        # whatever the mesh, as in a single engine.
+        seeds: Iterator[int] = engine_seeds(config.seed)
+        self.replicas = [EngineCore(config, stream_outputs=stream_outputs, mesh=sub,
+                                    seed_counter=seeds) for sub in replica_meshes(mesh)]
+        first = self.replicas[0]
+        self.tokenizer = first.tokenizer
+        self.model_config = first.model_config
+        self.max_model_len = first.max_model_len
+        self.dtype = first.dtype
+        self.num_pages = first.num_pages             # per replica
+        self.weight_bytes = first.weight_bytes       # per replica
+        self.weight_bytes_per_device = first.weight_bytes_per_device
+        self.eos_token_id = first.eos_token_id
+        self._replica_of: dict[str, int] = {}
+        logger.info("data parallel: %d replicas of mesh 1x%d", len(self.replicas),
+                    mesh.shape["model"])
+
+    # ---- requests ------------------------------------------------------------------
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
+        return self.replicas[0].validate(prompt_token_ids, params)
+
+    def choose_replica(self, prompt_token_ids: list[int]) -> int:
+        loads = [r.num_unfinished() for r in self.replicas]
+        ok = [i for i, n in enumerate(loads) if n <= min(loads) + self.balance_slack]
+        if len(ok) == 1:
+            return ok[0]
+        hashes = prompt_block_hashes(prompt_token_ids, self.config.page_size)
+        return max(ok, key=lambda i: (self.replicas[i].cached_prefix_pages(hashes),
+                                      -loads[i], -i))
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    **kwargs) -> None:
+        if request_id in self._replica_of:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.validate(prompt_token_ids, params)   # before routing: errors leave no trace
+        d = self.choose_replica(prompt_token_ids)
+        self.replicas[d].add_request(request_id, prompt_token_ids, params, **kwargs)
+        self._replica_of[request_id] = d
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        d = self._replica_of.pop(request_id, None)
+        return None if d is None else self.replicas[d].abort_request(request_id)
+
+    # ---- the loop ------------------------------------------------------------------
+    def has_unfinished_requests(self) -> bool:
+        return any(r.has_unfinished_requests() for r in self.replicas)
+
+    def step(self) -> list[RequestOutput]:
+        busy = [r for r in self.replicas if r.has_unfinished_requests()]
+        begun = [r.begin_step() for r in busy]          # all replicas dispatch ...
+        outs: list[RequestOutput] = []
+        for r, b in zip(busy, begun):                   # ... then each is waited for
+            outs.extend(r.finish_step(b))
+        for o in outs:
+            if o.finished:
+                self._replica_of.pop(o.request_id, None)
+        return outs
+
+    # ---- load and statistics ----------------------------------------------------------
+    def num_unfinished(self) -> int:
+        return sum(r.num_unfinished() for r in self.replicas)
+
+    def stats(self) -> SchedulerStats:
+        """Summed over replicas; KV usage is the mean of the replicas' usage."""
+        parts = [r.stats() for r in self.replicas]
+        queries = sum(p.prefix_cache_queries for p in parts)
+        hits = sum(p.prefix_cache_hits for p in parts)
+        return SchedulerStats(
+            num_running=sum(p.num_running for p in parts),
+            num_waiting=sum(p.num_waiting for p in parts),
+            kv_cache_usage=sum(p.kv_cache_usage for p in parts) / len(parts),
+            prefix_cache_queries=queries, prefix_cache_hits=hits,
+            prefix_cache_hit_rate=hits / queries if queries else 0.0,
+            num_preemptions=sum(p.num_preemptions for p in parts))
+
+    def shutdown(self) -> None:
+        for r in self.replicas:
+            r.shutdown()
+
+    @property
+    def num_compilations(self) -> int:
+        return self.replicas[0].num_compilations      # the counter is per process
+
+    @property
+    def warmup_compilations(self) -> int:
+        return sum(r.warmup_compilations for r in self.replicas)
+
+    @property
+    def warmup_seconds(self) -> float:
+        return sum(r.warmup_seconds for r in self.replicas)

@@ -1,0 +1,123 @@
+"""Logical axis names -> mesh axes: one rules table, the checks, the shardings.
+
+Tensor parallelism is Megatron's: column-parallel q/k/v, gate/up and lm_head,
+row-parallel o_proj and down_proj. With activations replicated between layers,
+XLA's SPMD partitioner then needs exactly one all-reduce of [T, E] after o_proj
+and one after down_proj per layer, a masked lookup + all-reduce for the
+vocab-parallel embedding, and for sampling one all-gather of the vocab-parallel
+[R, V] logits (none for pure greedy: XLA reduces the per-shard argmaxes).
+"""
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from sharding.mesh import MODEL
+from sharding.parallel import heads_spec
+
+logger = logging.getLogger("jaxserve")
+
+# The rules table. Every parameter axis names one of these logical axes (models/layers.py).
+RULES: dict[str, str | None] = {
+    "vocab": MODEL,      # embedding rows / lm_head columns (vocab-parallel); replicated when
+                         # vocab % M != 0 (logged): padding would leak into the logits' shape
+    "heads": MODEL,      # q_proj outputs, o_proj inputs
+    "kv_heads": MODEL,   # k_proj / v_proj outputs and the KV cache (kv_head_layout below)
+    "mlp": MODEL,        # gate/up outputs, down inputs -- dense MLP *and* inside each expert
+    # Experts are tensor-parallel (each device holds a 1/M slice of every expert's F),
+    # not expert-parallel: the MoE block then costs the same single all-reduce as a
+    # dense MLP, the work is balanced whatever the routing, and no all-to-all token
+    # dispatch is needed (vLLM's default within a node too). Expert parallelism pays off
+    # across many devices with all-to-all dispatch; it is a later step.
+    "experts": None,
+    "embed": None,       # the residual stream stays replicated between layers
+    "head_dim": None,
+    "norm": None,
+}
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_model_axis(mc: Any, m: int) -> None:
+    """ValueError naming the first model dimension that M does not divide.
+
+    Must divide: query heads; the dense MLP width (if any layer is dense); the
+    expert MLP width (MoE). KV heads need not (kv_head_layout), nor the vocabulary.
+    """
+    need = [("num_attention_heads", mc.num_heads)]
+    if not mc.is_moe or any(not mc.is_moe_layer(i) for i in range(mc.num_layers)):
+        need.append(("intermediate_size", mc.intermediate_size))
+    if mc.is_moe:
+        need.append(("moe_intermediate_size", mc.moe_intermediate_size))
+    ok = _divisors(math.gcd(*(v for _, v in need)))
+    for name, value in need:
+        if value % m:
+            raise ValueError(
+                f"mesh model axis M={m} does not divide {name}={value}; model-axis sizes "
+                f"that work for this model: {', '.join(map(str, ok))}")
+
+
+def kv_head_layout(num_heads: int, num_kv_heads: int, m: int) -> int:
+    """KV heads to store across the model axis (a multiple of M).
+
+    K % M == 0: the K heads themselves, K/M per device. Otherwise each KV head is
+    replicated on the devices whose query heads read it: K' = lcm(K, M) heads (each
+    original head repeated K'/K times, K'/M per device), so a device holds only the
+    KV heads its own query heads use. K' divides N whenever M divides N.
+    """
+    if num_kv_heads % m == 0:
+        return num_kv_heads
+    stored = math.lcm(num_kv_heads, m)
+    if num_heads % stored:
+        raise ValueError(f"cannot place {num_kv_heads} KV heads for {num_heads} query heads "
+                         f"on a model axis of {m}")
+    return stored
+
+
+def mesh_rules(mc: Any, m: int) -> dict[str, str | None]:
+    """RULES for one model: the vocabulary replicated when M does not divide it."""
+    rules = dict(RULES)
+    if mc.vocab_size % m:
+        logger.warning("vocab_size=%d does not divide by the model axis %d: embedding and "
+                       "lm_head are replicated on every device", mc.vocab_size, m)
+        rules["vocab"] = None
+    return rules
+
+
+def logical_to_mesh(spec: PartitionSpec, rules: dict[str, str | None]) -> PartitionSpec:
+    """PartitionSpec of logical names -> PartitionSpec of mesh axes."""
+    def one(name):
+        if name is None:
+            return None
+        if name not in rules:
+            raise ValueError(f"logical axis {name!r} has no sharding rule; known: {sorted(rules)}")
+        return rules[name]
+    return PartitionSpec(*(one(n) for n in spec))
+
+
+def param_shardings(logical_axes: Any, mesh: Mesh, rules: dict[str, str | None]) -> Any:
+    """Tree of NamedShardings for a tree of logical PartitionSpecs
+    (models.weights.param_logical_axes)."""
+    return jax.tree_util.tree_map(lambda s: NamedSharding(mesh, logical_to_mesh(s, rules)),
+                                  logical_axes, is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def kv_cache_sharding(mesh: Mesh, kv_head_axis: int, ndim: int = 5) -> NamedSharding:
+    """The KV cache split by KV head (the cache has a multiple of M heads: kv_head_layout)."""
+    return NamedSharding(mesh, heads_spec(ndim, kv_head_axis))
+
+
+def bytes_per_device(tree: Any) -> int:
+    """Bytes the first device of each array's sharding holds (all devices hold the same
+    amount: shardings here are even)."""
+    total = 0
+    for x in jax.tree_util.tree_leaves(tree):
+        shard = x.addressable_shards[0].data
+        total += shard.size * shard.dtype.itemsize
+    return total

@@ -1,0 +1,84 @@
+"""The data-parallel front door's routing, with stand-in replicas (no model)."""
+from __future__ import annotations
+
+import pytest
+
+from jaxserve.config import EngineConfig
+from jaxserve.engine.data_parallel import DataParallelEngine
+from jaxserve.engine.engine_core import prompt_block_hashes
+from jaxserve.sampling_params import SamplingParams
+
+
+class FakeReplica:
+    """cached: {pages: n} -- the replica holds the first n pages of any prompt."""
+    def __init__(self, load: int = 0, cached_pages: int = 0):
+        self.load, self.cached_pages, self.added, self.aborted = load, cached_pages, [], []
+
+    def num_unfinished(self) -> int:
+        return self.load
+
+    def cached_prefix_pages(self, block_hashes) -> int:
+        return min(self.cached_pages, len(block_hashes))
+
+    def validate(self, prompt, params):
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        return params
+
+    def add_request(self, rid, prompt, params, **kw):
+        self.added.append(rid)
+        self.load += 1
+
+    def abort_request(self, rid):
+        self.aborted.append(rid)
+        self.load -= 1
+
+
+def front(*replicas, slack: int = 2) -> DataParallelEngine:
+    dp = DataParallelEngine.__new__(DataParallelEngine)   # skip building real engines
+    dp.replicas, dp.balance_slack, dp._replica_of = list(replicas), slack, {}
+    dp.config = EngineConfig(model="unused", page_size=16)
+    return dp
+
+
+P = SamplingParams(max_tokens=1)
+
+
+def test_least_loaded_wins_and_ties_go_to_the_first():
+    a, b, c = FakeReplica(3), FakeReplica(1), FakeReplica(1)
+    dp = front(a, b, c, slack=0)
+    for i in range(4):
+        dp.add_request(f"r{i}", [5, 6], P)
+    assert (a.added, b.added, c.added) == ([], ["r0", "r2"], ["r1", "r3"])
+
+
+def test_prefix_hit_wins_within_the_slack_only():
+    prompt = [7] * 40
+    hot = FakeReplica(2, cached_pages=2)
+    cold = FakeReplica(0)
+    dp = front(cold, hot, slack=2)
+    dp.add_request("x", prompt, P)
+    assert hot.added == ["x"]                  # load 2 <= 0 + slack: the prefix hit wins
+    dp.add_request("y", prompt, P)             # load 3 > 0 + slack: balance wins
+    assert cold.added == ["y"]
+
+
+def test_ids_are_unique_across_replicas_and_aborts_route_back():
+    a, b = FakeReplica(), FakeReplica()
+    dp = front(a, b, slack=0)
+    dp.add_request("r", [3], P)
+    with pytest.raises(ValueError, match="already in use"):
+        dp.add_request("r", [3], P)
+    with pytest.raises(ValueError, match="empty"):
+        dp.add_request("bad", [], P)
+    assert a.added == ["r"] and b.added == []
+    dp.abort_request("r")
+    assert a.aborted == ["r"] and dp.abort_request("r") is None
+
+
+def test_prompt_hashes_match_the_prefix_cache():
+    """The front door's hashes are the ones the replicas' prefix caches store."""
+    from jaxserve.core.request import Request
+    prompt = list(range(3, 40))
+    req = Request("r", prompt, SamplingParams(), page_size=16)
+    assert prompt_block_hashes(prompt, 16) == req.block_hashes and len(req.block_hashes) == 2
