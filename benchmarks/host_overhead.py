@@ -49,7 +49,7 @@ def main() -> None:
             break
     rows_buckets = row_buckets(n)
     times_sched, times_prep = [], []
-    for step in range(args.steps):
+    for _ in range(args.steps):
         t0 = time.perf_counter()
         out = sched.schedule()
         t1 = time.perf_counter()

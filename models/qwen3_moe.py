@@ -29,7 +29,7 @@ class SparseMoeBlock(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:   # [T, E] -> [T, E]
         cfg, dt = self.config, self.dtype
-        E, F, X, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok
+        E, X, k = cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok
         T = x.shape[0]
 
         # Router: softmax over all experts in float32, then top-k.

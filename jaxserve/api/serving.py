@@ -166,8 +166,8 @@ class OpenAIServing:
         created, model, n = int(time.time()), self.settings.served_model_name, params.n
         choices: dict[int, _Choice] = {}
         echoed: set[int] = set()
-        async for i, out, delta in stream:
-            for c in delta:
+        async for i, out in stream:
+            for c in out.outputs:
                 idx = i * n + c.index
                 acc = choices.setdefault(idx, _Choice(idx))
                 _accumulate(acc, c)
@@ -232,8 +232,8 @@ class OpenAIServing:
         created, model = int(time.time()), self.settings.served_model_name
         base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
         choices: dict[int, _Choice] = {}
-        async for _, out, delta in stream:
-            for c in delta:
+        async for _, out in stream:
+            for c in out.outputs:
                 first = c.index not in choices
                 acc = choices.setdefault(c.index, _Choice(c.index))
                 _accumulate(acc, c)
@@ -252,8 +252,8 @@ class OpenAIServing:
 
     # ---- shared machinery ---------------------------------------------------------------------
     async def _merged(self, rid: str, prompts: list[_Prompt], params: SamplingParams,
-                      priority: int) -> AsyncIterator[tuple[int, RequestOutput, list]]:
-        """Runs every prompt; yields (prompt index, output, its delta completions)."""
+                      priority: int) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Runs every prompt; yields (prompt index, its delta output)."""
         queue: asyncio.Queue = asyncio.Queue()
         trackers = [_Tracker(time.monotonic()) for _ in prompts]
         if not self.settings.disable_log_requests:
@@ -289,7 +289,7 @@ class OpenAIServing:
                     self.metrics.observe_request(
                         arrival=tr.arrival, first_token=tr.first_token, end=time.monotonic(),
                         num_prompt=len(prompts[i].ids), num_output=tr.num_output)
-                yield i, out, out.outputs
+                yield i, out
         finally:
             self.num_in_flight -= len(prompts)
             for t in tasks:
@@ -302,10 +302,10 @@ class OpenAIServing:
         choices: dict[int, _Choice] = {}
 
         async def consume() -> None:
-            async for i, out, delta in stream:
+            async for i, out in stream:
                 if prompt_logprobs is not None and out.prompt_logprobs is not None:
                     prompt_logprobs[i] = out.prompt_logprobs
-                for c in delta:
+                for c in out.outputs:
                     idx = i * n + c.index
                     _accumulate(choices.setdefault(idx, _Choice(idx)), c)
 

@@ -13,7 +13,6 @@ import asyncio
 import logging
 import queue
 import threading
-import time
 from dataclasses import dataclass
 from typing import AsyncIterator
 

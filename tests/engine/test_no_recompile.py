@@ -15,7 +15,7 @@ def test_200_random_requests_compile_nothing_new(checkpoint):
     before = engine.num_compilations
     rng = random.Random(0)
     prompts, params = [], []
-    for i in range(200):
+    for _ in range(200):
         n = rng.randint(1, 90)
         prompts.append({"prompt_token_ids": [rng.randrange(3, 256) for _ in range(n)]})
         kw = dict(max_tokens=rng.randint(1, 128 - n - 1), ignore_eos=rng.random() < 0.5)
