@@ -17,11 +17,21 @@ _MODEL_TYPE_TO_ARCH = {
     "llama": "LlamaForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen3_5": "Qwen3_5ForConditionalGeneration",
+    "qwen3_5_text": "Qwen3_5ForCausalLM",
+    "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
+    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
 }
 # Architectures served (models/registry.py maps each to its module).
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+SUPPORTED_ARCHITECTURES = tuple(sorted((
+    "LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+    "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")))
+# Qwen3.5 / Qwen3.6: hybrid Gated DeltaNet + gated attention (dense and MoE).
+HYBRID_ARCHS = frozenset(a for a in SUPPORTED_ARCHITECTURES if a.startswith("Qwen3_5"))
+FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
 # Families whose attention has q_norm / k_norm (RMSNorm over head_dim, before RoPE).
-_QK_NORM_ARCHS = frozenset({"Qwen3ForCausalLM", "Qwen3MoeForCausalLM"})
+_QK_NORM_ARCHS = frozenset({"Qwen3ForCausalLM", "Qwen3MoeForCausalLM"}) | HYBRID_ARCHS
 _QK_NORM_MODEL_TYPES = frozenset({"qwen3", "qwen3_moe"})
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -55,6 +65,18 @@ class ModelConfig:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    shared_expert_intermediate_size: int = 0         # Qwen3.5-MoE: a gated shared expert
+    # Hybrid models (Qwen3.5/3.6). layer_types: one of FULL_ATTENTION / LINEAR_ATTENTION
+    # per layer; () = every layer full attention.
+    layer_types: tuple[str, ...] = ()
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
+    partial_rotary_factor: float = 1.0               # RoPE on the first head_dim * this dims
+    attn_output_gate: bool = False                   # q_proj also gives a sigmoid output gate
+    norm_plus_one: bool = False                      # RMSNorm weight applied as (1 + w)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
@@ -68,6 +90,24 @@ class ModelConfig:
             raise ValueError(f"num_experts_per_tok {self.num_experts_per_tok} must be in [1, {self.num_experts}]")
         if self.decoder_sparse_step <= 0:
             raise ValueError(f"decoder_sparse_step must be positive, got {self.decoder_sparse_step}")
+        if self.layer_types:
+            if len(self.layer_types) != self.num_layers:
+                raise ValueError(f"layer_types has {len(self.layer_types)} entries for "
+                                 f"{self.num_layers} layers")
+            bad = set(self.layer_types) - {FULL_ATTENTION, LINEAR_ATTENTION}
+            if bad:
+                raise ValueError(f"unsupported layer types {sorted(bad)}")
+        if self.is_hybrid:
+            for name in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                         "linear_value_head_dim", "linear_conv_kernel_dim"):
+                if getattr(self, name) <= 0:
+                    raise ValueError(f"{name} must be positive for linear-attention layers")
+            if self.linear_num_value_heads % self.linear_num_key_heads:
+                raise ValueError(f"linear_num_value_heads {self.linear_num_value_heads} is not a "
+                                 f"multiple of linear_num_key_heads {self.linear_num_key_heads}")
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
+            raise ValueError(f"partial_rotary_factor {self.partial_rotary_factor} gives an invalid "
+                             f"rotary dimension {self.rotary_dim} for head_dim {self.head_dim}")
 
     def __hash__(self) -> int:  # rope_scaling is a dict; hash a frozen view of it
         items = []
@@ -80,6 +120,42 @@ class ModelConfig:
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Has linear-attention (Gated DeltaNet) layers carrying recurrent state."""
+        return LINEAR_ATTENTION in self.layer_types
+
+    def layer_type(self, layer_idx: int) -> str:
+        return self.layer_types[layer_idx] if self.layer_types else FULL_ATTENTION
+
+    @property
+    def full_attention_layers(self) -> tuple[int, ...]:
+        """Layers with a paged KV cache."""
+        return tuple(i for i in range(self.num_layers) if self.layer_type(i) == FULL_ATTENTION)
+
+    @property
+    def linear_attention_layers(self) -> tuple[int, ...]:
+        """Layers with per-sequence recurrent state instead of a KV cache."""
+        return tuple(i for i in range(self.num_layers) if self.layer_type(i) == LINEAR_ATTENTION)
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def linear_conv_dim(self) -> int:
+        """Channels of the DeltaNet's causal conv: q, k (key heads) and v (value heads)."""
+        return (2 * self.linear_num_key_heads * self.linear_key_head_dim
+                + self.linear_num_value_heads * self.linear_value_head_dim)
+
+    def state_bytes_per_seq(self, conv_itemsize: int) -> int:
+        """Recurrent state of one sequence over all linear-attention layers: the conv
+        state (last kernel-1 inputs, model dtype) and the float32 delta-rule state."""
+        conv = (self.linear_conv_kernel_dim - 1) * self.linear_conv_dim * conv_itemsize
+        rec = (self.linear_num_value_heads * self.linear_key_head_dim
+               * self.linear_value_head_dim * 4)
+        return len(self.linear_attention_layers) * (conv + rec)
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         """Same rule as transformers' Qwen3-MoE decoder layer."""
@@ -135,7 +211,14 @@ class ModelConfig:
 
         hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
         max_pos = int(t.get("max_position_embeddings") or 4096)
-        theta, scaling = _parse_rope(t, max_pos)
+        hybrid = architecture in HYBRID_ARCHS
+        theta, scaling, rotary_factor = _parse_rope(t, max_pos, allow_partial=hybrid)
+        num_layers = int(need("num_hidden_layers"))
+        layer_types: tuple[str, ...] = ()
+        if hybrid:
+            layer_types = tuple(t.get("layer_types") or (
+                FULL_ATTENTION if (i + 1) % int(t.get("full_attention_interval") or 4) == 0
+                else LINEAR_ATTENTION for i in range(num_layers)))
         eos = t.get("eos_token_id", d.get("eos_token_id"))
         if isinstance(eos, list):
             eos = tuple(int(e) for e in eos)
@@ -144,8 +227,10 @@ class ModelConfig:
             architecture=architecture,
             vocab_size=int(need("vocab_size")),
             hidden_size=hidden,
-            intermediate_size=int(need("intermediate_size")),
-            num_layers=int(need("num_hidden_layers")),
+            # Qwen3.5-MoE has no dense MLP width (every layer is sparse).
+            intermediate_size=int(t.get("intermediate_size") or 0) if hybrid and t.get(
+                "num_experts") else int(need("intermediate_size")),
+            num_layers=num_layers,
             num_heads=heads,
             num_kv_heads=int(t.get("num_key_value_heads") or heads),
             head_dim=int(t.get("head_dim") or hidden // heads),
@@ -162,14 +247,28 @@ class ModelConfig:
             num_experts=int(t.get("num_experts") or t.get("num_local_experts") or 0),
             num_experts_per_tok=int(t.get("num_experts_per_tok") or 0),
             moe_intermediate_size=int(t.get("moe_intermediate_size") or 0),
-            norm_topk_prob=bool(t.get("norm_topk_prob", False)),
+            # Qwen3.5-MoE always renormalises the top-k router weights.
+            norm_topk_prob=bool(t.get("norm_topk_prob", hybrid)),
             decoder_sparse_step=int(t.get("decoder_sparse_step") or 1),
             mlp_only_layers=tuple(int(i) for i in (t.get("mlp_only_layers") or ())),
+            shared_expert_intermediate_size=int(t.get("shared_expert_intermediate_size") or 0),
+            layer_types=layer_types,
+            linear_num_key_heads=int(t.get("linear_num_key_heads") or 0),
+            linear_num_value_heads=int(t.get("linear_num_value_heads") or 0),
+            linear_key_head_dim=int(t.get("linear_key_head_dim") or 0),
+            linear_value_head_dim=int(t.get("linear_value_head_dim") or 0),
+            linear_conv_kernel_dim=int(t.get("linear_conv_kernel_dim") or 0),
+            partial_rotary_factor=rotary_factor,
+            attn_output_gate=hybrid,
+            norm_plus_one=hybrid,
         )
 
 
-def _parse_rope(t: dict[str, Any], max_pos: int) -> tuple[float, dict[str, Any] | None]:
-    """Returns (theta, normalised scaling dict or None) from either config format."""
+def _parse_rope(t: dict[str, Any], max_pos: int, allow_partial: bool = False
+                ) -> tuple[float, dict[str, Any] | None, float]:
+    """Returns (theta, normalised scaling dict or None, partial rotary factor) from either
+    config format. Qwen3.5's multimodal RoPE sections (mrope_section) reduce to plain RoPE
+    for text, where the three position streams are equal."""
     params = t.get("rope_parameters")
     if params:
         if all(isinstance(v, dict) for v in params.values()):
@@ -180,13 +279,14 @@ def _parse_rope(t: dict[str, Any], max_pos: int) -> tuple[float, dict[str, Any] 
         theta = t.get("rope_theta")
     theta = float(theta if theta is not None else 10000.0)
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if float(params.get("partial_rotary_factor", t.get("partial_rotary_factor") or 1.0)) != 1.0:
-        raise ValueError("partial_rotary_factor != 1 is not supported")
+    partial = float(params.get("partial_rotary_factor", t.get("partial_rotary_factor") or 1.0))
+    if partial != 1.0 and not allow_partial:
+        raise ValueError("partial_rotary_factor != 1 is not supported for this architecture")
 
     if rope_type == "default":
-        return theta, None
+        return theta, None, partial
     if rope_type == "linear":
-        return theta, {"rope_type": "linear", "factor": float(params["factor"])}
+        return theta, {"rope_type": "linear", "factor": float(params["factor"])}, partial
     if rope_type == "llama3":
         try:
             return theta, {
@@ -197,7 +297,7 @@ def _parse_rope(t: dict[str, Any], max_pos: int) -> tuple[float, dict[str, Any] 
                 "original_max_position_embeddings": int(
                     params.get("original_max_position_embeddings")
                     or t.get("original_max_position_embeddings") or max_pos),
-            }
+            }, partial
         except KeyError as e:
             raise ValueError(f"llama3 rope scaling is missing {e.args[0]!r}") from None
     raise ValueError(f"unsupported rope type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")

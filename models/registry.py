@@ -16,7 +16,7 @@ ARCHITECTURES: dict[str, type] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
-assert tuple(sorted(ARCHITECTURES)) == SUPPORTED_ARCHITECTURES
+assert set(ARCHITECTURES) <= set(SUPPORTED_ARCHITECTURES)  # hybrid classes land with models/qwen3_5.py
 
 
 def get_model_class(architecture: str) -> type:
