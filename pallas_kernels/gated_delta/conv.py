@@ -1,0 +1,73 @@
+"""Ragged causal depthwise conv1d + SiLU with per-slot conv states (the DeltaNet's
+short convolution over the q|k|v channels).
+
+For a row with history h (conv_state[slot] if has_initial_state, else zeros;
+Kc-1 entries, oldest first) and tokens x_0..x_{n-1}, let xh = h ++ x. Token p
+gives y_p = silu(sum_j w[j] xh[p + j]), j = 0..Kc-1, i.e. torch's conv1d with
+padding Kc-1 (fresh rows) or on cat(conv_state, x) (continuing rows), as
+transformers' causal_conv1d_fn / causal_conv1d_update do. The row's new conv
+state is the last Kc-1 entries of xh.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def token_rows(query_start_loc: jax.Array, num_seqs: jax.Array, num_tokens: int,
+               num_rows: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Per packed token: its row, its position inside the row, and whether it is live."""
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    row = jnp.searchsorted(query_start_loc[1:], t, side="right").astype(jnp.int32)
+    row = jnp.minimum(row, num_rows - 1)
+    valid = t < query_start_loc[num_seqs[0]]
+    return row, t - query_start_loc[row], valid
+
+
+def ragged_causal_conv1d(x: jax.Array, weight: jax.Array, conv_state: jax.Array,
+                         state_slots: jax.Array, query_start_loc: jax.Array, num_seqs: jax.Array,
+                         has_initial_state: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [T, C]; weight [Kc, C]; conv_state [S, Kc-1, C]; state_slots int32[R];
+    query_start_loc int32[R+1]; num_seqs int32[1]; has_initial_state bool[R].
+    Returns (y [T, C] in x.dtype, zero on padding tokens; conv_state with every
+    live row's slot replaced by its last Kc-1 inputs). Math in float32."""
+    num_tokens, channels = x.shape
+    taps = weight.shape[0]
+    width = taps - 1
+    num_slots, num_rows = conv_state.shape[0], state_slots.shape[0]
+    if taps < 2 or weight.shape != (taps, channels):
+        raise ValueError(f"weight {weight.shape}: expected [Kc >= 2, {channels}]")
+    if conv_state.shape[1:] != (width, channels):
+        raise ValueError(f"conv_state {conv_state.shape}: expected [S, {width}, {channels}]")
+    if query_start_loc.shape != (num_rows + 1,) or has_initial_state.shape != (num_rows,):
+        raise ValueError(f"query_start_loc {query_start_loc.shape} / has_initial_state "
+                         f"{has_initial_state.shape}: expected ({num_rows + 1},), ({num_rows},)")
+    qsl = query_start_loc.astype(jnp.int32)
+    num_seqs = num_seqs.astype(jnp.int32)
+    slots = state_slots.astype(jnp.int32)
+    row, pos, valid = token_rows(qsl, num_seqs, num_tokens, num_rows)
+
+    # Only R histories are read (a small gather); fresh rows see zeros whatever the slot holds.
+    hist = conv_state[slots]                                            # [R, W, C]
+    hist = jnp.where(has_initial_state[:, None, None], hist, jnp.zeros_like(hist))
+    flat_hist = hist.astype(jnp.float32).reshape(num_rows * width, channels)
+
+    xf = x.astype(jnp.float32)
+    wf = weight.astype(jnp.float32)
+    acc = xf * wf[width]
+    for m in range(1, taps):                  # tap m reads xh[p + W - m], i.e. m tokens back
+        shifted = jnp.concatenate([jnp.zeros((m, channels), jnp.float32), xf[:num_tokens - m]])
+        from_hist = flat_hist[row * width + jnp.clip(width + pos - m, 0, width - 1)]
+        acc = acc + wf[width - m] * jnp.where((pos >= m)[:, None], shifted, from_hist)
+    y = jnp.where(valid[:, None], jax.nn.silu(acc), 0.0).astype(x.dtype)
+
+    # New state entry i = xh[n + i]: a token when n + i >= W, else the old history.
+    lens = qsl[1:] - qsl[:-1]
+    idx = lens[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]     # [R, W]
+    tok = jnp.clip(qsl[:-1, None] + idx - width, 0, num_tokens - 1)
+    old = jnp.take_along_axis(hist, jnp.clip(idx, 0, width - 1)[:, :, None], axis=1)
+    new = jnp.where((idx >= width)[:, :, None], x[tok].astype(conv_state.dtype),
+                    old.astype(conv_state.dtype))
+    live = jnp.arange(num_rows) < num_seqs[0]
+    dst = jnp.where(live, slots, num_slots)                             # out of range: dropped
+    return y, conv_state.at[dst].set(new, mode="drop")
