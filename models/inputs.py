@@ -14,3 +14,5 @@ class ModelInputs:
     seq_lens: jax.Array         # int32[R]   KV length of each request after this step
     page_table: jax.Array       # int32[R, P] pages of each request; unused entries 0
     num_seqs: jax.Array         # int32[1]   live requests (rows past it are padding)
+    # Hybrid models only: recurrent-state slot of each row (0 = the null slot of padding rows).
+    state_slots: jax.Array | None = None   # int32[R]

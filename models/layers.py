@@ -31,16 +31,26 @@ def logical_param(module: nn.Module, name: str, init, shape: tuple[int, ...], ax
 
 
 class RMSNorm(nn.Module):
-    """x * rsqrt(mean(x^2) + eps) * w, normalised in float32 (plain w, as Llama/Qwen3)."""
+    """x * rsqrt(mean(x^2) + eps) * w, normalised in float32.
+
+    plus_one=False: plain w, cast back before the multiply (Llama / Qwen3).
+    plus_one=True: (1 + w) applied in float32, then cast (Qwen3.5; the weight is stored
+    as the offset from one, param "offset_scale", zeros at init).
+    """
     dim: int
     eps: float
     dtype: Dtype = jnp.float32
+    plus_one: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        w = logical_param(self, "scale", nn.initializers.ones, (self.dim,), ("norm",), self.dtype)
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if self.plus_one:
+            w = logical_param(self, "offset_scale", nn.initializers.zeros, (self.dim,), ("norm",),
+                              self.dtype)
+            return (y * (1.0 + w.astype(jnp.float32))).astype(x.dtype)
+        w = logical_param(self, "scale", nn.initializers.ones, (self.dim,), ("norm",), self.dtype)
         return w * y.astype(x.dtype)  # transformers casts back before the weight multiply
 
 
@@ -108,18 +118,24 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """Rotate-half RoPE (dim i pairs with i + H/2) on x [T, n, H] at positions int32[T]."""
-    freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]   # [T, H/2]
+    """Rotate-half RoPE on the first 2 * len(inv_freq) dims of x [T, n, H] (dim i pairs
+    with i + len(inv_freq)); the rest pass through (partial RoPE) at positions int32[T]."""
+    rot = 2 * len(inv_freq)
+    freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]   # [T, rot/2]
     cos, sin = jnp.cos(freqs)[:, None, :], jnp.sin(freqs)[:, None, :]
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x.dtype)
+    x1, x2 = jnp.split(x[..., :rot].astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+    return out if rot == x.shape[-1] else jnp.concatenate([out, x[..., rot:]], axis=-1)
 
 
 # ---- attention and MLP -------------------------------------------------------
 
 class Attention(nn.Module):
-    """GQA attention over the paged KV cache (Llama / Qwen3 style)."""
+    """GQA attention over the paged KV cache (Llama / Qwen3 style).
+
+    Qwen3.5's gated attention adds, from the config: q_proj giving per head the query
+    then an output gate (o = attn * sigmoid(gate)), (1 + w) q/k norms and partial RoPE.
+    """
     config: ModelConfig
     dtype: Dtype = jnp.float32
     attention_backend: str = "reference"   # EngineConfig.attention_backend, "auto" resolved
@@ -128,14 +144,18 @@ class Attention(nn.Module):
     def __call__(self, x: jax.Array, cache: jax.Array, inputs: ModelInputs) -> tuple[jax.Array, jax.Array]:
         cfg, dt = self.config, self.dtype
         E, N, K, H = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        bias = cfg.attention_bias
-        q = Einsum("TE,ENH->TNH", (E, N, H), ("embed", "heads", "head_dim"), 1, bias, dt, name="q_proj")(x)
+        bias, gated = cfg.attention_bias, cfg.attn_output_gate
+        q_width = 2 * H if gated else H   # per head: query, then the gate
+        q = Einsum("TE,ENH->TNH", (E, N, q_width), ("embed", "heads", "head_dim"), 1, bias, dt,
+                   name="q_proj")(x)
+        if gated:
+            q, gate = jnp.split(q, 2, axis=-1)
         k = Einsum("TE,EKH->TKH", (E, K, H), ("embed", "kv_heads", "head_dim"), 1, bias, dt, name="k_proj")(x)
         v = Einsum("TE,EKH->TKH", (E, K, H), ("embed", "kv_heads", "head_dim"), 1, bias, dt, name="v_proj")(x)
         if cfg.qk_norm:
-            q = RMSNorm(H, cfg.rms_norm_eps, dt, name="q_norm")(q)
-            k = RMSNorm(H, cfg.rms_norm_eps, dt, name="k_norm")(k)
-        inv_freq = rope_inv_freq(H, cfg.rope_theta, cfg.rope_scaling)
+            q = RMSNorm(H, cfg.rms_norm_eps, dt, cfg.norm_plus_one, name="q_norm")(q)
+            k = RMSNorm(H, cfg.rms_norm_eps, dt, cfg.norm_plus_one, name="k_norm")(k)
+        inv_freq = rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling)
         q = apply_rope(q, inputs.positions, inv_freq)
         k = apply_rope(k, inputs.positions, inv_freq)
         if self.is_initializing():
@@ -145,6 +165,8 @@ class Attention(nn.Module):
         else:
             o, cache = paged_attention(q, k, v, cache, inputs, sm_scale=H ** -0.5,
                                        backend=self.attention_backend)
+        if gated:
+            o = o * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(o.dtype)
         out = Einsum("TNH,NHE->TE", (N, H, E), ("heads", "head_dim", "embed"), 2, bias, dt, name="o_proj")(o)
         return out, cache
 
@@ -176,13 +198,14 @@ def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, cache: jax.Array,
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)); width = config.intermediate_size unless given."""
     config: ModelConfig
     dtype: Dtype = jnp.float32
+    width: int | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        E, F, dt = self.config.hidden_size, self.config.intermediate_size, self.dtype
+        E, F, dt = self.config.hidden_size, self.width or self.config.intermediate_size, self.dtype
         gate = Einsum("TE,EF->TF", (E, F), ("embed", "mlp"), dtype=dt, name="gate_proj")(x)
         up = Einsum("TE,EF->TF", (E, F), ("embed", "mlp"), dtype=dt, name="up_proj")(x)
         return Einsum("TF,FE->TE", (F, E), ("mlp", "embed"), dtype=dt, name="down_proj")(nn.silu(gate) * up)

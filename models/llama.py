@@ -28,12 +28,16 @@ class DecoderLayer(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array, cache: jax.Array, inputs: ModelInputs) -> tuple[jax.Array, jax.Array]:
         cfg, dt = self.config, self.dtype
-        h = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt, name="input_layernorm")(x)
-        a, cache = Attention(cfg, dt, self.attention_backend, name="self_attn")(h, cache, inputs)
+        h = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt, cfg.norm_plus_one, name="input_layernorm")(x)
+        a, cache = self.token_mixer(h, cache, inputs)
         x = x + a
-        h = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt, name="post_attention_layernorm")(x)
+        h = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt, cfg.norm_plus_one,
+                    name="post_attention_layernorm")(x)
         x = x + self.mlp_cls(cfg, dt, name="mlp")(h)
         return x, cache
+
+    def token_mixer(self, h: jax.Array, cache: Any, inputs: ModelInputs) -> tuple[jax.Array, Any]:
+        return Attention(self.config, self.dtype, self.attention_backend, name="self_attn")(h, cache, inputs)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -44,18 +48,21 @@ class LlamaForCausalLM(nn.Module):
     def mlp_cls_for(self, layer_idx: int) -> type:
         return MLP
 
+    def layer_for(self, layer_idx: int) -> nn.Module:
+        return DecoderLayer(self.config, self.mlp_cls_for(layer_idx), self.dtype, self.attention_backend)
+
     def setup(self) -> None:
         cfg = self.config
         self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, self.dtype)
-        # A Python loop over layers: simple, and each layer owns one cache array.
-        self.layers = [DecoderLayer(cfg, self.mlp_cls_for(i), self.dtype, self.attention_backend)
-                       for i in range(cfg.num_layers)]
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.dtype)
+        # A Python loop over layers: simple, and each layer owns one cache (a KV cache, or
+        # a linear-attention layer's state).
+        self.layers = [self.layer_for(i) for i in range(cfg.num_layers)]
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.dtype, cfg.norm_plus_one)
         if not cfg.tie_word_embeddings:
             self.lm_head = Einsum("TE,EV->TV", (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"),
                                   dtype=self.dtype, out_dtype=jnp.float32)
 
-    def __call__(self, kv_caches: list[jax.Array], inputs: ModelInputs) -> tuple[jax.Array, list[jax.Array]]:
+    def __call__(self, kv_caches: list[Any], inputs: ModelInputs) -> tuple[jax.Array, list[Any]]:
         if len(kv_caches) != self.config.num_layers:
             raise ValueError(f"expected {self.config.num_layers} KV caches (one per layer), got {len(kv_caches)}")
         x = self.embed_tokens(inputs.token_ids)

@@ -61,9 +61,14 @@ class SparseMoeBlock(nn.Module):
         # combine (left to XLA, the all-reduce lands on the k-times larger [T*k, E] rows).
         rep, f_out, f_in = PartitionSpec(), PartitionSpec(None, None, MODEL), \
             PartitionSpec(None, MODEL, None)
-        return over_model_axis(grouped, in_specs=(rep, rep, rep, f_out, f_out, f_in),
-                               out_specs=rep, sum_outputs=True)(x, top_w, top_i, w_gate, w_up,
-                                                                w_down)
+        out = over_model_axis(grouped, in_specs=(rep, rep, rep, f_out, f_out, f_in),
+                              out_specs=rep, sum_outputs=True)(x, top_w, top_i, w_gate, w_up, w_down)
+        if cfg.shared_expert_intermediate_size:
+            # Qwen3.5-MoE: a dense expert every token uses, scaled by its own sigmoid gate.
+            shared = MLP(cfg, dt, cfg.shared_expert_intermediate_size, name="shared_expert")(x)
+            gate = Einsum("TE,EO->TO", (E, 1), ("embed", None), dtype=dt, name="shared_expert_gate")(x)
+            out = out + jax.nn.sigmoid(gate) * shared
+        return out
 
 
 class _Experts(nn.Module):

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 
 from models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from models.llama import LlamaForCausalLM, Qwen3ForCausalLM
+from models.qwen3_5 import Qwen3_5ForCausalLM
 from models.qwen3_moe import Qwen3MoeForCausalLM
 from pallas_kernels.ragged_paged_attention import resolve_backend
 
@@ -15,8 +16,13 @@ ARCHITECTURES: dict[str, type] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    # Qwen3.5 / 3.6, dense and MoE; the vision-language checkpoints serve their text model.
+    "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
+    "Qwen3_5ForConditionalGeneration": Qwen3_5ForCausalLM,
+    "Qwen3_5MoeForCausalLM": Qwen3_5ForCausalLM,
+    "Qwen3_5MoeForConditionalGeneration": Qwen3_5ForCausalLM,
 }
-assert set(ARCHITECTURES) <= set(SUPPORTED_ARCHITECTURES)  # hybrid classes land with models/qwen3_5.py
+assert tuple(sorted(ARCHITECTURES)) == SUPPORTED_ARCHITECTURES
 
 
 def get_model_class(architecture: str) -> type:

@@ -11,6 +11,7 @@ Tensors go to the device one at a time: the host never holds the model twice.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +26,17 @@ from models.inputs import ModelInputs
 from models.registry import resolve_dtype
 from models.safetensors_io import SafeTensorsFile
 
+logger = logging.getLogger("jaxserve")
+
 Path_ = tuple[str, ...]
 _EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
 # Present in some checkpoints, never needed.
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+# Vision-language checkpoints: the text model lives here; the vision tower and the
+# multi-token-prediction head are not served (MTP returns with speculative decoding).
+_VL_TEXT_PREFIX = "model.language_model."
+_SKIPPED_PREFIXES = ("model.visual.", "mtp.")
+_LEAF_TO_HF = {"kernel": "weight", "scale": "weight", "offset_scale": "weight", "embedding": "weight"}
 
 
 # ---- the expected parameter tree ---------------------------------------------
@@ -45,6 +53,8 @@ def abstract_params(model: nn.Module, *, boxed: bool = False) -> dict:
     """Param tree of ShapeDtypeStructs, without allocating. boxed=True keeps the
     nn.LogicallyPartitioned wrappers (for nn.get_partition_spec / logical sharding rules)."""
     cfg: ModelConfig = model.config
+    # init never touches the caches (attention's cache layout belongs to its kernel, a
+    # linear-attention layer's state to that layer): any placeholder will do.
     caches = [jax.ShapeDtypeStruct((2, 1, 1, cfg.num_kv_heads, cfg.head_dim), jnp.float32)] * cfg.num_layers
     variables = jax.eval_shape(model.init, jax.random.key(0), caches, dummy_inputs())
     params = variables["params"]
@@ -62,27 +72,45 @@ def param_bytes(params: Any) -> int:
 
 # ---- name mapping -------------------------------------------------------------
 
-def hf_names(path: Path_, cfg: ModelConfig) -> list[str]:
-    """HF tensor names feeding one param (several for stacked experts)."""
+def hf_names(path: Path_, cfg: ModelConfig, prefix: str = "model.") -> list[str]:
+    """HF tensor names feeding one param (several for stacked experts); `prefix` is
+    where the checkpoint keeps the decoder ("model." or the VL text model's)."""
     if path == ("lm_head", "kernel"):
         return ["lm_head.weight"]
     parts = []
-    for p in path:
+    for i, p in enumerate(path):
         if p.startswith("layers_"):
             parts += ["layers", p[len("layers_"):]]
-        elif p in ("kernel", "scale", "embedding"):
-            parts.append("weight")
         else:
-            parts.append(p)
+            parts.append(_LEAF_TO_HF.get(p, p) if i == len(path) - 1 else p)
     if len(path) >= 2 and path[-2] == "experts" and path[-1] in _EXPERT_PROJS:
-        base = "model." + ".".join(parts[:-1])
+        base = prefix + ".".join(parts[:-1])
         return [f"{base}.{e}.{path[-1]}.weight" for e in range(cfg.num_experts)]
-    return ["model." + ".".join(parts)]
+    return [prefix + ".".join(parts)]
 
 
-def _to_param_layout(w: np.ndarray, path: Path_, shape: tuple[int, ...], name: str) -> np.ndarray:
+def _group_by_key_head(w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+    """DeltaNet channels on the last axis, [all q | all k | all v] -> [Hk, 2 Dk + r Dv]
+    (each key head's q, k and its value heads together: models/gated_deltanet.py)."""
+    hk, dk = cfg.linear_num_key_heads, cfg.linear_key_head_dim
+    lead = w.shape[:-1]
+    q, k, v = np.split(w, [hk * dk, 2 * hk * dk], axis=-1)
+    return np.concatenate([q.reshape(*lead, hk, dk), k.reshape(*lead, hk, dk),
+                           v.reshape(*lead, hk, -1)], axis=-1)
+
+
+def _to_param_layout(w: np.ndarray, path: Path_, shape: tuple[int, ...], name: str,
+                     cfg: ModelConfig) -> np.ndarray:
     kind = path[-1]
-    if kind == "kernel" or kind in _EXPERT_PROJS:   # HF [out, in] -> ours [in..., out...]
+    if path[-2:] == ("conv1d", "kernel"):   # HF depthwise [C, 1, kernel] -> [kernel, Hk, G]
+        if w.ndim != 3 or w.shape[1] != 1:
+            raise ValueError(f"tensor {name!r} has shape {w.shape}; expected [channels, 1, kernel]")
+        w = _group_by_key_head(w[:, 0, :].T, cfg)
+    elif path[-2:] == ("in_proj_qkv", "kernel"):
+        if w.ndim != 2:
+            raise ValueError(f"tensor {name!r} has shape {w.shape}; expected a 2-D [out, in] weight")
+        w = _group_by_key_head(w.T, cfg)
+    elif kind == "kernel" or kind in _EXPERT_PROJS:   # HF [out, in] -> ours [in..., out...]
         if w.ndim != 2:
             raise ValueError(f"tensor {name!r} has shape {w.shape}; expected a 2-D [out, in] weight")
         w = w.T
@@ -160,10 +188,15 @@ def load_params(model_dir: str | Path | None, cfg: ModelConfig, model: nn.Module
         raise ValueError(f"model directory {str(model_dir)!r} does not exist")
     where = _open_checkpoint(Path(model_dir))
 
-    sources = {path: hf_names(path, cfg) for path in expected}
+    prefix = _VL_TEXT_PREFIX if any(n.startswith(_VL_TEXT_PREFIX) for n in where) else "model."
+    sources = {path: hf_names(path, cfg, prefix) for path in expected}
     wanted = {n for names in sources.values() for n in names}
     missing = wanted - where.keys()
-    ignored = {n for n in where if n.endswith(_IGNORED_SUFFIXES)}
+    skipped = {n for n in where if n.startswith(_SKIPPED_PREFIXES)}
+    if skipped:
+        logger.info("serving the text model: skipping %d vision / MTP tensors (%s)", len(skipped),
+                    ", ".join(sorted({p for n in skipped for p in _SKIPPED_PREFIXES if n.startswith(p)})))
+    ignored = skipped | {n for n in where if n.endswith(_IGNORED_SUFFIXES)}
     if cfg.tie_word_embeddings:
         ignored.add("lm_head.weight")   # some tied checkpoints still store a copy
     unexpected = where.keys() - wanted - ignored
@@ -180,14 +213,14 @@ def load_params(model_dir: str | Path | None, cfg: ModelConfig, model: nn.Module
         if len(names) == 1 and path[-1] not in _EXPERT_PROJS:
             axis = repeat_axes.get(path)
             shape = sds.shape if axis is None else _unrepeated(sds.shape, axis, kv_head_repeat)
-            host = _to_param_layout(where[names[0]].get(names[0]), path, shape, names[0])
+            host = _to_param_layout(where[names[0]].get(names[0]), path, shape, names[0], cfg)
             if axis is not None:
                 host = np.repeat(host, kv_head_repeat, axis=axis)
             host = np.ascontiguousarray(host.astype(np_dtype, copy=False))
         else:   # stacked experts: fill one host buffer, then one transfer
             host = np.empty(sds.shape, np_dtype)
             for e, name in enumerate(names):
-                host[e] = _to_param_layout(where[name].get(name), path, sds.shape[1:], name)
+                host[e] = _to_param_layout(where[name].get(name), path, sds.shape[1:], name, cfg)
         out[path] = jax.device_put(host, _sharding_for(shard_flat, path))
         del host
     return unflatten_dict(out)
@@ -200,7 +233,8 @@ def _unrepeated(shape: tuple[int, ...], axis: int, repeat: int) -> tuple[int, ..
 def _dummy_params(expected: dict[Path_, jax.ShapeDtypeStruct], dtype: jnp.dtype, seed: int,
                   shard_flat: dict[Path_, Any], repeat_axes: dict[Path_, int],
                   kv_head_repeat: int) -> dict:
-    """Normal(0, 0.02) weights, ones for norms, zeros for biases, made on device.
+    """Normal(0, 0.02) weights, ones for norms (zeros for (1 + w) norms), zeros for
+    biases, made on device.
     Replicated KV heads are repeats, as from a checkpoint: any mesh gives the same model."""
     key = jax.random.key(seed)
     out = {}
@@ -208,7 +242,7 @@ def _dummy_params(expected: dict[Path_, jax.ShapeDtypeStruct], dtype: jnp.dtype,
         kind, axis = path[-1], repeat_axes.get(path)
         if kind == "scale":
             make = lambda k, s=sds.shape: jnp.ones(s, dtype)
-        elif kind == "bias":
+        elif kind in ("bias", "offset_scale"):
             make = lambda k, s=sds.shape: jnp.zeros(s, dtype)
         elif axis is not None:
             make = lambda k, s=_unrepeated(sds.shape, axis, kv_head_repeat), a=axis: jnp.repeat(

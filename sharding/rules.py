@@ -27,6 +27,8 @@ RULES: dict[str, str | None] = {
                          # vocab % M != 0 (logged): padding would leak into the logits' shape
     "heads": MODEL,      # q_proj outputs, o_proj inputs
     "kv_heads": MODEL,   # k_proj / v_proj outputs and the KV cache (kv_head_layout below)
+    "linear_key_heads": MODEL,    # Gated DeltaNet: key-head groups (q, k and their v heads),
+    "linear_value_heads": MODEL,  # split together; the recurrent state likewise
     "mlp": MODEL,        # gate/up outputs, down inputs -- dense MLP *and* inside each expert
     # Experts are tensor-parallel (each device holds a 1/M slice of every expert's F),
     # not expert-parallel: the MoE block then costs the same single all-reduce as a
@@ -48,13 +50,17 @@ def check_model_axis(mc: Any, m: int) -> None:
     """ValueError naming the first model dimension that M does not divide.
 
     Must divide: query heads; the dense MLP width (if any layer is dense); the
-    expert MLP width (MoE). KV heads need not (kv_head_layout), nor the vocabulary.
+    expert and shared-expert MLP widths (MoE); the DeltaNet key heads (hybrid). KV heads need not (kv_head_layout), nor the vocabulary.
     """
     need = [("num_attention_heads", mc.num_heads)]
     if not mc.is_moe or any(not mc.is_moe_layer(i) for i in range(mc.num_layers)):
         need.append(("intermediate_size", mc.intermediate_size))
     if mc.is_moe:
         need.append(("moe_intermediate_size", mc.moe_intermediate_size))
+        if mc.shared_expert_intermediate_size:
+            need.append(("shared_expert_intermediate_size", mc.shared_expert_intermediate_size))
+    if mc.is_hybrid:
+        need.append(("linear_num_key_heads", mc.linear_num_key_heads))
     ok = _divisors(math.gcd(*(v for _, v in need)))
     for name, value in need:
         if value % m:

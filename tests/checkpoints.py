@@ -31,28 +31,62 @@ _KINDS: dict[str, dict[str, Any]] = {
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
     ),
 }
+# Qwen3.5 hybrids, saved as vision-language checkpoints (text under model.language_model):
+# 3 Gated DeltaNet layers then 1 gated full-attention layer, twice; partial RoPE.
+_HYBRID = dict(
+    num_hidden_layers=8, tie_word_embeddings=False, rms_norm_eps=1e-6, head_dim=32,
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+    linear_value_head_dim=16, linear_conv_kernel_dim=4,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                     "mrope_section": [2, 1, 1], "mrope_interleaved": True},
+)
+_KINDS["qwen3_5"] = dict(_HYBRID)
+_KINDS["qwen3_5_moe"] = dict(_HYBRID, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                             shared_expert_intermediate_size=48)
+_VISION = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64)
+HYBRID_KINDS = ("qwen3_5", "qwen3_5_moe")
 
 
 def _classes(kind: str):
-    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM,
+    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen3_5Config,
+                              Qwen3_5ForConditionalGeneration, Qwen3_5MoeConfig,
+                              Qwen3_5MoeForConditionalGeneration, Qwen3Config, Qwen3ForCausalLM,
                               Qwen3MoeConfig, Qwen3MoeForCausalLM)
     return {"llama": (LlamaConfig, LlamaForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM),
-            "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM)}[kind]
+            "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
+            "qwen3_5": (Qwen3_5Config, Qwen3_5ForConditionalGeneration),
+            "qwen3_5_moe": (Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration)}[kind]
+
+
+def model_class(kind: str) -> type:
+    """The transformers class that loads a `kind` checkpoint."""
+    return _classes(kind)[1]
 
 
 def make_tiny_model(kind: str, *, seed: int = 0, **config_overrides: Any) -> torch.nn.Module:
-    """A float32 tiny random model; every norm weight is randomised (1 + 0.3 randn)."""
+    """A float32 tiny random model; every norm weight is randomised (1 + 0.3 randn, or
+    0.3 randn for Qwen3.5's (1 + w) norms), and so are the DeltaNet's A_log and dt_bias."""
     if kind not in _KINDS:
         raise ValueError(f"unknown checkpoint kind {kind!r}; known: {', '.join(_KINDS)}")
     config_cls, model_cls = _classes(kind)
-    config = config_cls(**{**_BASE, **_KINDS[kind], **config_overrides})
+    text = {**_BASE, **_KINDS[kind], **config_overrides}
+    hybrid = kind in HYBRID_KINDS
+    if hybrid and "num_experts" in text:
+        text.pop("intermediate_size")
+    config = config_cls(text_config=text, vision_config=_VISION) if hybrid else config_cls(**text)
     torch.manual_seed(seed)
     model = model_cls(config).eval()
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:      # input/post_attention/final norms and q_norm/k_norm
+            if name.endswith("linear_attn.norm.weight"):   # the gated norm: plain w
                 p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=gen))
+            elif "norm" in name:    # input/post_attention/final norms and q_norm/k_norm
+                p.copy_((0.0 if hybrid else 1.0) + 0.3 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("A_log"):     # decay rates exp(A_log) over two decades
+                p.copy_(torch.empty(p.shape).uniform_(-2.0, 2.0, generator=gen))
+            elif name.endswith("dt_bias"):
+                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
             elif name.endswith(".bias"):
                 p.copy_(0.1 * torch.randn(p.shape, generator=gen))
             elif name.endswith("mlp.gate.weight"):   # make routing decisive, not near-uniform
@@ -62,7 +96,8 @@ def make_tiny_model(kind: str, *, seed: int = 0, **config_overrides: Any) -> tor
 
 def make_tiny_checkpoint(kind: str, path: str | Path, *, dtype: torch.dtype = torch.float32, seed: int = 0,
                          max_shard_size: str | None = None, **config_overrides: Any) -> str:
-    """Writes a tiny random `kind` ("llama", "qwen3", "qwen3_moe") checkpoint to `path`."""
+    """Writes a tiny random `kind` ("llama", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe")
+    checkpoint to `path`."""
     model = make_tiny_model(kind, seed=seed, **config_overrides).to(dtype)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(str(path), safe_serialization=True, **kwargs)

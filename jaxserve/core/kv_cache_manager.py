@@ -12,12 +12,13 @@ class _ReqPages:
     """A request's pages, their ids (kept in step to copy cheaply) and how many
     of its leading pages have been offered to the prefix cache."""
 
-    __slots__ = ("blocks", "ids", "num_cached")
+    __slots__ = ("blocks", "ids", "num_cached", "state_slot")
 
-    def __init__(self) -> None:
+    def __init__(self, state_slot: int = 0) -> None:
         self.blocks: list[KVCacheBlock] = []
         self.ids: list[int] = []
         self.num_cached = 0
+        self.state_slot = state_slot
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,14 +37,24 @@ class KVCacheManager:
     Caching applies when `enable_caching` is on, or per request when it has a
     `cache_salt` (n>1 siblings share their prompt pages even with caching off;
     the salt keeps those pages invisible to every other request).
+
+    Hybrid models (num_state_slots > 0) also give each request one recurrent-state
+    slot (1..num_state_slots; 0 is the null slot of padding rows) with its first
+    pages, returned with them. Their requests never share pages: a prefix hit would
+    skip the tokens that build the recurrent state.
     """
 
-    def __init__(self, num_pages: int, page_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_pages: int, page_size: int, enable_caching: bool = True,
+                 num_state_slots: int = 0) -> None:
         if page_size <= 0:
             raise ValueError(f"page_size must be positive, got {page_size}")
+        if num_state_slots < 0:
+            raise ValueError(f"num_state_slots must be >= 0, got {num_state_slots}")
         self.num_pages = num_pages
         self.page_size = page_size
-        self.enable_caching = enable_caching
+        self.num_state_slots = num_state_slots
+        self.enable_caching = enable_caching and not num_state_slots
+        self.free_state_slots = list(range(num_state_slots, 0, -1))   # pop() gives 1 first
         # The pool always caches; this manager decides which requests take part.
         self.pool = BlockPool(num_pages, enable_caching=True)
         self.req_pages: dict[str, _ReqPages] = {}
@@ -53,7 +64,7 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest cached prefix of the request, in whole pages. At least one
         token is always left to compute, since its logits are needed."""
-        if not (self.enable_caching or request.cache_salt is not None):
+        if not (self.enable_caching or request.cache_salt is not None) or self.num_state_slots:
             return [], 0
         # Pages fully inside the first num_tokens - 1 tokens.
         max_pages = (request.num_tokens - 1) // self.page_size
@@ -89,7 +100,7 @@ class KVCacheManager:
         rp = self.req_pages.get(rid)
         ps = self.page_size
         total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
-        caches = self.enable_caching or request.cache_salt is not None
+        caches = (self.enable_caching or request.cache_salt is not None) and not self.num_state_slots
         if rp is not None and not new_computed_blocks:
             # Fast path (most decodes): no new page and no page becomes full.
             if total <= len(rp.ids) * ps and (not caches or total // ps <= rp.num_cached):
@@ -104,7 +115,12 @@ class KVCacheManager:
             if num_new_blocks > pool.free_queue.num_free - num_evictable_hits:
                 return None
         if rp is None:
-            rp = self.req_pages[rid] = _ReqPages()
+            state_slot = 0
+            if self.num_state_slots:
+                if not self.free_state_slots:
+                    return None
+                state_slot = self.free_state_slots.pop()
+            rp = self.req_pages[rid] = _ReqPages(state_slot)
         if computed:
             if rp.blocks:
                 raise ValueError(f"request {rid!r} already has pages; prefix hits only apply to new requests")
@@ -147,11 +163,18 @@ class KVCacheManager:
         rp = self.req_pages.pop(request.request_id, None)
         if rp is not None:
             self.pool.free_blocks(reversed(rp.blocks))
+            if rp.state_slot:
+                self.free_state_slots.append(rp.state_slot)
 
     def get_block_ids(self, request_id: str) -> list[int]:
         """A copy of the request's page ids, in order."""
         rp = self.req_pages.get(request_id)
         return [] if rp is None else rp.ids[:]
+
+    def get_state_slot(self, request_id: str) -> int:
+        """The request's recurrent-state slot (0: none, or not a hybrid model)."""
+        rp = self.req_pages.get(request_id)
+        return 0 if rp is None else rp.state_slot
 
     def get_num_free_pages(self) -> int:
         return self.pool.get_num_free_blocks()

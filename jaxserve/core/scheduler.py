@@ -24,6 +24,7 @@ class ScheduledRequest:
     prompt_token_ids: list[int]  # a reference; read-only by contract
     # A copy when the request uses penalties (the only reader); () otherwise.
     output_token_ids: list[int] | tuple[()]
+    state_slot: int = 0  # hybrid models: the request's recurrent-state slot (0 = none)
 
 
 # A frozen dataclass's __init__ sets each field through object.__setattr__,
@@ -32,12 +33,14 @@ class ScheduledRequest:
 _SR_FIELDS = tuple(f.name for f in fields(ScheduledRequest))
 assert ScheduledRequest.__slots__ == _SR_FIELDS
 (_set_req_id, _set_token_ids, _set_start_pos, _set_block_ids, _set_sample, _set_params,
- _set_num_out, _set_prompt, _set_outputs) = [getattr(ScheduledRequest, f).__set__ for f in _SR_FIELDS]
+ _set_num_out, _set_prompt, _set_outputs, _set_state_slot) = [
+    getattr(ScheduledRequest, f).__set__ for f in _SR_FIELDS]
 _new = object.__new__
 
 
 def _scheduled_request(req_id, token_ids, start_pos, block_ids, sample, sampling_params,
-                       num_output_tokens, prompt_token_ids, output_token_ids) -> ScheduledRequest:
+                       num_output_tokens, prompt_token_ids, output_token_ids,
+                       state_slot) -> ScheduledRequest:
     r = _new(ScheduledRequest)
     _set_req_id(r, req_id)
     _set_token_ids(r, token_ids)
@@ -48,6 +51,7 @@ def _scheduled_request(req_id, token_ids, start_pos, block_ids, sample, sampling
     _set_num_out(r, num_output_tokens)
     _set_prompt(r, prompt_token_ids)
     _set_outputs(r, output_token_ids)
+    _set_state_slot(r, state_slot)
     return r
 
 
@@ -106,6 +110,7 @@ class Scheduler:
         max_model_len: int,
         enable_prefix_caching: bool = True,
         policy: str = "fcfs",
+        num_state_slots: int = 0,
     ) -> None:
         for name, v in (("num_pages", num_pages), ("page_size", page_size),
                         ("max_num_seqs", max_num_seqs),
@@ -123,7 +128,10 @@ class Scheduler:
         # loop forever: a pool smaller than max_model_len caps lengths too.
         self.max_len = min(max_model_len, (num_pages - 1) * page_size)
         self.policy = policy
-        self.kv = KVCacheManager(num_pages, page_size, enable_prefix_caching)
+        if num_state_slots and num_state_slots < max_num_seqs:
+            raise ValueError(f"num_state_slots={num_state_slots} < max_num_seqs={max_num_seqs}: "
+                             f"every running request of a hybrid model needs a state slot")
+        self.kv = KVCacheManager(num_pages, page_size, enable_prefix_caching, num_state_slots)
         self.requests: dict[str, Request] = {}  # unfinished only
         self.running: list[Request] = []
         self.waiting: deque[Request] | _PriorityQueue = (
@@ -232,6 +240,7 @@ class Scheduler:
             req.sampling_params, len(req.output_token_ids),
             req.prompt_token_ids,
             req.output_token_ids[:] if req.needs_output_history else (),
+            self.kv.get_state_slot(req.request_id),
         )
 
     def schedule(self) -> SchedulerOutput:

@@ -115,15 +115,28 @@ class EngineCore:
                     time.perf_counter() - t0, self.weight_bytes / 2**30,
                     self.weight_bytes_per_device / 2**30, m)
 
+        # Hybrid models: one recurrent-state slot per running request (+ the null slot),
+        # allocated up front, split by head over the model axis; no prefix caching (a
+        # cached prefix would skip the tokens that build the state).
+        self.num_state_slots = config.max_num_seqs if mc.is_hybrid else 0
+        state_bytes = ((self.num_state_slots + 1) * mc.state_bytes_per_seq(
+            jnp.dtype(self.dtype).itemsize) // m) if mc.is_hybrid else 0
+        self.prefix_caching = config.enable_prefix_caching and not mc.is_hybrid
+        if mc.is_hybrid:
+            logger.info("hybrid model: %d of %d layers are linear attention with recurrent state "
+                        "(%d slots, %.2f GiB per device); KV pages for the other %d layers; "
+                        "prefix caching is off", len(mc.linear_attention_layers), mc.num_layers,
+                        self.num_state_slots, state_bytes / 2**30, len(mc.full_attention_layers))
         # Pages are sized per device: each device holds kv_heads / M heads of every page.
-        per_page = page_bytes(num_layers=mc.num_layers, page_size=config.page_size,
+        per_page = page_bytes(num_layers=len(mc.full_attention_layers), page_size=config.page_size,
                               num_kv_heads=kv_heads // m, head_dim=mc.head_dim,
                               itemsize=jnp.dtype(kv_dtype).itemsize)
         self.num_pages = choose_num_pages(
             num_pages=config.num_pages, kv_cache_memory_bytes=config.kv_cache_memory_bytes,
             hbm_utilization=config.hbm_utilization, bytes_per_page=per_page,
             max_num_seqs=config.max_num_seqs, max_model_len=max_model_len,
-            page_size=config.page_size, device=self.mesh.devices.flat[0])
+            page_size=config.page_size, device=self.mesh.devices.flat[0],
+            reserved_bytes=state_bytes)
         if self.channel is not None:   # every process must build the same cache shape
             self.num_pages = multihost.agree_on_min(self.num_pages)
         kv_tokens = (self.num_pages - 1) * config.page_size
@@ -133,8 +146,8 @@ class EngineCore:
                     self.num_pages * per_page / 2**30, max_model_len, kv_tokens / max_model_len)
 
         self.runner = ModelRunner(
-            model=self.model, params=self.params, num_layers=mc.num_layers,
-            num_kv_heads=kv_heads, head_dim=mc.head_dim, vocab_size=mc.vocab_size,
+            model=self.model, params=self.params, vocab_size=mc.vocab_size,
+            num_state_slots=self.num_state_slots,
             num_pages=self.num_pages, page_size=config.page_size,
             max_num_seqs=config.max_num_seqs, max_model_len=max_model_len,
             max_num_batched_tokens=config.num_batched_tokens, kv_dtype=kv_dtype,
@@ -146,8 +159,8 @@ class EngineCore:
         self.scheduler = Scheduler(
             num_pages=self.num_pages, page_size=config.page_size,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.num_batched_tokens,
-            max_model_len=max_model_len, enable_prefix_caching=config.enable_prefix_caching,
-            policy=config.scheduling_policy)
+            max_model_len=max_model_len, enable_prefix_caching=self.prefix_caching,
+            policy=config.scheduling_policy, num_state_slots=self.num_state_slots)
         self.outputs = OutputProcessor(self.tokenizer, stream=stream_outputs)
         self.num_steps = 0
         self.num_scheduled_tokens = 0   # tokens computed on device, all steps
@@ -190,7 +203,7 @@ class EngineCore:
         # completions: when caching is off, and when prompt logprobs are wanted (a
         # cached position would not be computed, so it would have no logprob).
         private = (params.prompt_logprobs is not None
-                   or (not self.config.enable_prefix_caching and params.n > 1))
+                   or (not self.prefix_caching and params.n > 1))
         salt = request_id if private else None
         for i, cid in enumerate(child_ids):
             child = params if params.n == 1 else params.child(i)
@@ -256,7 +269,7 @@ class EngineCore:
     def cached_prefix_pages(self, block_hashes: list[int]) -> int:
         """How many leading pages (by chained hash, prompt_block_hashes) this replica's
         prefix cache holds; a read-only look-up that counts no cache statistics."""
-        if not self.config.enable_prefix_caching:
+        if not self.prefix_caching:
             return 0
         cached = self.scheduler.kv.pool.cached_blocks
         return next((i for i, h in enumerate(block_hashes) if h not in cached),

@@ -59,6 +59,7 @@ class InputBatchBuilder:
         self._seq_lens = np.zeros(r_max, np.int32)
         self._page_table = np.zeros((r_max, self.pages_per_req), np.int32)
         self._logits_idx = np.zeros(r_max, np.int32)
+        self._state_slots = np.zeros(r_max, np.int32)
 
     def build(self, requests: list) -> HostBatch:
         num_reqs = len(requests)
@@ -75,9 +76,12 @@ class InputBatchBuilder:
         cu[num_reqs + 1:] = num_tokens
         pt = self._page_table
         pt[:] = 0   # rows past num_reqs stay zero: no stale pages in padding rows
+        state_slots = self._state_slots
+        state_slots[:] = 0   # padding rows use the null state slot
         for i, r in enumerate(requests):
             token_ids[cu[i]:cu[i + 1]] = r.token_ids
             pt[i, :len(r.block_ids)] = r.block_ids
+            state_slots[i] = r.state_slot
 
         row_of_token = np.repeat(np.arange(num_reqs, dtype=np.int32), lens)
         positions = self._positions[:t]
@@ -99,5 +103,6 @@ class InputBatchBuilder:
         inputs = ModelInputs(
             token_ids=token_ids.copy(), positions=positions.copy(), slot_mapping=slots.copy(),
             query_start_loc=cu.copy(), seq_lens=self._seq_lens.copy(),
-            page_table=pt[:, :width].copy(), num_seqs=np.array([num_reqs], np.int32))
+            page_table=pt[:, :width].copy(), num_seqs=np.array([num_reqs], np.int32),
+            state_slots=state_slots.copy())
         return HostBatch(inputs, self._logits_idx.copy(), num_tokens, num_reqs)

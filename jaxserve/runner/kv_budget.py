@@ -26,21 +26,23 @@ def available_host_bytes() -> int:
 
 def choose_num_pages(*, num_pages: int | None, kv_cache_memory_bytes: int | None,
                      hbm_utilization: float, bytes_per_page: int, max_num_seqs: int,
-                     max_model_len: int, page_size: int, device: jax.Device) -> int:
-    """Total pages including the null page 0."""
+                     max_model_len: int, page_size: int, device: jax.Device,
+                     reserved_bytes: int = 0) -> int:
+    """Total pages including the null page 0. reserved_bytes (a hybrid model's
+    recurrent state, allocated up front) come out of the memory the cache may use."""
     pages_per_seq = -(-max_model_len // page_size)
     if num_pages is not None:
         total = num_pages
     elif kv_cache_memory_bytes is not None:
-        total = kv_cache_memory_bytes // bytes_per_page
+        total = max(0, kv_cache_memory_bytes - reserved_bytes) // bytes_per_page
     elif device.platform == "cpu":
         want = max_num_seqs * pages_per_seq + 1
-        cap = int(available_host_bytes() * _CPU_RAM_FRACTION) // bytes_per_page
+        cap = max(0, int(available_host_bytes() * _CPU_RAM_FRACTION) - reserved_bytes) // bytes_per_page
         total = min(want, cap)
     else:
         stats = device.memory_stats() or {}
         free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
-        total = int(free * hbm_utilization) // bytes_per_page
+        total = max(0, int(free * hbm_utilization) - reserved_bytes) // bytes_per_page
     if total < pages_per_seq + 1:
         raise ValueError(
             f"the KV cache holds {max(total - 1, 0)} pages of {page_size} tokens, fewer than one "

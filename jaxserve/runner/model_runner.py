@@ -26,11 +26,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxserve.runner import compile_counter
 from jaxserve.runner.input_batch import (InputBatchBuilder, pick_bucket,
                                          power_of_two_buckets)
+from jaxserve.runner.layer_caches import make_layer_caches
 from jaxserve.runner.sampler import (SamplerVariant, SamplingRow, choose_variant,
                                      compute_prompt_logprobs, make_sampling_tensors, sample)
 from models.inputs import ModelInputs
-from pallas_kernels.ragged_paged_attention import KV_HEAD_AXIS, make_kv_cache
-from sharding import kv_cache_sharding, make_mesh, replicated
+from sharding import make_mesh, replicated
 
 logger = logging.getLogger("jaxserve")
 
@@ -73,11 +73,12 @@ def row_buckets(max_num_seqs: int) -> tuple[int, ...]:
 
 
 class ModelRunner:
-    def __init__(self, *, model, params, num_layers: int, num_kv_heads: int, head_dim: int,
-                 vocab_size: int, num_pages: int, page_size: int, max_num_seqs: int,
-                 max_model_len: int, max_num_batched_tokens: int, kv_dtype,
-                 eos_token_id: int | None = None, context_buckets: bool = True, mesh=None,
-                 vocab_axis: str | None = None):
+    def __init__(self, *, model, params, vocab_size: int, num_pages: int, page_size: int,
+                 max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int, kv_dtype,
+                 num_state_slots: int = 0, eos_token_id: int | None = None,
+                 context_buckets: bool = True, mesh=None, vocab_axis: str | None = None):
+        """model.config: the model as it runs on this mesh (KV heads as stored);
+        num_state_slots: recurrent-state slots besides the null slot 0 (hybrid models)."""
         self.model = model
         self.params = params
         # No mesh: a 1x1 mesh on the default device, so one code path serves both.
@@ -97,13 +98,12 @@ class ModelRunner:
         self.builder = InputBatchBuilder(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                                          page_size=page_size, token_buckets=self.token_buckets,
                                          page_buckets=page_buckets)
-        # num_kv_heads is what this mesh stores: a multiple of M (sharding.kv_head_layout).
-        kv_sharding = kv_cache_sharding(self.mesh, KV_HEAD_AXIS)
-        new_cache = jax.jit(lambda: make_kv_cache(num_pages, page_size, num_kv_heads, head_dim,
-                                                  kv_dtype), out_shardings=kv_sharding)
-        self.kv_caches = [new_cache() for _ in range(num_layers)]
+        # Per layer: a KV cache (KV heads as stored on this mesh), or recurrent state.
+        self.kv_caches, kv_sh = make_layer_caches(
+            model.config, self.mesh, num_pages=num_pages, page_size=page_size, kv_dtype=kv_dtype,
+            num_state_slots=num_state_slots + 1 if num_state_slots else 0,
+            conv_state_dtype=model.dtype)
         p_sh = jax.tree_util.tree_map(lambda x: x.sharding, params)
-        kv_sh = [kv_sharding] * num_layers
         rep = self._rep
         self._forward = jax.jit(self._forward_fn, donate_argnums=(1,),
                                 in_shardings=(p_sh, kv_sh, rep, rep),
@@ -235,7 +235,8 @@ class ModelRunner:
             inputs = ModelInputs(
                 token_ids=z, positions=z, slot_mapping=z,
                 query_start_loc=np.zeros(r_max + 1, np.int32), seq_lens=np.zeros(r_max, np.int32),
-                page_table=np.zeros((r_max, p), np.int32), num_seqs=np.zeros(1, np.int32))
+                page_table=np.zeros((r_max, p), np.int32), num_seqs=np.zeros(1, np.int32),
+                state_slots=np.zeros(r_max, np.int32))
             inputs, li = jax.device_put((inputs, np.zeros(r_max, np.int32)), self._rep)
             hidden, hidden_rows, self.kv_caches = self._forward(self.params, self.kv_caches,
                                                                 inputs, li)

@@ -373,7 +373,7 @@ def test_add_request_validation_and_counts():
 
 def test_fast_constructor_builds_the_same_message():
     from jaxserve.core.scheduler import ScheduledRequest, _scheduled_request
-    args = ("r", [1, 2], 3, [4, 5], True, sp(), 6, [7], ())
+    args = ("r", [1, 2], 3, [4, 5], True, sp(), 6, [7], (), 2)
     fast = _scheduled_request(*args)
     assert type(fast) is ScheduledRequest and fast == ScheduledRequest(*args)
     with pytest.raises(AttributeError):  # still frozen

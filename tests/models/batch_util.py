@@ -8,9 +8,10 @@ from models.inputs import ModelInputs
 
 
 def make_inputs(seqs, *, page_size: int = 16, num_tokens: int = 96, num_rows: int = 4,
-                pages_per_row: int = 8) -> tuple[ModelInputs, list[tuple[int, int]]]:
+                pages_per_row: int = 8, state_slots=None) -> tuple[ModelInputs, list[tuple[int, int]]]:
     """seqs: list of (new_tokens, num_computed_tokens, pages). Returns the inputs and each
-    request's [begin, end) token span. Padding tokens write to the null page 0."""
+    request's [begin, end) token span. Padding tokens write to the null page 0.
+    state_slots: hybrid models' recurrent-state slot per request (padding rows get 0)."""
     tok, pos, slot, qsl, lens = [], [], [], [0], []
     table = np.zeros((num_rows, pages_per_row), np.int32)
     spans = []
@@ -36,5 +37,7 @@ def make_inputs(seqs, *, page_size: int = 16, num_tokens: int = 96, num_rows: in
     lens += [0] * (num_rows - len(seqs))
     inputs = ModelInputs(token_ids=pad(tok), positions=pad(pos), slot_mapping=pad(slot),
                          query_start_loc=jnp.asarray(qsl, jnp.int32), seq_lens=jnp.asarray(lens, jnp.int32),
-                         page_table=jnp.asarray(table), num_seqs=jnp.asarray([len(seqs)], jnp.int32))
+                         page_table=jnp.asarray(table), num_seqs=jnp.asarray([len(seqs)], jnp.int32),
+                         state_slots=None if state_slots is None else jnp.asarray(
+                             list(state_slots) + [0] * (num_rows - len(seqs)), jnp.int32))
     return inputs, spans

@@ -1,0 +1,110 @@
+"""Qwen3.5 hybrids in the engine: greedy tokens equal transformers' alone, with
+prefills chunked by a small token budget, and under continuous batching with staggered
+arrivals; recurrent-state slots are handed out with the first pages and come back on
+finish, abort and preemption, and a preempted request resumes to the same tokens."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from jaxserve import LLM, SamplingParams
+from tests.checkpoints import HYBRID_KINDS, model_class
+from tests.engine.conftest import assert_no_leaks
+
+NUM_NEW = 32
+PROMPT_LENS = (5, 33, 70, 130)   # 70 and 130 tokens: several DeltaNet chunks of 64
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
+
+
+def _prompts(seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 256) for _ in range(n)] for n in PROMPT_LENS]
+
+
+def _reference(kind: str, path: str, prompts: list[list[int]]) -> list[list[int]]:
+    model = model_class(kind).from_pretrained(path, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None   # like ignore_eos
+    outs = []
+    with torch.inference_mode():
+        for p in prompts:
+            ids = torch.tensor([p])
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NUM_NEW,
+                                 do_sample=False, pad_token_id=0)
+            outs.append(gen[0, len(p):].tolist())
+    return outs
+
+
+@pytest.fixture(scope="module")
+def expected(checkpoint):
+    return {kind: _reference(kind, checkpoint(kind), _prompts()) for kind in HYBRID_KINDS}
+
+
+def _run_staggered(engine, prompts, params=GREEDY, every: int = 3) -> dict[str, list[int]]:
+    pending = list(enumerate(prompts))
+    results: dict[str, list[int]] = {}
+    step = 0
+    while pending or engine.has_unfinished_requests():
+        if pending and step % every == 0:
+            i, p = pending.pop(0)
+            engine.add_request(str(i), p, params)
+        for o in engine.step():
+            if o.finished:
+                results[o.request_id] = o.outputs[0].token_ids
+        step += 1
+    return results
+
+
+@pytest.mark.parametrize("kind", HYBRID_KINDS)
+def test_greedy_matches_transformers(kind, checkpoint, expected):
+    path, prompts, want = checkpoint(kind), _prompts(), expected[kind]
+    # One at a time, each prompt in a single prefill.
+    llm = LLM(path, dtype="float32", max_model_len=256, max_num_seqs=4, max_num_batched_tokens=256)
+    assert not llm.engine.prefix_caching      # hybrid: off, whatever was asked
+    for p, w in zip(prompts, want):
+        assert llm.generate({"prompt_token_ids": p}, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == w
+    assert_no_leaks(llm.engine)
+    # Together, arriving at different steps, with a 32-token budget: prefills continue
+    # across steps from the slot's state and share steps with other requests' decodes.
+    engine = LLM(path, dtype="float32", max_model_len=256, max_num_seqs=4,
+                 max_num_batched_tokens=32).engine
+    results = _run_staggered(engine, prompts)
+    assert [results[str(i)] for i in range(len(prompts))] == want
+    assert_no_leaks(engine)
+
+
+def test_preemption_resumes_to_the_same_tokens(checkpoint, expected):
+    kind = "qwen3_5"
+    path, prompts, want = checkpoint(kind), _prompts(), expected[kind]
+    # 14 pages of 16 tokens: the four requests need 24 at their longest.
+    engine = LLM(path, dtype="float32", max_model_len=176, max_num_seqs=4,
+                 max_num_batched_tokens=64, num_pages=15).engine
+    results = _run_staggered(engine, prompts, every=1)
+    assert engine.scheduler.num_preemptions > 0
+    assert [results[str(i)] for i in range(len(prompts))] == want
+    assert_no_leaks(engine)
+
+
+def test_state_slots_come_back_on_abort_and_n_greater_than_one(checkpoint, expected):
+    kind = "qwen3_5"
+    path, prompts, want = checkpoint(kind), _prompts(), expected[kind]
+    engine = LLM(path, dtype="float32", max_model_len=256, max_num_seqs=4,
+                 max_num_batched_tokens=256).engine
+    kv = engine.scheduler.kv
+    engine.add_request("a", prompts[3], GREEDY)
+    engine.add_request("b", prompts[2], GREEDY)
+    engine.step()
+    slots = {kv.get_state_slot("a"), kv.get_state_slot("b")}
+    assert len(slots) == 2 and 0 not in slots and len(kv.free_state_slots) == 2
+    engine.abort_request("a")
+    engine.step()
+    assert len(kv.free_state_slots) == 3
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_no_leaks(engine)
+    # n=2 greedy: both completions computed in full (no shared prompt pages on a hybrid).
+    out = LLM(path, dtype="float32", max_model_len=256, max_num_seqs=4).generate(
+        {"prompt_token_ids": prompts[2]}, SamplingParams(n=2, temperature=0.0, max_tokens=NUM_NEW,
+                                                          ignore_eos=True), use_tqdm=False)[0]
+    assert [c.token_ids for c in out.outputs] == [want[2], want[2]]
