@@ -83,7 +83,7 @@ def _memory_lines(p: Plan) -> list[str]:
     elif not p.fits:
         lines.append(f"  WARNING: the plan does not fit: {p.max_num_seqs} sequences of "
                      f"{p.max_model_len:,} tokens need {p.max_num_seqs * p.max_model_len:,} "
-                     f"tokens of KV cache, the device holds {p.kv_tokens:,}; lower "
+                     f"tokens of KV cache, the cache holds {p.kv_tokens:,}; lower "
                      f"max_num_seqs or max_model_len")
     return lines
 
