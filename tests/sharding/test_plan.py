@@ -6,8 +6,15 @@ from dataclasses import replace
 
 import pytest
 
-from jaxserve.plan import (BUILTIN_CONFIGS, WeightFigures, format_plan, load_model_config, main,
-                           make_plan, parse_bytes)
+from jaxserve.plan import (
+    BUILTIN_CONFIGS,
+    WeightFigures,
+    format_plan,
+    load_model_config,
+    main,
+    make_plan,
+    parse_bytes,
+)
 
 GIB = 2**30
 
