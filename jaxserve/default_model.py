@@ -32,9 +32,14 @@ _CONFIG = {
 }
 
 
+def cache_root() -> str:
+    """Where jaxserve writes generated models: $JAXSERVE_CACHE or ~/.cache/jaxserve."""
+    return os.environ.get("JAXSERVE_CACHE") or os.path.expanduser("~/.cache/jaxserve")
+
+
 def default_model_dir(root: str | None = None) -> str:
     """Directory of the default model, written on first use."""
-    root = root or os.environ.get("JAXSERVE_CACHE", os.path.expanduser("~/.cache/jaxserve"))
+    root = root or cache_root()
     path = os.path.join(root, DEFAULT_MODEL_NAME)
     if not os.path.exists(os.path.join(path, "tokenizer_config.json")):
         from jaxserve.tiny_tokenizer import make_tiny_tokenizer

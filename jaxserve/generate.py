@@ -1,7 +1,8 @@
 """`python -m jaxserve.generate`: offline generation from the command line.
 
 With no --model it runs the built-in tiny random-weight model, whose output is
-random text; pass --model /path/to/hf-checkpoint for a real one.
+random text; pass --model /path/to/hf-checkpoint, a Hugging Face repo id in the
+local cache or an alias such as qwen3-8b for a real one.
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import logging
 import time
 
 from jaxserve.default_model import DEFAULT_MODEL_NAME, default_model_dir
+from jaxserve.model_configs import ALIASES
 
 logger = logging.getLogger("jaxserve")
 
@@ -17,8 +19,10 @@ logger = logging.getLogger("jaxserve")
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m jaxserve.generate", description=__doc__)
     ap.add_argument("--model", default=None,
-                    help="checkpoint directory (config.json, *.safetensors, tokenizer); "
-                         "default: the built-in tiny random model")
+                    help="checkpoint directory (config.json, *.safetensors, tokenizer), Hugging "
+                         "Face repo id (Org/Name, from the local HF cache; never downloaded) or "
+                         "alias (" + ", ".join(ALIASES) + "); default: the built-in tiny "
+                         "random model")
     ap.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
     ap.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt")
     ap.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
@@ -27,7 +31,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     ap.add_argument("--max-model-len", type=int, default=None, help="context length")
     ap.add_argument("--max-num-seqs", type=int, default=16, help="requests per step")
-    ap.add_argument("--load-format", default="auto", help="auto, safetensors or dummy")
+    ap.add_argument("--load-format", default="auto",
+                    help="auto, safetensors or dummy (random weights at the real shape; with "
+                         "an alias no files are needed)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
 

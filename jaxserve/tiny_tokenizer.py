@@ -12,6 +12,7 @@ several tokens -- useful for testing incomplete UTF-8 handling.
 
 from __future__ import annotations
 
+import json
 import string
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -56,8 +57,19 @@ def _byte_level_chars(text: str) -> list[str]:
     return [mapping[b] for b in text.encode("utf-8")]
 
 
+def _pad_vocab(tok: Tokenizer, vocab_size: int) -> Tokenizer:
+    """Fill ids up to `vocab_size` with filler tokens ``<xN>`` that no merge produces, so
+    any id a big-vocabulary model samples decodes to visible text instead of nothing."""
+    spec = json.loads(tok.to_str())
+    vocab = spec["model"]["vocab"]
+    for i in range(max(vocab.values()) + 1, vocab_size):
+        vocab[f"<x{i}>"] = i
+    return Tokenizer.from_str(json.dumps(spec))
+
+
 def make_tiny_tokenizer(path: str | None = None, vocab_size: int = 256) -> PreTrainedTokenizerFast:
-    """Train a tiny byte-level BPE tokenizer on CORPUS; exactly `vocab_size` ids.
+    """Train a tiny byte-level BPE tokenizer on CORPUS; exactly `vocab_size` ids (beyond
+    what the corpus yields, filler tokens: a random model's text is meaningless anyway).
 
     Saved with ``save_pretrained(path)`` when `path` is given.
     """
@@ -80,6 +92,8 @@ def make_tiny_tokenizer(path: str | None = None, vocab_size: int = 256) -> PreTr
         show_progress=False,
     )
     tok.train_from_iterator(CORPUS * 4, trainer=trainer)
+    if tok.get_vocab_size() < vocab_size:   # the corpus runs out of merges first
+        tok = _pad_vocab(tok, vocab_size)
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, 1)]
     )

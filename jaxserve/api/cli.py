@@ -6,11 +6,14 @@ import json
 import logging
 import os
 import time
+from dataclasses import replace
 
 import uvicorn
 
 from jaxserve.config import EngineConfig
 from jaxserve.default_model import DEFAULT_MODEL_NAME, default_model_dir
+from jaxserve.model_configs import ALIASES
+from jaxserve.model_names import resolve_model
 
 logger = logging.getLogger("jaxserve")
 
@@ -22,9 +25,12 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m jaxserve.api",
                                  description="OpenAI-compatible server for jaxserve.")
     a = ap.add_argument
-    a("--model", default=None, help="checkpoint directory; default: a built-in tiny random "
-                                    "model (its output is random text)")
-    a("--served-model-name", default=None, help="model name clients use (default: --model)")
+    a("--model", default=None,
+      help="checkpoint directory, Hugging Face repo id (Org/Name, from the local HF cache; "
+           "never downloaded) or alias (" + ", ".join(ALIASES) + "); with --load-format dummy "
+           "an alias needs no files. Default: a built-in tiny random model (random text)")
+    a("--served-model-name", default=None,
+      help="model name clients use (default: --model as given)")
     a("--host", default="127.0.0.1", help="address to listen on")
     a("--port", type=int, default=8000, help="port to listen on")
     a("--api-key", default=os.environ.get("JAXSERVE_API_KEY"),
@@ -47,7 +53,8 @@ def parser() -> argparse.ArgumentParser:
       default=0.9, help="share of free accelerator memory for the KV cache")
     a("--dtype", default="auto", help="weights/activations: auto, float32, bfloat16, float16")
     a("--kv-cache-dtype", default="auto", help="KV cache dtype (auto = model dtype)")
-    a("--load-format", default="auto", help="auto, safetensors or dummy (random weights)")
+    a("--load-format", default="auto", help="auto, safetensors or dummy (random weights at "
+                                            "the model's real shape)")
     a("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
       help="reuse the KV pages of shared prompt prefixes")
     a("--seed", type=int, default=0, help="engine seed (requests without a seed)")
@@ -128,6 +135,10 @@ def main(argv: list[str] | None = None) -> None:
 
     t0 = time.perf_counter()
     config = engine_config(args)
+    try:   # alias / repo id -> directory here too: generation_config.json is read from it
+        config = replace(config, model=resolve_model(config.model, load_format=config.load_format))
+    except ValueError as e:
+        parser().exit(2, f"error: {e}\n")
     engine = AsyncEngine(config)
     core = engine.core
     logger.info("%s", plan_for_engine(core))

@@ -18,6 +18,7 @@ from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.scheduler import Scheduler, SchedulerStats
 from jaxserve.engine import multihost
 from jaxserve.engine.output_processor import OutputProcessor
+from jaxserve.model_names import resolve_model
 from jaxserve.runner import compile_counter
 from jaxserve.runner.kv_budget import choose_num_pages, page_bytes
 from jaxserve.runner.model_runner import ModelRunner
@@ -61,6 +62,8 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig, *, stream_outputs: bool = False, mesh=None,
                  seed_counter: Iterator[int] | None = None):
+        # An alias or HF repo id becomes a local directory before anything reads it.
+        config = replace(config, model=resolve_model(config.model, load_format=config.load_format))
         self.config = config
         enable_compilation_cache(config.compilation_cache_dir)
         if config.load_format != "dummy" and not os.path.isdir(config.model):

@@ -41,3 +41,36 @@ def test_no_model_means_the_builtin_random_model(tmp_path, monkeypatch):
     cfg = engine_config(parser().parse_args([]))
     assert cfg.load_format == "dummy" and cfg.model.startswith(str(tmp_path))
     assert (tmp_path / "jaxserve-tiny-random" / "config.json").exists()
+
+
+def test_alias_with_dummy_weights_gets_as_far_as_building_the_model(tmp_path, monkeypatch):
+    """`python -m jaxserve.api --model qwen3-8b --load-format dummy`: the alias becomes a
+    generated directory and the 8B flax model is built; loading its 16 GB of random
+    weights is where this test stops it."""
+    from jaxserve.api.cli import main
+    from jaxserve.engine import engine_core
+    monkeypatch.setenv("JAXSERVE_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))
+    built = {}
+
+    class Stop(Exception):
+        pass
+
+    def stop(model_dir, mc, model, *args, **kwargs):
+        built.update(model_dir=model_dir, mc=mc, model=model)
+        raise Stop
+    monkeypatch.setattr(engine_core, "load_params", stop)
+    with pytest.raises(Stop):
+        main(["--model", "qwen3-8b", "--load-format", "dummy", "--max-model-len", "4096"])
+    assert built["model_dir"] == str(tmp_path / "dummy" / "qwen3-8b")
+    assert type(built["model"]).__name__ == "Qwen3ForCausalLM"
+    assert (built["mc"].num_layers, built["mc"].hidden_size) == (36, 4096)
+
+
+def test_missing_model_is_a_clean_error(tmp_path, monkeypatch, capsys):
+    from jaxserve.api.cli import main
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    with pytest.raises(SystemExit) as e:
+        main(["--model", "qwen3.6-27b"])
+    assert e.value.code == 2
+    assert "huggingface-cli download Qwen/Qwen3.6-27B" in capsys.readouterr().err

@@ -1,9 +1,20 @@
 """python -m jaxserve.plan: figures checked against the model config by hand-free algebra."""
 from __future__ import annotations
 
+import json
+from dataclasses import replace
+
 import pytest
 
-from jaxserve.plan import BUILTIN_CONFIGS, load_model_config, main, make_plan, parse_bytes
+from jaxserve.plan import (
+    BUILTIN_CONFIGS,
+    WeightFigures,
+    format_plan,
+    load_model_config,
+    main,
+    make_plan,
+    parse_bytes,
+)
 
 GIB = 2**30
 
@@ -53,3 +64,110 @@ def test_parse_bytes():
     assert parse_bytes("1024") == 1024
     with pytest.raises(ValueError, match="size"):
         parse_bytes("80 parsecs")
+
+
+# ---- hybrid models: the analytic parts, with the weights given by hand --------------
+
+MIB = 2**20
+
+
+def qwen36_27b_params() -> int:
+    """Text parameters of Qwen3.6-27B counted from the published shapes."""
+    e, f, v, hd = 5120, 17408, 248320, 256
+    full = e * 24 * hd * 2 + 2 * e * 4 * hd + 24 * hd * e + 2 * hd    # q+gate, k, v, o, q/k norms
+    conv = 2 * 16 * 128 + 48 * 128                                      # q|k|v channels: 10240
+    linear = (e * conv + e * 48 * 128 + 2 * e * 48 + 48 * 128 * e       # qkv, z, a, b, out
+              + conv * 4 + 48 + 48 + 128)                               # conv, A_log, dt_bias, norm
+    return 2 * v * e + 64 * 3 * e * f + 16 * full + 48 * linear + 64 * 2 * e + e
+
+
+def hand_weights(num_params: int, m: int) -> WeightFigures:
+    total = num_params * 2                                              # bfloat16
+    return WeightFigures(num_params, total, total // m, 0)
+
+
+def test_qwen36_27b_analytic_count():
+    assert qwen36_27b_params() == pytest.approx(26.9e9, rel=0.005)
+
+
+@pytest.mark.parametrize("mesh, kv_heads_per_device, split", [("1x1", 4, 1), ("1x8", 1, 8)])
+def test_qwen36_27b_plan_figures(mesh, kv_heads_per_device, split):
+    mc = load_model_config("qwen3.6-27b")
+    m = int(mesh[2:])
+    w = hand_weights(qwen36_27b_params(), m)
+    p = make_plan(mc, model="qwen3.6-27b", mesh=mesh, hbm_bytes=80 * GIB, max_num_seqs=16,
+                  max_model_len=16384, weights=w)
+    assert p.dtype == "bfloat16" and p.full_attention_layers == 16
+    # 16 full-attention layers x KV heads on this device x 256 x K and V x 2 bytes.
+    assert p.kv_bytes_per_token_per_device == 16 * kv_heads_per_device * 256 * 2 * 2
+    if m == 1:
+        assert p.kv_bytes_per_token_per_device == 64 * 2**10
+    # 48 DeltaNet layers x (conv state 3 x 10240 bf16 + delta-rule state 48 x 128 x 128 f32).
+    state = 48 * (3 * 10240 * 2 + 48 * 128 * 128 * 4)
+    assert p.state_bytes_per_seq == state and 146 * MIB < state < 148 * MIB
+    assert p.state_bytes_per_seq_per_device == state // split
+    # The engine: KV budget = 0.9 x (HBM - weights); 17 state slots first, pages the rest.
+    budget = int((80 * GIB - w.bytes_per_device) * 0.9)
+    assert p.state_slots == 17
+    assert p.kv_tokens == (budget - 17 * state // split) // p.kv_bytes_per_token_per_device
+    assert p.max_sequences == min(16, p.kv_tokens // 16384)
+    assert p.fits == (16 * 16384 <= p.kv_tokens) and p.fits
+    out = format_plan(p)
+    assert "WARNING" not in out, out
+    assert "16 full attention (KV cache), 48 linear attention" in out
+    assert "state slots                17 (max_num_seqs + 1)" in out
+    assert f"{p.kv_tokens:,} tokens" in out
+
+
+def test_qwen36_27b_plan_that_does_not_fit():
+    mc = load_model_config("qwen3.6-27b")
+    w = hand_weights(qwen36_27b_params(), 1)
+    state = mc.state_bytes_per_seq(2)
+    # 80 GiB on one device: ~50 GiB of weights, ~27 GiB of cache; 262,144-token sequences.
+    p = make_plan(mc, model="qwen3.6-27b", mesh="1x1", hbm_bytes=80 * GIB, max_num_seqs=16,
+                  weights=w)
+    assert p.max_model_len == 262144 and not p.fits
+    budget = int((80 * GIB - w.weight_bytes) * 0.9)
+    assert p.kv_tokens == (budget - 17 * state) // (64 * 2**10)
+    assert p.max_sequences == p.kv_tokens // 262144 == 1
+    out = format_plan(p)
+    assert "WARNING: the plan does not fit: 16 sequences of 262,144 tokens" in out
+    # 257 state slots alone (~36.8 GiB) exceed the cache budget.
+    p = make_plan(mc, model="qwen3.6-27b", mesh="1x1", hbm_bytes=80 * GIB, max_num_seqs=256,
+                  weights=w)
+    assert p.state_budget_bytes == 257 * state > p.kv_budget_bytes
+    assert p.kv_tokens == 0 and p.max_sequences == 0 and not p.fits
+    assert "WARNING: the recurrent state of 257 sequences" in format_plan(p)
+    # Weights larger than the device.
+    p = make_plan(mc, model="qwen3.6-27b", mesh="1x1", hbm_bytes=40 * GIB, weights=w)
+    assert "WARNING: the weights do not fit" in format_plan(p)
+
+
+def test_state_is_replicated_when_m_does_not_divide_the_key_heads():
+    mc = replace(load_model_config("qwen3.6-27b"), linear_num_key_heads=4,
+                 linear_num_value_heads=12)
+    p = make_plan(mc, model="x", mesh="1x8", weights=hand_weights(10**9, 8))
+    assert p.state_bytes_per_seq_per_device == p.state_bytes_per_seq == \
+        mc.state_bytes_per_seq(2)
+    assert "(replicated)" in format_plan(p)
+
+
+def test_non_hybrid_plans_have_no_state():
+    mc = load_model_config("qwen3-8b")
+    p = make_plan(mc, model="qwen3-8b", mesh="1x8", hbm_bytes=80 * GIB, max_num_seqs=8,
+                  max_model_len=4096, weights=hand_weights(8 * 10**9, 8))
+    assert (p.state_slots, p.state_budget_bytes, p.full_attention_layers) == (0, 0, 36)
+    assert p.kv_tokens == int((80 * GIB - 2 * 10**9) * 0.9) // p.kv_bytes_per_token_per_device
+    out = format_plan(p)
+    assert "state" not in out and "WARNING" not in out and "(36 layers x K and V)" in out
+
+
+def test_load_model_config_accepts_repo_ids_and_the_hf_cache(tmp_path, monkeypatch):
+    assert load_model_config("Qwen/Qwen3.6-35B-A3B").num_experts == 256
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    snap = tmp_path / "models--org--m" / "snapshots" / "abc"
+    snap.mkdir(parents=True)
+    (snap / "config.json").write_text(json.dumps(BUILTIN_CONFIGS["llama-3.1-8b"]))
+    assert load_model_config("org/m").architecture == "LlamaForCausalLM"
+    with pytest.raises(ValueError, match="qwen3.6-27b"):
+        load_model_config("no-such-model")

@@ -1,0 +1,106 @@
+"""The printout of a jaxserve.plan.Plan (`python -m jaxserve.plan`, the server's start-up log)."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from jaxserve.plan import Plan
+
+
+def _gib(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n / 2**10:.2f} KiB"
+
+
+def format_plan(p: Plan) -> str:
+    d, m = p.mesh
+    lines = [
+        f"plan: {p.model} on mesh {d}x{m} ({d} replica{'s' if d > 1 else ''} x {m}-way tensor "
+        f"parallel), weights {p.dtype}, KV cache {p.kv_dtype}",
+        f"  parameters                 {p.num_params:,} ({p.num_params / 1e9:.2f} B)"
+        if p.num_params >= 1e9 else f"  parameters                 {p.num_params:,}",
+        f"  weights per replica        {_gib(p.weight_bytes)}",
+        f"  weights per device         {_gib(p.weight_bytes_per_device)} "
+        f"(of which replicated on every device: {_gib(p.replicated_param_bytes)})",
+    ]
+    if p.is_hybrid:
+        lines.append(f"  layers                     {p.num_layers}: {p.full_attention_layers} full "
+                     f"attention (KV cache), {p.num_layers - p.full_attention_layers} linear "
+                     f"attention (recurrent state)")
+    if p.kv_heads_stored != p.kv_heads:
+        lines.append(f"  KV heads                   {p.kv_heads} do not divide by {m}: each "
+                     f"replicated {p.kv_heads_stored // p.kv_heads}x, "
+                     f"{p.kv_heads_stored // m} per device")
+    else:
+        lines.append(f"  KV heads                   {p.kv_heads}, {p.kv_heads // m} per device")
+    kind = "full-attention layers" if p.is_hybrid else "layers"
+    lines.append(f"  KV cache per token/device  {p.kv_bytes_per_token_per_device / 2**10:.1f} KiB "
+                 f"({p.full_attention_layers} {kind} x K and V)")
+    if p.is_hybrid:
+        split = p.state_bytes_per_seq // p.state_bytes_per_seq_per_device
+        lines.append(f"  state per sequence         {_gib(p.state_bytes_per_seq)} ({p.state_layout}), "
+                     f"{_gib(p.state_bytes_per_seq_per_device)} per device "
+                     + (f"(split by head {split} ways)" if split > 1 else "(replicated)"))
+    lines += _memory_lines(p) if p.hbm_bytes else [
+        "  device memory              unknown (give --hbm to size the KV cache)"]
+    return "\n".join(lines + _allreduce_lines(p))
+
+
+def _memory_lines(p: Plan) -> list[str]:
+    d = p.mesh[0]
+    seqs = p.kv_tokens // p.max_model_len
+    lines = [
+        f"  device memory              {_gib(p.hbm_bytes)}: weights "
+        f"{_gib(p.weight_bytes_per_device)} + reserve {_gib(p.reserve_bytes)} "
+        f"({1 - p.hbm_utilization:.0%} of the rest, for activations "
+        f"~{_gib(p.activation_bytes)} at "
+        f"{p.max_num_batched_tokens} tokens/step, workspace) + "
+        + ("KV cache and state " if p.is_hybrid else "KV ") + _gib(p.kv_budget_bytes)]
+    if p.is_hybrid:
+        lines.append(f"  state slots                {p.state_slots} (max_num_seqs + 1) x "
+                     f"{_gib(p.state_bytes_per_seq_per_device)} = {_gib(p.state_budget_bytes)}, "
+                     f"allocated first; the KV pages get the remaining "
+                     f"{_gib(p.page_budget_bytes)}")
+    lines += [
+        f"  KV capacity per replica    {p.kv_tokens:,} tokens = {seqs} sequences x "
+        f"{p.max_model_len:,} tokens (max_model_len)"
+        + (f"; x{d} replicas = {d * p.kv_tokens:,} tokens" if d > 1 else ""),
+        f"  max_num_seqs={p.max_num_seqs} x max_model_len={p.max_model_len:,}   "
+        + ("fits" if p.fits else f"does NOT fit: at most {p.max_sequences} full-length "
+           f"sequences, or {p.kv_tokens // p.max_num_seqs:,} tokens each for {p.max_num_seqs}"),
+    ]
+    if p.activation_bytes > p.reserve_bytes:
+        lines.append(f"  WARNING: estimated activations ({_gib(p.activation_bytes)}) exceed "
+                     f"the reserve; lower max_num_batched_tokens or hbm_utilization")
+    if p.kv_budget_bytes == 0:
+        lines.append("  WARNING: the weights do not fit in device memory")
+    elif p.state_budget_bytes > p.kv_budget_bytes:
+        lines.append(f"  WARNING: the recurrent state of {p.state_slots} sequences "
+                     f"({_gib(p.state_budget_bytes)}) does not fit in the "
+                     f"{_gib(p.kv_budget_bytes)} left for the cache; lower max_num_seqs")
+    elif not p.fits:
+        lines.append(f"  WARNING: the plan does not fit: {p.max_num_seqs} sequences of "
+                     f"{p.max_model_len:,} tokens need {p.max_num_seqs * p.max_model_len:,} "
+                     f"tokens of KV cache, the cache holds {p.kv_tokens:,}; lower "
+                     f"max_num_seqs or max_model_len")
+    return lines
+
+
+def _allreduce_lines(p: Plan) -> list[str]:
+    ar = p.allreduce_bytes_per_token_per_layer
+    if not ar:
+        return ["  all-reduce                 none (M = 1)"]
+    per_layer = p.allreduce_seconds(ar)
+    step = p.allreduce_seconds(ar * p.num_layers + ar // 2)
+    mixer = "o_proj or out_proj" if p.is_hybrid else "o_proj"
+    return [
+        f"  all-reduce per token/layer {ar / 2**10:.1f} KiB (2 x hidden {p.hidden_size} x "
+        f"{p.dtype}: after {mixer} and down_proj) = {per_layer * 1e9:.1f} ns at "
+        f"{p.link_gbps:g} GB/s per direction (ring: 2(M-1)/M of the bytes per link)",
+        f"  all-reduce per token/step  {2 * p.num_layers + 1} all-reduces, "
+        f"{step * 1e6:.2f} us of link time; a decode step of {p.max_num_seqs} tokens: "
+        f"{step * p.max_num_seqs * 1e6:.1f} us (bandwidth only; each all-reduce also has "
+        f"a fixed latency of a few us)",
+    ]
