@@ -226,12 +226,12 @@ def make_plan(mc, *, model: str, mesh: str, dtype: str = "auto", kv_cache_dtype:
 
 def _state_figures(mc, m: int, dtype: str) -> tuple[int, int, str]:
     """(state bytes per sequence, per device, description) of a hybrid model; zeros else.
-    The conv state is in the model dtype; the state is split by head over M when M
-    divides the key heads (the value heads are a multiple of them), else replicated."""
+    The conv state is in the model dtype; the state is split by key-head group over M
+    (sharding.check_model_axis requires M to divide the key heads)."""
     if not mc.is_hybrid:
         return 0, 0, ""
     whole = mc.state_bytes_per_seq(_ITEMSIZE[dtype])
-    split = m if mc.linear_num_key_heads % m == 0 else 1
+    split = m
     layout = (f"{len(mc.linear_attention_layers)} linear-attention layers x (conv "
               f"{mc.linear_conv_kernel_dim - 1} x {mc.linear_conv_dim} {dtype} + delta rule "
               f"{mc.linear_num_value_heads} x {mc.linear_key_head_dim} x "

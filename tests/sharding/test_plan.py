@@ -143,13 +143,11 @@ def test_qwen36_27b_plan_that_does_not_fit():
     assert "WARNING: the weights do not fit" in format_plan(p)
 
 
-def test_state_is_replicated_when_m_does_not_divide_the_key_heads():
+def test_the_model_axis_must_divide_the_deltanet_key_heads():
     mc = replace(load_model_config("qwen3.6-27b"), linear_num_key_heads=4,
                  linear_num_value_heads=12)
-    p = make_plan(mc, model="x", mesh="1x8", weights=hand_weights(10**9, 8))
-    assert p.state_bytes_per_seq_per_device == p.state_bytes_per_seq == \
-        mc.state_bytes_per_seq(2)
-    assert "(replicated)" in format_plan(p)
+    with pytest.raises(ValueError, match="does not divide linear_num_key_heads=4.*1, 2, 4"):
+        make_plan(mc, model="x", mesh="1x8", weights=hand_weights(10**9, 8))
 
 
 def test_non_hybrid_plans_have_no_state():
