@@ -19,7 +19,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-
 from jax import lax
 
 from pallas_kernels.gated_delta import gpu, ragged, tpu

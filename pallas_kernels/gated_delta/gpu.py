@@ -13,7 +13,16 @@ Dk along rows): S is loaded straight from the slot in global memory, then
 k and q arrive in the row-vector layout (broadcast along columns), v / delta /
 o in the column-vector layout; the reduction over Dk crosses warps (Mosaic GPU
 reduces through shared-memory scratch). S is stored back to the same slot: the
-states buffer is a Ref operand, so the kernel updates it in place.
+states buffer is a Ref operand, so the kernel updates it in place (the custom
+call aliases it to its output).
+
+Verified on CPU: GPU interpret mode (the same body, except that the loads are
+plain ref reads: layouts only matter when lowering) and the export for "cuda"
+(the full Pallas -> Mosaic GPU lowering: layouts, broadcasts, cross-warp
+reductions). Unverified without a GPU: PTX compilation, performance (global
+loads are synchronous and not pipelined through TMA; CTAS_PER_SM untuned).
+Why not Pallas-Triton: Mosaic GPU is the project's choice, and its lowering and
+interpret mode both run on CPU, so CPU CI checks this kernel.
 """
 from __future__ import annotations
 

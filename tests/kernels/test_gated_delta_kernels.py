@@ -14,7 +14,7 @@ from jax import export
 
 from pallas_kernels.gated_delta import ragged_gated_delta_rule
 from pallas_kernels.gated_delta.ragged import decode_step_reference
-from pallas_kernels.gated_delta import gpu, tpu
+from pallas_kernels.gated_delta import tpu
 from tests.kernels.test_gated_delta import Batch, make_inputs
 
 T, R, S = 96, 8, 16
