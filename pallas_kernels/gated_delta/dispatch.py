@@ -1,15 +1,48 @@
 """ragged_gated_delta_rule: the public entry point over the reference and the kernels.
 
 impl="reference": ragged.py with the pure-jnp decode step.
+impl="pallas": the single-token (decode) rows go through a Pallas kernel chosen
+  by the platform the computation is *lowered* for (lax.platform_dependent), so
+  exporting for "cuda" or "tpu" works from a CPU-only machine:
+    tpu  -> tpu.py (Mosaic TPU);
+    cuda -> gpu.py (Mosaic GPU) when gpu.supports(Dk, Dv) (Dk % 64, Dv % 32), else
+            the reference;
+    anything else (cpu, rocm) -> the reference.
+  interpret=True (or "tpu") runs the TPU kernel in TPU interpret mode,
+  interpret="gpu" the GPU kernel in GPU interpret mode, both on CPU.
+  Rows with several tokens (prefill chunks) still take the reference chunked
+  while loop in every case: a Pallas chunk kernel is future work.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+from jax import lax
 
-from pallas_kernels.gated_delta import ragged
+from pallas_kernels.gated_delta import gpu, ragged, tpu
 
-IMPLS = ("reference",)
+IMPLS = ("reference", "pallas")
+
+
+def _pallas_decode_step(interpret, head_k: int, head_v: int) -> ragged.DecodeStep:
+    if interpret in (True, "tpu"):
+        from jax.experimental.pallas import tpu as pltpu
+        return functools.partial(tpu.decode_step_tpu, interpret=pltpu.InterpretParams())
+    gpu_ok = gpu.supports(head_k, head_v)
+    if interpret == "gpu":
+        if not gpu_ok:
+            raise ValueError(f"the Mosaic GPU decode step does not support Dk={head_k}, Dv={head_v}")
+        return functools.partial(gpu.decode_step_gpu, interpret=gpu.interpret_params())
+    if interpret is not False:
+        raise ValueError(f"interpret={interpret!r}: expected False, True, 'tpu' or 'gpu'")
+    on_gpu = gpu.decode_step_gpu if gpu_ok else ragged.decode_step_reference
+
+    def step(*args):
+        return lax.platform_dependent(*args, cuda=on_gpu, tpu=tpu.decode_step_tpu,
+                                      default=ragged.decode_step_reference)
+    return step
 
 
 def _validate(q, k, v, g, beta, states, state_slots, query_start_loc, num_seqs,
@@ -53,7 +86,7 @@ def ragged_gated_delta_rule(
     *,
     chunk_size: int = 64,
     impl: str = "reference",
-    interpret: bool = False,
+    interpret: bool | str = False,
     return_loop_trips: bool = False,
 ):
     """The gated delta rule for every live row of a ragged batch, from states[slot]
@@ -64,9 +97,10 @@ def ragged_gated_delta_rule(
               has_initial_state, chunk_size)
     if impl == "reference":
         step = ragged.decode_step_reference
+    elif impl == "pallas":
+        step = _pallas_decode_step(interpret, q.shape[-1], v.shape[-1])
     else:
         raise ValueError(f"impl={impl!r}: expected one of {IMPLS}")
-    del interpret
     o, states, trips = ragged.ragged_gated_delta(
         q, k, v, g, beta, states, state_slots, query_start_loc, num_seqs, has_initial_state,
         chunk_size=chunk_size, decode_step=step)

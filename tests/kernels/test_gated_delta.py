@@ -56,6 +56,7 @@ SEQ_CASES = [
     (1, 2, 4, 16, 16, True),
     (5, 2, 2, 16, 16, False),
     (64, 2, 4, 32, 16, True),
+    (64, 2, 2, 16, 16, False),
     (65, 2, 4, 16, 16, False),
     (150, 2, 4, 32, 16, True),
     (150, 2, 2, 16, 16, False),
@@ -127,7 +128,7 @@ class Batch:
             yield r, slice(self.qsl[r], self.qsl[r] + n), self.slots[r], h
 
 
-def _nan_states(rng, num_slots, shape):
+def _nan_states(num_slots, shape):
     """Every slot NaN (so unused and fresh slots must be left alone / ignored)..."""
     return np.full((num_slots, *shape), np.nan, np.float32)
 
@@ -194,7 +195,7 @@ def _batch(rows, seed):
     end = batch.qsl[-1]
     for x in inputs:
         x[end:] = np.nan
-    states = _with_live_states(_nan_states(rng, S, (HV, DK, DV)), batch, rng)
+    states = _with_live_states(_nan_states(S, (HV, DK, DV)), batch, rng)
     return batch, inputs, states
 
 
@@ -349,3 +350,15 @@ def test_ragged_causal_conv1d():
     others = [s for s in range(1, slots_n) if s not in touched]
     np.testing.assert_array_equal(new_state[others].view(np.uint32),
                                   conv_state[others].view(np.uint32))
+
+    # bf16 activations and states: same result as float32 on the rounded inputs.
+    bf = lambda a: jnp.asarray(a, jnp.bfloat16)
+    y16, state16 = fn(bf(x), w, bf(conv_state), batch.slots, batch.qsl, batch.num_seqs,
+                      batch.has_init)
+    assert y16.dtype == state16.dtype == jnp.bfloat16
+    f32 = lambda a: np.asarray(a.astype(jnp.float32))
+    y32, state32 = fn(f32(bf(x)), w, jnp.asarray(f32(bf(conv_state))), batch.slots, batch.qsl,
+                      batch.num_seqs, batch.has_init)
+    live = batch.qsl[-1]
+    assert_close(f32(y16)[:live], np.asarray(y32)[:live], tol=1e-2)
+    np.testing.assert_array_equal(f32(state16)[list(touched)], np.asarray(state32)[list(touched)])

@@ -1,0 +1,122 @@
+"""The gated delta decode step (one token per row) for TPU, written with Pallas Mosaic TPU.
+
+Memory-bound: each decode row reads its state [Hv, Dk, Dv] (float32) once and
+writes it once, in place in the donated states buffer (input_output_aliases).
+
+Grid (head blocks, R), rows innermost. Scalar prefetch puts the decode count n,
+the row order (decode rows first), the slots, the has_initial_state flags and
+the per-(row, head) decay exp(g) and beta in SMEM; the index maps send grid
+step i to row order[min(i, n - 1)] and its state block (slot, head block).
+Steps i >= n repeat the block of step n - 1: Pallas neither re-reads nor writes
+back a block whose index does not change between consecutive steps, so those
+steps cost nothing and non-decode rows' slots are never touched (with n = 0,
+step 0 copies one row's block through unchanged: nothing is modified).
+
+Per head, in float32 on the VPU (no MXU: f32 matmuls would need multi-pass
+precision for what is a rank-1 update):
+    S = exp(g) S;  kv = sum_k S[k, :] k[k];  delta = beta (v - kv)
+    S = S + k[:, None] delta[None, :];  o = sum_k S[k, :] q[k]
+The column form k[:, None] (Dk along sublanes) is built from the row form by an
+eye-masked lane reduction (exact: one non-zero per sum), which avoids relying
+on vector transposes of narrow tiles.
+
+Verified without a TPU: TPU interpret mode on CPU and lowering/export for
+"tpu". Unverified: Mosaic's own compilation in libtpu, performance, and the
+head-block size choice (VMEM_BLOCK_BYTES).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+# One state block (in and out, double-buffered: four live) stays well inside the
+# default scoped VMEM of every TPU generation.
+VMEM_BLOCK_BYTES = 1024 * 1024
+
+
+def heads_per_block(num_heads: int, head_k: int, head_v: int) -> int:
+    per_head = head_k * head_v * 4
+    best = 1
+    for hb in range(1, num_heads + 1):
+        if num_heads % hb == 0 and hb * per_head <= VMEM_BLOCK_BYTES:
+            best = hb
+    return best
+
+
+def _kernel(n_ref, order_ref, slot_ref, init_ref, decay_ref, beta_ref,
+            q_ref, k_ref, v_ref, s_ref, o_ref, s_out, *, num_heads: int, block_heads: int):
+    del slot_ref                                  # used by the index maps only
+    j, i = pl.program_id(0), pl.program_id(1)
+    n = n_ref[0]
+
+    @pl.when(i < n)
+    def _step():
+        row = order_ref[i]
+        head_k, head_v = s_ref.shape[-2:]
+        eye = (lax.broadcasted_iota(jnp.int32, (head_k, head_k), 0)
+               == lax.broadcasted_iota(jnp.int32, (head_k, head_k), 1))
+        # Fresh rows start from zeros whatever the slot holds (a select: it may be NaN).
+        keep = jnp.full((head_k, head_v), init_ref[row], jnp.int32) != 0
+        column = lambda r: jnp.sum(jnp.where(eye, r, 0.0), axis=1, keepdims=True)   # [1,D] -> [D,1]
+        for h in range(block_heads):
+            flat = row * num_heads + j * block_heads + h
+            s = jnp.where(keep, s_ref[h], 0.0) * decay_ref[flat]
+            k_col = column(k_ref[pl.ds(h, 1), :])
+            q_col = column(q_ref[pl.ds(h, 1), :])
+            kv = jnp.sum(s * k_col, axis=0, keepdims=True)                # [1, Dv]
+            delta = (v_ref[pl.ds(h, 1), :] - kv) * beta_ref[flat]
+            s = s + k_col * delta
+            s_out[h] = s
+            o_ref[pl.ds(h, 1), :] = jnp.sum(s * q_col, axis=0, keepdims=True)
+
+    @pl.when((i == 0) & (n == 0))
+    def _pass_through():
+        s_out[...] = s_ref[...]
+
+
+def decode_step_tpu(states, slots, write, qd, kd, vd, gd, bd, has_initial_state, *,
+                    interpret=False):
+    """ragged.DecodeStep for TPU. interpret: False or pltpu.InterpretParams()."""
+    num_rows, num_heads, head_k = qd.shape
+    head_v = vd.shape[-1]
+    hb = heads_per_block(num_heads, head_k, head_v)
+    nb = num_heads // hb
+    order = jnp.argsort(jnp.logical_not(write), stable=True).astype(jnp.int32)
+    n = jnp.sum(write, dtype=jnp.int32).reshape(1)
+    # [R, Hv, D] -> [NB, R, hb, D]: a block's second-minor dim is then a full dim.
+    blocked = lambda x: x.reshape(num_rows, nb, hb, x.shape[-1]).transpose(1, 0, 2, 3)
+
+    def pick(i, n_ref, order_ref):
+        return order_ref[jnp.minimum(i, jnp.maximum(n_ref[0] - 1, 0))]
+
+    def vec_map(j, i, n_ref, order_ref, *_):
+        return j, pick(i, n_ref, order_ref), 0, 0
+
+    def state_map(j, i, n_ref, order_ref, slot_ref, *_):
+        return slot_ref[pick(i, n_ref, order_ref)], j, 0, 0
+
+    vec = lambda d: pl.BlockSpec((None, None, hb, d), vec_map)
+    state_spec = pl.BlockSpec((None, hb, head_k, head_v), state_map)
+    kernel = functools.partial(_kernel, num_heads=num_heads, block_heads=hb)
+    o, states = pl.pallas_call(
+        kernel,
+        out_shape=(jax.ShapeDtypeStruct((nb, num_rows, hb, head_v), jnp.float32),
+                   jax.ShapeDtypeStruct(states.shape, states.dtype)),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=6,
+            grid=(nb, num_rows),
+            in_specs=[vec(head_k), vec(head_k), vec(head_v), state_spec],
+            out_specs=[vec(head_v), state_spec],
+        ),
+        input_output_aliases={9: 1},
+        # Rows must run in order on one core: steps past n rely on the previous block.
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary", "arbitrary")),
+        interpret=interpret,
+    )(n, order, slots.astype(jnp.int32), has_initial_state.astype(jnp.int32),
+      jnp.exp(gd).reshape(-1), bd.reshape(-1), blocked(qd), blocked(kd), blocked(vd), states)
+    return o.transpose(1, 0, 2, 3).reshape(num_rows, num_heads, head_v), states
