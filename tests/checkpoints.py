@@ -103,3 +103,21 @@ def make_tiny_checkpoint(kind: str, path: str | Path, *, dtype: torch.dtype = to
     model.save_pretrained(str(path), safe_serialization=True, **kwargs)
     make_tiny_tokenizer(str(path))
     return str(path)
+
+
+def reference_greedy(path: str | Path, prompts: list[list[int]], num_new: int,
+                     kind: str | None = None) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt, run alone, never stopping at
+    eos (as jaxserve's ignore_eos); `kind` picks the class, else AutoModelForCausalLM."""
+    from transformers import AutoModelForCausalLM
+    cls = model_class(kind) if kind else AutoModelForCausalLM
+    model = cls.from_pretrained(str(path), dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    outs = []
+    with torch.inference_mode():
+        for p in prompts:
+            ids = torch.tensor([p])
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=num_new,
+                                 do_sample=False, pad_token_id=0)
+            outs.append(gen[0, len(p):].tolist())
+    return outs

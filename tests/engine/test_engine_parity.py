@@ -5,10 +5,9 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 from jaxserve import LLM, SamplingParams
+from tests.checkpoints import reference_greedy
 from tests.engine.conftest import KINDS, assert_no_leaks
 
 NUM_NEW = 32
@@ -21,16 +20,7 @@ def _prompts(seed: int = 0) -> list[list[int]]:
 
 
 def _reference(path: str, prompts: list[list[int]]) -> list[list[int]]:
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None   # like ignore_eos: never stop early
-    outs = []
-    with torch.inference_mode():
-        for p in prompts:
-            ids = torch.tensor([p])
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids),
-                                 max_new_tokens=NUM_NEW, do_sample=False, pad_token_id=0)
-            outs.append(gen[0, len(p):].tolist())
-    return outs
+    return reference_greedy(path, prompts, NUM_NEW)
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)

@@ -7,10 +7,9 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from jaxserve import LLM, SamplingParams
-from tests.checkpoints import HYBRID_KINDS, model_class
+from tests.checkpoints import HYBRID_KINDS, reference_greedy
 from tests.engine.conftest import assert_no_leaks
 
 NUM_NEW = 32
@@ -23,22 +22,11 @@ def _prompts(seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(3, 256) for _ in range(n)] for n in PROMPT_LENS]
 
 
-def _reference(kind: str, path: str, prompts: list[list[int]]) -> list[list[int]]:
-    model = model_class(kind).from_pretrained(path, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None   # like ignore_eos
-    outs = []
-    with torch.inference_mode():
-        for p in prompts:
-            ids = torch.tensor([p])
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NUM_NEW,
-                                 do_sample=False, pad_token_id=0)
-            outs.append(gen[0, len(p):].tolist())
-    return outs
 
 
 @pytest.fixture(scope="module")
 def expected(checkpoint):
-    return {kind: _reference(kind, checkpoint(kind), _prompts()) for kind in HYBRID_KINDS}
+    return {kind: reference_greedy(checkpoint(kind), _prompts(), NUM_NEW, kind) for kind in HYBRID_KINDS}
 
 
 def _run_staggered(engine, prompts, params=GREEDY, every: int = 3) -> dict[str, list[int]]:

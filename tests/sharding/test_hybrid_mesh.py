@@ -11,12 +11,11 @@ import re
 import jax
 import numpy as np
 import pytest
-import torch
 
 from jaxserve import LLM, SamplingParams
 from models.inputs import ModelInputs
 from sharding import MODEL
-from tests.checkpoints import HYBRID_KINDS, make_tiny_checkpoint, model_class
+from tests.checkpoints import HYBRID_KINDS, make_tiny_checkpoint, reference_greedy
 from tests.sharding.conftest import _flat, collectives
 
 SHAPE = dict(num_attention_heads=8, num_key_value_heads=2, linear_num_key_heads=4,
@@ -33,13 +32,6 @@ def _prompts() -> list[list[int]]:
     return [[rng.randrange(3, 256) for _ in range(n)] for n in PROMPT_LENS]
 
 
-def _reference(kind: str, path: str, prompts) -> list[list[int]]:
-    model = model_class(kind).from_pretrained(path, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None
-    with torch.inference_mode():
-        return [model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                               max_new_tokens=NUM_NEW, do_sample=False, pad_token_id=0)[0, len(p):].tolist()
-                for p in prompts]
 
 
 def _assert_split(core) -> None:
@@ -81,7 +73,7 @@ def test_greedy_identical_on_1x2_and_1x4(kind, tmp_path, monkeypatch):
     monkeypatch.setattr(ModelRunner, "warmup", lambda self: None)   # numerics only
     path = make_tiny_checkpoint(kind, tmp_path / kind, **SHAPE)
     prompts = _prompts()
-    expected = _reference(kind, path, prompts)
+    expected = reference_greedy(path, prompts, NUM_NEW, kind)
     for mesh in ("1x2", "1x4"):
         llm = LLM(path, dtype="float32", mesh=mesh, max_model_len=256, max_num_seqs=4,
                   max_num_batched_tokens=64)

@@ -9,10 +9,9 @@ import random
 
 import numpy as np
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 from jaxserve import LLM, SamplingParams
+from tests.checkpoints import reference_greedy
 from tests.sharding.conftest import (KINDS, MESHES, assert_split_over_model_axis,
                                      assert_step_collectives, replicas)
 
@@ -26,16 +25,7 @@ def _prompts() -> list[list[int]]:
 
 
 def _reference(path: str, prompts: list[list[int]]) -> list[list[int]]:
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None
-    outs = []
-    with torch.inference_mode():
-        for p in prompts:
-            ids = torch.tensor([p])
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NUM_NEW,
-                                 do_sample=False, pad_token_id=0)
-            outs.append(gen[0, len(p):].tolist())
-    return outs
+    return reference_greedy(path, prompts, NUM_NEW)
 
 
 @pytest.fixture
