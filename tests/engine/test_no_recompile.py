@@ -3,12 +3,16 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from jaxserve import LLM, SamplingParams
 from tests.engine.conftest import assert_no_leaks
 
 
-def test_200_random_requests_compile_nothing_new(checkpoint):
-    llm = LLM(checkpoint("qwen3_moe"), dtype="float32", max_model_len=128, max_num_seqs=16,
+# qwen3_5_moe: a hybrid (recurrent-state slots, DeltaNet chunk loops) with a shared-expert MoE.
+@pytest.mark.parametrize("kind", ["qwen3_moe", "qwen3_5_moe"])
+def test_200_random_requests_compile_nothing_new(checkpoint, kind):
+    llm = LLM(checkpoint(kind), dtype="float32", max_model_len=128, max_num_seqs=16,
               max_num_batched_tokens=64)
     engine = llm.engine
     assert engine.runner.warmup_compilations > 0
