@@ -41,8 +41,8 @@ def format_plan(p: Plan) -> str:
     if p.is_hybrid:
         split = p.state_bytes_per_seq // p.state_bytes_per_seq_per_device
         lines.append(f"  state per sequence         {_gib(p.state_bytes_per_seq)} ({p.state_layout}), "
-                     f"{_gib(p.state_bytes_per_seq_per_device)} per device "
-                     + (f"(split by head {split} ways)" if split > 1 else "(replicated)"))
+                     f"{_gib(p.state_bytes_per_seq_per_device)} per device"
+                     + (f" (split by head {split} ways)" if split > 1 else ""))
     lines += _memory_lines(p) if p.hbm_bytes else [
         "  device memory              unknown (give --hbm to size the KV cache)"]
     return "\n".join(lines + _allreduce_lines(p))
