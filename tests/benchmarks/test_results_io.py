@@ -1,0 +1,38 @@
+"""benchmarks.results_io: the shared format (strict JSON, Markdown, machine record)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from benchmarks.results_io import clean, markdown_table, write_results
+
+
+def test_write_results(tmp_path, capsys):
+    def plot(path: str) -> None:
+        with open(path, "wb") as f:
+            f.write(b"\x89PNG fake")
+
+    paths = write_results(str(tmp_path / "out"), "x", benchmark="demo", argv=["--a", "b c"],
+                          config={"rate": float("inf")}, results={"v": float("nan")},
+                          table=markdown_table(["k", "v"], [["a", 1.23456], ["b", None]]),
+                          plot=plot, ratio=2.5, agreement={"all_agree": True})
+    doc = json.loads(Path(paths["json"]).read_text())   # strict: no NaN / Infinity tokens
+    assert doc["benchmark"] == "demo" and doc["command"] == "python -m benchmarks.demo --a 'b c'"
+    assert doc["config"]["rate"] == "inf" and doc["results"]["v"] is None
+    assert doc["ratio"] == 2.5 and doc["agreement"] == {"all_agree": True}
+    m = doc["machine"]
+    assert m["cpu"] and m["versions"]["jax"] and len(m["git"]["commit"]) == 40
+    md = Path(paths["md"]).read_text()
+    assert "| a | 1.23 |" in md and "| b | n/a |" in md and "![x](x.png)" in md
+    assert "| a | 1.23 |" in capsys.readouterr().out
+
+
+def test_no_plot_no_png(tmp_path):
+    paths = write_results(str(tmp_path), "y", benchmark="demo", argv=[], config={},
+                          results={}, table="t")
+    assert set(paths) == {"json", "md"} and not (tmp_path / "y.png").exists()
+    assert json.loads(Path(paths["json"]).read_text())["ratio"] is None
+
+
+def test_clean_nested():
+    assert clean({1: (float("-inf"), [float("nan")])}) == {"1": ["-inf", [None]]}
