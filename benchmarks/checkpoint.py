@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 from typing import Any
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -21,19 +22,27 @@ def default_dtype(dtype: str, device: str) -> str:
     return dtype if dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
 
 
+SMALL_QWEN3_ALIAS = "small-qwen3"   # benchmarks/common.py's random Qwen3 of the CPU figures
+
+
 def resolve(model: str, load_format: str = "auto") -> str:
-    """A local directory for `model`: jaxserve.model_names resolves aliases where it
-    exists; otherwise `model` must be a directory."""
+    """A local directory for `model`: "small-qwen3" is written on first use;
+    jaxserve.model_names resolves other aliases where it exists; otherwise `model` must
+    be a directory."""
+    if os.path.isdir(model):
+        return model
+    if model == SMALL_QWEN3_ALIAS:
+        from benchmarks.common import make_small_qwen3
+        return make_small_qwen3(os.path.join(tempfile.gettempdir(),
+                                             "jaxserve-bench-qwen3-small"))
     try:
         from jaxserve.model_names import resolve_model
-    except ImportError:
-        resolve_model = None
-    if resolve_model is not None:
-        return resolve_model(model, load_format=load_format)
-    if not os.path.isdir(model):
+    except ModuleNotFoundError as e:
+        if e.name != "jaxserve.model_names":
+            raise
         raise ValueError(f"{model!r} is not a directory (model aliases need "
-                         "jaxserve.model_names)")
-    return model
+                         "jaxserve.model_names)") from None
+    return resolve_model(model, load_format=load_format)
 
 
 def read_config(path: str) -> dict[str, Any]:

@@ -164,11 +164,13 @@ def run_reference(model: Any, items: list[Item], sizes: list[int], first_fit: bo
     tried: list[dict[str, Any]] = []
     runs: list[RefRun] = []
     for bs in sizes:
+        run = None
         try:
             run = run_static_batches(model, items, bs, pad_id, cache)
         except (torch.OutOfMemoryError, RuntimeError) as e:
             if not is_oom(e):
                 raise
+        if run is None:   # out of the except block: its traceback no longer pins tensors
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
