@@ -54,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--ref-cache", default="auto", choices=["auto", "dynamic", "static"],
       help="auto: a probe picks the faster")
     a("--ref-device", default="auto", choices=["auto", "cpu", "cuda"])
+    a("--ref-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     a("--agree-tokens", type=int, default=16, help="K of the first-K-tokens agreement rate")
     a("--roofline", default=None, help="roofline.json of benchmarks.roofline (adds MFU)")
     a("--weights-dir", default=None, help="where dummy weights go (default OUTPUT_DIR/weights)")
@@ -102,7 +103,9 @@ def load_workload(args: argparse.Namespace, path: str, cfg: dict[str, Any]) -> W
 
 
 def run_ref_side(args: argparse.Namespace, path: str, wl: Workload, dtype: str,
-                 device: str, pad_id: int) -> tuple[reference.RefRun, list[dict[str, Any]]]:
+                 device: str, pad_id: int
+                 ) -> tuple[reference.RefRun, list[dict[str, Any]], int]:
+    threads = reference.set_threads(args.ref_threads)
     model = reference.load_model(path, dtype, device)
     if args.batch_size:
         sizes, first_fit = [args.batch_size], True
@@ -112,7 +115,7 @@ def run_ref_side(args: argparse.Namespace, path: str, wl: Workload, dtype: str,
     run, tried = reference.run_reference(model, wl.items, sizes, first_fit, pad_id,
                                          args.ref_cache)
     reference.free(model)
-    return run, tried
+    return run, tried, threads
 
 
 def table(res: dict[str, Any], ratios: dict[str, float], a: dict[str, Any]) -> str:
@@ -142,7 +145,8 @@ def describe(res: dict[str, Any], agreement: dict[str, Any], model_info: dict[st
          f"{w['prompt_len_mean']:.0f} / max {w['prompt_len_max']} tokens, outputs mean "
          f"{w['output_len_mean']:.0f} / max {w['output_len_max']}"),
         (f"reference: transformers generate, batch {ref['batch']} sorted by prompt length, "
-         f"{ref['cache']} cache, {device}; {ref['padded_fraction']:.0%} of its decode rows are "
+         f"{ref['cache']} cache, {device} ({ref['torch_threads']} threads); "
+         f"{ref['padded_fraction']:.0%} of its decode rows are "
          "padding past a request's end"),
         (f"jaxserve: max_num_seqs {js['batch']}, max_model_len {max_model_len}; "
          f"{js['compiles_during_run']} compilations during the timed run"),
@@ -178,7 +182,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     max_model_len = pick_max_model_len(args, wl, cfg.get("max_position_embeddings", 1 << 30))
     pad_id = cfg.get("pad_token_id") or 0
 
-    ref, tried = run_ref_side(args, path, wl, dtype, device, pad_id)
+    ref, tried, threads = run_ref_side(args, path, wl, dtype, device, pad_id)
     max_num_seqs = args.batch_size or args.max_num_seqs or min(256, len(wl.items))
     engine_args = dict(dtype=dtype, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                        seed=args.seed)
@@ -193,6 +197,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                      "engine_args": js.engine_args},
         "reference": {**throughput(ref.seconds, wl), "batch": ref.batch_size,
                       "cache": ref.cache, "cache_probe": ref.probe, "device": device,
+                      "torch_threads": threads,
                       "padded_fraction": ref.padded_fraction, "batch_sizes_tried": tried},
         "workload": {"name": wl.name, **wl.params, **wl.stats()},
     }

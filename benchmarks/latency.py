@@ -52,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--skip-reference", action="store_true")
     a("--ref-cache", default="auto", choices=["auto", "dynamic", "static"])
     a("--ref-device", default="auto", choices=["auto", "cpu", "cuda"])
+    a("--ref-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     a("--weights-dir", default=None)
     a("--output-dir", required=True)
     a("--name", default="latency")
@@ -130,6 +131,7 @@ def reference_fn(model: Any, pad_id: int, cache: str) -> Generate:
 
 def reference_side(args: argparse.Namespace, path: str, dtype: str, device: str,
                    lens: list[int], vocab: int, pad_id: int) -> dict[str, Any]:
+    threads = reference.set_threads(args.ref_threads)
     model = reference.load_model(path, dtype, device)
     probe, cache = None, args.ref_cache
     if cache == "auto":   # probed on the TPOT prompt, at batch 1
@@ -138,7 +140,8 @@ def reference_side(args: argparse.Namespace, path: str, dtype: str, device: str,
         cache = probe["chosen"]
     res = measure(reference_fn(model, pad_id, cache), lens, args, vocab, "reference")
     reference.free(model)
-    return {**res, "cache": cache, "cache_probe": probe, "device": device}
+    return {**res, "cache": cache, "cache_probe": probe, "device": device,
+            "torch_threads": threads}
 
 
 def describe(args: argparse.Namespace, model_info: dict[str, Any], dtype: str, params: int,

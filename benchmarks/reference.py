@@ -28,6 +28,16 @@ def torch_device(requested: str = "auto") -> str:
     return requested
 
 
+def set_threads(n: int | None) -> int:
+    """torch's intra-op threads (None: its default); returns the number in use. On a CPU
+    shared with a busy process, fewer threads than cores can be several times faster:
+    torch's OpenMP workers wait for each other at every op."""
+    import torch
+    if n:
+        torch.set_num_threads(n)
+    return torch.get_num_threads()
+
+
 def load_model(path: str, dtype: str, device: str) -> Any:
     import torch
     from transformers import AutoModelForCausalLM

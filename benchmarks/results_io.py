@@ -20,6 +20,9 @@ from typing import Any
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = ("jax", "jaxlib", "torch", "transformers")
+# Load average when the benchmark started (this module is imported first thing): on a
+# shared machine another process's load can slow a run several fold, torch's most.
+START_LOADAVG = os.getloadavg() if hasattr(os, "getloadavg") else None
 
 
 def cpu_model() -> str:
@@ -83,6 +86,8 @@ def jax_device() -> dict[str, Any] | None:
 def machine_info() -> dict[str, Any]:
     torch = sys.modules.get("torch")
     return {"cpu": cpu_model(), "cpu_count": os.cpu_count(), "gpu": gpu_name(),
+            "loadavg_start": START_LOADAVG,
+            "loadavg_end": os.getloadavg() if hasattr(os, "getloadavg") else None,
             "os": platform.platform(), "jax_device": jax_device(),
             "torch_device": ("cuda" if torch is not None and torch.cuda.is_available()
                              else "cpu"),
@@ -93,8 +98,12 @@ def machine_line(m: dict[str, Any]) -> str:
     v, g = m["versions"], m["git"]
     dev = m["gpu"] or f"{m['cpu']} ({m['cpu_count']} cores)"
     commit = (g["commit"] or "?")[:10] + ("+dirty" if g["dirty"] else "")
+    load = ""
+    if m.get("loadavg_start"):
+        load = (f"; load average {m['loadavg_start'][0]:.1f} at start, "
+                f"{m['loadavg_end'][0]:.1f} at end")
     return (f"{dev}; jax {v['jax']}, torch {v['torch']}, transformers {v['transformers']}; "
-            f"commit {commit}")
+            f"commit {commit}{load}")
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

@@ -22,6 +22,7 @@ def test_write_results(tmp_path, capsys):
     assert doc["ratio"] == 2.5 and doc["agreement"] == {"all_agree": True}
     m = doc["machine"]
     assert m["cpu"] and m["versions"]["jax"] and len(m["git"]["commit"]) == 40
+    assert len(m["loadavg_start"]) == 3 and len(m["loadavg_end"]) == 3
     md = Path(paths["md"]).read_text()
     assert "| a | 1.23 |" in md and "| b | n/a |" in md and "![x](x.png)" in md
     assert "| a | 1.23 |" in capsys.readouterr().out
