@@ -14,14 +14,43 @@ import shlex
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Sequence
 from importlib import metadata
 from typing import Any
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = ("jax", "jaxlib", "torch", "transformers")
-# Load average when the benchmark started (this module is imported first thing): on a
-# shared machine another process's load can slow a run several fold, torch's most.
+BUSY_CORES = 0.2   # other processes' CPU use above which a run is flagged as disturbed
+
+
+Snapshot = tuple[float, float, float]
+
+
+def cpu_snapshot() -> Snapshot | None:
+    """(busy CPU seconds of the whole machine, of this process, wall time), or None."""
+    try:
+        with open("/proc/stat", encoding="utf-8") as f:
+            ticks = [int(x) for x in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    busy = (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")   # minus idle, iowait
+    t = os.times()
+    return busy, t.user + t.system, time.monotonic()
+
+
+def other_load(start: Snapshot | None, end: Snapshot | None = None) -> float | None:
+    """Cores' worth of CPU that other processes used from `start` to `end` (default now);
+    0 = a quiet machine. On a shared machine that load slows a run several fold, torch's
+    most."""
+    end = end or cpu_snapshot()
+    if start is None or end is None or end[2] <= start[2]:
+        return None
+    return max(0.0, ((end[0] - start[0]) - (end[1] - start[1])) / (end[2] - start[2]))
+
+
+# Taken when this module is imported, first thing in every benchmark.
+START_CPU = cpu_snapshot()
 START_LOADAVG = os.getloadavg() if hasattr(os, "getloadavg") else None
 
 
@@ -86,7 +115,7 @@ def jax_device() -> dict[str, Any] | None:
 def machine_info() -> dict[str, Any]:
     torch = sys.modules.get("torch")
     return {"cpu": cpu_model(), "cpu_count": os.cpu_count(), "gpu": gpu_name(),
-            "loadavg_start": START_LOADAVG,
+            "loadavg_start": START_LOADAVG, "other_processes_cores": other_load(START_CPU),
             "loadavg_end": os.getloadavg() if hasattr(os, "getloadavg") else None,
             "os": platform.platform(), "jax_device": jax_device(),
             "torch_device": ("cuda" if torch is not None and torch.cuda.is_available()
@@ -99,9 +128,8 @@ def machine_line(m: dict[str, Any]) -> str:
     dev = m["gpu"] or f"{m['cpu']} ({m['cpu_count']} cores)"
     commit = (g["commit"] or "?")[:10] + ("+dirty" if g["dirty"] else "")
     load = ""
-    if m.get("loadavg_start"):
-        load = (f"; load average {m['loadavg_start'][0]:.1f} at start, "
-                f"{m['loadavg_end'][0]:.1f} at end")
+    if m.get("other_processes_cores") is not None:
+        load = f"; other processes used {m['other_processes_cores']:.2f} cores during the run"
     return (f"{dev}; jax {v['jax']}, torch {v['torch']}, transformers {v['transformers']}; "
             f"commit {commit}{load}")
 
@@ -133,9 +161,14 @@ def build_document(*, benchmark: str, argv: Sequence[str], config: dict[str, Any
                    results: dict[str, Any], ratio: float | None = None,
                    agreement: dict[str, Any] | None = None,
                    notes: Sequence[str] = ()) -> dict[str, Any]:
+    machine = machine_info()
+    others = machine["other_processes_cores"]
+    if others is not None and others > BUSY_CORES:
+        notes = [*notes, f"WARNING: other processes used {others:.2f} cores during this run; "
+                         "its timings are not those of a quiet machine (torch suffers most)"]
     return {"benchmark": benchmark,
             "command": shlex.join(["python", "-m", f"benchmarks.{benchmark}", *argv]),
-            "machine": machine_info(), "config": config, "results": results, "ratio": ratio,
+            "machine": machine, "config": config, "results": results, "ratio": ratio,
             "agreement": agreement, "notes": list(notes)}
 
 
@@ -159,7 +192,7 @@ def write_results(output_dir: str, name: str, *, benchmark: str, argv: Sequence[
         plot(paths["png"])
     md = [f"# {benchmark}: {name}", "", f"    {doc['command']}", "",
           f"Machine: {machine_line(doc['machine'])}", "", table, ""]
-    md += [f"- {n}" for n in notes] + ([""] if notes else [])
+    md += [f"- {n}" for n in doc["notes"]] + ([""] if doc["notes"] else [])
     if plot is not None:
         md += [f"![{name}]({name}.png)", ""]
     with open(paths["md"], "w", encoding="utf-8") as f:

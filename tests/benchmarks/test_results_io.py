@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from benchmarks.results_io import clean, markdown_table, write_results
+from benchmarks.results_io import clean, cpu_snapshot, markdown_table, other_load, write_results
 
 
 def test_write_results(tmp_path, capsys):
@@ -23,6 +23,7 @@ def test_write_results(tmp_path, capsys):
     m = doc["machine"]
     assert m["cpu"] and m["versions"]["jax"] and len(m["git"]["commit"]) == 40
     assert len(m["loadavg_start"]) == 3 and len(m["loadavg_end"]) == 3
+    assert 0 <= m["other_processes_cores"] <= m["cpu_count"] + 0.5
     md = Path(paths["md"]).read_text()
     assert "| a | 1.23 |" in md and "| b | n/a |" in md and "![x](x.png)" in md
     assert "| a | 1.23 |" in capsys.readouterr().out
@@ -33,6 +34,15 @@ def test_no_plot_no_png(tmp_path):
                           results={}, table="t")
     assert set(paths) == {"json", "md"} and not (tmp_path / "y.png").exists()
     assert json.loads(Path(paths["json"]).read_text())["ratio"] is None
+
+
+def test_other_load_counts_other_processes_only():
+    # 2 s of wall time: the machine was busy 3 CPU-seconds, 1 of them this process's
+    assert other_load((100.0, 10.0, 50.0), (103.0, 11.0, 52.0)) == 1.0
+    assert other_load((100.0, 10.0, 50.0), (101.0, 11.0, 52.0)) == 0.0   # all ours
+    assert other_load(None) is None
+    busy, ours, wall = cpu_snapshot()
+    assert busy >= ours >= 0 and wall > 0
 
 
 def test_clean_nested():
