@@ -47,3 +47,13 @@ def test_other_load_counts_other_processes_only():
 
 def test_clean_nested():
     assert clean({1: (float("-inf"), [float("nan")])}) == {"1": ["-inf", [None]]}
+
+
+def test_a_disturbed_run_is_flagged(tmp_path, monkeypatch):
+    from benchmarks import results_io
+    monkeypatch.setattr(results_io, "other_load", lambda start: 1.5)
+    paths = write_results(str(tmp_path), "z", benchmark="demo", argv=[], config={},
+                          results={}, table="t", notes=["mine"])
+    doc = json.loads(Path(paths["json"]).read_text())
+    assert doc["notes"][0] == "mine" and doc["notes"][1].startswith("WARNING: other processes")
+    assert "1.50 cores" in Path(paths["md"]).read_text()
