@@ -44,9 +44,10 @@ def other_load(start: Snapshot | None, end: Snapshot | None = None) -> float | N
     0 = a quiet machine. On a shared machine that load slows a run several fold, torch's
     most."""
     end = end or cpu_snapshot()
-    if start is None or end is None or end[2] <= start[2]:
+    if start is None or end is None or end[2] - start[2] < 1.0:   # ticks are 10 ms
         return None
-    return max(0.0, ((end[0] - start[0]) - (end[1] - start[1])) / (end[2] - start[2]))
+    others = ((end[0] - start[0]) - (end[1] - start[1])) / (end[2] - start[2])
+    return min(max(0.0, others), float(os.cpu_count() or 1))
 
 
 # Taken when this module is imported, first thing in every benchmark.
