@@ -23,19 +23,24 @@ def make_word_tokenizer(path: str, vocab_size: int) -> None:
                             eos_token="</s>").save_pretrained(path)
 
 
-def make_small_qwen3(path: str, seed: int = 0) -> str:
-    """A random-weight Qwen3 (about hidden 512, 8 layers) saved as float32 safetensors,
-    with a word-level tokenizer over its whole vocabulary."""
+def make_qwen3(path: str, config: dict, seed: int = 0) -> str:
+    """A random-weight Qwen3 with `config` saved as float32 safetensors, with a word-level
+    tokenizer over its whole vocabulary; reused when `path` already holds one."""
     if os.path.exists(os.path.join(path, "tokenizer.json")):
         return path
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
     torch.manual_seed(seed)
-    cfg = Qwen3Config(**SMALL_QWEN3, eos_token_id=None, bos_token_id=None)
+    cfg = Qwen3Config(**config, eos_token_id=None, bos_token_id=None)
     model = Qwen3ForCausalLM(cfg).to(torch.float32)
     model.save_pretrained(path, safe_serialization=True)
-    make_word_tokenizer(path, SMALL_QWEN3["vocab_size"])
+    make_word_tokenizer(path, config["vocab_size"])
     return path
+
+
+def make_small_qwen3(path: str, seed: int = 0) -> str:
+    """The small Qwen3 of the CPU figures (hidden 512, 8 layers, vocab 32000)."""
+    return make_qwen3(path, SMALL_QWEN3, seed)
 
 
 @dataclass(frozen=True)

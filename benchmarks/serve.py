@@ -3,6 +3,10 @@
     python benchmarks/serve.py --base-url http://127.0.0.1:8000 --num-prompts 200 \\
         --request-rate 8 --max-concurrency 64 --ignore-eos --result-json out.json
     python benchmarks/serve.py --sweep 1,2,4,8,inf --plot sweep.png
+    python -m benchmarks.serve --sweep 1,2,4,inf --output-dir DIR   # serve.json/.md/.png
+
+The JSON (--result-json, --output-dir) is the format of every benchmark here
+(benchmarks/results_io.py): the per-rate metrics and requests are under results.runs.
 
 Every request streams (``stream: true`` with ``stream_options.include_usage``) and
 its client-side timestamps are kept: send, every *content* chunk (an SSE event
@@ -43,13 +47,19 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import random
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 import httpx
 import numpy as np
+
+if __package__ in (None, ""):   # run as a script (python benchmarks/serve.py): the repo root
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.results_io import build_document, write_json, write_results
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 WORDS = ("time year people way day man thing woman life child world school state family "
@@ -420,9 +430,12 @@ def build_parser() -> argparse.ArgumentParser:
     a("--temperature", type=float, default=0.0)
     a("--api-key", default=None)
     a("--timeout", type=float, default=600.0, help="seconds per request, whole stream")
-    a("--result-json", default=None)
+    a("--result-json", default=None, help="the JSON alone (benchmarks.results_io format)")
+    a("--output-dir", default=None, help="write NAME.json, NAME.md and NAME.png here")
+    a("--name", default="serve", help="file name stem in --output-dir")
     a("--sweep", default=None, help="comma-separated request rates, e.g. 1,2,4,inf")
-    a("--plot", default="serve_sweep.png", help="PNG written by --sweep")
+    a("--plot", default=None,
+      help="PNG written by --sweep (default serve_sweep.png unless --output-dir)")
     return p
 
 
@@ -445,6 +458,7 @@ async def run_rates(cfg: BenchConfig, prompts: list[Prompt],
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+    argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     cfg = BenchConfig(args.base_url.rstrip("/"), args.endpoint, args.model, args.max_concurrency,
                       args.seed, args.ignore_eos, args.temperature, args.api_key, args.timeout)
@@ -453,17 +467,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results = [(rate, aggregate(recs)) for rate, recs in runs]
     for rate, agg in results:
         print(format_summary(agg, rate))
+    plot = args.plot or (None if args.output_dir else "serve_sweep.png")
     if args.sweep:
         print(format_sweep_table(results))
-        plot_sweep(results, args.plot)
-        print(f"plot: {args.plot}")
-    report = {"config": {**vars(args), "request_rate": str(args.request_rate)},
-              "runs": [{"request_rate": str(rate), "metrics": agg,
+        if plot:
+            plot_sweep(results, plot)
+            print(f"plot: {plot}")
+    config = {**vars(args), "request_rate": str(args.request_rate)}
+    report = {"runs": [{"request_rate": str(rate), "metrics": agg,
                         "requests": [record_json(r) for r in recs]}
                        for (rate, agg), (_, recs) in zip(results, runs)]}
+    note = ("machine: where this client ran; the server at "
+            f"{args.base_url} may be elsewhere")
     if args.result_json:
-        with open(args.result_json, "w", encoding="utf-8") as f:
-            json.dump(report, f, indent=1)
+        write_json(args.result_json, build_document(benchmark="serve", argv=argv, config=config,
+                                                    results=report, notes=[note]))
+    if args.output_dir:
+        write_results(args.output_dir, args.name, benchmark="serve", argv=argv, config=config,
+                      results=report, table=format_sweep_table(results),
+                      plot=lambda path: plot_sweep(results, path), notes=[note])
     return report
 
 

@@ -288,7 +288,11 @@ def test_cli_sweep_writes_json_and_plot(server, tmp_path, capsys):
     main(["--base-url", url, "--num-prompts", "3", "--random-input-len", "5",
           "--random-output-len", "2", "--sweep", "inf,50", "--plot", str(png),
           "--result-json", str(out)])
-    report = json.loads(out.read_text())
+    doc = json.loads(out.read_text())
+    assert doc["benchmark"] == "serve" and doc["command"].startswith("python -m benchmarks.serve")
+    assert doc["machine"]["versions"]["python"] and doc["ratio"] is None
+    assert doc["config"]["request_rate"] == "inf"
+    report = doc["results"]
     assert [r["request_rate"] for r in report["runs"]] == ["inf", "50.0"]
     assert all(r["metrics"]["completed"] == 3 and len(r["requests"]) == 3 for r in report["runs"])
     assert report["runs"][0]["requests"][0]["output_tokens"] == 2
@@ -296,3 +300,16 @@ def test_cli_sweep_writes_json_and_plot(server, tmp_path, capsys):
     text = capsys.readouterr().out
     assert "Mean TTFT (ms)" in text and text.count("| inf |") == 1
     assert format_sweep_table([]).count("\n") == 1
+
+
+def test_cli_output_dir_writes_the_shared_files(server, tmp_path, monkeypatch):
+    url, _ = server
+    monkeypatch.chdir(tmp_path)   # where a default serve_sweep.png would land
+    main(["--base-url", url, "--num-prompts", "2", "--random-input-len", "5",
+          "--random-output-len", "2", "--sweep", "inf,50", "--output-dir", str(tmp_path),
+          "--name", "one"])
+    doc = json.loads((tmp_path / "one.json").read_text())
+    assert [r["metrics"]["completed"] for r in doc["results"]["runs"]] == [2, 2]
+    assert (tmp_path / "one.png").read_bytes()[:4] == b"\x89PNG"
+    assert "| inf | 2 | 0 |" in (tmp_path / "one.md").read_text()
+    assert not (tmp_path / "serve_sweep.png").exists()

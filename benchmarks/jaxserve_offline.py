@@ -1,0 +1,55 @@
+"""jaxserve offline: `LLM.generate` on token-id prompts, greedy, eos ignored.
+
+Start-up (weights, KV cache, warmup compilation) and one short warmup request are
+outside the timing; the number of compilations during the timed run is recorded,
+since a compile there would be counted as serving time.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from benchmarks.common import Item
+
+
+@dataclass
+class JaxRun:
+    seconds: float = 0.0
+    outputs: list[list[int]] = field(default_factory=list)
+    startup_s: float = 0.0
+    compiles_during_run: int = 0
+    engine_args: dict[str, Any] = field(default_factory=dict)
+
+
+def make_llm(path: str, **engine_args: Any) -> tuple[Any, float]:
+    from jaxserve import LLM
+    t0 = time.perf_counter()
+    llm = LLM(model=path, **engine_args)
+    return llm, time.perf_counter() - t0
+
+
+def greedy(max_tokens: int) -> Any:
+    from jaxserve import SamplingParams
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def generate(llm: Any, items: list[Item], progress: bool = True) -> list[list[int]]:
+    prompts = [{"prompt_token_ids": it.prompt_token_ids} for it in items]
+    outs = llm.generate(prompts, [greedy(it.max_tokens) for it in items], use_tqdm=progress)
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    for toks, it in zip(tokens, items):
+        if len(toks) != it.max_tokens:
+            raise RuntimeError(f"jaxserve produced {len(toks)} tokens, wanted {it.max_tokens}")
+    return tokens
+
+
+def run_jaxserve(path: str, items: list[Item], progress: bool = True,
+                 **engine_args: Any) -> JaxRun:
+    llm, startup = make_llm(path, **engine_args)
+    generate(llm, [Item(items[0].prompt_token_ids[:8], 2)], progress=False)   # warmup
+    before = llm.engine.num_compilations
+    t0 = time.perf_counter()
+    outputs = generate(llm, items, progress)
+    seconds = time.perf_counter() - t0
+    return JaxRun(seconds, outputs, startup, llm.engine.num_compilations - before, engine_args)

@@ -1,0 +1,129 @@
+"""The device's practical ceilings, measured once: copy bandwidth and matmul TFLOP/s.
+
+    python -m benchmarks.roofline --output-dir DIR [--copy-mib 256,1024] [--matmul-sizes ...]
+
+Copy bandwidth: `x + 1` over a large array in one jit (XLA cannot elide it), bytes
+read + written / time, best of `--iters`; the ceiling of a memory-bound step such as
+batch-1 decode. Matmul: square matmuls (bfloat16 on a GPU/TPU, float32 on a CPU),
+2 n^3 / time, best. Writes roofline.json, which `benchmarks.latency` and
+`benchmarks.compare` read with `--roofline`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from benchmarks.results_io import markdown_table, new_figure, write_results
+
+
+def best_seconds(fn: Callable[[], Any], iters: int) -> float:
+    import jax
+    jax.block_until_ready(fn())   # compile and warm up
+    best = float("inf")
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def copy_bandwidth(mib: int, iters: int) -> dict[str, float]:
+    import jax
+    import jax.numpy as jnp
+    x = jnp.ones((mib << 20) // 4, jnp.float32)
+    bump = jax.jit(lambda a: a + 1)
+    s = best_seconds(lambda: bump(x), iters)
+    return {"mib": mib, "seconds": s, "gb_per_s": 2 * x.nbytes / s / 1e9}
+
+
+def matmul_tflops(n: int, dtype: str, iters: int) -> dict[str, Any]:
+    import jax
+    import jax.numpy as jnp
+    ka, kb = jax.random.split(jax.random.key(0))
+    a = jax.random.normal(ka, (n, n), dtype)
+    b = jax.random.normal(kb, (n, n), dtype)
+    mm = jax.jit(jnp.matmul)
+    s = best_seconds(lambda: mm(a, b), iters)
+    return {"n": n, "dtype": dtype, "seconds": s, "tflops": 2 * n ** 3 / s / 1e12}
+
+
+def load_roofline(path: str | None) -> dict[str, Any] | None:
+    """{"copy_gb_per_s", "matmul_tflops", "device", ...} from a roofline.json, or None."""
+    if not path:
+        return None
+    with open(path, encoding="utf-8") as f:
+        doc = json.load(f)
+    if doc.get("benchmark") != "roofline":
+        raise ValueError(f"{path} is not a roofline result (benchmark={doc.get('benchmark')!r})")
+    return {**doc["results"]["best"], "file": path}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--copy-mib", default=None,
+                   help="array sizes (MiB), default 1024,2048 on an accelerator, 64,256 on CPU")
+    p.add_argument("--matmul-sizes", default=None,
+                   help="default 4096,8192,16384 on an accelerator, 512,1024,2048 on CPU")
+    p.add_argument("--dtype", default=None, help="matmul dtype; default bfloat16, float32 on CPU")
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--output-dir", required=True)
+    p.add_argument("--name", default="roofline")
+    return p
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = build_parser().parse_args(argv)
+    import jax
+    cpu = jax.default_backend() == "cpu"
+    copy_sizes = [int(s) for s in (args.copy_mib or ("64,256" if cpu else "1024,2048")).split(",")]
+    mm_sizes = [int(s) for s in (args.matmul_sizes or ("512,1024,2048" if cpu
+                                                       else "4096,8192,16384")).split(",")]
+    dtype = args.dtype or ("float32" if cpu else "bfloat16")
+    jobs = [("copy", s) for s in copy_sizes] + [("matmul", n) for n in mm_sizes]
+    copies, mms = [], []
+    for kind, size in tqdm(jobs, desc="roofline"):
+        if kind == "copy":
+            copies.append(copy_bandwidth(size, args.iters))
+        else:
+            mms.append(matmul_tflops(size, dtype, args.iters))
+    dev = jax.devices()[0]
+    best = {"copy_gb_per_s": max(c["gb_per_s"] for c in copies),
+            "matmul_tflops": max(m["tflops"] for m in mms), "matmul_dtype": dtype,
+            "device": f"{dev.platform}:{dev.device_kind}"}
+    results = {"best": best, "copy": copies, "matmul": mms}
+    rows = [[f"copy {c['mib']} MiB", f"{c['gb_per_s']:.1f} GB/s", f"{c['seconds'] * 1e3:.2f}"]
+            for c in copies]
+    rows += [[f"matmul {m['n']}^3 {dtype}", f"{m['tflops']:.3f} TFLOP/s",
+              f"{m['seconds'] * 1e3:.2f}"] for m in mms]
+    rows += [["**best copy**", f"**{best['copy_gb_per_s']:.1f} GB/s**", ""],
+             ["**best matmul**", f"**{best['matmul_tflops']:.3f} TFLOP/s**", ""]]
+
+    def plot(path: str) -> None:
+        plt, fig, (ax1, ax2) = new_figure(2)
+        ax1.plot([c["mib"] for c in copies], [c["gb_per_s"] for c in copies], "o-")
+        ax1.set(title="copy bandwidth (read + write)", xlabel="MiB", ylabel="GB/s", xscale="log")
+        ax2.plot([m["n"] for m in mms], [m["tflops"] for m in mms], "o-")
+        ax2.set(title=f"square matmul, {dtype}", xlabel="n", ylabel="TFLOP/s", xscale="log")
+        for ax in (ax1, ax2):
+            ax.grid(alpha=0.3)
+        fig.suptitle(best["device"])
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+
+    write_results(args.output_dir, args.name, benchmark="roofline", argv=argv or [],
+                  config={**vars(args), "copy_mib": copy_sizes, "matmul_sizes": mm_sizes,
+                          "dtype": dtype},
+                  results=results, table=markdown_table(["measurement", "best", "ms"], rows),
+                  plot=plot)
+    return results
+
+
+if __name__ == "__main__":
+    import sys
+    main(sys.argv[1:])
