@@ -3,18 +3,28 @@
 The reference (reference.py) gathers every token's whole context at once:
 simple, but it materialises [T, L] worth of K/V per call. This version runs
 the same work items as the Pallas kernels (blocks.py: one item = one query
-block of one request) and an online-softmax loop over KV pages whose trip
-count is the longest item's page count, decided on device. Each iteration
-gathers a few pages per item, so the live K/V is [I, K, 2, C, H] (C = KV_STEP_TOKENS)
-whatever the context length, and pages past a request's length are never read.
+block of one request) with an online softmax over KV steps of C tokens (whole
+pages), so the live K/V is a few pages per item whatever the context length,
+and pages past a request's length are never read.
 
 Decode-sized batches (T <= R) use one token per item; larger batches (prefill
 chunks) use BLOCK_Q tokens per item, so a chunk reads each of its pages once
 per BLOCK_Q tokens instead of once per token.
 
-Glossary: T tokens, R request rows, I items, K kv heads, G = N // K query heads
-per kv head, M = block * G query rows per item, S page size, C KV tokens per
-loop step, H head dim.
+Scheduling. Items need very different step counts (a decode batch mixes 20-
+and 480-token contexts), and a loop that steps all items together runs as long
+as the longest one while the others compute masked garbage: with such a mix
+about half of all gathered pages are wasted. Instead the loop has I / F slots
+and each slot runs a queue of F items one after the other (the state is reset
+between them): items sorted longest first are dealt to the queues in a snake
+(slot 0 gets the longest and, in the next round, the shortest of that round),
+which balances the queues, so the loop's trip count is about the mean, not
+the maximum, of F items' steps. When a slot's item ends, its output is written
+into the item's row and the slot starts the next item at the following step.
+
+Glossary: T tokens, R request rows, I items, F items per slot, S slots, K kv
+heads, G = N // K query heads per kv head, M = block * G query rows per item,
+P pages per step, C = P * page size KV tokens per step, H head dim.
 """
 from __future__ import annotations
 
@@ -28,8 +38,13 @@ from pallas_kernels.ragged_paged_attention.cache import cache_dims
 
 BLOCK_Q = 16
 # KV tokens per loop iteration (whole pages): fewer, larger iterations amortise the
-# per-iteration cost of XLA's loop on CPU; 32 measured best on the CPU benchmark.
+# per-iteration cost of XLA's loop on CPU; 32 measured best on the CPU benchmark
+# (16 costs 1.6x, 64 about 1.1x in the decode benchmark).
 KV_STEP_TOKENS = 32
+# Items each loop slot runs in turn (F). 1 is the old lock-step loop; 2 and 4 both
+# cut the decode benchmark's attention by about a third (less waste); 8 loses when
+# all contexts are equally long (too many thin iterations).
+ITEMS_PER_SLOT = 4
 
 
 def ragged_paged_attention(
@@ -58,29 +73,68 @@ def ragged_paged_attention(
         kv_step=kv_step, page_size=page_size, sliding_window=sliding_window)
     qb = gather_queries(q, meta, num_kv_heads=num_kv, block_q=block, rows=rows)
     qb = qb.astype(jnp.float32) * sm_scale                       # [I, K, M, H]
-    kv_len, step_lo, num_steps = meta[:, KV_LEN], meta[:, STEP_LO], meta[:, NUM_STEPS]
-    tok = jnp.arange(rows, dtype=jnp.int32) // group             # token of each query row
-    row_pos = meta[:, Q_POS, None] + tok[None, :]                # [I, M]
-    row_ok = tok[None, :] < meta[:, Q_COUNT, None]               # [I, M]
-    item_pages = page_table[meta[:, REQ]]                        # [I, P]
-    n_items = meta.shape[0]
-    offsets = jnp.arange(kv_step, dtype=jnp.int32)
 
-    def step(s, carry):
-        m, l, acc = carry                                        # [I,K,M] [I,K,M] [I,K,M,H]
-        active = s < num_steps                                   # [I]
-        first = (step_lo + s) * per_step                         # first page of the step
+    n_items = meta.shape[0]
+    fold = min(ITEMS_PER_SLOT, n_items)
+    n_slots = -(-n_items // fold)
+    n_pad = n_slots * fold                                       # padding items have 0 steps
+    meta = jnp.pad(meta, ((0, n_pad - n_items), (0, 0)))
+    qb = jnp.pad(qb, ((0, n_pad - n_items), (0, 0), (0, 0), (0, 0)))
+    order = jnp.argsort(-meta[:, NUM_STEPS], stable=True)        # longest first
+    deal = jnp.arange(n_pad, dtype=jnp.int32).reshape(fold, n_slots)
+    deal = jnp.where((jnp.arange(fold) % 2 == 1)[:, None], deal[:, ::-1], deal)
+    queue = order[deal]                                          # [F, S] item ids
+    steps = meta[queue, NUM_STEPS]
+    ends = jnp.cumsum(steps, axis=0)                             # [F, S] loop step after each
+    starts = ends - steps
+    trips = jnp.max(ends[-1])
+
+    tok = jnp.arange(rows, dtype=jnp.int32) // group             # token of each query row
+    offsets = jnp.arange(kv_step, dtype=jnp.int32)
+    slots = jnp.arange(n_slots, dtype=jnp.int32)
+
+    def position(t):
+        """[S] index into each slot's queue of the item it runs at step t (F: none)."""
+        return jnp.sum(ends <= t, axis=0)
+
+    def schedule(t):
+        f = position(t)
+        fi = jnp.minimum(f, fold - 1)
+        item = queue[fi, slots]                                  # [S]
+        mt = meta[item]
+        active = f < fold                                        # then 0 <= s < its steps
+        first = (mt[:, STEP_LO] + t - starts[fi, slots]) * per_step   # first page of the step
         idx = jnp.clip(first[:, None] + jnp.arange(per_step)[None, :], 0, pages_per_req - 1)
-        page = jnp.where(active[:, None], jnp.take_along_axis(item_pages, idx, 1), 0)
-        kv = cache[page].astype(jnp.float32)                     # [I, per_step, K, 2, S, H]
-        kv = kv.transpose(0, 2, 3, 1, 4, 5).reshape(n_items, num_kv, 2, kv_step, head_dim)
-        slot = first[:, None] * page_size + offsets[None, :]                  # [I, C]
-        slot_ok = active[:, None] & (slot < kv_len[:, None])                  # [I, C]
-        mask = (slot_ok[:, None, :] & row_ok[:, :, None]
-                & (slot[:, None, :] <= row_pos[:, :, None]))                  # [I, M, C]
+        page = jnp.where(active[:, None], page_table[mt[:, REQ, None], idx], 0)   # [S, P]
+        slot = first[:, None] * page_size + offsets[None, :]                  # [S, C]
+        slot_ok = active[:, None] & (slot < mt[:, KV_LEN, None])              # [S, C]
+        row_pos = mt[:, Q_POS, None] + tok[None, :]                           # [S, M]
+        mask = (slot_ok[:, None, :] & (tok[None, :] < mt[:, Q_COUNT, None])[:, :, None]
+                & (slot[:, None, :] <= row_pos[:, :, None]))                  # [S, M, C]
         if sliding_window is not None:
             mask &= slot[:, None, :] > row_pos[:, :, None] - sliding_window
-        scores = jnp.einsum("IKMH,IKCH->IKMC", qb, kv[:, :, 0], precision="highest")
+        return item, page, slot_ok, mask
+
+    shape = (n_slots, num_kv, rows)
+    init = (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32),
+            jnp.zeros(shape + (head_dim,), jnp.float32))
+
+    def retire(t, m, l, acc, out):
+        """Slots whose item ran its last step at t - 1 write its output; their state restarts."""
+        prev = position(t - 1)
+        done = (prev != position(t)) & (t > 0)                  # [S]
+        dest = jnp.where(done, queue[jnp.minimum(prev, fold - 1), slots], n_pad)   # n_pad: dropped
+        out = out.at[dest].set(acc / jnp.where(l > 0, l, 1.0)[..., None], mode="drop")
+        m, l, acc = (jnp.where(done.reshape((-1,) + (1,) * (x.ndim - 1)), x0, x)
+                     for x, x0 in zip((m, l, acc), init))
+        return m, l, acc, out
+
+    def step(t, carry):
+        m, l, acc, out = retire(t, *carry)
+        item, page, slot_ok, mask = schedule(t)
+        kv = cache[page].astype(jnp.float32)                     # [S, P, K, 2, page, H]
+        kv = kv.transpose(0, 2, 3, 1, 4, 5).reshape(n_slots, num_kv, 2, kv_step, head_dim)
+        scores = jnp.einsum("SKMH,SKCH->SKMC", qb[item], kv[:, :, 0], precision="highest")
         if soft_cap is not None:
             scores = soft_cap * jnp.tanh(scores / soft_cap)
         scores = jnp.where(mask[:, None], scores, -jnp.inf)
@@ -89,13 +143,10 @@ def ragged_paged_attention(
         p = jnp.where(mask[:, None], jnp.exp(scores - base[..., None]), 0.0)
         scale = jnp.where(jnp.isfinite(m), jnp.exp(m - base), 0.0)
         v = jnp.where(slot_ok[:, None, :, None], kv[:, :, 1], 0.0)          # NaN-safe select
-        acc = acc * scale[..., None] + jnp.einsum("IKMC,IKCH->IKMH", p, v, precision="highest")
-        return m_new, l * scale + jnp.sum(p, axis=-1), acc
+        acc = acc * scale[..., None] + jnp.einsum("SKMC,SKCH->SKMH", p, v, precision="highest")
+        return m_new, l * scale + jnp.sum(p, axis=-1), acc, out
 
-    shape = qb.shape[:3]
-    init = (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32),
-            jnp.zeros(qb.shape, jnp.float32))
-    _, l, acc = jax.lax.fori_loop(0, jnp.max(num_steps), step, init)
-    out = (acc / jnp.where(l > 0, l, 1.0)[..., None]).astype(q.dtype)
-    return scatter_outputs(out, token_item, token_row, token_valid, num_heads=num_heads,
-                           block_q=block)
+    carry = jax.lax.fori_loop(0, trips, step, init + (jnp.zeros(qb.shape, jnp.float32),))
+    *_, out = retire(trips, *carry)                              # items ending at the last step
+    return scatter_outputs(out[:n_items].astype(q.dtype), token_item, token_row, token_valid,
+                           num_heads=num_heads, block_q=block)
