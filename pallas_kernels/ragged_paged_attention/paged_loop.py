@@ -42,8 +42,8 @@ BLOCK_Q = 16
 # (16 costs 1.6x, 64 about 1.1x in the decode benchmark).
 KV_STEP_TOKENS = 32
 # Items each loop slot runs in turn (F). 1 is the old lock-step loop; 2 and 4 both
-# cut the decode benchmark's attention by about a third (less waste); 8 loses when
-# all contexts are equally long (too many thin iterations).
+# cut the decode benchmark's attention by about a third (less waste), 4 slightly
+# more; 8 loses when all contexts are equally long (too many thin iterations).
 ITEMS_PER_SLOT = 4
 
 
@@ -61,7 +61,7 @@ def ragged_paged_attention(
     block_q: int | None = None,   # tokens per item; default 1 when T <= R, else BLOCK_Q
 ) -> jax.Array:                   # [T, N, H]
     num_tokens, num_heads, head_dim = q.shape
-    _, page_size, num_kv, _ = cache_dims(cache)
+    num_pages, page_size, num_kv, _ = cache_dims(cache)
     group = num_heads // num_kv
     num_rows, pages_per_req = page_table.shape
     block = block_q or (1 if num_tokens <= num_rows else BLOCK_Q)
@@ -92,6 +92,11 @@ def ragged_paged_attention(
     tok = jnp.arange(rows, dtype=jnp.int32) // group             # token of each query row
     offsets = jnp.arange(kv_step, dtype=jnp.int32)
     slots = jnp.arange(n_slots, dtype=jnp.int32)
+    # One row per page: all its kv heads' K and V tiles, contiguous. A 2-D gather of
+    # whole rows is XLA CPU's fastest gather per byte (long contiguous runs; gathering
+    # K alone, or transposing inside the gather, was several times slower per byte),
+    # and the K / V relayouts below then read the freshly gathered rows from cache.
+    page_rows = cache.reshape(num_pages, num_kv * 2 * page_size * head_dim)
 
     def position(t):
         """[S] index into each slot's queue of the item it runs at step t (F: none)."""
@@ -132,9 +137,16 @@ def ragged_paged_attention(
     def step(t, carry):
         m, l, acc, out = retire(t, *carry)
         item, page, slot_ok, mask = schedule(t)
-        kv = cache[page].astype(jnp.float32)                     # [S, P, K, 2, page, H]
-        kv = kv.transpose(0, 2, 3, 1, 4, 5).reshape(n_slots, num_kv, 2, kv_step, head_dim)
-        scores = jnp.einsum("SKMH,SKCH->SKMC", qb[item], kv[:, :, 0], precision="highest")
+        kv = page_rows[page.reshape(-1)].reshape(n_slots, per_step, num_kv, 2, page_size, head_dim)
+        # K as [S, K, H, C] so that q @ K is a plain matmul (XLA CPU's dot is several times
+        # slower on the transposed form); the select after the transpose keeps XLA from
+        # folding the transpose back into the dot. Both selects zero every slot that must
+        # not be read (NaN-safe: p == 0 would not cancel a NaN in V).
+        kT = kv[:, :, :, 0].transpose(0, 2, 4, 1, 3).reshape(n_slots, num_kv, head_dim, kv_step)
+        kT = jnp.where(slot_ok[:, None, None, :], kT.astype(jnp.float32), 0.0)
+        v = kv[:, :, :, 1].transpose(0, 2, 1, 3, 4).reshape(n_slots, num_kv, kv_step, head_dim)
+        v = jnp.where(slot_ok[:, None, :, None], v.astype(jnp.float32), 0.0)
+        scores = jnp.einsum("SKMH,SKHC->SKMC", qb[item], kT, precision="highest")
         if soft_cap is not None:
             scores = soft_cap * jnp.tanh(scores / soft_cap)
         scores = jnp.where(mask[:, None], scores, -jnp.inf)
@@ -142,7 +154,6 @@ def ragged_paged_attention(
         base = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
         p = jnp.where(mask[:, None], jnp.exp(scores - base[..., None]), 0.0)
         scale = jnp.where(jnp.isfinite(m), jnp.exp(m - base), 0.0)
-        v = jnp.where(slot_ok[:, None, :, None], kv[:, :, 1], 0.0)          # NaN-safe select
         acc = acc * scale[..., None] + jnp.einsum("SKMC,SKCH->SKMH", p, v, precision="highest")
         return m_new, l * scale + jnp.sum(p, axis=-1), acc, out
 
