@@ -7,9 +7,10 @@ block of one request) with an online softmax over KV steps of C tokens (whole
 pages), so the live K/V is a few pages per item whatever the context length,
 and pages past a request's length are never read.
 
-Decode-sized batches (T <= R) use one token per item; larger batches (prefill
-chunks) use BLOCK_Q tokens per item, so a chunk reads each of its pages once
-per BLOCK_Q tokens instead of once per token.
+Decode-sized batches (T <= R) use one token per item. In larger batches the
+rows with more than one token (prefill chunks) use BLOCK_Q tokens per item, so a
+chunk reads each of its pages once per BLOCK_Q tokens instead of once per token,
+and the one-token rows (decodes) still get one-token items, in a second loop.
 
 Scheduling. Items need very different step counts (a decode batch mixes 20-
 and 480-token contexts), and a loop that steps all items together runs as long
@@ -60,17 +61,36 @@ def ragged_paged_attention(
     soft_cap: float | None = None,
     block_q: int | None = None,   # tokens per item; default 1 when T <= R, else BLOCK_Q
 ) -> jax.Array:                   # [T, N, H]
+    num_tokens, num_rows = q.shape[0], page_table.shape[0]
+    common = (q, cache, kv_lens, page_table, query_start_loc, num_seqs)
+    kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    if block_q or num_tokens <= num_rows:
+        return _attend(*common, block=block_q or 1, **kw)
+    # A mixed batch: one-token rows (decodes) as one-token items, the rest (prefill
+    # chunks) in BLOCK_Q blocks. A decode in a BLOCK_Q-token item would compute
+    # BLOCK_Q times the rows it needs, which made decodes most of a mixed step's
+    # attention. Each token belongs to exactly one of the two, the other gives it 0.
+    q_len = query_start_loc[1:] - query_start_loc[:-1]
+    decode = _attend(*common, block=1, row_mask=q_len == 1, num_items=num_rows, **kw)
+    chunks = _attend(*common, block=BLOCK_Q, row_mask=q_len != 1, **kw)
+    return decode + chunks
+
+
+def _attend(q, cache, kv_lens, page_table, query_start_loc, num_seqs, *, block, sm_scale,
+            sliding_window, soft_cap, row_mask=None, num_items=None):
+    """The rows row_mask selects (all by default) with `block` tokens per item; other
+    tokens get zeros."""
     num_tokens, num_heads, head_dim = q.shape
     num_pages, page_size, num_kv, _ = cache_dims(cache)
     group = num_heads // num_kv
-    num_rows, pages_per_req = page_table.shape
-    block = block_q or (1 if num_tokens <= num_rows else BLOCK_Q)
+    pages_per_req = page_table.shape[1]
     rows = block * group
     per_step = max(1, min(KV_STEP_TOKENS // page_size, pages_per_req))   # pages per iteration
     kv_step = per_step * page_size
     meta, token_item, token_row, token_valid = plan_items(
         query_start_loc, kv_lens, num_seqs, num_tokens=num_tokens, block_q=block,
-        kv_step=kv_step, page_size=page_size, sliding_window=sliding_window)
+        kv_step=kv_step, page_size=page_size, sliding_window=sliding_window,
+        row_mask=row_mask, num_items=num_items)
     qb = gather_queries(q, meta, num_kv_heads=num_kv, block_q=block, rows=rows)
     qb = qb.astype(jnp.float32) * sm_scale                       # [I, K, M, H]
 
