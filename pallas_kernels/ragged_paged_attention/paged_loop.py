@@ -1,11 +1,11 @@
 """Ragged paged attention in plain XLA, fast enough to serve on CPU.
 
 The reference (reference.py) gathers every token's whole context at once:
-simple, but it materialises [T, L] worth of K/V per call. This version runs
+simple, but it materialises [T, context] worth of K/V per call. This version runs
 the same work items as the Pallas kernels (blocks.py: one item = one query
 block of one request) with an online softmax over KV steps of C tokens (whole
 pages), so the live K/V is a few pages per item whatever the context length,
-and pages past a request's length are never read.
+and no step past a request's length is run.
 
 Decode-sized batches (T <= R) use one token per item. In larger batches the
 rows with more than one token (prefill chunks) use BLOCK_Q tokens per item, so a
@@ -15,17 +15,17 @@ and the one-token rows (decodes) still get one-token items, in a second loop.
 Scheduling. Items need very different step counts (a decode batch mixes 20-
 and 480-token contexts), and a loop that steps all items together runs as long
 as the longest one while the others compute masked garbage: with such a mix
-about half of all gathered pages are wasted. Instead the loop has I / F slots
-and each slot runs a queue of F items one after the other (the state is reset
-between them): items sorted longest first are dealt to the queues in a snake
-(slot 0 gets the longest and, in the next round, the shortest of that round),
-which balances the queues, so the loop's trip count is about the mean, not
-the maximum, of F items' steps. When a slot's item ends, its output is written
-into the item's row and the slot starts the next item at the following step.
+about half of all gathered pages are wasted. Instead the loop has L = I / F
+lanes and each lane runs a queue of F items one after the other (the state is
+reset between them): items sorted longest first are dealt to the queues in a
+snake (lane 0 gets the longest and, in the next round, the shortest of that
+round), which balances the queues, so the loop's trip count is about the mean,
+not the maximum, of F items' steps. When a lane's item ends, its output is
+written into the item's row and the lane starts its next item at the next step.
 
-Glossary: T tokens, R request rows, I items, F items per slot, S slots, K kv
+Glossary: T tokens, R request rows, I items, F items per lane, L lanes, K kv
 heads, G = N // K query heads per kv head, M = block * G query rows per item,
-P pages per step, C = P * page size KV tokens per step, H head dim.
+S page size, P pages per step, C = P * S KV tokens per step, H head dim.
 """
 from __future__ import annotations
 
@@ -42,10 +42,10 @@ BLOCK_Q = 16
 # per-iteration cost of XLA's loop on CPU; 32 measured best on the CPU benchmark
 # (16 costs 1.6x, 64 about 1.1x in the decode benchmark).
 KV_STEP_TOKENS = 32
-# Items each loop slot runs in turn (F). 1 is the old lock-step loop; 2 and 4 both
-# cut the decode benchmark's attention by about a third (less waste), 4 slightly
-# more; 8 loses when all contexts are equally long (too many thin iterations).
-ITEMS_PER_SLOT = 4
+# Items each lane runs in turn (F). 1 is the old lock-step loop; 2 and 4 both cut
+# the decode benchmark's attention by about a third (less waste), 4 slightly more;
+# 8 loses when all contexts are equally long (too many thin iterations).
+ITEMS_PER_LANE = 4
 
 
 def ragged_paged_attention(
@@ -95,23 +95,23 @@ def _attend(q, cache, kv_lens, page_table, query_start_loc, num_seqs, *, block, 
     qb = qb.astype(jnp.float32) * sm_scale                       # [I, K, M, H]
 
     n_items = meta.shape[0]
-    fold = min(ITEMS_PER_SLOT, n_items)
-    n_slots = -(-n_items // fold)
-    n_pad = n_slots * fold                                       # padding items have 0 steps
+    fold = min(ITEMS_PER_LANE, n_items)
+    n_lanes = -(-n_items // fold)
+    n_pad = n_lanes * fold                                       # padding items have 0 steps
     meta = jnp.pad(meta, ((0, n_pad - n_items), (0, 0)))
     qb = jnp.pad(qb, ((0, n_pad - n_items), (0, 0), (0, 0), (0, 0)))
     order = jnp.argsort(-meta[:, NUM_STEPS], stable=True)        # longest first
-    deal = jnp.arange(n_pad, dtype=jnp.int32).reshape(fold, n_slots)
+    deal = jnp.arange(n_pad, dtype=jnp.int32).reshape(fold, n_lanes)
     deal = jnp.where((jnp.arange(fold) % 2 == 1)[:, None], deal[:, ::-1], deal)
-    queue = order[deal]                                          # [F, S] item ids
+    queue = order[deal]                                          # [F, L] item ids
     steps = meta[queue, NUM_STEPS]
-    ends = jnp.cumsum(steps, axis=0)                             # [F, S] loop step after each
+    ends = jnp.cumsum(steps, axis=0)                             # [F, L] loop step after each
     starts = ends - steps
     trips = jnp.max(ends[-1])
 
     tok = jnp.arange(rows, dtype=jnp.int32) // group             # token of each query row
     offsets = jnp.arange(kv_step, dtype=jnp.int32)
-    slots = jnp.arange(n_slots, dtype=jnp.int32)
+    lanes = jnp.arange(n_lanes, dtype=jnp.int32)
     # One row per page: all its kv heads' K and V tiles, contiguous. A 2-D gather of
     # whole rows is XLA CPU's fastest gather per byte (long contiguous runs; gathering
     # K alone, or transposing inside the gather, was several times slower per byte),
@@ -119,36 +119,36 @@ def _attend(q, cache, kv_lens, page_table, query_start_loc, num_seqs, *, block, 
     page_rows = cache.reshape(num_pages, num_kv * 2 * page_size * head_dim)
 
     def position(t):
-        """[S] index into each slot's queue of the item it runs at step t (F: none)."""
+        """[L] index into each lane's queue of the item it runs at step t (F: none)."""
         return jnp.sum(ends <= t, axis=0)
 
     def schedule(t):
         f = position(t)
         fi = jnp.minimum(f, fold - 1)
-        item = queue[fi, slots]                                  # [S]
+        item = queue[fi, lanes]                                  # [L]
         mt = meta[item]
-        active = f < fold                                        # then 0 <= s < its steps
-        first = (mt[:, STEP_LO] + t - starts[fi, slots]) * per_step   # first page of the step
+        active = f < fold                                        # t is one of its steps
+        first = (mt[:, STEP_LO] + t - starts[fi, lanes]) * per_step   # first page of the step
         idx = jnp.clip(first[:, None] + jnp.arange(per_step)[None, :], 0, pages_per_req - 1)
-        page = jnp.where(active[:, None], page_table[mt[:, REQ, None], idx], 0)   # [S, P]
-        slot = first[:, None] * page_size + offsets[None, :]                  # [S, C]
-        slot_ok = active[:, None] & (slot < mt[:, KV_LEN, None])              # [S, C]
-        row_pos = mt[:, Q_POS, None] + tok[None, :]                           # [S, M]
+        page = jnp.where(active[:, None], page_table[mt[:, REQ, None], idx], 0)   # [L, P]
+        slot = first[:, None] * page_size + offsets[None, :]                  # [L, C]
+        slot_ok = active[:, None] & (slot < mt[:, KV_LEN, None])              # [L, C]
+        row_pos = mt[:, Q_POS, None] + tok[None, :]                           # [L, M]
         mask = (slot_ok[:, None, :] & (tok[None, :] < mt[:, Q_COUNT, None])[:, :, None]
-                & (slot[:, None, :] <= row_pos[:, :, None]))                  # [S, M, C]
+                & (slot[:, None, :] <= row_pos[:, :, None]))                  # [L, M, C]
         if sliding_window is not None:
             mask &= slot[:, None, :] > row_pos[:, :, None] - sliding_window
         return item, page, slot_ok, mask
 
-    shape = (n_slots, num_kv, rows)
+    shape = (n_lanes, num_kv, rows)
     init = (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32),
             jnp.zeros(shape + (head_dim,), jnp.float32))
 
     def retire(t, m, l, acc, out):
-        """Slots whose item ran its last step at t - 1 write its output; their state restarts."""
+        """Lanes whose item ran its last step at t - 1 write its output; their state restarts."""
         prev = position(t - 1)
-        done = (prev != position(t)) & (t > 0)                  # [S]
-        dest = jnp.where(done, queue[jnp.minimum(prev, fold - 1), slots], n_pad)   # n_pad: dropped
+        done = (prev != position(t)) & (t > 0)                  # [L]
+        dest = jnp.where(done, queue[jnp.minimum(prev, fold - 1), lanes], n_pad)   # n_pad: dropped
         out = out.at[dest].set(acc / jnp.where(l > 0, l, 1.0)[..., None], mode="drop")
         m, l, acc = (jnp.where(done.reshape((-1,) + (1,) * (x.ndim - 1)), x0, x)
                      for x, x0 in zip((m, l, acc), init))
@@ -157,16 +157,16 @@ def _attend(q, cache, kv_lens, page_table, query_start_loc, num_seqs, *, block, 
     def step(t, carry):
         m, l, acc, out = retire(t, *carry)
         item, page, slot_ok, mask = schedule(t)
-        kv = page_rows[page.reshape(-1)].reshape(n_slots, per_step, num_kv, 2, page_size, head_dim)
-        # K as [S, K, H, C] so that q @ K is a plain matmul (XLA CPU's dot is several times
+        kv = page_rows[page.reshape(-1)].reshape(n_lanes, per_step, num_kv, 2, page_size, head_dim)
+        # K as [L, K, H, C] so that q @ K is a plain matmul (XLA CPU's dot is several times
         # slower on the transposed form); the select after the transpose keeps XLA from
-        # folding the transpose back into the dot. Both selects zero every slot that must
-        # not be read (NaN-safe: p == 0 would not cancel a NaN in V).
-        kT = kv[:, :, :, 0].transpose(0, 2, 4, 1, 3).reshape(n_slots, num_kv, head_dim, kv_step)
+        # folding the transpose back into the dot. Both selects zero every KV slot that
+        # must not be read (NaN-safe: p == 0 would not cancel a NaN in V).
+        kT = kv[:, :, :, 0].transpose(0, 2, 4, 1, 3).reshape(n_lanes, num_kv, head_dim, kv_step)
         kT = jnp.where(slot_ok[:, None, None, :], kT.astype(jnp.float32), 0.0)
-        v = kv[:, :, :, 1].transpose(0, 2, 1, 3, 4).reshape(n_slots, num_kv, kv_step, head_dim)
+        v = kv[:, :, :, 1].transpose(0, 2, 1, 3, 4).reshape(n_lanes, num_kv, kv_step, head_dim)
         v = jnp.where(slot_ok[:, None, :, None], v.astype(jnp.float32), 0.0)
-        scores = jnp.einsum("SKMH,SKHC->SKMC", qb[item], kT, precision="highest")
+        scores = jnp.einsum("LKMH,LKHC->LKMC", qb[item], kT, precision="highest")
         if soft_cap is not None:
             scores = soft_cap * jnp.tanh(scores / soft_cap)
         scores = jnp.where(mask[:, None], scores, -jnp.inf)
@@ -174,7 +174,7 @@ def _attend(q, cache, kv_lens, page_table, query_start_loc, num_seqs, *, block, 
         base = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
         p = jnp.where(mask[:, None], jnp.exp(scores - base[..., None]), 0.0)
         scale = jnp.where(jnp.isfinite(m), jnp.exp(m - base), 0.0)
-        acc = acc * scale[..., None] + jnp.einsum("SKMC,SKCH->SKMH", p, v, precision="highest")
+        acc = acc * scale[..., None] + jnp.einsum("LKMC,LKCH->LKMH", p, v, precision="highest")
         return m_new, l * scale + jnp.sum(p, axis=-1), acc, out
 
     carry = jax.lax.fori_loop(0, trips, step, init + (jnp.zeros(qb.shape, jnp.float32),))
