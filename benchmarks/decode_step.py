@@ -1,11 +1,13 @@
 """Time of one engine decode step on this machine, and the attention's share of it.
 
-    python benchmarks/decode_step.py [--num-requests 64] [--no-attention]
+    python benchmarks/decode_step.py [--num-requests 64] [--prefill 3] [--no-attention]
 
 64 requests decode one token each, contexts drawn from 20-480 tokens, on the small
 Qwen3 of throughput.py. Prints the runner's execute time (forward + sampling) and
 the forward alone; --no-attention replaces the attention by the identity (wrong
-numbers, right cost of everything else) to show what attention costs.
+numbers, right cost of everything else) to show what attention costs. --prefill N
+makes the first N requests compute a 128-token prefill chunk instead (a mixed,
+prefill-heavy step: attention then runs with 16-token query blocks).
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--prefill", type=int, default=0)
     ap.add_argument("--no-attention", action="store_true")
     args = ap.parse_args()
     if args.no_attention:
@@ -44,9 +47,15 @@ def main() -> None:
     reqs = []
     for i in range(n):
         ctx = int(rng.integers(20, 480))
+        new = 128 if i < args.prefill else 1
+        ctx = max(ctx, new)
         pages = list(range(1 + i * 32, 1 + i * 32 + -(-ctx // 16)))
-        reqs.append(ScheduledRequest(str(i), [5], ctx - 1, pages, True, params, 3, [1, 2, 3], ()))
-    out = SchedulerOutput(requests=reqs, num_scheduled_tokens=n, preempted_req_ids=[],
+        reqs.append(ScheduledRequest(str(i), [5] * new, ctx - new, pages, True, params, 3,
+                                     [1, 2, 3], ()))
+    num_tokens = sum(len(r.token_ids) for r in reqs)
+    if num_tokens > 512:
+        raise SystemExit(f"{num_tokens} tokens: more than max_num_batched_tokens=512")
+    out = SchedulerOutput(requests=reqs, num_scheduled_tokens=num_tokens, preempted_req_ids=[],
                           finished_req_ids=[])
 
     def timed(fn) -> float:
@@ -67,7 +76,9 @@ def main() -> None:
 
     forward_ms = timed(forward)
     label = "attention replaced by identity" if args.no_attention else "attention on"
-    print(f"{n} decodes ({label}): execute {execute_ms:.1f} ms, forward {forward_ms:.1f} ms")
+    what = f"{n} decodes" if not args.prefill else \
+        f"{n - args.prefill} decodes + {args.prefill} prefill chunks ({num_tokens} tokens)"
+    print(f"{what} ({label}): execute {execute_ms:.1f} ms, forward {forward_ms:.1f} ms")
 
 
 if __name__ == "__main__":

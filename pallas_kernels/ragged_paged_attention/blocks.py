@@ -31,17 +31,23 @@ def max_items(num_tokens: int, num_rows: int, block_q: int) -> int:
 
 def plan_items(query_start_loc: jax.Array, kv_lens: jax.Array, num_seqs: jax.Array, *,
                num_tokens: int, block_q: int, kv_step: int, page_size: int,
-               sliding_window: int | None):
+               sliding_window: int | None, row_mask: jax.Array | None = None,
+               num_items: int | None = None):
     """-> (meta int32[I, NUM_FIELDS], token_item int32[T], token_row int32[T], token_valid bool[T]).
 
     kv_step is the kernel's KV block in tokens: items loop over the steps
     STEP_LO .. STEP_LO + NUM_STEPS - 1, the ones that hold a position some
     query of the item may attend to (causal, and the window when given).
+    row_mask (bool[R]) plans only those rows: the others get no items and their
+    tokens are invalid. num_items overrides the static item count I when the
+    caller knows a smaller bound (e.g. R for one-token rows with block_q = 1).
     """
     num_rows = kv_lens.shape[0]
-    n_items = max_items(num_tokens, num_rows, block_q)
+    n_items = num_items or max_items(num_tokens, num_rows, block_q)
     rows = jnp.arange(num_rows, dtype=jnp.int32)
     live = rows < num_seqs[0]
+    if row_mask is not None:
+        live &= row_mask
     q_start_row = query_start_loc[:-1]
     q_len = jnp.where(live, query_start_loc[1:] - q_start_row, 0)
     kv_len_row = jnp.where(live, kv_lens, 0)
@@ -71,7 +77,7 @@ def plan_items(query_start_loc: jax.Array, kv_lens: jax.Array, num_seqs: jax.Arr
     t = jnp.arange(num_tokens, dtype=jnp.int32)
     t_req = jnp.minimum(jnp.searchsorted(query_start_loc[1:], t, side="right").astype(jnp.int32),
                         num_rows - 1)
-    t_valid = t < query_start_loc[num_seqs[0]]
+    t_valid = (t < query_start_loc[num_seqs[0]]) & live[t_req]
     within = t - q_start_row[t_req]
     token_item = jnp.where(t_valid, firsts[t_req] + within // block_q, 0)
     token_row = jnp.where(t_valid, within % block_q, 0)
