@@ -46,8 +46,10 @@ def resolve(model: str, load_format: str = "auto") -> str:
 
 
 def read_config(path: str) -> dict[str, Any]:
+    """config.json, with a vision-language checkpoint's text_config fields on top."""
     with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
-        return json.load(f)
+        cfg = json.load(f)
+    return {**cfg, **(cfg.get("text_config") or {})}
 
 
 def has_weights(path: str) -> bool:

@@ -1,7 +1,6 @@
 """Sizes that set a model's roofline: parameters, weight bytes, KV bytes per token."""
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 
@@ -36,8 +35,8 @@ class ModelStats:
 def model_stats(path: str) -> ModelStats:
     """From config.json and the safetensors headers (no tensor is read)."""
     from safetensors import safe_open
-    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
-        cfg = json.load(f)
+    from benchmarks.checkpoint import read_config
+    cfg = read_config(path)
     params = embed = 0
     for name in sorted(os.listdir(path)):
         if not name.endswith(".safetensors"):
