@@ -1,11 +1,12 @@
-"""The device's practical ceilings, measured once: copy bandwidth and matmul TFLOP/s.
+"""The device's practical ceilings, measured once: memory bandwidth and matmul TFLOP/s.
 
     python -m benchmarks.roofline --output-dir DIR [--copy-mib 256,1024] [--matmul-sizes ...]
 
 Copy bandwidth: `x + 1` over a large array in one jit (XLA cannot elide it), bytes
 read + written / time, best of `--iters`; the ceiling of a memory-bound step such as
-batch-1 decode. Matmul: square matmuls (bfloat16 on a GPU/TPU, float32 on a CPU),
-2 n^3 / time, best. Writes roofline.json, which `benchmarks.latency` and
+batch-1 decode. Read bandwidth: `sum(x)`, bytes read / time; a decode step only reads
+its weights, and on a CPU reading alone can be faster than the copy figure. Matmul:
+square matmuls (bfloat16 on a GPU/TPU, float32 on a CPU), 2 n^3 / time, best. Writes roofline.json, which `benchmarks.latency` and
 `benchmarks.compare` read with `--roofline`.
 """
 from __future__ import annotations
@@ -39,6 +40,15 @@ def copy_bandwidth(mib: int, iters: int) -> dict[str, float]:
     bump = jax.jit(lambda a: a + 1)
     s = best_seconds(lambda: bump(x), iters)
     return {"mib": mib, "seconds": s, "gb_per_s": 2 * x.nbytes / s / 1e9}
+
+
+def read_bandwidth(mib: int, iters: int) -> dict[str, float]:
+    import jax
+    import jax.numpy as jnp
+    x = jnp.ones((mib << 20) // 4, jnp.float32)
+    total = jax.jit(jnp.sum)
+    s = best_seconds(lambda: total(x), iters)
+    return {"mib": mib, "seconds": s, "gb_per_s": x.nbytes / s / 1e9}
 
 
 def matmul_tflops(n: int, dtype: str, iters: int) -> dict[str, Any]:
@@ -84,29 +94,36 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     mm_sizes = [int(s) for s in (args.matmul_sizes or ("512,1024,2048" if cpu
                                                        else "4096,8192,16384")).split(",")]
     dtype = args.dtype or ("float32" if cpu else "bfloat16")
-    jobs = [("copy", s) for s in copy_sizes] + [("matmul", n) for n in mm_sizes]
-    copies, mms = [], []
+    jobs = ([("copy", s) for s in copy_sizes] + [("read", s) for s in copy_sizes]
+            + [("matmul", n) for n in mm_sizes])
+    copies, reads, mms = [], [], []
     for kind, size in tqdm(jobs, desc="roofline"):
         if kind == "copy":
             copies.append(copy_bandwidth(size, args.iters))
+        elif kind == "read":
+            reads.append(read_bandwidth(size, args.iters))
         else:
             mms.append(matmul_tflops(size, dtype, args.iters))
     dev = jax.devices()[0]
     best = {"copy_gb_per_s": max(c["gb_per_s"] for c in copies),
+            "read_gb_per_s": max(r["gb_per_s"] for r in reads),
             "matmul_tflops": max(m["tflops"] for m in mms), "matmul_dtype": dtype,
             "device": f"{dev.platform}:{dev.device_kind}"}
-    results = {"best": best, "copy": copies, "matmul": mms}
-    rows = [[f"copy {c['mib']} MiB", f"{c['gb_per_s']:.1f} GB/s", f"{c['seconds'] * 1e3:.2f}"]
-            for c in copies]
+    results = {"best": best, "copy": copies, "read": reads, "matmul": mms}
+    rows = [[f"{kind} {c['mib']} MiB", f"{c['gb_per_s']:.1f} GB/s", f"{c['seconds'] * 1e3:.2f}"]
+            for kind, group in (("copy", copies), ("read", reads)) for c in group]
     rows += [[f"matmul {m['n']}^3 {dtype}", f"{m['tflops']:.3f} TFLOP/s",
               f"{m['seconds'] * 1e3:.2f}"] for m in mms]
-    rows += [["**best copy**", f"**{best['copy_gb_per_s']:.1f} GB/s**", ""],
+    rows += [["**best copy** (read + write)", f"**{best['copy_gb_per_s']:.1f} GB/s**", ""],
+             ["**best read**", f"**{best['read_gb_per_s']:.1f} GB/s**", ""],
              ["**best matmul**", f"**{best['matmul_tflops']:.3f} TFLOP/s**", ""]]
 
     def plot(path: str) -> None:
         plt, fig, (ax1, ax2) = new_figure(2)
-        ax1.plot([c["mib"] for c in copies], [c["gb_per_s"] for c in copies], "o-")
-        ax1.set(title="copy bandwidth (read + write)", xlabel="MiB", ylabel="GB/s", xscale="log")
+        for label, group in (("copy (read + write)", copies), ("read", reads)):
+            ax1.plot([c["mib"] for c in group], [c["gb_per_s"] for c in group], "o-", label=label)
+        ax1.set(title="memory bandwidth", xlabel="MiB", ylabel="GB/s", xscale="log")
+        ax1.legend()
         ax2.plot([m["n"] for m in mms], [m["tflops"] for m in mms], "o-")
         ax2.set(title=f"square matmul, {dtype}", xlabel="n", ylabel="TFLOP/s", xscale="log")
         for ax in (ax1, ax2):
