@@ -107,9 +107,6 @@ def add_roofline(res: dict[str, Any], stats: ModelStats, dtype: str, args: argpa
     ideal_tpot = stats.decode_bytes(dtype, context) / (peak["copy_gb_per_s"] * 1e9)
     res["tpot_roofline_ms"] = 1e3 * ideal_tpot
     res["tpot_pct_of_roofline"] = 100 * 1e3 * ideal_tpot / res["tpot_ms"]
-    if peak.get("read_gb_per_s"):   # the step only reads: read bandwidth, where measured
-        ideal_read = stats.decode_bytes(dtype, context) / (peak["read_gb_per_s"] * 1e9)
-        res["tpot_pct_of_read_roofline"] = 100 * ideal_read / (res["tpot_ms"] / 1e3)
     flops = stats.matmul_flops_per_token()
     res["ttft_pct_of_compute_roofline"] = {
         n: 100 * flops * n / (peak["matmul_tflops"] * 1e12) / (ms / 1e3)
@@ -158,8 +155,7 @@ def describe(args: argparse.Namespace, model_info: dict[str, Any], dtype: str, p
         notes.append(agree.summary(agreement))
     if peak:
         notes.append(f"roofline from {peak['file']} ({peak['device']}): copy "
-                     f"{peak['copy_gb_per_s']:.1f} GB/s (read + write), read "
-                     f"{peak.get('read_gb_per_s') or float('nan'):.1f} GB/s, matmul "
+                     f"{peak['copy_gb_per_s']:.1f} GB/s (read + write), matmul "
                      f"{peak['matmul_tflops']:.3f} TFLOP/s; TPOT's % is (weight + KV bytes) / "
                      "copy bandwidth over TPOT, TTFT's is weight FLOPs / matmul peak over TTFT")
     if skipped:
@@ -178,8 +174,6 @@ def table(res: dict[str, Any], lens: list[int], args: argparse.Namespace) -> str
                 js.get("ttft_pct_of_compute_roofline", {}).get(n)) for n in lens]
     tpot = row(f"TPOT, prompt {args.tpot_prompt_len} + {args.output_len} out (ms)",
                js["tpot_ms"], ref and ref["tpot_ms"], js.get("tpot_pct_of_roofline"))
-    if "tpot_pct_of_read_roofline" in js:
-        tpot[-1] += f" (of read bandwidth: {js['tpot_pct_of_read_roofline']:.1f} %)"
     rows.append(tpot)
     return markdown_table(["metric", "jaxserve", "transformers", "ratio (ref / jaxserve)",
                            "jaxserve % of roofline"], rows)
