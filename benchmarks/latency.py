@@ -180,15 +180,19 @@ def table(res: dict[str, Any], lens: list[int], args: argparse.Namespace) -> str
 
 
 def plot(res: dict[str, Any], lens: list[int], path: str) -> None:
+    from matplotlib.ticker import NullLocator
     plt, fig, (ax1, ax2) = new_figure(2)
     names = [n for n in ("jaxserve", "reference") if n in res]
+    labels = {"jaxserve": "jaxserve", "reference": "transformers"}
     for name in names:
-        ax1.plot(lens, [res[name]["ttft_ms"][n] for n in lens], "o-", label=name)
+        ax1.plot(lens, [res[name]["ttft_ms"][n] for n in lens], "o-", label=labels[name])
     ax1.set(title="batch-1 TTFT", xlabel="prompt tokens", ylabel="ms", xscale="log",
             yscale="log")
+    ax1.set_xticks(lens, [str(n) for n in lens])
+    ax1.xaxis.set_minor_locator(NullLocator())   # the ticks are the prompt lengths
     ax1.legend()
     vals = [res[n]["tpot_ms"] for n in names]
-    bars = ax2.bar(names, vals, color=["tab:blue", "tab:gray"][:len(names)])
+    bars = ax2.bar([labels[n] for n in names], vals, color=["tab:blue", "tab:gray"][:len(names)])
     ax2.bar_label(bars, fmt="%.2f")
     if "tpot_roofline_ms" in res["jaxserve"]:
         ax2.axhline(res["jaxserve"]["tpot_roofline_ms"], color="tab:red", ls="--",

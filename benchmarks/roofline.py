@@ -112,13 +112,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
              ["**best matmul**", f"**{best['matmul_tflops']:.3f} TFLOP/s**", ""]]
 
     def plot(path: str) -> None:
+        from matplotlib.ticker import NullLocator
         plt, fig, (ax1, ax2) = new_figure(2)
         ax1.plot([c["mib"] for c in copies], [c["gb_per_s"] for c in copies], "o-")
         ax1.set(title="copy bandwidth (read + write, in place)", xlabel="MiB", ylabel="GB/s",
                 xscale="log")
+        ax1.set_xticks([c["mib"] for c in copies], [str(c["mib"]) for c in copies])
         ax2.plot([m["n"] for m in mms], [m["tflops"] for m in mms], "o-")
         ax2.set(title=f"square matmul, {dtype}", xlabel="n", ylabel="TFLOP/s", xscale="log")
+        ax2.set_xticks([m["n"] for m in mms], [str(m["n"]) for m in mms])
         for ax in (ax1, ax2):
+            ax.xaxis.set_minor_locator(NullLocator())   # the ticks are the sizes run
             ax.grid(alpha=0.3)
         fig.suptitle(best["device"])
         fig.tight_layout()
