@@ -150,7 +150,9 @@ def describe(res: dict[str, Any], agreement: dict[str, Any], model_info: dict[st
          "padding past a request's end"),
         (f"jaxserve: max_num_seqs {js['batch']}, max_model_len {max_model_len}; "
          f"{js['compiles_during_run']} compilations during the timed run"),
-    ]
+    ] + ([(f"batch 1, one request at a time: mean request latency jaxserve "
+           f"{js['seconds_per_request']:.3f} s, reference {ref['seconds_per_request']:.3f} s")]
+         if js["batch"] == ref["batch"] == 1 else [])
 
 
 def plot(res: dict[str, Any], ratio: float, title: str, path: str) -> None:

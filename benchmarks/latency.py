@@ -155,8 +155,9 @@ def describe(args: argparse.Namespace, model_info: dict[str, Any], dtype: str, p
         notes.append(agree.summary(agreement))
     if peak:
         notes.append(f"roofline from {peak['file']} ({peak['device']}): copy "
-                     f"{peak['copy_gb_per_s']:.1f} GB/s, matmul {peak['matmul_tflops']:.3f} "
-                     "TFLOP/s")
+                     f"{peak['copy_gb_per_s']:.1f} GB/s (read + write), matmul "
+                     f"{peak['matmul_tflops']:.3f} TFLOP/s; TPOT's % is (weight + KV bytes) / "
+                     "copy bandwidth over TPOT, TTFT's is weight FLOPs / matmul peak over TTFT")
     if skipped:
         notes.append(f"prompt lengths skipped (longer than the model's {max_pos} positions): "
                      f"{skipped}")
@@ -171,22 +172,27 @@ def table(res: dict[str, Any], lens: list[int], args: argparse.Namespace) -> str
                 "n/a" if b is None else f"{b / a:.2f}x", "n/a" if pct is None else f"{pct:.1f} %"]
     rows = [row(f"TTFT, prompt {n} (ms)", js["ttft_ms"][n], ref and ref["ttft_ms"][n],
                 js.get("ttft_pct_of_compute_roofline", {}).get(n)) for n in lens]
-    rows.append(row(f"TPOT, prompt {args.tpot_prompt_len} + {args.output_len} out (ms)",
-                    js["tpot_ms"], ref and ref["tpot_ms"], js.get("tpot_pct_of_roofline")))
+    tpot = row(f"TPOT, prompt {args.tpot_prompt_len} + {args.output_len} out (ms)",
+               js["tpot_ms"], ref and ref["tpot_ms"], js.get("tpot_pct_of_roofline"))
+    rows.append(tpot)
     return markdown_table(["metric", "jaxserve", "transformers", "ratio (ref / jaxserve)",
                            "jaxserve % of roofline"], rows)
 
 
 def plot(res: dict[str, Any], lens: list[int], path: str) -> None:
+    from matplotlib.ticker import NullLocator
     plt, fig, (ax1, ax2) = new_figure(2)
     names = [n for n in ("jaxserve", "reference") if n in res]
+    labels = {"jaxserve": "jaxserve", "reference": "transformers"}
     for name in names:
-        ax1.plot(lens, [res[name]["ttft_ms"][n] for n in lens], "o-", label=name)
+        ax1.plot(lens, [res[name]["ttft_ms"][n] for n in lens], "o-", label=labels[name])
     ax1.set(title="batch-1 TTFT", xlabel="prompt tokens", ylabel="ms", xscale="log",
             yscale="log")
+    ax1.set_xticks(lens, [str(n) for n in lens])
+    ax1.xaxis.set_minor_locator(NullLocator())   # the ticks are the prompt lengths
     ax1.legend()
     vals = [res[n]["tpot_ms"] for n in names]
-    bars = ax2.bar(names, vals, color=["tab:blue", "tab:gray"][:len(names)])
+    bars = ax2.bar([labels[n] for n in names], vals, color=["tab:blue", "tab:gray"][:len(names)])
     ax2.bar_label(bars, fmt="%.2f")
     if "tpot_roofline_ms" in res["jaxserve"]:
         ax2.axhline(res["jaxserve"]["tpot_roofline_ms"], color="tab:red", ls="--",

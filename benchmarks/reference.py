@@ -124,8 +124,7 @@ def run_static_batches(model: Any, items: list[Item], batch_size: int, pad_id: i
                        cache: str) -> RefRun:
     """Probe the cache if asked ("auto"), warm up, then time every batch."""
     order = sorted(range(len(items)), key=lambda i: -len(items[i].prompt_token_ids))
-    batches = [[order[b + j] for j in range(min(batch_size, len(order) - b))]
-               for b in range(0, len(order), batch_size)]
+    batches = [order[b:b + batch_size] for b in range(0, len(order), batch_size)]
     run = RefRun(batch_size, cache)
     if cache == "auto":
         run.probe = probe_cache(model, [items[i] for i in batches[0]], pad_id)

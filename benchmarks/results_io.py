@@ -165,8 +165,8 @@ def build_document(*, benchmark: str, argv: Sequence[str], config: dict[str, Any
     machine = machine_info()
     others = machine["other_processes_cores"]
     if others is not None and others > BUSY_CORES:
-        notes = [*notes, f"WARNING: other processes used {others:.2f} cores during this run; "
-                         "its timings are not those of a quiet machine (torch suffers most)"]
+        notes = [*notes, (f"WARNING: other processes used {others:.2f} cores during this run; "
+                          "its timings are not those of a quiet machine (torch suffers most)")]
     return {"benchmark": benchmark,
             "command": shlex.join(["python", "-m", f"benchmarks.{benchmark}", *argv]),
             "machine": machine, "config": config, "results": results, "ratio": ratio,

@@ -24,7 +24,7 @@ def test_compare_random_workload(tiny_qwen3, tmp_path, capsys):
     got = main(["--model", tiny_qwen3, "--workload", "random", "--num-prompts", "6",
                 "--input-len", "12", "--output-len", "10", "--range-ratio", "0.5",
                 "--ref-batch-size", "2,4", "--ref-cache", "dynamic", "--max-num-seqs", "4",
-                "--max-num-batched-tokens", "16", "--ref-threads", "1", "--output-dir", str(tmp_path)])
+                "--max-num-batched-tokens", "16", "--output-dir", str(tmp_path)])
     doc = check_files(tmp_path, "compare_random")
     assert doc["agreement"]["all_agree"] is True
     assert doc["agreement"]["identical_requests"] == 6
@@ -60,5 +60,6 @@ def test_compare_dummy_weights_batch1(tiny_qwen3, tmp_path):
     assert list((out / "weights").iterdir())   # the weights file both systems read
     assert doc["results"]["reference"]["batch"] == 1 and doc["results"]["jaxserve"]["batch"] == 1
     assert doc["results"]["reference"]["torch_threads"] == 1
+    assert "mean request latency" in (out / "compare_sharegpt-like_bs1.md").read_text()
     assert doc["agreement"]["all_agree"] is True and doc["ratio"] > 0
     assert doc["results"]["workload"]["distribution"] == "log-normal"

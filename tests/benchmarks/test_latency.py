@@ -31,3 +31,5 @@ def test_latency_with_roofline(tiny_qwen3, tmp_path):
     assert js["tpot_roofline_ms"] * 1e-3 * 10e9 == pytest.approx(bytes_per_step)   # ctx 8 + 8/2
     assert js["tpot_pct_of_roofline"] == pytest.approx(100 * js["tpot_roofline_ms"] / js["tpot_ms"])
     assert set(js["ttft_pct_of_compute_roofline"]) == {"8", "24"}
+    md = (tmp_path / "latency.md").read_text()
+    assert "TPOT's % is (weight + KV bytes) / copy bandwidth" in md
