@@ -133,12 +133,14 @@ class GatedDeltaNet(nn.Module):
             return o, conv_state, rec_state
 
         rep = PartitionSpec()
-        grp3, vh3, vh2, vh1 = heads_spec(3, 1), heads_spec(3, 1), heads_spec(2, 1), heads_spec(1, 0)
+        # Axis 1 of the [T, heads, ...] activations and of the conv kernel, axis 0 of the
+        # per-value-head vectors: key-head groups and their value heads split together.
+        h3, h2, h1 = heads_spec(3, 1), heads_spec(2, 1), heads_spec(1, 0)
         conv_sp, rec_sp = heads_spec(4, CONV_HEAD_AXIS), heads_spec(4, STATE_HEAD_AXIS)
         fn = over_model_axis(
             local,
-            in_specs=(grp3, vh3, vh2, vh2, grp3, vh1, vh1, rep, conv_sp, rec_sp, rep, rep, rep, rep),
-            out_specs=(vh3, conv_sp, rec_sp))
+            in_specs=(h3, h3, h2, h2, h3, h1, h1, rep, conv_sp, rec_sp, rep, rep, rep, rep),
+            out_specs=(h3, conv_sp, rec_sp))
         conv_state, rec_state = state
         o, conv_state, rec_state = fn(qkv, z, b, a, conv_w, a_log, dt_bias, norm_w, conv_state,
                                       rec_state, inputs.state_slots, inputs.query_start_loc,

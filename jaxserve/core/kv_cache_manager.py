@@ -53,7 +53,7 @@ class KVCacheManager:
         self.num_pages = num_pages
         self.page_size = page_size
         self.num_state_slots = num_state_slots
-        self.enable_caching = enable_caching and not num_state_slots
+        self.enable_caching = enable_caching
         self.free_state_slots = list(range(num_state_slots, 0, -1))   # pop() gives 1 first
         # The pool always caches; this manager decides which requests take part.
         self.pool = BlockPool(num_pages, enable_caching=True)
@@ -61,10 +61,14 @@ class KVCacheManager:
         self._queries = 0
         self._hits = 0
 
+    def _shares_pages(self, request: Request) -> bool:
+        """Whether the request takes part in the prefix cache (never on hybrid models)."""
+        return not self.num_state_slots and (self.enable_caching or request.cache_salt is not None)
+
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest cached prefix of the request, in whole pages. At least one
         token is always left to compute, since its logits are needed."""
-        if not (self.enable_caching or request.cache_salt is not None) or self.num_state_slots:
+        if not self._shares_pages(request):
             return [], 0
         # Pages fully inside the first num_tokens - 1 tokens.
         max_pages = (request.num_tokens - 1) // self.page_size
@@ -100,7 +104,7 @@ class KVCacheManager:
         rp = self.req_pages.get(rid)
         ps = self.page_size
         total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
-        caches = (self.enable_caching or request.cache_salt is not None) and not self.num_state_slots
+        caches = self._shares_pages(request)
         if rp is not None and not new_computed_blocks:
             # Fast path (most decodes): no new page and no page becomes full.
             if total <= len(rp.ids) * ps and (not caches or total // ps <= rp.num_cached):

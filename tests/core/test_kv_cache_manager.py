@@ -200,3 +200,22 @@ def test_reset_prefix_cache():
     run_prefill(kv, make("a", range(9)))
     kv.reset_prefix_cache()
     assert kv.get_computed_blocks(make("b", range(9))) == ([], 0)
+
+
+def test_state_slots_follow_the_pages_and_hybrids_never_share():
+    kv = KVCacheManager(num_pages=9, page_size=4, enable_caching=True, num_state_slots=2)
+    a, b, c = make("a", list(range(8))), make("b", list(range(8))), make("c", [1, 2])
+    assert kv.allocate_slots(a, 8) is not None and kv.get_state_slot("a") == 1
+    # The same prompt again: no prefix hit on a hybrid model, even with a shared salt.
+    assert kv.get_computed_blocks(b) == ([], 0)
+    assert kv.get_computed_blocks(make("s", list(range(8)), salt="x")) == ([], 0)
+    assert kv.allocate_slots(b, 8) is not None and kv.get_state_slot("b") == 2
+    # Pages remain but no slot: nothing is allocated.
+    free_pages = kv.get_num_free_pages()
+    assert kv.allocate_slots(c, 2) is None
+    assert kv.get_num_free_pages() == free_pages and kv.get_state_slot("c") == 0
+    kv.free(a)
+    assert kv.allocate_slots(c, 2) is not None and kv.get_state_slot("c") == 1
+    kv.free(b)
+    kv.free(c)
+    assert sorted(kv.free_state_slots) == [1, 2]
