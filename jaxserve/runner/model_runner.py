@@ -172,9 +172,10 @@ class ModelRunner:
         if not reqs:
             return step
         hb = self.builder.build(reqs)
-        inputs, logits_indices = jax.device_put((hb.inputs, hb.logits_indices), self._rep)
+        # numpy straight into the jitted call: its C++ path copies them in faster than a
+        # separate jax.device_put of the pytree (~0.1 vs ~0.5 ms a step on CPU).
         hidden, hidden_rows, self.kv_caches = self._forward(
-            self.params, self.kv_caches, inputs, logits_indices)
+            self.params, self.kv_caches, hb.inputs, hb.logits_indices)
 
         if any(r.sampling_params.prompt_logprobs is not None for r in reqs):
             step.prompt_lps = self._prompt_logprobs_async(reqs, hb, hidden)
@@ -237,9 +238,9 @@ class ModelRunner:
                 query_start_loc=np.zeros(r_max + 1, np.int32), seq_lens=np.zeros(r_max, np.int32),
                 page_table=np.zeros((r_max, p), np.int32), num_seqs=np.zeros(1, np.int32),
                 state_slots=np.zeros(r_max, np.int32))
-            inputs, li = jax.device_put((inputs, np.zeros(r_max, np.int32)), self._rep)
-            hidden, hidden_rows, self.kv_caches = self._forward(self.params, self.kv_caches,
-                                                                inputs, li)
+            # numpy, as _dispatch passes them (device arrays would compile other programs)
+            hidden, hidden_rows, self.kv_caches = self._forward(
+                self.params, self.kv_caches, inputs, np.zeros(r_max, np.int32))
         for t in self.token_buckets:
             hidden, targets = jax.device_put(
                 (np.zeros((t, hidden_rows.shape[-1]), hidden_rows.dtype),

@@ -232,7 +232,21 @@ def _random_sample(logits: jax.Array, t: SamplingTensors) -> jax.Array:
     base = jax.random.wrap_key_data(t.keys, impl=_KEY_IMPL)  # [R] keys
     keys = jax.vmap(jax.random.fold_in)(base, t.steps)
     gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (vocab,), jnp.float32))(keys)
-    return jnp.argmax(scaled + gumbel, axis=-1).astype(jnp.int32)
+    return first_argmax(scaled + gumbel)
+
+
+def first_argmax(x: jax.Array) -> jax.Array:
+    """argmax over the last axis (the first index on ties), as int32.
+
+    Written as a max and a min over the indices that reach it: XLA CPU compiles
+    jnp.argmax's (value, index) reduction into a scalar loop about 4x slower than
+    these two plain reductions ([64, 32000]: 4.7 ms vs 1.1 ms). A row holding a
+    NaN gives the last index (jnp.argmax would give the NaN's).
+    """
+    vocab = x.shape[-1]
+    best = jnp.max(x, axis=-1, keepdims=True)
+    ids = jnp.arange(vocab, dtype=jnp.int32)
+    return jnp.minimum(jnp.min(jnp.where(x == best, ids, vocab), axis=-1), vocab - 1)
 
 
 def _top_logprobs(logprobs: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
@@ -260,7 +274,7 @@ def sample(logits: jax.Array, tensors: SamplingTensors, variant: SamplerVariant)
     logits = logits.at[rows, tensors.banned_token_ids].set(-jnp.inf, mode="drop")
     if variant.penalties:
         logits = apply_penalties(logits, tensors)
-    token_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    token_ids = first_argmax(logits)
     if variant.do_sample:
         sampled = _random_sample(logits, tensors)
         token_ids = jnp.where(tensors.temperature < SAMPLING_EPS, token_ids, sampled)

@@ -11,6 +11,7 @@ from jaxserve.runner.sampler import (
     apply_penalties,
     choose_variant,
     compute_prompt_logprobs,
+    first_argmax,
     make_sampling_tensors,
     sample,
     sampler_row_logprobs,
@@ -50,6 +51,16 @@ def test_greedy_is_argmax(variant):
     rows = rows_for(SamplingParams(temperature=0.0), 6)  # 2 padding rows
     out = run(logits, rows, variant)
     np.testing.assert_array_equal(out.token_ids, logits.argmax(-1))
+
+
+def test_first_argmax_matches_numpy_on_ties_and_infinities():
+    rng = np.random.default_rng(2)
+    x = rng.integers(-3, 4, size=(16, 50)).astype(np.float32)   # many ties per row
+    x[3] = -np.inf                                               # every token banned
+    x[4, 7:] = np.inf                                            # ties at +inf
+    got = np.asarray(jax.jit(first_argmax)(x))
+    assert got.dtype == np.int32
+    np.testing.assert_array_equal(got, x.argmax(-1))
 
 
 def test_token_follows_documented_key_derivation():
