@@ -67,7 +67,16 @@ class Einsum(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         w = logical_param(self, "kernel", nn.initializers.normal(INIT_STD), self.shape, self.axes, self.dtype)
-        y = jnp.einsum(self.eq, x.astype(self.dtype), w, preferred_element_type=self.out_dtype)
+        n = self.num_contract
+        if n > 1:
+            # x's last n axes contract with the kernel's first n (as in "TNH,NHE->TE"). One
+            # merged axis instead: both reshapes are free on row-major arrays, while the
+            # two-axis contraction made XLA CPU copy the whole kernel on every call.
+            y = jnp.tensordot(x.astype(self.dtype).reshape(*x.shape[:-n], -1),
+                              w.reshape(-1, *self.shape[n:]), axes=1,
+                              preferred_element_type=self.out_dtype)
+        else:
+            y = jnp.einsum(self.eq, x.astype(self.dtype), w, preferred_element_type=self.out_dtype)
         if self.use_bias:
             b = logical_param(self, "bias", nn.initializers.zeros, self.shape[self.num_contract:],
                        self.axes[self.num_contract:], self.dtype)
