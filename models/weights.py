@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -253,3 +254,15 @@ def _dummy_params(expected: dict[Path_, jax.ShapeDtypeStruct], dtype: jnp.dtype,
         leaf_key = jax.random.fold_in(key, i)
         out[path] = jax.jit(make, out_shardings=sharding)(leaf_key) if sharding is not None else make(leaf_key)
     return unflatten_dict(out)
+
+
+def untie_lm_head(model: nn.Module, params: dict, lm_head_sharding: Any = None
+                  ) -> tuple[nn.Module, dict]:
+    """A tied-embedding model as an untied one whose lm_head kernel is the embedding
+    transposed ([E, V], a copy). For XLA CPU: its matmul reads a [E, V] kernel about
+    1.5x faster than the [V, E] embedding at decode batch sizes (8-48 rows), which is
+    ~2 ms of every decode step of the small CPU benchmark model. Same logits."""
+    untied = model.clone(config=replace(model.config, tie_word_embeddings=False))
+    kernel = jax.jit(jnp.transpose, out_shardings=lm_head_sharding)(
+        params["embed_tokens"]["embedding"])
+    return untied, {**params, "lm_head": {"kernel": kernel}}

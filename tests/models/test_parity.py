@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from models.config import ModelConfig
 from models.registry import build_model
-from models.weights import load_params
+from models.weights import load_params, untie_lm_head
 from pallas_kernels.ragged_paged_attention import make_kv_cache
 from tests.checkpoints import make_tiny_checkpoint
 from tests.models.batch_util import make_inputs
@@ -144,3 +144,18 @@ def test_llama_tied_and_untied(tmp_path, tied):
     toks = prompt(20, seed=10)
     (logits,), _ = m.step(m.caches(), [(toks, 0, shuffled_pages(2, seed=11))])
     assert_close(logits, m.torch_logits(toks))
+
+
+def test_untied_lm_head_copy_gives_the_tied_logits(tmp_path):
+    # The engine on CPU replaces a tied embedding's lm_head by a transposed copy.
+    path = make_tiny_checkpoint("qwen3", tmp_path, num_hidden_layers=1)
+    m = Loaded(path)
+    assert m.cfg.tie_word_embeddings and "lm_head" not in m.params
+    untied, params = untie_lm_head(m.model, m.params)
+    assert not untied.config.tie_word_embeddings
+    emb = np.asarray(m.params["embed_tokens"]["embedding"])
+    np.testing.assert_array_equal(np.asarray(params["lm_head"]["kernel"]), emb.T)
+    hidden = np.random.default_rng(3).normal(size=(5, m.cfg.hidden_size)).astype(np.float32)
+    want = m.logits_fn(m.params, hidden)
+    got = untied.apply({"params": params}, hidden, method="compute_logits")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
