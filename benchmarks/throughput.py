@@ -70,7 +70,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workload", choices=["decode", "prefill", "both"], default="both")
     ap.add_argument("--num-prompts", type=int, default=64)
-    ap.add_argument("--hf-batch-sizes", default="16,32",
+    ap.add_argument("--hf-batch-sizes", default="16,32,64",
                     help="static batch sizes to try for the reference (its best is used)")
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
