@@ -17,8 +17,8 @@ import tempfile
 import time
 
 import numpy as np
-
 from common import make_small_qwen3, workload
+from throughput import generate_timed, make_llm
 
 ROW_GROUPS = ((1, 8), (9, 16), (17, 32), (33, 48), (49, 64))
 
@@ -39,9 +39,7 @@ def main() -> None:
     ap.add_argument("--checkpoint", default=os.path.join(tempfile.gettempdir(),
                                                          "jaxserve-bench-qwen3-small"))
     args = ap.parse_args()
-    from jaxserve import LLM, SamplingParams
-    llm = LLM(model=make_small_qwen3(args.checkpoint), dtype="float32", max_model_len=1024,
-              max_num_seqs=64, max_num_batched_tokens=512)
+    llm = make_llm(make_small_qwen3(args.checkpoint))
     core, runner = llm.engine, llm.engine.runner
     t = collections.defaultdict(list)
     core.scheduler.schedule = timed(t["schedule"], core.scheduler.schedule)
@@ -55,17 +53,9 @@ def main() -> None:
         return timed(t["build"], build)(reqs)
 
     runner.builder.build = build_and_count
-    items = workload(args.workload, args.num_prompts)
-    prompts = [{"prompt_token_ids": it.prompt_token_ids} for it in items]
-    params = [SamplingParams(temperature=0.0, max_tokens=it.max_tokens, ignore_eos=True)
-              for it in items]
-    compiles = llm.engine.num_compilations
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - t0
-    useful = sum(len(o.outputs[0].token_ids) for o in outs)
-    print(f"{args.workload}-heavy: {useful / elapsed:.1f} output tok/s, {elapsed:.2f} s, "
-          f"{len(t['collect'])} steps, {llm.engine.num_compilations - compiles} compilations")
+    run = generate_timed(llm, workload(args.workload, args.num_prompts))
+    print(f"{args.workload}-heavy: {run['tokens_per_s']:.1f} output tok/s, {run['seconds']:.2f} s, "
+          f"{len(t['collect'])} steps, {run['compiles_after_warmup']} compilations")
     for phase in ("schedule", "build", "dispatch", "collect"):
         a = np.asarray(t[phase])
         print(f"  {phase:9s} median {np.median(a) * 1e3:6.2f} ms, total {a.sum():6.2f} s")
