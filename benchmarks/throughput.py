@@ -1,6 +1,6 @@
 """Offline throughput: jaxserve vs the PyTorch reference on the same file, on this CPU.
 
-    python benchmarks/throughput.py [--workload decode|prefill|both] [--hf-batch-sizes 16,32]
+    python benchmarks/throughput.py [--workload decode|prefill|both] [--hf-batch-sizes 16,32,64]
 
 The reference is transformers `generate` in float32 with static batches sorted by
 prompt length (left padding), as a careful user would run it, at each batch size
