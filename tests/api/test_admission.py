@@ -1,0 +1,73 @@
+"""The server's admission count (what --max-waiting-requests limits) always comes back
+to zero, however a client leaves. In-process, with a stub engine: no model needed."""
+from __future__ import annotations
+
+import asyncio
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from jaxserve.api.server import create_app
+from jaxserve.api.serving import ServerSettings
+
+
+class StubEngine:
+    """What the serving layer asks of the engine before a request reaches it."""
+    tokenizer = None
+    stats = SimpleNamespace(num_running=0)
+    core = SimpleNamespace(validate=lambda ids, params: None)
+
+    def __init__(self):
+        self.generated = 0
+
+    async def generate(self, request_id, prompt_token_ids, params, **kwargs):
+        self.generated += 1
+        raise RuntimeError("the stub runs no model")
+        yield   # an async generator
+
+    def shutdown(self):
+        pass
+
+
+def call(app, body: dict, *, hang_up: bool) -> list[dict]:
+    """One ASGI request; with hang_up the client is gone as soon as it has sent it."""
+    sent = []
+    payload = json.dumps(body).encode()
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
+             "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"",
+             "root_path": "", "headers": [(b"content-type", b"application/json"),
+                                          (b"content-length", str(len(payload)).encode())],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 8000)}
+    messages = [{"type": "http.request", "body": payload, "more_body": False}]
+
+    async def receive():
+        if messages:
+            return messages.pop(0)
+        if hang_up:
+            return {"type": "http.disconnect"}
+        await asyncio.sleep(3600)
+
+    async def send(message):
+        await asyncio.sleep(0)   # a real socket write yields to the event loop
+        sent.append(message)
+
+    asyncio.run(app(scope, receive, send))
+    return sent
+
+
+@pytest.mark.parametrize("stream", [True, False])
+@pytest.mark.parametrize("hang_up", [True, False])
+def test_admission_is_released_however_the_client_leaves(stream, hang_up):
+    # hang_up: the client is gone before the first byte of the answer (a stream's body
+    # generator may never be pulled by the socket; the count must come back anyway).
+    engine = StubEngine()
+    app = create_app(engine, ServerSettings(served_model_name="stub", max_model_len=64,
+                                            max_waiting_requests=2))
+    serving = app.state.serving
+    for _ in range(3):   # more than max_waiting_requests: a leak would show as a 503
+        sent = call(app, {"prompt": [5, 6, 7], "max_tokens": 4, "stream": stream},
+                    hang_up=hang_up)
+        assert sent[0]["status"] != 503
+        assert serving.num_in_flight == 0
