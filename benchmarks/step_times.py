@@ -1,6 +1,6 @@
 """Where an offline run's time goes: every engine step timed, grouped by batch rows.
 
-    python benchmarks/step_times.py [--workload decode|prefill] [--num-prompts 64]
+    python -m benchmarks.step_times [--workload decode|prefill] [--num-prompts 64]
 
 Runs throughput.py's jaxserve side (same model, workload and engine settings) and
 times each step's host phases (schedule, input build, dispatch) and the wait for
@@ -17,8 +17,13 @@ import tempfile
 import time
 
 import numpy as np
-from common import make_small_qwen3, workload
-from throughput import generate_timed, make_llm
+
+from benchmarks.common import make_small_qwen3, workload
+from benchmarks.jaxserve_offline import generate, make_llm
+
+# throughput.py's engine settings
+ENGINE_ARGS = {"dtype": "float32", "max_model_len": 1024, "max_num_seqs": 64,
+               "max_num_batched_tokens": 512}
 
 ROW_GROUPS = ((1, 8), (9, 16), (17, 32), (33, 48), (49, 64))
 
@@ -39,7 +44,7 @@ def main() -> None:
     ap.add_argument("--checkpoint", default=os.path.join(tempfile.gettempdir(),
                                                          "jaxserve-bench-qwen3-small"))
     args = ap.parse_args()
-    llm = make_llm(make_small_qwen3(args.checkpoint))
+    llm, _ = make_llm(make_small_qwen3(args.checkpoint), **ENGINE_ARGS)
     core, runner = llm.engine, llm.engine.runner
     t = collections.defaultdict(list)
     core.scheduler.schedule = timed(t["schedule"], core.scheduler.schedule)
@@ -53,9 +58,14 @@ def main() -> None:
         return timed(t["build"], build)(reqs)
 
     runner.builder.build = build_and_count
-    run = generate_timed(llm, workload(args.workload, args.num_prompts))
-    print(f"{args.workload}-heavy: {run['tokens_per_s']:.1f} output tok/s, {run['seconds']:.2f} s, "
-          f"{len(t['collect'])} steps, {run['compiles_after_warmup']} compilations")
+    items = workload(args.workload, args.num_prompts)
+    compiles = llm.engine.num_compilations
+    t0 = time.perf_counter()
+    outputs = generate(llm, items, progress=False)
+    seconds = time.perf_counter() - t0
+    print(f"{args.workload}-heavy: {sum(map(len, outputs)) / seconds:.1f} output tok/s, "
+          f"{seconds:.2f} s, {len(t['collect'])} steps, "
+          f"{llm.engine.num_compilations - compiles} compilations")
     for phase in ("schedule", "build", "dispatch", "collect"):
         a = np.asarray(t[phase])
         print(f"  {phase:9s} median {np.median(a) * 1e3:6.2f} ms, total {a.sum():6.2f} s")

@@ -18,16 +18,12 @@ import time
 from common import make_small_qwen3, workload
 
 
-def make_llm(path: str, max_num_seqs: int = 64, max_num_batched_tokens: int = 512):
-    """jaxserve's side of every CPU figure here: float32, max_model_len 1024."""
-    from jaxserve import LLM
-    return LLM(model=path, dtype="float32", max_model_len=1024, max_num_seqs=max_num_seqs,
-               max_num_batched_tokens=max_num_batched_tokens)
-
-
-def generate_timed(llm, items) -> dict:
-    """Greedy, exactly max_tokens each (eos ignored); only those useful tokens count."""
-    from jaxserve import SamplingParams
+def run_jaxserve(path: str, items, max_num_seqs: int, max_num_batched_tokens: int) -> dict:
+    from jaxserve import LLM, SamplingParams
+    t0 = time.perf_counter()
+    llm = LLM(model=path, dtype="float32", max_model_len=1024, max_num_seqs=max_num_seqs,
+              max_num_batched_tokens=max_num_batched_tokens)
+    startup = time.perf_counter() - t0
     prompts = [{"prompt_token_ids": it.prompt_token_ids} for it in items]
     params = [SamplingParams(temperature=0.0, max_tokens=it.max_tokens, ignore_eos=True)
               for it in items]
@@ -37,15 +33,8 @@ def generate_timed(llm, items) -> dict:
     elapsed = time.perf_counter() - t0
     useful = sum(len(o.outputs[0].token_ids) for o in outs)
     assert useful == sum(it.max_tokens for it in items)
-    return {"seconds": elapsed, "useful_tokens": useful, "tokens_per_s": useful / elapsed,
-            "compiles_after_warmup": llm.engine.num_compilations - compiles}
-
-
-def run_jaxserve(path: str, items, max_num_seqs: int, max_num_batched_tokens: int) -> dict:
-    t0 = time.perf_counter()
-    llm = make_llm(path, max_num_seqs, max_num_batched_tokens)
-    startup = time.perf_counter() - t0
-    return dict(generate_timed(llm, items), startup_s=startup)
+    return dict(seconds=elapsed, useful_tokens=useful, tokens_per_s=useful / elapsed,
+                startup_s=startup, compiles_after_warmup=llm.engine.num_compilations - compiles)
 
 
 def run_transformers(path: str, items, batch_size: int) -> dict:
@@ -73,8 +62,8 @@ def run_transformers(path: str, items, batch_size: int) -> dict:
             useful += sum(it.max_tokens for it in batch)
             computed += len(batch) * new
     elapsed = time.perf_counter() - t0
-    return {"seconds": elapsed, "useful_tokens": useful, "tokens_per_s": useful / elapsed,
-            "padded_waste": 1 - useful / computed, "batch_size": batch_size}
+    return dict(seconds=elapsed, useful_tokens=useful, tokens_per_s=useful / elapsed,
+                padded_waste=1 - useful / computed, batch_size=batch_size)
 
 
 def main() -> None:
@@ -103,8 +92,8 @@ def main() -> None:
             continue
         tried = [run_transformers(path, items, int(b)) for b in args.hf_batch_sizes.split(",")]
         hf = max(tried, key=lambda r: r["tokens_per_s"])
-        results[name] = {"jaxserve": js, "transformers": hf, "transformers_tried": tried,
-                         "ratio": js["tokens_per_s"] / hf["tokens_per_s"]}
+        results[name] = dict(jaxserve=js, transformers=hf, transformers_tried=tried,
+                             ratio=js["tokens_per_s"] / hf["tokens_per_s"])
         others = ", ".join(f"batch {r['batch_size']}: {r['tokens_per_s']:.1f}" for r in tried)
         print(f"{name}-heavy: jaxserve {js['tokens_per_s']:.1f} tok/s, transformers "
               f"{hf['tokens_per_s']:.1f} tok/s (best of {others}; {hf['padded_waste']:.0%} "

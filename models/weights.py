@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -256,14 +257,16 @@ def _dummy_params(expected: dict[Path_, jax.ShapeDtypeStruct], dtype: jnp.dtype,
     return unflatten_dict(out)
 
 
-def untie_lm_head(model: nn.Module, params: dict, lm_head_sharding: Any = None
+def untie_lm_head(model: nn.Module, params: dict,
+                  shardings_of: Callable[[nn.Module], dict] | None = None
                   ) -> tuple[nn.Module, dict]:
     """A tied-embedding model as an untied one whose lm_head kernel is the embedding
     transposed ([E, V], a copy). For XLA CPU: its matmul with a [E, V] kernel is faster
     than with the [V, E] embedding at decode batch sizes (logits + greedy sampling of
     the small CPU benchmark model: 3.3 -> 2.1 ms at 8 rows, 5.6 -> 4.4 ms at 32, the
-    same at 64). Same logits."""
+    same at 64). Same logits. shardings_of(model) gives a model's param shardings
+    (the copy is placed as the untied model's lm_head is)."""
     untied = model.clone(config=replace(model.config, tie_word_embeddings=False))
-    kernel = jax.jit(jnp.transpose, out_shardings=lm_head_sharding)(
-        params["embed_tokens"]["embedding"])
+    sharding = shardings_of(untied)["lm_head"]["kernel"] if shardings_of else None
+    kernel = jax.jit(jnp.transpose, out_shardings=sharding)(params["embed_tokens"]["embedding"])
     return untied, {**params, "lm_head": {"kernel": kernel}}

@@ -11,7 +11,6 @@ from typing import Iterator
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.outputs import RequestOutput
@@ -29,8 +28,8 @@ from models.config import ModelConfig
 from models.registry import build_model
 from models.weights import load_params, param_bytes, param_logical_axes, untie_lm_head
 from pallas_kernels.ragged_paged_attention import resolve_backend
-from sharding import (DATA, MODEL, bytes_per_device, check_model_axis, kv_head_layout,
-                      logical_to_mesh, make_mesh, mesh_rules, param_shardings)
+from sharding import (DATA, MODEL, bytes_per_device, check_model_axis, kv_head_layout, make_mesh,
+                      mesh_rules, param_shardings)
 
 logger = logging.getLogger("jaxserve")
 
@@ -108,14 +107,13 @@ class EngineCore:
         self.model = build_model(run_config, dtype=self.dtype,
                                  attention_backend=self.attention_backend)
         rules = mesh_rules(mc, m)
-        shardings = param_shardings(param_logical_axes(self.model), self.mesh, rules)
+        shardings_of = lambda model: param_shardings(param_logical_axes(model), self.mesh, rules)
         self.params = load_params(config.model, mc, self.model, self.dtype,
                                   load_format=config.load_format, seed=config.seed,
-                                  shardings=shardings, kv_head_repeat=kv_heads // mc.num_kv_heads)
+                                  shardings=shardings_of(self.model),
+                                  kv_head_repeat=kv_heads // mc.num_kv_heads)
         if mc.tie_word_embeddings and self.mesh.devices.flat[0].platform == "cpu":
-            self.model, self.params = untie_lm_head(
-                self.model, self.params, NamedSharding(self.mesh, logical_to_mesh(
-                    PartitionSpec("embed", "vocab"), rules)))
+            self.model, self.params = untie_lm_head(self.model, self.params, shardings_of)
             logger.info("CPU: the lm_head reads a transposed copy of the tied embedding "
                         "(faster decode matmul, +%.1f MiB)",
                         param_bytes(self.params["lm_head"]) / 2**20)
