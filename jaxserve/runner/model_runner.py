@@ -57,19 +57,25 @@ def capped_buckets(smallest: int, largest: int) -> tuple[int, ...]:
     return tuple(b for b in power_of_two_buckets(smallest, largest) if b < largest) + (largest,)
 
 
-def token_buckets(largest: int) -> tuple[int, ...]:
-    """Powers of two from 16 and the midpoints between them (16, 24, 32, 48, 64, 96, ...):
-    a step pads at most a third of its tokens instead of half."""
+def midpoint_buckets(smallest: int, largest: int) -> tuple[int, ...]:
+    """Powers of two from `smallest` and the midpoints between them (16, 24, 32, 48, 64,
+    96, ...) until one covers `largest`: a step pads at most a third of its work
+    instead of half."""
     out: list[int] = []
-    for b in power_of_two_buckets(16, largest):
+    for b in power_of_two_buckets(smallest, largest):
         if out:
             out.append(b * 3 // 4)
         out.append(b)
     return tuple(out)
 
 
+def token_buckets(largest: int) -> tuple[int, ...]:
+    return midpoint_buckets(16, largest)
+
+
 def row_buckets(max_num_seqs: int) -> tuple[int, ...]:
-    return capped_buckets(8, max_num_seqs)
+    """Rows the sampler's lm_head computes (8, 12, 16, 24, ...), capped at max_num_seqs."""
+    return tuple(b for b in midpoint_buckets(8, max_num_seqs) if b < max_num_seqs) + (max_num_seqs,)
 
 
 class ModelRunner:
