@@ -19,7 +19,7 @@ from typing import Any
 
 from benchmarks import agreement as agree
 from benchmarks import checkpoint, reference
-from benchmarks.jaxserve_offline import run_jaxserve
+from benchmarks.jaxserve_offline import run_jaxserve, split_cpu
 from benchmarks.model_stats import model_stats
 from benchmarks.results_io import markdown_table, new_figure, write_results
 from benchmarks.roofline import load_roofline
@@ -46,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
       help="both systems at this batch (1: latency view); default: each its own best")
     a("--max-num-seqs", type=int, default=None, help="jaxserve; default min(256, prompts)")
     a("--max-num-batched-tokens", type=int, default=None, help="jaxserve; default its own")
+    a("--mesh", default=None, help="jaxserve; DxM data x tensor parallel (engine's --mesh)")
+    a("--cpu-devices", type=int, default=None,
+      help="split the CPU into N XLA devices for --mesh (e.g. 2 with --mesh 1x2)")
     a("--max-model-len", type=int, default=None,
       help="jaxserve; default the workload's longest prompt + output")
     a("--ref-batch-size", default="auto",
@@ -173,6 +176,7 @@ def plot(res: dict[str, Any], ratio: float, title: str, path: str) -> None:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = build_parser().parse_args(argv)
+    split_cpu(args.cpu_devices)
     device = reference.torch_device(args.ref_device)
     dtype = checkpoint.default_dtype(args.dtype, device)
     path, model_info = checkpoint.prepare(args.model, args.load_format, dtype,
@@ -190,6 +194,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                        seed=args.seed)
     if args.max_num_batched_tokens:
         engine_args["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if args.mesh:
+        engine_args["mesh"] = args.mesh
     js = run_jaxserve(path, wl.items, **engine_args)
 
     stats, peak = model_stats(path), load_roofline(args.roofline)

@@ -22,6 +22,16 @@ class JaxRun:
     engine_args: dict[str, Any] = field(default_factory=dict)
 
 
+def split_cpu(num_devices: int | None) -> None:
+    """Splits the host CPU into num_devices XLA devices (jax_num_cpu_devices) for a
+    --mesh over them. XLA CPU runs the small ops of the attention loop on one thread
+    at a time; the shards of a mesh run concurrently, so each core gets its share of
+    the kv heads. Must run before JAX starts its backends (jax raises otherwise)."""
+    if num_devices:
+        import jax
+        jax.config.update("jax_num_cpu_devices", num_devices)
+
+
 def make_llm(path: str, **engine_args: Any) -> tuple[Any, float]:
     from jaxserve import LLM
     t0 = time.perf_counter()

@@ -1,6 +1,7 @@
 """Where an offline run's time goes: every engine step timed, grouped by batch rows.
 
-    python -m benchmarks.step_times [--workload decode|prefill] [--num-prompts 64]
+    python -m benchmarks.step_times [--workload decode|prefill] [--num-prompts 64] \\
+        [--mesh 1x2 --cpu-devices 2]
 
 Runs throughput.py's jaxserve side (same model, workload and engine settings) and
 times each step's host phases (schedule, input build, dispatch) and the wait for
@@ -19,7 +20,7 @@ import time
 import numpy as np
 
 from benchmarks.common import make_small_qwen3, workload
-from benchmarks.jaxserve_offline import generate, make_llm
+from benchmarks.jaxserve_offline import generate, make_llm, split_cpu
 
 # throughput.py's engine settings
 ENGINE_ARGS = {"dtype": "float32", "max_model_len": 1024, "max_num_seqs": 64,
@@ -43,8 +44,13 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--checkpoint", default=os.path.join(tempfile.gettempdir(),
                                                          "jaxserve-bench-qwen3-small"))
+    ap.add_argument("--mesh", default=None, help="the engine's DxM mesh, e.g. 1x2")
+    ap.add_argument("--cpu-devices", type=int, default=None,
+                    help="split the CPU into N XLA devices for --mesh")
     args = ap.parse_args()
-    llm, _ = make_llm(make_small_qwen3(args.checkpoint), **ENGINE_ARGS)
+    split_cpu(args.cpu_devices)
+    mesh = {"mesh": args.mesh} if args.mesh else {}
+    llm, _ = make_llm(make_small_qwen3(args.checkpoint), **ENGINE_ARGS, **mesh)
     core, runner = llm.engine, llm.engine.runner
     t = collections.defaultdict(list)
     core.scheduler.schedule = timed(t["schedule"], core.scheduler.schedule)
