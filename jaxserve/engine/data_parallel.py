@@ -122,6 +122,10 @@ class DataParallelEngine:
             prefix_cache_hit_rate=hits / queries if queries else 0.0,
             num_preemptions=sum(p.num_preemptions for p in parts))
 
+    def reset_prefix_cache(self) -> None:
+        for r in self.replicas:
+            r.reset_prefix_cache()
+
     def shutdown(self) -> None:
         for r in self.replicas:
             r.shutdown()

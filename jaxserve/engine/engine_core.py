@@ -287,6 +287,9 @@ class EngineCore:
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
 
+    def reset_prefix_cache(self) -> None:
+        self.scheduler.reset_prefix_cache()
+
     @property
     def warmup_compilations(self) -> int:
         return self.runner.warmup_compilations

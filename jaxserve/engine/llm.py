@@ -32,6 +32,13 @@ class LLM:
     def get_tokenizer(self):
         return self.tokenizer
 
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prompt page (vLLM's name), so that running the same
+        prompts again computes them again, e.g. between benchmark repeats. Pages in use
+        keep their contents; only their sharing ends. Always succeeds here."""
+        self.engine.reset_prefix_cache()
+        return True
+
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: Sequence[int] | None = None

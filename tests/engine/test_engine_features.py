@@ -46,6 +46,13 @@ def test_prefix_cache_computes_only_the_tail(llm):
     assert second.num_cached_tokens == 96      # the 6 full pages
     assert second_cost == (100 - 96) + 8 - 1   # only the uncached tail is computed
     assert second.outputs[0].token_ids == first.outputs[0].token_ids
+    # After reset_prefix_cache the same prompt is computed in full again.
+    assert llm.reset_prefix_cache() is True
+    before = engine.num_scheduled_tokens
+    third = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
+    assert third.num_cached_tokens == 0
+    assert engine.num_scheduled_tokens - before == first_cost
+    assert third.outputs[0].token_ids == first.outputs[0].token_ids
 
 
 def test_seeded_sampling_is_reproducible_whatever_the_batch(llm):

@@ -33,6 +33,9 @@ class FakeReplica:
         self.aborted.append(rid)
         self.load -= 1
 
+    def reset_prefix_cache(self):
+        self.cached_pages = 0
+
 
 def front(*replicas, slack: int = 2) -> DataParallelEngine:
     dp = DataParallelEngine.__new__(DataParallelEngine)   # skip building real engines
@@ -61,6 +64,12 @@ def test_prefix_hit_wins_within_the_slack_only():
     assert hot.added == ["x"]                  # load 2 <= 0 + slack: the prefix hit wins
     dp.add_request("y", prompt, P)             # load 3 > 0 + slack: balance wins
     assert cold.added == ["y"]
+
+
+def test_reset_prefix_cache_reaches_every_replica():
+    a, b = FakeReplica(cached_pages=3), FakeReplica(cached_pages=2)
+    front(a, b).reset_prefix_cache()
+    assert a.cached_pages == b.cached_pages == 0
 
 
 def test_ids_are_unique_across_replicas_and_aborts_route_back():
