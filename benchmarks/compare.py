@@ -3,18 +3,21 @@
     python -m benchmarks.compare --model DIR|ALIAS [--load-format dummy] [--dtype bfloat16] \\
         [--workload random|decode-heavy|prefill-heavy|sharegpt-like|sharegpt:FILE] \\
         --num-prompts 64 --input-len 128 --output-len 128 [--range-ratio 0.5] \\
-        [--batch-size 1] --output-dir DIR
+        [--batch-size 1] [--repeats 3] [--mesh 1x2 --cpu-devices 2] --output-dir DIR
 
 The reference runs first (so on a GPU it can use the memory jaxserve will take),
 then jaxserve; the greedy outputs of the two are compared token by token. Both
 produce exactly each request's output length. Reported for both: requests/s,
 output tok/s, total (prompt + output) tok/s, and the ratio jaxserve / reference.
-`--batch-size 1` runs both one request at a time: the latency view.
+`--batch-size 1` runs both one request at a time: the latency view. `--repeats N`
+times each system N times (the reference at its chosen batch size and cache) and
+reports the medians, for machines whose speed moves between runs.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 from typing import Any
 
 from benchmarks import agreement as agree
@@ -47,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--max-num-seqs", type=int, default=None, help="jaxserve; default min(256, prompts)")
     a("--max-num-batched-tokens", type=int, default=None, help="jaxserve; default its own")
     a("--mesh", default=None, help="jaxserve; DxM data x tensor parallel (engine's --mesh)")
+    a("--repeats", type=int, default=1,
+      help="time each system's run this many times and take the median (noisy machines)")
     a("--cpu-devices", type=int, default=None,
       help="split the CPU into N XLA devices for --mesh (e.g. 2 with --mesh 1x2)")
     a("--max-model-len", type=int, default=None,
@@ -117,6 +122,10 @@ def run_ref_side(args: argparse.Namespace, path: str, wl: Workload, dtype: str,
                                                      args.ref_max_batch_size)
     run, tried = reference.run_reference(model, wl.items, sizes, first_fit, pad_id,
                                          args.ref_cache)
+    run.seconds_each = [run.seconds] + [
+        reference.run_static_batches(model, wl.items, run.batch_size, pad_id, run.cache).seconds
+        for _ in range(args.repeats - 1)]
+    run.seconds = statistics.median(run.seconds_each)
     reference.free(model)
     return run, tried, threads
 
@@ -153,7 +162,10 @@ def describe(res: dict[str, Any], agreement: dict[str, Any], model_info: dict[st
          "padding past a request's end"),
         (f"jaxserve: max_num_seqs {js['batch']}, max_model_len {max_model_len}; "
          f"{js['compiles_during_run']} compilations during the timed run"),
-    ] + ([(f"batch 1, one request at a time: mean request latency jaxserve "
+    ] + ([(f"times are the median of {len(js['seconds_each'])} runs of each system: jaxserve "
+           + ", ".join(f"{s:.2f}" for s in js["seconds_each"]) + " s, reference "
+           + ", ".join(f"{s:.2f}" for s in ref["seconds_each"]) + " s")]
+         if len(js["seconds_each"]) > 1 else []) + ([(f"batch 1, one request at a time: mean request latency jaxserve "
            f"{js['seconds_per_request']:.3f} s, reference {ref['seconds_per_request']:.3f} s")]
          if js["batch"] == ref["batch"] == 1 else [])
 
@@ -176,6 +188,8 @@ def plot(res: dict[str, Any], ratio: float, title: str, path: str) -> None:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = build_parser().parse_args(argv)
+    if args.repeats < 1:
+        raise SystemExit(f"--repeats must be at least 1, got {args.repeats}")
     split_cpu(args.cpu_devices)
     device = reference.torch_device(args.ref_device)
     dtype = checkpoint.default_dtype(args.dtype, device)
@@ -196,15 +210,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         engine_args["max_num_batched_tokens"] = args.max_num_batched_tokens
     if args.mesh:
         engine_args["mesh"] = args.mesh
-    js = run_jaxserve(path, wl.items, **engine_args)
+    js = run_jaxserve(path, wl.items, repeats=args.repeats, **engine_args)
 
     stats, peak = model_stats(path), load_roofline(args.roofline)
     res: dict[str, Any] = {
         "jaxserve": {**throughput(js.seconds, wl), "batch": max_num_seqs,
-                     "startup_s": js.startup_s, "compiles_during_run": js.compiles_during_run,
+                     "seconds_each": js.seconds_each, "startup_s": js.startup_s, "compiles_during_run": js.compiles_during_run,
                      "engine_args": js.engine_args},
         "reference": {**throughput(ref.seconds, wl), "batch": ref.batch_size,
-                      "cache": ref.cache, "cache_probe": ref.probe, "device": device,
+                      "seconds_each": ref.seconds_each, "cache": ref.cache,
+                      "cache_probe": ref.probe, "device": device,
                       "torch_threads": threads,
                       "padded_fraction": ref.padded_fraction, "batch_sizes_tried": tried},
         "workload": {"name": wl.name, **wl.params, **wl.stats()},

@@ -115,6 +115,7 @@ class RefRun:
     batch_size: int
     cache: str
     seconds: float = 0.0
+    seconds_each: list[float] = field(default_factory=list)  # with repeats (median: seconds)
     outputs: list[list[int]] = field(default_factory=list)   # in workload order
     padded_fraction: float = 0.0   # decode rows computed past their request's output
     probe: dict[str, Any] | None = None

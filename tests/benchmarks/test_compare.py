@@ -5,6 +5,8 @@ import json
 import math
 from pathlib import Path
 
+import pytest
+
 from benchmarks.compare import main
 
 
@@ -24,7 +26,8 @@ def test_compare_random_workload(tiny_qwen3, tmp_path, capsys):
     got = main(["--model", tiny_qwen3, "--workload", "random", "--num-prompts", "6",
                 "--input-len", "12", "--output-len", "10", "--range-ratio", "0.5",
                 "--ref-batch-size", "2,4", "--ref-cache", "dynamic", "--max-num-seqs", "4",
-                "--max-num-batched-tokens", "16", "--mesh", "1x2", "--output-dir", str(tmp_path)])
+                "--max-num-batched-tokens", "16", "--mesh", "1x2", "--repeats", "2",
+                "--output-dir", str(tmp_path)])
     doc = check_files(tmp_path, "compare_random")
     assert doc["agreement"]["all_agree"] is True
     assert doc["agreement"]["identical_requests"] == 6
@@ -41,6 +44,10 @@ def test_compare_random_workload(tiny_qwen3, tmp_path, capsys):
     assert res["workload"]["num_prompts"] == 6 and 5 <= res["workload"]["output_len_max"] <= 15
     assert res["jaxserve"]["compiles_during_run"] == 0
     assert res["jaxserve"]["engine_args"]["mesh"] == "1x2"   # tensor parallel over 2 devices
+    for side in ("jaxserve", "reference"):   # --repeats 2: both timings kept, median used
+        each = res[side]["seconds_each"]
+        assert len(each) == 2 and res[side]["seconds"] == pytest.approx(sum(each) / 2)
+    assert "median of 2 runs" in (tmp_path / "compare_random.md").read_text()
     assert "| jaxserve |" in capsys.readouterr().out
 
 
