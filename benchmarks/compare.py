@@ -149,7 +149,7 @@ def describe(res: dict[str, Any], agreement: dict[str, Any], model_info: dict[st
              dtype: str, params: int, device: str, max_model_len: int) -> list[str]:
     """The notes under the table: what ran, and how the outputs compare."""
     w, ref, js = res["workload"], res["reference"], res["jaxserve"]
-    return [
+    notes = [
         agree.summary(agreement),
         (f"model: {model_info['model']} ({model_info['weights']}), {dtype}, "
          f"{params / 1e6:.1f} M parameters"),
@@ -162,12 +162,19 @@ def describe(res: dict[str, Any], agreement: dict[str, Any], model_info: dict[st
          "padding past a request's end"),
         (f"jaxserve: max_num_seqs {js['batch']}, max_model_len {max_model_len}; "
          f"{js['compiles_during_run']} compilations during the timed run"),
-    ] + ([(f"times are the median of {len(js['seconds_each'])} runs of each system: jaxserve "
-           + ", ".join(f"{s:.2f}" for s in js["seconds_each"]) + " s, reference "
-           + ", ".join(f"{s:.2f}" for s in ref["seconds_each"]) + " s")]
-         if len(js["seconds_each"]) > 1 else []) + ([(f"batch 1, one request at a time: mean request latency jaxserve "
-           f"{js['seconds_per_request']:.3f} s, reference {ref['seconds_per_request']:.3f} s")]
-         if js["batch"] == ref["batch"] == 1 else [])
+    ]
+    if len(js["seconds_each"]) > 1:
+        notes.append(f"times are the median of {len(js['seconds_each'])} runs of each system: "
+                     f"jaxserve {seconds_list(js)} s, reference {seconds_list(ref)} s")
+    if js["batch"] == ref["batch"] == 1:
+        notes.append(f"batch 1, one request at a time: mean request latency jaxserve "
+                     f"{js['seconds_per_request']:.3f} s, reference "
+                     f"{ref['seconds_per_request']:.3f} s")
+    return notes
+
+
+def seconds_list(side: dict[str, Any]) -> str:
+    return ", ".join(f"{s:.2f}" for s in side["seconds_each"])
 
 
 def plot(res: dict[str, Any], ratio: float, title: str, path: str) -> None:
@@ -215,7 +222,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     stats, peak = model_stats(path), load_roofline(args.roofline)
     res: dict[str, Any] = {
         "jaxserve": {**throughput(js.seconds, wl), "batch": max_num_seqs,
-                     "seconds_each": js.seconds_each, "startup_s": js.startup_s, "compiles_during_run": js.compiles_during_run,
+                     "seconds_each": js.seconds_each, "startup_s": js.startup_s,
+                     "compiles_during_run": js.compiles_during_run,
                      "engine_args": js.engine_args},
         "reference": {**throughput(ref.seconds, wl), "batch": ref.batch_size,
                       "seconds_each": ref.seconds_each, "cache": ref.cache,

@@ -52,9 +52,14 @@ class _InFlight:
     prompt_lps: Any = None       # (device arrays, spans), or None
 
 
+def capped(ladder: tuple[int, ...], largest: int) -> tuple[int, ...]:
+    """The ladder's sizes below `largest`, then exactly `largest`."""
+    return tuple(b for b in ladder if b < largest) + (largest,)
+
+
 def capped_buckets(smallest: int, largest: int) -> tuple[int, ...]:
     """Powers of two from `smallest`, then exactly `largest`."""
-    return tuple(b for b in power_of_two_buckets(smallest, largest) if b < largest) + (largest,)
+    return capped(power_of_two_buckets(smallest, largest), largest)
 
 
 def midpoint_buckets(smallest: int, largest: int) -> tuple[int, ...]:
@@ -75,7 +80,7 @@ def token_buckets(largest: int) -> tuple[int, ...]:
 
 def row_buckets(max_num_seqs: int) -> tuple[int, ...]:
     """Rows the sampler's lm_head computes (8, 12, 16, 24, ...), capped at max_num_seqs."""
-    return tuple(b for b in midpoint_buckets(8, max_num_seqs) if b < max_num_seqs) + (max_num_seqs,)
+    return capped(midpoint_buckets(8, max_num_seqs), max_num_seqs)
 
 
 class ModelRunner:
