@@ -1,6 +1,12 @@
-"""Chat messages -> prompt token ids through the tokenizer's chat template."""
+"""Chat messages -> prompt token ids through the tokenizer's chat template.
+
+Everything that goes wrong here is the request's fault (its messages, its
+template arguments, or a template that refuses them), so every failure is a
+ValueError with a message for the client.
+"""
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 
@@ -21,20 +27,40 @@ def message_text(content: Any) -> str:
                      f"{type(content).__name__}")
 
 
+def _renderer_arguments(tokenizer) -> set[str]:
+    """apply_chat_template's own parameters: template kwargs may not override them."""
+    params = inspect.signature(tokenizer.apply_chat_template).parameters.values()
+    return {p.name for p in params if p.kind is not inspect.Parameter.VAR_KEYWORD}
+
+
 def render_chat(tokenizer, messages: list[dict], *, chat_template: str | None = None,
-                add_generation_prompt: bool = True, **template_kwargs: Any) -> list[int]:
+                add_generation_prompt: bool = True, max_chars: int | None = None,
+                **template_kwargs: Any) -> list[int]:
+    """max_chars: refuse conversations whose text is longer, before rendering."""
     if tokenizer is None:
         raise ValueError("chat needs a tokenizer; this model has none")
     if not messages:
         raise ValueError("messages must not be empty")
     conv = []
     for m in messages:
-        if not isinstance(m, dict) or "role" not in m:
-            raise ValueError("each message needs a 'role'")
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ValueError("each message needs a string 'role'")
         conv.append({"role": m["role"], "content": message_text(m.get("content"))})
+    chars = sum(len(m["role"]) + len(m["content"]) for m in conv)
+    if max_chars is not None and chars > max_chars:
+        raise ValueError(f"messages have {chars} characters, more than the {max_chars} "
+                         f"that max_model_len tokens can hold")
     if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("the tokenizer has no chat template; pass one (--chat-template)")
-    ids = tokenizer.apply_chat_template(conv, chat_template=chat_template,
-                                        add_generation_prompt=add_generation_prompt,
-                                        tokenize=True, return_dict=False, **template_kwargs)
+    clash = sorted(set(template_kwargs) & _renderer_arguments(tokenizer))
+    if clash:
+        raise ValueError(f"chat_template_kwargs may not set {', '.join(clash)}: the server "
+                         f"sets {'it' if len(clash) == 1 else 'them'} itself")
+    try:
+        ids = tokenizer.apply_chat_template(conv, chat_template=chat_template,
+                                            add_generation_prompt=add_generation_prompt,
+                                            tokenize=True, return_dict=False, **template_kwargs)
+    except Exception as e:  # noqa: BLE001 - the template runs on the request's data
+        raise ValueError(f"the chat template failed on these messages: "
+                         f"{type(e).__name__}: {e}") from None
     return list(ids)

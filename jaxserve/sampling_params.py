@@ -7,14 +7,28 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from dataclasses import dataclass, field
 
 # Most logprobs a request may ask for (per sampled token and per prompt token). The
 # sampler always computes this many top entries, so it is a compile-time constant.
 MAX_LOGPROBS = 20
 
+# Stop tokens (eos + stop_token_ids) a row can hold back while below min_tokens: the
+# width of the sampler's banned-token array, so a compile-time constant.
+MAX_BANNED_TOKENS = 16
+
 # Temperatures below this are greedy (as vLLM): dividing by ~0 would overflow.
 SAMPLING_EPS = 1e-5
+
+# Most completions one request may ask for (OpenAI's and vLLM's cap): each is a
+# sequence with its own KV pages, so n is a memory knob a client must not own.
+MAX_N = 128
+
+# Integers that reach the device's int32 arrays (top_k, token ids) must fit them.
+INT32_MAX = 2**31 - 1
+# OpenAI documents `seed` as a 64-bit integer.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 class SamplingType(enum.IntEnum):
@@ -28,7 +42,9 @@ def _is_int(x: object) -> bool:
 
 
 def _is_number(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+    """A finite int or float: NaN and infinities are refused (a NaN temperature
+    would sample token 0 for ever)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 @dataclass(frozen=True)
@@ -87,18 +103,18 @@ class SamplingParams:
         def bad(name: str, value: object, want: str) -> ValueError:
             return ValueError(f"{name} must be {want}, got {value!r}")
 
-        if not _is_int(self.n) or self.n < 1:
-            raise bad("n", self.n, "an int >= 1")
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise bad("n", self.n, f"an int in [1, {MAX_N}]")
         if not _is_number(self.temperature) or self.temperature < 0.0:
-            raise bad("temperature", self.temperature, "a number >= 0")
+            raise bad("temperature", self.temperature, "a finite number >= 0")
         if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", self.top_p, "in (0, 1]")
-        if not _is_int(self.top_k) or self.top_k < -1:
-            raise bad("top_k", self.top_k, "an int >= -1 (0 or -1 disables it)")
+        if not _is_int(self.top_k) or not -1 <= self.top_k <= INT32_MAX:
+            raise bad("top_k", self.top_k, f"an int in [-1, {INT32_MAX}] (0 or -1 disables it)")
         if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", self.min_p, "in [0, 1]")
         if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0.0:
-            raise bad("repetition_penalty", self.repetition_penalty, "a number > 0")
+            raise bad("repetition_penalty", self.repetition_penalty, "a finite number > 0")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _is_number(value) or not -2.0 <= value <= 2.0:
@@ -115,14 +131,16 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
                 raise bad(name, value, f"None or an int in [0, {MAX_LOGPROBS}]")
-        if self.seed is not None and not _is_int(self.seed):
-            raise bad("seed", self.seed, "None or an int")
+        if self.seed is not None and (not _is_int(self.seed)
+                                      or not INT64_MIN <= self.seed <= INT64_MAX):
+            raise bad("seed", self.seed, "None or a 64-bit int")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise bad("stop", self.stop, "a list of non-empty strings")
         for t in self.stop_token_ids:
-            if not _is_int(t) or t < 0:
-                raise bad("stop_token_ids", self.stop_token_ids, "a list of ints >= 0")
+            if not _is_int(t) or not 0 <= t <= INT32_MAX:
+                raise bad("stop_token_ids", self.stop_token_ids,
+                          f"a list of ints in [0, {INT32_MAX}]")
 
     # --- derived views ---
 
@@ -157,5 +175,10 @@ class SamplingParams:
         """Parameters of the `index`-th of the n parallel samples: n=1, seed+index."""
         if not _is_int(index) or not 0 <= index < self.n:
             raise ValueError(f"child index must be in [0, n={self.n}), got {index!r}")
-        seed = None if self.seed is None else self.seed + index
+        seed = None if self.seed is None else _wrap_int64(self.seed + index)
         return dataclasses.replace(self, n=1, seed=seed)
+
+
+def _wrap_int64(x: int) -> int:
+    """x in two's-complement 64 bits, so a child of seed INT64_MAX stays a valid seed."""
+    return (x - INT64_MIN) % 2**64 + INT64_MIN

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import os
@@ -64,7 +65,10 @@ def parser() -> argparse.ArgumentParser:
       help="'auto': default sampling values from the model's generation_config.json; "
            "'vllm': none; or a directory holding one")
     a("--max-waiting-requests", type=int, default=1024,
-      help="answer 503 when more requests than this are waiting")
+      help="answer 503 when more sequences than this are waiting (a request with n "
+           "completions of k prompts is n*k sequences)")
+    a("--max-request-body-bytes", type=int, default=32 * 2**20,
+      help="answer 413 to request bodies larger than this (default 32 MiB)")
     a("--disable-log-requests", action="store_true", help="do not log each request")
     a("--scheduling-policy", default="fcfs", help="fcfs or priority")
     a("--attention-backend", default="auto", help="auto, reference, pallas, pallas_interpret")
@@ -148,7 +152,8 @@ def main(argv: list[str] | None = None) -> None:
         max_waiting_requests=args.max_waiting_requests,
         disable_log_requests=args.disable_log_requests,
         chat_template=chat_template(args.chat_template),
-        generation_defaults=generation_defaults(args.generation_config, config.model))
+        generation_defaults=generation_defaults(args.generation_config, config.model),
+        max_request_body_bytes=args.max_request_body_bytes)
     app = create_app(engine, settings)
     kv_tokens = (core.num_pages - 1) * config.page_size
     logger.info(
@@ -160,14 +165,34 @@ def main(argv: list[str] | None = None) -> None:
         core.max_model_len, kv_tokens / core.max_model_len, core.warmup_compilations,
         core.warmup_seconds, time.perf_counter() - t0, args.host, args.port)
     server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
-                                    timeout_graceful_shutdown=args.timeout_graceful_shutdown))
+                                    timeout_graceful_shutdown=args.timeout_graceful_shutdown),
+                     app.state.serving)
     server.run()
 
 
 class _Server(uvicorn.Server):
     """Exits 0 after a graceful SIGTERM/SIGINT shutdown (uvicorn would re-raise the
-    signal once done, making the exit status 128+signal)."""
+    signal once done, making the exit status 128+signal). Answers still running
+    shortly before the grace period ends are ended with a 503 (a stream with an
+    error event and [DONE]) rather than cut off mid-stream by uvicorn."""
+
+    def __init__(self, config: uvicorn.Config, serving):
+        super().__init__(config)
+        self.serving = serving
 
     def handle_exit(self, sig, frame) -> None:
         super().handle_exit(sig, frame)
         self._captured_signals.clear()
+
+    async def shutdown(self, sockets=None) -> None:
+        grace = self.config.timeout_graceful_shutdown
+        timer = None
+        if grace is not None:   # None: uvicorn waits for ever, so nothing is ever cut
+            # Leave the answers a moment (up to 1 s) to send their last event.
+            timer = asyncio.get_running_loop().call_later(
+                grace - min(1.0, grace / 2), self.serving.end_all_answers)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            if timer is not None:
+                timer.cancel()

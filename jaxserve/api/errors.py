@@ -4,6 +4,7 @@ from __future__ import annotations
 from fastapi.responses import JSONResponse
 
 _TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+          405: "MethodNotAllowedError", 413: "RequestTooLargeError",
           500: "InternalServerError", 503: "ServiceUnavailableError"}
 
 
@@ -25,8 +26,10 @@ def error_response(err: APIError) -> JSONResponse:
 
 
 def bad_request(e: ValueError, param: str | None = None) -> APIError:
-    """A ValueError from validation; its message starts with the field it names."""
+    """A ValueError from validation: the input processor's InputError names its field,
+    SamplingParams' messages start with it."""
     message = str(e)
+    param = getattr(e, "param", None) or param
     if param is None:
         first = message.split(" ", 1)[0].split("=", 1)[0]
         param = first if first.isidentifier() else None

@@ -2,71 +2,108 @@
 
 Unknown fields are ignored, as OpenAI-compatible servers do; vLLM's extra
 sampling fields (top_k, min_p, repetition_penalty, ignore_eos, ...) are accepted.
+The static limits (SamplingParams' own) are part of the schema, so /openapi.json
+says what the server accepts; the limits that depend on the model (vocabulary,
+max_model_len) are the input processor's.
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import (INT32_MAX, INT64_MAX, INT64_MIN, MAX_LOGPROBS, MAX_N,
+                                      SamplingParams)
+
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+Logprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
 
 
-class StreamOptions(BaseModel):
+class _Fields(BaseModel):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)   # finite floats only
+
+
+class _Body(_Fields):
+    """A whole request body: only valid Unicode in any string, however deep."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        _check_unicode(data, [])
+        return data
+
+
+def _check_unicode(value: Any, path: list[str]) -> None:
+    """JSON's \\ud800-style escapes can carry lone surrogates, which no tokenizer takes."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            field = ".".join(path) or "body"
+            raise PydanticCustomError(
+                "invalid_unicode", "{field} is not valid Unicode: {reason} at position {pos}",
+                {"field": field, "reason": e.reason, "pos": e.start}) from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_unicode(k, path)
+            _check_unicode(v, [*path, str(k)])
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_unicode(v, [*path, str(i)])
+
+
+class StreamOptions(_Fields):
     include_usage: bool = False
 
 
-class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class _SamplingFields(_Body):
     model: str | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    seed: int | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1, le=INT32_MAX)
+    min_p: float | None = Field(None, ge=0, le=1)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0)
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: int = Field(0, ge=0, le=INT32_MAX)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
-    priority: int = 0
+    priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)
     user: str | None = None
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[int] | list[str | list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    prompt: str | list[TokenId] | list[str | list[TokenId]]
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: Logprobs | None = None
     echo: bool = False
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class ChatMessage(_Fields):
     role: str
     content: str | list[dict[str, Any]] | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Logprobs | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -74,13 +111,9 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class DetokenizeRequest(_Body):
     model: str | None = None
-    tokens: list[int]
-
-
-Kind = Literal["completion", "chat"]
+    tokens: list[TokenId]
 
 
 def sampling_params(req: _SamplingFields, defaults: dict[str, Any], *, max_tokens: int | None,

@@ -1,28 +1,33 @@
 """The FastAPI app: routes, API-key check, OpenAI-style errors, metrics."""
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 import time
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request, Security
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import jaxserve
-from jaxserve.api.errors import APIError, error_body, error_response
+from jaxserve.api import openapi
+from jaxserve.api.body_limit import BodyLimit
+from jaxserve.api.errors import APIError, bad_request, error_body, error_response
 from jaxserve.api.metrics import Metrics
+from jaxserve.api.openapi import error_responses
 from jaxserve.api.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                    TokenizeRequest)
 from jaxserve.api.serving import OpenAIServing, ServerSettings
-from jaxserve.chat import render_chat
 from jaxserve.engine.async_engine import AsyncEngine
 
 logger = logging.getLogger("jaxserve")
 
-_OPEN_PATHS = ("/health", "/metrics", "/version")
+_bearer = HTTPBearer(auto_error=False, description="--api-key, as 'Authorization: Bearer KEY'")
 
 
 def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
@@ -38,16 +43,23 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
 
     app = FastAPI(title="jaxserve", version=jaxserve.__version__, lifespan=lifespan)
     app.state.serving = serving
+    app.add_middleware(BodyLimit, max_bytes=settings.max_request_body_bytes)
+    openapi.install(app)
 
-    @app.middleware("http")
-    async def check_api_key(request: Request, call_next):
-        if settings.api_key and request.url.path not in _OPEN_PATHS:
-            auth = request.headers.get("authorization", "")
-            given = auth[7:] if auth.lower().startswith("bearer ") else ""
-            if not secrets.compare_digest(given.encode(), settings.api_key.encode()):
-                return error_response(APIError(401, "missing or invalid API key "
-                                                    "(send 'Authorization: Bearer <key>')"))
-        return await call_next(request)
+    # A dependency, not an HTTP middleware: see body_limit.py for why.
+    async def require_api_key(
+            creds: HTTPAuthorizationCredentials | None = Security(_bearer)) -> None:
+        given = creds.credentials if creds is not None else ""
+        if not secrets.compare_digest(given.encode(), settings.api_key.encode()):
+            raise APIError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')")
+
+    # /health, /metrics and /version stay open; everything under `api` needs the key.
+    api = APIRouter(dependencies=[Security(require_api_key)] if settings.api_key else [],
+                    responses=error_responses(400, 401) if settings.api_key
+                    else error_responses(400))
+    generation = error_responses(404, 413, 500, 503)
+    streamed = {200: {"description": "the answer; with stream=true, server-sent events",
+                      "content": {"application/json": {}, "text/event-stream": {}}}}
 
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, err: APIError):
@@ -59,23 +71,33 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
         if first.get("type") == "json_invalid":
             message, param = "malformed JSON body", None
+        elif not loc:   # a whole-body check (e.g. Unicode) names its field itself
+            message, param = first.get("msg", "invalid body"), first.get("ctx", {}).get("field")
         else:
-            message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid value')}"
-            param = loc[0] if loc else None
+            message = f"{'.'.join(loc)}: {first.get('msg', 'invalid value')}"
+            param = loc[0]
         return JSONResponse(error_body(400, message, param), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, err: StarletteHTTPException):
+        # The framework's own 404 / 405 ..., in OpenAI's error shape too.
+        return JSONResponse(error_body(err.status_code, str(err.detail)),
+                            status_code=err.status_code, headers=err.headers)
 
     @app.exception_handler(Exception)
     async def on_unexpected(request: Request, err: Exception):
         logger.exception("unhandled error on %s", request.url.path)
         return JSONResponse(error_body(500, f"internal error: {err}"), status_code=500)
 
-    @app.get("/health")
+    @app.get("/health", responses={200: {"description": "the engine is running"},
+                                   **error_responses(503)})
     async def health() -> Response:
         if engine.dead:
-            return JSONResponse(error_body(500, "the engine stopped"), status_code=500)
+            return JSONResponse(error_body(503, "the engine stopped"), status_code=503)
         return Response(status_code=200)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses={200: {
+        "description": "Prometheus text format", "content": {CONTENT_TYPE_LATEST: {}}}})
     async def prometheus() -> Response:
         return Response(metrics.render(engine.stats), media_type=CONTENT_TYPE_LATEST)
 
@@ -83,51 +105,51 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     async def version() -> dict:
         return {"version": jaxserve.__version__}
 
-    @app.get("/v1/models")
+    @api.get("/v1/models")
     async def models() -> dict:
         return {"object": "list", "data": [{
             "id": settings.served_model_name, "object": "model", "created": created,
             "owned_by": "jaxserve", "root": engine.config.model,
             "max_model_len": settings.max_model_len}]}
 
-    @app.post("/v1/completions")
+    @api.post("/v1/completions", responses={**streamed, **generation})
     async def completions(req: CompletionRequest, raw: Request):
         return await serving.completions(req, raw)
 
-    @app.post("/v1/chat/completions")
+    @api.post("/v1/chat/completions", responses={**streamed, **generation})
     async def chat(req: ChatCompletionRequest, raw: Request):
         return await serving.chat(req, raw)
 
-    def tokenizer_for(model: str | None):
-        serving.check_model(model)
-        if engine.tokenizer is None:
-            raise APIError(400, "this model has no tokenizer")
-        return engine.tokenizer
-
-    @app.post("/tokenize")
+    @api.post("/tokenize", responses=error_responses(404, 413))
     async def tokenize(req: TokenizeRequest) -> dict:
-        tok = tokenizer_for(req.model)
+        serving.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of 'prompt' and 'messages'", "prompt")
-        if req.prompt is not None:
-            ids = tok(req.prompt, add_special_tokens=req.add_special_tokens).input_ids
-        else:
-            try:
-                ids = render_chat(tok, [m.model_dump() for m in req.messages],
-                                  chat_template=settings.chat_template,
-                                  add_generation_prompt=req.add_generation_prompt)
-            except ValueError as e:
-                raise APIError(400, str(e), "messages")
-        return {"tokens": list(ids), "count": len(ids), "max_model_len": settings.max_model_len}
+        inputs = engine.core.inputs
+        try:
+            if req.prompt is not None:
+                ids = await asyncio.to_thread(inputs.tokenize, req.prompt,
+                                              add_special_tokens=req.add_special_tokens)
+            else:
+                ids = await asyncio.to_thread(
+                    inputs.render_chat, [m.model_dump() for m in req.messages],
+                    chat_template=settings.chat_template,
+                    add_generation_prompt=req.add_generation_prompt)
+        except ValueError as e:
+            raise bad_request(e)
+        return {"tokens": ids, "count": len(ids), "max_model_len": settings.max_model_len}
 
-    @app.post("/detokenize")
+    @api.post("/detokenize", responses=error_responses(404, 413))
     async def detokenize(req: DetokenizeRequest) -> dict:
-        tok = tokenizer_for(req.model)
+        serving.check_model(req.model)
+        if engine.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer")
         vocab = engine.core.model_config.vocab_size
-        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        bad = [t for t in req.tokens if t >= vocab]
         if bad:
             raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {vocab})",
                            "tokens")
-        return {"prompt": tok.decode(req.tokens)}
+        return {"prompt": await asyncio.to_thread(engine.tokenizer.decode, req.tokens)}
 
+    app.include_router(api)
     return app

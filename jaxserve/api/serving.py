@@ -3,6 +3,11 @@
 Every prompt of a request becomes one engine request (its n completions are
 children inside the engine); their delta outputs are merged into one stream
 of choices, indexed prompt_index * n + completion_index as OpenAI does.
+
+Tokenizing and chat-template rendering run in a worker thread, never on the
+event loop (a big prompt must not freeze /health and every other stream). Each
+admitted request holds its n * prompts sequences against --max-waiting-requests
+until its answer ends, however it ends (see _Admission).
 """
 from __future__ import annotations
 
@@ -20,9 +25,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from jaxserve.api.errors import APIError, bad_request, error_body
 from jaxserve.api.metrics import Metrics
 from jaxserve.api.protocol import ChatCompletionRequest, CompletionRequest, sampling_params
-from jaxserve.chat import render_chat
 from jaxserve.core.outputs import RequestOutput
-from jaxserve.engine.async_engine import AsyncEngine
+from jaxserve.engine.async_engine import AsyncEngine, EngineDeadError
 from jaxserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("jaxserve")
@@ -39,6 +43,7 @@ class ServerSettings:
     disable_log_requests: bool = False
     chat_template: str | None = None
     generation_defaults: dict = field(default_factory=dict)
+    max_request_body_bytes: int = 32 * 2**20
 
 
 @dataclass
@@ -57,6 +62,32 @@ class _Choice:
     stop_reason: Any = None
 
 
+class _ShuttingDown(Exception):
+    """Put into every open answer's queue when the server's grace period ends."""
+
+
+class _Answer:
+    """One admitted request in progress: the sequences it holds against
+    --max-waiting-requests and the tasks that feed it from the engine. Closed once,
+    by whichever comes first: its stream of outputs ends, or its HTTP response is
+    done (a streamed body may never start when the client leaves before the first
+    byte). Closing cancels the tasks, which aborts the engine requests."""
+
+    def __init__(self, serving: OpenAIServing, num_seqs: int):
+        self.serving, self.num_seqs = serving, num_seqs
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.tasks: list[asyncio.Task] = []
+        serving.num_in_flight += num_seqs
+        serving.answers.add(self)
+
+    def close(self) -> None:
+        self.serving.num_in_flight -= self.num_seqs
+        self.num_seqs = 0
+        self.serving.answers.discard(self)
+        for t in self.tasks:
+            t.cancel()
+
+
 @dataclass
 class _Tracker:
     """Per prompt: timing for the metrics."""
@@ -71,7 +102,11 @@ class OpenAIServing:
         self.settings = settings
         self.metrics = metrics
         self.tokenizer = engine.tokenizer
-        self.num_in_flight = 0   # prompts admitted and not finished (event-loop thread only)
+        self.inputs = engine.core.inputs
+        # Sequences (n per prompt) admitted and not finished; event-loop thread only.
+        self.num_in_flight = 0
+        self.shutting_down = False
+        self.answers: set[_Answer] = set()
 
     # ---- checks ----------------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
@@ -79,29 +114,43 @@ class OpenAIServing:
             raise APIError(404, f"The model `{name}` does not exist; this server serves "
                                 f"`{self.settings.served_model_name}`.", "model")
 
-    def check_capacity(self, num_new: int) -> None:
-        """Admits `num_new` prompts or answers 503 when too many already wait."""
+    def check_open(self) -> None:
+        if self.shutting_down:
+            raise APIError(503, "the server is shutting down", headers={"Retry-After": "1"})
+
+    def admit(self, num_seqs: int) -> _Answer:
+        """Admits `num_seqs` sequences or answers 503 when too many already wait.
+        Both sides count sequences: the engine's running count is of sequences too."""
         waiting = max(self.num_in_flight - self.engine.stats.num_running, 0)
-        if waiting + num_new > self.settings.max_waiting_requests:
-            raise APIError(503, f"the server is overloaded: {waiting} requests are waiting "
-                                f"(--max-waiting-requests={self.settings.max_waiting_requests})",
+        if waiting + num_seqs > self.settings.max_waiting_requests:
+            raise APIError(503, f"the server is overloaded: {waiting} sequences are waiting, "
+                                f"this request adds {num_seqs} (--max-waiting-requests="
+                                f"{self.settings.max_waiting_requests})",
                            headers={"Retry-After": "1"})
-        self.num_in_flight += num_new
+        return _Answer(self, num_seqs)
 
-    def _validate(self, prompts: list[_Prompt], params: SamplingParams) -> None:
+    def end_all_answers(self) -> None:
+        """Shutdown: every answer in progress ends now with a 503 (a streamed one with an
+        error event and [DONE]); new requests get 503 too."""
+        self.shutting_down = True
+        for answer in self.answers:
+            answer.queue.put_nowait((-1, _ShuttingDown()))
+
+    def _checked(self, prompts: list[_Prompt], params: SamplingParams) -> list[_Prompt]:
         for p in prompts:
-            try:
-                self.engine.core.validate(p.ids, params)
-            except ValueError as e:
-                raise bad_request(e, "prompt" if "max_tokens" not in str(e) else "max_tokens")
+            self.inputs.process(p.ids, params)
+        return prompts
 
-    def _tokenize(self, text: str) -> list[int]:
-        if self.tokenizer is None:
-            raise APIError(400, "this model has no tokenizer: send token ids", "prompt")
-        return list(self.tokenizer(text).input_ids)
+    async def _in_worker(self, fn, *args, **kwargs):
+        """Runs tokenizer work off the event loop; its ValueErrors become 400s."""
+        try:
+            return await asyncio.to_thread(fn, *args, **kwargs)
+        except ValueError as e:
+            raise bad_request(e) from None
 
     # ---- /v1/completions ----------------------------------------------------------------
-    def _completion_prompts(self, prompt) -> list[_Prompt]:
+    def _completion_prompts(self, prompt, params: SamplingParams) -> list[_Prompt]:
+        """Worker thread: the request's prompts, tokenized and checked."""
         if isinstance(prompt, str):
             prompt = [prompt]
         elif prompt and all(isinstance(t, int) for t in prompt):
@@ -111,32 +160,33 @@ class OpenAIServing:
         out = []
         for p in prompt:
             if isinstance(p, str):
-                if not p:
-                    raise APIError(400, "prompt must not be empty", "prompt")
-                out.append(_Prompt(p, self._tokenize(p)))
+                out.append(_Prompt(p, self.inputs.tokenize(p)))
             else:
                 out.append(_Prompt(None, list(p)))
-        return out
+        return self._checked(out, params)
 
     async def completions(self, req: CompletionRequest, raw: Request):
+        self.check_open()
         self.check_model(req.model)
-        prompts = self._completion_prompts(req.prompt)
         try:
             params = sampling_params(req, self.settings.generation_defaults,
                                      max_tokens=req.max_tokens, logprobs=req.logprobs,
                                      prompt_logprobs=req.logprobs if req.echo else None)
         except ValueError as e:
             raise bad_request(e)
-        self._validate(prompts, params)
-        self.check_capacity(len(prompts))
+        prompts = await self._in_worker(self._completion_prompts, req.prompt, params)
+        answer = self.admit(len(prompts) * params.n)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        stream = self._merged(rid, prompts, params, req.priority)
+        stream = self._merged(rid, prompts, params, req.priority, answer)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return _sse(self._completion_chunks(rid, prompts, params, req, stream,
-                                                include_usage))
+                                                include_usage), answer)
         prompt_lps: dict[int, list] = {}
-        choices = await self._collect(stream, raw, params.n, prompt_lps)
+        try:
+            choices = await self._collect(stream, raw, params.n, prompt_lps)
+        finally:
+            answer.close()
         return JSONResponse({
             "id": rid, "object": "text_completion", "created": int(time.time()),
             "model": self.settings.served_model_name,
@@ -189,34 +239,40 @@ class OpenAIServing:
                          "usage": _usage(prompts, list(choices.values()))})
 
     # ---- /v1/chat/completions -------------------------------------------------------------
+    def _chat_prompts(self, req: ChatCompletionRequest, params: SamplingParams
+                      ) -> list[_Prompt]:
+        """Worker thread: the conversation rendered by the chat template, checked."""
+        ids = self.inputs.render_chat([m.model_dump() for m in req.messages],
+                                      chat_template=self.settings.chat_template,
+                                      add_generation_prompt=req.add_generation_prompt,
+                                      template_kwargs=req.chat_template_kwargs)
+        return self._checked([_Prompt(None, ids)], params)
+
     async def chat(self, req: ChatCompletionRequest, raw: Request):
+        self.check_open()
         self.check_model(req.model)
-        try:
-            ids = render_chat(self.tokenizer, [m.model_dump() for m in req.messages],
-                              chat_template=self.settings.chat_template,
-                              add_generation_prompt=req.add_generation_prompt,
-                              **(req.chat_template_kwargs or {}))
-        except ValueError as e:
-            raise bad_request(e, "messages")
-        prompts = [_Prompt(None, ids)]
         top = req.top_logprobs
         if top is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
+        max_tokens = (req.max_completion_tokens if req.max_completion_tokens is not None
+                      else req.max_tokens)
         try:
-            params = sampling_params(
-                req, self.settings.generation_defaults,
-                max_tokens=req.max_completion_tokens or req.max_tokens,
-                logprobs=(top or 0) if req.logprobs else None)
+            params = sampling_params(req, self.settings.generation_defaults,
+                                     max_tokens=max_tokens,
+                                     logprobs=(top or 0) if req.logprobs else None)
         except ValueError as e:
             raise bad_request(e)
-        self._validate(prompts, params)
-        self.check_capacity(1)
+        prompts = await self._in_worker(self._chat_prompts, req, params)
+        answer = self.admit(params.n)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = self._merged(rid, prompts, params, req.priority)
+        stream = self._merged(rid, prompts, params, req.priority, answer)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return _sse(self._chat_chunks(rid, prompts, req, stream, include_usage))
-        choices = await self._collect(stream, raw, params.n)
+            return _sse(self._chat_chunks(rid, prompts, req, stream, include_usage), answer)
+        try:
+            choices = await self._collect(stream, raw, params.n)
+        finally:
+            answer.close()
         return JSONResponse({
             "id": rid, "object": "chat.completion", "created": int(time.time()),
             "model": self.settings.served_model_name,
@@ -252,9 +308,10 @@ class OpenAIServing:
 
     # ---- shared machinery ---------------------------------------------------------------------
     async def _merged(self, rid: str, prompts: list[_Prompt], params: SamplingParams,
-                      priority: int) -> AsyncIterator[tuple[int, RequestOutput]]:
+                      priority: int, answer: _Answer
+                      ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Runs every prompt; yields (prompt index, its delta output)."""
-        queue: asyncio.Queue = asyncio.Queue()
+        queue = answer.queue
         trackers = [_Tracker(time.monotonic()) for _ in prompts]
         if not self.settings.disable_log_requests:
             logger.info("request %s: %d prompt(s) of %s tokens, %s", rid, len(prompts),
@@ -270,15 +327,13 @@ class OpenAIServing:
             except BaseException as e:   # noqa: BLE001 - handed to the consumer
                 queue.put_nowait((i, e))
 
-        tasks = [asyncio.create_task(pump(i, p)) for i, p in enumerate(prompts)]
+        answer.tasks = [asyncio.create_task(pump(i, p)) for i, p in enumerate(prompts)]
         remaining = len(prompts)
         try:
             while remaining:
                 i, out = await queue.get()
                 if isinstance(out, BaseException):
-                    if isinstance(out, ValueError):
-                        raise bad_request(out, "prompt")
-                    raise APIError(500, f"the engine failed: {out}")
+                    raise _api_error(out)
                 tr = trackers[i]
                 new = sum(len(c.token_ids) for c in out.outputs)
                 if new and tr.first_token is None:
@@ -291,9 +346,7 @@ class OpenAIServing:
                         num_prompt=len(prompts[i].ids), num_output=tr.num_output)
                 yield i, out
         finally:
-            self.num_in_flight -= len(prompts)
-            for t in tasks:
-                t.cancel()
+            answer.close()
 
     async def _collect(self, stream, raw: Request, n: int,
                        prompt_logprobs: dict | None = None) -> list[_Choice]:
@@ -324,6 +377,17 @@ class OpenAIServing:
                 await asyncio.gather(task, return_exceptions=True)
             await stream.aclose()
         return [choices[k] for k in sorted(choices)]
+
+
+def _api_error(e: BaseException) -> APIError:
+    """What the client is told when the engine side of its answer fails."""
+    if isinstance(e, ValueError):
+        return bad_request(e, "prompt")
+    if isinstance(e, _ShuttingDown):
+        return APIError(503, "the server is shutting down", headers={"Retry-After": "1"})
+    if isinstance(e, EngineDeadError):
+        return APIError(503, f"the engine stopped: {e}")
+    return APIError(500, f"the engine failed on this request: {e}")
 
 
 # ---- formatting helpers --------------------------------------------------------------------
@@ -400,7 +464,23 @@ def _data(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def _sse(chunks: AsyncIterator[str]) -> StreamingResponse:
+class _EventStream(StreamingResponse):
+    """Server-sent events that close their answer when the response is done, even
+    when the body never started (the client left before the first byte)."""
+
+    def __init__(self, body: AsyncIterator[str], answer: _Answer):
+        super().__init__(body, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache"})
+        self.answer = answer
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.answer.close()
+
+
+def _sse(chunks: AsyncIterator[str], answer: _Answer) -> StreamingResponse:
     async def body() -> AsyncIterator[str]:
         try:
             async for chunk in chunks:
@@ -411,5 +491,4 @@ def _sse(chunks: AsyncIterator[str]) -> StreamingResponse:
             logger.exception("stream failed")
             yield _data(error_body(500, f"internal error: {e}"))
         yield "data: [DONE]\n\n"
-    return StreamingResponse(body(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache"})
+    return _EventStream(body(), answer)

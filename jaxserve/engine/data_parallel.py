@@ -60,6 +60,7 @@ class DataParallelEngine:
         self.weight_bytes = first.weight_bytes       # per replica
         self.weight_bytes_per_device = first.weight_bytes_per_device
         self.eos_token_id = first.eos_token_id
+        self.inputs = first.inputs                   # the same limits everywhere
         self._replica_of: dict[str, int] = {}
         logger.info("data parallel: %d replicas of mesh 1x%d", len(self.replicas),
                     mesh.shape["model"])

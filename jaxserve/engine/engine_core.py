@@ -17,12 +17,12 @@ from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.scheduler import Scheduler, SchedulerStats
 from jaxserve.engine import multihost
+from jaxserve.engine.input_processor import InputProcessor
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.model_names import resolve_model
 from jaxserve.runner import compile_counter
 from jaxserve.runner.kv_budget import choose_num_pages, page_bytes
 from jaxserve.runner.model_runner import ModelRunner
-from jaxserve.runner.sampler import MAX_BANNED_TOKENS
 from jaxserve.sampling_params import SamplingParams
 from models.config import ModelConfig
 from models.registry import build_model
@@ -79,6 +79,8 @@ class EngineCore:
                 f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
                 f"{mc.max_position_embeddings}")
         self.max_model_len = max_model_len
+        self.inputs = InputProcessor(tokenizer=self.tokenizer, vocab_size=mc.vocab_size,
+                                     max_model_len=max_model_len)
         self.mesh = mesh if mesh is not None else make_mesh(config.mesh)
         if self.mesh.shape[DATA] != 1:
             raise ValueError(f"EngineCore runs one replica (a 1xM mesh), got mesh "
@@ -177,27 +179,9 @@ class EngineCore:
 
     # ---- requests ------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
-        """Checks one request; returns its params with max_tokens resolved."""
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise ValueError("the prompt is empty")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        if n >= self.max_model_len:
-            raise ValueError(f"the prompt has {n} tokens; max_model_len={self.max_model_len} "
-                             f"leaves no room to generate (prompt must be < max_model_len)")
-        if params.min_tokens and len(params.stop_token_ids) + 1 > MAX_BANNED_TOKENS:
-            raise ValueError(f"stop_token_ids: at most {MAX_BANNED_TOKENS - 1} with min_tokens "
-                             f"> 0, got {len(params.stop_token_ids)}")
-        room = self.max_model_len - n
-        if params.max_tokens is None:
-            params = replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
-        elif params.max_tokens > room:
-            raise ValueError(f"max_tokens={params.max_tokens} cannot fit: the prompt has {n} "
-                             f"tokens and max_model_len={self.max_model_len} leaves {room}")
-        return params
+        """Checks one request (the input processor's rules); returns its params with
+        max_tokens resolved."""
+        return self.inputs.process(prompt_token_ids, params)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     *, prompt: str | None = None, arrival_time: float | None = None,

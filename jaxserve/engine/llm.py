@@ -6,7 +6,6 @@ from typing import Any, Sequence
 
 from tqdm.auto import tqdm
 
-from jaxserve.chat import render_chat
 from jaxserve.config import EngineConfig
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.engine.data_parallel import make_engine
@@ -60,7 +59,7 @@ class LLM:
         for i, (p, sp) in enumerate(zip(prompts, sampling_params)):
             text, ids = self._tokenize(p)
             self.engine.validate(ids, sp)
-            requests.append((text, ids, sp, 0 if priority is None else priority[i]))
+            requests.append((text, list(ids), sp, 0 if priority is None else priority[i]))
         order = {}
         for text, ids, sp, prio in requests:
             rid = str(next(self._ids))
@@ -73,25 +72,18 @@ class LLM:
              use_tqdm: bool = True, chat_template: str | None = None,
              add_generation_prompt: bool = True, **template_kwargs: Any) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [{"prompt_token_ids": render_chat(
-            self.tokenizer, conv, chat_template=chat_template,
-            add_generation_prompt=add_generation_prompt, **template_kwargs)}
-            for conv in conversations]
+        prompts = [{"prompt_token_ids": self.engine.inputs.render_chat(
+            conv, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+            template_kwargs=template_kwargs)} for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """Text or {'prompt_token_ids': [...]} -> (text, ids); the ids are checked with
+        the sampling parameters in generate (the input processor's process)."""
         if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("the prompt is empty")
-            if self.tokenizer is None:
-                raise ValueError("text prompts need a tokenizer; pass "
-                                 "{'prompt_token_ids': [...]} instead")
-            return prompt, self.tokenizer(prompt).input_ids
+            return prompt, self.engine.inputs.tokenize(prompt)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            ids = prompt["prompt_token_ids"]
-            if not all(isinstance(t, int) for t in ids):
-                raise ValueError("prompt_token_ids must be a list of ints")
-            return prompt.get("prompt"), list(ids)
+            return prompt.get("prompt"), prompt["prompt_token_ids"]
         if isinstance(prompt, dict) and "prompt" in prompt:
             return self._tokenize(prompt["prompt"])
         raise ValueError(f"a prompt must be a str or a dict with 'prompt_token_ids', got "

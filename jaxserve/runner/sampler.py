@@ -34,11 +34,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.core.outputs import Logprob
-from jaxserve.sampling_params import MAX_LOGPROBS, SAMPLING_EPS, SamplingParams
+from jaxserve.sampling_params import (MAX_BANNED_TOKENS, MAX_LOGPROBS, SAMPLING_EPS,
+                                      SamplingParams)
 
 _MIN_PENALTY_LEN = 16
-# Stop tokens (eos + stop_token_ids) a row may have banned while below min_tokens.
-MAX_BANNED_TOKENS = 16
 _KEY_IMPL = "threefry2x32"
 _U32 = 0xFFFFFFFF
 

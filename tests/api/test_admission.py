@@ -16,7 +16,7 @@ class StubEngine:
     """What the serving layer asks of the engine before a request reaches it."""
     tokenizer = None
     stats = SimpleNamespace(num_running=0)
-    core = SimpleNamespace(validate=lambda ids, params: None)
+    core = SimpleNamespace(inputs=SimpleNamespace(process=lambda ids, params: params))
 
     def __init__(self):
         self.generated = 0
@@ -69,5 +69,6 @@ def test_admission_is_released_however_the_client_leaves(stream, hang_up):
     for _ in range(3):   # more than max_waiting_requests: a leak would show as a 503
         sent = call(app, {"prompt": [5, 6, 7], "max_tokens": 4, "stream": stream},
                     hang_up=hang_up)
-        assert sent[0]["status"] != 503
+        # (A stream whose client already left may send nothing at all.)
+        assert all(m["status"] != 503 for m in sent if "status" in m)
         assert serving.num_in_flight == 0
