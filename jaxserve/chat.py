@@ -27,16 +27,24 @@ def message_text(content: Any) -> str:
                      f"{type(content).__name__}")
 
 
+# Variables the renderer itself hands every template (transformers' render_jinja_template).
+_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
+
+
 def _renderer_arguments(tokenizer) -> set[str]:
-    """apply_chat_template's own parameters: template kwargs may not override them."""
+    """apply_chat_template's own parameters and the template variables it sets:
+    template kwargs may not override them."""
     params = inspect.signature(tokenizer.apply_chat_template).parameters.values()
-    return {p.name for p in params if p.kind is not inspect.Parameter.VAR_KEYWORD}
+    return {p.name for p in params
+            if p.kind is not inspect.Parameter.VAR_KEYWORD} | _TEMPLATE_VARIABLES
 
 
 def render_chat(tokenizer, messages: list[dict], *, chat_template: str | None = None,
                 add_generation_prompt: bool = True, max_chars: int | None = None,
-                **template_kwargs: Any) -> list[int]:
-    """max_chars: refuse conversations whose text is longer, before rendering."""
+                template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    """max_chars: refuse conversations whose text is longer, before rendering.
+    template_kwargs: extra template variables (a client's chat_template_kwargs)."""
+    template_kwargs = template_kwargs or {}
     if tokenizer is None:
         raise ValueError("chat needs a tokenizer; this model has none")
     if not messages:

@@ -30,6 +30,9 @@ class Metrics:
         self.compilations = gauge("jaxserve:num_compilations",
                                   "XLA compilations in this process (flat after warmup).")
         self.preemptions = gauge("jaxserve:num_preemptions", "Requests preempted so far.")
+        self.admitted = gauge("jaxserve:num_sequences_admitted",
+                              "Sequences (n per prompt) the server admitted and has not yet "
+                              "answered: what --max-waiting-requests limits.")
         self.prompt_tokens = counter("jaxserve:prompt_tokens", "Prompt tokens processed.")
         self.generation_tokens = counter("jaxserve:generation_tokens", "Tokens generated.")
         self.requests_finished = counter("jaxserve:request_success", "Requests finished.")
@@ -38,13 +41,14 @@ class Metrics:
                               "Time per output token after the first.")
         self.e2e = histogram("jaxserve:e2e_request_latency_seconds", "End-to-end latency.")
 
-    def render(self, stats) -> bytes:
+    def render(self, stats, *, admitted: int) -> bytes:
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_cache_usage)
         self.prefix_hit_rate.set(stats.prefix_cache_hit_rate)
         self.compilations.set(stats.num_compilations)
         self.preemptions.set(stats.num_preemptions)
+        self.admitted.set(admitted)
         return generate_latest(self.registry)
 
     def observe_request(self, *, arrival: float, first_token: float | None, end: float,

@@ -99,7 +99,8 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     @app.get("/metrics", response_class=Response, responses={200: {
         "description": "Prometheus text format", "content": {CONTENT_TYPE_LATEST: {}}}})
     async def prometheus() -> Response:
-        return Response(metrics.render(engine.stats), media_type=CONTENT_TYPE_LATEST)
+        return Response(metrics.render(engine.stats, admitted=serving.num_in_flight),
+                        media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/version")
     async def version() -> dict:

@@ -121,12 +121,16 @@ class OpenAIServing:
     def admit(self, num_seqs: int) -> _Answer:
         """Admits `num_seqs` sequences or answers 503 when too many already wait.
         Both sides count sequences: the engine's running count is of sequences too."""
+        limit = self.settings.max_waiting_requests
+        if num_seqs > limit:   # could never be admitted: the client must split it
+            raise APIError(400, f"this request has {num_seqs} sequences (n x prompts); the "
+                                f"server admits at most {limit} at a time "
+                                f"(--max-waiting-requests)", "n")
         waiting = max(self.num_in_flight - self.engine.stats.num_running, 0)
-        if waiting + num_seqs > self.settings.max_waiting_requests:
+        if waiting + num_seqs > limit:
             raise APIError(503, f"the server is overloaded: {waiting} sequences are waiting, "
                                 f"this request adds {num_seqs} (--max-waiting-requests="
-                                f"{self.settings.max_waiting_requests})",
-                           headers={"Retry-After": "1"})
+                                f"{limit})", headers={"Retry-After": "1"})
         return _Answer(self, num_seqs)
 
     def end_all_answers(self) -> None:

@@ -76,7 +76,8 @@ class InputProcessor:
         try:
             return render_chat(self.tokenizer, messages, chat_template=chat_template,
                                add_generation_prompt=add_generation_prompt,
-                               max_chars=self.max_prompt_chars, **(template_kwargs or {}))
+                               max_chars=self.max_prompt_chars,
+                               template_kwargs=template_kwargs)
         except ValueError as e:
             param = "chat_template_kwargs" if "chat_template_kwargs" in str(e) else "messages"
             raise InputError(str(e), param) from None
