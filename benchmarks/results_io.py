@@ -1,4 +1,5 @@
-"""The one results format of every benchmark: `<name>.json`, `<name>.md`, `<name>.png`.
+"""The one results format of every benchmark: `<name>.json`, `<name>.md`, `<name>.png`
+(the figure needs matplotlib, the `bench` extra; without it the other two are written).
 
 JSON: {"benchmark", "command", "machine", "config", "results", "ratio", "agreement"}.
 `ratio` (jaxserve / reference, higher is better for jaxserve) and `agreement` (greedy
@@ -178,29 +179,66 @@ def write_json(path: str, doc: dict[str, Any]) -> None:
         json.dump(clean(doc), f, indent=1, allow_nan=False)
 
 
+PLOT_INSTALL = 'pip install -e ".[bench]"'   # the extra that brings matplotlib
+
+
+def plot_library_missing(err: ImportError) -> bool:
+    """True when `err` is matplotlib (or one of its modules) failing to import."""
+    return (err.name or "").split(".")[0] == "matplotlib"
+
+
+def try_plot(plot: Callable[[str], None], path: str) -> bool:
+    """Draws `path`; without matplotlib, says so on stderr and returns False.
+
+    A missing figure is not a failed benchmark: the measurement succeeded and its JSON
+    and table are written before any plotting, so the run warns (naming the figure and
+    the install command) and goes on to exit 0 — a script that checks the exit status
+    still gets its numbers. Any other error, a bug in a plot, still raises."""
+    try:
+        plot(path)
+    except ImportError as err:
+        if not plot_library_missing(err):
+            raise
+        print(f"WARNING: plot {path} not drawn: matplotlib is not installed; "
+              f"{PLOT_INSTALL} installs it (the results are written)",
+              file=sys.stderr, flush=True)
+        return False
+    return True
+
+
 def write_results(output_dir: str, name: str, *, benchmark: str, argv: Sequence[str],
                   config: dict[str, Any], results: dict[str, Any], table: str,
                   plot: Callable[[str], None] | None = None, ratio: float | None = None,
                   agreement: dict[str, Any] | None = None,
                   notes: Sequence[str] = ()) -> dict[str, str]:
-    """Writes the three files, prints the table, returns their paths."""
+    """Writes `<name>.json` and `<name>.md`, prints the table, then draws `<name>.png`
+    (if `plot` and matplotlib are there); returns the paths of the files written."""
     os.makedirs(output_dir, exist_ok=True)
     doc = build_document(benchmark=benchmark, argv=argv, config=config, results=results,
                          ratio=ratio, agreement=agreement, notes=notes)
     paths = {ext: os.path.join(output_dir, f"{name}.{ext}") for ext in ("json", "md", "png")}
-    write_json(paths["json"], doc)
-    if plot is not None:
-        plot(paths["png"])
     md = [f"# {benchmark}: {name}", "", f"    {doc['command']}", "",
           f"Machine: {machine_line(doc['machine'])}", "", table, ""]
     md += [f"- {n}" for n in doc["notes"]] + ([""] if doc["notes"] else [])
-    if plot is not None:
-        md += [f"![{name}]({name}.png)", ""]
-    with open(paths["md"], "w", encoding="utf-8") as f:
-        f.write("\n".join(md))
-    if plot is None:
+
+    def write_md(lines: list[str]) -> None:
+        with open(paths["md"], "w", encoding="utf-8") as f:
+            f.write("\n".join(lines))
+
+    # the measurement first: JSON and table are on disk whatever the plot does
+    write_json(paths["json"], doc)
+    write_md(md)
+    print(table, flush=True)
+    if os.path.exists(paths["png"]):   # an earlier run's figure: it would not match these
+        os.remove(paths["png"])
+    drawn = plot is not None and try_plot(plot, paths["png"])
+    if drawn:
+        write_md(md + [f"![{name}]({name}.png)", ""])
+    elif plot is not None:   # asked for, but matplotlib is missing: the table says so
+        write_md(md + [f"(figure {name}.png not drawn: matplotlib is not installed; "
+                       f"`{PLOT_INSTALL}`)", ""])
+    if not drawn:
         del paths["png"]
-    print(table)
     print(f"wrote {', '.join(paths.values())}", flush=True)
     return paths
 

@@ -59,7 +59,8 @@ import numpy as np
 
 if __package__ in (None, ""):   # run as a script (python benchmarks/serve.py): the repo root
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.results_io import build_document, write_json, write_results
+from benchmarks.results_io import (build_document, new_figure, try_plot, write_json,
+                                   write_results)
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 WORDS = ("time year people way day man thing woman life child world school state family "
@@ -378,11 +379,8 @@ def format_sweep_table(results: list[tuple[float, dict[str, Any]]]) -> str:
 
 
 def plot_sweep(results: list[tuple[float, dict[str, Any]]], path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt, fig, axes = new_figure(3, width=5.0, height=4.2)
     xs = list(range(len(results)))   # categorical axis, so "inf" has a place
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     for ax, (key, title) in zip(axes, (("ttft", "TTFT"), ("tpot", "TPOT"), ("e2e", "E2E latency"))):
         for stat, style in (("mean_ms", "o-"), ("p99_ms", "s--")):
             ys = [np.nan if a[key][stat] is None else a[key][stat] for _, a in results]
@@ -470,9 +468,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     plot = args.plot or (None if args.output_dir else "serve_sweep.png")
     if args.sweep:
         print(format_sweep_table(results))
-        if plot:
-            plot_sweep(results, plot)
-            print(f"plot: {plot}")
     config = {**vars(args), "request_rate": str(args.request_rate)}
     report = {"runs": [{"request_rate": str(rate), "metrics": agg,
                         "requests": [record_json(r) for r in recs]}
@@ -486,6 +481,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         write_results(args.output_dir, args.name, benchmark="serve", argv=argv, config=config,
                       results=report, table=format_sweep_table(results),
                       plot=lambda path: plot_sweep(results, path), notes=[note])
+    # last, after the results are written: without matplotlib only the figure is missing
+    if args.sweep and plot and try_plot(lambda path: plot_sweep(results, path), plot):
+        print(f"plot: {plot}")
     return report
 
 

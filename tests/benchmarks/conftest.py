@@ -1,6 +1,9 @@
 """A tiny random Qwen3 shared by the benchmark smoke tests (written once per session)."""
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import pytest
 
 from benchmarks.common import make_qwen3
@@ -15,3 +18,12 @@ TINY_QWEN3 = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hid
 @pytest.fixture(scope="session")
 def tiny_qwen3(tmp_path_factory) -> str:
     return make_qwen3(str(tmp_path_factory.mktemp("tiny-qwen3")), TINY_QWEN3, seed=0)
+
+
+def assert_figure(path: Path) -> None:
+    """The PNG a benchmark drew. Without matplotlib (the `test` extra brings it) there is
+    none, and the rest of the benchmark's files must still be there."""
+    if importlib.util.find_spec("matplotlib") is None:
+        assert not path.exists()
+    else:
+        assert path.stat().st_size > 1000 and path.read_bytes()[:4] == b"\x89PNG"

@@ -8,12 +8,13 @@ from pathlib import Path
 import pytest
 
 from benchmarks.compare import main
+from tests.benchmarks.conftest import assert_figure
 
 
 def check_files(out, name: str) -> dict:
-    for ext in ("json", "md", "png"):
+    for ext in ("json", "md"):
         assert (out / f"{name}.{ext}").stat().st_size > 100
-    assert (out / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
+    assert_figure(out / f"{name}.png")
     doc = json.loads((out / f"{name}.json").read_text())
     assert doc["benchmark"] == "compare"
     assert doc["command"].startswith("python -m benchmarks.compare")

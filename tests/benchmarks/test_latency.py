@@ -8,6 +8,7 @@ import pytest
 
 from benchmarks.latency import main
 from benchmarks.model_stats import model_stats
+from tests.benchmarks.conftest import assert_figure
 
 
 def test_latency_with_roofline(tiny_qwen3, tmp_path):
@@ -18,7 +19,7 @@ def test_latency_with_roofline(tiny_qwen3, tmp_path):
           "--output-len", "8", "--iters", "2", "--ref-cache", "dynamic",
           "--roofline", str(roofline), "--output-dir", str(tmp_path)])
     doc = json.loads((tmp_path / "latency.json").read_text())
-    assert (tmp_path / "latency.png").read_bytes()[:4] == b"\x89PNG"
+    assert_figure(tmp_path / "latency.png")
     assert "TPOT" in (tmp_path / "latency.md").read_text()
     assert doc["config"]["prompt_lens_run"] == [8, 24]   # 1000 > the model's 256 positions
     assert doc["agreement"]["all_agree"] is True and doc["agreement"]["num_requests"] == 2

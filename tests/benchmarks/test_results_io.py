@@ -2,9 +2,13 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
-from benchmarks.results_io import clean, cpu_snapshot, markdown_table, other_load, write_results
+import pytest
+
+from benchmarks.results_io import (clean, cpu_snapshot, markdown_table, new_figure, other_load,
+                                   write_results)
 
 
 def test_write_results(tmp_path, capsys):
@@ -58,3 +62,48 @@ def test_a_disturbed_run_is_flagged(tmp_path, monkeypatch):
     doc = json.loads(Path(paths["json"]).read_text())
     assert doc["notes"][0] == "mine" and doc["notes"][1].startswith("WARNING: other processes")
     assert "1.50 cores" in Path(paths["md"]).read_text()
+
+
+def bar_plot(path: str) -> None:
+    """A real plot through new_figure: it imports matplotlib the way the benchmarks do."""
+    plt, fig, (ax,) = new_figure(1)
+    ax.bar(["a"], [1.0])
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def test_missing_matplotlib_writes_json_and_table_then_warns(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)   # as if not installed
+    (tmp_path / "x.png").write_bytes(b"\x89PNG from an earlier run")
+    paths = write_results(str(tmp_path), "x", benchmark="demo", argv=[], config={},
+                          results={"v": 1}, table=markdown_table(["k", "v"], [["a", 1]]),
+                          plot=bar_plot)
+    assert set(paths) == {"json", "md"}
+    assert json.loads(Path(paths["json"]).read_text())["results"] == {"v": 1}
+    assert not (tmp_path / "x.png").exists()   # the stale figure does not pass for this run
+    md = Path(paths["md"]).read_text()
+    assert "| a | 1 |" in md and "![x]" not in md
+    assert 'x.png not drawn: matplotlib is not installed; `pip install -e ".[bench]"`' in md
+    out, err = capsys.readouterr()
+    assert "| a | 1 |" in out and "wrote " in out and "x.png" not in out
+    assert err.startswith(f"WARNING: plot {tmp_path / 'x.png'} not drawn: matplotlib is not "
+                          'installed; pip install -e ".[bench]" installs it')
+
+
+def test_other_plot_errors_raise_after_the_results_are_written(tmp_path):
+    def broken(path: str) -> None:
+        raise ModuleNotFoundError("No module named 'seaborn'", name="seaborn")
+
+    with pytest.raises(ModuleNotFoundError, match="seaborn"):
+        write_results(str(tmp_path), "w", benchmark="demo", argv=[], config={},
+                      results={"v": 2}, table="| t |", plot=broken)
+    assert json.loads((tmp_path / "w.json").read_text())["results"] == {"v": 2}
+    assert "| t |" in (tmp_path / "w.md").read_text()
+
+
+def test_a_real_plot_is_drawn_and_linked(tmp_path):
+    pytest.importorskip("matplotlib")
+    paths = write_results(str(tmp_path), "p", benchmark="demo", argv=[], config={},
+                          results={}, table="t", plot=bar_plot)
+    assert Path(paths["png"]).read_bytes()[:4] == b"\x89PNG"
+    assert "![p](p.png)" in Path(paths["md"]).read_text()

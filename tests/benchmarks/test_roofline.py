@@ -2,10 +2,14 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
 from benchmarks.roofline import load_roofline, main
+from tests.benchmarks.conftest import assert_figure
 
 
 def test_roofline_writes_and_loads(tmp_path):
@@ -19,7 +23,7 @@ def test_roofline_writes_and_loads(tmp_path):
     assert best["copy_gb_per_s"] == max(c["gb_per_s"] for c in doc["results"]["copy"]) > 0
     assert best["matmul_tflops"] > 0 and best["matmul_dtype"] == "float32"
     assert best["device"].startswith("cpu")
-    assert (tmp_path / "roofline.png").read_bytes()[:4] == b"\x89PNG"
+    assert_figure(tmp_path / "roofline.png")
     assert "best copy" in (tmp_path / "roofline.md").read_text()
     loaded = load_roofline(str(tmp_path / "roofline.json"))
     assert loaded["copy_gb_per_s"] == best["copy_gb_per_s"]
@@ -31,3 +35,22 @@ def test_load_roofline_rejects_other_results(tmp_path):
     path.write_text(json.dumps({"benchmark": "compare", "results": {}}))
     with pytest.raises(ValueError, match="not a roofline"):
         load_roofline(str(path))
+
+
+def test_cli_without_matplotlib_exits_0_with_results_and_a_warning(tmp_path):
+    """`python -m benchmarks.roofline` in a Python where matplotlib cannot be imported:
+    the measurement succeeded, so JSON and table are written and the exit status is 0."""
+    block = ("import runpy, sys; sys.modules['matplotlib'] = None; "
+             "sys.argv = ['roofline', *sys.argv[1:]]; "
+             "runpy.run_module('benchmarks.roofline', run_name='__main__')")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    run = subprocess.run([sys.executable, "-c", block, "--copy-mib", "1", "--matmul-sizes",
+                          "64", "--iters", "1", "--output-dir", str(tmp_path)],
+                         cwd=root, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert run.returncode == 0, run.stderr
+    assert json.loads((tmp_path / "roofline.json").read_text())["benchmark"] == "roofline"
+    assert "best copy" in (tmp_path / "roofline.md").read_text()
+    assert not (tmp_path / "roofline.png").exists()
+    assert "roofline.png not drawn: matplotlib is not installed" in run.stderr
+    assert 'pip install -e ".[bench]"' in run.stderr

@@ -7,6 +7,7 @@ import asyncio
 import json
 import math
 import socket
+import sys
 import threading
 import time
 
@@ -23,6 +24,7 @@ from benchmarks.serve import (CHAT, COMPLETIONS, BenchConfig, Prompt, RequestRec
                               arrival_times, build_payload, e2e, feed_line, format_summary,
                               format_sweep_table, itls, main, random_dataset, run_benchmark,
                               sharegpt_dataset, summarize, tpot, ttft)
+from tests.benchmarks.conftest import assert_figure  # noqa: E402
 
 FIRST_DELAY, GAP = 0.2, 0.05   # fake server: seconds to the first chunk, between chunks
 REJECT_ABOVE = 50              # fake server answers 400 when max_tokens is larger
@@ -296,7 +298,7 @@ def test_cli_sweep_writes_json_and_plot(server, tmp_path, capsys):
     assert [r["request_rate"] for r in report["runs"]] == ["inf", "50.0"]
     assert all(r["metrics"]["completed"] == 3 and len(r["requests"]) == 3 for r in report["runs"])
     assert report["runs"][0]["requests"][0]["output_tokens"] == 2
-    assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
+    assert_figure(png)
     text = capsys.readouterr().out
     assert "Mean TTFT (ms)" in text and text.count("| inf |") == 1
     assert format_sweep_table([]).count("\n") == 1
@@ -310,6 +312,23 @@ def test_cli_output_dir_writes_the_shared_files(server, tmp_path, monkeypatch):
           "--name", "one"])
     doc = json.loads((tmp_path / "one.json").read_text())
     assert [r["metrics"]["completed"] for r in doc["results"]["runs"]] == [2, 2]
-    assert (tmp_path / "one.png").read_bytes()[:4] == b"\x89PNG"
+    assert_figure(tmp_path / "one.png")
     assert "| inf | 2 | 0 |" in (tmp_path / "one.md").read_text()
     assert not (tmp_path / "serve_sweep.png").exists()
+
+
+def test_cli_without_matplotlib_writes_results_and_warns(server, tmp_path, capsys, monkeypatch):
+    url, _ = server
+    monkeypatch.setitem(sys.modules, "matplotlib", None)   # as if not installed
+    out, png = tmp_path / "r.json", tmp_path / "s.png"
+    main(["--base-url", url, "--num-prompts", "2", "--random-input-len", "5",
+          "--random-output-len", "2", "--sweep", "inf", "--plot", str(png),
+          "--result-json", str(out), "--output-dir", str(tmp_path), "--name", "two"])
+    assert json.loads(out.read_text())["results"]["runs"][0]["metrics"]["completed"] == 2
+    assert json.loads((tmp_path / "two.json").read_text())["benchmark"] == "serve"
+    assert "| inf | 2 | 0 |" in (tmp_path / "two.md").read_text()
+    assert not png.exists() and not (tmp_path / "two.png").exists()
+    err = capsys.readouterr().err
+    for figure in (png, tmp_path / "two.png"):
+        assert f"WARNING: plot {figure} not drawn: matplotlib is not installed" in err
+    assert 'pip install -e ".[bench]"' in err

@@ -1,0 +1,73 @@
+"""pyproject's extras against the code: every third-party module that tests/ or
+benchmarks/ import is a base dependency or in `test`, and every one benchmarks/ import
+is a base dependency or in `bench` — so `pip install -e ".[test]"` on a new machine
+runs the whole suite, not only what the developer's machine happened to have."""
+from __future__ import annotations
+
+import ast
+import re
+import sys
+import tomllib
+from importlib import metadata
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def canon(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def declared(*groups: str) -> set[str]:
+    """Distribution names of the base dependencies plus the named extras."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    reqs = list(project["dependencies"])
+    for g in groups:
+        reqs += project["optional-dependencies"][g]
+    return {canon(re.match(r"[A-Za-z0-9][A-Za-z0-9._-]*", r).group()) for r in reqs}
+
+
+def third_party_imports(*dirs: str) -> dict[str, set[str]]:
+    """Top-level module -> files importing it (nested and lazy imports included)."""
+    local = {p.stem for p in ROOT.iterdir()}   # jaxserve, models, tests, benchmarks, ...
+    found: dict[str, set[str]] = {}
+    for d in dirs:
+        files = sorted((ROOT / d).rglob("*.py"))
+        local_here = local | {f.stem for f in files}   # `from common import ...` in benchmarks/
+        for f in files:
+            for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    names = [node.module]
+                else:
+                    continue
+                for top in {n.split(".")[0] for n in names}:
+                    if top not in sys.stdlib_module_names and top not in local_here:
+                        found.setdefault(top, set()).add(str(f.relative_to(ROOT)))
+    return found
+
+
+def undeclared(dirs: tuple[str, ...], allowed: set[str]) -> dict[str, list[str]]:
+    dists = metadata.packages_distributions()   # module -> distributions, if installed
+    return {m: sorted(files) for m, files in third_party_imports(*dirs).items()
+            if not {canon(d) for d in dists.get(m, [m])} & allowed}
+
+
+def test_test_extra_covers_tests_and_benchmarks():
+    assert undeclared(("tests", "benchmarks"), declared("test")) == {}
+
+
+def test_bench_extra_covers_benchmarks():
+    assert undeclared(("benchmarks",), declared("bench")) == {}
+
+
+def test_test_extra_holds_bench():
+    # tests/benchmarks runs every benchmark: whatever they need, the tests need too
+    assert declared("bench") <= declared("test")
+
+
+def test_the_scan_sees_lazy_imports():
+    # benchmarks import matplotlib only inside their plot functions
+    assert "matplotlib" in third_party_imports("benchmarks")
+    assert "common" not in third_party_imports("benchmarks")   # benchmarks/common.py
