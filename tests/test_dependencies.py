@@ -54,6 +54,11 @@ def undeclared(dirs: tuple[str, ...], allowed: set[str]) -> dict[str, list[str]]
             if not {canon(d) for d in dists.get(m, [m])} & allowed}
 
 
+def test_base_dependencies_cover_the_engine():
+    engine = ("jaxserve", "models", "sharding", "pallas_kernels")
+    assert undeclared(engine, declared()) == {}
+
+
 def test_test_extra_covers_tests_and_benchmarks():
     assert undeclared(("tests", "benchmarks"), declared("test")) == {}
 

@@ -67,8 +67,8 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, err: RequestValidationError):
-        first = err.errors()[0] if err.errors() else {}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        first = _most_specific(err.errors())
+        loc = [str(x) for x in first.get("loc", ()) if x != "body" and not _is_union_tag(x)]
         if first.get("type") == "json_invalid":
             message, param = "malformed JSON body", None
         elif not loc:   # a whole-body check (e.g. Unicode) names its field itself
@@ -154,3 +154,18 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
 
     app.include_router(api)
     return app
+
+
+def _most_specific(errors: list[dict]) -> dict:
+    """A value that fits no branch of a union (prompt: str | list[int] | ...) gets an
+    error per branch; the one that is not a mere type mismatch says what is wrong."""
+    specific = [e for e in errors if not e.get("type", "").endswith("_type")]
+    return (specific or errors or [{}])[0]
+
+
+_BUILTIN_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
+
+
+def _is_union_tag(part) -> bool:
+    """pydantic names the union branch in an error's location ('list[constrained-int]')."""
+    return isinstance(part, str) and ("[" in part or "-" in part or part in _BUILTIN_TAGS)
