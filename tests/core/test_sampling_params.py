@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from jaxserve.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingType
+from jaxserve.sampling_params import (INT32_MAX, INT64_MAX, INT64_MIN, MAX_LOGPROBS, MAX_N,
+                                      SamplingParams, SamplingType)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -64,6 +65,20 @@ def test_normalisation():
         (dict(seed="7"), "seed"),
         (dict(seed=True), "seed"),
         (dict(stop_token_ids=[-1]), "stop_token_ids"),
+        # Past what the device arrays hold (int32) or OpenAI documents (int64 seeds).
+        (dict(n=MAX_N + 1), "n"),
+        (dict(top_k=INT32_MAX + 1), "top_k"),
+        (dict(stop_token_ids=[INT32_MAX + 1]), "stop_token_ids"),
+        (dict(seed=INT64_MAX + 1), "seed"),
+        (dict(seed=INT64_MIN - 1), "seed"),
+        # Non-finite floats (a NaN temperature would sample token 0 for ever).
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(temperature=float("inf")), "temperature"),
+        (dict(top_p=float("nan")), "top_p"),
+        (dict(min_p=float("nan")), "min_p"),
+        (dict(repetition_penalty=float("inf")), "repetition_penalty"),
+        (dict(presence_penalty=float("-inf")), "presence_penalty"),
+        (dict(frequency_penalty=float("nan")), "frequency_penalty"),
     ],
 )
 def test_validation_errors_name_field_and_value(kwargs, field):
@@ -78,6 +93,13 @@ def test_boundary_values_are_accepted():
     SamplingParams(top_p=1.0, min_p=1.0, top_k=0, presence_penalty=2.0, frequency_penalty=-2.0)
     SamplingParams(logprobs=0, prompt_logprobs=MAX_LOGPROBS, min_tokens=16, max_tokens=16)
     SamplingParams(temperature=0.0, seed=0, min_tokens=100, max_tokens=None)
+    SamplingParams(n=MAX_N, top_k=INT32_MAX, stop_token_ids=[INT32_MAX], seed=INT64_MIN)
+
+
+def test_children_of_the_largest_seed_stay_valid():
+    # seed + index wraps in 64 bits instead of failing validation at add time
+    assert [SamplingParams(n=2, seed=INT64_MAX).child(i).seed for i in range(2)] == \
+        [INT64_MAX, INT64_MIN]
 
 
 def test_greedy_and_sampling_type():

@@ -25,6 +25,11 @@ OK = {"prompt_token_ids": [5, 6, 7]}
     ({"prompt_token_ids": [5, -1]}, SamplingParams(), "token id -1 is outside"),
     ({"prompt_token_ids": ["a"]}, SamplingParams(), "list of ints"),
     (42, SamplingParams(), "must be a str or a dict"),
+    ({"prompt_token_ids": [5, 2**40]}, SamplingParams(), "outside the vocabulary"),
+    ({"prompt_token_ids": [5, True]}, SamplingParams(), "list of ints"),
+    (OK, SamplingParams(stop_token_ids=[256]), "stop_token_ids: 256 is outside"),
+    ("a\ud800b", SamplingParams(), "not valid Unicode"),
+    ("word " * 10_000, SamplingParams(), "characters"),
 ])
 def test_bad_request_raises_and_harms_nothing(llm, prompt, params, message):
     with pytest.raises(ValueError, match=message):
@@ -80,3 +85,15 @@ def test_unsupported_architecture(tmp_path):
 def test_bad_engine_arguments(checkpoint, kwargs, message):
     with pytest.raises(ValueError, match=message):
         LLM(checkpoint("llama"), **{"max_num_batched_tokens": 32, "max_num_seqs": 4, **kwargs})
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(chat_template_kwargs={"tokenize": False}), "may not set tokenize"),
+    (dict(chat_template_kwargs={"messages": []}), "may not set messages"),
+    (dict(chat_template="{{ raise_exception('refused') }}"), "template failed.*refused"),
+])
+def test_chat_template_errors(llm, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=2),
+                 use_tqdm=False, **kwargs)
+    assert_no_leaks(llm.engine)
