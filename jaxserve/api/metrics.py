@@ -31,8 +31,9 @@ class Metrics:
                                   "XLA compilations in this process (flat after warmup).")
         self.preemptions = gauge("jaxserve:num_preemptions", "Requests preempted so far.")
         self.admitted = gauge("jaxserve:num_sequences_admitted",
-                              "Sequences (n per prompt) the server admitted and has not yet "
-                              "answered: what --max-waiting-requests limits.")
+                              "Sequences (n per prompt) the server admitted that the engine "
+                              "has not finished; less the running ones, what "
+                              "--max-waiting-requests limits.")
         self.prompt_tokens = counter("jaxserve:prompt_tokens", "Prompt tokens processed.")
         self.generation_tokens = counter("jaxserve:generation_tokens", "Tokens generated.")
         self.requests_finished = counter("jaxserve:request_success", "Requests finished.")

@@ -68,21 +68,29 @@ class _ShuttingDown(Exception):
 
 class _Answer:
     """One admitted request in progress: the sequences it holds against
-    --max-waiting-requests and the tasks that feed it from the engine. Closed once,
-    by whichever comes first: its stream of outputs ends, or its HTTP response is
-    done (a streamed body may never start when the client leaves before the first
-    byte). Closing cancels the tasks, which aborts the engine requests."""
+    --max-waiting-requests (n per prompt, until the engine finishes that prompt) and
+    the tasks that feed it from the engine. Closed once, by whichever comes first:
+    its stream of outputs ends, or its HTTP response is done (a streamed body may
+    never start when the client leaves before the first byte). Closing cancels the
+    tasks, which aborts the engine requests."""
 
-    def __init__(self, serving: OpenAIServing, num_seqs: int):
-        self.serving, self.num_seqs = serving, num_seqs
+    def __init__(self, serving: OpenAIServing, num_prompts: int, n: int):
+        self.serving = serving
+        self.held = [n] * num_prompts   # per prompt: sequences not finished in the engine
         self.queue: asyncio.Queue = asyncio.Queue()
         self.tasks: list[asyncio.Task] = []
-        serving.num_in_flight += num_seqs
+        serving.num_in_flight += n * num_prompts
         serving.answers.add(self)
 
+    def prompt_done(self, i: int) -> None:
+        """The engine finished prompt i: its sequences neither run nor wait any more
+        (a slow client may still be reading them)."""
+        self.serving.num_in_flight -= self.held[i]
+        self.held[i] = 0
+
     def close(self) -> None:
-        self.serving.num_in_flight -= self.num_seqs
-        self.num_seqs = 0
+        for i in range(len(self.held)):
+            self.prompt_done(i)
         self.serving.answers.discard(self)
         for t in self.tasks:
             t.cancel()
@@ -118,9 +126,11 @@ class OpenAIServing:
         if self.shutting_down:
             raise APIError(503, "the server is shutting down", headers={"Retry-After": "1"})
 
-    def admit(self, num_seqs: int) -> _Answer:
-        """Admits `num_seqs` sequences or answers 503 when too many already wait.
-        Both sides count sequences: the engine's running count is of sequences too."""
+    def admit(self, num_prompts: int, n: int) -> _Answer:
+        """Admits n sequences per prompt or answers 503 when too many already wait.
+        Waiting = sequences admitted and unfinished in the engine, less the running ones
+        (the engine's count, of sequences too)."""
+        num_seqs = num_prompts * n
         limit = self.settings.max_waiting_requests
         if num_seqs > limit:   # could never be admitted: the client must split it
             raise APIError(400, f"this request has {num_seqs} sequences (n x prompts); the "
@@ -131,7 +141,7 @@ class OpenAIServing:
             raise APIError(503, f"the server is overloaded: {waiting} sequences are waiting, "
                                 f"this request adds {num_seqs} (--max-waiting-requests="
                                 f"{limit})", headers={"Retry-After": "1"})
-        return _Answer(self, num_seqs)
+        return _Answer(self, num_prompts, n)
 
     def end_all_answers(self) -> None:
         """Shutdown: every answer in progress ends now with a 503 (a streamed one with an
@@ -179,7 +189,7 @@ class OpenAIServing:
         except ValueError as e:
             raise bad_request(e)
         prompts = await self._in_worker(self._completion_prompts, req.prompt, params)
-        answer = self.admit(len(prompts) * params.n)
+        answer = self.admit(len(prompts), params.n)
         rid = f"cmpl-{uuid.uuid4().hex}"
         stream = self._merged(rid, prompts, params, req.priority, answer)
         if req.stream:
@@ -267,7 +277,7 @@ class OpenAIServing:
         except ValueError as e:
             raise bad_request(e)
         prompts = await self._in_worker(self._chat_prompts, req, params)
-        answer = self.admit(params.n)
+        answer = self.admit(1, params.n)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         stream = self._merged(rid, prompts, params, req.priority, answer)
         if req.stream:
@@ -325,6 +335,8 @@ class OpenAIServing:
             try:
                 async for out in self.engine.generate(f"{rid}-{i}", p.ids, params,
                                                       prompt=p.text, priority=priority):
+                    if out.finished:
+                        answer.prompt_done(i)
                     queue.put_nowait((i, out))
             except asyncio.CancelledError:
                 raise
