@@ -21,7 +21,9 @@ Logprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
 
 
 class _Fields(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)   # finite floats only
+    # strict: a value of another JSON type ("5" for 5, true for 1.0) is refused, as the
+    # schema says, rather than coerced; finite floats only.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
 
 
 class _Body(_Fields):

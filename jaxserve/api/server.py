@@ -89,8 +89,9 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         logger.exception("unhandled error on %s", request.url.path)
         return JSONResponse(error_body(500, f"internal error: {err}"), status_code=500)
 
-    @app.get("/health", responses={200: {"description": "the engine is running"},
-                                   **error_responses(503)})
+    @app.get("/health", response_class=Response,
+             responses={200: {"description": "the engine is running (no body)"},
+                        **error_responses(503)})
     async def health() -> Response:
         if engine.dead:
             return JSONResponse(error_body(503, "the engine stopped"), status_code=503)
