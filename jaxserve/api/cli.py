@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import os
+import sys
 import time
 from dataclasses import replace
 
@@ -143,7 +144,19 @@ def main(argv: list[str] | None = None) -> None:
         config = replace(config, model=resolve_model(config.model, load_format=config.load_format))
     except ValueError as e:
         parser().exit(2, f"error: {e}\n")
-    engine = AsyncEngine(config)
+    fatal: list[BaseException] = []
+    server: _Server | None = None
+
+    def on_fatal(error: BaseException) -> None:
+        # The engine thread cannot go on: stop serving and exit non-zero (below), so a
+        # supervisor restarts the server instead of it answering 503 for ever.
+        fatal.append(error)
+        logger.critical("the engine stopped (%s: %s); the server exits with status 1",
+                        type(error).__name__, error)
+        if server is not None:
+            server.should_exit = True
+
+    engine = AsyncEngine(config, on_fatal=on_fatal)
     core = engine.core
     logger.info("%s", plan_for_engine(core))
     served = args.served_model_name or (args.model or DEFAULT_MODEL_NAME)
@@ -167,7 +180,11 @@ def main(argv: list[str] | None = None) -> None:
     server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
                                     timeout_graceful_shutdown=args.timeout_graceful_shutdown),
                      app.state.serving)
+    if fatal:   # the engine died before the server was made
+        sys.exit(1)
     server.run()
+    if fatal:
+        sys.exit(1)
 
 
 class _Server(uvicorn.Server):

@@ -7,7 +7,7 @@ of choices, indexed prompt_index * n + completion_index as OpenAI does.
 Tokenizing and chat-template rendering run in a worker thread, never on the
 event loop (a big prompt must not freeze /health and every other stream). Each
 admitted request holds its n * prompts sequences against --max-waiting-requests
-until its answer ends, however it ends (see _Admission).
+until the engine finishes it or its response ends, however it ends (see _Answer).
 """
 from __future__ import annotations
 
