@@ -145,10 +145,15 @@ class KVCacheManager:
                 rp.num_cached = num_full
         return new_blocks
 
-    def uncache_unwritten(self, request: Request, num_written_tokens: int) -> None:
+    def uncache_unwritten(self, request: Request, num_written_tokens: int,
+                          shared_too: bool = False) -> None:
         """Forget the hashes this request registered for pages past its first
         `num_written_tokens` tokens: it was dropped from a step whose tokens
-        would have filled them, so their KV will never be written."""
+        would have filled them, so their KV will never be written.
+
+        shared_too: also pages others hold. Right when the whole step failed: the
+        only other holders of a page registered by that step are requests of the
+        same step (a later prefix hit), whose KV write failed as well."""
         rp = self.req_pages.get(request.request_id)
         if rp is None:
             return
@@ -157,7 +162,8 @@ class KVCacheManager:
         cached = self.pool.cached_blocks
         for b in blocks[first:]:
             # ref_cnt == 1: nobody else shares it (shared pages hold valid KV).
-            if b.block_hash is not None and b.ref_cnt == 1 and cached.get(b.block_hash) is b:
+            if (b.block_hash is not None and (shared_too or b.ref_cnt == 1)
+                    and cached.get(b.block_hash) is b):
                 del cached[b.block_hash]
                 b.block_hash = None
 

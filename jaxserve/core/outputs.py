@@ -46,7 +46,14 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """What `LLM.generate` returns and the engine streams, per request."""
+    """What `LLM.generate` returns and the engine streams, per request.
+
+    error: None, or why the engine failed this request: the type and text of the
+    exception its step raised (e.g. "OverflowError: ..."). Such an output is the
+    request's last (finished=True; unfinished completions have finish_reason
+    "abort"); the engine goes on with its other requests. LLM.generate and
+    AsyncEngine.generate raise RequestFailedError for it instead of returning it.
+    """
 
     request_id: str
     prompt: str | None
@@ -56,3 +63,4 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int | None = None
     metrics: dict | None = field(default=None, repr=False)
+    error: str | None = None

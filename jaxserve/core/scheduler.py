@@ -194,6 +194,21 @@ class Scheduler:
     def abort_requests(self, req_ids: str | Iterable[str]) -> list[Request]:
         return self.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
 
+    def fail_step(self, scheduler_output: SchedulerOutput,
+                  req_ids: Iterable[str]) -> list[Request]:
+        """A step failed part-way: what it wrote to the KV cache cannot be trusted.
+        Forgets the prefix-cache hashes of the pages it was to fill, then aborts
+        `req_ids` (its requests, and whatever else the caller fails with them)."""
+        for sr in scheduler_output.requests:
+            req = self.requests.get(sr.req_id)
+            if req is not None:
+                self.kv.uncache_unwritten(req, sr.start_pos, shared_too=True)
+        done = self.abort_requests(req_ids)
+        # update_from_output may have stopped (and released) some before it failed,
+        # leaving finished requests in `running`.
+        self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
+        return done
+
     def _release(self, req: Request) -> None:
         self.kv.free(req)
         del self.requests[req.request_id]

@@ -6,6 +6,13 @@ submit commands through a queue; the thread runs steps while work remains and
 delivers each request's delta outputs to the asyncio queue of its caller.
 A caller that goes away (client disconnect, cancellation) aborts its request,
 which frees its pages at the next step boundary.
+
+Failures: a request the engine fails (its step raised, or adding it raised) reaches
+its caller as RequestFailedError, and the engine goes on. Anything else that goes
+wrong in the engine thread (EngineDeadError from the core, a failed abort or
+statistics snapshot, a bug in this loop) is fatal: every caller gets
+EngineDeadError, `dead` becomes True, and `on_fatal` is called once so that the
+server can exit and be restarted.
 """
 from __future__ import annotations
 
@@ -14,12 +21,13 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.engine.data_parallel import DataParallelEngine, make_engine
 from jaxserve.engine.engine_core import EngineCore
+from jaxserve.engine.errors import EngineDeadError, RequestFailedError
 from jaxserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("jaxserve")
@@ -36,13 +44,15 @@ class EngineStats:
     num_preemptions: int = 0
 
 
-class EngineDeadError(RuntimeError):
-    pass
+__all__ = ["AsyncEngine", "EngineDeadError", "EngineStats", "RequestFailedError"]
 
 
 class AsyncEngine:
     def __init__(self, config: EngineConfig, *,
-                 core: EngineCore | DataParallelEngine | None = None):
+                 core: EngineCore | DataParallelEngine | None = None,
+                 on_fatal: Callable[[BaseException], None] | None = None):
+        """on_fatal: called once, from the engine thread, with the error that stopped the
+        engine (after every caller has been failed)."""
         self.core = core or make_engine(config, stream_outputs=True)
         self.config = config
         self.tokenizer = self.core.tokenizer
@@ -52,14 +62,16 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._error: BaseException | None = None
+        self._on_fatal = on_fatal
         self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
         self._thread.start()
 
     # ---- caller side (any thread / event loop) --------------------------------------
     @property
     def dead(self) -> bool:
-        """True once a failed step stopped the engine thread."""
-        return self._error is not None
+        """True once the engine thread has stopped, whatever the reason (a fatal error,
+        shutdown): no request will be served."""
+        return self._error is not None or not self._thread.is_alive()
 
     @property
     def num_pending(self) -> int:
@@ -70,11 +82,11 @@ class AsyncEngine:
                        params: SamplingParams, *, prompt: str | None = None,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Streams the request's delta outputs; the last one has finished=True."""
-        if self._error is not None:
-            raise EngineDeadError(f"the engine stopped: {self._error!r}")
         loop = asyncio.get_running_loop()
         stream: asyncio.Queue = asyncio.Queue()
-        with self._lock:
+        with self._lock:   # under the lock: a dying engine fails every stream it sees
+            if self.dead or self._stopping.is_set():
+                raise self._dead_error()
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = (loop, stream)
@@ -120,14 +132,25 @@ class AsyncEngine:
             _, rid, ids, params, prompt, priority = cmd
             try:
                 core.add_request(rid, ids, params, prompt=prompt, priority=priority)
-            except ValueError as e:
+            except ValueError as e:   # bad input
                 self._deliver(rid, e)
+            except EngineDeadError:
+                raise
+            except Exception as e:   # the core undid the add: only this request fails
+                logger.exception("adding request %r failed", rid)
+                self._deliver(rid, RequestFailedError(rid, f"{type(e).__name__}: {e}"))
         elif cmd[0] == "abort":
             out = core.abort_request(cmd[1])
             if out is not None:
                 self._deliver(cmd[1], out)
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:   # whatever stops the loop must not leave a zombie
+            self._die(e)
+
+    def _loop(self) -> None:
         core = self.core
         while True:
             # Block while idle; otherwise take whatever arrived since the last step.
@@ -148,16 +171,32 @@ class AsyncEngine:
             if not core.has_unfinished_requests():
                 self._publish_stats()
                 continue
-            try:
-                outs = core.step()
-            except Exception as e:   # a broken step must not hang every caller
-                logger.exception("engine step failed; failing all requests in flight")
-                self._error = e
-                self._fail_all(e)
-                return
-            for out in outs:
-                self._deliver(out.request_id, out)
+            for out in core.step():   # failed requests come back as outputs with `error`
+                if out.error is not None:
+                    self._deliver(out.request_id, RequestFailedError(out.request_id, out.error))
+                else:
+                    self._deliver(out.request_id, out)
             self._publish_stats()
+
+    def _die(self, error: BaseException) -> None:
+        """Fatal: fail every caller, then tell the owner (once)."""
+        logger.critical("the engine thread stopped: every request in flight fails and no "
+                        "new one will run", exc_info=error)
+        self._error = error   # before _fail_all: generate() sees it under the same lock
+        self._fail_all()
+        callback, self._on_fatal = self._on_fatal, None
+        if callback is not None:
+            try:
+                callback(error)
+            except Exception:   # noqa: BLE001 -- the thread is ending anyway
+                logger.exception("on_fatal raised")
+
+    def _dead_error(self) -> EngineDeadError:
+        if self._error is None:
+            return EngineDeadError("the engine is not running (it was shut down)")
+        e = EngineDeadError(f"the engine stopped: {type(self._error).__name__}: {self._error}")
+        e.__cause__ = self._error
+        return e
 
     def _publish_stats(self) -> None:
         s = self.core.stats()
@@ -174,12 +213,12 @@ class AsyncEngine:
             self._deliver(rid, out if out is not None else EngineDeadError("engine stopped"))
         self._publish_stats()
 
-    def _fail_all(self, error: BaseException) -> None:
+    def _fail_all(self) -> None:
         with self._lock:
             entries = list(self._streams.items())
             self._streams.clear()
         for _, (loop, stream) in entries:
             try:
-                loop.call_soon_threadsafe(stream.put_nowait, EngineDeadError(repr(error)))
+                loop.call_soon_threadsafe(stream.put_nowait, self._dead_error())
             except RuntimeError:
                 pass

@@ -6,8 +6,8 @@ import itertools
 import logging
 import os
 import time
-from dataclasses import replace
-from typing import Iterator
+from dataclasses import dataclass, replace
+from typing import Any, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -15,8 +15,9 @@ import jax.numpy as jnp
 from jaxserve.config import EngineConfig
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.request import Request, RequestStatus
-from jaxserve.core.scheduler import Scheduler, SchedulerStats
+from jaxserve.core.scheduler import Scheduler, SchedulerOutput, SchedulerStats
 from jaxserve.engine import multihost
+from jaxserve.engine.errors import EngineDeadError
 from jaxserve.engine.input_processor import InputProcessor
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.model_names import resolve_model
@@ -49,6 +50,14 @@ def enable_compilation_cache(path: str | None) -> None:
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+@dataclass
+class _Step:
+    """A step from begin_step: dispatched (in_flight), or failed already (error)."""
+    sched_out: SchedulerOutput
+    in_flight: Any = None
+    error: Exception | None = None
 
 
 class EngineCore:
@@ -191,21 +200,38 @@ class EngineCore:
         params = self.validate(prompt_token_ids, params)
         child_ids = [request_id] if params.n == 1 else [f"{i}_{request_id}"
                                                         for i in range(params.n)]
-        self.outputs.add(request_id, prompt, list(prompt_token_ids), params, child_ids)
-        # A request-private salt keeps the prefix cache among the request's own n
-        # completions: when caching is off, and when prompt logprobs are wanted (a
-        # cached position would not be computed, so it would have no logprob).
-        private = (params.prompt_logprobs is not None
-                   or (not self.prefix_caching and params.n > 1))
-        salt = request_id if private else None
-        for i, cid in enumerate(child_ids):
-            child = params if params.n == 1 else params.child(i)
-            if child.seed is None:
-                child = replace(child, seed=next(self._seed_counter))
-            self.scheduler.add_request(Request(
-                cid, prompt_token_ids, child, eos_token_id=self.eos_token_id,
-                arrival_time=arrival_time, priority=priority, cache_salt=salt,
-                page_size=self.config.page_size))
+        # A completion id ("0_x") may equal another request's id: refuse it up front,
+        # or undoing this add would touch the other request.
+        taken = [c for c in child_ids if self.scheduler.get_request(c) is not None]
+        if taken:
+            raise ValueError(f"request id {taken[0]!r} is already in use")
+        added: list[str] = []
+        try:
+            self.outputs.add(request_id, prompt, list(prompt_token_ids), params, child_ids)
+            # A request-private salt keeps the prefix cache among the request's own n
+            # completions: when caching is off, and when prompt logprobs are wanted (a
+            # cached position would not be computed, so it would have no logprob).
+            private = (params.prompt_logprobs is not None
+                       or (not self.prefix_caching and params.n > 1))
+            salt = request_id if private else None
+            for i, cid in enumerate(child_ids):
+                child = params if params.n == 1 else params.child(i)
+                if child.seed is None:
+                    child = replace(child, seed=next(self._seed_counter))
+                self.scheduler.add_request(Request(
+                    cid, prompt_token_ids, child, eos_token_id=self.eos_token_id,
+                    arrival_time=arrival_time, priority=priority, cache_salt=salt,
+                    page_size=self.config.page_size))
+                added.append(cid)
+        except BaseException as e:
+            # Whatever went wrong, leave no half-added request behind.
+            try:
+                self.scheduler.abort_requests(added)
+                self.outputs.abort(request_id)
+            except Exception as e2:
+                raise EngineDeadError(f"undoing a failed add of {request_id!r} failed: "
+                                      f"{type(e2).__name__}: {e2}") from e
+            raise
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         children = self.outputs.child_ids(request_id)
@@ -217,26 +243,70 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[RequestOutput]:
+        """One step's outputs. A step that raises fails only its own requests (outputs
+        with `error`); EngineDeadError when the engine cannot go on."""
         return self.finish_step(self.begin_step())
 
-    def begin_step(self):
+    def begin_step(self) -> _Step:
         """Schedules and dispatches one step; the device works while the host goes on."""
-        sched_out = self.scheduler.schedule()
+        try:
+            sched_out = self.scheduler.schedule()
+            if self.channel is not None and sched_out.requests:
+                self.channel.publish(sched_out)
+        except Exception as e:
+            # A half-done schedule leaves pages and queues in an unknown state.
+            raise EngineDeadError(f"scheduling failed: {type(e).__name__}: {e}") from e
         self.num_steps += 1
         self.num_scheduled_tokens += sched_out.num_scheduled_tokens
-        if self.channel is not None and sched_out.requests:
-            self.channel.publish(sched_out)
-        return sched_out, self.runner.dispatch(sched_out)
+        try:
+            return _Step(sched_out, self.runner.dispatch(sched_out))
+        except Exception as e:   # reported by finish_step, so other replicas still collect
+            return _Step(sched_out, error=e)
 
-    def finish_step(self, begun) -> list[RequestOutput]:
+    def finish_step(self, step: _Step) -> list[RequestOutput]:
         """Waits for a step from begin_step and applies its results."""
-        sched_out, in_flight = begun
-        runner_out = self.runner.collect(in_flight)
-        updated = self.scheduler.update_from_output(sched_out, runner_out.sampled)
-        outs, stopped = self.outputs.process(updated, runner_out)
-        if stopped:
-            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
-        return outs
+        sched_out = step.sched_out
+        if step.error is not None:
+            return self._fail_step(sched_out, step.error, [])
+        outs: list[RequestOutput] = []
+        try:
+            runner_out = self.runner.collect(step.in_flight)
+            updated = self.scheduler.update_from_output(sched_out, runner_out.sampled)
+            outs, stopped = self.outputs.process(updated, runner_out)
+            if stopped:
+                self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+            return outs
+        except Exception as e:
+            return self._fail_step(sched_out, e, outs)
+
+    def _fail_step(self, sched_out: SchedulerOutput, error: Exception,
+                   done: list[RequestOutput]) -> list[RequestOutput]:
+        """Aborts every request of the failed step (all n completions of each) and
+        returns one finished output with `error` per request; `done`: outputs the step
+        had already produced, kept for requests it finished before failing."""
+        message = f"{type(error).__name__}: {error}"
+        child_ids = [r.req_id for r in sched_out.requests]
+        parents = self.outputs.parents_of(child_ids)
+        logger.error("engine step %d failed (%s); failing requests %s", self.num_steps,
+                     message, parents, exc_info=error)
+        if self.channel is not None:   # the followers ran this step too: out of sync
+            raise EngineDeadError(f"a multi-host step failed: {message}") from error
+        if not self.runner.device_state_ok():
+            raise EngineDeadError(f"the KV cache / recurrent state was lost when a step "
+                                  f"failed: {message}") from error
+        try:
+            children = child_ids + [c for p in parents for c in self.outputs.child_ids(p)]
+            self.scheduler.fail_step(sched_out, children)
+            failed = []
+            for rid in parents:
+                out = self.outputs.abort(rid)
+                out.error = message
+                failed.append(out)
+        except Exception as e:
+            raise EngineDeadError(f"recovering from a failed step failed: "
+                                  f"{type(e).__name__}: {e} (the step: {message})") from e
+        gone = set(parents)
+        return [o for o in done if o.request_id not in gone] + failed
 
     @property
     def num_compilations(self) -> int:

@@ -9,6 +9,7 @@ from tqdm.auto import tqdm
 from jaxserve.config import EngineConfig
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.engine.data_parallel import make_engine
+from jaxserve.engine.errors import RequestFailedError
 from jaxserve.sampling_params import SamplingParams
 
 PromptType = str | dict[str, Any]
@@ -19,6 +20,8 @@ class LLM:
 
     Engine arguments are EngineConfig's fields; `block_size` is an alias of `page_size`.
     `mesh="DxM"` runs D data-parallel replicas, each tensor-parallel over M devices.
+    A request the engine fails (its step raised) makes `generate` raise
+    RequestFailedError (a RuntimeError) after aborting the others; the LLM stays usable.
     """
 
     def __init__(self, model: str, **engine_args: Any):
@@ -98,6 +101,12 @@ class LLM:
         try:
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
+                    if out.error is not None:
+                        # The engine already dropped it; the rest are aborted below, so
+                        # the engine is clean for the next call.
+                        e = RequestFailedError(out.request_id, out.error)
+                        e.add_note(f"prompt {order.get(out.request_id)} of this generate() call")
+                        raise e
                     if out.finished and out.request_id in order:
                         results[order[out.request_id]] = out
                         bar.update(1)

@@ -76,6 +76,12 @@ class OutputProcessor:
         group = self._groups.get(request_id)
         return list(group.child_ids) if group is not None else []
 
+    def parents_of(self, child_ids: list[str]) -> list[str]:
+        """The request ids whose completions include any of `child_ids` (a scan of the
+        live requests: only a failed step asks)."""
+        wanted = set(child_ids)
+        return [rid for rid, g in self._groups.items() if wanted.intersection(g.child_ids)]
+
     def has(self, request_id: str) -> bool:
         return request_id in self._groups
 

@@ -178,6 +178,20 @@ class ModelRunner:
                                           int(result.sampled_rank[i]))
         return out
 
+    def device_state_ok(self) -> bool:
+        """After a failed step: whether the KV caches / recurrent state still hold data.
+        They are donated to the forward call, so a failure inside it leaves them
+        deleted (it raised after donating) or carrying the error (it failed on device);
+        either way every request's cache is gone."""
+        leaves = jax.tree_util.tree_leaves(self.kv_caches)
+        try:
+            if any(x.is_deleted() for x in leaves):
+                return False
+            jax.block_until_ready(leaves)
+        except Exception:   # noqa: BLE001 -- any error here means the state is lost
+            return False
+        return True
+
     def _dispatch(self, reqs) -> _InFlight:
         step = _InFlight(reqs)
         if not reqs:
