@@ -18,6 +18,7 @@ import jaxserve
 from jaxserve.api import openapi
 from jaxserve.api.body_limit import BodyLimit
 from jaxserve.api.errors import APIError, bad_request, error_body, error_response
+from jaxserve.api.internal_errors import InternalErrors
 from jaxserve.api.metrics import Metrics
 from jaxserve.api.openapi import error_responses
 from jaxserve.api.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -44,6 +45,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     app = FastAPI(title="jaxserve", version=jaxserve.__version__, lifespan=lifespan)
     app.state.serving = serving
     app.add_middleware(BodyLimit, max_bytes=settings.max_request_body_bytes)
+    app.add_middleware(InternalErrors)   # outermost: whatever goes wrong below is one 500
     openapi.install(app)
 
     # A dependency, not an HTTP middleware: see body_limit.py for why.
@@ -83,11 +85,6 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         # The framework's own 404 / 405 ..., in OpenAI's error shape too.
         return JSONResponse(error_body(err.status_code, str(err.detail)),
                             status_code=err.status_code, headers=err.headers)
-
-    @app.exception_handler(Exception)
-    async def on_unexpected(request: Request, err: Exception):
-        logger.exception("unhandled error on %s", request.url.path)
-        return JSONResponse(error_body(500, f"internal error: {err}"), status_code=500)
 
     @app.get("/health", response_class=Response,
              responses={200: {"description": "the engine is running (no body)"},

@@ -30,13 +30,14 @@ class StubEngine:
         pass
 
 
-def call(app, body: dict, *, hang_up: bool) -> list[dict]:
+def call(app, body: dict, *, hang_up: bool, method: str = "POST",
+         path: str = "/v1/completions") -> list[dict]:
     """One ASGI request; with hang_up the client is gone as soon as it has sent it."""
     sent = []
     payload = json.dumps(body).encode()
     scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
-             "http_version": "1.1", "method": "POST", "scheme": "http",
-             "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"",
+             "http_version": "1.1", "method": method, "scheme": "http",
+             "path": path, "raw_path": path.encode(), "query_string": b"",
              "root_path": "", "headers": [(b"content-type", b"application/json"),
                                           (b"content-length", str(len(payload)).encode())],
              "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 8000)}
@@ -72,3 +73,15 @@ def test_admission_is_released_however_the_client_leaves(stream, hang_up):
         # (A stream whose client already left may send nothing at all.)
         assert all(m["status"] != 503 for m in sent if "status" in m)
         assert serving.num_in_flight == 0
+
+
+def test_an_unexpected_error_is_one_500_and_is_not_raised_to_the_server(caplog):
+    # The stub has no `config`, so /v1/models fails with an AttributeError: the answer
+    # is an OpenAI-shaped 500, logged once, and nothing is re-raised to uvicorn (which
+    # would log it again and drop the keep-alive connection).
+    app = create_app(StubEngine(), ServerSettings(served_model_name="stub", max_model_len=64))
+    sent = call(app, {}, hang_up=False, method="GET", path="/v1/models")
+    assert sent[0]["status"] == 500
+    error = json.loads(sent[1]["body"])["error"]
+    assert error["code"] == 500 and "AttributeError" in error["message"]
+    assert sum("unhandled error" in r.getMessage() for r in caplog.records) == 1
