@@ -96,6 +96,18 @@ def test_all_n_completions_fail_and_every_page_comes_back(llm, monkeypatch):
     assert_no_leaks(core)
 
 
+def test_completion_id_taken_by_another_request_is_refused_harmlessly(llm, expected):
+    """Completion 0 of an n=2 request "dup" is named "0_dup": a running request of that
+    name must keep its outputs when the add is refused."""
+    core = llm.engine
+    core.add_request("0_dup", OTHER, GREEDY)
+    with pytest.raises(ValueError, match="'0_dup' is already in use"):
+        core.add_request("dup", OTHER, SamplingParams(n=2, seed=1, max_tokens=3))
+    assert not core.outputs.has("dup")
+    assert run_to_end(core)["0_dup"].outputs[0].token_ids == expected[tuple(OTHER)]
+    assert_no_leaks(core)
+
+
 def test_update_failing_after_a_request_finished_leaves_nothing_running(llm, expected,
                                                                          monkeypatch):
     """The scheduler's update finishes "short" (max_tokens=1), then raises on "long"
