@@ -24,11 +24,14 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, model: str, *extra: str, api_key: str | None = API_KEY):
+    """launcher: the command before the flags (a test may start the CLI from a script
+    that first patches something in)."""
+
+    def __init__(self, model: str, *extra: str, api_key: str | None = API_KEY,
+                 launcher: tuple[str, ...] = (sys.executable, "-m", "jaxserve.api")):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        args = [sys.executable, "-m", "jaxserve.api", "--model", model, "--port", str(self.port),
-                *SERVER_ARGS, *extra]
+        args = [*launcher, "--model", model, "--port", str(self.port), *SERVER_ARGS, *extra]
         if api_key:
             args += ["--api-key", api_key]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}

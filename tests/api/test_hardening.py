@@ -7,6 +7,7 @@ import json
 import re
 import signal
 import socket
+import sys
 import threading
 import time
 
@@ -322,6 +323,31 @@ def test_many_clients_hanging_up_leave_nothing_behind(hard):
     print(f"\nfault test: 64 clients (16 stayed, 48 left) in {time.monotonic() - t0:.1f} s; "
           f"idle {drained:.2f} s after the last one")
     assert_serves(hard)
+
+
+# ---- 1. defence in depth: an engine that cannot go on exits the process -------------------
+# The CLI, with a runner whose device state is lost at the first step after warmup.
+LOSE_DEVICE = """
+import sys
+from jaxserve.runner.model_runner import ModelRunner
+def collect(self, step):
+    raise RuntimeError("injected: the device went away")
+ModelRunner.collect = collect
+ModelRunner.device_state_ok = lambda self: False
+from jaxserve.api.cli import main
+main(sys.argv[1:])
+"""
+
+
+def test_an_engine_that_cannot_go_on_exits_non_zero(api_checkpoint):
+    srv = Server(api_checkpoint, api_key=None, launcher=(sys.executable, "-c", LOSE_DEVICE))
+    try:
+        resp = post(srv, "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 4})
+        assert error(resp, 503)["message"].startswith("the engine stopped")
+        assert srv.proc.wait(30) == 1, srv.output()   # a supervisor restarts it
+        assert "the server exits with status 1" in srv.output()
+    finally:
+        srv.stop()
 
 
 # ---- 7. SIGTERM: a stream that outlives the grace period ends cleanly (last: stops the server)
