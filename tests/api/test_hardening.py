@@ -165,7 +165,7 @@ def test_non_streaming_client_that_hangs_up_is_aborted(hard):
     wait_for(lambda: metric(hard, "jaxserve:num_requests_running") == 1, 30)
     s.close()
     # 4000 tokens take far longer than this; the abort lands within the poll interval.
-    wait_for(lambda: idle(hard), 3)
+    print(f"\nnon-streaming hang-up: idle {wait_for(lambda: idle(hard), 3):.2f} s later")
     assert_serves(hard)
 
 
@@ -197,6 +197,8 @@ def test_big_bodies_and_prompts_are_refused_without_freezing(hard):
     finally:
         stop.set()
         poller.join()
+    print(f"\nbig inputs: {len(latencies)} /health calls meanwhile, slowest "
+          f"{max(latencies) * 1000:.0f} ms")
     assert latencies and max(latencies) < 1.0, max(latencies)
     assert_serves(hard)
 
