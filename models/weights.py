@@ -63,6 +63,14 @@ def abstract_params(model: nn.Module, *, boxed: bool = False) -> dict:
     return params if boxed else nn.unbox(params)
 
 
+def placed_abstract_params(model: nn.Module, dtype: Any, shardings: Any) -> dict:
+    """What load_params returns (every leaf in `dtype`, placed by `shardings`) as
+    ShapeDtypeStructs: for compiling ahead of time without any weights."""
+    return jax.tree_util.tree_map(
+        lambda sds, sh: jax.ShapeDtypeStruct(sds.shape, jnp.dtype(dtype), sharding=sh),
+        abstract_params(model), shardings)
+
+
 def param_logical_axes(model: nn.Module) -> dict:
     """Tree of PartitionSpecs of logical axis names, same structure as the params."""
     return nn.get_partition_spec(abstract_params(model, boxed=True))

@@ -121,9 +121,10 @@ def kv_cache_sharding(mesh: Mesh, kv_head_axis: int, ndim: int = 5) -> NamedShar
 
 def bytes_per_device(tree: Any) -> int:
     """Bytes the first device of each array's sharding holds (all devices hold the same
-    amount: shardings here are even)."""
+    amount: shardings here are even). Leaves may be arrays or ShapeDtypeStructs that
+    carry a sharding."""
     total = 0
     for x in jax.tree_util.tree_leaves(tree):
-        shard = x.addressable_shards[0].data
-        total += shard.size * shard.dtype.itemsize
+        shape = x.sharding.shard_shape(x.shape)
+        total += math.prod(shape) * x.dtype.itemsize
     return total

@@ -19,28 +19,17 @@ from jaxserve.core.scheduler import Scheduler, SchedulerOutput, SchedulerStats
 from jaxserve.engine import multihost
 from jaxserve.engine.errors import EngineDeadError
 from jaxserve.engine.input_processor import InputProcessor
+from jaxserve.engine.layout import (build_layout_model, engine_layout, layout_num_pages,
+                                    layout_param_shardings, make_runner)
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.model_names import resolve_model
 from jaxserve.runner import compile_counter
-from jaxserve.runner.kv_budget import choose_num_pages, page_bytes
-from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.sampling_params import SamplingParams
 from models.config import ModelConfig
-from models.registry import build_model
-from models.weights import load_params, param_bytes, param_logical_axes, untie_lm_head
-from pallas_kernels.ragged_paged_attention import resolve_backend
-from sharding import (DATA, MODEL, bytes_per_device, check_model_axis, kv_head_layout, make_mesh,
-                      mesh_rules, param_shardings)
+from models.weights import load_params, param_bytes, untie_lm_head
+from sharding import DATA, MODEL, bytes_per_device, make_mesh
 
 logger = logging.getLogger("jaxserve")
-
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-
-
-def resolve_dtype(name: str, checkpoint_dtype: str | None):
-    if name == "auto":
-        name = checkpoint_dtype if checkpoint_dtype in _DTYPES else "float32"
-    return _DTYPES[name]
 
 
 def enable_compilation_cache(path: str | None) -> None:
@@ -79,24 +68,17 @@ class EngineCore:
             raise ValueError(f"model path {config.model!r} does not exist or is not a directory")
         self.model_config = mc = ModelConfig.from_pretrained(config.model)
         self.tokenizer = _load_tokenizer(config.tokenizer or config.model)
-        self.dtype = resolve_dtype(config.dtype, mc.dtype)
-        kv_dtype = resolve_dtype(config.kv_cache_dtype, None) if config.kv_cache_dtype != "auto" \
-            else self.dtype
-        max_model_len = config.max_model_len or mc.max_position_embeddings
-        if max_model_len > mc.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
-                f"{mc.max_position_embeddings}")
-        self.max_model_len = max_model_len
-        self.inputs = InputProcessor(tokenizer=self.tokenizer, vocab_size=mc.vocab_size,
-                                     max_model_len=max_model_len)
         self.mesh = mesh if mesh is not None else make_mesh(config.mesh)
         if self.mesh.shape[DATA] != 1:
             raise ValueError(f"EngineCore runs one replica (a 1xM mesh), got mesh "
                              f"{dict(self.mesh.shape)}; jaxserve.engine.data_parallel."
                              f"make_engine builds D replicas")
         m = self.mesh.shape[MODEL]
-        check_model_axis(mc, m)
+        self.layout = layout = engine_layout(config, mc, self.mesh)
+        self.dtype = layout.dtype
+        self.max_model_len = max_model_len = layout.max_model_len
+        self.inputs = InputProcessor(tokenizer=self.tokenizer, vocab_size=mc.vocab_size,
+                                     max_model_len=max_model_len)
         # Several processes (multi-host): process 0 schedules and publishes each step.
         self.channel = None
         if jax.process_count() > 1:
@@ -104,7 +86,7 @@ class EngineCore:
             self.channel = multihost.StepChannel()
             atexit.register(self.shutdown)   # followers must not wait for ever
         # KV heads as stored on this mesh: a multiple of M (replicated heads when K % M).
-        kv_heads = kv_head_layout(mc.num_heads, mc.num_kv_heads, m)
+        kv_heads = layout.kv_heads
         if kv_heads != mc.num_kv_heads:
             logger.warning("num_kv_heads=%d does not divide by the model axis %d: each KV head "
                            "is replicated on %d devices (%d KV heads stored, %d per device)",
@@ -113,12 +95,9 @@ class EngineCore:
         self.eos_token_id = _eos_token_id(self.tokenizer, mc)
 
         t0 = time.perf_counter()
-        self.attention_backend = resolve_backend(config.attention_backend)
-        run_config = replace(mc, num_kv_heads=kv_heads)
-        self.model = build_model(run_config, dtype=self.dtype,
-                                 attention_backend=self.attention_backend)
-        rules = mesh_rules(mc, m)
-        shardings_of = lambda model: param_shardings(param_logical_axes(model), self.mesh, rules)
+        self.attention_backend = layout.attention_backend
+        self.model = build_layout_model(layout)
+        shardings_of = lambda model: layout_param_shardings(model, self.mesh, layout)
         self.params = load_params(config.model, mc, self.model, self.dtype,
                                   load_format=config.load_format, seed=config.seed,
                                   shardings=shardings_of(self.model),
@@ -135,46 +114,27 @@ class EngineCore:
                     time.perf_counter() - t0, self.weight_bytes / 2**30,
                     self.weight_bytes_per_device / 2**30, m)
 
-        # Hybrid models: one recurrent-state slot per running request (+ the null slot),
-        # allocated up front, split by head over the model axis; no prefix caching (a
-        # cached prefix would skip the tokens that build the state).
-        self.num_state_slots = config.max_num_seqs if mc.is_hybrid else 0
-        state_bytes = ((self.num_state_slots + 1) * mc.state_bytes_per_seq(
-            jnp.dtype(self.dtype).itemsize) // m) if mc.is_hybrid else 0
+        self.num_state_slots = layout.num_state_slots
         self.prefix_caching = config.enable_prefix_caching and not mc.is_hybrid
         if mc.is_hybrid:
             logger.info("hybrid model: %d of %d layers are linear attention with recurrent state "
                         "(%d slots, %.2f GiB per device); KV pages for the other %d layers; "
                         "prefix caching is off", len(mc.linear_attention_layers), mc.num_layers,
-                        self.num_state_slots, state_bytes / 2**30, len(mc.full_attention_layers))
+                        self.num_state_slots, layout.state_bytes / 2**30,
+                        len(mc.full_attention_layers))
         # Pages are sized per device: each device holds kv_heads / M heads of every page.
-        per_page = page_bytes(num_layers=len(mc.full_attention_layers), page_size=config.page_size,
-                              num_kv_heads=kv_heads // m, head_dim=mc.head_dim,
-                              itemsize=jnp.dtype(kv_dtype).itemsize)
-        self.num_pages = choose_num_pages(
-            num_pages=config.num_pages, kv_cache_memory_bytes=config.kv_cache_memory_bytes,
-            hbm_utilization=config.hbm_utilization, bytes_per_page=per_page,
-            max_num_seqs=config.max_num_seqs, max_model_len=max_model_len,
-            page_size=config.page_size, device=self.mesh.devices.flat[0],
-            reserved_bytes=state_bytes)
+        self.num_pages = layout_num_pages(config, layout, self.mesh.devices.flat[0])
         if self.channel is not None:   # every process must build the same cache shape
             self.num_pages = multihost.agree_on_min(self.num_pages)
         kv_tokens = (self.num_pages - 1) * config.page_size
         logger.info("KV cache: %d pages x %d tokens = %d tokens (%.2f GiB per device); max "
                     "concurrency at %d tokens: %.1fx", self.num_pages - 1, config.page_size,
-                    kv_tokens,
-                    self.num_pages * per_page / 2**30, max_model_len, kv_tokens / max_model_len)
+                    kv_tokens, self.num_pages * layout.bytes_per_page / 2**30, max_model_len,
+                    kv_tokens / max_model_len)
 
-        self.runner = ModelRunner(
-            model=self.model, params=self.params, vocab_size=mc.vocab_size,
-            num_state_slots=self.num_state_slots,
-            num_pages=self.num_pages, page_size=config.page_size,
-            max_num_seqs=config.max_num_seqs, max_model_len=max_model_len,
-            max_num_batched_tokens=config.num_batched_tokens, kv_dtype=kv_dtype,
-            eos_token_id=self.eos_token_id,
-            # Only the reference reads whole page-table rows; the others stop at kv_len.
-            context_buckets=self.attention_backend == "reference", mesh=self.mesh,
-            vocab_axis=rules["vocab"])
+        self.runner = make_runner(config, layout, model=self.model, params=self.params,
+                                  num_pages=self.num_pages, mesh=self.mesh,
+                                  eos_token_id=self.eos_token_id)
         self.runner.warmup()
         self.scheduler = Scheduler(
             num_pages=self.num_pages, page_size=config.page_size,

@@ -1,4 +1,5 @@
-"""How many KV pages to allocate: explicit, from a byte budget, or from free memory."""
+"""How many KV pages to allocate: explicit, from a byte budget, or from free memory
+(the device's, or given: the planner sizes the cache of a device that is not here)."""
 from __future__ import annotations
 
 import logging
@@ -26,23 +27,25 @@ def available_host_bytes() -> int:
 
 def choose_num_pages(*, num_pages: int | None, kv_cache_memory_bytes: int | None,
                      hbm_utilization: float, bytes_per_page: int, max_num_seqs: int,
-                     max_model_len: int, page_size: int, device: jax.Device,
-                     reserved_bytes: int = 0) -> int:
+                     max_model_len: int, page_size: int, device: jax.Device | None,
+                     reserved_bytes: int = 0, free_bytes: int | None = None) -> int:
     """Total pages including the null page 0. reserved_bytes (a hybrid model's
-    recurrent state, allocated up front) come out of the memory the cache may use."""
+    recurrent state, allocated up front) come out of the memory the cache may use.
+    free_bytes: the device memory the weights leave, when not read from `device`."""
     pages_per_seq = -(-max_model_len // page_size)
     if num_pages is not None:
         total = num_pages
     elif kv_cache_memory_bytes is not None:
         total = max(0, kv_cache_memory_bytes - reserved_bytes) // bytes_per_page
-    elif device.platform == "cpu":
+    elif free_bytes is None and device.platform == "cpu":
         want = max_num_seqs * pages_per_seq + 1
         cap = max(0, int(available_host_bytes() * _CPU_RAM_FRACTION) - reserved_bytes) // bytes_per_page
         total = min(want, cap)
     else:
-        stats = device.memory_stats() or {}
-        free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
-        total = max(0, int(free * hbm_utilization) - reserved_bytes) // bytes_per_page
+        if free_bytes is None:
+            stats = device.memory_stats() or {}
+            free_bytes = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
+        total = max(0, int(free_bytes * hbm_utilization) - reserved_bytes) // bytes_per_page
     if total < pages_per_seq + 1:
         raise ValueError(
             f"the KV cache holds {max(total - 1, 0)} pages of {page_size} tokens, fewer than one "

@@ -10,6 +10,10 @@ shardings: parameters and KV caches as they were placed (KV split by KV head,
 donated), batch inputs and all outputs replicated. The shardings are fixed at
 construction, so warmup compiles exactly what serving runs. Calls trace under
 `jax.set_mesh`, which lets the model put attention under shard_map.
+
+An abstract runner (abstract=True: params given as ShapeDtypeStructs with their
+shardings, caches described and never allocated) runs nothing; it lists and lowers
+the same programs (warmup_programs, lower), e.g. for a TPU mesh of abstract chips.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import jax
@@ -26,7 +31,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxserve.runner import compile_counter
 from jaxserve.runner.input_batch import (InputBatchBuilder, pick_bucket,
                                          power_of_two_buckets)
-from jaxserve.runner.layer_caches import make_layer_caches
+from jaxserve.runner.layer_caches import layer_cache_specs, make_layer_caches
+from jaxserve.runner.programs import FORWARD, PROMPT_LOGPROBS, SAMPLE, Program
 from jaxserve.runner.sampler import (SamplerVariant, SamplingRow, choose_variant,
                                      compute_prompt_logprobs, make_sampling_tensors, sample)
 from models.inputs import ModelInputs
@@ -87,11 +93,15 @@ class ModelRunner:
     def __init__(self, *, model, params, vocab_size: int, num_pages: int, page_size: int,
                  max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int, kv_dtype,
                  num_state_slots: int = 0, eos_token_id: int | None = None,
-                 context_buckets: bool = True, mesh=None, vocab_axis: str | None = None):
+                 context_buckets: bool = True, mesh=None, vocab_axis: str | None = None,
+                 abstract: bool = False):
         """model.config: the model as it runs on this mesh (KV heads as stored);
-        num_state_slots: recurrent-state slots besides the null slot 0 (hybrid models)."""
+        num_state_slots: recurrent-state slots besides the null slot 0 (hybrid models);
+        abstract: params are ShapeDtypeStructs with shardings and the caches are only
+        described (nothing allocated): the programs can be lowered, not run."""
         self.model = model
         self.params = params
+        self.abstract = abstract
         # No mesh: a 1x1 mesh on the default device, so one code path serves both.
         self.mesh = mesh if mesh is not None else make_mesh("1x1", jax.devices()[:1])
         self._rep = replicated(self.mesh)
@@ -110,10 +120,14 @@ class ModelRunner:
                                          page_size=page_size, token_buckets=self.token_buckets,
                                          page_buckets=page_buckets)
         # Per layer: a KV cache (KV heads as stored on this mesh), or recurrent state.
-        self.kv_caches, kv_sh = make_layer_caches(
-            model.config, self.mesh, num_pages=num_pages, page_size=page_size, kv_dtype=kv_dtype,
-            num_state_slots=num_state_slots + 1 if num_state_slots else 0,
-            conv_state_dtype=model.dtype)
+        cache_kw = dict(num_pages=num_pages, page_size=page_size, kv_dtype=kv_dtype,
+                        num_state_slots=num_state_slots + 1 if num_state_slots else 0,
+                        conv_state_dtype=model.dtype)
+        if abstract:
+            self.kv_caches = layer_cache_specs(model.config, self.mesh, **cache_kw)
+            kv_sh = jax.tree_util.tree_map(lambda s: s.sharding, self.kv_caches)
+        else:
+            self.kv_caches, kv_sh = make_layer_caches(model.config, self.mesh, **cache_kw)
         p_sh = jax.tree_util.tree_map(lambda x: x.sharding, params)
         rep = self._rep
         self._forward = jax.jit(self._forward_fn, donate_argnums=(1,),
@@ -126,6 +140,7 @@ class ModelRunner:
                                         out_shardings=rep)
         self.warmup_seconds = 0.0
         self.warmup_compilations = 0
+        self._hidden_spec = None    # the forward's hidden states, traced on first need
 
     # ---- jitted bodies -------------------------------------------------------------
     def _forward_fn(self, params, kv_caches, inputs: ModelInputs, logits_indices):
@@ -247,38 +262,74 @@ class ModelRunner:
         targets = jax.device_put(targets, self._rep)
         return self._prompt_logprobs(self.params, hidden, targets), spans
 
-    # ---- warmup --------------------------------------------------------------------
-    def warmup(self) -> None:
-        """Compile every token bucket, row bucket and sampler variant now."""
-        with jax.set_mesh(self.mesh):
-            self._warmup()
-
-    def _warmup(self) -> None:
-        start, before = time.perf_counter(), compile_counter.num_compilations()
+    # ---- warmup ----------------------------------------------------------------------
+    def warmup_programs(self) -> list[Program]:
+        """Every program warmup compiles, in its order: the forward per token bucket and
+        page-table width, prompt logprobs per token bucket, the sampler per row bucket
+        and variant. Arguments as serving passes them: numpy batch inputs (device arrays
+        would compile other programs), device arrays for what serving takes from the
+        forward's outputs (ShapeDtypeStructs when abstract)."""
         r_max = self.builder._seq_lens.shape[0]
-        for t, p in itertools.product(self.token_buckets, self.builder.page_buckets):
+
+        def forward_args(t: int, p: int) -> tuple:
             z = np.zeros(t, np.int32)
             inputs = ModelInputs(
                 token_ids=z, positions=z, slot_mapping=z,
                 query_start_loc=np.zeros(r_max + 1, np.int32), seq_lens=np.zeros(r_max, np.int32),
                 page_table=np.zeros((r_max, p), np.int32), num_seqs=np.zeros(1, np.int32),
                 state_slots=np.zeros(r_max, np.int32))
-            # numpy, as _dispatch passes them (device arrays would compile other programs)
-            hidden, hidden_rows, self.kv_caches = self._forward(
-                self.params, self.kv_caches, inputs, np.zeros(r_max, np.int32))
-        for t in self.token_buckets:
-            hidden, targets = jax.device_put(
-                (np.zeros((t, hidden_rows.shape[-1]), hidden_rows.dtype),
-                 np.full(t, -1, np.int32)), self._rep)
-            jax.block_until_ready(self._prompt_logprobs(self.params, hidden, targets))
-        for rows in self.row_buckets:
-            for flags in itertools.product((False, True), repeat=3):
-                variant = SamplerVariant(*flags)
-                tensors = make_sampling_tensors([], rows, self.vocab_size,
-                                                penalties=variant.penalties,
-                                                penalty_len=self.max_model_len)
-                jax.block_until_ready(self._sample(self.params, hidden_rows, tensors, rows,
-                                                   variant))
+            return self.params, self.kv_caches, inputs, np.zeros(r_max, np.int32)
+
+        def hidden(rows: int) -> Any:
+            """Hidden states [rows, E] as the forward returns them."""
+            if self._hidden_spec is None:
+                t, p = self.token_buckets[0], self.builder.page_buckets[-1]
+                self._hidden_spec = jax.eval_shape(self._forward, *forward_args(t, p))[1]
+            return self._put(np.zeros((rows, self._hidden_spec.shape[-1]),
+                                      self._hidden_spec.dtype))
+
+        def logprobs_args(t: int) -> tuple:
+            return self.params, hidden(t), self._put(np.full(t, -1, np.int32))
+
+        def sample_args(rows: int, variant: SamplerVariant) -> tuple:
+            tensors = make_sampling_tensors([], rows, self.vocab_size, penalties=variant.penalties,
+                                            penalty_len=self.max_model_len)
+            return self.params, hidden(r_max), tensors, rows, variant
+
+        progs = [Program(FORWARD, self._forward, partial(forward_args, t, p), tokens=t, pages=p)
+                 for t, p in itertools.product(self.token_buckets, self.builder.page_buckets)]
+        progs += [Program(PROMPT_LOGPROBS, self._prompt_logprobs, partial(logprobs_args, t),
+                          tokens=t) for t in self.token_buckets]
+        variants = [SamplerVariant(*flags) for flags in itertools.product((False, True), repeat=3)]
+        progs += [Program(SAMPLE, self._sample, partial(sample_args, rows, v), rows=rows,
+                          variant=v) for rows in self.row_buckets for v in variants]
+        return progs
+
+    def _put(self, x: np.ndarray) -> Any:
+        """x replicated on the mesh, as the forward's outputs are (abstract: its shape)."""
+        if self.abstract:
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self._rep)
+        return jax.device_put(x, self._rep)
+
+    def lower(self, program: Program) -> Any:
+        """The program lowered for this runner's mesh (jax.stages.Lowered)."""
+        with jax.set_mesh(self.mesh):
+            return program.fn.lower(*program.args())
+
+    def warmup(self) -> None:
+        """Compile every token bucket, row bucket and sampler variant now."""
+        if self.abstract:
+            raise ValueError("an abstract runner cannot run: lower its warmup_programs instead")
+        with jax.set_mesh(self.mesh):
+            self._warmup()
+
+    def _warmup(self) -> None:
+        start, before = time.perf_counter(), compile_counter.num_compilations()
+        for prog in self.warmup_programs():
+            out = prog.fn(*prog.args())
+            if prog.kind == FORWARD:
+                self.kv_caches = out[2]     # the old ones were donated
+            jax.block_until_ready(out)
         self.warmup_seconds = time.perf_counter() - start
         self.warmup_compilations = compile_counter.num_compilations() - before
         logger.info("warmup: %d compilations in %.1f s (token buckets %s, page-table widths %s, "

@@ -1,0 +1,119 @@
+"""What an engine replica builds before any weight exists: one owner for the choices
+EngineCore makes from its config, the model config and its mesh.
+
+EngineCore builds its model, KV pages and ModelRunner through these functions, and
+`python -m jaxserve.plan --compile` builds the same things for a mesh of abstract
+TPU chips (abstract params, caches never allocated), so the planner compiles exactly
+the programs the engine would run.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+from typing import Any
+
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from jaxserve.config import EngineConfig
+from jaxserve.runner.kv_budget import choose_num_pages, page_bytes
+from jaxserve.runner.model_runner import ModelRunner
+from models.config import ModelConfig
+from models.registry import build_model
+from models.weights import param_logical_axes
+from pallas_kernels.ragged_paged_attention import resolve_backend
+from sharding import MODEL, check_model_axis, kv_head_layout, mesh_rules, param_shardings
+
+logger = logging.getLogger("jaxserve")
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def resolve_dtype(name: str, checkpoint_dtype: str | None):
+    if name == "auto":
+        name = checkpoint_dtype if checkpoint_dtype in _DTYPES else "float32"
+    return _DTYPES[name]
+
+
+@dataclass(frozen=True)
+class EngineLayout:
+    """One replica's choices on a 1xM mesh. Byte figures are per device."""
+    model_config: ModelConfig     # as published
+    dtype: Any
+    kv_dtype: Any
+    max_model_len: int
+    kv_heads: int                 # as stored on this mesh (sharding.kv_head_layout)
+    attention_backend: str        # resolved for the mesh's platform
+    rules: dict[str, str | None]  # the rules table for this model and M
+    num_state_slots: int          # hybrid: one per running request (+ the null slot)
+    state_bytes: int              # hybrid: all state slots, the null slot included
+    bytes_per_page: int           # one KV page of every full-attention layer
+
+    @property
+    def run_config(self) -> ModelConfig:
+        """The model as it runs on this mesh (KV heads as stored)."""
+        return replace(self.model_config, num_kv_heads=self.kv_heads)
+
+
+def engine_layout(config: EngineConfig, mc: ModelConfig, mesh: Mesh) -> EngineLayout:
+    """ValueError for a max_model_len past the model's or a model axis that does not
+    divide the model (sharding.check_model_axis)."""
+    dtype = resolve_dtype(config.dtype, mc.dtype)
+    kv_dtype = resolve_dtype(config.kv_cache_dtype, None) if config.kv_cache_dtype != "auto" \
+        else dtype
+    max_model_len = config.max_model_len or mc.max_position_embeddings
+    if max_model_len > mc.max_position_embeddings:
+        raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
+                         f"max_position_embeddings={mc.max_position_embeddings}")
+    m = mesh.shape[MODEL]
+    check_model_axis(mc, m)
+    kv_heads = kv_head_layout(mc.num_heads, mc.num_kv_heads, m)
+    # No prefix caching for hybrids (a cached prefix would skip the tokens that build
+    # the state): each running request holds a state slot, split by head over M.
+    slots = config.max_num_seqs if mc.is_hybrid else 0
+    state = (slots + 1) * mc.state_bytes_per_seq(jnp.dtype(dtype).itemsize) // m \
+        if mc.is_hybrid else 0
+    per_page = page_bytes(num_layers=len(mc.full_attention_layers), page_size=config.page_size,
+                          num_kv_heads=kv_heads // m, head_dim=mc.head_dim,
+                          itemsize=jnp.dtype(kv_dtype).itemsize)
+    platform = mesh.devices.flat[0].platform
+    return EngineLayout(mc, dtype, kv_dtype, max_model_len, kv_heads,
+                        resolve_backend(config.attention_backend, platform), mesh_rules(mc, m),
+                        slots, state, per_page)
+
+
+def build_layout_model(layout: EngineLayout):
+    return build_model(layout.run_config, dtype=layout.dtype,
+                       attention_backend=layout.attention_backend)
+
+
+def layout_param_shardings(model, mesh: Mesh, layout: EngineLayout) -> Any:
+    """NamedShardings of `model`'s parameters under the layout's rules table."""
+    return param_shardings(param_logical_axes(model), mesh, layout.rules)
+
+
+def layout_num_pages(config: EngineConfig, layout: EngineLayout, device: Any,
+                     free_bytes: int | None = None) -> int:
+    """KV pages, the null page included (kv_budget.choose_num_pages). free_bytes: memory
+    left on each device after the weights; None asks `device`."""
+    return choose_num_pages(
+        num_pages=config.num_pages, kv_cache_memory_bytes=config.kv_cache_memory_bytes,
+        hbm_utilization=config.hbm_utilization, bytes_per_page=layout.bytes_per_page,
+        max_num_seqs=config.max_num_seqs, max_model_len=layout.max_model_len,
+        page_size=config.page_size, device=device, reserved_bytes=layout.state_bytes,
+        free_bytes=free_bytes)
+
+
+def make_runner(config: EngineConfig, layout: EngineLayout, *, model, params, num_pages: int,
+                mesh: Mesh, eos_token_id: int | None = None, abstract: bool = False
+                ) -> ModelRunner:
+    mc = layout.model_config
+    return ModelRunner(
+        model=model, params=params, vocab_size=mc.vocab_size,
+        num_state_slots=layout.num_state_slots, num_pages=num_pages,
+        page_size=config.page_size, max_num_seqs=config.max_num_seqs,
+        max_model_len=layout.max_model_len, max_num_batched_tokens=config.num_batched_tokens,
+        kv_dtype=layout.kv_dtype, eos_token_id=eos_token_id,
+        # Only the reference reads whole page-table rows; the others stop at kv_len.
+        context_buckets=layout.attention_backend == "reference", mesh=mesh,
+        vocab_axis=layout.rules["vocab"], abstract=abstract)
