@@ -1,6 +1,10 @@
 """`python -m jaxserve.plan`: what a model needs on a "DxM" mesh, computed from its config.
 
     python -m jaxserve.plan --model qwen3-8b --mesh 1x8 --hbm 80GiB
+    python -m jaxserve.plan --model qwen3-8b --mesh 1x8 --target tpu-v6e --compile [all] [--json]
+
+--compile builds the engine for a TPU target with abstract weights and compiles its
+warmup programs with the real XLA:TPU compiler on this host (jaxserve/plan_compile.py).
 
 Every figure comes from the model config and the same code the engine runs:
 parameter shapes from the flax model (jax.eval_shape, nothing allocated), their
@@ -26,7 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from jaxserve.model_configs import ALIASES, BUILTIN_CONFIGS  # noqa: F401  (one source)
@@ -293,18 +297,58 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--interconnect-gbps", type=float, default=DEFAULT_LINK_GBPS,
                     help="link bandwidth per direction per device in GB/s (default: NVLink 4 "
                          "on H100 SXM, 450)")
+    ap.add_argument("--target", default=None, help="a TPU (tpu-v5e, tpu-v6e, tpu-v5p): its "
+                    "HBM per chip; with --compile, the chip to compile for")
+    ap.add_argument("--compile", nargs="?", const="default", choices=("default", "all"),
+                    default=None, help="compile the engine's warmup programs for --target on "
+                    "this host: the smallest and largest forward token bucket and the costliest "
+                    "sampler variant, or 'all' of them")
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args(argv)
     try:
+        if args.target and args.hbm:
+            raise ValueError("give --hbm or --target (which sets the HBM), not both")
+        if args.compile:
+            if not args.target:
+                raise ValueError("--compile needs --target (tpu-v5e, tpu-v6e or tpu-v5p)")
+            return _compile(args)
+        hbm = _target_hbm(args.target) if args.target else \
+            parse_bytes(args.hbm) if args.hbm else None
         mc = load_model_config(args.model)
         plan = make_plan(mc, model=args.model, mesh=args.mesh, dtype=args.dtype,
                          kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len,
                          max_num_seqs=args.max_num_seqs,
                          max_num_batched_tokens=args.max_num_batched_tokens,
-                         hbm_bytes=parse_bytes(args.hbm) if args.hbm else None,
-                         hbm_utilization=args.hbm_utilization, link_gbps=args.interconnect_gbps)
+                         hbm_bytes=hbm, hbm_utilization=args.hbm_utilization,
+                         link_gbps=args.interconnect_gbps)
     except ValueError as e:
         ap.exit(2, f"error: {e}\n")
-    print(format_plan(plan))
+    print(json.dumps(asdict(plan)) if args.json else format_plan(plan))
+
+
+def _target_hbm(target: str) -> int:
+    from sharding.tpu_targets import tpu_target
+    return tpu_target(target).hbm_bytes
+
+
+def _compile(args) -> None:
+    """--compile: build the engine for --target, compile, print the report."""
+    import sys
+
+    from jaxserve.plan_compile import compile_plan, format_report
+
+    def progress(r) -> None:   # flagship programs take minutes each: say what is done
+        state = "compiled" if r.compiled else "FAILED"
+        print(f"[plan] {r.name} {r.tokens or r.rows}: {state} in {r.compile_seconds:.1f} s",
+              file=sys.stderr, flush=True)
+
+    kw = {k: v for k, v in (("max_model_len", args.max_model_len),
+                            ("max_num_batched_tokens", args.max_num_batched_tokens)) if v}
+    report = compile_plan(args.model, target=args.target, mesh=args.mesh, select=args.compile,
+                          progress=progress, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+                          max_num_seqs=args.max_num_seqs, hbm_utilization=args.hbm_utilization,
+                          **kw)
+    print(json.dumps(report.to_json()) if args.json else format_report(report))
 
 
 if __name__ == "__main__":

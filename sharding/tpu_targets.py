@@ -7,6 +7,7 @@ per-device bytes. Needs libtpu (`pip install "jax[tpu]==<installed jax>"`).
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from jax.sharding import Mesh
@@ -42,6 +43,9 @@ def tpu_target(name: str) -> TpuTarget:
 def abstract_tpu_mesh(target: str, mesh: str = "1x1") -> Mesh:
     """A ("data", "model") mesh of D x M abstract chips of `target` (e.g. "tpu-v6e")."""
     from jax.experimental import topologies
+    # libtpu takes a host-wide lock (/tmp/libtpu_lockfile) that guards real chips; a
+    # deviceless compile touches none, and several may run on one host at once.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     gen = tpu_target(target).generation
     d, m = parse_mesh(mesh)
     if d * m not in _LAYOUTS:

@@ -1,0 +1,233 @@
+"""`python -m jaxserve.plan --compile`: the engine's programs compiled for a TPU.
+
+    python -m jaxserve.plan --model qwen3.6-27b --mesh 1x8 --target tpu-v6e \\
+        --max-model-len 8192 --compile [all] [--json]
+
+One replica is built exactly as EngineCore builds it (engine/layout.py: dtypes, KV
+heads, attention backend for the TPU, the KV page count from the target's HBM and
+hbm_utilization; ModelRunner: buckets, shardings, donation), with abstract
+parameters and caches (nothing allocated), on a mesh of abstract TPU chips
+(sharding/tpu_targets.py). Its warmup programs are then compiled by libtpu's
+deviceless XLA:TPU + Mosaic compilers on this CPU host, and each reports the
+compiler's per-device memory. The engine takes the free memory from the device
+after loading the weights; here it is the chip's published HBM less the weights'
+bytes per device (a real chip reserves some HBM for the runtime, so a live engine
+gets a little fewer pages).
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from jaxserve.runner.programs import FORWARD, SAMPLE, Program
+
+# The error's first lines are enough to tell SMEM from HBM from a lowering bug.
+_ERROR_LINES = 4
+
+
+@dataclass(frozen=True)
+class ProgramResult:
+    """One compiled program. Byte figures are the compiler's, per device."""
+    name: str
+    tokens: int | None
+    rows: int | None
+    compiled: bool
+    compile_seconds: float
+    argument_bytes: int | None = None
+    output_bytes: int | None = None
+    temp_bytes: int | None = None
+    alias_bytes: int | None = None
+    peak_bytes: int | None = None        # argument + output + temp - alias
+    flops: float | None = None           # cost_analysis: the compiler's estimate
+    bytes_accessed: float | None = None
+    optimal_seconds: float | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class CompileReport:
+    model: str
+    target: str
+    mesh: str
+    hbm_bytes: int                       # per chip, published
+    max_model_len: int
+    max_num_seqs: int
+    num_pages: int | None                # the engine's page count, null page included
+    weight_bytes_per_device: int
+    kv_bytes_per_device: int             # the KV pages the engine would allocate
+    state_bytes_per_device: int          # hybrid: the recurrent-state slots
+    planner_bytes_per_device: int | None  # jaxserve.plan's weights + KV + state
+    warmup_programs: int                 # how many programs warmup compiles here
+    programs: tuple[ProgramResult, ...] = ()
+    error: str | None = None             # why the engine could not be built
+
+    @property
+    def fits(self) -> bool:
+        """The engine could start: it was built, every program compiled, and each one's
+        compiler peak is within the chip's HBM."""
+        return (self.error is None and bool(self.programs)
+                and all(p.compiled and p.peak_bytes <= self.hbm_bytes for p in self.programs))
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["fits"] = self.fits
+        return out
+
+
+def default_selection(programs: list[Program]) -> list[Program]:
+    """The smallest and the largest forward token bucket (at the widest page table) and
+    the costliest sampler variant (every flag on) at the largest row bucket."""
+    forwards = [p for p in programs if p.kind == FORWARD]
+    widest = max(p.pages for p in forwards)
+    tokens = sorted({p.tokens for p in forwards})
+    picked = [p for p in forwards if p.pages == widest and p.tokens in (tokens[0], tokens[-1])]
+    samplers = [p for p in programs if p.kind == SAMPLE]
+    rows = max(p.rows for p in samplers)
+    picked += [p for p in samplers if p.rows == rows and p.variant.do_sample
+               and p.variant.penalties and p.variant.logprobs]
+    return picked
+
+
+def compile_program(runner, program: Program) -> ProgramResult:
+    """Lower and compile one program; a failure (e.g. RESOURCE_EXHAUSTED) is reported,
+    with the error's first lines, not raised."""
+    start = time.perf_counter()
+    try:
+        compiled = runner.lower(program).compile()
+    except Exception as e:   # noqa: BLE001 -- any compiler error is a result here
+        lines = [ln for ln in str(e).splitlines() if ln.strip()][:_ERROR_LINES]
+        return ProgramResult(program.name, program.tokens, program.rows, False,
+                             time.perf_counter() - start,
+                             error=f"{type(e).__name__}: " + "\n".join(lines))
+    seconds = time.perf_counter() - start
+    ma = compiled.memory_analysis()
+    cost = compiled.cost_analysis() or {}
+    if isinstance(cost, list):   # older jax: one dict per computation
+        cost = cost[0] if cost else {}
+    arg, out = ma.argument_size_in_bytes, ma.output_size_in_bytes
+    temp, alias = ma.temp_size_in_bytes, ma.alias_size_in_bytes
+    return ProgramResult(program.name, program.tokens, program.rows, True, seconds,
+                         argument_bytes=arg, output_bytes=out, temp_bytes=temp,
+                         alias_bytes=alias, peak_bytes=arg + out + temp - alias,
+                         flops=cost.get("flops"), bytes_accessed=cost.get("bytes accessed"),
+                         optimal_seconds=cost.get("optimal_seconds"))
+
+
+@dataclass
+class AbstractEngine:
+    """One replica as EngineCore would build it, with nothing allocated."""
+    runner: Any                           # ModelRunner(abstract=True)
+    layout: Any                           # engine.layout.EngineLayout
+    num_pages: int
+    weight_bytes_per_device: int
+    programs: list[Program] = field(default_factory=list)
+
+
+def build_abstract_engine(config, mc, mesh, hbm_bytes: int) -> AbstractEngine:
+    """config: an EngineConfig; mesh: one replica's 1xM mesh of abstract chips.
+    ValueError when the engine would refuse to start (e.g. no room for one sequence)."""
+    from jaxserve.engine.layout import (build_layout_model, engine_layout, layout_num_pages,
+                                        layout_param_shardings, make_runner)
+    from models.weights import placed_abstract_params
+    from sharding import bytes_per_device
+
+    layout = engine_layout(config, mc, mesh)
+    model = build_layout_model(layout)
+    params = placed_abstract_params(model, layout.dtype,
+                                    layout_param_shardings(model, mesh, layout))
+    weights = bytes_per_device(params)
+    num_pages = layout_num_pages(config, layout, None, free_bytes=max(0, hbm_bytes - weights))
+    runner = make_runner(config, layout, model=model, params=params, num_pages=num_pages,
+                         mesh=mesh, abstract=True)
+    return AbstractEngine(runner, layout, num_pages, weights, runner.warmup_programs())
+
+
+def compile_plan(model: str, *, target: str, mesh: str = "1x1",
+                 select: str | Callable[[list[Program]], list[Program]] = "default",
+                 progress: Callable[[ProgramResult], None] | None = None,
+                 **engine_kw: Any) -> CompileReport:
+    """Build the engine for `target` and compile the selected warmup programs: "default"
+    (default_selection), "all", or a function picking from warmup's list. engine_kw:
+    EngineConfig fields (max_model_len, max_num_seqs, hbm_utilization, dtype, ...)."""
+    from dataclasses import replace
+
+    from jaxserve.config import EngineConfig, parse_mesh
+    from jaxserve.plan import load_model_config, make_plan
+    from sharding import replica_meshes
+    from sharding.tpu_targets import abstract_tpu_mesh, tpu_target
+
+    hbm = tpu_target(target).hbm_bytes
+    d, m = parse_mesh(mesh)
+    mc = load_model_config(model)
+    # Each of the D replicas compiles the same programs on its own 1xM devices.
+    config = EngineConfig(model=model, mesh=f"1x{m}", load_format="dummy",
+                          compilation_cache_dir=None, **engine_kw)
+    replica = replica_meshes(abstract_tpu_mesh(target, mesh))[0]
+    base = CompileReport(model=model, target=target, mesh=mesh, hbm_bytes=hbm,
+                         max_model_len=config.max_model_len or mc.max_position_embeddings,
+                         max_num_seqs=config.max_num_seqs, num_pages=None,
+                         weight_bytes_per_device=0, kv_bytes_per_device=0,
+                         state_bytes_per_device=0, planner_bytes_per_device=None,
+                         warmup_programs=0)
+    try:
+        eng = build_abstract_engine(config, mc, replica, hbm)
+    except ValueError as e:
+        return replace(base, error=f"{type(e).__name__}: {e}")
+    lay = eng.layout
+    plan = make_plan(mc, model=model, mesh=f"1x{m}", dtype=_dtype_name(lay.dtype),
+                     kv_cache_dtype=_dtype_name(lay.kv_dtype), max_model_len=lay.max_model_len,
+                     max_num_seqs=config.max_num_seqs,
+                     max_num_batched_tokens=config.num_batched_tokens, hbm_bytes=hbm,
+                     hbm_utilization=config.hbm_utilization)
+    chosen = (eng.programs if select == "all" else default_selection(eng.programs)
+              if select == "default" else select(eng.programs))
+    results = []
+    for prog in chosen:
+        results.append(compile_program(eng.runner, prog))
+        if progress is not None:
+            progress(results[-1])
+    return replace(
+        base, num_pages=eng.num_pages, weight_bytes_per_device=eng.weight_bytes_per_device,
+        kv_bytes_per_device=eng.num_pages * lay.bytes_per_page,
+        state_bytes_per_device=lay.state_bytes,
+        planner_bytes_per_device=(plan.weight_bytes_per_device
+                                  + plan.kv_tokens * plan.kv_bytes_per_token_per_device
+                                  + plan.state_budget_bytes),
+        warmup_programs=len(eng.programs), programs=tuple(results))
+
+
+def _dtype_name(dtype: Any) -> str:
+    import jax.numpy as jnp
+    return jnp.dtype(dtype).name
+
+
+def format_report(r: CompileReport) -> str:
+    from jaxserve.plan_format import _gib
+    head = (f"compile: {r.model} on {r.target} mesh {r.mesh}, max_model_len "
+            f"{r.max_model_len:,} (compiler estimate on a CPU host, not a TPU measurement)")
+    if r.error:
+        return f"{head}\n  the engine would not start: {r.error}\n  fits: no"
+    lines = [head,
+             f"  HBM per chip {_gib(r.hbm_bytes)}: weights {_gib(r.weight_bytes_per_device)} + "
+             f"KV {r.num_pages - 1:,} pages {_gib(r.kv_bytes_per_device)}"
+             + (f" + state {_gib(r.state_bytes_per_device)}" if r.state_bytes_per_device else "")
+             + f" per device (planner: {_gib(r.planner_bytes_per_device)})",
+             f"  warmup compiles {r.warmup_programs} programs; compiled here {len(r.programs)}:",
+             f"  {'program':34} {'bucket':>8} {'seconds':>8} {'argument':>11} {'temp':>11} "
+             f"{'peak':>11}"]
+    for p in r.programs:
+        bucket = f"t={p.tokens}" if p.tokens is not None else f"r={p.rows}"
+        if p.compiled:
+            lines.append(f"  {p.name:34} {bucket:>8} {p.compile_seconds:8.1f} "
+                         f"{_gib(p.argument_bytes):>11} {_gib(p.temp_bytes):>11} "
+                         f"{_gib(p.peak_bytes):>11}")
+        else:
+            first = p.error.splitlines()[0][:200]
+            lines.append(f"  {p.name:34} {bucket:>8} {p.compile_seconds:8.1f}  FAILED: {first}")
+    failed = sum(not p.compiled for p in r.programs)
+    why = f": {failed} of {len(r.programs)} programs did not compile" if failed else ""
+    lines.append(f"  fits: {'yes' if r.fits else 'no'}{why} (the engine starts when every program "
+                 f"compiles with a compiler peak within the {_gib(r.hbm_bytes)} of HBM)")
+    return "\n".join(lines)
