@@ -9,7 +9,11 @@ hbm_utilization; ModelRunner: buckets, shardings, donation), with abstract
 parameters and caches (nothing allocated), on a mesh of abstract TPU chips
 (sharding/tpu_targets.py). Its warmup programs are then compiled by libtpu's
 deviceless XLA:TPU + Mosaic compilers on this CPU host, and each reports the
-compiler's per-device memory. The engine takes the free memory from the device
+compiler's per-device memory. A program's own peak leaves out what stays resident
+beside it (the sampler does not take the KV cache, nor the forward the lm_head: jit
+drops unused arguments), so each also reports the device's peak while it runs:
+everything resident (weights, KV pages, state) + its inputs + its non-aliased outputs
++ its temporaries. The engine takes the free memory from the device
 after loading the weights; here it is the chip's published HBM less the weights'
 bytes per device (a real chip reserves some HBM for the runtime, so a live engine
 gets a little fewer pages).
@@ -40,6 +44,7 @@ class ProgramResult:
     temp_bytes: int | None = None
     alias_bytes: int | None = None
     peak_bytes: int | None = None        # argument + output + temp - alias
+    device_peak_bytes: int | None = None  # peak + what is resident beside the program
     flops: float | None = None           # cost_analysis: the compiler's estimate
     bytes_accessed: float | None = None
     optimal_seconds: float | None = None
@@ -65,10 +70,11 @@ class CompileReport:
 
     @property
     def fits(self) -> bool:
-        """The engine could start: it was built, every program compiled, and each one's
-        compiler peak is within the chip's HBM."""
+        """The engine could start: it was built, every program compiled, and the device's
+        peak while each runs is within the chip's HBM."""
         return (self.error is None and bool(self.programs)
-                and all(p.compiled and p.peak_bytes <= self.hbm_bytes for p in self.programs))
+                and all(p.compiled and p.device_peak_bytes <= self.hbm_bytes
+                        for p in self.programs))
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -90,9 +96,28 @@ def default_selection(programs: list[Program]) -> list[Program]:
     return picked
 
 
-def compile_program(runner, program: Program) -> ProgramResult:
+def _input_bytes(runner, args: tuple) -> int:
+    """Per-device bytes of a program's arguments other than the resident weights and
+    caches (batch inputs, the hidden states it reads)."""
+    import math
+
+    import jax
+    total = 0
+    for arg in args:
+        if arg is runner.params or arg is runner.kv_caches:
+            continue
+        for x in jax.tree_util.tree_leaves(arg):
+            if hasattr(x, "shape") and hasattr(x, "dtype"):
+                sharding = getattr(x, "sharding", None)
+                shape = sharding.shard_shape(x.shape) if sharding is not None else x.shape
+                total += math.prod(shape) * x.dtype.itemsize
+    return total
+
+
+def compile_program(runner, program: Program, resident_bytes: int) -> ProgramResult:
     """Lower and compile one program; a failure (e.g. RESOURCE_EXHAUSTED) is reported,
-    with the error's first lines, not raised."""
+    with the error's first lines, not raised. resident_bytes: per device, what the
+    engine holds throughout (weights, KV pages, state)."""
     start = time.perf_counter()
     try:
         compiled = runner.lower(program).compile()
@@ -102,6 +127,7 @@ def compile_program(runner, program: Program) -> ProgramResult:
                              time.perf_counter() - start,
                              error=f"{type(e).__name__}: " + "\n".join(lines))
     seconds = time.perf_counter() - start
+    inputs = _input_bytes(runner, program.args())
     ma = compiled.memory_analysis()
     cost = compiled.cost_analysis() or {}
     if isinstance(cost, list):   # older jax: one dict per computation
@@ -111,6 +137,11 @@ def compile_program(runner, program: Program) -> ProgramResult:
     return ProgramResult(program.name, program.tokens, program.rows, True, seconds,
                          argument_bytes=arg, output_bytes=out, temp_bytes=temp,
                          alias_bytes=alias, peak_bytes=arg + out + temp - alias,
+                         # What is resident or an input but no argument of the program
+                         # (unused, dropped by jit); the compiler's bytes include layout
+                         # padding, hence max(0, ...).
+                         device_peak_bytes=arg + out + temp - alias
+                         + max(0, resident_bytes + inputs - arg),
                          flops=cost.get("flops"), bytes_accessed=cost.get("bytes accessed"),
                          optimal_seconds=cost.get("optimal_seconds"))
 
@@ -155,7 +186,7 @@ def compile_plan(model: str, *, target: str, mesh: str = "1x1",
 
     from jaxserve.config import EngineConfig, parse_mesh
     from jaxserve.plan import load_model_config, make_plan
-    from sharding import replica_meshes
+    from sharding import bytes_per_device, replica_meshes
     from sharding.tpu_targets import abstract_tpu_mesh, tpu_target
 
     hbm = tpu_target(target).hbm_bytes
@@ -183,9 +214,10 @@ def compile_plan(model: str, *, target: str, mesh: str = "1x1",
                      hbm_utilization=config.hbm_utilization)
     chosen = (eng.programs if select == "all" else default_selection(eng.programs)
               if select == "default" else select(eng.programs))
+    resident = eng.weight_bytes_per_device + bytes_per_device(eng.runner.kv_caches)
     results = []
     for prog in chosen:
-        results.append(compile_program(eng.runner, prog))
+        results.append(compile_program(eng.runner, prog, resident))
         if progress is not None:
             progress(results[-1])
     return replace(
@@ -216,18 +248,20 @@ def format_report(r: CompileReport) -> str:
              + f" per device (planner: {_gib(r.planner_bytes_per_device)})",
              f"  warmup compiles {r.warmup_programs} programs; compiled here {len(r.programs)}:",
              f"  {'program':34} {'bucket':>8} {'seconds':>8} {'argument':>11} {'temp':>11} "
-             f"{'peak':>11}"]
+             f"{'peak':>11} {'device peak':>11}"]
     for p in r.programs:
         bucket = f"t={p.tokens}" if p.tokens is not None else f"r={p.rows}"
         if p.compiled:
             lines.append(f"  {p.name:34} {bucket:>8} {p.compile_seconds:8.1f} "
                          f"{_gib(p.argument_bytes):>11} {_gib(p.temp_bytes):>11} "
-                         f"{_gib(p.peak_bytes):>11}")
+                         f"{_gib(p.peak_bytes):>11} {_gib(p.device_peak_bytes):>11}")
         else:
             first = p.error.splitlines()[0][:200]
             lines.append(f"  {p.name:34} {bucket:>8} {p.compile_seconds:8.1f}  FAILED: {first}")
     failed = sum(not p.compiled for p in r.programs)
     why = f": {failed} of {len(r.programs)} programs did not compile" if failed else ""
-    lines.append(f"  fits: {'yes' if r.fits else 'no'}{why} (the engine starts when every program "
-                 f"compiles with a compiler peak within the {_gib(r.hbm_bytes)} of HBM)")
+    lines += [f"  (peak: the program's own, argument + output + temp - alias; device peak: "
+              f"with everything resident beside it, the weights and caches it does not take)",
+              f"  fits: {'yes' if r.fits else 'no'}{why} (the engine starts when every program "
+              f"compiles with a device peak within the {_gib(r.hbm_bytes)} of HBM)"]
     return "\n".join(lines)
