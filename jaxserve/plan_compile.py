@@ -20,12 +20,25 @@ gets a little fewer pages).
 """
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+
+from jaxserve.config import EngineConfig, parse_mesh
+from jaxserve.engine.layout import (EngineLayout, build_layout_model, engine_layout,
+                                    layout_num_pages, layout_param_shardings, make_runner)
+from jaxserve.plan import load_model_config, make_plan
+from jaxserve.plan_format import _gib
+from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.runner.programs import FORWARD, SAMPLE, Program
+from models.weights import placed_abstract_params
+from sharding import bytes_per_device, replica_meshes
+from sharding.tpu_targets import abstract_tpu_mesh, tpu_target
 
 # The error's first lines are enough to tell SMEM from HBM from a lowering bug.
 _ERROR_LINES = 4
@@ -96,12 +109,9 @@ def default_selection(programs: list[Program]) -> list[Program]:
     return picked
 
 
-def _input_bytes(runner, args: tuple) -> int:
+def _input_bytes(runner: ModelRunner, args: tuple) -> int:
     """Per-device bytes of a program's arguments other than the resident weights and
     caches (batch inputs, the hidden states it reads)."""
-    import math
-
-    import jax
     total = 0
     for arg in args:
         if arg is runner.params or arg is runner.kv_caches:
@@ -114,7 +124,7 @@ def _input_bytes(runner, args: tuple) -> int:
     return total
 
 
-def compile_program(runner, program: Program, resident_bytes: int) -> ProgramResult:
+def compile_program(runner: ModelRunner, program: Program, resident_bytes: int) -> ProgramResult:
     """Lower and compile one program; a failure (e.g. RESOURCE_EXHAUSTED) is reported,
     with the error's first lines, not raised. resident_bytes: per device, what the
     engine holds throughout (weights, KV pages, state)."""
@@ -146,24 +156,19 @@ def compile_program(runner, program: Program, resident_bytes: int) -> ProgramRes
                          optimal_seconds=cost.get("optimal_seconds"))
 
 
-@dataclass
+@dataclass(frozen=True)
 class AbstractEngine:
     """One replica as EngineCore would build it, with nothing allocated."""
-    runner: Any                           # ModelRunner(abstract=True)
-    layout: Any                           # engine.layout.EngineLayout
+    runner: ModelRunner                   # abstract=True
+    layout: EngineLayout
     num_pages: int
     weight_bytes_per_device: int
-    programs: list[Program] = field(default_factory=list)
+    programs: list[Program]               # runner.warmup_programs()
 
 
-def build_abstract_engine(config, mc, mesh, hbm_bytes: int) -> AbstractEngine:
-    """config: an EngineConfig; mesh: one replica's 1xM mesh of abstract chips.
-    ValueError when the engine would refuse to start (e.g. no room for one sequence)."""
-    from jaxserve.engine.layout import (build_layout_model, engine_layout, layout_num_pages,
-                                        layout_param_shardings, make_runner)
-    from models.weights import placed_abstract_params
-    from sharding import bytes_per_device
-
+def build_abstract_engine(config: EngineConfig, mc, mesh, hbm_bytes: int) -> AbstractEngine:
+    """mesh: one replica's 1xM mesh of abstract chips. ValueError when the engine would
+    refuse to start (e.g. no room for one sequence)."""
     layout = engine_layout(config, mc, mesh)
     model = build_layout_model(layout)
     params = placed_abstract_params(model, layout.dtype,
@@ -182,15 +187,8 @@ def compile_plan(model: str, *, target: str, mesh: str = "1x1",
     """Build the engine for `target` and compile the selected warmup programs: "default"
     (default_selection), "all", or a function picking from warmup's list. engine_kw:
     EngineConfig fields (max_model_len, max_num_seqs, hbm_utilization, dtype, ...)."""
-    from dataclasses import replace
-
-    from jaxserve.config import EngineConfig, parse_mesh
-    from jaxserve.plan import load_model_config, make_plan
-    from sharding import bytes_per_device, replica_meshes
-    from sharding.tpu_targets import abstract_tpu_mesh, tpu_target
-
     hbm = tpu_target(target).hbm_bytes
-    d, m = parse_mesh(mesh)
+    _, m = parse_mesh(mesh)
     mc = load_model_config(model)
     # Each of the D replicas compiles the same programs on its own 1xM devices.
     config = EngineConfig(model=model, mesh=f"1x{m}", load_format="dummy",
@@ -231,12 +229,10 @@ def compile_plan(model: str, *, target: str, mesh: str = "1x1",
 
 
 def _dtype_name(dtype: Any) -> str:
-    import jax.numpy as jnp
     return jnp.dtype(dtype).name
 
 
 def format_report(r: CompileReport) -> str:
-    from jaxserve.plan_format import _gib
     head = (f"compile: {r.model} on {r.target} mesh {r.mesh}, max_model_len "
             f"{r.max_model_len:,} (compiler estimate on a CPU host, not a TPU measurement)")
     if r.error:
