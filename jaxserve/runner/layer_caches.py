@@ -15,7 +15,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from models.config import LINEAR_ATTENTION, ModelConfig
 from models.gated_deltanet import CONV_HEAD_AXIS, STATE_HEAD_AXIS, state_shapes
-from pallas_kernels.ragged_paged_attention import KV_HEAD_AXIS, make_kv_cache
+from pallas_kernels.ragged_paged_attention import KV_CACHE_NDIM, KV_HEAD_AXIS, make_kv_cache
 from sharding import kv_cache_sharding
 from sharding.parallel import heads_spec
 
@@ -25,7 +25,7 @@ def make_layer_caches(cfg: ModelConfig, mesh: Mesh, *, num_pages: int, page_size
                       ) -> tuple[list[Any], list[Any]]:
     """(caches, their shardings), one entry per layer. cfg.num_kv_heads is the number
     stored on this mesh (sharding.kv_head_layout)."""
-    kv_sharding = kv_cache_sharding(mesh, KV_HEAD_AXIS)
+    kv_sharding = kv_cache_sharding(mesh, KV_HEAD_AXIS, KV_CACHE_NDIM)
     new_kv = jax.jit(lambda: make_kv_cache(num_pages, page_size, cfg.num_kv_heads, cfg.head_dim,
                                            kv_dtype), out_shardings=kv_sharding)
     state_sharding = (NamedSharding(mesh, heads_spec(4, CONV_HEAD_AXIS)),
