@@ -114,7 +114,7 @@ def param_shardings(logical_axes: Any, mesh: Mesh, rules: dict[str, str | None])
                                   logical_axes, is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
-def kv_cache_sharding(mesh: Mesh, kv_head_axis: int, ndim: int = 5) -> NamedSharding:
+def kv_cache_sharding(mesh: Mesh, kv_head_axis: int, ndim: int) -> NamedSharding:
     """The KV cache split by KV head (the cache has a multiple of M heads: kv_head_layout)."""
     return NamedSharding(mesh, heads_spec(ndim, kv_head_axis))
 

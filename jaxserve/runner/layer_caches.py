@@ -17,7 +17,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from models.config import LINEAR_ATTENTION, ModelConfig
 from models.gated_deltanet import CONV_HEAD_AXIS, STATE_HEAD_AXIS, state_shapes
-from pallas_kernels.ragged_paged_attention import KV_HEAD_AXIS, make_kv_cache
+from pallas_kernels.ragged_paged_attention import KV_CACHE_NDIM, KV_HEAD_AXIS, make_kv_cache
 from sharding import kv_cache_sharding
 from sharding.parallel import heads_spec
 
@@ -30,7 +30,8 @@ def layer_cache_specs(cfg: ModelConfig, mesh: Mesh, *, num_pages: int, page_size
     # The KV layout belongs to the kernel module: ask make_kv_cache for its shape.
     kv = jax.eval_shape(lambda: make_kv_cache(num_pages, page_size, cfg.num_kv_heads,
                                               cfg.head_dim, kv_dtype))
-    kv = jax.ShapeDtypeStruct(kv.shape, kv.dtype, sharding=kv_cache_sharding(mesh, KV_HEAD_AXIS))
+    kv = jax.ShapeDtypeStruct(kv.shape, kv.dtype,
+                              sharding=kv_cache_sharding(mesh, KV_HEAD_AXIS, KV_CACHE_NDIM))
     state_sharding = (NamedSharding(mesh, heads_spec(4, CONV_HEAD_AXIS)),
                       NamedSharding(mesh, heads_spec(4, STATE_HEAD_AXIS)))
     specs: list[Any] = []
@@ -53,7 +54,7 @@ def make_layer_caches(cfg: ModelConfig, mesh: Mesh, *, num_pages: int, page_size
                               kv_dtype=kv_dtype, num_state_slots=num_state_slots,
                               conv_state_dtype=conv_state_dtype)
     shardings = jax.tree_util.tree_map(lambda s: s.sharding, specs)
-    kv_sharding = kv_cache_sharding(mesh, KV_HEAD_AXIS)
+    kv_sharding = kv_cache_sharding(mesh, KV_HEAD_AXIS, KV_CACHE_NDIM)
     new_kv = jax.jit(lambda: make_kv_cache(num_pages, page_size, cfg.num_kv_heads, cfg.head_dim,
                                            kv_dtype), out_shardings=kv_sharding)
     zeros = lambda s: jax.jit(lambda: jnp.zeros(s.shape, s.dtype), out_shardings=s.sharding)()

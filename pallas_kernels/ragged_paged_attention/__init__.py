@@ -5,9 +5,10 @@ fill them with `write_kv`, read them with `ragged_paged_attention`
 (impl="pallas" picks the Mosaic GPU or Mosaic TPU kernel by the lowering
 platform, impl="reference" the pure-jnp spec; see dispatch.py).
 """
-from pallas_kernels.ragged_paged_attention.cache import KV_HEAD_AXIS, make_kv_cache, write_kv
+from pallas_kernels.ragged_paged_attention.cache import (KV_CACHE_NDIM, KV_HEAD_AXIS,
+                                                         make_kv_cache, write_kv)
 from pallas_kernels.ragged_paged_attention.dispatch import (backend_options, ragged_paged_attention,
                                                              resolve_backend)
 
 __all__ = ["make_kv_cache", "write_kv", "ragged_paged_attention", "backend_options", "resolve_backend",
-           "KV_HEAD_AXIS"]
+           "KV_HEAD_AXIS", "KV_CACHE_NDIM"]

@@ -1,11 +1,16 @@
 """The paged KV cache: its layout, how to build it and how to write new tokens.
 
-Layout (one array per layer): [num_pages, K, 2, S, H]. Each (page, kv head)
-holds its K rows and V rows as two contiguous [S, H] tiles, so the kernels
-fetch one page of one head with two rectangular copies (a TMA box on Hopper,
-one DMA on TPU) and the [S, H] minor dims tile cleanly on TPU (no padding of a
-small K axis to 8 sublanes). Page 0 is the null page that padding tokens
-write to. KV_HEAD_AXIS names the axis to shard for tensor parallelism.
+Layout (one array per layer): [num_pages, 2K, S, H], entry 2k of axis 1 the K
+rows and 2k + 1 the V rows of kv head k (the bytes of [num_pages, K, 2, S, H]).
+Each (page, kv head) holds its K and V rows as two contiguous [S, H] tiles, so
+the kernels fetch one page of one head with two rectangular copies (a TMA box
+on Hopper, one DMA on TPU) and the [S, H] minor dims tile cleanly on TPU.
+K and V share one axis on purpose: with a separate size-K axis, a device that
+holds one kv head has a size-1 axis, for which XLA:TPU lays the cache out
+differently for the write scatter than for the kernels and copies the whole
+cache twice per layer and step (seen in the compiled HLO). Page 0 is the null
+page that padding tokens write to. KV_HEAD_AXIS names the axis to shard for
+tensor parallelism: a device gets whole (K, V) pairs since 2K / M = 2 (K / M).
 
 Glossary: K kv heads, S page size, H head dim, N tokens written.
 """
@@ -15,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 KV_HEAD_AXIS = 1
+KV_CACHE_NDIM = 4
 
 
 def make_kv_cache(num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
@@ -23,16 +29,18 @@ def make_kv_cache(num_pages: int, page_size: int, num_kv_heads: int, head_dim: i
                         ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
         if value < 1:
             raise ValueError(f"{name}={value}: must be >= 1")
-    return jnp.zeros((num_pages, num_kv_heads, 2, page_size, head_dim), dtype)
+    shape = (num_pages, 2 * num_kv_heads, page_size, head_dim)
+    assert len(shape) == KV_CACHE_NDIM
+    return jnp.zeros(shape, dtype)
 
 
 def cache_dims(cache: jax.Array) -> tuple[int, int, int, int]:
     """(num_pages, page_size, num_kv_heads, head_dim) of a cache from make_kv_cache."""
-    if cache.ndim != 5 or cache.shape[2] != 2:
-        raise ValueError(f"cache shape {cache.shape}: expected [num_pages, K, 2, S, H] "
+    if cache.ndim != 4 or cache.shape[1] % 2:
+        raise ValueError(f"cache shape {cache.shape}: expected [num_pages, 2K, S, H] "
                          f"from make_kv_cache")
-    num_pages, kv_heads, _, page_size, head_dim = cache.shape
-    return num_pages, page_size, kv_heads, head_dim
+    num_pages, kv2, page_size, head_dim = cache.shape
+    return num_pages, page_size, kv2 // 2, head_dim
 
 
 def write_kv(cache: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> jax.Array:
@@ -50,5 +58,6 @@ def write_kv(cache: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Arr
     offset = slot_mapping % page_size
     page = jnp.where(slot_mapping < 0, num_pages, page)      # negative slots are dropped too
     kv = jnp.stack([k, v], axis=2).astype(cache.dtype)      # [N, K, 2, H]
-    # Index arrays on axes 0 and 3 (separated by slices) put N first: [N, K, 2, H].
-    return cache.at[page, :, :, offset, :].set(kv, mode="drop")
+    kv = kv.reshape(k.shape[0], 2 * kv_heads, head_dim)     # [N, 2K, H]
+    # Index arrays on axes 0 and 2 (separated by a slice) put N first: [N, 2K, H].
+    return cache.at[page, :, offset, :].set(kv, mode="drop")

@@ -76,7 +76,7 @@ def _validate(q, cache, kv_lens, page_table, query_start_loc, num_seqs, sliding_
 
 def ragged_paged_attention(
     q: jax.Array,                 # [T, N, H]
-    cache: jax.Array,             # [num_pages, K, 2, S, H] from make_kv_cache
+    cache: jax.Array,             # [num_pages, 2K, S, H] from make_kv_cache
     kv_lens: jax.Array,           # int32[R] KV length after this step
     page_table: jax.Array,        # int32[R, P]
     query_start_loc: jax.Array,   # int32[R + 1]

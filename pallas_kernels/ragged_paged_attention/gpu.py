@@ -239,7 +239,7 @@ def _kernel(meta_ref, pages_ref, q_ref, cache_ref, o_ref, q_smem, k_smem, v_smem
                     start = base + j * piece
                     # Past the request's pages: re-read its last page (masked later).
                     page = pages_ref[req, jnp.minimum(start // page_size, last_page)]
-                    src = cache_ref.at[page, head, which, pl.ds(start % page_size, piece)]
+                    src = cache_ref.at[page, 2 * head + which, pl.ds(start % page_size, piece)]
                     plgpu.copy_gmem_to_smem(src, buf.at[slot, pl.ds(j * piece, piece)],
                                             full.at[slot])
 

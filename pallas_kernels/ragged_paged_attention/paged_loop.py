@@ -50,7 +50,7 @@ ITEMS_PER_LANE = 4
 
 def ragged_paged_attention(
     q: jax.Array,                 # [T, N, H]
-    cache: jax.Array,             # [num_pages, K, 2, S, H]
+    cache: jax.Array,             # [num_pages, 2K, S, H]
     kv_lens: jax.Array,           # int32[R] KV length after this step
     page_table: jax.Array,        # int32[R, P]
     query_start_loc: jax.Array,   # int32[R + 1]

@@ -41,7 +41,7 @@ def token_metadata(query_start_loc, kv_lens, num_seqs, num_tokens):
 
 def ragged_paged_attention(
     q: jax.Array,                 # [T, N, H]
-    cache: jax.Array,             # [num_pages, K, 2, S, H]
+    cache: jax.Array,             # [num_pages, 2K, S, H]
     kv_lens: jax.Array,           # int32[R] KV length after this step
     page_table: jax.Array,        # int32[R, P]
     query_start_loc: jax.Array,   # int32[R + 1]
@@ -52,7 +52,8 @@ def ragged_paged_attention(
     soft_cap: float | None = None,
 ) -> jax.Array:                   # [T, N, H]
     num_tokens, num_heads, head_dim = q.shape
-    _, page_size, num_kv, _ = cache_dims(cache)
+    num_pages, page_size, num_kv, _ = cache_dims(cache)
+    cache = cache.reshape(num_pages, num_kv, 2, page_size, head_dim)   # the same bytes
     group = num_heads // num_kv
     num_pages_per_req = page_table.shape[1]
     ctx = num_pages_per_req * page_size

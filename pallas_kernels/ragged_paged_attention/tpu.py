@@ -2,9 +2,13 @@
 
 Grid (I,): one program per item (a query block of one request, blocks.py),
 covering all K kv heads, so one DMA per page brings K and V of every head
-(the cache's [K, 2, S, H] page is contiguous).
-  - Scalar prefetch: the item metadata and the page table (flattened) sit in
-    SMEM before the grid starts, so page indices are plain scalar loads.
+(the cache's [2K, S, H] page is contiguous).
+  - Scalar prefetch: only the item metadata (I x NUM_FIELDS int32) sits in SMEM
+    before the grid starts. The page table stays in HBM: SMEM holds 1 MiB, and
+    a whole table (rows x pages per request, e.g. 256 x 16384 int32 = 16 MiB)
+    does not fit. Each item DMAs windows of its own row (IDX_WINDOW page
+    indices, double-buffered, the next window fetched while the current one is
+    in use) into SMEM, so page indices are still plain scalar loads.
   - Queries and outputs are [K, M, H] tiles (M = BQ * G rows, GQA heads of a
     kv head share every K/V load) moved by the BlockSpec pipeline.
   - The cache stays in HBM (memory_space ANY); the item's KV steps (KV_STEP
@@ -20,10 +24,9 @@ Decode and prefill chunks are the same code path.
 Verified without a TPU: TPU interpret mode on CPU (the logic, DMAs and
 semaphores) and lowering/export for platform "tpu" (the Pallas -> Mosaic
 lowering). Unverified: Mosaic's own compilation (vector layouts, done by
-libtpu on a TPU), performance and block-size tuning. Known limits: the whole
-page table is scalar-prefetched into SMEM (R * P int32; keep it well under
-the chip's SMEM, e.g. larger pages for long contexts), and the first KV step
-of each item is not prefetched during the previous item.
+libtpu on a TPU, now also run here by libtpu's deviceless compiler in the tests),
+performance and block-size tuning. Known limit: the first KV step (and index
+window) of each item is not prefetched during the previous item.
 """
 from __future__ import annotations
 
@@ -36,13 +39,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.ragged_paged_attention import blocks
+from pallas_kernels.ragged_paged_attention import blocks, cost
 from pallas_kernels.ragged_paged_attention.cache import cache_dims
 
 _MXU_ROWS = 128                  # target query rows per item
 _KV_BUF_BYTES = 2 * 1024 * 1024  # one KV slot (all heads); two slots are live
 _MAX_KV_STEP = 256
 _MASK_M = -1e30                  # running-max floor: fully masked rows stay finite
+IDX_WINDOW = 512                 # page indices per SMEM window (2 KiB; two are live)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +55,8 @@ class TpuConfig:
     rows: int               # M, block_q * G rounded up to the sublane tile
     pages_per_step: int
     kv_step: int            # pages_per_step * page_size
+    idx_window: int = IDX_WINDOW   # page-table slots per SMEM window (tests: small)
+    idx_align: int = 128           # window starts: the page table's lane tile in HBM
 
 
 def choose_config(group: int, page_size: int, num_kv_heads: int, head_dim: int,
@@ -64,9 +70,35 @@ def choose_config(group: int, page_size: int, num_kv_heads: int, head_dim: int,
     return TpuConfig(block_q=block_q, rows=rows, pages_per_step=pages, kv_step=pages * page_size)
 
 
-def _kernel(meta_ref, pages_ref, q_ref, cache_hbm, o_ref, kv_buf, sems, m_scr, l_scr, acc_scr,
-            *, cfg: TpuConfig, group: int, num_kv_heads: int, pages_per_req: int,
-            page_size: int, sm_scale: float, soft_cap: float | None,
+@dataclasses.dataclass(frozen=True)
+class _Windows:
+    """How an item's page indices come from its page-table row (in HBM) into SMEM.
+
+    One window when the row fits (size = the row). Otherwise window w holds the
+    `size` slots from its start: the slot of KV step w * steps rounded down to
+    `align` (Mosaic DMAs a [R, 1, P] table only at lane-tile offsets), capped so
+    it stays in the row padded to `row`; `steps` = (size - align) // pages per
+    step, so the window holds all of its steps' slots whatever the rounding."""
+    size: int
+    steps: int | None       # None: a single window holds the whole row
+    align: int
+    row: int                # the row length the kernel sees (padded to align)
+
+
+def _windows(pages_per_req: int, cfg: TpuConfig) -> _Windows:
+    if pages_per_req <= cfg.idx_window:
+        return _Windows(pages_per_req, None, 1, pages_per_req)
+    steps = (cfg.idx_window - cfg.idx_align) // cfg.pages_per_step
+    if cfg.idx_window % cfg.idx_align or steps < 1:
+        raise ValueError(f"idx_window {cfg.idx_window}: must be a multiple of idx_align "
+                         f"{cfg.idx_align} and hold it plus one KV step")
+    row = -(-pages_per_req // cfg.idx_align) * cfg.idx_align
+    return _Windows(cfg.idx_window, steps, cfg.idx_align, row)
+
+
+def _kernel(meta_ref, q_ref, cache_hbm, pages_hbm, o_ref, kv_buf, sems, idx_buf, idx_sems,
+            m_scr, l_scr, acc_scr, *, cfg: TpuConfig, win: _Windows, group: int,
+            num_kv_heads: int, page_size: int, sm_scale: float, soft_cap: float | None,
             sliding_window: int | None):
     item = pl.program_id(0)
     field = lambda f: meta_ref[item * blocks.NUM_FIELDS + f]
@@ -75,11 +107,25 @@ def _kernel(meta_ref, pages_ref, q_ref, cache_hbm, o_ref, kv_buf, sems, m_scr, l
     kv_len, step_lo, last_page = field(blocks.KV_LEN), field(blocks.STEP_LO), field(blocks.NUM_PAGES) - 1
     pps, kv_step, rows = cfg.pages_per_step, cfg.kv_step, cfg.rows
 
+    def window_start(w):
+        """The first page-table slot window w holds (lax.div, not //: the sign fix-up
+        of // queries the local chip, which fails in deviceless compiles)."""
+        if win.steps is None:
+            return 0
+        first = lax.div((step_lo + w * win.steps) * pps, win.align) * win.align
+        return pl.multiple_of(jnp.minimum(first, win.row - win.size), win.align)
+
+    def window_copy(w, slot):
+        return pltpu.make_async_copy(pages_hbm.at[req, 0, pl.ds(window_start(w), win.size)],
+                                     idx_buf.at[slot], idx_sems.at[slot])
+
     def copies(s, slot):
+        w = 0 if win.steps is None else lax.div(s, win.steps)
+        w_slot, w_first = (0 if win.steps is None else lax.rem(w, 2)), window_start(w)
         first = (step_lo + s) * pps
         out = []
         for j in range(pps):
-            page = pages_ref[req * pages_per_req + jnp.minimum(first + j, last_page)]
+            page = idx_buf[w_slot, jnp.minimum(first + j, last_page) - w_first]
             out.append(pltpu.make_async_copy(cache_hbm.at[page], kv_buf.at[slot, j], sems.at[slot]))
         return out
 
@@ -92,6 +138,13 @@ def _kernel(meta_ref, pages_ref, q_ref, cache_hbm, o_ref, kv_buf, sems, m_scr, l
         m_scr[...] = jnp.full(m_scr.shape, _MASK_M, jnp.float32)
         l_scr[...] = jnp.full(l_scr.shape, 0.0, jnp.float32)
         acc_scr[...] = jnp.full(acc_scr.shape, 0.0, jnp.float32)
+        first_window = window_copy(0, 0)
+        first_window.start()
+        first_window.wait()
+        if win.steps is not None:
+            @pl.when(win.steps < num_steps)
+            def _next_window():
+                window_copy(1, 1).start()
         for c in copies(0, 0):
             c.start()
 
@@ -99,14 +152,26 @@ def _kernel(meta_ref, pages_ref, q_ref, cache_hbm, o_ref, kv_buf, sems, m_scr, l
 
         def step(s, carry):
             slot = lax.rem(s, 2)
-
-            @pl.when(s + 1 < num_steps)
-            def _prefetch():
-                for c in copies(s + 1, 1 - slot):
-                    c.start()
-
             for c in copies(s, slot):
                 c.wait()
+            nxt = s + 1
+            if win.steps is not None:
+                # Entering a new window: it was fetched during the previous one; the
+                # slot of that previous one is free now, so the window after starts.
+                @pl.when((lax.rem(nxt, win.steps) == 0) & (nxt < num_steps))
+                def _cross():
+                    w = lax.div(nxt, win.steps)
+                    window_copy(w, lax.rem(w, 2)).wait()
+
+                    @pl.when((w + 1) * win.steps < num_steps)
+                    def _after():
+                        window_copy(w + 1, lax.rem(w + 1, 2)).start()
+
+            @pl.when(nxt < num_steps)
+            def _prefetch():
+                for c in copies(nxt, 1 - slot):
+                    c.start()
+
             base = (step_lo + s) * kv_step
             # Token of each query row (row = t * G + g; padding rows copy the last real
             # token). t = floor((row + 0.5) / G) in f32 is exact here and avoids a
@@ -120,8 +185,8 @@ def _kernel(meta_ref, pages_ref, q_ref, cache_hbm, o_ref, kv_buf, sems, m_scr, l
                 keep &= kv_pos > q_of_row - sliding_window
             v_live = base + lax.broadcasted_iota(jnp.int32, (kv_step, kv_buf.shape[-1]), 0) < kv_len
             for h in range(num_kv_heads):
-                k = kv_buf[slot, :, h, 0].reshape(kv_step, -1)          # [PPS, S, H] -> [L, H]
-                v = kv_buf[slot, :, h, 1].reshape(kv_step, -1)
+                k = kv_buf[slot, :, 2 * h].reshape(kv_step, -1)         # [PPS, S, H] -> [L, H]
+                v = kv_buf[slot, :, 2 * h + 1].reshape(kv_step, -1)
                 v = jnp.where(v_live, v, jnp.zeros_like(v))
                 q = q_ref[h]                                           # [M, H]
                 scores = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
@@ -165,21 +230,28 @@ def ragged_paged_attention_tpu(q, cache, kv_lens, page_table, query_start_loc, n
     q_blocks = blocks.gather_queries(q.astype(cache.dtype), meta, num_kv_heads=num_kv,
                                      block_q=cfg.block_q, rows=cfg.rows)
     n_items = meta.shape[0]
-    pages_per_req = page_table.shape[1]
+    num_pages, pages_per_req = cache.shape[0], page_table.shape[1]
+    win = _windows(pages_per_req, cfg)
+    # [R, 1, P]: the row axis untiled, so a DMA may start at any row.
+    pages = jnp.pad(page_table.astype(jnp.int32), ((0, 0), (0, win.row - pages_per_req)))
+    pages = pages.reshape(page_table.shape[0], 1, win.row)
     kernel = functools.partial(
-        _kernel, cfg=cfg, group=group, num_kv_heads=num_kv, pages_per_req=pages_per_req,
-        page_size=page_size, sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
+        _kernel, cfg=cfg, win=win, group=group, num_kv_heads=num_kv, page_size=page_size,
+        sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
     tile = pl.BlockSpec((None, num_kv, cfg.rows, head_dim), lambda i, *_: (i, 0, 0, 0))
+    hbm = pl.BlockSpec(memory_space=pl.ANY)
     out_blocks = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct(q_blocks.shape, cache.dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2,
+            num_scalar_prefetch=1,
             grid=(n_items,),
-            in_specs=[tile, pl.BlockSpec(memory_space=pl.ANY)],
+            in_specs=[tile, hbm, hbm],
             out_specs=tile,
             scratch_shapes=[
-                pltpu.VMEM((2, cfg.pages_per_step, num_kv, 2, page_size, head_dim), cache.dtype),
+                pltpu.VMEM((2, cfg.pages_per_step, 2 * num_kv, page_size, head_dim), cache.dtype),
+                pltpu.SemaphoreType.DMA((2,)),
+                pltpu.SMEM((2, win.size), jnp.int32),
                 pltpu.SemaphoreType.DMA((2,)),
                 pltpu.VMEM((num_kv, cfg.rows, 128), jnp.float32),
                 pltpu.VMEM((num_kv, cfg.rows, 128), jnp.float32),
@@ -187,8 +259,13 @@ def ragged_paged_attention_tpu(q, cache, kv_lens, page_table, query_start_loc, n
             ],
         ),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
+        cost_estimate=cost.attention_cost(
+            num_tokens=num_tokens, num_heads=num_heads, head_dim=head_dim,
+            num_rows=page_table.shape[0], pages_per_req=pages_per_req, page_size=page_size,
+            num_pages=num_pages, num_kv_heads=num_kv, itemsize=jnp.dtype(cache.dtype).itemsize,
+            sliding_window=sliding_window),
         interpret=interpret,
-    )(meta.reshape(-1), page_table.astype(jnp.int32).reshape(-1), q_blocks, cache)
+    )(meta.reshape(-1), q_blocks, cache, pages)
     out = blocks.scatter_outputs(out_blocks, token_item, token_row, token_valid,
                                  num_heads=num_heads, block_q=cfg.block_q)
     return out.astype(q.dtype)

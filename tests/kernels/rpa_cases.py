@@ -20,7 +20,7 @@ from pallas_kernels.ragged_paged_attention import make_kv_cache
 @dataclasses.dataclass
 class Batch:
     q: np.ndarray                 # [T, N, H] float32 (already rounded to dtype)
-    cache: np.ndarray             # [num_pages, K, 2, S, H] float32 (rounded, NaN where unused)
+    cache: np.ndarray             # [num_pages, 2K, S, H] float32 (rounded, NaN where unused)
     kv_lens: np.ndarray
     page_table: np.ndarray
     query_start_loc: np.ndarray
@@ -49,7 +49,7 @@ def make_batch(reqs, *, page_size: int, num_kv_heads: int, group: int, head_dim:
     assert max(needed) < pages_per_req            # leave an unlisted entry in every row
     num_pages = 1 + sum(needed) + 4               # page 0 and a few spare pages stay NaN
     shape = make_kv_cache(num_pages, page_size, num_kv_heads, head_dim, dtype).shape
-    cache = np.full(shape, np.nan, np.float32)
+    cache = np.full((num_pages, num_kv_heads, 2, page_size, head_dim), np.nan, np.float32)
     order = rng.permutation(np.arange(1, num_pages))          # pages in random order
     spare = order[sum(needed):]
     page_table = rng.choice(np.append(spare, 0), size=(num_rows, pages_per_req)).astype(np.int32)
@@ -69,20 +69,22 @@ def make_batch(reqs, *, page_size: int, num_kv_heads: int, group: int, head_dim:
     q = rng.standard_normal((num_tokens, num_kv_heads * group, head_dim)).astype(np.float32)
     # Round to the storage dtype so the oracle sees exactly the kernel's inputs.
     rnd = lambda x: np.asarray(jnp.asarray(x, dtype).astype(jnp.float32))
-    return Batch(rnd(q), rnd(cache), kv_lens, page_table, qsl,
+    return Batch(rnd(q), rnd(cache.reshape(shape)), kv_lens, page_table, qsl,
                  np.array([len(reqs)], np.int32), dtype)
 
 
 def oracle(b: Batch, *, sm_scale: float, sliding_window=None, soft_cap=None) -> np.ndarray:
     """float64 attention, one request and one token at a time; padding tokens -> 0."""
     num_tokens, num_heads, head_dim = b.q.shape
-    _, num_kv, _, page_size, _ = b.cache.shape
+    num_pages, kv2, page_size, _ = b.cache.shape
+    num_kv = kv2 // 2
+    cache = b.cache.reshape(num_pages, num_kv, 2, page_size, head_dim)   # entry 2k + kv
     group = num_heads // num_kv
     out = np.zeros((num_tokens, num_heads, head_dim))
     for r in range(int(b.num_seqs[0])):
         lo, hi, kv_len = b.query_start_loc[r], b.query_start_loc[r + 1], b.kv_lens[r]
         pos = np.arange(kv_len)
-        kv = b.cache[b.page_table[r, pos // page_size], :, :, pos % page_size].astype(np.float64)
+        kv = cache[b.page_table[r, pos // page_size], :, :, pos % page_size].astype(np.float64)
         for t in range(lo, hi):
             qpos = kv_len - (hi - lo) + (t - lo)
             keep = pos <= qpos

@@ -26,7 +26,7 @@ def test_accounting_and_table():
     assert bench.prefill_flops(1, 4, 2, 8) == 4 * 2 * 8 * 10
     q, cache, kv_lens, table, qsl, num_seqs = bench.paged_batch(
         [1, 3], [5, 20], 4, 2, 64, 16, jnp.bfloat16)
-    assert q.shape == (4, 4, 64) and cache.shape[1:] == (2, 2, 16, 64)
+    assert q.shape == (4, 4, 64) and cache.shape[1:] == (4, 16, 64)
     assert sorted(np.asarray(table).ravel()) == list(range(1, cache.shape[0]))
     assert np.asarray(qsl).tolist() == [0, 1, 4] and int(num_seqs[0]) == 2
     result = dict(command="x", device="H100", jax="0", page_size=16, dtype="bfloat16",

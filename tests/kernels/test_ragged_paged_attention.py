@@ -5,7 +5,8 @@ Each configuration compiles once (fixed T = 128 tokens, R = 8 rows) and runs the
 decode / prefill / mixed scenarios of tests/kernels/rpa_cases.py: kv lengths 1,
 S-1, S, S+1 and long, padded rows and tokens, pages in random order, everything
 unlisted NaN. Small block sizes are forced where the defaults would fit a whole
-request in one block, so multi-step and multi-item paths run.
+request in one block, so multi-step and multi-item paths run, and small page-index
+windows (idx_window) so the TPU kernel's window crossings run too.
 """
 from __future__ import annotations
 
@@ -33,11 +34,15 @@ def _cfg(name, dtype, kv_heads, group, head_dim, page_size, window=None, soft_ca
 
 CONFIGS = [
     _cfg("f32-g1-h128-s16", jnp.float32, 2, 1, 128, 16,
-         tpu_config=tpu.TpuConfig(block_q=8, rows=8, pages_per_step=2, kv_step=32)),
+         tpu_config=tpu.TpuConfig(block_q=8, rows=8, pages_per_step=2, kv_step=32,
+                                  idx_window=4, idx_align=2)),
     _cfg("bf16-g4-h128-s16", jnp.bfloat16, 2, 4, 128, 16),
     _cfg("f32-g8-h256-s32", jnp.float32, 1, 8, 256, 32,
-         tpu_config=tpu.TpuConfig(block_q=2, rows=16, pages_per_step=1, kv_step=32)),
-    _cfg("f32-g3-h64-s64-window-softcap", jnp.float32, 2, 3, 64, 64, window=24, soft_cap=5.0),
+         tpu_config=tpu.TpuConfig(block_q=2, rows=16, pages_per_step=1, kv_step=32,
+                                  idx_window=3, idx_align=1)),
+    _cfg("f32-g3-h64-s64-window-softcap", jnp.float32, 2, 3, 64, 64, window=24, soft_cap=5.0,
+         tpu_config=tpu.TpuConfig(block_q=4, rows=16, pages_per_step=1, kv_step=64,
+                                  idx_window=4, idx_align=2)),
     _cfg("bf16-g2-h256-s256-window", jnp.bfloat16, 1, 2, 256, 256, window=100, long=700),
     _cfg("f32-g2-h512-s16", jnp.float32, 1, 2, 512, 16,
          tpu_config=tpu.TpuConfig(block_q=4, rows=8, pages_per_step=4, kv_step=64)),

@@ -26,9 +26,10 @@ def test_write_kv_places_rows_and_drops_bad_slots():
     v = rng.standard_normal((len(slots), K, H)).astype(np.float32)
     got = np.asarray(jax.jit(write_kv)(cache, jnp.asarray(k), jnp.asarray(v), jnp.asarray(slots)))
     want = np.asarray(cache).copy()
+    heads = want.reshape(num_pages, K, 2, S, H)    # a view: entry 2k + kv of axis 1
     for i, s in enumerate(slots[:3]):
-        want[s // S, :, 0, s % S] = k[i]
-        want[s // S, :, 1, s % S] = v[i]
+        heads[s // S, :, 0, s % S] = k[i]
+        heads[s // S, :, 1, s % S] = v[i]
     np.testing.assert_array_equal(got, want)     # slots -1 and past the end change nothing
 
 

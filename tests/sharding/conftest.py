@@ -64,10 +64,10 @@ def assert_split_over_model_axis(core) -> None:
     mc = core.model_config
     for cache in core.runner.kv_caches:
         shard = cache.addressable_shards[0].data
-        stored = cache.shape[1]               # KV heads as stored on this mesh
+        stored = cache.shape[1] // 2          # KV heads as stored on this mesh ([P, 2K, S, H])
         assert stored == (mc.num_kv_heads if mc.num_kv_heads % m == 0 else
                           math.lcm(mc.num_kv_heads, m))
-        assert shard.shape[1] == stored // m  # never more heads than its query heads use
+        assert shard.shape[1] == 2 * stored // m  # whole (K, V) pairs, only the heads it uses
         assert shard.size * m == cache.size
     if mc.num_kv_heads % m == 0:   # no replication: exactly 1/M of the model's KV cache
         kv_total = sum(c.size * c.dtype.itemsize for c in core.runner.kv_caches)

@@ -29,11 +29,11 @@ def test_sharded_pallas_attention_exports(platform):
     mesh = make_mesh("1x8")
     rep = NamedSharding(mesh, PartitionSpec())
     heads = NamedSharding(mesh, heads_spec(3, 1))
-    kv = NamedSharding(mesh, heads_spec(5, 1))
+    kv = NamedSharding(mesh, heads_spec(4, 1))
     bf16, i32 = jnp.bfloat16, jnp.int32
     spec = lambda shape, dtype, sharding: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
     args = (spec((T, K * G, H), bf16, heads), spec((T, K, H), bf16, heads),
-            spec((T, K, H), bf16, heads), spec((NUM_PAGES, K, 2, S, H), bf16, kv),
+            spec((T, K, H), bf16, heads), spec((NUM_PAGES, 2 * K, S, H), bf16, kv),
             spec((T,), i32, rep), spec((R,), i32, rep), spec((R, PAGES_PER_REQ), i32, rep),
             spec((R + 1,), i32, rep), spec((1,), i32, rep))
     with jax.set_mesh(mesh):

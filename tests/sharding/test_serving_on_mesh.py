@@ -14,7 +14,7 @@ import pytest
 from jaxserve import LLM, SamplingParams
 from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.runner.sampler import SamplerVariant, make_sampling_tensors
-from pallas_kernels.ragged_paged_attention import KV_HEAD_AXIS
+from pallas_kernels.ragged_paged_attention import KV_CACHE_NDIM, KV_HEAD_AXIS
 from sharding import kv_cache_sharding
 from tests.engine.conftest import assert_no_leaks
 from tests.sharding.conftest import assert_step_collectives, collectives
@@ -60,7 +60,7 @@ def test_nothing_compiles_after_warmup(llm):
     assert engine.num_compilations == before, "something compiled after warmup"
     for core in engine.replicas:
         assert core.num_steps > 0
-        want = kv_cache_sharding(core.mesh, KV_HEAD_AXIS)
+        want = kv_cache_sharding(core.mesh, KV_HEAD_AXIS, KV_CACHE_NDIM)
         assert all(c.sharding == want for c in core.runner.kv_caches)
         assert_no_leaks(core)
 
