@@ -1,0 +1,103 @@
+"""The engine's whole forward step (tiny Llama, tiny Qwen3.5 hybrid) compiled for TPU v6e
+by libtpu's deviceless XLA:TPU + Mosaic compilers, on one chip and on a 1x4 mesh, and
+its compiled HLO checked for copies of a whole layer cache.
+
+Such a copy is what XLA:TPU inserts when the write_kv scatter and the Mosaic kernel want
+the cache in different layouts (it happened with one KV head per device: two copies of
+every layer's cache per step). The check reads the compiled HLO, and the compiler's
+temporaries must stay below one layer's cache.
+"""
+from __future__ import annotations
+
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jaxserve.config import EngineConfig
+from jaxserve.plan import load_model_config
+from jaxserve.plan_compile import build_abstract_engine
+from jaxserve.runner.programs import FORWARD
+from sharding.tpu_targets import abstract_tpu_mesh, tpu_target
+from tests.checkpoints import make_tiny_checkpoint
+from tests.tpu_compile import compile_on_tpu
+
+pytest.importorskip("libtpu")
+
+TARGET = "tpu-v6e"
+NUM_PAGES = 4096          # 16-token pages: 16 MiB per layer and KV head in bf16
+# One compiled instruction per line: "%name = bf16[4096,2,16,128]{3,2,1,0...} copy(...)".
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = (\w+)\[([\d,]*)\]\S* ([\w\-]+)\(")
+_COPY_OPS = {"copy", "copy-start", "transpose"}
+
+
+def whole_cache_copies(hlo: str, shapes: set[tuple[int, ...]]) -> list[str]:
+    """Instructions of the compiled HLO that copy or transpose an array of one of
+    `shapes` (a per-device cache), including loop fusions named after a copy."""
+    found = []
+    for line in hlo.splitlines():
+        m = _INSTRUCTION.match(line)
+        if not m:
+            continue
+        name, _, dims, op = m.groups()
+        shape = tuple(int(d) for d in dims.split(",")) if dims else ()
+        if shape in shapes and (op in _COPY_OPS or (op == "fusion" and (
+                name.startswith(("copy", "transpose")) or "calls=%copy" in line
+                or "calls=%transpose" in line))):
+            found.append(line.strip()[:200])
+    return found
+
+
+def test_the_check_finds_a_copy():
+    """A cache updated without donation must be copied whole: the check sees it."""
+    cache = jax.ShapeDtypeStruct((NUM_PAGES, 2, 16, 128), jnp.bfloat16)
+    compiled = compile_on_tpu(lambda c: c.at[3].set(1), cache, target=TARGET)
+    assert whole_cache_copies(compiled.as_text(), {cache.shape})
+
+
+CHECKPOINTS = {
+    "llama": dict(num_attention_heads=8, num_key_value_heads=4, intermediate_size=256,
+                  head_dim=128),
+    # Linear-attention heads of 128 as in every Qwen3.5/3.6 (at 16, narrower than a
+    # lane tile, XLA:TPU relayouts the small recurrent state around the kernel).
+    "qwen3_5": dict(num_attention_heads=8, num_key_value_heads=2, head_dim=128,
+                    linear_num_key_heads=4, linear_num_value_heads=8,
+                    linear_key_head_dim=128, linear_value_head_dim=128),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(CHECKPOINTS))
+def checkpoint(request, tmp_path_factory) -> str:
+    return make_tiny_checkpoint(request.param, tmp_path_factory.mktemp(request.param),
+                                **CHECKPOINTS[request.param])
+
+
+@pytest.mark.parametrize("mesh", ["1x1", "1x4"])
+def test_forward_step_compiles_without_cache_copies(checkpoint, mesh):
+    config = EngineConfig(model=checkpoint, mesh=mesh, load_format="dummy", dtype="bfloat16",
+                          num_pages=NUM_PAGES, max_model_len=512, max_num_seqs=16,
+                          max_num_batched_tokens=256, attention_backend="pallas",
+                          compilation_cache_dir=None)
+    eng = build_abstract_engine(config, load_model_config(checkpoint),
+                                abstract_tpu_mesh(TARGET, mesh), tpu_target(TARGET).hbm_bytes)
+    caches = jax.tree_util.tree_leaves(eng.runner.kv_caches)
+    shapes = {c.sharding.shard_shape(c.shape) for c in caches}
+    kv_layer_bytes = NUM_PAGES * eng.layout.bytes_per_page // len(
+        eng.layout.model_config.full_attention_layers)
+    forwards = [p for p in eng.programs if p.kind == FORWARD]
+    widest = max(p.pages for p in forwards)
+    tokens = sorted({p.tokens for p in forwards})
+    for prog in (p for p in forwards if p.pages == widest and p.tokens in (tokens[0], tokens[-1])):
+        compiled = eng.runner.lower(prog).compile()
+        hlo = compiled.as_text()
+        assert "tpu_custom_call" in hlo                      # the Mosaic kernels are in it
+        assert whole_cache_copies(hlo, shapes) == [], (mesh, prog.tokens)
+        ma = compiled.memory_analysis()
+        # Every cache is donated and updated in place...
+        cache_bytes = sum(c.dtype.itemsize * math.prod(c.sharding.shard_shape(c.shape))
+                          for c in caches)
+        assert ma.alias_size_in_bytes >= cache_bytes
+        # ...and no layer's cache is materialised a second time.
+        assert ma.temp_size_in_bytes < kv_layer_bytes, (mesh, prog.tokens, ma.temp_size_in_bytes)
