@@ -129,6 +129,7 @@ class Plan:
     hbm_bytes: int | None
     hbm_utilization: float
     link_gbps: float
+    compiler_limit: str | None = None  # TPU: why the largest step would not compile
 
     @property
     def free_after_weights(self) -> int:
@@ -176,10 +177,15 @@ class Plan:
         return min(seqs, self.max_num_seqs) if self.is_hybrid else seqs
 
     @property
-    def fits(self) -> bool:
+    def memory_fits(self) -> bool:
         """max_num_seqs sequences of max_model_len tokens fit next to the weights."""
         return (self.kv_budget_bytes > 0 and self.state_budget_bytes <= self.kv_budget_bytes
                 and self.max_num_seqs * self.max_model_len <= self.kv_tokens)
+
+    @property
+    def fits(self) -> bool:
+        """The memory fits and no compiler limit stands in the way."""
+        return self.memory_fits and self.compiler_limit is None
 
     @property
     def allreduce_bytes_per_token_per_layer(self) -> int:
@@ -195,9 +201,11 @@ def make_plan(mc, *, model: str, mesh: str, dtype: str = "auto", kv_cache_dtype:
               max_model_len: int | None = None, max_num_seqs: int = 256,
               max_num_batched_tokens: int | None = None, hbm_bytes: int | None = None,
               hbm_utilization: float = 0.9, link_gbps: float = DEFAULT_LINK_GBPS,
-              weights: WeightFigures | None = None) -> Plan:
+              weights: WeightFigures | None = None, platform: str | None = None,
+              page_size: int = 16) -> Plan:
     """weights: the parameter figures if known; by default from the flax model (which
-    needs the model class of mc.architecture)."""
+    needs the model class of mc.architecture). platform "tpu": also check the limits
+    of the TPU compiler that the kernels cannot stream around (compiler_limit)."""
     from jaxserve.config import parse_mesh
     from sharding import check_model_axis, kv_head_layout
 
@@ -215,6 +223,11 @@ def make_plan(mc, *, model: str, mesh: str, dtype: str = "auto", kv_cache_dtype:
     full = len(mc.full_attention_layers)
     kv_tok = full * 2 * (kv_heads // m) * mc.head_dim * _ITEMSIZE[kv_dtype]
     state, state_dev, layout = _state_figures(mc, m, dtype)
+    limit = None
+    if platform == "tpu":
+        from jaxserve.engine.layout import tpu_kernel_limit_error
+        limit = tpu_kernel_limit_error(mc, kv_heads, num_tokens=tokens, rows=max_num_seqs,
+                                       max_model_len=max_model_len, page_size=page_size)
     return Plan(
         model=f"{model} ({mc.architecture})", mesh=(d, m), dtype=dtype,
         kv_dtype=kv_dtype, num_params=w.num_params, weight_bytes=w.weight_bytes,
@@ -225,7 +238,8 @@ def make_plan(mc, *, model: str, mesh: str, dtype: str = "auto", kv_cache_dtype:
         hidden_size=mc.hidden_size, max_model_len=max_model_len,
         max_num_seqs=max_num_seqs, max_num_batched_tokens=tokens,
         activation_bytes=activation_bytes(mc, m, tokens, max_num_seqs, dtype),
-        hbm_bytes=hbm_bytes, hbm_utilization=hbm_utilization, link_gbps=link_gbps)
+        hbm_bytes=hbm_bytes, hbm_utilization=hbm_utilization, link_gbps=link_gbps,
+        compiler_limit=limit)
 
 
 def _state_figures(mc, m: int, dtype: str) -> tuple[int, int, str]:
@@ -320,7 +334,8 @@ def main(argv: list[str] | None = None) -> None:
                          max_num_seqs=args.max_num_seqs,
                          max_num_batched_tokens=args.max_num_batched_tokens,
                          hbm_bytes=hbm, hbm_utilization=args.hbm_utilization,
-                         link_gbps=args.interconnect_gbps)
+                         link_gbps=args.interconnect_gbps,
+                         platform="tpu" if args.target else None)
     except ValueError as e:
         ap.exit(2, f"error: {e}\n")
     print(json.dumps(asdict(plan)) if args.json else format_plan(plan))

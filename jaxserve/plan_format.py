@@ -68,9 +68,11 @@ def _memory_lines(p: Plan) -> list[str]:
         f"{p.max_model_len:,} tokens (max_model_len)"
         + (f"; x{d} replicas = {d * p.kv_tokens:,} tokens" if d > 1 else ""),
         f"  max_num_seqs={p.max_num_seqs} x max_model_len={p.max_model_len:,}   "
-        + ("fits" if p.fits else f"does NOT fit: at most {p.max_sequences} full-length "
+        + ("fits" if p.memory_fits else f"does NOT fit: at most {p.max_sequences} full-length "
            f"sequences, or {p.kv_tokens // p.max_num_seqs:,} tokens each for {p.max_num_seqs}"),
     ]
+    if p.compiler_limit:
+        lines.append(f"  does NOT compile for TPU: {p.compiler_limit}")
     if p.activation_bytes > p.reserve_bytes:
         lines.append(f"  WARNING: estimated activations ({_gib(p.activation_bytes)}) exceed "
                      f"the reserve; lower max_num_batched_tokens or hbm_utilization")
@@ -80,7 +82,7 @@ def _memory_lines(p: Plan) -> list[str]:
         lines.append(f"  WARNING: the recurrent state of {p.state_slots} sequences "
                      f"({_gib(p.state_budget_bytes)}) does not fit in the "
                      f"{_gib(p.kv_budget_bytes)} left for the cache; lower max_num_seqs")
-    elif not p.fits:
+    elif not p.memory_fits:
         lines.append(f"  WARNING: the plan does not fit: {p.max_num_seqs} sequences of "
                      f"{p.max_model_len:,} tokens need {p.max_num_seqs * p.max_model_len:,} "
                      f"tokens of KV cache, the cache holds {p.kv_tokens:,}; lower "

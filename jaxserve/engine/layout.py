@@ -77,9 +77,25 @@ def engine_layout(config: EngineConfig, mc: ModelConfig, mesh: Mesh) -> EngineLa
                           num_kv_heads=kv_heads // m, head_dim=mc.head_dim,
                           itemsize=jnp.dtype(kv_dtype).itemsize)
     platform = mesh.devices.flat[0].platform
-    return EngineLayout(mc, dtype, kv_dtype, max_model_len, kv_heads,
-                        resolve_backend(config.attention_backend, platform), mesh_rules(mc, m),
-                        slots, state, per_page)
+    backend = resolve_backend(config.attention_backend, platform)
+    if platform == "tpu" and backend == "pallas":
+        why = tpu_kernel_limit_error(mc, kv_heads, num_tokens=config.num_batched_tokens,
+                                     rows=config.max_num_seqs, max_model_len=max_model_len,
+                                     page_size=config.page_size)
+        if why:
+            raise ValueError(why)
+    return EngineLayout(mc, dtype, kv_dtype, max_model_len, kv_heads, backend,
+                        mesh_rules(mc, m), slots, state, per_page)
+
+
+def tpu_kernel_limit_error(mc: ModelConfig, kv_heads: int, *, num_tokens: int, rows: int,
+                           max_model_len: int, page_size: int) -> str | None:
+    """Why the engine's largest step would not compile for TPU (a compiler limit the
+    kernels cannot stream around), with the fix; None when it compiles. kv_heads: as
+    stored on the mesh."""
+    from pallas_kernels.ragged_paged_attention import tpu as rpa_tpu
+    return rpa_tpu.smem_limit_error(num_tokens, rows, mc.num_heads // kv_heads,
+                                    -(-max_model_len // page_size))
 
 
 def build_layout_model(layout: EngineLayout):

@@ -22,10 +22,11 @@ covering all K kv heads, so one DMA per page brings K and V of every head
 Decode and prefill chunks are the same code path.
 
 Verified without a TPU: TPU interpret mode on CPU (the logic, DMAs and
-semaphores) and lowering/export for platform "tpu" (the Pallas -> Mosaic
-lowering). Unverified: Mosaic's own compilation (vector layouts, done by
-libtpu on a TPU, now also run here by libtpu's deviceless compiler in the tests),
-performance and block-size tuning. Known limit: the first KV step (and index
+semaphores) and compilation by libtpu's deviceless XLA:TPU + Mosaic compilers
+for v5e and v6e (tests/kernels/test_rpa_tpu_compile.py). The item metadata is
+the one SMEM figure that grows (with the token bucket): smem_limit_error says
+when a shape would not fit. Unverified: running on a TPU, performance and
+block-size tuning. Known limit: the first KV step (and index
 window) of each item is not prefetched during the previous item.
 """
 from __future__ import annotations
@@ -47,6 +48,8 @@ _KV_BUF_BYTES = 2 * 1024 * 1024  # one KV slot (all heads); two slots are live
 _MAX_KV_STEP = 256
 _MASK_M = -1e30                  # running-max floor: fully masked rows stay finite
 IDX_WINDOW = 512                 # page indices per SMEM window (2 KiB; two are live)
+SMEM_BYTES = 1 << 20             # scalar memory per TensorCore on v5e, v5p and v6e
+_SMEM_SLACK = 16 * 1024          # what Mosaic keeps for itself (measured: 1 MiB - 16 KiB fits)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,15 +62,44 @@ class TpuConfig:
     idx_align: int = 128           # window starts: the page table's lane tile in HBM
 
 
+def _block_q(group: int) -> int:
+    return max(1, _MXU_ROWS // group)
+
+
 def choose_config(group: int, page_size: int, num_kv_heads: int, head_dim: int,
                   itemsize: int) -> TpuConfig:
-    block_q = max(1, _MXU_ROWS // group)
+    block_q = _block_q(group)
     sublanes = 8 * (4 // itemsize)                      # 8 rows of f32, 16 of bf16
     rows = -(-block_q * group // sublanes) * sublanes
     per_token = num_kv_heads * 2 * head_dim * itemsize
     want = max(page_size, min(_MAX_KV_STEP, _KV_BUF_BYTES // per_token))
     pages = max(1, want // page_size)
     return TpuConfig(block_q=block_q, rows=rows, pages_per_step=pages, kv_step=pages * page_size)
+
+
+def smem_bytes(num_tokens: int, num_rows: int, group: int, pages_per_req: int) -> int:
+    """SMEM one call takes: the scalar-prefetched item metadata (it grows with the token
+    bucket and the rows) and the two page-index windows (bounded by IDX_WINDOW)."""
+    items = blocks.max_items(num_tokens, num_rows, _block_q(group))
+    return 4 * (items * blocks.NUM_FIELDS + 2 * min(pages_per_req, IDX_WINDOW))
+
+
+def smem_limit_error(num_tokens: int, num_rows: int, group: int, pages_per_req: int
+                     ) -> str | None:
+    """Why a call of this shape would not compile (Mosaic: out of SMEM), with the largest
+    token bucket that would; None when it fits."""
+    budget = SMEM_BYTES - _SMEM_SLACK
+    if smem_bytes(num_tokens, num_rows, group, pages_per_req) <= budget:
+        return None
+    lo, hi = 0, num_tokens            # the largest multiple of 16 tokens that fits
+    while hi - lo > 16:
+        mid = (lo + hi) // 32 * 16
+        lo, hi = (mid, hi) if smem_bytes(mid, num_rows, group, pages_per_req) <= budget \
+            else (lo, mid)
+    return (f"{num_tokens} tokens over {num_rows} rows need "
+            f"{smem_bytes(num_tokens, num_rows, group, pages_per_req):,} bytes of TPU SMEM for "
+            f"the attention kernel's work items, more than the {budget:,} it can have; "
+            f"lower max_num_batched_tokens to {lo} or fewer")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -56,3 +56,22 @@ def test_sliding_window_and_soft_cap_compile():
     fn = functools.partial(ragged_paged_attention, impl="pallas", sm_scale=0.1,
                            sliding_window=1024, soft_cap=30.0)
     compile_on_tpu(fn, *_args(256, 64, CONTEXT // 16, 2, 4, 128, 16, 2048), target="tpu-v6e")
+
+
+def test_smem_limit_is_where_mosaic_runs_out():
+    """The item metadata grows with the token bucket: at 16 query heads per KV head,
+    262,144 tokens over 256 rows need more SMEM than a TensorCore has. smem_limit_error
+    names the largest bucket that fits; it compiles, the original does not."""
+    from pallas_kernels.ragged_paged_attention import tpu
+
+    t, r, g, p = 262_144, 256, 16, 64
+    why = tpu.smem_limit_error(t, r, g, p)
+    assert why is not None and "lower max_num_batched_tokens to" in why
+    largest = int(why.rsplit(" to ", 1)[1].split()[0])
+    assert tpu.smem_limit_error(largest, r, g, p) is None
+    assert tpu.smem_bytes(largest + 16, r, g, p) > tpu.SMEM_BYTES - 16 * 1024
+    assert tpu.smem_bytes(t, r, g, p) > tpu.SMEM_BYTES
+    fn = functools.partial(ragged_paged_attention, impl="pallas", sm_scale=0.1)
+    compile_on_tpu(fn, *_args(largest, r, p, 1, g, 128, 16, 4096), target="tpu-v6e")
+    with pytest.raises(Exception, match="smem"):
+        compile_on_tpu(fn, *_args(t, r, p, 1, g, 128, 16, 4096), target="tpu-v6e")

@@ -138,3 +138,37 @@ def test_warmup_compiles_its_program_list(tiny):
     programs = runner.warmup_programs()
     assert len(programs) == 3 + 3 + 8   # tokens 16, 24, 32; rows 8; 8 sampler variants
     assert runner.warmup_compilations == len(programs)
+
+
+def test_a_step_past_a_compiler_limit_is_refused(tmp_path, capsys):
+    """16 query heads per KV head and a 262,144-token step: the TPU attention kernel's
+    work items would not fit in SMEM. The planner (with or without --compile) and the
+    engine's layout refuse it, saying what to lower."""
+    import jax
+
+    from jaxserve.config import EngineConfig
+    from jaxserve.engine.layout import engine_layout
+    from jaxserve.plan import load_model_config
+    from sharding.tpu_targets import abstract_tpu_mesh
+
+    path = make_tiny_checkpoint("llama", tmp_path, num_attention_heads=16,
+                                num_key_value_heads=1, head_dim=128, intermediate_size=256,
+                                max_position_embeddings=262_144)
+    argv = ["--model", path, "--target", "tpu-v6e", "--max-model-len", "1024",
+            "--max-num-batched-tokens", "262144"]
+    main(argv)
+    out = capsys.readouterr().out
+    assert "does NOT compile for TPU: 262144 tokens over 256 rows need" in out
+    assert "lower max_num_batched_tokens to" in out
+    r = run_json(*argv, "--compile")
+    assert r["fits"] is False and r["programs"] == []
+    assert "bytes of TPU SMEM" in r["error"]
+    config = EngineConfig(model=path, max_model_len=1024, max_num_batched_tokens=262_144,
+                          load_format="dummy")
+    with pytest.raises(ValueError, match="lower max_num_batched_tokens to"):
+        engine_layout(config, load_model_config(path), abstract_tpu_mesh("tpu-v6e"))
+    # The same step on CPU (the reference attention) has no such limit.
+    engine_layout(config, load_model_config(path), jax.make_mesh((1, 1), ("data", "model")))
+    # ...and the largest bucket the message names is accepted.
+    main([*argv[:-1], out.split("lower max_num_batched_tokens to ")[1].split()[0]])
+    assert "does NOT compile" not in capsys.readouterr().out
