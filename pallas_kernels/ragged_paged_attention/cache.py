@@ -46,9 +46,13 @@ def cache_dims(cache: jax.Array) -> tuple[int, int, int, int]:
 def write_kv(cache: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> jax.Array:
     """Scatter k, v [N, K, H] into their slots (page * page_size + offset).
 
-    One XLA scatter: under jit with the cache donated it updates the buffer in
-    place (tests/kernels/test_write_kv.py checks the compiled engine step).
-    Slots outside the cache are dropped.
+    One XLA scatter of [H] rows into the cache seen as [P * 2K * S, H] (the same
+    bytes): under jit with the cache donated it updates the buffer in place
+    (tests/kernels/test_write_kv.py checks the compiled engine step). Scattering
+    [2K, H] slices into the 4-D cache instead lets XLA:TPU prefer another layout
+    for the scatter at large token counts (2048) and copy the whole cache there
+    and back around it (tests/sharding/test_forward_tpu_hlo.py). Slots outside
+    the cache are dropped.
     """
     num_pages, page_size, kv_heads, head_dim = cache_dims(cache)
     if k.shape != v.shape or k.shape[1:] != (kv_heads, head_dim):
@@ -58,6 +62,9 @@ def write_kv(cache: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Arr
     offset = slot_mapping % page_size
     page = jnp.where(slot_mapping < 0, num_pages, page)      # negative slots are dropped too
     kv = jnp.stack([k, v], axis=2).astype(cache.dtype)      # [N, K, 2, H]
-    kv = kv.reshape(k.shape[0], 2 * kv_heads, head_dim)     # [N, 2K, H]
-    # Index arrays on axes 0 and 2 (separated by a slice) put N first: [N, 2K, H].
-    return cache.at[page, :, offset, :].set(kv, mode="drop")
+    kv = kv.reshape(k.shape[0] * 2 * kv_heads, head_dim)    # [N * 2K, H]
+    # Rows of the cache seen as [P * 2K * S, H]: row (page * 2K + j) * S + offset.
+    rows = ((page[:, None] * (2 * kv_heads) + jnp.arange(2 * kv_heads)) * page_size
+            + offset[:, None]).reshape(-1)
+    flat = cache.reshape(num_pages * 2 * kv_heads * page_size, head_dim)
+    return flat.at[rows].set(kv, mode="drop").reshape(cache.shape)

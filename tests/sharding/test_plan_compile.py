@@ -15,16 +15,11 @@ pytest.importorskip("libtpu")
 
 GIB = 2**30
 V6E_HBM = 32 * GIB
-# Half the free HBM for the KV pages: today's write_kv makes XLA:TPU copy a layer's
-# whole cache at some token buckets, which would not fit next to a 90 % cache.
-UTIL = "0.5"
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> str:
-    """A tiny llama with head_dim 128 (lane-aligned on TPU, as every served model):
-    at head_dim 16 XLA:TPU lays the cache out differently for the kernel and the
-    scatter and copies it whole."""
+    """A tiny llama with head_dim 128 (lane-aligned on TPU, as every served model)."""
     return make_tiny_checkpoint("llama", tmp_path_factory.mktemp("plan_compile"),
                                 num_attention_heads=8, num_key_value_heads=4,
                                 intermediate_size=256, head_dim=128)
@@ -39,8 +34,8 @@ def run_json(*argv: str) -> dict:
 
 @pytest.fixture(scope="module")
 def reports(tiny) -> dict[str, dict]:
-    return {mesh: run_json("--model", tiny, "--mesh", mesh, "--target", "tpu-v6e", "--compile",
-                           "--hbm-utilization", UTIL)
+    """The engine's defaults: 90 % of what the weights leave goes to the KV pages."""
+    return {mesh: run_json("--model", tiny, "--mesh", mesh, "--target", "tpu-v6e", "--compile")
             for mesh in ("1x1", "1x4")}
 
 
@@ -62,8 +57,8 @@ def test_compile_json_on_a_tiny_model(reports, mesh):
                                    - p["alias_bytes"])
         assert p["argument_bytes"] <= p["peak_bytes"] <= p["device_peak_bytes"] <= V6E_HBM
     fwd = r["programs"][1]
-    # Half of what the weights leave, and the caches donated: aliased, not copied out.
-    assert 0.45 * V6E_HBM < fwd["argument_bytes"] < 0.55 * V6E_HBM
+    # 90 % of what the weights leave, and the caches donated: aliased, not copied out.
+    assert 0.88 * V6E_HBM < fwd["argument_bytes"] < 0.92 * V6E_HBM
     assert fwd["alias_bytes"] >= r["kv_bytes_per_device"]
     sampler = r["programs"][2]
     assert sampler["argument_bytes"] < 64 * 2**20   # weights and the batch, no KV cache
