@@ -28,9 +28,12 @@ The column form k[:, None] (Dk along sublanes) is built from the row form by an
 eye-masked lane reduction (exact: one non-zero per sum), which avoids relying
 on vector transposes of narrow tiles.
 
-Verified without a TPU: TPU interpret mode on CPU and lowering/export for
-"tpu". Unverified: Mosaic's own compilation in libtpu, performance, and the
-head-block size choice (VMEM_BLOCK_BYTES).
+Verified without a TPU: TPU interpret mode on CPU, and compilation by libtpu's
+XLA:TPU + Mosaic (deviceless AOT, tests/kernels/test_gated_delta_tpu_compile.py)
+for v5e and v6e up to the Qwen3.6-27B shapes, with the donated states buffer
+updated in place (no whole-buffer copy in the compiled HLO). Unverified without
+a TPU: numerics on hardware, performance, and the head-block size choice
+(VMEM_BLOCK_BYTES).
 """
 from __future__ import annotations
 
@@ -90,6 +93,22 @@ def _kernel(n_ref, order_ref, slot_ref, init_ref, gb_ref, q_ref, k_ref, v_ref, s
         s_out[...] = s_ref[...]
 
 
+def decode_cost(*, num_rows: int, num_heads: int, head_k: int, head_v: int,
+                num_slots: int) -> pl.CostEstimate:
+    """What one call can do at most, from the shapes (the decode count n is only known
+    on device): every row a decode row. Per (row, head): the state is read and written
+    once (float32), q, k, v, o once each, plus decay and beta; flops are the step's own
+    arithmetic, 7 Dk Dv + 2 Dv (decay 1, S^T k 2, rank-1 update 2, S^T q 2 per state
+    element; delta 2 per column), not the kernel's layout work (the eye-masked column
+    sums). exp(g) is computed by XLA before the call: no transcendentals here."""
+    rows_heads = num_rows * num_heads
+    state = min(num_rows, num_slots) * num_heads * head_k * head_v * 4
+    vectors = rows_heads * (2 * head_k + 2 * head_v + 2) * 4
+    return pl.CostEstimate(flops=rows_heads * (7 * head_k * head_v + 2 * head_v),
+                           transcendentals=0,
+                           bytes_accessed=2 * state + vectors + (3 * num_rows + 1) * 4)
+
+
 def decode_step_tpu(states, slots, write, qd, kd, vd, gd, bd, has_initial_state, *,
                     interpret=False):
     """ragged.DecodeStep for TPU. interpret: False or pltpu.InterpretParams()."""
@@ -133,6 +152,8 @@ def decode_step_tpu(states, slots, write, qd, kd, vd, gd, bd, has_initial_state,
         input_output_aliases={NUM_SCALAR_PREFETCH + 4: 1},
         # Rows must run in order on one core: steps past n rely on the previous block.
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary", "arbitrary")),
+        cost_estimate=decode_cost(num_rows=num_rows, num_heads=num_heads, head_k=head_k,
+                                  head_v=head_v, num_slots=states.shape[0]),
         interpret=interpret,
     )(n, order, slots.astype(jnp.int32), has_initial_state.astype(jnp.int32),
       gb, blocked(qd), blocked(kd), blocked(vd), states)
