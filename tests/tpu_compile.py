@@ -1,16 +1,30 @@
 """Compile a function for TPU on this CPU machine (libtpu's deviceless AOT compiler)."""
 from __future__ import annotations
 
+import os
+
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from sharding.tpu_targets import abstract_tpu_mesh
 
+# libtpu takes a host-wide lockfile meant for processes that own real TPU chips; a
+# deviceless compile owns none, so two test processes on one host (parallel CI jobs,
+# a second checkout) must not fail with "Internal error when accessing libtpu
+# multi-process lockfile". Read once, when libtpu initialises on the first compile.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
 
 def compile_on_tpu(fn, *args: jax.ShapeDtypeStruct, target: str = "tpu-v6e",
-                   mesh: str = "1x1", donate_argnums: tuple[int, ...] = ()):
-    """fn jitted, lowered and compiled for `target` with every argument replicated on
-    the abstract mesh; returns the compiled object (as_text, memory_analysis, ...)."""
-    rep = NamedSharding(abstract_tpu_mesh(target, mesh), PartitionSpec())
-    placed = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep) for a in args]
-    return jax.jit(fn, donate_argnums=donate_argnums).lower(*placed).compile()
+                   mesh: str = "1x1", donate_argnums: tuple[int, ...] = (),
+                   specs: tuple[PartitionSpec, ...] | None = None):
+    """fn jitted, lowered and compiled for `target` on the abstract mesh, every argument
+    replicated unless `specs` gives its PartitionSpec; fn is traced under that mesh
+    (jax.set_mesh), so shard_map over it works. Returns the compiled object
+    (as_text, memory_analysis, cost_analysis, ...)."""
+    abstract = abstract_tpu_mesh(target, mesh)
+    specs = specs or (PartitionSpec(),) * len(args)
+    placed = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(abstract, s))
+              for a, s in zip(args, specs, strict=True)]
+    with jax.set_mesh(abstract):
+        return jax.jit(fn, donate_argnums=donate_argnums).lower(*placed).compile()

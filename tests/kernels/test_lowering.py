@@ -4,9 +4,9 @@ export for "cuda" (Mosaic GPU kernel) and "tpu" (Mosaic TPU kernel).
 What this proves (jax 0.10.2): the Pallas -> Mosaic GPU lowering runs in full on
 CPU (layouts, WGMMA shapes, TMA transfers, shared-memory budget), so the cuda
 export checks the hardware code path of gpu.py. For TPU, the Pallas -> Mosaic
-lowering runs, but Mosaic's own passes (vector layouts) run in libtpu when the
-TPU compiles the custom call, so shape/layout problems inside the TPU kernel
-body only show on a TPU.
+lowering runs, but Mosaic's own passes (vector layouts, SMEM/VMEM budgets) run
+in libtpu when XLA:TPU compiles the custom call: the *_tpu_compile tests run
+that on this CPU with libtpu's deviceless compiler.
 """
 from __future__ import annotations
 
