@@ -1,18 +1,10 @@
 """Compile a function for TPU on this CPU machine (libtpu's deviceless AOT compiler)."""
 from __future__ import annotations
 
-import os
-
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from sharding.tpu_targets import abstract_tpu_mesh
-
-# libtpu takes a host-wide lockfile meant for processes that own real TPU chips; a
-# deviceless compile owns none, so two test processes on one host (parallel CI jobs,
-# a second checkout) must not fail with "Internal error when accessing libtpu
-# multi-process lockfile". Read once, when libtpu initialises on the first compile.
-os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+from sharding.tpu_targets import abstract_tpu_mesh   # also lifts libtpu's host lock
 
 
 def compile_on_tpu(fn, *args: jax.ShapeDtypeStruct, target: str = "tpu-v6e",

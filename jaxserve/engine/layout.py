@@ -93,9 +93,11 @@ def tpu_kernel_limit_error(mc: ModelConfig, kv_heads: int, *, num_tokens: int, r
     """Why the engine's largest step would not compile for TPU (a compiler limit the
     kernels cannot stream around), with the fix; None when it compiles. kv_heads: as
     stored on the mesh."""
+    from pallas_kernels.gated_delta import tpu as gdn_tpu
     from pallas_kernels.ragged_paged_attention import tpu as rpa_tpu
-    return rpa_tpu.smem_limit_error(num_tokens, rows, mc.num_heads // kv_heads,
-                                    -(-max_model_len // page_size))
+    return (rpa_tpu.smem_limit_error(num_tokens, rows, mc.num_heads // kv_heads,
+                                     -(-max_model_len // page_size))
+            or (gdn_tpu.smem_limit_error(rows) if mc.is_hybrid else None))
 
 
 def build_layout_model(layout: EngineLayout):

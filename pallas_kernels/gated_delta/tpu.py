@@ -54,6 +54,17 @@ NUM_SCALAR_PREFETCH = 4        # n, order, slots, has_initial_state
 SMEM_BUDGET_BYTES = 256 * 1024
 
 
+def smem_limit_error(num_rows: int) -> str | None:
+    """Why a decode step over num_rows rows would not fit its SMEM budget, with the fix;
+    None when it does."""
+    need = 12 * num_rows + 4
+    if need <= SMEM_BUDGET_BYTES:
+        return None
+    return (f"{num_rows} rows: the gated-delta kernel's scalar-prefetch metadata ({need} B) "
+            f"exceeds its TPU SMEM budget of {SMEM_BUDGET_BYTES} B; lower max_num_seqs to "
+            f"{(SMEM_BUDGET_BYTES - 4) // 12} or fewer")
+
+
 def heads_per_block(num_heads: int, head_k: int, head_v: int) -> int:
     per_head = head_k * head_v * 4
     best = 1
@@ -114,9 +125,9 @@ def decode_step_tpu(states, slots, write, qd, kd, vd, gd, bd, has_initial_state,
     """ragged.DecodeStep for TPU. interpret: False or pltpu.InterpretParams()."""
     num_rows, num_heads, head_k = qd.shape
     head_v = vd.shape[-1]
-    if 12 * num_rows + 4 > SMEM_BUDGET_BYTES:
-        raise ValueError(f"{num_rows} rows: the scalar-prefetch metadata ({12 * num_rows + 4} B) "
-                         f"exceeds the SMEM budget of {SMEM_BUDGET_BYTES} B")
+    why = smem_limit_error(num_rows)
+    if why:
+        raise ValueError(why)
     hb = heads_per_block(num_heads, head_k, head_v)
     nb = num_heads // hb
     order = jnp.argsort(jnp.logical_not(write), stable=True).astype(jnp.int32)

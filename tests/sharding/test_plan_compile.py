@@ -167,3 +167,15 @@ def test_a_step_past_a_compiler_limit_is_refused(tmp_path, capsys):
     # ...and the largest bucket the message names is accepted.
     main([*argv[:-1], out.split("lower max_num_batched_tokens to ")[1].split()[0]])
     assert "does NOT compile" not in capsys.readouterr().out
+
+
+def test_too_many_rows_for_the_gated_delta_kernel_are_refused():
+    """The hybrid's decode kernel keeps 12 bytes per row in SMEM (its budget: 256 KiB)."""
+    from jaxserve.plan import load_model_config, make_plan
+    mc = load_model_config("qwen3.6-27b")
+    kw = dict(model="qwen3.6-27b", mesh="1x8", max_model_len=4096, platform="tpu")
+    p = make_plan(mc, max_num_seqs=22_000, max_num_batched_tokens=22_000, **kw)
+    assert not p.fits and "gated-delta" in p.compiler_limit
+    assert "lower max_num_seqs to 21845" in p.compiler_limit
+    assert make_plan(mc, max_num_seqs=21_845, max_num_batched_tokens=21_845,
+                     **kw).compiler_limit is None
