@@ -39,7 +39,6 @@ class Case:
     target: str
     max_model_len: int | None     # None: the model's default
     hbm_utilization: float = 0.9
-    largest_only: bool = False    # only the largest forward bucket (its temporaries)
 
 
 CASES = (
@@ -47,17 +46,8 @@ CASES = (
     Case("qwen3.6-27b_v5e_1x8_8k", "qwen3.6-27b", "1x8", "tpu-v5e", 8192),
     Case("qwen3.6-27b_v6e_1x8_default", "qwen3.6-27b", "1x8", "tpu-v6e", None),
     Case("qwen3-8b_v6e_1x1_default", "qwen3-8b", "1x1", "tpu-v6e", None),
-    Case("qwen3-8b_v6e_1x1_8k", "qwen3-8b", "1x1", "tpu-v6e", 8192),
     Case("llama-3.1-8b_v6e_1x1_default", "llama-3.1-8b", "1x1", "tpu-v6e", None),
-    Case("llama-3.1-8b_v6e_1x1_8k", "llama-3.1-8b", "1x1", "tpu-v6e", 8192),
-    # The largest bucket's temporaries when the cache leaves room for them.
-    Case("qwen3.6-27b_v6e_1x8_8k_util0.85", "qwen3.6-27b", "1x8", "tpu-v6e", 8192, 0.85, True),
 )
-
-
-def largest_forward(programs: list) -> list:
-    from jaxserve.runner.programs import FORWARD
-    return [max((p for p in programs if p.kind == FORWARD), key=lambda p: (p.tokens, p.pages))]
 
 
 def selection(programs: list) -> list:
@@ -85,7 +75,7 @@ def run_case(case: Case) -> dict[str, Any]:
     kw = {"max_model_len": case.max_model_len} if case.max_model_len else {}
     start = time.perf_counter()
     report = compile_plan(case.model, target=case.target, mesh=case.mesh,
-                          select=largest_forward if case.largest_only else selection,
+                          select=selection,
                           hbm_utilization=case.hbm_utilization,
                           progress=lambda r: print(f"  {case.name}: {r.name} "
                                                    f"{r.tokens or r.rows} compiled={r.compiled} "
@@ -99,7 +89,7 @@ def run_case(case: Case) -> dict[str, Any]:
     decode = []
     forwards = {p.tokens: p for p in report.programs if p.name == "forward"}
     buckets = tuple(sorted(forwards))
-    for rows in () if case.largest_only else DECODE_ROWS:
+    for rows in DECODE_ROWS:
         p = forwards.get(pick_bucket(buckets, rows)) if buckets else None
         # Rows hold what the cache can: max_model_len each, or an equal share of it.
         context = min(plan.max_model_len, plan.kv_tokens // rows) if plan.kv_tokens else 0
@@ -168,9 +158,9 @@ def markdown(results: list[dict[str, Any]]) -> str:
         "and written) per device) / the chip's published HBM bandwidth; context = "
         "max_model_len or the rows' equal share of the KV cache. The compiler's figures "
         "are cost_analysis of the forward program at the rows' token bucket: "
-        "optimal_seconds (negative where XLA:TPU cannot cost the Mosaic kernels, which "
-        "carry no pl.CostEstimate) and bytes accessed (whole operands: a scatter into the "
-        "donated cache counts the whole cache), also over the bandwidth.",
+        "optimal_seconds (the Mosaic kernels carry a pl.CostEstimate: the attention's "
+        "counts every page of the page table's width, an upper bound) and bytes accessed, "
+        "also over the bandwidth.",
         markdown_table(["case", "rows", "token bucket", "context", "compiler optimal ms",
                         "compiler bytes accessed", "bytes accessed / bandwidth ms",
                         "roofline ms (weights only)", "roofline ms (weights + KV)",
