@@ -83,7 +83,7 @@ def run_case(case: Case) -> dict[str, Any]:
                           **kw)
     m = int(case.mesh.split("x")[1])
     plan = make_plan(load_model_config(case.model), model=case.model, mesh=f"1x{m}",
-                     max_model_len=case.max_model_len, hbm_bytes=target.hbm_bytes,
+                     max_model_len=case.max_model_len, hbm_bytes=target.usable_hbm_bytes,
                      hbm_utilization=case.hbm_utilization)
     bw = target.hbm_gbps * 1e9
     decode = []

@@ -14,9 +14,10 @@ except the built-in configs (jaxserve/model_configs.py), copied from their
 published config.json.
 
 Memory: the engine's own rule -- the KV cache gets hbm_utilization (0.9) of the
-device memory (--hbm) that the weights leave; the rest is the reserve for
-activations, XLA's workspace and fragmentation, shown next to an estimate of
-one step's activation peak. Hybrid models (Qwen3.5/3.6) keep a KV cache only in
+device memory (--hbm) that the weights leave, but never the estimated peak of a
+program's temporaries (the forward's at the largest token bucket or the
+sampler's over max_num_seqs rows); the rest is the reserve for activations,
+XLA's workspace and fragmentation. Hybrid models (Qwen3.5/3.6) keep a KV cache only in
 their full-attention layers; their linear-attention layers carry a fixed
 recurrent state per sequence, for which the engine takes max_num_seqs + 1 slots
 out of that budget first and pages the rest. Communication: Megatron
@@ -35,6 +36,7 @@ from pathlib import Path
 
 from jaxserve.model_configs import ALIASES, BUILTIN_CONFIGS  # noqa: F401  (one source)
 from jaxserve.plan_format import format_plan
+from jaxserve.runner.kv_budget import activation_bytes, kv_budget_bytes
 
 # NVLink 4 on an H100 SXM: 18 links x 25 GB/s = 450 GB/s per direction per GPU.
 DEFAULT_LINK_GBPS = 450.0
@@ -138,8 +140,9 @@ class Plan:
     @property
     def kv_budget_bytes(self) -> int:
         """What the engine gives the KV cache (and a hybrid's state slots): hbm_utilization
-        of what the weights leave."""
-        return int(self.free_after_weights * self.hbm_utilization)
+        of what the weights leave, less any activations past the rest (kv_budget)."""
+        return kv_budget_bytes(self.free_after_weights, self.hbm_utilization,
+                               self.activation_bytes)
 
     @property
     def reserve_bytes(self) -> int:
@@ -237,7 +240,7 @@ def make_plan(mc, *, model: str, mesh: str, dtype: str = "auto", kv_cache_dtype:
         state_bytes_per_seq_per_device=state_dev, state_layout=layout,
         hidden_size=mc.hidden_size, max_model_len=max_model_len,
         max_num_seqs=max_num_seqs, max_num_batched_tokens=tokens,
-        activation_bytes=activation_bytes(mc, m, tokens, max_num_seqs, dtype),
+        activation_bytes=activation_bytes(mc, m, tokens, max_num_seqs, _ITEMSIZE[dtype]),
         hbm_bytes=hbm_bytes, hbm_utilization=hbm_utilization, link_gbps=link_gbps,
         compiler_limit=limit)
 
@@ -255,26 +258,6 @@ def _state_figures(mc, m: int, dtype: str) -> tuple[int, int, str]:
               f"{mc.linear_num_value_heads} x {mc.linear_key_head_dim} x "
               f"{mc.linear_value_head_dim} float32)")
     return whole, whole // split, layout
-
-
-def activation_bytes(mc, m: int, tokens: int, rows: int, dtype: str) -> int:
-    """Rough peak of one step per device: the widest per-layer temporaries of a token
-    bucket (residual + the attention's projections -- q (and its output gate), k, v; or a
-    linear-attention layer's q|k|v, z, a, b -- + MLP gate/up, split by M where sharded;
-    experts see top-k copies of each token, plus the shared expert) and the sampler's
-    float32 logits [rows, V], gathered whole, with about four live copies (softmax,
-    sort, mask)."""
-    act = _ITEMSIZE[dtype]
-    attn = (mc.num_heads * (2 if mc.attn_output_gate else 1) + 2 * mc.num_kv_heads) \
-        * mc.head_dim // m
-    if mc.is_hybrid:
-        linear = mc.linear_conv_dim + mc.linear_num_value_heads * (mc.linear_value_head_dim + 2)
-        attn = max(attn, linear // m)
-    mlp = 2 * (mc.moe_intermediate_size * mc.num_experts_per_tok
-               + mc.shared_expert_intermediate_size if mc.is_moe
-               else mc.intermediate_size) // m
-    per_token = (3 * mc.hidden_size + attn + mlp) * act
-    return tokens * per_token + 4 * rows * mc.vocab_size * 4
 
 
 def plan_for_engine(core) -> str:
@@ -312,7 +295,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="link bandwidth per direction per device in GB/s (default: NVLink 4 "
                          "on H100 SXM, 450)")
     ap.add_argument("--target", default=None, help="a TPU (tpu-v5e, tpu-v6e, tpu-v5p): its "
-                    "HBM per chip; with --compile, the chip to compile for")
+                    "usable HBM per chip; with --compile, the chip to compile for")
     ap.add_argument("--compile", nargs="?", const="default", choices=("default", "all"),
                     default=None, help="compile the engine's warmup programs for --target on "
                     "this host: the smallest and largest forward token bucket and the costliest "
@@ -342,8 +325,9 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _target_hbm(target: str) -> int:
+    """What the engine would see as the chip's memory (the runtime keeps the rest)."""
     from sharding.tpu_targets import tpu_target
-    return tpu_target(target).hbm_bytes
+    return tpu_target(target).usable_hbm_bytes
 
 
 def _compile(args) -> None:

@@ -69,7 +69,8 @@ class CompileReport:
     model: str
     target: str
     mesh: str
-    hbm_bytes: int                       # per chip, published
+    hbm_bytes: int                       # per chip, what XLA:TPU lets a program use
+    published_hbm_bytes: int             # per chip, as published
     max_model_len: int
     max_num_seqs: int
     num_pages: int | None                # the engine's page count, null page included
@@ -187,7 +188,9 @@ def compile_plan(model: str, *, target: str, mesh: str = "1x1",
     """Build the engine for `target` and compile the selected warmup programs: "default"
     (default_selection), "all", or a function picking from warmup's list. engine_kw:
     EngineConfig fields (max_model_len, max_num_seqs, hbm_utilization, dtype, ...)."""
-    hbm = tpu_target(target).hbm_bytes
+    # The engine sizes its cache from what the runtime reports (bytes_limit), the HBM
+    # less the runtime's share: the compiler's "available HBM".
+    hbm = tpu_target(target).usable_hbm_bytes
     _, m = parse_mesh(mesh)
     mc = load_model_config(model)
     # Each of the D replicas compiles the same programs on its own 1xM devices.
@@ -195,6 +198,7 @@ def compile_plan(model: str, *, target: str, mesh: str = "1x1",
                           compilation_cache_dir=None, **engine_kw)
     replica = replica_meshes(abstract_tpu_mesh(target, mesh))[0]
     base = CompileReport(model=model, target=target, mesh=mesh, hbm_bytes=hbm,
+                         published_hbm_bytes=tpu_target(target).hbm_bytes,
                          max_model_len=config.max_model_len or mc.max_position_embeddings,
                          max_num_seqs=config.max_num_seqs, num_pages=None,
                          weight_bytes_per_device=0, kv_bytes_per_device=0,
@@ -238,7 +242,8 @@ def format_report(r: CompileReport) -> str:
     if r.error:
         return f"{head}\n  the engine would not start: {r.error}\n  fits: no"
     lines = [head,
-             f"  HBM per chip {_gib(r.hbm_bytes)}: weights {_gib(r.weight_bytes_per_device)} + "
+             f"  HBM per chip {_gib(r.hbm_bytes)} usable (of {_gib(r.published_hbm_bytes)}): "
+             f"weights {_gib(r.weight_bytes_per_device)} + "
              f"KV {r.num_pages - 1:,} pages {_gib(r.kv_bytes_per_device)}"
              + (f" + state {_gib(r.state_bytes_per_device)}" if r.state_bytes_per_device else "")
              + f" per device (planner: {_gib(r.planner_bytes_per_device)})",

@@ -53,10 +53,10 @@ def _memory_lines(p: Plan) -> list[str]:
     seqs = p.kv_tokens // p.max_model_len
     lines = [
         f"  device memory              {_gib(p.hbm_bytes)}: weights "
-        f"{_gib(p.weight_bytes_per_device)} + reserve {_gib(p.reserve_bytes)} "
-        f"({1 - p.hbm_utilization:.0%} of the rest, for activations "
-        f"~{_gib(p.activation_bytes)} at "
-        f"{p.max_num_batched_tokens} tokens/step, workspace) + "
+        f"{_gib(p.weight_bytes_per_device)} + reserve {_gib(p.reserve_bytes)} (the larger of "
+        f"{1 - p.hbm_utilization:.0%} of the rest and the estimated activations "
+        f"~{_gib(p.activation_bytes)}: {p.max_num_batched_tokens} tokens/step, sampler over "
+        f"{p.max_num_seqs} rows) + "
         + ("KV cache and state " if p.is_hybrid else "KV ") + _gib(p.kv_budget_bytes)]
     if p.is_hybrid:
         lines.append(f"  state slots                {p.state_slots} (max_num_seqs + 1) x "
@@ -73,9 +73,6 @@ def _memory_lines(p: Plan) -> list[str]:
     ]
     if p.compiler_limit:
         lines.append(f"  does NOT compile for TPU: {p.compiler_limit}")
-    if p.activation_bytes > p.reserve_bytes:
-        lines.append(f"  WARNING: estimated activations ({_gib(p.activation_bytes)}) exceed "
-                     f"the reserve; lower max_num_batched_tokens or hbm_utilization")
     if p.kv_budget_bytes == 0:
         lines.append("  WARNING: the weights do not fit in device memory")
     elif p.state_budget_bytes > p.kv_budget_bytes:

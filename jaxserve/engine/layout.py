@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxserve.config import EngineConfig
-from jaxserve.runner.kv_budget import choose_num_pages, page_bytes
+from jaxserve.runner.kv_budget import activation_bytes, choose_num_pages, page_bytes
 from jaxserve.runner.model_runner import ModelRunner
 from models.config import ModelConfig
 from models.registry import build_model
@@ -48,6 +48,7 @@ class EngineLayout:
     num_state_slots: int          # hybrid: one per running request (+ the null slot)
     state_bytes: int              # hybrid: all state slots, the null slot included
     bytes_per_page: int           # one KV page of every full-attention layer
+    activation_bytes: int         # estimated peak temporaries of a program (kv_budget)
 
     @property
     def run_config(self) -> ModelConfig:
@@ -84,8 +85,10 @@ def engine_layout(config: EngineConfig, mc: ModelConfig, mesh: Mesh) -> EngineLa
                                      page_size=config.page_size)
         if why:
             raise ValueError(why)
+    act = activation_bytes(mc, m, config.num_batched_tokens, config.max_num_seqs,
+                           jnp.dtype(dtype).itemsize)
     return EngineLayout(mc, dtype, kv_dtype, max_model_len, kv_heads, backend,
-                        mesh_rules(mc, m), slots, state, per_page)
+                        mesh_rules(mc, m), slots, state, per_page, act)
 
 
 def tpu_kernel_limit_error(mc: ModelConfig, kv_heads: int, *, num_tokens: int, rows: int,
@@ -119,7 +122,7 @@ def layout_num_pages(config: EngineConfig, layout: EngineLayout, device: Any,
         hbm_utilization=config.hbm_utilization, bytes_per_page=layout.bytes_per_page,
         max_num_seqs=config.max_num_seqs, max_model_len=layout.max_model_len,
         page_size=config.page_size, device=device, reserved_bytes=layout.state_bytes,
-        free_bytes=free_bytes)
+        free_bytes=free_bytes, activation_bytes=layout.activation_bytes)
 
 
 def make_runner(config: EngineConfig, layout: EngineLayout, *, model, params, num_pages: int,

@@ -10,6 +10,34 @@ import jax
 logger = logging.getLogger("jaxserve")
 
 _CPU_RAM_FRACTION = 0.25  # on CPU never take more than this share of available RAM
+# Live float32 [rows, vocab] arrays in the costliest sampler program (penalties, top-k/p
+# sort, logprobs): XLA:TPU gives it 2.85 GB of temporaries at 256 x 248,320 (11.2 copies).
+SAMPLER_COPIES = 12
+
+
+def activation_bytes(mc, m: int, tokens: int, rows: int, itemsize: int) -> int:
+    """Rough peak of one program's temporaries per device, the larger of the forward's
+    and the sampler's. Forward: the widest per-layer temporaries of a token bucket
+    (residual + the attention's projections -- q (and its output gate), k, v; or a
+    linear-attention layer's q|k|v, z, a, b -- + MLP gate/up, split by M where sharded;
+    experts see top-k copies of each token, plus the shared expert). Sampler: float32
+    logits [rows, V], gathered whole, SAMPLER_COPIES of them."""
+    attn = (mc.num_heads * (2 if mc.attn_output_gate else 1) + 2 * mc.num_kv_heads) \
+        * mc.head_dim // m
+    if mc.is_hybrid:
+        linear = mc.linear_conv_dim + mc.linear_num_value_heads * (mc.linear_value_head_dim + 2)
+        attn = max(attn, linear // m)
+    mlp = 2 * (mc.moe_intermediate_size * mc.num_experts_per_tok
+               + mc.shared_expert_intermediate_size if mc.is_moe
+               else mc.intermediate_size) // m
+    per_token = (3 * mc.hidden_size + attn + mlp) * itemsize
+    return max(tokens * per_token, SAMPLER_COPIES * rows * mc.vocab_size * 4)
+
+
+def kv_budget_bytes(free_bytes: int, hbm_utilization: float, activation: int) -> int:
+    """The KV cache's (and a hybrid's state slots') share of what the weights leave:
+    hbm_utilization of it, but never eating into the estimated activation peak."""
+    return max(0, min(int(free_bytes * hbm_utilization), free_bytes - activation))
 
 
 def page_bytes(*, num_layers: int, page_size: int, num_kv_heads: int, head_dim: int,
@@ -28,10 +56,12 @@ def available_host_bytes() -> int:
 def choose_num_pages(*, num_pages: int | None, kv_cache_memory_bytes: int | None,
                      hbm_utilization: float, bytes_per_page: int, max_num_seqs: int,
                      max_model_len: int, page_size: int, device: jax.Device | None,
-                     reserved_bytes: int = 0, free_bytes: int | None = None) -> int:
+                     reserved_bytes: int = 0, free_bytes: int | None = None,
+                     activation_bytes: int = 0) -> int:
     """Total pages including the null page 0. reserved_bytes (a hybrid model's
     recurrent state, allocated up front) come out of the memory the cache may use.
-    free_bytes: the device memory the weights leave, when not read from `device`."""
+    free_bytes: the device memory the weights leave, when not read from `device`.
+    activation_bytes: the estimated peak of a program's temporaries (kv_budget_bytes)."""
     pages_per_seq = -(-max_model_len // page_size)
     if num_pages is not None:
         total = num_pages
@@ -45,7 +75,8 @@ def choose_num_pages(*, num_pages: int | None, kv_cache_memory_bytes: int | None
         if free_bytes is None:
             stats = device.memory_stats() or {}
             free_bytes = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
-        total = max(0, int(free_bytes * hbm_utilization) - reserved_bytes) // bytes_per_page
+        budget = kv_budget_bytes(free_bytes, hbm_utilization, activation_bytes)
+        total = max(0, budget - reserved_bytes) // bytes_per_page
     if total < pages_per_seq + 1:
         raise ValueError(
             f"the KV cache holds {max(total - 1, 0)} pages of {page_size} tokens, fewer than one "

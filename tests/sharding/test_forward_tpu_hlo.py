@@ -82,7 +82,7 @@ def test_forward_step_compiles_without_cache_copies(checkpoint, mesh):
                           max_num_batched_tokens=2048, attention_backend="pallas",
                           compilation_cache_dir=None)
     eng = build_abstract_engine(config, load_model_config(checkpoint),
-                                abstract_tpu_mesh(TARGET, mesh), tpu_target(TARGET).hbm_bytes)
+                                abstract_tpu_mesh(TARGET, mesh), tpu_target(TARGET).usable_hbm_bytes)
     caches = jax.tree_util.tree_leaves(eng.runner.kv_caches)
     shapes = {c.sharding.shard_shape(c.shape) for c in caches}
     kv_layer_bytes = NUM_PAGES * eng.layout.bytes_per_page // len(
