@@ -240,7 +240,8 @@ def make_plan(mc, *, model: str, mesh: str, dtype: str = "auto", kv_cache_dtype:
         state_bytes_per_seq_per_device=state_dev, state_layout=layout,
         hidden_size=mc.hidden_size, max_model_len=max_model_len,
         max_num_seqs=max_num_seqs, max_num_batched_tokens=tokens,
-        activation_bytes=activation_bytes(mc, m, tokens, max_num_seqs, _ITEMSIZE[dtype]),
+        activation_bytes=activation_bytes(mc, m, tokens, max_num_seqs, _ITEMSIZE[dtype],
+                                          max_model_len),
         hbm_bytes=hbm_bytes, hbm_utilization=hbm_utilization, link_gbps=link_gbps,
         compiler_limit=limit)
 

@@ -86,7 +86,7 @@ def engine_layout(config: EngineConfig, mc: ModelConfig, mesh: Mesh) -> EngineLa
         if why:
             raise ValueError(why)
     act = activation_bytes(mc, m, config.num_batched_tokens, config.max_num_seqs,
-                           jnp.dtype(dtype).itemsize)
+                           jnp.dtype(dtype).itemsize, max_model_len)
     return EngineLayout(mc, dtype, kv_dtype, max_model_len, kv_heads, backend,
                         mesh_rules(mc, m), slots, state, per_page, act)
 

@@ -15,13 +15,15 @@ _CPU_RAM_FRACTION = 0.25  # on CPU never take more than this share of available 
 SAMPLER_COPIES = 12
 
 
-def activation_bytes(mc, m: int, tokens: int, rows: int, itemsize: int) -> int:
+def activation_bytes(mc, m: int, tokens: int, rows: int, itemsize: int,
+                     max_model_len: int) -> int:
     """Rough peak of one program's temporaries per device, the larger of the forward's
     and the sampler's. Forward: the widest per-layer temporaries of a token bucket
     (residual + the attention's projections -- q (and its output gate), k, v; or a
     linear-attention layer's q|k|v, z, a, b -- + MLP gate/up, split by M where sharded;
     experts see top-k copies of each token, plus the shared expert). Sampler: float32
-    logits [rows, V], gathered whole, SAMPLER_COPIES of them."""
+    logits [rows, V], gathered whole, SAMPLER_COPIES of them, and the penalties' int32
+    token history [rows, max_model_len] (268 MB at 256 x 262,144) it is given each step."""
     attn = (mc.num_heads * (2 if mc.attn_output_gate else 1) + 2 * mc.num_kv_heads) \
         * mc.head_dim // m
     if mc.is_hybrid:
@@ -31,7 +33,8 @@ def activation_bytes(mc, m: int, tokens: int, rows: int, itemsize: int) -> int:
                + mc.shared_expert_intermediate_size if mc.is_moe
                else mc.intermediate_size) // m
     per_token = (3 * mc.hidden_size + attn + mlp) * itemsize
-    return max(tokens * per_token, SAMPLER_COPIES * rows * mc.vocab_size * 4)
+    sampler = SAMPLER_COPIES * rows * mc.vocab_size * 4 + rows * max_model_len * 4
+    return max(tokens * per_token, sampler)
 
 
 def kv_budget_bytes(free_bytes: int, hbm_utilization: float, activation: int) -> int:
@@ -81,6 +84,6 @@ def choose_num_pages(*, num_pages: int | None, kv_cache_memory_bytes: int | None
         raise ValueError(
             f"the KV cache holds {max(total - 1, 0)} pages of {page_size} tokens, fewer than one "
             f"sequence of max_model_len={max_model_len} needs ({pages_per_seq}); lower "
-            f"max_model_len or give the cache more memory (num_pages / kv_cache_memory_bytes / "
+            f"max_model_len (to at most {max(total - 1, 0) * page_size}) or give the cache more memory (num_pages / kv_cache_memory_bytes / "
             f"hbm_utilization)")
     return total

@@ -175,7 +175,9 @@ def test_the_cache_leaves_room_for_the_sampler():
     """Qwen3.6-27B on a v6e 1x8 (31.25 GiB usable per chip): 10 % of what the weights
     leave (2.5 GiB) is less than the costliest sampler's temporaries over 256 rows of
     248,320 logits (XLA:TPU: 2.85 GB), so the reserve grows to the estimate instead and
-    the cache shrinks by as much; with 8 rows the 10 % rule stands."""
+    the cache shrinks by as much; with 8 rows the 10 % rule stands. The penalties' token
+    history [rows, max_model_len] int32 comes on top (XLA:TPU: +260 MB of arguments at
+    262,144 tokens, which took the default-context flagship past the chip)."""
     from jaxserve.runner.kv_budget import SAMPLER_COPIES, kv_budget_bytes
     mc = load_model_config("qwen3.6-27b")
     kw = dict(model="qwen3.6-27b", mesh="1x8", max_model_len=8192, hbm_bytes=int(31.25 * GIB))
@@ -183,6 +185,9 @@ def test_the_cache_leaves_room_for_the_sampler():
     assert p.activation_bytes >= SAMPLER_COPIES * 256 * mc.vocab_size * 4 > 2.85e9
     assert p.reserve_bytes == p.activation_bytes > 0.1 * p.free_after_weights
     assert p.kv_budget_bytes == p.free_after_weights - p.activation_bytes
+    long = make_plan(mc, **{**kw, "max_model_len": 262144})
+    assert long.activation_bytes - p.activation_bytes == 256 * (262144 - 8192) * 4
+    assert long.kv_budget_bytes == p.kv_budget_bytes - 256 * (262144 - 8192) * 4
     small = make_plan(mc, max_num_seqs=8, **kw)
     assert small.kv_budget_bytes == int(0.9 * small.free_after_weights)
     assert kv_budget_bytes(100, 0.9, 50) == 50 and kv_budget_bytes(100, 0.9, 200) == 0
