@@ -3,7 +3,8 @@
 Three jitted functions, each compiled for a small fixed set of shapes at
 warmup: the forward pass (one per token bucket, KV caches donated so every
 write is in place), the sampler (one per row bucket and sampler variant) and
-prompt logprobs (one per token bucket). Nothing compiles after warmup.
+prompt logprobs (one program: the forward hands it the hidden states padded to the
+largest token bucket). Nothing compiles after warmup.
 
 Under a mesh (this replica's 1xM devices) every function is jitted with explicit
 shardings: parameters and KV caches as they were placed (KV split by KV head,
@@ -25,6 +26,7 @@ from functools import partial
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -35,6 +37,7 @@ from jaxserve.runner.layer_caches import layer_cache_specs, make_layer_caches
 from jaxserve.runner.programs import FORWARD, PROMPT_LOGPROBS, SAMPLE, Program
 from jaxserve.runner.sampler import (SamplerVariant, SamplingRow, choose_variant,
                                      compute_prompt_logprobs, make_sampling_tensors, sample)
+from jaxserve.sampling_params import MAX_LOGPROBS
 from models.inputs import ModelInputs
 from sharding import make_mesh, replicated
 
@@ -80,8 +83,20 @@ def midpoint_buckets(smallest: int, largest: int) -> tuple[int, ...]:
     return tuple(out)
 
 
+# Below about this many tokens a step on an accelerator is bound by reading the weights
+# (v6e: 918 TFLOP/s over 1.6 TB/s, ~570 tokens for bf16 weights), so padding a step to
+# the next power of two costs little there; above, compute grows with the padding too.
+_COMPUTE_BOUND_TOKENS = 512
+# Prompt logprobs take the lm_head and the vocabulary's log_softmax over this many
+# tokens at a time: it bounds their float32 [tokens, V] temporaries.
+PROMPT_LOGPROBS_CHUNK = 256
+
+
 def token_buckets(largest: int) -> tuple[int, ...]:
-    return midpoint_buckets(16, largest)
+    """Powers of two from 16 (a step pads at most half) up to _COMPUTE_BOUND_TOKENS, then
+    the midpoints too (768, 1024, 1536, ...: at most a third) until one covers `largest`."""
+    return tuple(b for b in midpoint_buckets(16, largest)
+                 if b >= _COMPUTE_BOUND_TOKENS or b & (b - 1) == 0)
 
 
 def row_buckets(max_num_seqs: int) -> tuple[int, ...]:
@@ -138,14 +153,20 @@ class ModelRunner:
                                in_shardings=(p_sh, rep, rep), out_shardings=rep)
         self._prompt_logprobs = jax.jit(self._prompt_logprobs_fn, in_shardings=(p_sh, rep, rep),
                                         out_shardings=rep)
+        # What the forward pads its hidden states to, for the one prompt-logprobs program.
+        self._max_tokens = self.token_buckets[-1]
         self.warmup_seconds = 0.0
         self.warmup_compilations = 0
         self._hidden_spec = None    # the forward's hidden states, traced on first need
 
     # ---- jitted bodies -------------------------------------------------------------
     def _forward_fn(self, params, kv_caches, inputs: ModelInputs, logits_indices):
+        """-> (every token's hidden state padded to the largest token bucket, the rows at
+        logits_indices, the caches). The padding (a [T_max, E] write, ~13 us of a v6e's
+        HBM bandwidth at E=5120) lets one prompt-logprobs program serve every bucket."""
         hidden, kv_caches = self.model.apply({"params": params}, kv_caches, inputs)
-        return hidden, hidden[logits_indices], kv_caches
+        padded = jnp.pad(hidden, ((0, self._max_tokens - hidden.shape[0]), (0, 0)))
+        return padded, hidden[logits_indices], kv_caches
 
     def _sample_fn(self, params, hidden_rows, tensors, num_rows: int, variant: SamplerVariant):
         logits = self.model.apply({"params": params}, hidden_rows[:num_rows],
@@ -159,8 +180,29 @@ class ModelRunner:
         return sample(logits, tensors, variant)
 
     def _prompt_logprobs_fn(self, params, hidden, targets):
-        logits = self.model.apply({"params": params}, hidden, method="compute_logits")
-        return compute_prompt_logprobs(logits, targets)
+        """hidden [T_max, E], targets int32[T_max] (-1: no logprob wanted) -> the
+        compute_prompt_logprobs arrays over T_max tokens, computed PROMPT_LOGPROBS_CHUNK
+        tokens at a time and only for the chunks that hold a target."""
+        t = hidden.shape[0]
+        c = min(t, PROMPT_LOGPROBS_CHUNK)
+        n = -(-t // c)
+        hidden = jnp.pad(hidden, ((0, n * c - t), (0, 0))).reshape(n, c, -1)
+        targets = jnp.pad(targets, (0, n * c - t), constant_values=-1).reshape(n, c)
+
+        def compute(h, tg):
+            logits = self.model.apply({"params": params}, h, method="compute_logits")
+            return compute_prompt_logprobs(logits, jnp.maximum(tg, 0))
+
+        def skip(h, tg):
+            f, i = jnp.zeros((c,), jnp.float32), jnp.zeros((c,), jnp.int32)
+            return f, i, jnp.zeros((c, MAX_LOGPROBS), jnp.float32), \
+                jnp.zeros((c, MAX_LOGPROBS), jnp.int32)
+
+        def chunk(args):
+            return jax.lax.cond(jnp.any(args[1] >= 0), compute, skip, *args)
+
+        out = jax.lax.map(chunk, (hidden, targets))
+        return jax.tree_util.tree_map(lambda x: x.reshape(n * c, *x.shape[2:])[:t], out)
 
     # ---- one step ------------------------------------------------------------------
     def execute(self, scheduler_output) -> ModelRunnerOutput:
@@ -244,8 +286,7 @@ class ModelRunner:
     def _prompt_logprobs_async(self, reqs, hb, hidden):
         """Logprob of each prompt token given its prefix, for the tokens of this chunk:
         (device arrays, spans) or None."""
-        t = hb.inputs.token_ids.shape[0]
-        targets = np.full(t, -1, np.int32)
+        targets = np.full(self._max_tokens, -1, np.int32)
         spans = []
         cu = hb.inputs.query_start_loc
         for i, r in enumerate(reqs):
@@ -298,8 +339,8 @@ class ModelRunner:
 
         progs = [Program(FORWARD, self._forward, partial(forward_args, t, p), tokens=t, pages=p)
                  for t, p in itertools.product(self.token_buckets, self.builder.page_buckets)]
-        progs += [Program(PROMPT_LOGPROBS, self._prompt_logprobs, partial(logprobs_args, t),
-                          tokens=t) for t in self.token_buckets]
+        progs.append(Program(PROMPT_LOGPROBS, self._prompt_logprobs,
+                             partial(logprobs_args, self._max_tokens), tokens=self._max_tokens))
         variants = [SamplerVariant(*flags) for flags in itertools.product((False, True), repeat=3)]
         progs += [Program(SAMPLE, self._sample, partial(sample_args, rows, v), rows=rows,
                           variant=v) for rows in self.row_buckets for v in variants]

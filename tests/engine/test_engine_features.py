@@ -118,6 +118,32 @@ def test_logprobs_and_prompt_logprobs_match_torch(llm, checkpoint):
             assert int(t) in entry
 
 
+def test_prompt_logprobs_in_chunks_skip_the_chunks_without_targets(checkpoint, monkeypatch):
+    """One prompt-logprobs program over the largest token bucket, PROMPT_LOGPROBS_CHUNK
+    tokens at a time (16 here: 4 chunks of a 64-token step): the first request asks for
+    none, so chunk 0 is skipped and the second's 30 prompt tokens span chunks 1-3."""
+    from jaxserve.runner import model_runner
+    monkeypatch.setattr(model_runner, "PROMPT_LOGPROBS_CHUNK", 16)
+    small = LLM(checkpoint("qwen3"), dtype="float32", max_model_len=96, max_num_seqs=4,
+                max_num_batched_tokens=64, page_size=PAGE)
+    first, second = _ids(20, seed=11), _ids(30, seed=12)
+    plain = SamplingParams(temperature=0.0, max_tokens=1)
+    outs = small.generate([{"prompt_token_ids": first}, {"prompt_token_ids": second}],
+                          [plain, SamplingParams(temperature=0.0, max_tokens=1,
+                                                 prompt_logprobs=1)], use_tqdm=False)
+    assert small.engine.num_steps == 1            # both prompts in one 64-token step
+    assert outs[0].prompt_logprobs is None
+    model = AutoModelForCausalLM.from_pretrained(checkpoint("qwen3"), dtype=torch.float32)
+    with torch.inference_mode():
+        ref = torch.log_softmax(model(torch.tensor([second])).logits[0].float(), -1).numpy()
+    plp = outs[1].prompt_logprobs
+    assert plp[0] is None and len(plp) == len(second)
+    for pos in range(1, len(second)):
+        got = plp[pos][second[pos]]
+        assert abs(got.logprob - ref[pos - 1, second[pos]]) < 1e-4, pos
+        assert got.rank == int((ref[pos - 1] > ref[pos - 1, second[pos]]).sum()) + 1
+
+
 def test_prompt_logprobs_are_complete_even_when_the_prompt_is_cached(llm):
     prompt = {"prompt_token_ids": _ids(40, seed=8)}
     params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=1)

@@ -45,9 +45,10 @@ def test_compile_json_on_a_tiny_model(reports, mesh):
     assert r["error"] is None and r["fits"] is True
     assert r["hbm_bytes"] == V6E_HBM and r["published_hbm_bytes"] == 32 * GIB
     assert r["max_model_len"] == 512 and r["mesh"] == mesh
-    # 15 token buckets (16 .. 2048) x (forward, prompt logprobs) + 11 row buckets x 8
-    # sampler variants: what warmup compiles (test_warmup_compiles_its_program_list).
-    assert r["warmup_programs"] == 2 * 15 + 11 * 8
+    # A forward per token bucket (10: 16 .. 512 by powers of two, 768 .. 2048 by
+    # midpoints), one prompt-logprobs program, 11 row buckets x 8 sampler variants: what
+    # warmup compiles (test_warmup_compiles_its_program_list).
+    assert r["warmup_programs"] == 10 + 1 + 11 * 8
     got = [(p["name"], p["tokens"], p["rows"]) for p in r["programs"]]
     assert got == [("forward", 16, None), ("forward", 2048, None),
                    ("sample[random+penalties+logprobs]", None, 256)]
@@ -133,7 +134,8 @@ def test_warmup_compiles_its_program_list(tiny):
               compilation_cache_dir=None)
     runner = llm.engine.runner
     programs = runner.warmup_programs()
-    assert len(programs) == 3 + 3 + 8   # tokens 16, 24, 32; rows 8; 8 sampler variants
+    # forward at tokens 16 and 32, one prompt-logprobs program; rows 8: 8 sampler variants
+    assert len(programs) == 2 + 1 + 8
     assert runner.warmup_compilations == len(programs)
 
 
