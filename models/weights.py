@@ -246,23 +246,26 @@ def _dummy_params(expected: dict[Path_, jax.ShapeDtypeStruct], dtype: jnp.dtype,
     """Normal(0, 0.02) weights, ones for norms (zeros for (1 + w) norms), zeros for
     biases, made on device.
     Replicated KV heads are repeats, as from a checkpoint: any mesh gives the same model."""
-    key = jax.random.key(seed)
-    out = {}
-    for i, (path, sds) in enumerate(sorted(expected.items())):
-        kind, axis = path[-1], repeat_axes.get(path)
+    paths = sorted(expected)
+
+    def leaf(path: Path_, key: jax.Array) -> jax.Array:
+        sds, kind, axis = expected[path], path[-1], repeat_axes.get(path)
         if kind == "scale":
-            make = lambda k, s=sds.shape: jnp.ones(s, dtype)
-        elif kind in ("bias", "offset_scale"):
-            make = lambda k, s=sds.shape: jnp.zeros(s, dtype)
-        elif axis is not None:
-            make = lambda k, s=_unrepeated(sds.shape, axis, kv_head_repeat), a=axis: jnp.repeat(
-                (0.02 * jax.random.normal(k, s, jnp.float32)).astype(dtype), kv_head_repeat, a)
-        else:
-            make = lambda k, s=sds.shape: (0.02 * jax.random.normal(k, s, jnp.float32)).astype(dtype)
-        sharding = _sharding_for(shard_flat, path)
-        leaf_key = jax.random.fold_in(key, i)
-        out[path] = jax.jit(make, out_shardings=sharding)(leaf_key) if sharding is not None else make(leaf_key)
-    return unflatten_dict(out)
+            return jnp.ones(sds.shape, dtype)
+        if kind in ("bias", "offset_scale"):
+            return jnp.zeros(sds.shape, dtype)
+        shape = sds.shape if axis is None else _unrepeated(sds.shape, axis, kv_head_repeat)
+        w = (0.02 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+        return w if axis is None else jnp.repeat(w, kv_head_repeat, axis)
+
+    def make_all(key: jax.Array) -> dict:
+        return {path: leaf(path, jax.random.fold_in(key, i)) for i, path in enumerate(paths)}
+
+    # One program for every leaf: a jit per leaf compiled once per shape (56 compilations
+    # before the tiny default model's first warmup program).
+    shardings = {path: _sharding_for(shard_flat, path) for path in paths}
+    kw = {"out_shardings": shardings} if all(v is not None for v in shardings.values()) else {}
+    return unflatten_dict(jax.jit(make_all, **kw)(jax.random.key(seed)))
 
 
 def untie_lm_head(model: nn.Module, params: dict,

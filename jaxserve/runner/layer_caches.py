@@ -54,10 +54,7 @@ def make_layer_caches(cfg: ModelConfig, mesh: Mesh, *, num_pages: int, page_size
                               kv_dtype=kv_dtype, num_state_slots=num_state_slots,
                               conv_state_dtype=conv_state_dtype)
     shardings = jax.tree_util.tree_map(lambda s: s.sharding, specs)
-    kv_sharding = kv_cache_sharding(mesh, KV_HEAD_AXIS, KV_CACHE_NDIM)
-    new_kv = jax.jit(lambda: make_kv_cache(num_pages, page_size, cfg.num_kv_heads, cfg.head_dim,
-                                           kv_dtype), out_shardings=kv_sharding)
-    zeros = lambda s: jax.jit(lambda: jnp.zeros(s.shape, s.dtype), out_shardings=s.sharding)()
-    caches = [new_kv() if isinstance(spec, jax.ShapeDtypeStruct) else tuple(map(zeros, spec))
-              for spec in specs]
+    # One program makes them all (a jit per array would compile once per state shape).
+    caches = jax.jit(lambda: jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), specs),
+                     out_shardings=shardings)()
     return caches, shardings
