@@ -28,6 +28,7 @@ from jaxserve.core.outputs import RequestOutput
 from jaxserve.engine.data_parallel import DataParallelEngine, make_engine
 from jaxserve.engine.engine_core import EngineCore
 from jaxserve.engine.errors import EngineDeadError, RequestFailedError
+from jaxserve.engine.startup import StartupProgress
 from jaxserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("jaxserve")
@@ -50,10 +51,12 @@ __all__ = ["AsyncEngine", "EngineDeadError", "EngineStats", "RequestFailedError"
 class AsyncEngine:
     def __init__(self, config: EngineConfig, *,
                  core: EngineCore | DataParallelEngine | None = None,
-                 on_fatal: Callable[[BaseException], None] | None = None):
+                 on_fatal: Callable[[BaseException], None] | None = None,
+                 progress: StartupProgress | None = None):
         """on_fatal: called once, from the engine thread, with the error that stopped the
-        engine (after every caller has been failed)."""
-        self.core = core or make_engine(config, stream_outputs=True)
+        engine (after every caller has been failed). progress: follows the engine's
+        construction (see make_engine)."""
+        self.core = core or make_engine(config, stream_outputs=True, progress=progress)
         self.config = config
         self.tokenizer = self.core.tokenizer
         self.stats = EngineStats()

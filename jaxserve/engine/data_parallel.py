@@ -25,24 +25,31 @@ from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.scheduler import SchedulerStats
 from jaxserve.engine import multihost
 from jaxserve.engine.engine_core import EngineCore, engine_seeds, prompt_block_hashes
+from jaxserve.engine.startup import READY, StartupProgress
 from jaxserve.sampling_params import SamplingParams
 from sharding import DATA, make_mesh, replica_meshes
 
 logger = logging.getLogger("jaxserve")
 
 
-def make_engine(config: EngineConfig, *, stream_outputs: bool = False
-                ) -> EngineCore | DataParallelEngine:
+def make_engine(config: EngineConfig, *, stream_outputs: bool = False,
+                progress: StartupProgress | None = None) -> EngineCore | DataParallelEngine:
+    """progress: follows the construction; READY once the engine is built."""
     multihost.initialize()   # from JAXSERVE_* env, when set (the CLI passes its flags first)
     mesh = make_mesh(config.mesh)
     if mesh.shape[DATA] == 1:
-        return EngineCore(config, stream_outputs=stream_outputs, mesh=mesh)
-    return DataParallelEngine(config, stream_outputs=stream_outputs, mesh=mesh)
+        engine = EngineCore(config, stream_outputs=stream_outputs, mesh=mesh, progress=progress)
+    else:
+        engine = DataParallelEngine(config, stream_outputs=stream_outputs, mesh=mesh,
+                                    progress=progress)
+    if progress is not None:
+        progress.set_phase(READY)
+    return engine
 
 
 class DataParallelEngine:
     def __init__(self, config: EngineConfig, *, stream_outputs: bool = False, mesh=None,
-                 balance_slack: int = 2):
+                 balance_slack: int = 2, progress: StartupProgress | None = None):
         mesh = mesh if mesh is not None else make_mesh(config.mesh)
         self.config = config
         self.balance_slack = balance_slack
@@ -50,7 +57,8 @@ class DataParallelEngine:
         # whatever the mesh, as in a single engine.
         seeds: Iterator[int] = engine_seeds(config.seed)
         self.replicas = [EngineCore(config, stream_outputs=stream_outputs, mesh=sub,
-                                    seed_counter=seeds) for sub in replica_meshes(mesh)]
+                                    seed_counter=seeds, progress=progress)
+                         for sub in replica_meshes(mesh)]
         first = self.replicas[0]
         self.tokenizer = first.tokenizer
         self.model_config = first.model_config
@@ -142,3 +150,11 @@ class DataParallelEngine:
     @property
     def warmup_seconds(self) -> float:
         return sum(r.warmup_seconds for r in self.replicas)
+
+    @property
+    def warmup_cache_hits(self) -> int:
+        return sum(r.warmup_cache_hits for r in self.replicas)
+
+    @property
+    def warmup_fresh_compilations(self) -> int:
+        return sum(r.warmup_fresh_compilations for r in self.replicas)

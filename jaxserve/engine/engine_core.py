@@ -7,6 +7,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any, Iterator
 
 import jax
@@ -22,6 +23,8 @@ from jaxserve.engine.input_processor import InputProcessor
 from jaxserve.engine.layout import (build_layout_model, engine_layout, layout_num_pages,
                                     layout_param_shardings, make_runner)
 from jaxserve.engine.output_processor import OutputProcessor
+from jaxserve.engine.startup import (ALLOCATING_KV_CACHE, COMPILING, LOADING_WEIGHTS,
+                                     StartupProgress)
 from jaxserve.model_names import resolve_model
 from jaxserve.runner import compile_counter
 from jaxserve.sampling_params import SamplingParams
@@ -56,10 +59,14 @@ class EngineCore:
     D = 1 (D > 1 is jaxserve.engine.data_parallel.DataParallelEngine's job).
     seed_counter: where seeds for seedless requests come from (a data-parallel front
     door shares one, so every mesh gives a request the same seed).
+    progress: told the phase of the construction (weights, KV cache, compiling program
+    i of n), e.g. for the server's /health while it loads.
     """
 
     def __init__(self, config: EngineConfig, *, stream_outputs: bool = False, mesh=None,
-                 seed_counter: Iterator[int] | None = None):
+                 seed_counter: Iterator[int] | None = None,
+                 progress: StartupProgress | None = None):
+        progress = progress or StartupProgress()
         # An alias or HF repo id becomes a local directory before anything reads it.
         config = replace(config, model=resolve_model(config.model, load_format=config.load_format))
         self.config = config
@@ -95,6 +102,7 @@ class EngineCore:
         self.eos_token_id = _eos_token_id(self.tokenizer, mc)
 
         t0 = time.perf_counter()
+        progress.set_phase(LOADING_WEIGHTS, f"loading the weights of {config.model}")
         self.attention_backend = layout.attention_backend
         self.model = build_layout_model(layout)
         shardings_of = lambda model: layout_param_shardings(model, self.mesh, layout)
@@ -122,6 +130,7 @@ class EngineCore:
                         "prefix caching is off", len(mc.linear_attention_layers), mc.num_layers,
                         self.num_state_slots, layout.state_bytes / 2**30,
                         len(mc.full_attention_layers))
+        progress.set_phase(ALLOCATING_KV_CACHE, "sizing and allocating the KV cache")
         # Pages are sized per device: each device holds kv_heads / M heads of every page.
         self.num_pages = layout_num_pages(config, layout, self.mesh.devices.flat[0])
         if self.channel is not None:   # every process must build the same cache shape
@@ -135,7 +144,8 @@ class EngineCore:
         self.runner = make_runner(config, layout, model=self.model, params=self.params,
                                   num_pages=self.num_pages, mesh=self.mesh,
                                   eos_token_id=self.eos_token_id)
-        self.runner.warmup()
+        progress.set_phase(COMPILING, "listing the programs to compile")
+        self.runner.warmup(partial(_report_compiling, progress))
         self.scheduler = Scheduler(
             num_pages=self.num_pages, page_size=config.page_size,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.num_batched_tokens,
@@ -311,6 +321,22 @@ class EngineCore:
     @property
     def warmup_seconds(self) -> float:
         return self.runner.warmup_seconds
+
+    @property
+    def warmup_cache_hits(self) -> int:
+        """XLA compilations of warmup the persistent compilation cache supplied."""
+        return self.runner.warmup_cache_hits
+
+    @property
+    def warmup_fresh_compilations(self) -> int:
+        """XLA compilations of warmup compiled in this process."""
+        return self.runner.warmup_fresh_compilations
+
+
+def _report_compiling(progress: StartupProgress, done: int, total: int) -> None:
+    detail = (f"compiling program {done + 1} of {total}" if done < total
+              else f"compiled {total} programs")
+    progress.advance(done, total, detail)
 
 
 def prompt_block_hashes(prompt_token_ids: list[int], page_size: int) -> list[int]:

@@ -30,13 +30,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxserve.runner import compile_counter
 from jaxserve.runner.input_batch import (InputBatchBuilder, pick_bucket,
                                          power_of_two_buckets)
 from jaxserve.runner.layer_caches import layer_cache_specs, make_layer_caches
 from jaxserve.runner.programs import FORWARD, PROMPT_LOGPROBS, SAMPLE, Program
 from jaxserve.runner.sampler import (SamplerVariant, SamplingRow, choose_variant,
                                      compute_prompt_logprobs, make_sampling_tensors, sample)
+from jaxserve.runner.warmup_report import OnProgram, WarmupReport
 from jaxserve.sampling_params import MAX_LOGPROBS
 from models.inputs import ModelInputs
 from sharding import make_mesh, replicated
@@ -157,6 +157,8 @@ class ModelRunner:
         self._max_tokens = self.token_buckets[-1]
         self.warmup_seconds = 0.0
         self.warmup_compilations = 0
+        self.warmup_cache_hits = 0
+        self.warmup_fresh_compilations = 0
         self._hidden_spec = None    # the forward's hidden states, traced on first need
 
     # ---- jitted bodies -------------------------------------------------------------
@@ -357,23 +359,30 @@ class ModelRunner:
         with jax.set_mesh(self.mesh):
             return program.fn.lower(*program.args())
 
-    def warmup(self) -> None:
-        """Compile every token bucket, row bucket and sampler variant now."""
+    def warmup(self, on_program: OnProgram | None = None) -> None:
+        """Compile every token bucket, row bucket and sampler variant now.
+        on_program(done, total): called before the first program and after each."""
         if self.abstract:
             raise ValueError("an abstract runner cannot run: lower its warmup_programs instead")
         with jax.set_mesh(self.mesh):
-            self._warmup()
+            self._warmup(on_program)
 
-    def _warmup(self) -> None:
-        start, before = time.perf_counter(), compile_counter.num_compilations()
-        for prog in self.warmup_programs():
+    def _warmup(self, on_program: OnProgram | None = None) -> None:
+        programs = self.warmup_programs()
+        report = WarmupReport(len(programs), on_program)
+        for prog in programs:
+            t0 = time.perf_counter()
             out = prog.fn(*prog.args())
             if prog.kind == FORWARD:
                 self.kv_caches = out[2]     # the old ones were donated
             jax.block_until_ready(out)
-        self.warmup_seconds = time.perf_counter() - start
-        self.warmup_compilations = compile_counter.num_compilations() - before
-        logger.info("warmup: %d compilations in %.1f s (token buckets %s, page-table widths %s, "
-                    "row buckets %s)", self.warmup_compilations, self.warmup_seconds,
+            report.program_done(prog, time.perf_counter() - t0)
+        summary = report.finish()
+        self.warmup_seconds = summary.seconds
+        self.warmup_compilations = summary.counts.lowered
+        # XLA compilations during warmup: from the persistent compilation cache, and fresh.
+        self.warmup_cache_hits = summary.counts.cache_hits
+        self.warmup_fresh_compilations = summary.counts.fresh
+        logger.info("warmup: token buckets %s, page-table widths %s, row buckets %s",
                     list(self.token_buckets), list(self.builder.page_buckets),
                     list(self.row_buckets))
