@@ -7,13 +7,18 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 from dataclasses import replace
 
 import uvicorn
 
+import jaxserve
+from jaxserve.api.loading import LoadingGate
+from jaxserve.api.metrics import Metrics
 from jaxserve.config import EngineConfig
 from jaxserve.default_model import DEFAULT_MODEL_NAME, default_model_dir
+from jaxserve.engine.startup import STARTING, StartupProgress
 from jaxserve.model_configs import ALIASES
 from jaxserve.model_names import resolve_model
 
@@ -73,6 +78,10 @@ def parser() -> argparse.ArgumentParser:
     a("--disable-log-requests", action="store_true", help="do not log each request")
     a("--scheduling-policy", default="fcfs", help="fcfs or priority")
     a("--attention-backend", default="auto", help="auto, reference, pallas, pallas_interpret")
+    a("--compilation-cache-dir", default=None,
+      help="persistent XLA compilation cache: a second start loads the programs compiled "
+           "by the first from here instead of compiling them again. Default: env "
+           "JAXSERVE_COMPILATION_CACHE, else ~/.cache/jaxserve/xla; '' or 'none' turns it off")
     a("--timeout-graceful-shutdown", type=float, default=5.0,
       help="seconds in-flight requests get to finish on SIGTERM/SIGINT")
     return ap
@@ -97,7 +106,16 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         seed=args.seed, enable_prefix_caching=args.enable_prefix_caching,
         load_format=load_format, scheduling_policy=args.scheduling_policy,
         hbm_utilization=args.hbm_utilization, mesh=args.mesh,
-        attention_backend=args.attention_backend)
+        attention_backend=args.attention_backend, **_compilation_cache(args))
+
+
+def _compilation_cache(args: argparse.Namespace) -> dict:
+    """EngineConfig's compilation_cache_dir when the flag is given (else its default)."""
+    value = args.compilation_cache_dir
+    if value is None:
+        return {}
+    off = value.strip().lower() in ("", "none")
+    return {"compilation_cache_dir": None if off else os.path.expanduser(value)}
 
 
 def chat_template(value: str | None) -> str | None:
@@ -126,40 +144,80 @@ def generation_defaults(setting: str, model_dir: str) -> dict:
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    from jaxserve.engine import multihost
-    if multihost.initialize(args.coordinator_address, args.num_processes, args.process_id) \
-            and not multihost.is_leader():
-        # Hosts other than process 0 serve no HTTP: they run the steps process 0 publishes.
-        from jaxserve.engine.data_parallel import make_engine
-        make_engine(engine_config(args)).follow()
-        return
-    from jaxserve.api.server import create_app
-    from jaxserve.api.serving import ServerSettings
-    from jaxserve.engine.async_engine import AsyncEngine
-    from jaxserve.plan import plan_for_engine
-
+    if _multihost(args):
+        from jaxserve.engine import multihost
+        if multihost.initialize(args.coordinator_address, args.num_processes,
+                                args.process_id) and not multihost.is_leader():
+            # Hosts other than process 0 serve no HTTP: they run the steps process 0
+            # publishes.
+            from jaxserve.engine.data_parallel import make_engine
+            make_engine(engine_config(args)).follow()
+            return
     t0 = time.perf_counter()
     config = engine_config(args)
     try:   # alias / repo id -> directory here too: generation_config.json is read from it
         config = replace(config, model=resolve_model(config.model, load_format=config.load_format))
     except ValueError as e:
         parser().exit(2, f"error: {e}\n")
+    served = args.served_model_name or (args.model or DEFAULT_MODEL_NAME)
+    gate = LoadingGate(StartupProgress(), Metrics(served), jaxserve.__version__)
     fatal: list[BaseException] = []
-    server: _Server | None = None
 
-    def on_fatal(error: BaseException) -> None:
-        # The engine thread cannot go on: stop serving and exit non-zero (below), so a
-        # supervisor restarts the server instead of it answering 503 for ever.
+    def stop(error: BaseException, what: str, traceback: bool) -> None:
+        # The engine could not be built, or its thread cannot go on: stop serving and
+        # exit non-zero (below), so a supervisor restarts the server instead of it
+        # answering 503 for ever.
         fatal.append(error)
-        logger.critical("the engine stopped (%s: %s); the server exits with status 1",
-                        type(error).__name__, error)
-        if server is not None:
-            server.should_exit = True
+        logger.critical("%s (%s: %s); the server exits with status 1", what,
+                        type(error).__name__, error, exc_info=error if traceback else None)
+        server.should_exit = True
 
-    engine = AsyncEngine(config, on_fatal=on_fatal)
+    def build() -> None:
+        logger.info("building the engine while the server listens (GET /health answers 503 "
+                    "with its progress, 200 once ready)")
+        try:   # (the engine thread logged the traceback of an error that stops it)
+            _build_engine(args, config, served, gate, t0,
+                          on_fatal=lambda e: stop(e, "the engine stopped", False))
+        except BaseException as e:   # noqa: BLE001 - reported, and the process exits 1
+            gate.fail(e)
+            stop(e, "the engine failed to start", True)
+
+    builder = threading.Thread(target=build, name="jaxserve-startup", daemon=True)
+    server = _Server(uvicorn.Config(gate, host=args.host, port=args.port, log_level="info",
+                                    timeout_graceful_shutdown=args.timeout_graceful_shutdown),
+                     gate, on_listening=builder.start)
+    server.run()
+    if builder.is_alive():
+        # Stopped while the engine was still loading: an XLA compilation or a weight read
+        # cannot be interrupted, and a Python exit with it running in a thread may hang
+        # or crash in native code, so leave without waiting for it.
+        logger.info("stopped before the engine was ready")
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1 if fatal else 0)
+    if fatal:
+        sys.exit(1)
+
+
+def _multihost(args: argparse.Namespace) -> bool:
+    """Whether any multi-host setting is given (flags or their JAXSERVE_* env defaults)."""
+    return any(v is not None for v in (args.coordinator_address, args.num_processes,
+                                       args.process_id))
+
+
+def _build_engine(args: argparse.Namespace, config: EngineConfig, served: str,
+                  gate: LoadingGate, t0: float, on_fatal) -> None:
+    """The startup thread: the engine, then the app, then the gate opens."""
+    gate.progress.set_phase(STARTING, "importing the engine")
+    from jaxserve.api.server import create_app
+    from jaxserve.api.serving import ServerSettings
+    from jaxserve.engine.async_engine import AsyncEngine
+    from jaxserve.plan import plan_for_engine
+
+    engine = AsyncEngine(config, on_fatal=on_fatal, progress=gate.progress)
     core = engine.core
     logger.info("%s", plan_for_engine(core))
-    served = args.served_model_name or (args.model or DEFAULT_MODEL_NAME)
     settings = ServerSettings(
         served_model_name=served, max_model_len=core.max_model_len, api_key=args.api_key,
         max_waiting_requests=args.max_waiting_requests,
@@ -167,24 +225,18 @@ def main(argv: list[str] | None = None) -> None:
         chat_template=chat_template(args.chat_template),
         generation_defaults=generation_defaults(args.generation_config, config.model),
         max_request_body_bytes=args.max_request_body_bytes)
-    app = create_app(engine, settings)
+    gate.open(create_app(engine, settings, gate.metrics), engine)
     kv_tokens = (core.num_pages - 1) * config.page_size
     logger.info(
         "serving %s (%s) | mesh %s | dtype %s | weights %.1f MiB | KV cache %d pages = %d tokens "
-        "| max concurrency at %d tokens: %.1f | warmup %d compilations in %.1f s | ready in "
-        "%.1f s at http://%s:%d/v1", served, core.model_config.architecture,
-        config.mesh or "1x1", core.dtype.__name__ if hasattr(core.dtype, "__name__")
-        else core.dtype, core.weight_bytes / 2**20, core.num_pages - 1, kv_tokens,
-        core.max_model_len, kv_tokens / core.max_model_len, core.warmup_compilations,
-        core.warmup_seconds, time.perf_counter() - t0, args.host, args.port)
-    server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
-                                    timeout_graceful_shutdown=args.timeout_graceful_shutdown),
-                     app.state.serving)
-    if fatal:   # the engine died before the server was made
-        sys.exit(1)
-    server.run()
-    if fatal:
-        sys.exit(1)
+        "| max concurrency at %d tokens: %.1f | warmup %d compilations (%d fresh, %d from the "
+        "persistent compilation cache) in %.1f s | ready in %.1f s at http://%s:%d/v1", served,
+        core.model_config.architecture, config.mesh or "1x1",
+        core.dtype.__name__ if hasattr(core.dtype, "__name__") else core.dtype,
+        core.weight_bytes / 2**20, core.num_pages - 1, kv_tokens, core.max_model_len,
+        kv_tokens / core.max_model_len, core.warmup_compilations,
+        core.warmup_fresh_compilations, core.warmup_cache_hits, core.warmup_seconds,
+        time.perf_counter() - t0, args.host, args.port)
 
 
 class _Server(uvicorn.Server):
@@ -193,9 +245,16 @@ class _Server(uvicorn.Server):
     shortly before the grace period ends are ended with a 503 (a stream with an
     error event and [DONE]) rather than cut off mid-stream by uvicorn."""
 
-    def __init__(self, config: uvicorn.Config, serving):
+    def __init__(self, config: uvicorn.Config, gate: LoadingGate, on_listening):
+        """on_listening: called once the port is bound (starts building the engine)."""
         super().__init__(config)
-        self.serving = serving
+        self.gate = gate
+        self.on_listening = on_listening
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if not self.should_exit:   # uvicorn sets it when binding failed
+            self.on_listening()
 
     def handle_exit(self, sig, frame) -> None:
         super().handle_exit(sig, frame)
@@ -204,10 +263,11 @@ class _Server(uvicorn.Server):
     async def shutdown(self, sockets=None) -> None:
         grace = self.config.timeout_graceful_shutdown
         timer = None
-        if grace is not None:   # None: uvicorn waits for ever, so nothing is ever cut
+        serving = self.gate.serving   # None: still loading, no answer is in progress
+        if grace is not None and serving is not None:   # None: uvicorn waits for ever, so nothing is ever cut
             # Leave the answers a moment (up to 1 s) to send their last event.
             timer = asyncio.get_running_loop().call_later(
-                grace - min(1.0, grace / 2), self.serving.end_all_answers)
+                grace - min(1.0, grace / 2), serving.end_all_answers)
         try:
             await super().shutdown(sockets)
         finally:

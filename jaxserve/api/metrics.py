@@ -52,6 +52,10 @@ class Metrics:
         self.admitted.set(admitted)
         return generate_latest(self.registry)
 
+    def render_idle(self) -> bytes:
+        """Before the engine exists: every gauge and counter at zero."""
+        return generate_latest(self.registry)
+
     def observe_request(self, *, arrival: float, first_token: float | None, end: float,
                         num_prompt: int, num_output: int) -> None:
         self.prompt_tokens.inc(num_prompt)

@@ -2,10 +2,8 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 import secrets
 import time
-from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, FastAPI, Request, Security
 from fastapi.exceptions import RequestValidationError
@@ -26,23 +24,19 @@ from jaxserve.api.protocol import (ChatCompletionRequest, CompletionRequest, Det
 from jaxserve.api.serving import OpenAIServing, ServerSettings
 from jaxserve.engine.async_engine import AsyncEngine
 
-logger = logging.getLogger("jaxserve")
-
 _bearer = HTTPBearer(auto_error=False, description="--api-key, as 'Authorization: Bearer KEY'")
 
 
-def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
-    metrics = Metrics(settings.served_model_name)
+def create_app(engine: AsyncEngine, settings: ServerSettings,
+               metrics: Metrics | None = None) -> FastAPI:
+    """The app serving `engine`; whoever made the engine stops it (see loading.py).
+    metrics: the server's registry when it already has one (it answered /metrics while
+    the engine loaded)."""
+    metrics = metrics or Metrics(settings.served_model_name)
     serving = OpenAIServing(engine, settings, metrics)
     created = int(time.time())
 
-    @asynccontextmanager
-    async def lifespan(app: FastAPI):
-        yield
-        logger.info("shutting down: aborting requests in flight and stopping the engine")
-        engine.shutdown()
-
-    app = FastAPI(title="jaxserve", version=jaxserve.__version__, lifespan=lifespan)
+    app = FastAPI(title="jaxserve", version=jaxserve.__version__)
     app.state.serving = serving
     app.add_middleware(BodyLimit, max_bytes=settings.max_request_body_bytes)
     app.add_middleware(InternalErrors)   # outermost: whatever goes wrong below is one 500

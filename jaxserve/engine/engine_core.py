@@ -24,7 +24,7 @@ from jaxserve.engine.layout import (build_layout_model, engine_layout, layout_nu
                                     layout_param_shardings, make_runner)
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.startup import (ALLOCATING_KV_CACHE, COMPILING, LOADING_WEIGHTS,
-                                     StartupProgress)
+                                     STARTING, StartupProgress)
 from jaxserve.model_names import resolve_model
 from jaxserve.runner import compile_counter
 from jaxserve.sampling_params import SamplingParams
@@ -67,6 +67,7 @@ class EngineCore:
                  seed_counter: Iterator[int] | None = None,
                  progress: StartupProgress | None = None):
         progress = progress or StartupProgress()
+        progress.set_phase(STARTING, "reading the model's config and tokenizer")
         # An alias or HF repo id becomes a local directory before anything reads it.
         config = replace(config, model=resolve_model(config.model, load_format=config.load_format))
         self.config = config

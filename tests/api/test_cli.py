@@ -36,6 +36,18 @@ def test_flags_use_vllm_names_and_aliases():
             assert action.help, f"--{action.dest} has no help text"
 
 
+@pytest.mark.parametrize("flag, expected", [
+    ([], "default"), (["--compilation-cache-dir", "/tmp/xla"], "/tmp/xla"),
+    (["--compilation-cache-dir", ""], None), (["--compilation-cache-dir", "none"], None),
+    (["--compilation-cache-dir", "None"], None)])
+def test_compilation_cache_dir_flag(flag, expected, monkeypatch, tmp_path):
+    monkeypatch.setenv("JAXSERVE_COMPILATION_CACHE", str(tmp_path / "from-env"))
+    cfg = engine_config(parser().parse_args(["--model", "/m", *flag]))
+    if expected == "default":   # no flag: EngineConfig's default (here: the env variable)
+        expected = str(tmp_path / "from-env")
+    assert cfg.compilation_cache_dir == expected
+
+
 def test_no_model_means_the_builtin_random_model(tmp_path, monkeypatch):
     monkeypatch.setenv("JAXSERVE_CACHE", str(tmp_path))
     cfg = engine_config(parser().parse_args([]))
@@ -43,12 +55,15 @@ def test_no_model_means_the_builtin_random_model(tmp_path, monkeypatch):
     assert (tmp_path / "jaxserve-tiny-random" / "config.json").exists()
 
 
-def test_alias_with_dummy_weights_gets_as_far_as_building_the_model(tmp_path, monkeypatch):
+def test_alias_with_dummy_weights_gets_as_far_as_building_the_model(tmp_path, monkeypatch,
+                                                                  caplog):
     """`python -m jaxserve.api --model qwen3-8b --load-format dummy`: the alias becomes a
     generated directory and the 8B flax model is built; loading its 16 GB of random
-    weights is where this test stops it."""
+    weights is where this test stops it. The engine is built while the server listens:
+    its failure stops the server, is logged, and the exit status is 1."""
     from jaxserve.api.cli import main
     from jaxserve.engine import engine_core
+    from tests.api.conftest import free_port
     monkeypatch.setenv("JAXSERVE_CACHE", str(tmp_path))
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))
     built = {}
@@ -60,8 +75,11 @@ def test_alias_with_dummy_weights_gets_as_far_as_building_the_model(tmp_path, mo
         built.update(model_dir=model_dir, mc=mc, model=model)
         raise Stop
     monkeypatch.setattr(engine_core, "load_params", stop)
-    with pytest.raises(Stop):
-        main(["--model", "qwen3-8b", "--load-format", "dummy", "--max-model-len", "4096"])
+    with pytest.raises(SystemExit) as e:
+        main(["--model", "qwen3-8b", "--load-format", "dummy", "--max-model-len", "4096",
+              "--port", str(free_port())])
+    assert e.value.code == 1
+    assert any("the engine failed to start (Stop" in r.getMessage() for r in caplog.records)
     assert built["model_dir"] == str(tmp_path / "dummy" / "qwen3-8b")
     assert type(built["model"]).__name__ == "Qwen3ForCausalLM"
     assert (built["mc"].num_layers, built["mc"].hidden_size) == (36, 4096)
