@@ -1,0 +1,44 @@
+"""StartupProgress: phases, counts and the change callback, read from another thread."""
+from __future__ import annotations
+
+import threading
+
+from jaxserve.engine.startup import COMPILING, LOADING_WEIGHTS, STARTING, StartupProgress
+
+
+def test_phases_counts_and_callback():
+    seen = []
+    p = StartupProgress(on_change=seen.append)
+    assert (p.phase, p.snapshot().done) == (STARTING, None)
+    p.set_phase(LOADING_WEIGHTS, "weights of /m")
+    p.set_phase(COMPILING, "listing", total=3)
+    p.advance(2, 3, "compiling program 3 of 3")
+    snap = p.snapshot()
+    assert (snap.phase, snap.detail, snap.done, snap.total) == (
+        COMPILING, "compiling program 3 of 3", 2, 3)
+    assert [(s.phase, s.done, s.total) for s in seen] == [
+        (LOADING_WEIGHTS, None, None), (COMPILING, 0, 3), (COMPILING, 2, 3)]
+    assert seen[-1].seconds >= seen[0].seconds >= 0
+    assert set(snap.as_dict()) == {"phase", "detail", "done", "total", "seconds"}
+
+
+def test_snapshots_are_consistent_under_a_concurrent_writer():
+    """A reader never sees done of one update with total or detail of another."""
+    p = StartupProgress()
+    stop = threading.Event()
+
+    def write():
+        i = 0
+        while not stop.is_set():
+            i += 1
+            p.advance(i, i, f"step {i}")
+    writer = threading.Thread(target=write)
+    writer.start()
+    try:
+        for _ in range(20000):
+            s = p.snapshot()
+            if s.done is not None:
+                assert s.done == s.total and s.detail == f"step {s.done}"
+    finally:
+        stop.set()
+        writer.join()
