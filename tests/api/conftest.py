@@ -25,20 +25,28 @@ def free_port() -> int:
 
 class Server:
     """launcher: the command before the flags (a test may start the CLI from a script
-    that first patches something in)."""
+    that first patches something in). model None: the built-in tiny model (then give
+    log_dir). wait: return once /health answers 200 (else see wait_ready)."""
 
-    def __init__(self, model: str, *extra: str, api_key: str | None = API_KEY,
-                 launcher: tuple[str, ...] = (sys.executable, "-m", "jaxserve.api")):
+    def __init__(self, model: str | None, *extra: str, api_key: str | None = API_KEY,
+                 launcher: tuple[str, ...] = (sys.executable, "-m", "jaxserve.api"),
+                 wait: bool = True, log_dir: str | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        args = [*launcher, "--model", model, "--port", str(self.port), *SERVER_ARGS, *extra]
+        model_args = ["--model", model] if model is not None else []
+        args = [*launcher, *model_args, "--port", str(self.port), *SERVER_ARGS, *extra]
         if api_key:
             args += ["--api-key", api_key]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         env.pop("JAXSERVE_API_KEY", None)
-        self.log = open(os.path.join(os.path.dirname(model), f"server-{self.port}.log"), "w+")
+        log_dir = log_dir or os.path.dirname(model)
+        self.log = open(os.path.join(log_dir, f"server-{self.port}.log"), "w+")
         self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + 300
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self, timeout: float = 300) -> None:
+        deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.output()}")
