@@ -264,7 +264,8 @@ class _Server(uvicorn.Server):
         grace = self.config.timeout_graceful_shutdown
         timer = None
         serving = self.gate.serving   # None: still loading, no answer is in progress
-        if grace is not None and serving is not None:   # None: uvicorn waits for ever, so nothing is ever cut
+        # grace None: uvicorn waits for ever, so nothing is ever cut.
+        if grace is not None and serving is not None:
             # Leave the answers a moment (up to 1 s) to send their last event.
             timer = asyncio.get_running_loop().call_later(
                 grace - min(1.0, grace / 2), serving.end_all_answers)
