@@ -252,8 +252,8 @@ class _Server(uvicorn.Server):
         self.on_listening = on_listening
 
     async def startup(self, sockets=None) -> None:
-        await super().startup(sockets)
-        if not self.should_exit:   # uvicorn sets it when binding failed
+        await super().startup(sockets)   # (a port it cannot bind: uvicorn exits 1 here)
+        if not self.should_exit:   # no SIGTERM came meanwhile
             self.on_listening()
 
     def handle_exit(self, sig, frame) -> None:
