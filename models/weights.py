@@ -267,7 +267,16 @@ def _open_param(path: Path_, shape: tuple[int, ...], names: list[str], where: di
     # read, cast and made contiguous on its own, with no whole-tensor copy (DeltaNet's
     # regrouping is the exception: it copies the tensor once, in the file's dtype).
     view = _to_param_layout(where[name].get(name), path, shape, name, cfg)
-    return lambda index: np.ascontiguousarray(view[index], dtype=np_dtype)
+    return lambda index: _contiguous(view[index], np_dtype)
+
+
+def _contiguous(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """x as a C-contiguous array of `dtype`. An uncast bfloat16 / float8 copy goes through
+    an unsigned-integer view: numpy's strided copy of ml_dtypes' types is slower (a
+    transposed 8192x4096 bfloat16: 1.6 s as bfloat16, 1.05 s as uint16, on this CPU)."""
+    if x.dtype == dtype and dtype.kind == "V" and not x.flags.c_contiguous:
+        return np.ascontiguousarray(x.view(f"u{dtype.itemsize}")).view(dtype)
+    return np.ascontiguousarray(x, dtype=dtype)
 
 
 def _unrepeated(shape: tuple[int, ...], axis: int, repeat: int) -> tuple[int, ...]:
