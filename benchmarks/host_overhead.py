@@ -18,7 +18,7 @@ from jaxserve.core.request import Request
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.runner.input_batch import InputBatchBuilder, pick_bucket, power_of_two_buckets
 from jaxserve.runner.model_runner import row_buckets
-from jaxserve.runner.sampler import SamplingRow, choose_variant, make_sampling_tensors
+from jaxserve.runner.sampler import SamplingRow, make_sampling_tensors, needs_penalties
 from jaxserve.sampling_params import SamplingParams
 
 
@@ -55,10 +55,10 @@ def main() -> None:
         t1 = time.perf_counter()
         reqs = out.requests
         builder.build(reqs)
-        variant = choose_variant([r.sampling_params for r in reqs])
         rows = [SamplingRow(r.sampling_params, r.num_output_tokens) for r in reqs]
         make_sampling_tensors(rows, pick_bucket(rows_buckets, len(reqs)), 32000,
-                              penalties=variant.penalties, penalty_len=mml)
+                              penalties=needs_penalties([r.sampling_params for r in reqs]),
+                              penalty_len=mml)
         t2 = time.perf_counter()
         assert len(reqs) == n and all(len(r.token_ids) == 1 for r in reqs)
         sched.update_from_output(out, {r.req_id: 7 for r in reqs})

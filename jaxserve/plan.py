@@ -300,7 +300,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--compile", nargs="?", const="default", choices=("default", "all"),
                     default=None, help="compile the engine's warmup programs for --target on "
                     "this host: the smallest and largest forward token bucket and the costliest "
-                    "sampler variant, or 'all' of them")
+                    "sampler (penalties, largest row bucket), or 'all' of them")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args(argv)
     try:

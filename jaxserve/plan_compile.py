@@ -98,15 +98,14 @@ class CompileReport:
 
 def default_selection(programs: list[Program]) -> list[Program]:
     """The smallest and the largest forward token bucket (at the widest page table) and
-    the costliest sampler variant (every flag on) at the largest row bucket."""
+    the costliest sampler (the penalties one) at the largest row bucket."""
     forwards = [p for p in programs if p.kind == FORWARD]
     widest = max(p.pages for p in forwards)
     tokens = sorted({p.tokens for p in forwards})
     picked = [p for p in forwards if p.pages == widest and p.tokens in (tokens[0], tokens[-1])]
     samplers = [p for p in programs if p.kind == SAMPLE]
     rows = max(p.rows for p in samplers)
-    picked += [p for p in samplers if p.rows == rows and p.variant.do_sample
-               and p.variant.penalties and p.variant.logprobs]
+    picked += [p for p in samplers if p.rows == rows and p.penalties]
     return picked
 
 

@@ -70,6 +70,10 @@ class SafeTensorsFile:
     def dtype(self, name: str) -> np.dtype:
         return DTYPES[self._header[name]["dtype"]]
 
+    def nbytes(self, name: str) -> int:
+        begin, end = self._header[name]["data_offsets"]
+        return end - begin
+
     def get(self, name: str) -> np.ndarray:
         if name not in self._header:
             raise KeyError(f"{self.path.name} has no tensor {name!r}")

@@ -6,7 +6,8 @@ Our param paths mirror the HF names, so the mapping is mechanical:
   "mlp.experts.{i}.gate_proj.weight".
 HF linear weights are [out, in]; our kernels are [in..., out...], so a kernel is
 `w.T.reshape(param_shape)` (q_proj [N*H, E] -> [E, N, H], o_proj [E, N*H] -> [N, H, E]).
-Tensors go to the device one at a time: the host never holds the model twice.
+Each device gets only its slice of each tensor, read and cast from the file's mmap by a few
+threads (models/param_placement.py): the host never holds more than a few tensors.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import json
 import logging
 from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,7 @@ from flax.traverse_util import flatten_dict, unflatten_dict
 
 from models.config import ModelConfig
 from models.inputs import ModelInputs
+from models.param_placement import ParamTask, Progress, Reader, place_params
 from models.registry import resolve_dtype
 from models.safetensors_io import SafeTensorsFile
 
@@ -176,26 +179,45 @@ def _kv_repeat_axes(model: nn.Module, kv_head_repeat: int) -> dict[Path_, int]:
 
 def load_params(model_dir: str | Path | None, cfg: ModelConfig, model: nn.Module, dtype: Any = "auto", *,
                 load_format: str = "auto", seed: int = 0, shardings: Any = None,
-                kv_head_repeat: int = 1) -> dict:
+                kv_head_repeat: int = 1, workers: int | None = None,
+                progress: Progress | None = None) -> dict:
     """Params for `model` from `model_dir`, cast to `dtype` ("auto" = checkpoint dtype).
 
     shardings: optional tree (same structure as the params) of jax.sharding.Sharding
-    per param; None = the default device. Each tensor is device_put from the host
-    straight into its sharding: every device receives only its own slice.
+    per param; None = the default device. Each device reads, casts and receives only
+    its own slice of each tensor (models/param_placement.py).
     kv_head_repeat: `model` has this many times the checkpoint's KV heads (KV heads
     replicated for tensor parallelism, sharding.kv_head_layout); each KV head's
     weights are repeated that often, consecutively. load_format "dummy" needs no files.
+    workers: threads loading tensors (None: param_placement.default_workers()).
+    progress: optional hook `progress(bytes_done, bytes_total)` over the checkpoint
+    bytes to read, called from the calling thread: (0, total) before the first read,
+    then after each param, the last call with bytes_done == bytes_total (for a
+    loading-progress report, e.g. on /health). Not called for dummy weights.
     """
     if load_format not in ("auto", "safetensors", "dummy"):
         raise ValueError(f"load_format must be 'auto', 'safetensors' or 'dummy', got {load_format!r}")
     dtype = resolve_dtype(dtype, cfg)
+    if load_format == "dummy":
+        expected = flatten_dict(abstract_params(model))
+        shard_flat = flatten_dict(shardings) if shardings is not None else {}
+        return _dummy_params(expected, dtype, seed, shard_flat, _kv_repeat_axes(model, kv_head_repeat),
+                             kv_head_repeat)
+    tasks = checkpoint_tasks(model_dir, cfg, model, dtype, shardings=shardings,
+                             kv_head_repeat=kv_head_repeat)
+    return unflatten_dict(place_params(tasks, workers=workers, progress=progress,
+                                       what=Path(str(model_dir)).name))
+
+
+def checkpoint_tasks(model_dir: str | Path | None, cfg: ModelConfig, model: nn.Module, dtype: Any, *,
+                     shardings: Any = None, kv_head_repeat: int = 1) -> list[ParamTask]:
+    """One ParamTask per param of `model` (see load_params), after checking that the
+    checkpoint holds exactly the tensors the model needs. Nothing is read yet."""
+    if model_dir is None or not Path(model_dir).is_dir():
+        raise ValueError(f"model directory {str(model_dir)!r} does not exist")
     expected = flatten_dict(abstract_params(model))
     shard_flat = flatten_dict(shardings) if shardings is not None else {}
     repeat_axes = _kv_repeat_axes(model, kv_head_repeat)
-    if load_format == "dummy":
-        return _dummy_params(expected, dtype, seed, shard_flat, repeat_axes, kv_head_repeat)
-    if model_dir is None or not Path(model_dir).is_dir():
-        raise ValueError(f"model directory {str(model_dir)!r} does not exist")
     where = _open_checkpoint(Path(model_dir))
 
     prefix = _VL_TEXT_PREFIX if any(n.startswith(_VL_TEXT_PREFIX) for n in where) else "model."
@@ -217,23 +239,44 @@ def load_params(model_dir: str | Path | None, cfg: ModelConfig, model: nn.Module
                          f"{_describe(unexpected)}")
 
     np_dtype = np.dtype(dtype)
-    out: dict[Path_, jax.Array] = {}
-    for path, sds in expected.items():
-        names = sources[path]
-        if len(names) == 1 and path[-1] not in _EXPERT_PROJS:
-            axis = repeat_axes.get(path)
-            shape = sds.shape if axis is None else _unrepeated(sds.shape, axis, kv_head_repeat)
-            host = _to_param_layout(where[names[0]].get(names[0]), path, shape, names[0], cfg)
-            if axis is not None:
-                host = np.repeat(host, kv_head_repeat, axis=axis)
-            host = np.ascontiguousarray(host.astype(np_dtype, copy=False))
-        else:   # stacked experts: fill one host buffer, then one transfer
-            host = np.empty(sds.shape, np_dtype)
-            for e, name in enumerate(names):
-                host[e] = _to_param_layout(where[name].get(name), path, sds.shape[1:], name, cfg)
-        out[path] = jax.device_put(host, _sharding_for(shard_flat, path))
-        del host
-    return unflatten_dict(out)
+    return [ParamTask(path=path, shape=sds.shape, dtype=np_dtype,
+                      sharding=_sharding_for(shard_flat, path),
+                      nbytes=sum(where[n].nbytes(n) for n in sources[path]),
+                      num_tensors=len(sources[path]),
+                      open=partial(_open_param, path, sds.shape, sources[path], where, cfg, np_dtype,
+                                   repeat_axes.get(path), kv_head_repeat))
+            for path, sds in expected.items()]
+
+
+def _open_param(path: Path_, shape: tuple[int, ...], names: list[str], where: dict[str, SafeTensorsFile],
+                cfg: ModelConfig, np_dtype: np.dtype, repeat_axis: int | None,
+                kv_head_repeat: int) -> Reader:
+    """Prepares one param on the host (in a loading thread); returns its slice reader."""
+    if len(names) > 1 or path[-1] in _EXPERT_PROJS:   # stacked experts: one host buffer
+        host = np.empty(shape, np_dtype)
+        for e, name in enumerate(names):
+            host[e] = _to_param_layout(where[name].get(name), path, shape[1:], name, cfg)
+        return lambda index: np.ascontiguousarray(host[index])
+    name = names[0]
+    if repeat_axis is not None:   # replicated KV heads: built whole once (small K/V projections)
+        w = _to_param_layout(where[name].get(name), path, _unrepeated(shape, repeat_axis, kv_head_repeat),
+                             name, cfg)
+        host = np.repeat(w, kv_head_repeat, axis=repeat_axis).astype(np_dtype, copy=False)
+        return lambda index: np.ascontiguousarray(host[index])
+    # A transpose and split axes are views of the file's mmap, so each device's slice is
+    # read, cast and made contiguous on its own, with no whole-tensor copy (DeltaNet's
+    # regrouping is the exception: it copies the tensor once, in the file's dtype).
+    view = _to_param_layout(where[name].get(name), path, shape, name, cfg)
+    return lambda index: _contiguous(view[index], np_dtype)
+
+
+def _contiguous(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """x as a C-contiguous array of `dtype`. An uncast bfloat16 / float8 copy goes through
+    an unsigned-integer view: numpy's strided copy of ml_dtypes' types is slower (a
+    transposed 8192x4096 bfloat16: 1.6 s as bfloat16, 1.05 s as uint16, on this CPU)."""
+    if x.dtype == dtype and dtype.kind == "V" and not x.flags.c_contiguous:
+        return np.ascontiguousarray(x.view(f"u{dtype.itemsize}")).view(dtype)
+    return np.ascontiguousarray(x, dtype=dtype)
 
 
 def _unrepeated(shape: tuple[int, ...], axis: int, repeat: int) -> tuple[int, ...]:

@@ -21,14 +21,15 @@ class TpuTarget:
     hbm_bytes: int           # per chip, as published
     hbm_gbps: float          # per chip, as published (GB/s)
     usable_hbm_bytes: int    # what XLA:TPU lets one program use (the rest is the runtime's)
+    bf16_tflops: float       # per chip, as published (dense bf16 matmul peak)
 
 
 # Published per-chip figures (cloud.google.com/tpu/docs/system-architecture-tpu-vm);
 # usable: the "available HBM" libtpu's compiler states when a program does not fit.
 TPU_TARGETS = {
-    "tpu-v5e": TpuTarget("v5e", 16 * 2**30, 819.0, int(15.75 * 2**30)),
-    "tpu-v6e": TpuTarget("v6e", 32 * 2**30, 1640.0, int(31.25 * 2**30)),
-    "tpu-v5p": TpuTarget("v5p", 95 * 2**30, 2765.0, int(95.74 * 2**30)),
+    "tpu-v5e": TpuTarget("v5e", 16 * 2**30, 819.0, int(15.75 * 2**30), 197.0),
+    "tpu-v6e": TpuTarget("v6e", 32 * 2**30, 1640.0, int(31.25 * 2**30), 918.0),
+    "tpu-v5p": TpuTarget("v5p", 95 * 2**30, 2765.0, int(95.74 * 2**30), 459.0),
 }
 
 # Chips -> a slice layout libtpu accepts (v5p slices are 3-D).

@@ -5,7 +5,6 @@ import atexit
 import itertools
 import logging
 import os
-import time
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, Iterator
@@ -102,7 +101,6 @@ class EngineCore:
                            kv_heads // m)
         self.eos_token_id = _eos_token_id(self.tokenizer, mc)
 
-        t0 = time.perf_counter()
         progress.set_phase(LOADING_WEIGHTS, f"loading the weights of {config.model}")
         self.attention_backend = layout.attention_backend
         self.model = build_layout_model(layout)
@@ -118,10 +116,10 @@ class EngineCore:
                         param_bytes(self.params["lm_head"]) / 2**20)
         self.weight_bytes = param_bytes(self.params)
         self.weight_bytes_per_device = bytes_per_device(self.params)
-        logger.info("loaded %s (%s, %s) in %.1f s: %.2f GiB of weights, %.2f GiB per device "
+        # The load's time and rate are models.weights' line; this one is what is in memory.
+        logger.info("model %s (%s, %s): %.2f GiB of weights, %.2f GiB per device "
                     "(model axis %d)", config.model, mc.architecture, jnp.dtype(self.dtype).name,
-                    time.perf_counter() - t0, self.weight_bytes / 2**30,
-                    self.weight_bytes_per_device / 2**30, m)
+                    self.weight_bytes / 2**30, self.weight_bytes_per_device / 2**30, m)
 
         self.num_state_slots = layout.num_state_slots
         self.prefix_caching = config.enable_prefix_caching and not mc.is_hybrid

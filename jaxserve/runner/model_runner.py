@@ -2,9 +2,10 @@
 
 Three jitted functions, each compiled for a small fixed set of shapes at
 warmup: the forward pass (one per token bucket, KV caches donated so every
-write is in place), the sampler (one per row bucket and sampler variant) and
-prompt logprobs (one program: the forward hands it the hidden states padded to the
-largest token bucket). Nothing compiles after warmup.
+write is in place), the sampler (one per row bucket, every kind of row at once, and
+one with penalties at the largest) and prompt logprobs (one program: the forward
+hands it the hidden states padded to the largest token bucket). Nothing compiles
+after warmup.
 
 Under a mesh (this replica's 1xM devices) every function is jitted with explicit
 shardings: parameters and KV caches as they were placed (KV split by KV head,
@@ -34,8 +35,8 @@ from jaxserve.runner.input_batch import (InputBatchBuilder, pick_bucket,
                                          power_of_two_buckets)
 from jaxserve.runner.layer_caches import layer_cache_specs, make_layer_caches
 from jaxserve.runner.programs import FORWARD, PROMPT_LOGPROBS, SAMPLE, Program
-from jaxserve.runner.sampler import (SamplerVariant, SamplingRow, choose_variant,
-                                     compute_prompt_logprobs, make_sampling_tensors, sample)
+from jaxserve.runner.sampler import (SamplingRow, compute_prompt_logprobs,
+                                     make_sampling_tensors, needs_penalties, sample)
 from jaxserve.runner.warmup_report import OnProgram, WarmupReport
 from jaxserve.sampling_params import MAX_LOGPROBS
 from models.inputs import ModelInputs
@@ -58,6 +59,7 @@ class _InFlight:
     """A dispatched step: device results not yet read back (see ModelRunner.dispatch)."""
     reqs: list
     sampled: Any = None          # SamplerOutput on device, or None
+    logprobs: bool = False       # whether a request wants the sampler's logprobs
     prompt_lps: Any = None       # (device arrays, spans), or None
 
 
@@ -148,7 +150,7 @@ class ModelRunner:
         self._forward = jax.jit(self._forward_fn, donate_argnums=(1,),
                                 in_shardings=(p_sh, kv_sh, rep, rep),
                                 out_shardings=(rep, rep, kv_sh))
-        # (num_rows, variant) are static; jit takes no keyword arguments with in_shardings.
+        # (num_rows, penalties) are static; jit takes no keyword arguments with in_shardings.
         self._sample = jax.jit(self._sample_fn, static_argnums=(3, 4),
                                in_shardings=(p_sh, rep, rep), out_shardings=rep)
         self._prompt_logprobs = jax.jit(self._prompt_logprobs_fn, in_shardings=(p_sh, rep, rep),
@@ -170,16 +172,15 @@ class ModelRunner:
         padded = jnp.pad(hidden, ((0, self._max_tokens - hidden.shape[0]), (0, 0)))
         return padded, hidden[logits_indices], kv_caches
 
-    def _sample_fn(self, params, hidden_rows, tensors, num_rows: int, variant: SamplerVariant):
+    def _sample_fn(self, params, hidden_rows, tensors, num_rows: int, penalties: bool):
         logits = self.model.apply({"params": params}, hidden_rows[:num_rows],
                                   method="compute_logits")
-        if variant != SamplerVariant(do_sample=False):
-            # Logits computed vocab-parallel, then gathered once here rather than at each
-            # use in the sampler (or the [V, E] weight gathered). Pure greedy needs no
-            # gather: XLA reduces the per-shard argmaxes.
-            logits = jax.lax.with_sharding_constraint(logits, self._vocab_parallel)
-            logits = jax.lax.with_sharding_constraint(logits, self._rep)
-        return sample(logits, tensors, variant)
+        # Logits computed vocab-parallel (not the [V, E] weight gathered); the sampler
+        # gathers them whole only in the branches that run when some row samples or
+        # wants logprobs: a greedy batch's argmax reduces the per-shard maxima.
+        logits = jax.lax.with_sharding_constraint(logits, self._vocab_parallel)
+        return sample(logits, tensors, penalties=penalties,
+                      gather=partial(jax.lax.with_sharding_constraint, shardings=self._rep))
 
     def _prompt_logprobs_fn(self, params, hidden, targets):
         """hidden [T_max, E], targets int32[T_max] (-1: no logprob wanted) -> the
@@ -227,7 +228,10 @@ class ModelRunner:
                                                top_ids[a:a + n], top_lp[a:a + n])
         if step.sampled is None:
             return out
-        result = jax.device_get(step.sampled)
+        # The logprob arrays come back only when a request wants them.
+        result = jax.device_get(step.sampled if step.logprobs else
+                                step.sampled.replace(logprobs=None, logprob_token_ids=None,
+                                                     sampled_rank=None))
         for i, r in enumerate(step.reqs):
             if not r.sample:
                 continue
@@ -265,16 +269,20 @@ class ModelRunner:
             step.prompt_lps = self._prompt_logprobs_async(reqs, hb, hidden)
         if not any(r.sample for r in reqs):
             return step
-        num_rows = pick_bucket(self.row_buckets, hb.num_reqs)
-        variant = choose_variant([r.sampling_params for r in reqs])
+        params = [r.sampling_params for r in reqs]
+        penalties = needs_penalties(params)
+        # Penalties are rare and ship a [rows, max_model_len] history: one program for
+        # them, at the largest row bucket, rather than one per bucket.
+        num_rows = self.row_buckets[-1] if penalties else pick_bucket(self.row_buckets,
+                                                                      hb.num_reqs)
         rows = [SamplingRow(r.sampling_params, r.num_output_tokens,
                             prompt_token_ids=r.prompt_token_ids,
                             output_token_ids=r.output_token_ids,
                             banned_token_ids=self._banned(r)) for r in reqs]
-        tensors = make_sampling_tensors(rows, num_rows, self.vocab_size,
-                                        penalties=variant.penalties,
+        tensors = make_sampling_tensors(rows, num_rows, self.vocab_size, penalties=penalties,
                                         penalty_len=self.max_model_len)
-        step.sampled = self._sample(self.params, hidden_rows, tensors, num_rows, variant)
+        step.sampled = self._sample(self.params, hidden_rows, tensors, num_rows, penalties)
+        step.logprobs = any(p.logprobs is not None for p in params)
         return step
 
     def _banned(self, r) -> tuple[int, ...]:
@@ -308,9 +316,9 @@ class ModelRunner:
     # ---- warmup ----------------------------------------------------------------------
     def warmup_programs(self) -> list[Program]:
         """Every program warmup compiles, in its order: the forward per token bucket and
-        page-table width, prompt logprobs per token bucket, the sampler per row bucket
-        and variant. Arguments as serving passes them: numpy batch inputs (device arrays
-        would compile other programs), device arrays for what serving takes from the
+        page-table width, prompt logprobs, the sampler per row bucket and the penalties
+        sampler at the largest. Arguments as serving passes them: numpy batch inputs
+        (device arrays would compile other programs), device arrays for what serving takes from the
         forward's outputs (ShapeDtypeStructs when abstract)."""
         r_max = self.builder._seq_lens.shape[0]
 
@@ -334,18 +342,20 @@ class ModelRunner:
         def logprobs_args(t: int) -> tuple:
             return self.params, hidden(t), self._put(np.full(t, -1, np.int32))
 
-        def sample_args(rows: int, variant: SamplerVariant) -> tuple:
-            tensors = make_sampling_tensors([], rows, self.vocab_size, penalties=variant.penalties,
+        def sample_args(rows: int, penalties: bool) -> tuple:
+            tensors = make_sampling_tensors([], rows, self.vocab_size, penalties=penalties,
                                             penalty_len=self.max_model_len)
-            return self.params, hidden(r_max), tensors, rows, variant
+            return self.params, hidden(r_max), tensors, rows, penalties
 
         progs = [Program(FORWARD, self._forward, partial(forward_args, t, p), tokens=t, pages=p)
                  for t, p in itertools.product(self.token_buckets, self.builder.page_buckets)]
         progs.append(Program(PROMPT_LOGPROBS, self._prompt_logprobs,
                              partial(logprobs_args, self._max_tokens), tokens=self._max_tokens))
-        variants = [SamplerVariant(*flags) for flags in itertools.product((False, True), repeat=3)]
-        progs += [Program(SAMPLE, self._sample, partial(sample_args, rows, v), rows=rows,
-                          variant=v) for rows in self.row_buckets for v in variants]
+        progs += [Program(SAMPLE, self._sample, partial(sample_args, rows, False), rows=rows)
+                  for rows in self.row_buckets]
+        largest = self.row_buckets[-1]
+        progs.append(Program(SAMPLE, self._sample, partial(sample_args, largest, True),
+                             rows=largest, penalties=True))
         return progs
 
     def _put(self, x: np.ndarray) -> Any:
@@ -360,7 +370,7 @@ class ModelRunner:
             return program.fn.lower(*program.args())
 
     def warmup(self, on_program: OnProgram | None = None) -> None:
-        """Compile every token bucket, row bucket and sampler variant now.
+        """Compile every program of warmup_programs now.
         on_program(done, total): called before the first program and after each."""
         if self.abstract:
             raise ValueError("an abstract runner cannot run: lower its warmup_programs instead")

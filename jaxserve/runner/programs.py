@@ -10,8 +10,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from jaxserve.runner.sampler import SamplerVariant
-
 FORWARD, PROMPT_LOGPROBS, SAMPLE = "forward", "prompt_logprobs", "sample"
 
 
@@ -24,15 +22,9 @@ class Program:
     tokens: int | None = None             # token bucket (forward, prompt logprobs)
     rows: int | None = None               # row bucket (sampler)
     pages: int | None = None              # page-table width (forward)
-    variant: SamplerVariant | None = None  # sampler only
+    penalties: bool = False               # sampler: the one with the penalties' history
 
     @property
     def name(self) -> str:
-        """"forward", "prompt_logprobs" or the sampler with its flags, e.g.
-        "sample[random+penalties+logprobs]"."""
-        if self.variant is None:
-            return self.kind
-        v = self.variant
-        flags = ["random" if v.do_sample else "greedy"] + [
-            f for f, on in (("penalties", v.penalties), ("logprobs", v.logprobs)) if on]
-        return f"{self.kind}[{'+'.join(flags)}]"
+        """"forward", "prompt_logprobs", "sample" or "sample[penalties]"."""
+        return f"{self.kind}[penalties]" if self.penalties else self.kind

@@ -1,21 +1,29 @@
 """Token sampling on device for a batch of R rows (one row per request).
 
-Under ``jax.jit(sample, static_argnames=("variant",))`` each `SamplerVariant`
-compiles once per (R, V, penalty length) shape; every per-row setting is an array,
-so changing values never recompiles.
+One program per (R, V) shape serves every kind of row: greedy and sampled rows, top-k
+/ top-p / min-p, logprobs and stop tokens held back are per-row arrays and device-side
+branches (``lax.cond`` on "does any row need it"), so a batch pays only for what its
+rows ask for and changing settings never recompiles. Penalties are the one static
+flag (``penalties=True``): they need each row's token history, an int32[R, L] input.
 
 Order (as vLLM): raw logprobs (log_softmax of the model logits) -> penalties ->
 greedy rows take the argmax; sampling rows divide by temperature, then min_p,
 top_k and top_p (each renormalising what is left) become one threshold per row,
 and a Gumbel-max draw picks the token.
 
+Thresholds without sorting the vocabulary: the TOP_CANDIDATES most likely tokens of
+each row (lax.top_k) decide top-k / top-p whenever the kept set ends inside them (the
+common case: top_k <= TOP_CANDIDATES, or a nucleus of fewer tokens); min_p alone needs
+only the row's maximum. Only when some row's kept set may reach past the candidates
+does the step sort the whole vocabulary (same thresholds, computed exactly).
+
 Batch invariance: a row's token depends only on its logits, its settings and its
 key ``fold_in(PRNGKey(seed), step)``, step = the index of the token being sampled.
-The filters are applied as a per-row logit threshold in vocabulary order (the
-sort only finds the threshold), so rows that filter and rows that do not draw
+The filters are applied as a per-row logit threshold in vocabulary order (sorting
+only finds the threshold), so rows that filter and rows that do not draw
 their noise the same way, whatever else is in the batch.
 
-Penalty inputs (penalties variant only): ``penalty_token_ids`` int32[R, L] holds
+Penalty inputs (penalties=True only): ``penalty_token_ids`` int32[R, L] holds
 each row's prompt ids then output ids, padded with V (dropped by the scatter),
 and ``num_prompt_tokens`` int32[R] splits them; the [R, V] counts are built on
 device by scatter-add, so the host ships O(R*L) ids, not O(R*V) masks. L is a
@@ -38,17 +46,11 @@ from jaxserve.sampling_params import (MAX_BANNED_TOKENS, MAX_LOGPROBS, SAMPLING_
                                       SamplingParams)
 
 _MIN_PENALTY_LEN = 16
+# Most likely tokens per row that top-k / top-p are decided on (without sorting the
+# vocabulary): top_k up to this, and any nucleus of fewer tokens, is exact on them.
+TOP_CANDIDATES = 256
 _KEY_IMPL = "threefry2x32"
 _U32 = 0xFFFFFFFF
-
-
-@dataclass(frozen=True)
-class SamplerVariant:
-    """Static sampler flags; one compiled program per variant and shape."""
-
-    do_sample: bool = True  # False: every row is greedy (no sort, no noise)
-    penalties: bool = False  # repetition / frequency / presence penalties
-    logprobs: bool = False  # return sampled + top-MAX_LOGPROBS logprobs
 
 
 @flax.struct.dataclass
@@ -63,6 +65,7 @@ class SamplingTensors:
     frequency_penalty: jax.Array  # f32[R]
     repetition_penalty: jax.Array  # f32[R]
     banned_token_ids: jax.Array  # int32[R, MAX_BANNED_TOKENS]; V = none (min_tokens stops)
+    want_logprobs: jax.Array  # bool[R]; the row asked for logprobs
     penalty_token_ids: jax.Array | None = None  # int32[R, L]: prompt ids, output ids, V pad
     num_prompt_tokens: jax.Array | None = None  # int32[R]
 
@@ -70,11 +73,11 @@ class SamplingTensors:
 @flax.struct.dataclass
 class SamplerOutput:
     token_ids: jax.Array  # int32[R]
-    # Only with variant.logprobs; column 0 is the sampled token, 1.. the top tokens
-    # (ids -1 / logprob -inf past the vocabulary when V < MAX_LOGPROBS).
-    logprobs: jax.Array | None = None  # f32[R, MAX_LOGPROBS + 1]
-    logprob_token_ids: jax.Array | None = None  # int32[R, MAX_LOGPROBS + 1]
-    sampled_rank: jax.Array | None = None  # int32[R]; 1 = most likely
+    # Column 0 is the sampled token, 1.. the top tokens (ids -1 / logprob -inf past the
+    # vocabulary when V < MAX_LOGPROBS); zeros when no row of the batch wants logprobs.
+    logprobs: jax.Array  # f32[R, MAX_LOGPROBS + 1]
+    logprob_token_ids: jax.Array  # int32[R, MAX_LOGPROBS + 1]
+    sampled_rank: jax.Array  # int32[R]; 1 = most likely
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,13 +99,9 @@ class SamplingRow:
     banned_token_ids: Sequence[int] = ()  # may not be sampled now (stop tokens < min_tokens)
 
 
-def choose_variant(params: Sequence[SamplingParams]) -> SamplerVariant:
-    """The cheapest variant that serves every request in `params`."""
-    return SamplerVariant(
-        do_sample=any(not p.is_greedy for p in params),
-        penalties=any(p.has_penalties for p in params),
-        logprobs=any(p.logprobs is not None for p in params),
-    )
+def needs_penalties(params: Sequence[SamplingParams]) -> bool:
+    """Whether a batch needs the penalties program (some row has a penalty)."""
+    return any(p.has_penalties for p in params)
 
 
 def seed_to_key_data(seed: int) -> tuple[int, int]:
@@ -126,7 +125,7 @@ def make_sampling_tensors(
     """Host-side (numpy) batch of per-row settings; rows past len(rows) are padding.
 
     Padding rows are greedy with neutral settings and no penalty tokens.
-    `penalties` must match the variant passed to `sample`. `penalty_len` fixes
+    `penalties` must match the flag passed to `sample`. `penalty_len` fixes
     the padded length L of the token history (default: a power-of-two bucket).
     """
     r = len(rows)
@@ -165,6 +164,7 @@ def make_sampling_tensors(
         presence_penalty=col([p.presence_penalty for p in ps], 0.0, f32),
         frequency_penalty=col([p.frequency_penalty for p in ps], 0.0, f32),
         repetition_penalty=col([p.repetition_penalty for p in ps], 1.0, f32),
+        want_logprobs=col([p.logprobs is not None for p in ps], False, np.bool_),
     )
     if penalties:
         lengths = [len(row.prompt_token_ids) + len(row.output_token_ids) for row in rows]
@@ -197,20 +197,67 @@ def apply_penalties(logits: jax.Array, t: SamplingTensors) -> jax.Array:
     return logits - t.presence_penalty[:, None] * (counts > 0).astype(logits.dtype)
 
 
-def _thresholds(scaled: jax.Array, t: SamplingTensors) -> jax.Array:
-    """Per-row logit threshold for min_p, top_k and top_p: f32[R]; keep scaled >= it."""
-    vocab = scaled.shape[-1]
-    desc = -jnp.sort(-scaled, axis=-1)  # [R, V], most likely first
-    pos = jnp.arange(vocab)[None, :]
-    k = jnp.where((t.top_k <= 0) | (t.top_k > vocab), vocab, t.top_k)
+def _keep_sorted(desc: jax.Array, k: jax.Array, t: SamplingTensors,
+                 whole: jax.Array | None = None) -> jax.Array:
+    """Which of a row's most likely tokens the filters keep: desc [R, C] holds each row's
+    C largest scaled logits in descending order, k its top_k (vocab = off). whole: for
+    rows with k > C, the mass min_p keeps over the whole row (sum of exp(logit - max));
+    None when desc is the whole row. -> bool[R, C], a prefix of each row."""
+    pos = jnp.arange(desc.shape[-1])[None, :]
     keep = pos < k[:, None]
     # min_p: p_i >= min_p * p_max  <=>  logit_i - logit_max >= log(min_p); log(0) = -inf.
     keep &= (desc - desc[:, :1]) >= jnp.log(t.min_p)[:, None]
-    probs = jax.nn.softmax(jnp.where(keep, desc, -jnp.inf), axis=-1)
-    before = jnp.cumsum(probs, axis=-1) - probs  # mass of the more likely tokens
-    keep &= (before < t.top_p[:, None]) | (t.top_p[:, None] >= 1.0)
+    weight = jnp.where(keep, jnp.exp(desc - desc[:, :1]), 0.0)
+    total = jnp.sum(weight, axis=-1)
+    if whole is not None:
+        total = jnp.where(k <= desc.shape[-1], total, whole)
+    before = (jnp.cumsum(weight, axis=-1) - weight) / total[:, None]  # more likely tokens' mass
+    return keep & ((before < t.top_p[:, None]) | (t.top_p[:, None] >= 1.0))
+
+
+def _last_kept(desc: jax.Array, keep: jax.Array) -> jax.Array:
+    """The smallest kept logit of each row (the first always is): f32[R]."""
     n_keep = jnp.maximum(jnp.sum(keep, axis=-1), 1)
     return jnp.take_along_axis(desc, (n_keep - 1)[:, None], axis=-1)[:, 0]
+
+
+def _top_k_arg(top_k: jax.Array, vocab: int) -> jax.Array:
+    return jnp.where((top_k <= 0) | (top_k > vocab), vocab, top_k)
+
+
+def _thresholds(scaled: jax.Array, t: SamplingTensors) -> jax.Array:
+    """Exact per-row threshold for min_p, top_k and top_p by sorting the whole
+    vocabulary: f32[R]; keep scaled >= it."""
+    desc = -jnp.sort(-scaled, axis=-1)  # [R, V], most likely first
+    return _last_kept(desc, _keep_sorted(desc, _top_k_arg(t.top_k, scaled.shape[-1]), t))
+
+
+def _keep_mask(scaled: jax.Array, t: SamplingTensors, filtered: jax.Array) -> jax.Array:
+    """bool[R, V]: the tokens min_p, top_k and top_p keep, decided on each row's
+    TOP_CANDIDATES most likely tokens; rows whose kept set may reach past them (and only
+    then the whole step) fall back to the exact sort of `_thresholds`."""
+    vocab = scaled.shape[-1]
+    c = min(vocab, TOP_CANDIDATES)
+    k = _top_k_arg(t.top_k, vocab)
+    desc, _ = jax.lax.top_k(scaled, c)  # [R, C], descending
+    top = desc[:, :1]
+    # With top_k <= C every kept token is a candidate; without top_k the kept mass is
+    # min_p's over the whole row (a sum, no sort).
+    in_min_p = (scaled - top) >= jnp.log(t.min_p)[:, None]
+    whole = jnp.sum(jnp.where(in_min_p, jnp.exp(scaled - top), 0.0), axis=-1)
+    keep = _keep_sorted(desc, k, t, whole)
+    no_top_p = t.top_p >= 1.0
+    min_p_only = (k == vocab) & no_top_p     # threshold: max + log(min_p), no sort
+    # Exact where the kept prefix ends inside the candidates and its mass is known: top_k
+    # <= C; or a cut before C with the whole row's mass (no top_k) or no mass needed
+    # (no top_p; C < top_k < V makes the mass that of tokens past the candidates).
+    ends_inside = jnp.sum(keep, axis=-1) < c
+    covered = ~filtered | (k <= c) | min_p_only | (ends_inside & ((k == vocab) | no_top_p))
+    threshold = jax.lax.cond(
+        jnp.all(covered),
+        lambda: _last_kept(desc, keep),
+        lambda: jnp.where(covered, _last_kept(desc, keep), _thresholds(scaled, t)))
+    return jnp.where(min_p_only[:, None], in_min_p, scaled >= threshold[:, None])
 
 
 def _random_sample(logits: jax.Array, t: SamplingTensors) -> jax.Array:
@@ -221,13 +268,10 @@ def _random_sample(logits: jax.Array, t: SamplingTensors) -> jax.Array:
     filtered = ~greedy_row & (
         ((t.top_k > 0) & (t.top_k < vocab)) | (t.top_p < 1.0) | (t.min_p > 0.0)
     )
-    # Skip the sort at run time when no row filters (a device-side branch, no sync).
-    threshold = jax.lax.cond(
-        jnp.any(filtered),
-        lambda: _thresholds(scaled, t),
-        lambda: jnp.full((num_rows,), -jnp.inf, scaled.dtype),
-    )
-    scaled = jnp.where(scaled >= threshold[:, None], scaled, -jnp.inf)
+    # Skip the filters at run time when no row filters (a device-side branch, no sync).
+    keep = jax.lax.cond(jnp.any(filtered), lambda: _keep_mask(scaled, t, filtered),
+                        lambda: jnp.ones(scaled.shape, jnp.bool_))
+    scaled = jnp.where(keep, scaled, -jnp.inf)
     base = jax.random.wrap_key_data(t.keys, impl=_KEY_IMPL)  # [R] keys
     keys = jax.vmap(jax.random.fold_in)(base, t.steps)
     gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (vocab,), jnp.float32))(keys)
@@ -265,28 +309,39 @@ def _token_logprob_and_rank(logprobs: jax.Array, ids: jax.Array) -> tuple[jax.Ar
     return chosen[:, 0], rank
 
 
-def sample(logits: jax.Array, tensors: SamplingTensors, variant: SamplerVariant) -> SamplerOutput:
-    """Pick one token per row. logits: [R, V] (any float dtype; computed in f32)."""
+def _logprobs_out(logits: jax.Array, token_ids: jax.Array) -> tuple[jax.Array, ...]:
+    """(logprobs, their ids, sampled rank) of SamplerOutput from the raw logits."""
+    raw = jax.nn.log_softmax(logits, axis=-1)
+    chosen, rank = _token_logprob_and_rank(raw, token_ids)
+    top_values, top_ids = _top_logprobs(raw, MAX_LOGPROBS)
+    return (jnp.concatenate([chosen[:, None], top_values], axis=-1),
+            jnp.concatenate([token_ids[:, None], top_ids], axis=-1), rank)
+
+
+def sample(logits: jax.Array, tensors: SamplingTensors, *, penalties: bool = False,
+           gather: Callable[[jax.Array], jax.Array] = lambda x: x) -> SamplerOutput:
+    """Pick one token per row. logits: [R, V] (any float dtype; computed in f32).
+    penalties: static, whether `tensors` carries the token history. gather: makes a
+    [R, V] array whole where a branch needs every token of a row (under a mesh the
+    logits may come vocab-parallel; the greedy argmax reduces the shards as they are)."""
+    t = tensors
     logits = logits.astype(jnp.float32)
-    raw_logprobs = jax.nn.log_softmax(logits, axis=-1) if variant.logprobs else None
     rows = jnp.arange(logits.shape[0])[:, None]
-    logits = logits.at[rows, tensors.banned_token_ids].set(-jnp.inf, mode="drop")
-    if variant.penalties:
-        logits = apply_penalties(logits, tensors)
-    token_ids = first_argmax(logits)
-    if variant.do_sample:
-        sampled = _random_sample(logits, tensors)
-        token_ids = jnp.where(tensors.temperature < SAMPLING_EPS, token_ids, sampled)
-    if not variant.logprobs:
-        return SamplerOutput(token_ids=token_ids)
-    chosen, rank = _token_logprob_and_rank(raw_logprobs, token_ids)
-    top_values, top_ids = _top_logprobs(raw_logprobs, MAX_LOGPROBS)
-    return SamplerOutput(
-        token_ids=token_ids,
-        logprobs=jnp.concatenate([chosen[:, None], top_values], axis=-1),
-        logprob_token_ids=jnp.concatenate([token_ids[:, None], top_ids], axis=-1),
-        sampled_rank=rank,
-    )
+    masked = logits.at[rows, t.banned_token_ids].set(-jnp.inf, mode="drop")
+    if penalties:
+        masked = apply_penalties(masked, t)
+    greedy_ids = first_argmax(masked)
+    greedy_row = t.temperature < SAMPLING_EPS
+    token_ids = jax.lax.cond(
+        jnp.all(greedy_row), lambda: greedy_ids,
+        lambda: jnp.where(greedy_row, greedy_ids, _random_sample(gather(masked), t)))
+    num_rows, width = logits.shape[0], MAX_LOGPROBS + 1
+    logprobs, logprob_ids, rank = jax.lax.cond(
+        jnp.any(t.want_logprobs), lambda: _logprobs_out(gather(logits), token_ids),
+        lambda: (jnp.zeros((num_rows, width), jnp.float32),
+                 jnp.zeros((num_rows, width), jnp.int32), jnp.zeros((num_rows,), jnp.int32)))
+    return SamplerOutput(token_ids=token_ids, logprobs=logprobs, logprob_token_ids=logprob_ids,
+                         sampled_rank=rank)
 
 
 def compute_prompt_logprobs(

@@ -27,7 +27,7 @@ _SLOW_PROGRAM_S = 1.0
 
 
 def program_label(p: Program) -> str:
-    """e.g. "forward[tokens=256 pages=8]", "sample[greedy+logprobs][rows=16]"."""
+    """e.g. "forward[tokens=256 pages=8]", "sample[penalties][rows=64]"."""
     sizes = [f"{k}={v}" for k, v in (("tokens", p.tokens), ("pages", p.pages),
                                      ("rows", p.rows)) if v is not None]
     return p.name + (f"[{' '.join(sizes)}]" if sizes else "")

@@ -1,33 +1,36 @@
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxserve.runner.sampler import (
-    SamplerVariant,
+    TOP_CANDIDATES,
     SamplingRow,
+    _keep_mask,
+    _thresholds,
     apply_penalties,
-    choose_variant,
     compute_prompt_logprobs,
     first_argmax,
     make_sampling_tensors,
+    needs_penalties,
     sample,
     sampler_row_logprobs,
     seed_to_key_data,
 )
 from jaxserve.sampling_params import MAX_LOGPROBS, SamplingParams
 
-SAMPLE = jax.jit(sample, static_argnames=("variant",))
-RANDOM = SamplerVariant(do_sample=True)
+SAMPLE = jax.jit(sample, static_argnames=("penalties",))
 
 
-def run(logits, rows, variant, num_rows=None, **kw):
+def run(logits, rows, penalties=False, num_rows=None, **kw):
     logits = np.asarray(logits, np.float32)
     num_rows = logits.shape[0] if num_rows is None else num_rows
-    tensors = make_sampling_tensors(rows, num_rows, logits.shape[1], penalties=variant.penalties, **kw)
-    return jax.tree.map(np.asarray, SAMPLE(logits, tensors, variant=variant))
+    tensors = make_sampling_tensors(rows, num_rows, logits.shape[1], penalties=penalties, **kw)
+    return jax.tree.map(np.asarray, SAMPLE(logits, tensors, penalties=penalties))
 
 
 def rows_for(params, n, steps=0, seed0=0):
@@ -45,12 +48,16 @@ def test_seed_to_key_data_matches_jax():
         assert seed_to_key_data(seed) == tuple(int(v) for v in expected)
 
 
-@pytest.mark.parametrize("variant", [SamplerVariant(do_sample=False), RANDOM])
-def test_greedy_is_argmax(variant):
+@pytest.mark.parametrize("hot_row", [False, True])
+def test_greedy_is_argmax(hot_row):
+    # Greedy rows take the argmax alone and beside a sampled row (the sampling branch).
     logits = np.random.default_rng(0).normal(size=(8, 100)) * 3
     rows = rows_for(SamplingParams(temperature=0.0), 6)  # 2 padding rows
-    out = run(logits, rows, variant)
-    np.testing.assert_array_equal(out.token_ids, logits.argmax(-1))
+    if hot_row:
+        rows[5] = SamplingRow(SamplingParams(temperature=1.0, top_p=0.5), 0, seed=3)
+    out = run(logits, rows)
+    np.testing.assert_array_equal(out.token_ids[:5], logits.argmax(-1)[:5])
+    np.testing.assert_array_equal(out.token_ids[6:], logits.argmax(-1)[6:])
 
 
 def test_first_argmax_matches_numpy_on_ties_and_infinities():
@@ -68,7 +75,7 @@ def test_token_follows_documented_key_derivation():
     logits = np.random.default_rng(1).normal(size=(4, 64)).astype(np.float32)
     seeds, steps = [3, 3, 11, 2**32 - 5], [0, 7, 2, 1]
     rows = [SamplingRow(SamplingParams(temperature=0.7), s, seed=d) for d, s in zip(seeds, steps)]
-    out = run(logits, rows, RANDOM)
+    out = run(logits, rows)
     for i, (seed, step) in enumerate(zip(seeds, steps)):
         key = jax.random.fold_in(jax.random.PRNGKey(seed), step)
         g = np.asarray(jax.random.gumbel(key, (64,), jnp.float32))
@@ -79,7 +86,7 @@ def test_temperature_sampling_matches_softmax():
     base = np.array([2.0, 1.0, 0.5, 0.0, -1.0], np.float32)
     temperature, draws = 0.7, 20000
     logits = np.tile(base, (draws, 1))
-    out = run(logits, rows_for(SamplingParams(temperature=temperature), draws), RANDOM)
+    out = run(logits, rows_for(SamplingParams(temperature=temperature), draws))
     counts = np.bincount(out.token_ids, minlength=5)
     expected = np.exp(np_log_softmax(base / temperature)) * draws
     chi2 = float(((counts - expected) ** 2 / expected).sum())
@@ -115,7 +122,7 @@ def test_filters_never_sample_masked_tokens(temperature, top_k, top_p, min_p):
     vocab, draws = 32, 4000
     base = rng.normal(size=vocab).astype(np.float32) * 2
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
-    out = run(np.tile(base, (draws, 1)), rows_for(params, draws), RANDOM)
+    out = run(np.tile(base, (draws, 1)), rows_for(params, draws))
     allowed, probs = np_allowed(base.astype(np.float64), temperature, top_k, top_p, min_p)
     sampled = set(out.token_ids.tolist())
     assert sampled <= allowed
@@ -129,7 +136,7 @@ def test_mixed_batch_filters_apply_per_row():
     base = rng.normal(size=vocab).astype(np.float32)
     settings = [SamplingParams(top_k=2), SamplingParams(), SamplingParams(temperature=0.0)]
     rows = [SamplingRow(settings[i % 3], 0, seed=i) for i in range(3 * per)]
-    out = run(np.tile(base, (3 * per, 1)), rows, RANDOM)
+    out = run(np.tile(base, (3 * per, 1)), rows)
     top2 = set(np.argsort(-base)[:2].tolist())
     assert set(out.token_ids[0::3].tolist()) <= top2
     assert len(set(out.token_ids[1::3].tolist())) > 2  # unfiltered row is not clipped
@@ -172,7 +179,7 @@ def test_penalties_match_numpy():
         np.testing.assert_allclose(got[i], want, rtol=1e-6, atol=1e-6)
     np.testing.assert_array_equal(got[3], logits[3])  # padding row untouched
     # End to end: greedy rows take the argmax of the penalised logits.
-    out = run(logits, rows, SamplerVariant(do_sample=False, penalties=True))
+    out = run(logits, rows, penalties=True)
     np.testing.assert_array_equal(out.token_ids[:3], got[:3].argmax(-1))
 
 
@@ -193,8 +200,7 @@ def test_logprobs_are_raw_with_ranks():
     vocab = 40
     logits = rng.normal(size=(4, vocab)).astype(np.float32) * 2
     rows = penalty_rows()[:2] + [SamplingRow(SamplingParams(temperature=1.0, top_k=5, logprobs=5), 0, seed=9)]
-    variant = SamplerVariant(do_sample=True, penalties=True, logprobs=True)
-    out = run(logits, rows, variant)
+    out = run(logits, rows, penalties=True)
     ref = np_log_softmax(logits.astype(np.float64))  # before penalties and temperature
     assert out.logprobs.shape == (4, MAX_LOGPROBS + 1)
     for i in range(4):
@@ -219,7 +225,7 @@ def test_logprobs_are_raw_with_ranks():
 
 def test_logprobs_with_vocab_smaller_than_max():
     logits = np.array([[1.0, 3.0, 2.0, 0.0, -1.0]], np.float32)
-    out = run(logits, [SamplingRow(SamplingParams(temperature=0.0), 0)], SamplerVariant(False, False, True))
+    out = run(logits, [SamplingRow(SamplingParams(temperature=0.0, logprobs=MAX_LOGPROBS), 0)])
     np.testing.assert_array_equal(out.logprob_token_ids[0, 1:6], [1, 2, 0, 3, 4])
     assert (out.logprob_token_ids[0, 6:] == -1).all() and np.isneginf(out.logprobs[0, 6:]).all()
     d = sampler_row_logprobs(out.logprobs, out.logprob_token_ids, out.sampled_rank, 0, MAX_LOGPROBS)
@@ -238,39 +244,36 @@ def test_rows_are_reproducible_whatever_the_batch():
         SamplingParams(temperature=1.5, seed=4),
     ]
     rows = [SamplingRow(p, step) for p, step in zip(params, [0, 3, 1, 5, 2])]
-    alone = [run(row_logits[i : i + 1], [rows[i]], RANDOM).token_ids[0] for i in range(5)]
+    alone = [run(row_logits[i : i + 1], [rows[i]]).token_ids[0] for i in range(5)]
     order = [3, 0, 4, 2, 1]
     mixed = run(np.concatenate([row_logits[order], np.zeros((3, vocab), np.float32)]),
-                [rows[i] for i in order], RANDOM)
+                [rows[i] for i in order])
     assert [mixed.token_ids[j] for j in range(5)] == [alone[i] for i in order]
     # Another step of the same request draws from a different key.
-    later = [run(np.tile(row_logits[4], (1, 1)), [SamplingRow(params[4], s)], RANDOM).token_ids[0]
+    later = [run(np.tile(row_logits[4], (1, 1)), [SamplingRow(params[4], s)]).token_ids[0]
              for s in range(20)]
     assert len(set(later)) > 1
 
 
 def test_no_recompilation_across_values():
-    def fresh(logits, tensors, variant):  # own function: jit caches are per function
-        return sample(logits, tensors, variant)
+    def fresh(logits, tensors):  # own function: jit caches are per function
+        return sample(logits, tensors)
 
-    fn = jax.jit(fresh, static_argnames=("variant",))
-    variant = SamplerVariant(do_sample=True, penalties=True, logprobs=True)
+    fn = jax.jit(fresh)
     rng = np.random.default_rng(7)
-    for trial in range(4):
+    for trial in range(6):   # greedy, sampled, filtered, logprobs: all one program
         params = SamplingParams(
-            temperature=float(rng.uniform(0, 2)), top_k=int(rng.integers(0, 10)), top_p=float(rng.uniform(0.1, 1)),
-            min_p=float(rng.uniform(0, 0.3)), repetition_penalty=float(rng.uniform(0.5, 2)), seed=trial,
-        )
-        rows = [SamplingRow(params, trial, prompt_token_ids=[trial] * (trial + 1), output_token_ids=[1, 2])]
-        tensors = make_sampling_tensors(rows, 4, 30, penalties=True)
-        fn(rng.normal(size=(4, 30)).astype(np.float32), tensors, variant=variant)
+            temperature=float(rng.uniform(0, 2)) * (trial % 3 > 0), top_k=int(rng.integers(0, 10)),
+            top_p=float(rng.uniform(0.1, 1)), min_p=float(rng.uniform(0, 0.3)), seed=trial,
+            logprobs=trial if trial % 2 else None)
+        tensors = make_sampling_tensors([SamplingRow(params, trial)], 4, 30)
+        fn(rng.normal(size=(4, 30)).astype(np.float32), tensors)
     assert fn._cache_size() == 1
 
 
-def test_choose_variant():
-    assert choose_variant([SamplingParams(temperature=0.0)]) == SamplerVariant(False, False, False)
-    v = choose_variant([SamplingParams(temperature=0.0, logprobs=2), SamplingParams(presence_penalty=0.1)])
-    assert v == SamplerVariant(True, True, True)
+def test_needs_penalties():
+    assert not needs_penalties([SamplingParams(temperature=0.7, logprobs=2)])
+    assert needs_penalties([SamplingParams(), SamplingParams(presence_penalty=0.1)])
 
 
 def test_compute_prompt_logprobs_matches_numpy():
@@ -286,24 +289,104 @@ def test_compute_prompt_logprobs_matches_numpy():
     np.testing.assert_allclose(top_lp, np.take_along_axis(ref, order, -1), atol=1e-5)
 
 
-@pytest.mark.parametrize("variant", [SamplerVariant(do_sample=False), RANDOM,
-                                     SamplerVariant(do_sample=True, penalties=True,
-                                                    logprobs=True)])
-def test_banned_tokens_are_never_sampled(variant):
+@pytest.mark.parametrize("do_sample, penalties", [(False, False), (True, False), (True, True)])
+def test_banned_tokens_are_never_sampled(do_sample, penalties):
     # Row 0 bans its two most likely tokens (stop tokens held back by min_tokens); row 1
     # bans nothing. Raw logprobs still describe the unmasked distribution.
     logits = np.tile(np.array([[5.0, 4.0, 3.0, 0.0, -1.0]], np.float32), (2, 1))
     greedy = SamplingParams(temperature=0.0)
     hot = SamplingParams(temperature=1.0)
-    params = greedy if not variant.do_sample else hot
+    params = greedy if not do_sample else hot
+    params = dataclasses.replace(params, logprobs=5 if penalties else None)
     rows = [SamplingRow(params, 0, seed=1, banned_token_ids=(0, 1)),
             SamplingRow(params, 0, seed=2)]
     for step in range(20):
         rows = [SamplingRow(r.params, step, seed=r.seed, banned_token_ids=r.banned_token_ids)
                 for r in rows]
-        out = run(logits, rows, variant)
+        out = run(logits, rows, penalties=penalties)
         assert out.token_ids[0] not in (0, 1)
-        if not variant.do_sample:
+        if not do_sample:
             assert out.token_ids[0] == 2 and out.token_ids[1] == 0
-        if variant.logprobs:
+        if penalties:
             assert np.allclose(out.logprobs[0, 1:6], np_log_softmax(logits[0])[:5], atol=1e-6)
+
+
+def keep_of(logits, rows):
+    """The sampler's kept set per row (its _keep_mask on temperature-scaled logits)."""
+    logits = np.asarray(logits, np.float32)
+    t = make_sampling_tensors(rows, logits.shape[0], logits.shape[1])
+    temp = np.where(t.temperature < 1e-5, 1.0, t.temperature).astype(np.float32)
+    scaled = logits / temp[:, None]
+    filtered = np.ones(logits.shape[0], bool)
+    # A new function each call: a fresh trace sees a monkeypatched sort path.
+    return np.asarray(jax.jit(lambda *a: _keep_mask(*a))(scaled, t, filtered)), scaled, t
+
+
+CANDIDATE_CASES = [  # (top_k, top_p, min_p): inside the candidates, or not
+    (5, 1.0, 0.0), (TOP_CANDIDATES, 0.9, 0.0), (100, 0.5, 0.05), (0, 0.7, 0.0),
+    (0, 1.0, 0.02), (0, 0.95, 0.01), (300, 1.0, 0.3), (0, 0.2, 0.0), (1, 0.9, 0.0),
+]
+
+
+def test_candidates_match_the_exact_filters():
+    # Peaked rows (a nucleus of a few dozen tokens): every setting is decided on the
+    # TOP_CANDIDATES most likely tokens, and the kept sets equal numpy's brute force.
+    rng = np.random.default_rng(11)
+    vocab = 4 * TOP_CANDIDATES + 37
+    params = [SamplingParams(temperature=0.8, top_k=k, top_p=p, min_p=m) for k, p, m in CANDIDATE_CASES]
+    logits = (rng.standard_normal((len(params), vocab)) * 4).astype(np.float32)
+    keep, scaled, _ = keep_of(logits, [SamplingRow(p, 0) for p in params])
+    for i, p in enumerate(params):
+        allowed, _ = np_allowed(logits[i].astype(np.float64), p.temperature, p.top_k, p.top_p, p.min_p)
+        assert set(np.flatnonzero(keep[i]).tolist()) == allowed, (i, p)
+
+
+def test_covered_rows_never_sort(monkeypatch):
+    # With the sort path broken (keeps nothing), rows the candidates cover are unchanged.
+    from jaxserve.runner import sampler
+    rng = np.random.default_rng(12)
+    vocab = 3 * TOP_CANDIDATES
+    params = [SamplingParams(temperature=1.0, top_k=k, top_p=p, min_p=m) for k, p, m in CANDIDATE_CASES]
+    logits = (rng.standard_normal((len(params), vocab)) * 4).astype(np.float32)
+    rows = [SamplingRow(p, 0) for p in params]
+    want, _, _ = keep_of(logits, rows)
+    monkeypatch.setattr(sampler, "_thresholds", lambda scaled, t: jnp.full(scaled.shape[:1], jnp.inf))
+    got, _, _ = keep_of(logits, rows)
+    np.testing.assert_array_equal(got, want)
+    assert got.sum(-1).min() >= 1
+
+
+def test_wide_nucleus_falls_back_to_the_sort(monkeypatch):
+    # Nearly flat rows: top_p 0.95 (no top_k) or top_k between the candidates and V keeps
+    # far more than TOP_CANDIDATES tokens; those rows take the exact sort, others do not.
+    from jaxserve.runner import sampler
+    rng = np.random.default_rng(13)
+    vocab = 4 * TOP_CANDIDATES
+    logits = (rng.standard_normal((4, vocab)) * 0.05).astype(np.float32)
+    params = [SamplingParams(temperature=1.0, top_p=0.95),
+              SamplingParams(temperature=1.0, top_k=3 * TOP_CANDIDATES, top_p=0.9),
+              SamplingParams(temperature=1.0, top_k=7),
+              SamplingParams(temperature=1.0, top_k=2 * TOP_CANDIDATES, min_p=0.999)]
+    rows = [SamplingRow(p, 0) for p in params]
+    keep, _, _ = keep_of(logits, rows)
+    for i, p in enumerate(params):
+        allowed, _ = np_allowed(logits[i].astype(np.float64), p.temperature, p.top_k, p.top_p, p.min_p)
+        assert set(np.flatnonzero(keep[i]).tolist()) == allowed, i
+    assert keep[0].sum() > TOP_CANDIDATES and keep[1].sum() > TOP_CANDIDATES
+    # The wide rows really came from the sort: with it broken they keep one token (the
+    # first kept is always kept) and the covered row keeps its 7.
+    monkeypatch.setattr(sampler, "_thresholds", lambda scaled, t: jnp.full(scaled.shape[:1], jnp.inf))
+    broken, _, _ = keep_of(logits, rows)
+    assert broken[0].sum() == 0 and broken[1].sum() == 0 and broken[2].sum() == 7
+
+
+def test_sort_path_thresholds_match_numpy():
+    rng = np.random.default_rng(14)
+    vocab = 300
+    params = [SamplingParams(temperature=1.0, top_k=k, top_p=p, min_p=m) for k, p, m in CANDIDATE_CASES]
+    logits = (rng.standard_normal((len(params), vocab)) * 2).astype(np.float32)
+    t = make_sampling_tensors([SamplingRow(p, 0) for p in params], len(params), vocab)
+    thr = np.asarray(jax.jit(_thresholds)(logits, t))
+    for i, p in enumerate(params):
+        allowed, _ = np_allowed(logits[i].astype(np.float64), 1.0, p.top_k, p.top_p, p.min_p)
+        assert set(np.flatnonzero(logits[i] >= thr[i]).tolist()) == allowed, i

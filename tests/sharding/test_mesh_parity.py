@@ -30,7 +30,7 @@ def _reference(path: str, prompts: list[list[int]]) -> list[list[int]]:
 
 @pytest.fixture
 def no_warmup(monkeypatch):
-    """Compile on first use instead of every bucket and sampler variant up front: these
+    """Compile on first use instead of every bucket and sampler up front: these
     tests check numerics, and 15 engines' full warmups would dominate the run
     (test_no_recompile.py checks warmup under a mesh)."""
     from jaxserve.runner.model_runner import ModelRunner

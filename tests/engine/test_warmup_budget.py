@@ -1,0 +1,56 @@
+"""How many programs warmup compiles: each costs minutes for the flagship on a TPU host
+and seconds for the tiny default model here (DESIGN.md section 4's budget: at most 48
+for the flagship, at most 24 for the tiny model)."""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import replace
+
+import pytest
+
+from jaxserve.api.cli import engine_config, parser
+from jaxserve.runner.programs import FORWARD, PROMPT_LOGPROBS, SAMPLE
+
+FLAGSHIP_BUDGET, TINY_BUDGET = 48, 24
+
+
+def kinds(programs) -> Counter:
+    return Counter(p.name for p in programs)
+
+
+def test_flagship_on_tpu_within_budget():
+    """Qwen3.6-27B as the engine builds it for a v6e 1x8 at its defaults (262,144 tokens,
+    256 rows): counted on the abstract engine, nothing compiled."""
+    from jaxserve.config import EngineConfig
+    from jaxserve.plan import load_model_config
+    from jaxserve.plan_compile import build_abstract_engine
+    from sharding import replica_meshes
+    from sharding.tpu_targets import abstract_tpu_mesh, tpu_target
+    config = EngineConfig(model="qwen3.6-27b", mesh="1x8", load_format="dummy",
+                          compilation_cache_dir=None)
+    mesh = replica_meshes(abstract_tpu_mesh("tpu-v6e", "1x8"))[0]
+    eng = build_abstract_engine(config, load_model_config("qwen3.6-27b"), mesh,
+                                tpu_target("tpu-v6e").usable_hbm_bytes)
+    counts = kinds(eng.programs)
+    print(f"flagship warmup programs: {len(eng.programs)} {dict(counts)}")
+    assert len(eng.programs) <= FLAGSHIP_BUDGET
+    # One sampler per row bucket, one penalties sampler, one prompt-logprobs program.
+    assert counts[SAMPLE] == len(eng.runner.row_buckets)
+    assert counts[f"{SAMPLE}[penalties]"] == counts[PROMPT_LOGPROBS] == 1
+    assert counts[FORWARD] == len(eng.runner.token_buckets)
+
+
+@pytest.mark.parametrize("kind", ["default", "qwen3_5"])
+def test_tiny_server_within_budget(kind, checkpoint, tmp_path, monkeypatch):
+    """The server's defaults (`python -m jaxserve.api`, no flags): the built-in tiny model,
+    or a tiny Qwen3.5 hybrid. Every listed program compiles once, nothing else."""
+    from jaxserve.engine.engine_core import EngineCore
+    monkeypatch.setenv("JAXSERVE_CACHE", str(tmp_path))   # where the default model is written
+    argv = [] if kind == "default" else ["--model", checkpoint(kind)]
+    config = replace(engine_config(parser().parse_args(argv)), compilation_cache_dir=None)
+    core = EngineCore(config)
+    programs = core.runner.warmup_programs()
+    print(f"{kind}: {len(programs)} warmup programs {dict(kinds(programs))}, "
+          f"{core.runner.warmup_compilations} compilations in {core.runner.warmup_seconds:.1f} s")
+    assert len(programs) <= TINY_BUDGET
+    assert core.runner.warmup_compilations == len(programs)
