@@ -108,7 +108,8 @@ class EngineCore:
         self.params = load_params(config.model, mc, self.model, self.dtype,
                                   load_format=config.load_format, seed=config.seed,
                                   shardings=shardings_of(self.model),
-                                  kv_head_repeat=kv_heads // mc.num_kv_heads)
+                                  kv_head_repeat=kv_heads // mc.num_kv_heads,
+                                  progress=partial(_report_loading, progress))
         if mc.tie_word_embeddings and self.mesh.devices.flat[0].platform == "cpu":
             self.model, self.params = untie_lm_head(self.model, self.params, shardings_of)
             logger.info("CPU: the lm_head reads a transposed copy of the tied embedding "
@@ -330,6 +331,11 @@ class EngineCore:
     def warmup_fresh_compilations(self) -> int:
         """XLA compilations of warmup compiled in this process."""
         return self.runner.warmup_fresh_compilations
+
+
+def _report_loading(progress: StartupProgress, done: int, total: int) -> None:
+    progress.advance(done, total, f"loaded {done / 2**30:.2f} of {total / 2**30:.2f} GiB "
+                                  "of weights")
 
 
 def _report_compiling(progress: StartupProgress, done: int, total: int) -> None:

@@ -42,3 +42,20 @@ def test_snapshots_are_consistent_under_a_concurrent_writer():
     finally:
         stop.set()
         writer.join()
+
+
+def test_weight_loading_reports_bytes(checkpoint, monkeypatch):
+    """Loading a checkpoint advances the loading phase in bytes, ending at the total
+    (what /health shows while a large model loads)."""
+    from jaxserve.config import EngineConfig
+    from jaxserve.engine.engine_core import EngineCore
+    from jaxserve.runner.model_runner import ModelRunner
+    monkeypatch.setattr(ModelRunner, "warmup", lambda self, *a, **k: None)
+    seen = []
+    progress = StartupProgress(on_change=seen.append)
+    EngineCore(EngineConfig(model=checkpoint("qwen3"), max_model_len=64, max_num_seqs=4,
+                            compilation_cache_dir=None), progress=progress)
+    loading = [(s.done, s.total) for s in seen if s.phase == LOADING_WEIGHTS and s.total]
+    assert loading[0][0] == 0 and loading[-1][0] == loading[-1][1] > 0
+    assert [d for d, _ in loading] == sorted(d for d, _ in loading)
+    assert "GiB of weights" in [s for s in seen if s.phase == LOADING_WEIGHTS][-1].detail
