@@ -11,11 +11,12 @@ greedy rows take the argmax; sampling rows divide by temperature, then min_p,
 top_k and top_p (each renormalising what is left) become one threshold per row,
 and a Gumbel-max draw picks the token.
 
-Thresholds without sorting the vocabulary: the TOP_CANDIDATES most likely tokens of
-each row (lax.top_k) decide top-k / top-p whenever the kept set ends inside them (the
-common case: top_k <= TOP_CANDIDATES, or a nucleus of fewer tokens); min_p alone needs
-only the row's maximum. Only when some row's kept set may reach past the candidates
-does the step sort the whole vocabulary (same thresholds, computed exactly).
+Thresholds without sorting the vocabulary (accelerators): the TOP_CANDIDATES most
+likely tokens of each row (lax.top_k) decide top-k / top-p whenever the kept set ends
+inside them (the common case: top_k <= TOP_CANDIDATES, or a nucleus of fewer tokens);
+min_p alone needs only the row's maximum. Only when some row's kept set may reach past
+the candidates does the step sort the whole vocabulary (same thresholds, computed
+exactly). XLA:CPU lowers lax.top_k to a full sort, so on CPU the sort is taken at once.
 
 Batch invariance: a row's token depends only on its logits, its settings and its
 key ``fold_in(PRNGKey(seed), step)``, step = the index of the token being sampled.
@@ -237,17 +238,28 @@ def _keep_mask(scaled: jax.Array, t: SamplingTensors, filtered: jax.Array) -> ja
     TOP_CANDIDATES most likely tokens; rows whose kept set may reach past them (and only
     then the whole step) fall back to the exact sort of `_thresholds`."""
     vocab = scaled.shape[-1]
+    k = _top_k_arg(t.top_k, vocab)
+    no_top_p = t.top_p >= 1.0
+    min_p_only = (k == vocab) & no_top_p     # keep logit - max >= log(min_p): no sort
+    in_min_p = (scaled - jnp.max(scaled, axis=-1, keepdims=True)) >= jnp.log(t.min_p)[:, None]
+    return jax.lax.cond(jnp.all(min_p_only | ~filtered), lambda: in_min_p,
+                        lambda: _candidate_mask(scaled, t, filtered, in_min_p))
+
+
+def _candidate_mask(scaled: jax.Array, t: SamplingTensors, filtered: jax.Array,
+                    in_min_p: jax.Array) -> jax.Array:
+    """_keep_mask where some row needs top_k or top_p (in_min_p: min_p's mask)."""
+    vocab = scaled.shape[-1]
     c = min(vocab, TOP_CANDIDATES)
     k = _top_k_arg(t.top_k, vocab)
     desc, _ = jax.lax.top_k(scaled, c)  # [R, C], descending
     top = desc[:, :1]
     # With top_k <= C every kept token is a candidate; without top_k the kept mass is
     # min_p's over the whole row (a sum, no sort).
-    in_min_p = (scaled - top) >= jnp.log(t.min_p)[:, None]
     whole = jnp.sum(jnp.where(in_min_p, jnp.exp(scaled - top), 0.0), axis=-1)
     keep = _keep_sorted(desc, k, t, whole)
     no_top_p = t.top_p >= 1.0
-    min_p_only = (k == vocab) & no_top_p     # threshold: max + log(min_p), no sort
+    min_p_only = (k == vocab) & no_top_p
     # Exact where the kept prefix ends inside the candidates and its mass is known: top_k
     # <= C; or a cut before C with the whole row's mass (no top_k) or no mass needed
     # (no top_p; C < top_k < V makes the mass that of tokens past the candidates).
@@ -269,8 +281,13 @@ def _random_sample(logits: jax.Array, t: SamplingTensors) -> jax.Array:
         ((t.top_k > 0) & (t.top_k < vocab)) | (t.top_p < 1.0) | (t.min_p > 0.0)
     )
     # Skip the filters at run time when no row filters (a device-side branch, no sync).
-    keep = jax.lax.cond(jnp.any(filtered), lambda: _keep_mask(scaled, t, filtered),
-                        lambda: jnp.ones(scaled.shape, jnp.bool_))
+    # XLA:CPU lowers lax.top_k to a full sort, so there the exact sort alone is cheaper.
+    keep = jax.lax.cond(
+        jnp.any(filtered),
+        lambda: jax.lax.platform_dependent(
+            cpu=lambda: scaled >= _thresholds(scaled, t)[:, None],
+            default=lambda: _keep_mask(scaled, t, filtered)),
+        lambda: jnp.ones(scaled.shape, jnp.bool_))
     scaled = jnp.where(keep, scaled, -jnp.inf)
     base = jax.random.wrap_key_data(t.keys, impl=_KEY_IMPL)  # [R] keys
     keys = jax.vmap(jax.random.fold_in)(base, t.steps)
