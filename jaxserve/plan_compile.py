@@ -35,7 +35,7 @@ from jaxserve.engine.layout import (EngineLayout, build_layout_model, engine_lay
 from jaxserve.plan import load_model_config, make_plan
 from jaxserve.plan_format import _gib
 from jaxserve.runner.model_runner import ModelRunner
-from jaxserve.runner.programs import FORWARD, SAMPLE, Program
+from jaxserve.runner.programs import FORWARD, PENALTIES, SAMPLE, Program
 from models.weights import placed_abstract_params
 from sharding import bytes_per_device, replica_meshes
 from sharding.tpu_targets import abstract_tpu_mesh, tpu_target
@@ -105,7 +105,7 @@ def default_selection(programs: list[Program]) -> list[Program]:
     picked = [p for p in forwards if p.pages == widest and p.tokens in (tokens[0], tokens[-1])]
     samplers = [p for p in programs if p.kind == SAMPLE]
     rows = max(p.rows for p in samplers)
-    picked += [p for p in samplers if p.rows == rows and p.penalties]
+    picked += [p for p in samplers if p.rows == rows and p.mode == PENALTIES]
     return picked
 
 

@@ -34,9 +34,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxserve.runner.input_batch import (InputBatchBuilder, pick_bucket,
                                          power_of_two_buckets)
 from jaxserve.runner.layer_caches import layer_cache_specs, make_layer_caches
-from jaxserve.runner.programs import FORWARD, PROMPT_LOGPROBS, SAMPLE, Program
+from jaxserve.runner.programs import (FORWARD, GREEDY, PENALTIES, PROMPT_LOGPROBS, RANDOM,
+                                      SAMPLE, Program)
 from jaxserve.runner.sampler import (SamplingRow, compute_prompt_logprobs,
-                                     make_sampling_tensors, needs_penalties, sample)
+                                     make_sampling_tensors, needs_penalties, only_greedy,
+                                     sample)
 from jaxserve.runner.warmup_report import OnProgram, WarmupReport
 from jaxserve.sampling_params import MAX_LOGPROBS
 from models.inputs import ModelInputs
@@ -102,8 +104,15 @@ def token_buckets(largest: int) -> tuple[int, ...]:
 
 
 def row_buckets(max_num_seqs: int) -> tuple[int, ...]:
-    """Rows the sampler's lm_head computes (8, 12, 16, 24, ...), capped at max_num_seqs."""
+    """Rows the greedy sampler's lm_head computes (8, 12, 16, 24, ...), capped at
+    max_num_seqs: a decode step pads at most a third of its rows."""
     return capped(midpoint_buckets(8, max_num_seqs), max_num_seqs)
+
+
+def sampling_row_buckets(max_num_seqs: int) -> tuple[int, ...]:
+    """Rows of the sampler that samples (8, 16, 32, ...): coarser, as it costs a program
+    per bucket (its lm_head pads at most half, ~free where it reads the weights)."""
+    return capped_buckets(8, max_num_seqs)
 
 
 class ModelRunner:
@@ -130,6 +139,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.token_buckets = token_buckets(max_num_batched_tokens)
         self.row_buckets = row_buckets(max_num_seqs)
+        self.sampling_row_buckets = sampling_row_buckets(max_num_seqs)
         pages_per_req = -(-max_model_len // page_size)
         # The jnp reference attention reads whole page-table rows: bucket their width.
         page_buckets = capped_buckets(4, pages_per_req) if context_buckets else None
@@ -150,7 +160,7 @@ class ModelRunner:
         self._forward = jax.jit(self._forward_fn, donate_argnums=(1,),
                                 in_shardings=(p_sh, kv_sh, rep, rep),
                                 out_shardings=(rep, rep, kv_sh))
-        # (num_rows, penalties) are static; jit takes no keyword arguments with in_shardings.
+        # (num_rows, mode) are static; jit takes no keyword arguments with in_shardings.
         self._sample = jax.jit(self._sample_fn, static_argnums=(3, 4),
                                in_shardings=(p_sh, rep, rep), out_shardings=rep)
         self._prompt_logprobs = jax.jit(self._prompt_logprobs_fn, in_shardings=(p_sh, rep, rep),
@@ -172,14 +182,14 @@ class ModelRunner:
         padded = jnp.pad(hidden, ((0, self._max_tokens - hidden.shape[0]), (0, 0)))
         return padded, hidden[logits_indices], kv_caches
 
-    def _sample_fn(self, params, hidden_rows, tensors, num_rows: int, penalties: bool):
+    def _sample_fn(self, params, hidden_rows, tensors, num_rows: int, mode: str):
         logits = self.model.apply({"params": params}, hidden_rows[:num_rows],
                                   method="compute_logits")
         # Logits computed vocab-parallel (not the [V, E] weight gathered); the sampler
         # gathers them whole only in the branches that run when some row samples or
         # wants logprobs: a greedy batch's argmax reduces the per-shard maxima.
         logits = jax.lax.with_sharding_constraint(logits, self._vocab_parallel)
-        return sample(logits, tensors, penalties=penalties,
+        return sample(logits, tensors, penalties=mode == PENALTIES, greedy=mode == GREEDY,
                       gather=partial(jax.lax.with_sharding_constraint, shardings=self._rep))
 
     def _prompt_logprobs_fn(self, params, hidden, targets):
@@ -270,18 +280,20 @@ class ModelRunner:
         if not any(r.sample for r in reqs):
             return step
         params = [r.sampling_params for r in reqs]
-        penalties = needs_penalties(params)
         # Penalties are rare and ship a [rows, max_model_len] history: one program for
         # them, at the largest row bucket, rather than one per bucket.
-        num_rows = self.row_buckets[-1] if penalties else pick_bucket(self.row_buckets,
-                                                                      hb.num_reqs)
+        mode = PENALTIES if needs_penalties(params) else GREEDY if only_greedy(params) else RANDOM
+        num_rows = (self.row_buckets[-1] if mode == PENALTIES else
+                    pick_bucket(self.row_buckets if mode == GREEDY else
+                                self.sampling_row_buckets, hb.num_reqs))
         rows = [SamplingRow(r.sampling_params, r.num_output_tokens,
                             prompt_token_ids=r.prompt_token_ids,
                             output_token_ids=r.output_token_ids,
                             banned_token_ids=self._banned(r)) for r in reqs]
-        tensors = make_sampling_tensors(rows, num_rows, self.vocab_size, penalties=penalties,
+        tensors = make_sampling_tensors(rows, num_rows, self.vocab_size,
+                                        penalties=mode == PENALTIES,
                                         penalty_len=self.max_model_len)
-        step.sampled = self._sample(self.params, hidden_rows, tensors, num_rows, penalties)
+        step.sampled = self._sample(self.params, hidden_rows, tensors, num_rows, mode)
         step.logprobs = any(p.logprobs is not None for p in params)
         return step
 
@@ -342,20 +354,21 @@ class ModelRunner:
         def logprobs_args(t: int) -> tuple:
             return self.params, hidden(t), self._put(np.full(t, -1, np.int32))
 
-        def sample_args(rows: int, penalties: bool) -> tuple:
-            tensors = make_sampling_tensors([], rows, self.vocab_size, penalties=penalties,
+        def sample_args(rows: int, mode: str) -> tuple:
+            tensors = make_sampling_tensors([], rows, self.vocab_size,
+                                            penalties=mode == PENALTIES,
                                             penalty_len=self.max_model_len)
-            return self.params, hidden(r_max), tensors, rows, penalties
+            return self.params, hidden(r_max), tensors, rows, mode
 
         progs = [Program(FORWARD, self._forward, partial(forward_args, t, p), tokens=t, pages=p)
                  for t, p in itertools.product(self.token_buckets, self.builder.page_buckets)]
         progs.append(Program(PROMPT_LOGPROBS, self._prompt_logprobs,
                              partial(logprobs_args, self._max_tokens), tokens=self._max_tokens))
-        progs += [Program(SAMPLE, self._sample, partial(sample_args, rows, False), rows=rows)
-                  for rows in self.row_buckets]
-        largest = self.row_buckets[-1]
-        progs.append(Program(SAMPLE, self._sample, partial(sample_args, largest, True),
-                             rows=largest, penalties=True))
+        modes = [(GREEDY, rows) for rows in self.row_buckets] + \
+            [(RANDOM, rows) for rows in self.sampling_row_buckets] + \
+            [(PENALTIES, self.row_buckets[-1])]
+        progs += [Program(SAMPLE, self._sample, partial(sample_args, rows, mode), rows=rows,
+                          mode=mode) for mode, rows in modes]
         return progs
 
     def _put(self, x: np.ndarray) -> Any:
@@ -393,6 +406,6 @@ class ModelRunner:
         # XLA compilations during warmup: from the persistent compilation cache, and fresh.
         self.warmup_cache_hits = summary.counts.cache_hits
         self.warmup_fresh_compilations = summary.counts.fresh
-        logger.info("warmup: token buckets %s, page-table widths %s, row buckets %s",
-                    list(self.token_buckets), list(self.builder.page_buckets),
-                    list(self.row_buckets))
+        logger.info("warmup: token buckets %s, page-table widths %s, row buckets %s (greedy), "
+                    "%s (sampling)", list(self.token_buckets), list(self.builder.page_buckets),
+                    list(self.row_buckets), list(self.sampling_row_buckets))

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 FORWARD, PROMPT_LOGPROBS, SAMPLE = "forward", "prompt_logprobs", "sample"
+# The sampler's programs: greedy rows only; any rows; any rows with penalties.
+GREEDY, RANDOM, PENALTIES = "greedy", "random", "penalties"
 
 
 @dataclass(frozen=True)
@@ -22,9 +24,9 @@ class Program:
     tokens: int | None = None             # token bucket (forward, prompt logprobs)
     rows: int | None = None               # row bucket (sampler)
     pages: int | None = None              # page-table width (forward)
-    penalties: bool = False               # sampler: the one with the penalties' history
+    mode: str | None = None               # sampler: GREEDY, RANDOM or PENALTIES
 
     @property
     def name(self) -> str:
-        """"forward", "prompt_logprobs", "sample" or "sample[penalties]"."""
-        return f"{self.kind}[penalties]" if self.penalties else self.kind
+        """"forward", "prompt_logprobs", "sample[greedy]", "sample" or "sample[penalties]"."""
+        return self.kind if self.mode in (None, RANDOM) else f"{self.kind}[{self.mode}]"

@@ -3,8 +3,9 @@
 One program per (R, V) shape serves every kind of row: greedy and sampled rows, top-k
 / top-p / min-p, logprobs and stop tokens held back are per-row arrays and device-side
 branches (``lax.cond`` on "does any row need it"), so a batch pays only for what its
-rows ask for and changing settings never recompiles. Penalties are the one static
-flag (``penalties=True``): they need each row's token history, an int32[R, L] input.
+rows ask for and changing settings never recompiles. Two static flags: ``penalties``
+(they need each row's token history, an int32[R, L] input) and ``greedy`` (a batch of
+greedy rows only: the argmax alone).
 
 Order (as vLLM): raw logprobs (log_softmax of the model logits) -> penalties ->
 greedy rows take the argmax; sampling rows divide by temperature, then min_p,
@@ -103,6 +104,11 @@ class SamplingRow:
 def needs_penalties(params: Sequence[SamplingParams]) -> bool:
     """Whether a batch needs the penalties program (some row has a penalty)."""
     return any(p.has_penalties for p in params)
+
+
+def only_greedy(params: Sequence[SamplingParams]) -> bool:
+    """Whether a batch can take the greedy program (argmax, no logprobs, no penalties)."""
+    return all(p.is_greedy and p.logprobs is None and not p.has_penalties for p in params)
 
 
 def seed_to_key_data(seed: int) -> tuple[int, int]:
@@ -336,27 +342,33 @@ def _logprobs_out(logits: jax.Array, token_ids: jax.Array) -> tuple[jax.Array, .
 
 
 def sample(logits: jax.Array, tensors: SamplingTensors, *, penalties: bool = False,
+           greedy: bool = False,
            gather: Callable[[jax.Array], jax.Array] = lambda x: x) -> SamplerOutput:
     """Pick one token per row. logits: [R, V] (any float dtype; computed in f32).
-    penalties: static, whether `tensors` carries the token history. gather: makes a
-    [R, V] array whole where a branch needs every token of a row (under a mesh the
-    logits may come vocab-parallel; the greedy argmax reduces the shards as they are)."""
+    Static flags: penalties, whether `tensors` carries the token history; greedy, every
+    row is greedy and none wants logprobs (the argmax alone: XLA:CPU charges a step for
+    the sampling branches even when they do not run). gather: makes a [R, V] array
+    whole where a branch needs every token of a row (under a mesh the logits may come
+    vocab-parallel; the greedy argmax reduces the shards as they are)."""
     t = tensors
     logits = logits.astype(jnp.float32)
-    rows = jnp.arange(logits.shape[0])[:, None]
+    num_rows, width = logits.shape[0], MAX_LOGPROBS + 1
+    rows = jnp.arange(num_rows)[:, None]
     masked = logits.at[rows, t.banned_token_ids].set(-jnp.inf, mode="drop")
     if penalties:
         masked = apply_penalties(masked, t)
     greedy_ids = first_argmax(masked)
+    no_logprobs = (jnp.zeros((num_rows, width), jnp.float32),
+                   jnp.zeros((num_rows, width), jnp.int32), jnp.zeros((num_rows,), jnp.int32))
+    if greedy:
+        return SamplerOutput(greedy_ids, *no_logprobs)
     greedy_row = t.temperature < SAMPLING_EPS
     token_ids = jax.lax.cond(
         jnp.all(greedy_row), lambda: greedy_ids,
         lambda: jnp.where(greedy_row, greedy_ids, _random_sample(gather(masked), t)))
-    num_rows, width = logits.shape[0], MAX_LOGPROBS + 1
     logprobs, logprob_ids, rank = jax.lax.cond(
         jnp.any(t.want_logprobs), lambda: _logprobs_out(gather(logits), token_ids),
-        lambda: (jnp.zeros((num_rows, width), jnp.float32),
-                 jnp.zeros((num_rows, width), jnp.int32), jnp.zeros((num_rows,), jnp.int32)))
+        lambda: no_logprobs)
     return SamplerOutput(token_ids=token_ids, logprobs=logprobs, logprob_token_ids=logprob_ids,
                          sampled_rank=rank)
 

@@ -34,8 +34,10 @@ def test_flagship_on_tpu_within_budget():
     counts = kinds(eng.programs)
     print(f"flagship warmup programs: {len(eng.programs)} {dict(counts)}")
     assert len(eng.programs) <= FLAGSHIP_BUDGET
-    # One sampler per row bucket, one penalties sampler, one prompt-logprobs program.
-    assert counts[SAMPLE] == len(eng.runner.row_buckets)
+    # A greedy sampler per row bucket, a sampling one per power-of-two row bucket, one
+    # penalties sampler, one prompt-logprobs program.
+    assert counts[f"{SAMPLE}[greedy]"] == len(eng.runner.row_buckets)
+    assert counts[SAMPLE] == len(eng.runner.sampling_row_buckets)
     assert counts[f"{SAMPLE}[penalties]"] == counts[PROMPT_LOGPROBS] == 1
     assert counts[FORWARD] == len(eng.runner.token_buckets)
 

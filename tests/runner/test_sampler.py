@@ -17,6 +17,7 @@ from jaxserve.runner.sampler import (
     first_argmax,
     make_sampling_tensors,
     needs_penalties,
+    only_greedy,
     sample,
     sampler_row_logprobs,
     seed_to_key_data,
@@ -269,6 +270,19 @@ def test_no_recompilation_across_values():
         tensors = make_sampling_tensors([SamplingRow(params, trial)], 4, 30)
         fn(rng.normal(size=(4, 30)).astype(np.float32), tensors)
     assert fn._cache_size() == 1
+
+
+def test_greedy_program_is_the_argmax_after_banned_tokens():
+    logits = np.random.default_rng(15).normal(size=(6, 40)).astype(np.float32)
+    rows = [SamplingRow(SamplingParams(temperature=0.0), 0, banned_token_ids=(int(logits[0].argmax()),))]
+    rows += rows_for(SamplingParams(temperature=0.0), 4)
+    tensors = make_sampling_tensors(rows, 6, 40)
+    got = jax.jit(sample, static_argnames=("greedy",))(logits, tensors, greedy=True)
+    np.testing.assert_array_equal(np.asarray(got.token_ids), run(logits, rows).token_ids)
+    assert got.token_ids[0] != logits[0].argmax()
+    assert only_greedy([SamplingParams(temperature=0.0)])
+    assert not only_greedy([SamplingParams(temperature=0.0, logprobs=1)])
+    assert not only_greedy([SamplingParams(temperature=0.0), SamplingParams(temperature=0.5)])
 
 
 def test_needs_penalties():

@@ -46,9 +46,10 @@ def test_compile_json_on_a_tiny_model(reports, mesh):
     assert r["hbm_bytes"] == V6E_HBM and r["published_hbm_bytes"] == 32 * GIB
     assert r["max_model_len"] == 512 and r["mesh"] == mesh
     # A forward per token bucket (10: 16 .. 512 by powers of two, 768 .. 2048 by
-    # midpoints), one prompt-logprobs program, a sampler per row bucket (11) and the
-    # penalties sampler: what warmup compiles (test_warmup_compiles_its_program_list).
-    assert r["warmup_programs"] == 10 + 1 + 11 + 1
+    # midpoints), one prompt-logprobs program, a greedy sampler per row bucket (11), a
+    # sampling one per power of two (8..256: 6) and the penalties sampler: what warmup
+    # compiles (test_warmup_compiles_its_program_list).
+    assert r["warmup_programs"] == 10 + 1 + 11 + 6 + 1
     got = [(p["name"], p["tokens"], p["rows"]) for p in r["programs"]]
     assert got == [("forward", 16, None), ("forward", 2048, None),
                    ("sample[penalties]", None, 256)]
@@ -108,16 +109,16 @@ def test_an_engine_that_cannot_start_is_reported():
 def test_a_program_that_does_not_compile_is_reported(tiny, capsys):
     """`--compile all` with the whole HBM for the cache: no room for the forward's
     temporaries, XLA:TPU refuses it (RESOURCE_EXHAUSTED), reported per program, not
-    raised; the programs that take no cache (prompt logprobs, the two samplers)
+    raised; the programs that take no cache (prompt logprobs, the three samplers)
     compile."""
     main(["--model", tiny, "--target", "tpu-v6e", "--compile", "all", "--hbm-utilization",
           "1.0", "--max-num-batched-tokens", "16", "--max-num-seqs", "8"])
     out = capsys.readouterr().out
-    assert "warmup compiles 4 programs; compiled here 4" in out
+    assert "warmup compiles 5 programs; compiled here 5" in out
     assert "forward                                t=16" in out
     assert "FAILED: JaxRuntimeError: RESOURCE_EXHAUSTED: Ran out of memory" in out
     assert out.count("FAILED") == 1 and "prompt_logprobs" in out and "sample[penalties]" in out
-    assert "fits: no: 1 of 4 programs did not compile" in out
+    assert "fits: no: 1 of 5 programs did not compile" in out
 
 
 def test_compile_needs_a_target(capsys):
@@ -134,9 +135,9 @@ def test_warmup_compiles_its_program_list(tiny):
               compilation_cache_dir=None)
     runner = llm.engine.runner
     programs = runner.warmup_programs()
-    # forward at tokens 16 and 32, one prompt-logprobs program; rows 8: the sampler and
-    # the penalties sampler
-    assert len(programs) == 2 + 1 + 2
+    # forward at tokens 16 and 32, one prompt-logprobs program; rows 8: the greedy, the
+    # sampling and the penalties sampler
+    assert len(programs) == 2 + 1 + 3
     assert runner.warmup_compilations == len(programs)
 
 

@@ -77,7 +77,7 @@ def test_step_has_only_the_tensor_parallel_collectives(llm):
     hidden_rows = jax.device_put(np.zeros((rows, mc.hidden_size), np.float32), runner._rep)
     with jax.set_mesh(runner.mesh):
         hlo = runner._sample.lower(runner.params, hidden_rows, tensors, rows,
-                                   False).compile().as_text()
+                                   "random").compile().as_text()
     gathers = [shape.split("{")[0] for shape, kind in collectives(hlo) if kind == "all-gather"]
     assert gathers and set(gathers) == {f"f32[{rows},{mc.vocab_size}]"}, gathers
 
