@@ -8,12 +8,17 @@ the static-variant sampler) and run beside the current one on the same inputs:
 - run time on this CPU: one call of each sampler on [rows, V] logits (V = 151,936, the
   Qwen3 vocabulary) for each kind of batch (greedy, plain temperature, top-p, top-k +
   top-p, min-p, logprobs), median of --iters calls; the baseline gets the variant its
-  engine chose for that batch (greedy rows alone skip the sampling code there);
+  engine chose for that batch, the current one its program (greedy rows alone take
+  the greedy program in both: the argmax alone). Two
+  kinds of logits: "peaked" (Gaussian, sd 8: top-p 0.9 keeps a handful of tokens, as
+  a confident model) and "flat" (sd 3: top-p 0.9 keeps thousands, more than the
+  candidates, so the current sampler falls back to the sort);
 - compile on a TPU (libtpu's deviceless XLA:TPU compiler on this host, a compiler
   figure, not a TPU measurement): the sampler for 256 rows of the flagship's
   248,320-token vocabulary on a v6e 1x8 mesh, logits vocab-parallel as the lm_head
   leaves them: every static variant of the baseline (8) against the current sampler's
-  two programs (plain, penalties); seconds to compile and the compiler's temporaries.
+  three programs (greedy, random, penalties); seconds to compile and the compiler's
+  temporaries.
 """
 from __future__ import annotations
 
@@ -58,24 +63,28 @@ def batches():
             "logprobs 5 (greedy)": P(temperature=0.0, logprobs=5)}
 
 
-def cpu_times(old, rows: int, iters: int) -> list[dict[str, Any]]:
+LOGIT_SCALES = {"peaked": 8.0, "flat": 3.0}
+
+
+def cpu_times(old, rows: int, iters: int, kind: str) -> list[dict[str, Any]]:
     import jax
 
     from jaxserve.runner import sampler as new
     rng = np.random.default_rng(0)
-    logits = (rng.standard_normal((rows, CPU_VOCAB)) * 3).astype(np.float32)
+    logits = (rng.standard_normal((rows, CPU_VOCAB)) * LOGIT_SCALES[kind]).astype(np.float32)
     old_fn = jax.jit(old.sample, static_argnames=("variant",))
-    new_fn = jax.jit(new.sample, static_argnames=("penalties",))
+    new_fn = jax.jit(new.sample, static_argnames=("penalties", "greedy"))
     out = []
     for name, params in batches().items():
         sampling_rows = [new.SamplingRow(params, 0, seed=i) for i in range(rows)]
         variant = old.choose_variant([params])
+        mode = {"greedy": True} if new.only_greedy([params]) else {}
         calls = {
             "baseline": lambda: old_fn(logits, old.make_sampling_tensors(
                 [old.SamplingRow(params, 0, seed=i) for i in range(rows)], rows, CPU_VOCAB),
                 variant=variant),
             "current": lambda: new_fn(logits, new.make_sampling_tensors(
-                sampling_rows, rows, CPU_VOCAB)),
+                sampling_rows, rows, CPU_VOCAB), **mode),
         }
         seconds = {}
         for who, call in calls.items():
@@ -86,10 +95,10 @@ def cpu_times(old, rows: int, iters: int) -> list[dict[str, Any]]:
                 jax.block_until_ready(call())
                 times.append(time.perf_counter() - t0)
             seconds[who] = float(np.median(times))
-        out.append({"rows": rows, "batch": name, "baseline_ms": seconds["baseline"] * 1e3,
+        out.append({"rows": rows, "logits": kind, "batch": name, "baseline_ms": seconds["baseline"] * 1e3,
                     "current_ms": seconds["current"] * 1e3,
                     "speedup": seconds["baseline"] / seconds["current"]})
-        print(f"  cpu rows {rows} {name}: {out[-1]}", flush=True)
+        print(f"  cpu {out[-1]}", flush=True)
     return out
 
 
@@ -123,9 +132,10 @@ def tpu_compiles(old) -> list[dict[str, Any]]:
             return old.sample(x, t, variant)
         return fn
 
-    def new_program(penalties):
+    def new_program(mode):
         gather = lambda x: jax.lax.with_sharding_constraint(x, rep)
-        return lambda x, t: new.sample(x, t, penalties=penalties, gather=gather)
+        return lambda x, t: new.sample(x, t, penalties=mode == "penalties",
+                                       greedy=mode == "greedy", gather=gather)
 
     out = []
     for flags in itertools.product((False, True), repeat=3):
@@ -134,11 +144,11 @@ def tpu_compiles(old) -> list[dict[str, Any]]:
                                             penalty_len=16)
         out.append({"sampler": "baseline", "program": str(flags), **compile_one(old_program(v), tensors)})
         print(f"  tpu {out[-1]}", flush=True)
-    for penalties in (False, True):
-        tensors = new.make_sampling_tensors([], TPU_ROWS, TPU_VOCAB, penalties=penalties,
-                                            penalty_len=16)
-        out.append({"sampler": "current", "program": "penalties" if penalties else "plain",
-                    **compile_one(new_program(penalties), tensors)})
+    for mode in ("greedy", "random", "penalties"):
+        tensors = new.make_sampling_tensors([], TPU_ROWS, TPU_VOCAB,
+                                            penalties=mode == "penalties", penalty_len=16)
+        out.append({"sampler": "current", "program": mode,
+                    **compile_one(new_program(mode), tensors)})
         print(f"  tpu {out[-1]}", flush=True)
     return out
 
@@ -152,7 +162,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--skip-tpu", action="store_true")
     args = ap.parse_args(argv)
     old = load_baseline(args.baseline)
-    cpu = [r for rows in map(int, args.rows.split(",")) for r in cpu_times(old, rows, args.iters)]
+    cpu = [r for rows in map(int, args.rows.split(",")) for kind in LOGIT_SCALES
+           for r in cpu_times(old, rows, args.iters, kind)]
     tpu = [] if args.skip_tpu else tpu_compiles(old)
     doc = build_document(benchmark="sampler", argv=sys.argv[1:] if argv is None else argv,
                          config={"baseline": args.baseline, "cpu_vocab": CPU_VOCAB,
@@ -163,8 +174,8 @@ def main(argv: list[str] | None = None) -> None:
     write_json(os.path.join(args.output_dir, "sampler.json"), doc)
     md = "# Sampler: baseline (static variants, full sort) vs current\n\n"
     md += "## CPU run time per call (ms, median)\n\n" + markdown_table(
-        ["rows", "batch", "baseline", "current", "speedup"],
-        [[r["rows"], r["batch"], f"{r['baseline_ms']:.2f}", f"{r['current_ms']:.2f}",
+        ["rows", "logits", "batch", "baseline", "current", "speedup"],
+        [[r["rows"], r["logits"], r["batch"], f"{r['baseline_ms']:.2f}", f"{r['current_ms']:.2f}",
           f"{r['speedup']:.2f}x"] for r in cpu]) + "\n"
     if tpu:
         md += (f"\n## Compile for v6e 1x8, {TPU_ROWS} rows x {TPU_VOCAB} ({LABEL})\n\n"
