@@ -70,7 +70,7 @@ def _assert_step_collectives(core) -> None:
 @pytest.mark.parametrize("kind", HYBRID_KINDS)
 def test_greedy_identical_on_1x2_and_1x4(kind, tmp_path, monkeypatch):
     from jaxserve.runner.model_runner import ModelRunner
-    monkeypatch.setattr(ModelRunner, "warmup", lambda self: None)   # numerics only
+    monkeypatch.setattr(ModelRunner, "warmup", lambda self, *a, **k: None)   # numerics only
     path = make_tiny_checkpoint(kind, tmp_path / kind, **SHAPE)
     prompts = _prompts()
     expected = reference_greedy(path, prompts, NUM_NEW, kind)
