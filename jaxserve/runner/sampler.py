@@ -249,12 +249,13 @@ def _keep_mask(scaled: jax.Array, t: SamplingTensors, filtered: jax.Array) -> ja
     min_p_only = (k == vocab) & no_top_p     # keep logit - max >= log(min_p): no sort
     in_min_p = (scaled - jnp.max(scaled, axis=-1, keepdims=True)) >= jnp.log(t.min_p)[:, None]
     return jax.lax.cond(jnp.all(min_p_only | ~filtered), lambda: in_min_p,
-                        lambda: _candidate_mask(scaled, t, filtered, in_min_p))
+                        lambda: _candidate_mask(scaled, t, filtered, in_min_p, min_p_only))
 
 
 def _candidate_mask(scaled: jax.Array, t: SamplingTensors, filtered: jax.Array,
-                    in_min_p: jax.Array) -> jax.Array:
-    """_keep_mask where some row needs top_k or top_p (in_min_p: min_p's mask)."""
+                    in_min_p: jax.Array, min_p_only: jax.Array) -> jax.Array:
+    """_keep_mask where some row needs top_k or top_p (in_min_p: min_p's mask;
+    min_p_only: the rows that need nothing else)."""
     vocab = scaled.shape[-1]
     c = min(vocab, TOP_CANDIDATES)
     k = _top_k_arg(t.top_k, vocab)
@@ -265,7 +266,6 @@ def _candidate_mask(scaled: jax.Array, t: SamplingTensors, filtered: jax.Array,
     whole = jnp.sum(jnp.where(in_min_p, jnp.exp(scaled - top), 0.0), axis=-1)
     keep = _keep_sorted(desc, k, t, whole)
     no_top_p = t.top_p >= 1.0
-    min_p_only = (k == vocab) & no_top_p
     # Exact where the kept prefix ends inside the candidates and its mass is known: top_k
     # <= C; or a cut before C with the whole row's mass (no top_k) or no mass needed
     # (no top_p; C < top_k < V makes the mass that of tokens past the candidates).
