@@ -35,6 +35,7 @@ from jaxserve.engine.layout import (EngineLayout, build_layout_model, engine_lay
 from jaxserve.plan import load_model_config, make_plan
 from jaxserve.plan_format import _gib
 from jaxserve.runner.model_runner import ModelRunner
+from jaxserve.runner.parallel_compile import compile_all, default_compile_workers
 from jaxserve.runner.programs import FORWARD, PENALTIES, SAMPLE, Program
 from models.weights import placed_abstract_params
 from sharding import bytes_per_device, replica_meshes
@@ -80,6 +81,9 @@ class CompileReport:
     planner_bytes_per_device: int | None  # jaxserve.plan's weights + KV + state
     warmup_programs: int                 # how many programs warmup compiles here
     programs: tuple[ProgramResult, ...] = ()
+    compile_workers: int = 1             # programs compiled at once (each one's seconds
+                                         # are then shared time on this host's cores)
+    wall_seconds: float = 0.0            # compiling them all, start to end
     error: str | None = None             # why the engine could not be built
 
     @property
@@ -183,9 +187,10 @@ def build_abstract_engine(config: EngineConfig, mc, mesh, hbm_bytes: int) -> Abs
 def compile_plan(model: str, *, target: str, mesh: str = "1x1",
                  select: str | Callable[[list[Program]], list[Program]] = "default",
                  progress: Callable[[ProgramResult], None] | None = None,
-                 **engine_kw: Any) -> CompileReport:
+                 workers: int | None = None, **engine_kw: Any) -> CompileReport:
     """Build the engine for `target` and compile the selected warmup programs: "default"
-    (default_selection), "all", or a function picking from warmup's list. engine_kw:
+    (default_selection), "all", or a function picking from warmup's list, `workers` at a
+    time as warmup does (None: parallel_compile.default_compile_workers()). engine_kw:
     EngineConfig fields (max_model_len, max_num_seqs, hbm_utilization, dtype, ...)."""
     # The engine sizes its cache from what the runtime reports (bytes_limit), the HBM
     # less the runtime's share: the compiler's "available HBM".
@@ -216,11 +221,12 @@ def compile_plan(model: str, *, target: str, mesh: str = "1x1",
     chosen = (eng.programs if select == "all" else default_selection(eng.programs)
               if select == "default" else select(eng.programs))
     resident = eng.weight_bytes_per_device + bytes_per_device(eng.runner.kv_caches)
-    results = []
-    for prog in chosen:
-        results.append(compile_program(eng.runner, prog, resident))
-        if progress is not None:
-            progress(results[-1])
+    workers = default_compile_workers() if workers is None else workers
+    start = time.perf_counter()
+    results = compile_all(chosen, lambda prog: compile_program(eng.runner, prog, resident),
+                          workers=workers,
+                          on_done=None if progress is None else lambda _, r, __: progress(r))
+    wall = time.perf_counter() - start
     return replace(
         base, num_pages=eng.num_pages, weight_bytes_per_device=eng.weight_bytes_per_device,
         kv_bytes_per_device=eng.num_pages * lay.bytes_per_page,
@@ -228,7 +234,8 @@ def compile_plan(model: str, *, target: str, mesh: str = "1x1",
         planner_bytes_per_device=(plan.weight_bytes_per_device
                                   + plan.kv_tokens * plan.kv_bytes_per_token_per_device
                                   + plan.state_budget_bytes),
-        warmup_programs=len(eng.programs), programs=tuple(results))
+        warmup_programs=len(eng.programs), programs=tuple(results), compile_workers=workers,
+        wall_seconds=wall)
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -246,7 +253,8 @@ def format_report(r: CompileReport) -> str:
              f"KV {r.num_pages - 1:,} pages {_gib(r.kv_bytes_per_device)}"
              + (f" + state {_gib(r.state_bytes_per_device)}" if r.state_bytes_per_device else "")
              + f" per device (planner: {_gib(r.planner_bytes_per_device)})",
-             f"  warmup compiles {r.warmup_programs} programs; compiled here {len(r.programs)}:",
+             f"  warmup compiles {r.warmup_programs} programs; compiled here {len(r.programs)}, "
+             f"{r.compile_workers} at a time, in {r.wall_seconds:.1f} s:",
              f"  {'program':34} {'bucket':>8} {'seconds':>8} {'argument':>11} {'temp':>11} "
              f"{'peak':>11} {'device peak':>11}"]
     for p in r.programs:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -34,6 +33,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxserve.runner.input_batch import (InputBatchBuilder, pick_bucket,
                                          power_of_two_buckets)
 from jaxserve.runner.layer_caches import layer_cache_specs, make_layer_caches
+from jaxserve.runner.parallel_compile import compile_all, default_compile_workers
 from jaxserve.runner.programs import (FORWARD, GREEDY, PENALTIES, PROMPT_LOGPROBS, RANDOM,
                                       SAMPLE, Program)
 from jaxserve.runner.sampler import (SamplingRow, compute_prompt_logprobs,
@@ -393,13 +393,17 @@ class ModelRunner:
     def _warmup(self, on_program: OnProgram | None = None) -> None:
         programs = self.warmup_programs()
         report = WarmupReport(len(programs), on_program)
+        # Compile them all, several at a time (nothing runs yet, so no cache is donated
+        # while another program is lowered with it) ...
+        compile_all(programs, lambda prog: self.lower(prog).compile(),
+                    workers=default_compile_workers(),
+                    on_done=lambda prog, _, seconds: report.program_done(prog, seconds))
+        # ... then run each once, from jax's in-memory caches: the calls serving makes.
         for prog in programs:
-            t0 = time.perf_counter()
             out = prog.fn(*prog.args())
             if prog.kind == FORWARD:
                 self.kv_caches = out[2]     # the old ones were donated
             jax.block_until_ready(out)
-            report.program_done(prog, time.perf_counter() - t0)
         summary = report.finish()
         self.warmup_seconds = summary.seconds
         self.warmup_compilations = summary.counts.lowered
