@@ -340,7 +340,7 @@ def _report_loading(progress: StartupProgress, done: int, total: int) -> None:
 
 def _report_compiling(progress: StartupProgress, done: int, total: int) -> None:
     detail = (f"compiling program {done + 1} of {total}" if done < total
-              else f"compiled {total} programs")
+              else f"compiled {total} programs, running each once")
     progress.advance(done, total, detail)
 
 

@@ -60,7 +60,12 @@ def test_health_is_503_with_the_phase_until_ready_then_it_serves(tmp_path):
             assert time.monotonic() < deadline, srv.output()
             time.sleep(0.1)
         compiling = [s for s in seen if s["phase"] == startup.COMPILING]
-        assert compiling and all(0 <= s["done"] < s["total"] for s in compiling), seen
+        # Programs compiled so far, never past the total nor backwards; at the total, the
+        # compiled programs run once each before the engine is ready.
+        assert compiling and all(0 <= s["done"] <= s["total"] for s in compiling), seen
+        assert [s["done"] for s in compiling] == sorted(s["done"] for s in compiling), seen
+        assert all(s["detail"].startswith("compiled ") for s in compiling
+                   if s["done"] == s["total"]), seen
         assert r.content == b""   # ready: today's empty 200
 
         done = httpx.post(srv.url + "/v1/completions", timeout=60, json={
