@@ -20,7 +20,9 @@ gets a little fewer pages).
 """
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
@@ -128,14 +130,34 @@ def _input_bytes(runner: ModelRunner, args: tuple) -> int:
     return total
 
 
-def compile_program(runner: ModelRunner, program: Program, resident_bytes: int) -> ProgramResult:
+class SerialAfterFailure:
+    """libtpu (jax 0.10.2) segfaults when a compile starts in one thread after another
+    thread's compile failed (seen with a scanned forward's RESOURCE_EXHAUSTED; 5 of 5
+    runs of tests/sharding/test_plan_compile.py's failing case, 0 of 9 with this): once a
+    program fails, the ones that start after it compile one at a time."""
+
+    def __init__(self) -> None:
+        self._lock: threading.Lock | None = None
+
+    def failed(self) -> None:
+        self._lock = self._lock or threading.Lock()
+
+    def turn(self) -> contextlib.AbstractContextManager:
+        return self._lock or contextlib.nullcontext()
+
+
+def compile_program(runner: ModelRunner, program: Program, resident_bytes: int,
+                    gate: SerialAfterFailure | None = None) -> ProgramResult:
     """Lower and compile one program; a failure (e.g. RESOURCE_EXHAUSTED) is reported,
     with the error's first lines, not raised. resident_bytes: per device, what the
     engine holds throughout (weights, KV pages, state)."""
+    gate = gate or SerialAfterFailure()
     start = time.perf_counter()
     try:
-        compiled = runner.lower(program).compile()
+        with gate.turn():
+            compiled = runner.lower(program).compile()
     except Exception as e:   # noqa: BLE001 -- any compiler error is a result here
+        gate.failed()
         lines = [ln for ln in str(e).splitlines() if ln.strip()][:_ERROR_LINES]
         return ProgramResult(program.name, program.tokens, program.rows, False,
                              time.perf_counter() - start,
@@ -223,7 +245,8 @@ def compile_plan(model: str, *, target: str, mesh: str = "1x1",
     resident = eng.weight_bytes_per_device + bytes_per_device(eng.runner.kv_caches)
     workers = default_compile_workers() if workers is None else workers
     start = time.perf_counter()
-    results = compile_all(chosen, lambda prog: compile_program(eng.runner, prog, resident),
+    gate = SerialAfterFailure()
+    results = compile_all(chosen, lambda prog: compile_program(eng.runner, prog, resident, gate),
                           workers=workers,
                           on_done=None if progress is None else lambda _, r, __: progress(r))
     wall = time.perf_counter() - start
