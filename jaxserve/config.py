@@ -33,6 +33,9 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None  # explicit KV cache budget in bytes
     mesh: str | None = None               # "DxM": D data-parallel replicas x M-way tensor parallel
     attention_backend: str = "auto"       # one of _ATTENTION_BACKENDS
+    # Layers under jax.lax.scan (one compiled layer body whatever the depth) or a Python
+    # loop; None = scan on accelerators, loop on CPU (XLA:CPU copies scanned weights).
+    scan_layers: bool | None = None
     compilation_cache_dir: str | None = dataclasses.field(
         default_factory=lambda: os.environ.get(
             "JAXSERVE_COMPILATION_CACHE", os.path.expanduser("~/.cache/jaxserve/xla")))

@@ -3,7 +3,8 @@
 Per request it carries, instead of a KV cache, a fixed-size state in a slot of two
 arrays (the engine allocates one slot per running request; slot 0 is the null
 slot that padding rows point at):
-    conv state       [S, kernel-1, Hk, G]   the last kernel-1 inputs of the causal conv
+    conv state       [S, Hk * G * (kernel-1)]  the last kernel-1 inputs of the causal
+                                            conv, channel-major (pallas_kernels/gated_delta/conv.py)
     recurrent state  [S, Hv, Dk, Dv]        float32, the delta-rule memory
 
 Channels are grouped by key head: group h holds q_h (Dk), k_h (Dk) and the r = Hv/Hk
@@ -29,7 +30,10 @@ from pallas_kernels.gated_delta import ragged_causal_conv1d, ragged_gated_delta_
 from sharding.parallel import heads_spec, over_model_axis
 
 Dtype = Any
-CONV_HEAD_AXIS, STATE_HEAD_AXIS = 2, 1   # the axes the model axis splits in each state array
+# The axes the model axis splits in each state array (the conv state's channel axis
+# holds whole key-head groups, so its M parts are whole groups too).
+CONV_HEAD_AXIS, STATE_HEAD_AXIS = 1, 1
+CONV_NDIM = 2
 
 
 def state_shapes(cfg: ModelConfig, num_slots: int, dtype: Dtype
@@ -38,7 +42,9 @@ def state_shapes(cfg: ModelConfig, num_slots: int, dtype: Dtype
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     g = 2 * dk + hv // hk * dv
-    return (jax.ShapeDtypeStruct((num_slots, cfg.linear_conv_kernel_dim - 1, hk, g), dtype),
+    # One row per slot: stored [S, kernel-1, Hk, G], a scanned model's stacked state
+    # was copied whole into another layout and back around every step on TPU.
+    return (jax.ShapeDtypeStruct((num_slots, hk * g * (cfg.linear_conv_kernel_dim - 1)), dtype),
             jax.ShapeDtypeStruct((num_slots, hv, dk, dv), jnp.float32))
 
 
@@ -70,8 +76,10 @@ class GatedDeltaNet(nn.Module):
     interpret: bool = False
 
     @nn.compact
-    def __call__(self, x: jax.Array, state: tuple[jax.Array, jax.Array], inputs: ModelInputs
-                 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    def __call__(self, x: jax.Array, state: tuple[jax.Array, jax.Array], inputs: ModelInputs,
+                 first_slot: Any = 0) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        """state: the stacked (conv, recurrent) state; this layer's slots start at
+        first_slot (models/layer_stack.py)."""
         cfg, dt = self.config, self.dtype
         E = cfg.hidden_size
         hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
@@ -94,12 +102,13 @@ class GatedDeltaNet(nn.Module):
         if self.is_initializing():
             o = z   # init only needs parameter shapes; `state` may be a placeholder
         else:
-            o, state = self._mix(qkv, z, b, a, conv_w, a_log, dt_bias, norm_w, state, inputs)
+            o, state = self._mix(qkv, z, b, a, conv_w, a_log, dt_bias, norm_w, state, inputs,
+                                 first_slot)
         out = Einsum("TVD,VDE->TE", (hv, dv, E), (ax_v, None, "embed"), 2, dtype=dt,
                      name="out_proj")(o)
         return out, state
 
-    def _mix(self, qkv, z, b, a, conv_w, a_log, dt_bias, norm_w, state, inputs):
+    def _mix(self, qkv, z, b, a, conv_w, a_log, dt_bias, norm_w, state, inputs, first_slot):
         cfg = self.config
         dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         eps = cfg.rms_norm_eps
@@ -113,10 +122,9 @@ class GatedDeltaNet(nn.Module):
             kc = conv_w.shape[0]
             y, conv_state = ragged_causal_conv1d(
                 qkv.reshape(t, hk * g_width), conv_w.reshape(kc, hk * g_width),
-                conv_state.reshape(conv_state.shape[0], kc - 1, hk * g_width), slots, qsl,
+                conv_state, slots, qsl,
                 num_seqs, has_init)
             y = y.reshape(t, hk, g_width)
-            conv_state = conv_state.reshape(conv_state.shape[0], kc - 1, hk, g_width)
             q, k = y[..., :dk], y[..., dk:2 * dk]
             v = y[..., 2 * dk:].reshape(t, -1, dv)                      # [T, Hv, Dv]
             beta = jax.nn.sigmoid(b.astype(jnp.float32))
@@ -136,13 +144,14 @@ class GatedDeltaNet(nn.Module):
         # Axis 1 of the [T, heads, ...] activations and of the conv kernel, axis 0 of the
         # per-value-head vectors: key-head groups and their value heads split together.
         h3, h2, h1 = heads_spec(3, 1), heads_spec(2, 1), heads_spec(1, 0)
-        conv_sp, rec_sp = heads_spec(4, CONV_HEAD_AXIS), heads_spec(4, STATE_HEAD_AXIS)
+        conv_sp, rec_sp = heads_spec(CONV_NDIM, CONV_HEAD_AXIS), heads_spec(4, STATE_HEAD_AXIS)
         fn = over_model_axis(
             local,
             in_specs=(h3, h3, h2, h2, h3, h1, h1, rep, conv_sp, rec_sp, rep, rep, rep, rep),
             out_specs=(h3, conv_sp, rec_sp))
         conv_state, rec_state = state
         o, conv_state, rec_state = fn(qkv, z, b, a, conv_w, a_log, dt_bias, norm_w, conv_state,
-                                      rec_state, inputs.state_slots, inputs.query_start_loc,
+                                      rec_state, inputs.state_slots + first_slot,
+                                      inputs.query_start_loc,
                                       inputs.num_seqs, has_init)
         return o, (conv_state, rec_state)

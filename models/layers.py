@@ -150,7 +150,10 @@ class Attention(nn.Module):
     attention_backend: str = "reference"   # EngineConfig.attention_backend, "auto" resolved
 
     @nn.compact
-    def __call__(self, x: jax.Array, cache: jax.Array, inputs: ModelInputs) -> tuple[jax.Array, jax.Array]:
+    def __call__(self, x: jax.Array, cache: jax.Array, inputs: ModelInputs, first_page: Any = 0
+                 ) -> tuple[jax.Array, jax.Array]:
+        """cache: the stacked KV cache; this layer's pages start at first_page
+        (models/layer_stack.py)."""
         cfg, dt = self.config, self.dtype
         E, N, K, H = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         bias, gated = cfg.attention_bias, cfg.attn_output_gate
@@ -172,7 +175,7 @@ class Attention(nn.Module):
             # module, so init callers may pass any placeholder cache.
             o = q
         else:
-            o, cache = paged_attention(q, k, v, cache, inputs, sm_scale=H ** -0.5,
+            o, cache = paged_attention(q, k, v, cache, inputs, first_page, sm_scale=H ** -0.5,
                                        backend=self.attention_backend)
         if gated:
             o = o * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(o.dtype)
@@ -181,9 +184,10 @@ class Attention(nn.Module):
 
 
 def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, cache: jax.Array,
-                    inputs: ModelInputs, *, sm_scale: float, backend: str
+                    inputs: ModelInputs, first_page: Any = 0, *, sm_scale: float, backend: str
                     ) -> tuple[jax.Array, jax.Array]:
-    """Writes k, v [T, K, H] into the cache, then attends q [T, N, H] over it.
+    """Writes k, v [T, K, H] into the cache, then attends q [T, N, H] over it. The
+    inputs' page ids count from first_page: the layer's own pages of a stacked cache.
 
     Under a mesh each device does this for its own heads only (shard_map over the
     model axis): attention is independent per KV head, so no collective is needed
@@ -191,19 +195,22 @@ def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, cache: jax.Array,
     """
     impl, interpret = backend_options(backend)
 
-    def local(q, k, v, cache, slots, seq_lens, page_table, query_start_loc, num_seqs):
+    def local(q, k, v, cache, slots, seq_lens, page_table, query_start_loc, num_seqs, first_page):
+        page_size = cache.shape[2]
+        # Negative slots are dropped by write_kv: they must stay negative.
+        slots = jnp.where(slots < 0, slots, slots + first_page * page_size)
         # Write first: a request may read pages that this very step fills.
         cache = write_kv(cache, k, v, slots)
-        o = ragged_paged_attention(q, cache, seq_lens, page_table, query_start_loc, num_seqs,
-                                   sm_scale=sm_scale, impl=impl, interpret=interpret)
+        o = ragged_paged_attention(q, cache, seq_lens, page_table + first_page, query_start_loc,
+                                   num_seqs, sm_scale=sm_scale, impl=impl, interpret=interpret)
         return o, cache
 
     heads, kv = heads_spec(3, 1), heads_spec(cache.ndim, KV_HEAD_AXIS)
     rep = PartitionSpec()
-    fn = over_model_axis(local, in_specs=(heads, heads, heads, kv, rep, rep, rep, rep, rep),
+    fn = over_model_axis(local, in_specs=(heads, heads, heads, kv, rep, rep, rep, rep, rep, rep),
                          out_specs=(heads, kv))
     return fn(q, k, v, cache, inputs.slot_mapping, inputs.seq_lens, inputs.page_table,
-              inputs.query_start_loc, inputs.num_seqs)
+              inputs.query_start_loc, inputs.num_seqs, jnp.asarray(first_page, jnp.int32))
 
 
 class MLP(nn.Module):

@@ -1,7 +1,8 @@
 """Llama and Qwen3 decoders (one code path; Qwen3 = config.qk_norm on).
 
 API the runner relies on:
-    hidden, kv_caches = model.apply({"params": p}, kv_caches, inputs)   # [T, E], list per layer
+    hidden, caches = model.apply({"params": p}, caches, inputs)   # [T, E]; caches: a dict of
+                                                                  # stacked arrays (layer_stack)
     logits = model.apply({"params": p}, hidden_rows, method="compute_logits")  # float32 [N, V]
 """
 from __future__ import annotations
@@ -12,8 +13,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from models.config import ModelConfig
+from models.config import FULL_ATTENTION, ModelConfig
 from models.inputs import ModelInputs
+from models.layer_stack import KV, cache_index, layer_period, per_layer
 from models.layers import MLP, Attention, Einsum, Embed, RMSNorm
 
 Dtype = Any
@@ -26,54 +28,101 @@ class DecoderLayer(nn.Module):
     attention_backend: str = "reference"
 
     @nn.compact
-    def __call__(self, x: jax.Array, cache: jax.Array, inputs: ModelInputs) -> tuple[jax.Array, jax.Array]:
+    def __call__(self, x: jax.Array, caches: dict[str, Any], inputs: ModelInputs,
+                 cache_index: Any) -> tuple[jax.Array, dict[str, Any]]:
+        """caches: every layer's, stacked (models/layer_stack.py); this layer owns slice
+        `cache_index` (an int, or the scan's traced one) of its kind's array."""
         cfg, dt = self.config, self.dtype
         h = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt, cfg.norm_plus_one, name="input_layernorm")(x)
-        a, cache = self.token_mixer(h, cache, inputs)
+        a, caches = self.token_mixer(h, caches, inputs, cache_index)
         x = x + a
         h = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt, cfg.norm_plus_one,
                     name="post_attention_layernorm")(x)
         x = x + self.mlp_cls(cfg, dt, name="mlp")(h)
-        return x, cache
+        return x, caches
 
-    def token_mixer(self, h: jax.Array, cache: Any, inputs: ModelInputs) -> tuple[jax.Array, Any]:
-        return Attention(self.config, self.dtype, self.attention_backend, name="self_attn")(h, cache, inputs)
+    def token_mixer(self, h: jax.Array, caches: dict[str, Any], inputs: ModelInputs,
+                    cache_index: Any) -> tuple[jax.Array, dict[str, Any]]:
+        kv = caches.get(KV)   # absent from init's placeholder
+        first_page = 0 if kv is None else cache_index * per_layer(kv, self.config, FULL_ATTENTION)
+        a, kv = Attention(self.config, self.dtype, self.attention_backend,
+                          name="self_attn")(h, kv, inputs, first_page)
+        return a, caches if kv is None else {**caches, KV: kv}
+
+
+class LayerBlock(nn.Module):
+    """`period` consecutive layers (models/layer_stack.py): the body a scanned model
+    repeats num_layers / period times, block `block` of them."""
+    model_cls: type
+    config: ModelConfig
+    dtype: Dtype = jnp.float32
+    attention_backend: str = "reference"
+
+    @nn.compact
+    def __call__(self, carry: tuple[jax.Array, dict[str, Any]], block: jax.Array,
+                 inputs: ModelInputs) -> tuple[tuple[jax.Array, dict[str, Any]], None]:
+        cfg = self.config
+        x, caches = carry
+        period = layer_period(cfg)
+        for j in range(period):
+            # Layers of j's kind per block, times the block, plus j's place in its block.
+            same_kind = sum(cfg.layer_type(i) == cfg.layer_type(j) for i in range(period))
+            layer = self.model_cls.make_layer(cfg, self.dtype, self.attention_backend, j,
+                                              name=f"layers_{j}")
+            x, caches = layer(x, caches, inputs, block * same_kind + cache_index(cfg, j))
+        return (x, caches), None
 
 
 class LlamaForCausalLM(nn.Module):
     config: ModelConfig
     dtype: Dtype = jnp.float32
     attention_backend: str = "reference"   # see pallas_kernels.ragged_paged_attention.backend_options
+    # True: the layers run under jax.lax.scan over stacked params, so a program compiles
+    # one block of layers whatever the depth (params["layers"], leading axis = block);
+    # False: a Python loop (params["layers_i"]), faster on XLA:CPU, which copies each
+    # scanned layer's weights out of the stack.
+    scan_layers: bool = False
 
-    def mlp_cls_for(self, layer_idx: int) -> type:
+    @staticmethod
+    def mlp_cls_for(config: ModelConfig, layer_idx: int) -> type:
         return MLP
 
-    def layer_for(self, layer_idx: int) -> nn.Module:
-        return DecoderLayer(self.config, self.mlp_cls_for(layer_idx), self.dtype, self.attention_backend)
+    @classmethod
+    def make_layer(cls, config: ModelConfig, dtype: Dtype, attention_backend: str, layer_idx: int,
+                   **kw: Any) -> nn.Module:
+        return DecoderLayer(config, cls.mlp_cls_for(config, layer_idx), dtype, attention_backend, **kw)
 
     def setup(self) -> None:
         cfg = self.config
         self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, self.dtype)
-        # A Python loop over layers: simple, and each layer owns one cache (a KV cache, or
-        # a linear-attention layer's state).
-        self.layers = [self.layer_for(i) for i in range(cfg.num_layers)]
+        if self.scan_layers:
+            stack = nn.scan(LayerBlock, variable_axes={"params": 0}, split_rngs={"params": True},
+                            in_axes=(0, nn.broadcast), length=cfg.num_layers // layer_period(cfg),
+                            metadata_params={nn.PARTITION_NAME: "layers"})
+            self.layers = stack(type(self), cfg, self.dtype, self.attention_backend)
+        else:
+            self.layers = [type(self).make_layer(cfg, self.dtype, self.attention_backend, i)
+                           for i in range(cfg.num_layers)]
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.dtype, cfg.norm_plus_one)
         if not cfg.tie_word_embeddings:
             self.lm_head = Einsum("TE,EV->TV", (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"),
                                   dtype=self.dtype, out_dtype=jnp.float32)
 
-    def __call__(self, kv_caches: list[Any], inputs: ModelInputs) -> tuple[jax.Array, list[Any]]:
-        if len(kv_caches) != self.config.num_layers:
-            raise ValueError(f"expected {self.config.num_layers} KV caches (one per layer), got {len(kv_caches)}")
+    def __call__(self, caches: dict[str, Any], inputs: ModelInputs
+                 ) -> tuple[jax.Array, dict[str, Any]]:
+        """caches: models/layer_stack.cache_shapes' arrays (init takes any placeholder)."""
+        cfg = self.config
         x = self.embed_tokens(inputs.token_ids)
-        new_caches = []
-        for layer, cache in zip(self.layers, kv_caches):
-            x, cache = layer(x, cache, inputs)
-            new_caches.append(cache)
+        if self.scan_layers:
+            blocks = jnp.arange(cfg.num_layers // layer_period(cfg), dtype=jnp.int32)
+            (x, caches), _ = self.layers((x, caches), blocks, inputs)
+        else:
+            for i, layer in enumerate(self.layers):
+                x, caches = layer(x, caches, inputs, cache_index(cfg, i))
         x = self.norm(x)
         if self.is_initializing():   # so that init creates the lm_head parameters too
             self.compute_logits(x)
-        return x, new_caches
+        return x, caches
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         """[N, E] final-normed hidden rows -> float32 logits [N, V]."""

@@ -88,6 +88,7 @@ class _Experts(nn.Module):
 
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
-    def mlp_cls_for(self, layer_idx: int) -> type:
+    @staticmethod
+    def mlp_cls_for(config, layer_idx: int) -> type:
         # Dense layers (mlp_only_layers, or off the decoder_sparse_step grid) use intermediate_size.
-        return SparseMoeBlock if self.config.is_moe_layer(layer_idx) else MLP
+        return SparseMoeBlock if config.is_moe_layer(layer_idx) else MLP

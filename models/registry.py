@@ -43,12 +43,15 @@ def resolve_dtype(dtype: Any, config: ModelConfig) -> jnp.dtype:
         raise ValueError(f"unknown dtype {dtype!r}") from None
 
 
-def build_model(config: ModelConfig, dtype: Any = "auto", attention_backend: str = "auto") -> nn.Module:
+def build_model(config: ModelConfig, dtype: Any = "auto", attention_backend: str = "auto",
+                scan_layers: bool = False) -> nn.Module:
     """The flax module for `config`; parameters and activations in `dtype`.
 
     attention_backend: "auto" (Pallas kernels on GPU/TPU, the jnp reference on CPU),
     "reference", "pallas" or "pallas_interpret"; "auto" is resolved here, for the
-    default backend.
+    default backend. scan_layers: the layers under jax.lax.scan over stacked params
+    (models/llama.py).
     """
     return get_model_class(config.architecture)(config=config, dtype=resolve_dtype(dtype, config),
-                                                attention_backend=resolve_backend(attention_backend))
+                                                attention_backend=resolve_backend(attention_backend),
+                                                scan_layers=scan_layers)

@@ -11,6 +11,7 @@ threads (models/param_placement.py): the host never holds more than a few tensor
 """
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 from collections.abc import Callable
@@ -27,7 +28,8 @@ from flax.traverse_util import flatten_dict, unflatten_dict
 
 from models.config import ModelConfig
 from models.inputs import ModelInputs
-from models.param_placement import ParamTask, Progress, Reader, place_params
+from models.layer_stack import layer_period
+from models.param_placement import Index, ParamTask, Progress, Reader, place_params
 from models.registry import resolve_dtype
 from models.safetensors_io import SafeTensorsFile
 
@@ -57,11 +59,9 @@ def dummy_inputs(num_tokens: int = 1, num_rows: int = 1, pages_per_row: int = 1)
 def abstract_params(model: nn.Module, *, boxed: bool = False) -> dict:
     """Param tree of ShapeDtypeStructs, without allocating. boxed=True keeps the
     nn.LogicallyPartitioned wrappers (for nn.get_partition_spec / logical sharding rules)."""
-    cfg: ModelConfig = model.config
     # init never touches the caches (attention's cache layout belongs to its kernel, a
-    # linear-attention layer's state to that layer): any placeholder will do.
-    caches = [jax.ShapeDtypeStruct((2, 1, 1, cfg.num_kv_heads, cfg.head_dim), jnp.float32)] * cfg.num_layers
-    variables = jax.eval_shape(model.init, jax.random.key(0), caches, dummy_inputs())
+    # linear-attention layer's state to that layer): an empty placeholder will do.
+    variables = jax.eval_shape(model.init, jax.random.key(0), {}, dummy_inputs())
     params = variables["params"]
     return params if boxed else nn.unbox(params)
 
@@ -85,21 +85,34 @@ def param_bytes(params: Any) -> int:
 
 # ---- name mapping -------------------------------------------------------------
 
-def hf_names(path: Path_, cfg: ModelConfig, prefix: str = "model.") -> list[str]:
-    """HF tensor names feeding one param (several for stacked experts); `prefix` is
-    where the checkpoint keeps the decoder ("model." or the VL text model's)."""
+def hf_names(path: Path_, cfg: ModelConfig, prefix: str = "model.") -> np.ndarray:
+    """HF tensor names feeding one param, shaped as the param's stacked leading axes:
+    () for one tensor, [X] for stacked experts, [G] for a scanned model's stacked
+    layers (models/layer_stack.py: block g's sublayer j is layer g * period + j),
+    [G, X] for both. `prefix` is where the checkpoint keeps the decoder ("model." or
+    the VL text model's)."""
     if path == ("lm_head", "kernel"):
-        return ["lm_head.weight"]
-    parts = []
-    for i, p in enumerate(path):
-        if p.startswith("layers_"):
-            parts += ["layers", p[len("layers_"):]]
-        else:
-            parts.append(_LEAF_TO_HF.get(p, p) if i == len(path) - 1 else p)
-    if len(path) >= 2 and path[-2] == "experts" and path[-1] in _EXPERT_PROJS:
-        base = prefix + ".".join(parts[:-1])
-        return [f"{base}.{e}.{path[-1]}.weight" for e in range(cfg.num_experts)]
-    return [prefix + ".".join(parts)]
+        return np.array("lm_head.weight", dtype=object)
+    scanned = path[0] == "layers"            # ("layers", "layers_j", ...)
+    if scanned:
+        period, j = layer_period(cfg), int(path[1][len("layers_"):])
+        layers, path = [g * period + j for g in range(cfg.num_layers // period)], path[2:]
+    elif path[0].startswith("layers_"):
+        layers, path = [int(path[0][len("layers_"):])], path[1:]
+    else:
+        layers = [None]
+    experts = len(path) >= 2 and path[-2] == "experts" and path[-1] in _EXPERT_PROJS
+
+    def name(layer: int | None, expert: int | None) -> str:
+        head = [] if layer is None else [f"layers.{layer}"]
+        tail = [f"{expert}.{path[-1]}.weight"] if experts else [_LEAF_TO_HF.get(path[-1], path[-1])]
+        return prefix + ".".join(head + list(path[:-1]) + tail)
+
+    names = np.array([[name(layer, e) for e in (range(cfg.num_experts) if experts else [None])]
+                      for layer in layers], dtype=object)
+    if not experts:
+        names = names[:, 0, ...]
+    return names if scanned else names[0, ...]
 
 
 def _group_by_key_head(w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
@@ -222,7 +235,7 @@ def checkpoint_tasks(model_dir: str | Path | None, cfg: ModelConfig, model: nn.M
 
     prefix = _VL_TEXT_PREFIX if any(n.startswith(_VL_TEXT_PREFIX) for n in where) else "model."
     sources = {path: hf_names(path, cfg, prefix) for path in expected}
-    wanted = {n for names in sources.values() for n in names}
+    wanted = {n for names in sources.values() for n in names.flat}
     missing = wanted - where.keys()
     skipped = {n for n in where if n.startswith(_SKIPPED_PREFIXES)}
     if skipped:
@@ -241,33 +254,45 @@ def checkpoint_tasks(model_dir: str | Path | None, cfg: ModelConfig, model: nn.M
     np_dtype = np.dtype(dtype)
     return [ParamTask(path=path, shape=sds.shape, dtype=np_dtype,
                       sharding=_sharding_for(shard_flat, path),
-                      nbytes=sum(where[n].nbytes(n) for n in sources[path]),
-                      num_tensors=len(sources[path]),
+                      nbytes=sum(where[n].nbytes(n) for n in sources[path].flat),
+                      num_tensors=sources[path].size,
                       open=partial(_open_param, path, sds.shape, sources[path], where, cfg, np_dtype,
                                    repeat_axes.get(path), kv_head_repeat))
             for path, sds in expected.items()]
 
 
-def _open_param(path: Path_, shape: tuple[int, ...], names: list[str], where: dict[str, SafeTensorsFile],
+def _open_param(path: Path_, shape: tuple[int, ...], names: np.ndarray, where: dict[str, SafeTensorsFile],
                 cfg: ModelConfig, np_dtype: np.dtype, repeat_axis: int | None,
                 kv_head_repeat: int) -> Reader:
-    """Prepares one param on the host (in a loading thread); returns its slice reader."""
-    if len(names) > 1 or path[-1] in _EXPERT_PROJS:   # stacked experts: one host buffer
-        host = np.empty(shape, np_dtype)
-        for e, name in enumerate(names):
-            host[e] = _to_param_layout(where[name].get(name), path, shape[1:], name, cfg)
-        return lambda index: np.ascontiguousarray(host[index])
-    name = names[0]
-    if repeat_axis is not None:   # replicated KV heads: built whole once (small K/V projections)
-        w = _to_param_layout(where[name].get(name), path, _unrepeated(shape, repeat_axis, kv_head_repeat),
-                             name, cfg)
-        host = np.repeat(w, kv_head_repeat, axis=repeat_axis).astype(np_dtype, copy=False)
-        return lambda index: np.ascontiguousarray(host[index])
-    # A transpose and split axes are views of the file's mmap, so each device's slice is
-    # read, cast and made contiguous on its own, with no whole-tensor copy (DeltaNet's
-    # regrouping is the exception: it copies the tensor once, in the file's dtype).
-    view = _to_param_layout(where[name].get(name), path, shape, name, cfg)
-    return lambda index: _contiguous(view[index], np_dtype)
+    """Prepares one param on the host (in a loading thread); returns its slice reader.
+    names: hf_names(path), one tensor per entry of the param's stacked leading axes."""
+    stacked = names.ndim
+    inner = shape[stacked:]
+
+    def element(name: str) -> np.ndarray:
+        """One checkpoint tensor in the param's layout: a view of the file's mmap where
+        it can be (a transpose and split axes are), so a slice of it reads only that."""
+        if repeat_axis is None:
+            return _to_param_layout(where[name].get(name), path, inner, name, cfg)
+        # Replicated KV heads: built whole (small K/V projections), each head repeated.
+        axis = repeat_axis - stacked
+        w = _to_param_layout(where[name].get(name), path,
+                             _unrepeated(inner, axis, kv_head_repeat), name, cfg)
+        return np.repeat(w, kv_head_repeat, axis=axis)
+
+    if stacked == 0:
+        view = element(names.item())
+        return lambda index: _contiguous(view[index], np_dtype)
+
+    def read(index: Index) -> np.ndarray:
+        # Stacked layers / experts: each entry's slice read on its own, so the host never
+        # holds more than this device's share (DeltaNet's regrouping and repeated KV
+        # heads copy one entry at a time).
+        outer = [range(*sl.indices(n)) for sl, n in zip(index[:stacked], names.shape)]
+        pieces = [_contiguous(element(names[idx])[index[stacked:]], np_dtype)
+                  for idx in itertools.product(*outer)]
+        return np.stack(pieces).reshape(*(len(r) for r in outer), *pieces[0].shape)
+    return read
 
 
 def _contiguous(x: np.ndarray, dtype: np.dtype) -> np.ndarray:

@@ -39,6 +39,7 @@ RULES: dict[str, str | None] = {
     "embed": None,       # the residual stream stays replicated between layers
     "head_dim": None,
     "norm": None,
+    "layers": None,      # the stacked layers of a scanned model (models/layer_stack.py)
 }
 
 

@@ -49,6 +49,7 @@ class EngineLayout:
     state_bytes: int              # hybrid: all state slots, the null slot included
     bytes_per_page: int           # one KV page of every full-attention layer
     activation_bytes: int         # estimated peak temporaries of a program (kv_budget)
+    scan_layers: bool             # EngineConfig.scan_layers, None resolved for the platform
 
     @property
     def run_config(self) -> ModelConfig:
@@ -87,8 +88,9 @@ def engine_layout(config: EngineConfig, mc: ModelConfig, mesh: Mesh) -> EngineLa
             raise ValueError(why)
     act = activation_bytes(mc, m, config.num_batched_tokens, config.max_num_seqs,
                            jnp.dtype(dtype).itemsize, max_model_len)
+    scan = config.scan_layers if config.scan_layers is not None else platform != "cpu"
     return EngineLayout(mc, dtype, kv_dtype, max_model_len, kv_heads, backend,
-                        mesh_rules(mc, m), slots, state, per_page, act)
+                        mesh_rules(mc, m), slots, state, per_page, act, scan)
 
 
 def tpu_kernel_limit_error(mc: ModelConfig, kv_heads: int, *, num_tokens: int, rows: int,
@@ -105,7 +107,7 @@ def tpu_kernel_limit_error(mc: ModelConfig, kv_heads: int, *, num_tokens: int, r
 
 def build_layout_model(layout: EngineLayout):
     return build_model(layout.run_config, dtype=layout.dtype,
-                       attention_backend=layout.attention_backend)
+                       attention_backend=layout.attention_backend, scan_layers=layout.scan_layers)
 
 
 def layout_param_shardings(model, mesh: Mesh, layout: EngineLayout) -> Any:

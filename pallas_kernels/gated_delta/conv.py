@@ -2,7 +2,10 @@
 short convolution over the q|k|v channels).
 
 For a row with history h (conv_state[slot] if has_initial_state, else zeros;
-Kc-1 entries, oldest first) and tokens x_0..x_{n-1}, let xh = h ++ x. Token p
+Kc-1 entries, oldest first; a slot stores them channel-major, [C, Kc-1] flattened,
+so that a tensor-parallel device's channels are one contiguous range of the row and
+the state is one wide row per slot, which the gather and scatter by slot leave in
+its plain layout on TPU) and tokens x_0..x_{n-1}, let xh = h ++ x. Token p
 gives y_p = silu(sum_j w[j] xh[p + j]), j = 0..Kc-1, i.e. torch's conv1d with
 padding Kc-1 (fresh rows) or on cat(conv_state, x) (continuing rows), as
 transformers' causal_conv1d_fn / causal_conv1d_update do. The row's new conv
@@ -27,7 +30,7 @@ def token_rows(query_start_loc: jax.Array, num_seqs: jax.Array, num_tokens: int,
 def ragged_causal_conv1d(x: jax.Array, weight: jax.Array, conv_state: jax.Array,
                          state_slots: jax.Array, query_start_loc: jax.Array, num_seqs: jax.Array,
                          has_initial_state: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """x [T, C]; weight [Kc, C]; conv_state [S, Kc-1, C]; state_slots int32[R];
+    """x [T, C]; weight [Kc, C]; conv_state [S, C * (Kc-1)]; state_slots int32[R];
     query_start_loc int32[R+1]; num_seqs int32[1]; has_initial_state bool[R].
     Returns (y [T, C] in x.dtype, zero on padding tokens; conv_state with every
     live row's slot replaced by its last Kc-1 inputs). Math in float32."""
@@ -37,8 +40,9 @@ def ragged_causal_conv1d(x: jax.Array, weight: jax.Array, conv_state: jax.Array,
     num_slots, num_rows = conv_state.shape[0], state_slots.shape[0]
     if taps < 2 or weight.shape != (taps, channels):
         raise ValueError(f"weight {weight.shape}: expected [Kc >= 2, {channels}]")
-    if conv_state.shape[1:] != (width, channels):
-        raise ValueError(f"conv_state {conv_state.shape}: expected [S, {width}, {channels}]")
+    if conv_state.ndim != 2 or conv_state.shape[1] != channels * width:
+        raise ValueError(f"conv_state {conv_state.shape}: expected [S, {channels * width}] "
+                         f"(channels x {width} taps)")
     if query_start_loc.shape != (num_rows + 1,) or has_initial_state.shape != (num_rows,):
         raise ValueError(f"query_start_loc {query_start_loc.shape} / has_initial_state "
                          f"{has_initial_state.shape}: expected ({num_rows + 1},), ({num_rows},)")
@@ -48,7 +52,7 @@ def ragged_causal_conv1d(x: jax.Array, weight: jax.Array, conv_state: jax.Array,
     row, pos, valid = token_rows(qsl, num_seqs, num_tokens, num_rows)
 
     # Only R histories are read (a small gather); fresh rows see zeros whatever the slot holds.
-    hist = conv_state[slots]                                            # [R, W, C]
+    hist = conv_state[slots].reshape(num_rows, channels, width).transpose(0, 2, 1)  # [R, W, C]
     hist = jnp.where(has_initial_state[:, None, None], hist, jnp.zeros_like(hist))
     flat_hist = hist.astype(jnp.float32).reshape(num_rows * width, channels)
 
@@ -70,4 +74,5 @@ def ragged_causal_conv1d(x: jax.Array, weight: jax.Array, conv_state: jax.Array,
                     old.astype(conv_state.dtype))
     live = jnp.arange(num_rows) < num_seqs[0]
     dst = jnp.where(live, slots, num_slots)                             # out of range: dropped
+    new = new.transpose(0, 2, 1).reshape(num_rows, channels * width)
     return y, conv_state.at[dst].set(new, mode="drop")

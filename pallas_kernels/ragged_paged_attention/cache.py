@@ -1,6 +1,7 @@
 """The paged KV cache: its layout, how to build it and how to write new tokens.
 
-Layout (one array per layer): [num_pages, 2K, S, H], entry 2k of axis 1 the K
+Layout: [num_pages, 2K, S, H] (a model stacks its layers' pages in one such array,
+models/layer_stack.py; to the kernels it is one big cache), entry 2k of axis 1 the K
 rows and 2k + 1 the V rows of kv head k (the bytes of [num_pages, K, 2, S, H]).
 Each (page, kv head) holds its K and V rows as two contiguous [S, H] tiles, so
 the kernels fetch one page of one head with two rectangular copies (a TMA box

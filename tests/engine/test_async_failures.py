@@ -127,7 +127,7 @@ def test_lost_device_state_is_fatal(checkpoint):
 
     def dispatch(sched_out):
         if any(r.req_id == "doomed" for r in sched_out.requests):
-            core.runner.kv_caches[0].delete()   # as if donated into a call that raised
+            core.runner.kv_caches["kv"].delete()   # as if donated into a call that raised
             raise RuntimeError("inside the forward pass")
         return real_dispatch(sched_out)
     core.runner.dispatch = dispatch

@@ -187,7 +187,7 @@ def test_lost_device_state_is_fatal(checkpoint):
     assert core.runner.device_state_ok()
 
     def dispatch(sched_out):
-        core.runner.kv_caches[0].delete()    # as if donated into a call that then raised
+        core.runner.kv_caches["kv"].delete()    # as if donated into a call that then raised
         raise RuntimeError("inside the forward pass")
     core.runner.dispatch = dispatch
     core.add_request("r", OTHER, GREEDY)

@@ -16,9 +16,9 @@ from jax import export
 from jaxserve import LLM, SamplingParams
 from jaxserve.config import EngineConfig
 from models.config import ModelConfig
+from models.layer_stack import cache_shapes
 from models.registry import build_model
 from models.weights import abstract_params, dummy_inputs
-from pallas_kernels.ragged_paged_attention import make_kv_cache
 from tests.checkpoints import make_tiny_checkpoint
 
 KINDS = ("llama", "qwen3", "qwen3_moe")
@@ -61,16 +61,20 @@ def test_config_validates_backend():
         EngineConfig(model="m", attention_backend="triton")
 
 
+@pytest.mark.parametrize("scan_layers", [False, True], ids=["layer_loop", "scan_layers"])
 @pytest.mark.parametrize("platform,marker", [("cuda", "mosaic_gpu"), ("tpu", "tpu_custom_call")])
-def test_model_step_lowers_with_one_kernel_per_layer(platform, marker, checkpoint):
+def test_model_step_lowers_with_one_kernel_per_layer(platform, marker, scan_layers, checkpoint):
+    """A kernel call per layer in the Python loop; one in the scanned body, whatever the
+    depth (what keeps a deep model's compile time flat)."""
     with open(os.path.join(checkpoint("qwen3"), "config.json")) as f:
         hf = json.load(f)
     cfg = ModelConfig.from_hf_dict({**hf, "head_dim": 128})    # a head_dim the GPU kernel takes
-    model = build_model(cfg, jnp.bfloat16, attention_backend="pallas")
+    model = build_model(cfg, jnp.bfloat16, attention_backend="pallas", scan_layers=scan_layers)
     params = abstract_params(model)
-    caches = [jax.eval_shape(functools.partial(make_kv_cache, 16, 16, cfg.num_kv_heads,
-                                               cfg.head_dim, jnp.bfloat16))] * cfg.num_layers
+    caches = cache_shapes(cfg, num_pages=16, page_size=16, kv_dtype=jnp.bfloat16,
+                          num_state_slots=0, conv_state_dtype=jnp.bfloat16)
     inputs = jax.eval_shape(functools.partial(dummy_inputs, 32, 4, 4))
     step = jax.jit(lambda p, c, i: model.apply({"params": p}, c, i), donate_argnums=(1,))
     text = export.export(step, platforms=[platform])(params, caches, inputs).mlir_module()
-    assert text.count(f"custom_call @{marker}") == cfg.num_layers
+    assert cfg.num_layers > 1
+    assert text.count(f"custom_call @{marker}") == (1 if scan_layers else cfg.num_layers)

@@ -314,6 +314,16 @@ def _conv_oracle(x_row, w, hist):
     return acc / (1.0 + np.exp(-acc)), xh[-width:]
 
 
+def _to_slots(hist: np.ndarray) -> np.ndarray:
+    """[S, Kc-1, C] histories -> the kernel's state rows [S, C * (Kc-1)] (channel-major)."""
+    return np.ascontiguousarray(hist.transpose(0, 2, 1)).reshape(hist.shape[0], -1)
+
+
+def _from_slots(rows) -> np.ndarray:
+    rows = np.asarray(rows)
+    return rows.reshape(rows.shape[0], CH, KC - 1).transpose(0, 2, 1)
+
+
 def test_ragged_causal_conv1d():
     rng = np.random.default_rng(11)
     tokens, rows, slots_n = 32, 9, 16
@@ -326,9 +336,9 @@ def test_ragged_causal_conv1d():
         if has:
             conv_state[slot] = rng.standard_normal((KC - 1, CH))
     fn = jax.jit(ragged_causal_conv1d, donate_argnums=(2,))
-    y, new_state = fn(x, w, jnp.asarray(conv_state), batch.slots, batch.qsl, batch.num_seqs,
-                      batch.has_init)
-    y, new_state = np.asarray(y), np.asarray(new_state)
+    y, new_state = fn(x, w, jnp.asarray(_to_slots(conv_state)), batch.slots, batch.qsl,
+                      batch.num_seqs, batch.has_init)
+    y, new_state = np.asarray(y), _from_slots(new_state)
     wt = torch.from_numpy(w.T.copy())                     # [C, Kc], transformers' layout
     touched = set()
     for r, sl, slot, has in batch.spans():
@@ -353,12 +363,12 @@ def test_ragged_causal_conv1d():
 
     # bf16 activations and states: same result as float32 on the rounded inputs.
     bf = lambda a: jnp.asarray(a, jnp.bfloat16)
-    y16, state16 = fn(bf(x), w, bf(conv_state), batch.slots, batch.qsl, batch.num_seqs,
+    y16, state16 = fn(bf(x), w, bf(_to_slots(conv_state)), batch.slots, batch.qsl, batch.num_seqs,
                       batch.has_init)
     assert y16.dtype == state16.dtype == jnp.bfloat16
     f32 = lambda a: np.asarray(a.astype(jnp.float32))
-    y32, state32 = fn(f32(bf(x)), w, jnp.asarray(f32(bf(conv_state))), batch.slots, batch.qsl,
-                      batch.num_seqs, batch.has_init)
+    y32, state32 = fn(f32(bf(x)), w, jnp.asarray(f32(bf(_to_slots(conv_state)))), batch.slots,
+                      batch.qsl, batch.num_seqs, batch.has_init)
     live = batch.qsl[-1]
     assert_close(f32(y16)[:live], np.asarray(y32)[:live], tol=1e-2)
     np.testing.assert_array_equal(f32(state16)[list(touched)], np.asarray(state32)[list(touched)])

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from models.config import ModelConfig
+from models.layer_stack import KV, cache_shapes
 from models.registry import build_model
 from models.weights import load_params
 from pallas_kernels.ragged_paged_attention import make_kv_cache, write_kv
@@ -39,27 +40,31 @@ def test_write_kv_rejects_mismatched_shapes():
         write_kv(cache, jnp.zeros((3, 2, 4)), jnp.zeros((3, 2, 4)), jnp.zeros(3, jnp.int32))
 
 
+@pytest.mark.parametrize("scan_layers", [False, True], ids=["loop", "scan"])
 @pytest.mark.parametrize("backend", ["reference", "pallas_interpret"])
-def test_donated_model_step_updates_caches_in_place(tmp_path, backend):
-    """The compiled step aliases every cache to its output and never copies one:
-    the only cache-sized buffers are the donated arguments themselves."""
+def test_donated_model_step_updates_caches_in_place(tmp_path, backend, scan_layers):
+    """The compiled step aliases the stacked KV cache to its output and never copies
+    it, nor a layer's slice of it: the only cache-sized buffer is the donated argument."""
     path = make_tiny_checkpoint("llama", tmp_path)
     cfg = ModelConfig.from_pretrained(path)
-    model = build_model(cfg, jnp.float32, attention_backend=backend)
+    model = build_model(cfg, jnp.float32, attention_backend=backend, scan_layers=scan_layers)
     params = load_params(path, cfg, model, jnp.float32)
-    num_pages = 1024        # make the caches the largest buffers by far
-    caches = [make_kv_cache(num_pages, 16, cfg.num_kv_heads, cfg.head_dim, jnp.float32)
-              for _ in range(cfg.num_layers)]
+    num_pages = 1024        # make the cache the largest buffer by far
+    shapes = cache_shapes(cfg, num_pages=num_pages, page_size=16, kv_dtype=jnp.float32,
+                          num_state_slots=0, conv_state_dtype=jnp.float32)
+    caches = {k: jnp.zeros(s.shape, s.dtype) for k, s in shapes.items()}
     inputs, _ = make_inputs([(np.arange(3, 23), 0, [5, 9])], num_tokens=32, num_rows=4)
     step = jax.jit(lambda p, c, i: model.apply({"params": p}, c, i), donate_argnums=(1,))
     compiled = step.lower(params, caches, inputs).compile()
     hlo = compiled.as_text()
 
-    shape = "f32[{}]".format(",".join(map(str, caches[0].shape)))
     header = hlo.splitlines()[0]
     aliases = re.findall(r"\{(\d+)\}: \((\d+), \{\}, may-alias\)", header)
-    assert len(aliases) >= cfg.num_layers, header[:400]
-    copies = [ln for ln in hlo.splitlines() if shape in ln and re.search(r"= \S+ copy\(", ln)]
-    assert not copies, copies[:3]
+    assert aliases, header[:400]
+    layer_shape = (num_pages, *caches[KV].shape[1:])
+    for shape in (caches[KV].shape, layer_shape):
+        text = "f32[{}]".format(",".join(map(str, shape)))
+        copies = [ln for ln in hlo.splitlines() if text in ln and re.search(r"= \S+ copy\(", ln)]
+        assert not copies, copies[:3]
     stats = compiled.memory_analysis()
-    assert stats.temp_size_in_bytes < caches[0].nbytes, stats
+    assert stats.temp_size_in_bytes < caches[KV].nbytes // cfg.num_layers, stats

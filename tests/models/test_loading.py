@@ -18,7 +18,7 @@ from models.config import ModelConfig
 from models.registry import ARCHITECTURES, build_model, get_model_class
 from models.safetensors_io import SafeTensorsFile
 from models.weights import abstract_params, load_params, param_bytes, param_logical_axes
-from pallas_kernels.ragged_paged_attention import make_kv_cache
+from models.layer_stack import cache_shapes
 from tests.checkpoints import make_tiny_checkpoint
 from tests.models.batch_util import make_inputs
 
@@ -46,7 +46,9 @@ def test_bf16_checkpoint_loads_as_bf16(tmp_path):
     outs = []
     for m, p, dt in [(model, params, jnp.bfloat16), (model32, params32, jnp.float32)]:
         inputs, _ = make_inputs([(toks, 0, [3, 1, 2])])
-        caches = [make_kv_cache(24, 16, cfg.num_kv_heads, cfg.head_dim, dt) for _ in range(cfg.num_layers)]
+        caches = {k: jnp.zeros(v.shape, v.dtype) for k, v in cache_shapes(
+            cfg, num_pages=24, page_size=16, kv_dtype=dt, num_state_slots=0,
+            conv_state_dtype=dt).items()}
         hidden, _ = m.apply({"params": p}, caches, inputs)
         outs.append(np.asarray(m.apply({"params": p}, hidden[:len(toks)], method="compute_logits")))
     assert outs[0].dtype == np.float32 and np.isfinite(outs[0]).all()

@@ -16,6 +16,7 @@ from flax.traverse_util import flatten_dict
 from safetensors.torch import load_file, save_file
 
 from models.config import ModelConfig
+from models.layer_stack import layer_period
 from models.param_placement import place_one
 from models.registry import build_model
 from models.safetensors_io import SafeTensorsFile
@@ -66,12 +67,14 @@ def _expected(path: tuple[str, ...], shape: tuple[int, ...], file: dict[str, np.
     return np.repeat(w.reshape(unrepeated), repeat, axis=kv_axis)
 
 
-def _on_mesh(path: str, mesh_spec: str) -> tuple[ModelConfig, object, object, int]:
+def _on_mesh(path: str, mesh_spec: str, scan_layers: bool = False
+             ) -> tuple[ModelConfig, object, object, int]:
     """(config, model with the mesh's KV heads, its shardings, kv_head_repeat)."""
     mc = ModelConfig.from_pretrained(path)
     m = int(mesh_spec.split("x")[1])
     stored = kv_head_layout(mc.num_heads, mc.num_kv_heads, m)
-    model = build_model(replace(mc, num_kv_heads=stored), "float32", "reference")
+    model = build_model(replace(mc, num_kv_heads=stored), "float32", "reference",
+                        scan_layers=scan_layers)
     shardings = param_shardings(param_logical_axes(model), make_mesh(mesh_spec), mesh_rules(mc, m))
     return mc, model, shardings, stored // mc.num_kv_heads
 
@@ -103,6 +106,46 @@ def test_every_param_equals_the_file_on_a_mesh(tmp_path, kind, file_dtype, dtype
         np.testing.assert_array_equal(np.asarray(x), ref, err_msg=str(p))
         for shard in x.addressable_shards:
             np.testing.assert_array_equal(np.asarray(shard.data), ref[shard.index], err_msg=str(p))
+
+
+@pytest.mark.parametrize("kind,mesh,overrides", [
+    ("llama", "1x8", dict(EIGHT_HEADS, num_key_value_heads=4)),
+    ("qwen3_moe", "1x4", dict(EIGHT_HEADS, num_key_value_heads=2, num_experts=8,
+                              moe_intermediate_size=32)),
+    ("qwen3_5", "1x2", {}),
+    ("qwen3_5_moe", "1x2", {}),
+])
+def test_scanned_params_stack_the_layer_loops_params(tmp_path, kind, mesh, overrides):
+    """Scanned layers hold the same tensors as the Python loop's layers_i, stacked by
+    block: sublayer j of block g is layer g * period + j (repeated KV heads, experts and
+    DeltaNet's regrouped channels included), each shard in its place on the mesh."""
+    path = make_tiny_checkpoint(kind, tmp_path, dtype=torch.bfloat16, **overrides)
+    mc, loop_model, loop_sh, repeat = _on_mesh(path, mesh)
+    _, scan_model, scan_sh, _ = _on_mesh(path, mesh, scan_layers=True)
+    loop = flatten_dict(load_params(path, mc, loop_model, "float32", shardings=loop_sh,
+                                    kv_head_repeat=repeat, workers=3))
+    scanned = flatten_dict(load_params(path, mc, scan_model, "float32", shardings=scan_sh,
+                                       kv_head_repeat=repeat, workers=3))
+    want_sh = flatten_dict(scan_sh)
+    stacked = [p for p in scanned if p[0] == "layers"]
+    assert stacked and {p for p in scanned if p[0] != "layers"} == \
+        {p for p in loop if not p[0].startswith("layers_")}
+    period = layer_period(mc)
+    blocks = mc.num_layers // period
+    assert sum(len({p[1:] for p in stacked if p[1] == f"layers_{j}"}) for j in range(period)) * \
+        blocks == sum(p[0].startswith("layers_") for p in loop)
+    for p, x in scanned.items():
+        assert x.sharding == want_sh[p], p
+        if p[0] != "layers":
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(loop[p]), err_msg=str(p))
+            continue
+        assert x.shape[0] == blocks, p
+        j = int(p[1][len("layers_"):])
+        want = np.stack([np.asarray(loop[(f"layers_{g * period + j}",) + p[2:]])
+                         for g in range(blocks)])
+        np.testing.assert_array_equal(np.asarray(x), want, err_msg=str(p))
+        for shard in x.addressable_shards:
+            np.testing.assert_array_equal(np.asarray(shard.data), want[shard.index], err_msg=str(p))
 
 
 def test_more_threads_give_identical_params(tmp_path):

@@ -12,9 +12,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from models.config import ModelConfig
+from models.layer_stack import cache_shapes
 from models.registry import build_model
 from models.weights import load_params, untie_lm_head
-from pallas_kernels.ragged_paged_attention import make_kv_cache
 from tests.checkpoints import make_tiny_checkpoint
 from tests.models.batch_util import make_inputs
 
@@ -27,19 +27,19 @@ T_PAD, R_PAD, P_PAD = 96, 4, 8   # one static shape per model: one compile
 class Loaded:
     """A checkpoint loaded by both jaxserve and transformers."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, scan_layers: bool = False):
         self.path = path
         self.cfg = ModelConfig.from_pretrained(path)
-        self.model = build_model(self.cfg, jnp.float32)
+        self.model = build_model(self.cfg, jnp.float32, scan_layers=scan_layers)
         self.params = load_params(path, self.cfg, self.model, jnp.float32)
         self.apply = jax.jit(self.model.apply)
         self.logits_fn = jax.jit(lambda p, h: self.model.apply({"params": p}, h, method="compute_logits"))
         self.torch = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
-    def caches(self) -> list[jax.Array]:
-        c = self.cfg
-        return [make_kv_cache(NUM_PAGES, PAGE, c.num_kv_heads, c.head_dim, jnp.float32)
-                for _ in range(c.num_layers)]
+    def caches(self) -> dict[str, jax.Array]:
+        shapes = cache_shapes(self.cfg, num_pages=NUM_PAGES, page_size=PAGE, kv_dtype=jnp.float32,
+                              num_state_slots=0, conv_state_dtype=jnp.float32)
+        return {kind: jnp.zeros(s.shape, s.dtype) for kind, s in shapes.items()}
 
     def step(self, caches, seqs):
         """seqs: list of (new_tokens, num_computed, pages). Returns per-seq logits, caches."""
@@ -68,13 +68,15 @@ def shuffled_pages(n: int, seed: int) -> list[int]:
     return [int(p) for p in np.random.default_rng(seed).permutation(np.arange(1, NUM_PAGES))[:n]]
 
 
-@pytest.fixture(scope="module")
-def loaded(tmp_path_factory):
+@pytest.fixture(scope="module", params=[False, True], ids=["layer_loop", "scan_layers"])
+def loaded(request, tmp_path_factory):
+    """Every test runs on the Python layer loop and on the scanned layers."""
     cache: dict[str, Loaded] = {}
 
     def get(kind: str) -> Loaded:
         if kind not in cache:
-            cache[kind] = Loaded(make_tiny_checkpoint(kind, tmp_path_factory.mktemp(kind)))
+            cache[kind] = Loaded(make_tiny_checkpoint(kind, tmp_path_factory.mktemp(kind)),
+                                 scan_layers=request.param)
         return cache[kind]
     return get
 

@@ -10,11 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from models.config import LINEAR_ATTENTION, ModelConfig
-from models.gated_deltanet import state_shapes
+from models.config import ModelConfig
+from models.layer_stack import KV, cache_shapes
 from models.registry import build_model
 from models.weights import load_params
-from pallas_kernels.ragged_paged_attention import make_kv_cache
 from tests.checkpoints import HYBRID_KINDS, make_tiny_checkpoint, model_class
 from tests.models.batch_util import make_inputs
 from tests.models.test_parity import assert_close, prompt
@@ -24,26 +23,21 @@ T_PAD, R_PAD, P_PAD = 256, 4, 16
 
 
 class Hybrid:
-    def __init__(self, path: str, kind: str):
+    def __init__(self, path: str, kind: str, scan_layers: bool):
         self.cfg = ModelConfig.from_pretrained(path)
         assert self.cfg.is_hybrid and len(self.cfg.full_attention_layers) == 2
-        self.model = build_model(self.cfg, jnp.float32)
+        self.model = build_model(self.cfg, jnp.float32, scan_layers=scan_layers)
         self.params = load_params(path, self.cfg, self.model, jnp.float32)
         self.apply = jax.jit(self.model.apply)
         self.logits_fn = jax.jit(lambda p, h: self.model.apply({"params": p}, h, method="compute_logits"))
         self.torch = model_class(kind).from_pretrained(path, dtype=torch.float32).eval()
 
     def caches(self):
-        c = self.cfg
-        out = []
-        for i in range(c.num_layers):
-            if c.layer_type(i) == LINEAR_ATTENTION:
-                # NaN in every slot: a fresh request must never read its slot's old content.
-                out.append(tuple(jnp.full(s.shape, jnp.nan, s.dtype)
-                                 for s in state_shapes(c, SLOTS, jnp.float32)))
-            else:
-                out.append(make_kv_cache(NUM_PAGES, PAGE, c.num_kv_heads, c.head_dim, jnp.float32))
-        return out
+        shapes = cache_shapes(self.cfg, num_pages=NUM_PAGES, page_size=PAGE, kv_dtype=jnp.float32,
+                              num_state_slots=SLOTS, conv_state_dtype=jnp.float32)
+        # NaN in every state slot: a fresh request must never read its slot's old content.
+        return {kind: jnp.zeros(s.shape, s.dtype) if kind == KV else jnp.full(s.shape, jnp.nan, s.dtype)
+                for kind, s in shapes.items()}
 
     def step(self, caches, seqs, slots):
         inputs, spans = make_inputs(seqs, page_size=PAGE, num_tokens=T_PAD, num_rows=R_PAD,
@@ -57,10 +51,12 @@ class Hybrid:
             return self.torch(torch.tensor(np.asarray(tokens), dtype=torch.long)[None]).logits[0].numpy()
 
 
-@pytest.fixture(scope="module", params=HYBRID_KINDS)
+@pytest.fixture(scope="module", params=[(k, s) for k in HYBRID_KINDS for s in (False, True)],
+                ids=[f"{k}-{'scan_layers' if s else 'layer_loop'}" for k in HYBRID_KINDS
+                     for s in (False, True)])
 def hybrid(request, tmp_path_factory):
-    kind = request.param
-    return Hybrid(make_tiny_checkpoint(kind, tmp_path_factory.mktemp(kind)), kind)
+    kind, scan = request.param
+    return Hybrid(make_tiny_checkpoint(kind, tmp_path_factory.mktemp(kind)), kind, scan)
 
 
 def test_prefill_and_cached_decode_match_transformers(hybrid):

@@ -62,7 +62,7 @@ def assert_split_over_model_axis(core) -> None:
     assert bytes_per_device(core.params) == sharded // m + replicated
     assert replicated <= 0.01 * (sharded + replicated)
     mc = core.model_config
-    for cache in core.runner.kv_caches:
+    for cache in [core.runner.kv_caches["kv"]]:
         shard = cache.addressable_shards[0].data
         stored = cache.shape[1] // 2          # KV heads as stored on this mesh ([P, 2K, S, H])
         assert stored == (mc.num_kv_heads if mc.num_kv_heads % m == 0 else
@@ -70,7 +70,7 @@ def assert_split_over_model_axis(core) -> None:
         assert shard.shape[1] == 2 * stored // m  # whole (K, V) pairs, only the heads it uses
         assert shard.size * m == cache.size
     if mc.num_kv_heads % m == 0:   # no replication: exactly 1/M of the model's KV cache
-        kv_total = sum(c.size * c.dtype.itemsize for c in core.runner.kv_caches)
+        kv_total = sum(c.size * c.dtype.itemsize for c in core.runner.kv_caches.values())
         assert bytes_per_device(core.runner.kv_caches) * m == kv_total
 
 

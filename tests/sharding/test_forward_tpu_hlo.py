@@ -1,6 +1,8 @@
 """The engine's whole forward step (tiny Llama, tiny Qwen3.5 hybrid) compiled for TPU v6e
 by libtpu's deviceless XLA:TPU + Mosaic compilers, on one chip and on a 1x4 mesh, and
-its compiled HLO checked for copies of a whole layer cache.
+its compiled HLO checked for copies of a whole layer cache. The layers run under
+jax.lax.scan (the TPU default): a layer's cache is a page range of one stacked array,
+which the scanned body must never slice out into a copy.
 
 Such a copy is what XLA:TPU inserts when the write_kv scatter and the Mosaic kernel want
 the cache in different layouts (it happened with one KV head per device: two copies of
@@ -83,8 +85,16 @@ def test_forward_step_compiles_without_cache_copies(checkpoint, mesh):
                           compilation_cache_dir=None)
     eng = build_abstract_engine(config, load_model_config(checkpoint),
                                 abstract_tpu_mesh(TARGET, mesh), tpu_target(TARGET).usable_hbm_bytes)
+    assert eng.layout.scan_layers    # the TPU default: layers under jax.lax.scan
     caches = jax.tree_util.tree_leaves(eng.runner.kv_caches)
-    shapes = {c.sharding.shard_shape(c.shape) for c in caches}
+    mc = eng.layout.model_config
+    # Each stacked cache per device, and one layer's share of it (what a scan body
+    # would copy if XLA sliced the layer out instead of offsetting page ids).
+    shapes = set()
+    for kind, c in eng.runner.kv_caches.items():
+        whole = c.sharding.shard_shape(c.shape)
+        layers = len(mc.full_attention_layers if kind == "kv" else mc.linear_attention_layers)
+        shapes |= {whole, (whole[0] // layers, *whole[1:])}
     kv_layer_bytes = NUM_PAGES * eng.layout.bytes_per_page // len(
         eng.layout.model_config.full_attention_layers)
     forwards = [p for p in eng.programs if p.kind == FORWARD]
@@ -95,6 +105,7 @@ def test_forward_step_compiles_without_cache_copies(checkpoint, mesh):
         compiled = eng.runner.lower(prog).compile()
         hlo = compiled.as_text()
         assert "tpu_custom_call" in hlo                      # the Mosaic kernels are in it
+        assert re.search(r" while\(", hlo)                   # and the layers' loop
         assert whole_cache_copies(hlo, shapes) == [], (mesh, prog.tokens)
         ma = compiled.memory_analysis()
         # Every cache is donated and updated in place...
