@@ -16,6 +16,7 @@ until out_proj (one all-reduce, as o_proj).
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import flax.linen as nn
@@ -53,6 +54,33 @@ def has_initial_state(inputs: ModelInputs) -> jax.Array:
     state is read from its slot; a request's first chunk starts from zeros."""
     q_lens = inputs.query_start_loc[1:] - inputs.query_start_loc[:-1]
     return inputs.seq_lens > q_lens
+
+
+@partial(jax.jit, static_argnames=("dk", "dv", "eps", "impl", "interpret"))
+def _mix_local(qkv, z, b, a, conv_w, a_log, dt_bias, norm_w, conv_state, rec_state, slots, qsl,
+               num_seqs, has_init, *, dk: int, dv: int, eps: float, impl: str, interpret: Any):
+    """One device's part of GatedDeltaNet._mix (its key-head groups only). A jit of its
+    own: traced once per shape, not once per layer (XLA inlines it)."""
+    t, hk, g_width = qkv.shape
+    kc = conv_w.shape[0]
+    y, conv_state = ragged_causal_conv1d(
+        qkv.reshape(t, hk * g_width), conv_w.reshape(kc, hk * g_width),
+        conv_state, slots, qsl, num_seqs, has_init)
+    y = y.reshape(t, hk, g_width)
+    q, k = y[..., :dk], y[..., dk:2 * dk]
+    v = y[..., 2 * dk:].reshape(t, -1, dv)                      # [T, Hv, Dv]
+    beta = jax.nn.sigmoid(b.astype(jnp.float32))
+    g = -jnp.exp(a_log.astype(jnp.float32)) * jax.nn.softplus(
+        a.astype(jnp.float32) + dt_bias.astype(jnp.float32))
+    o, rec_state = ragged_gated_delta_rule(
+        q, k, v, g, beta, rec_state, slots, qsl, num_seqs, has_init, impl=impl,
+        interpret=interpret)
+    # Gated RMSNorm per value head: plain w, then * silu(z), in float32.
+    o32 = o.astype(jnp.float32)
+    o32 = o32 * jax.lax.rsqrt(jnp.mean(o32 * o32, axis=-1, keepdims=True) + eps)
+    o = (norm_w * o32.astype(o.dtype)).astype(jnp.float32)
+    o = (o * jax.nn.silu(z.astype(jnp.float32))).astype(z.dtype)
+    return o, conv_state, rec_state
 
 
 class _Weight(nn.Module):
@@ -114,31 +142,7 @@ class GatedDeltaNet(nn.Module):
         eps = cfg.rms_norm_eps
         has_init = has_initial_state(inputs)
         impl = "pallas" if self.use_pallas else "reference"
-
-        def local(qkv, z, b, a, conv_w, a_log, dt_bias, norm_w, conv_state, rec_state,
-                  slots, qsl, num_seqs, has_init):
-            # Shapes here are this device's key-head groups only.
-            t, hk, g_width = qkv.shape
-            kc = conv_w.shape[0]
-            y, conv_state = ragged_causal_conv1d(
-                qkv.reshape(t, hk * g_width), conv_w.reshape(kc, hk * g_width),
-                conv_state, slots, qsl,
-                num_seqs, has_init)
-            y = y.reshape(t, hk, g_width)
-            q, k = y[..., :dk], y[..., dk:2 * dk]
-            v = y[..., 2 * dk:].reshape(t, -1, dv)                      # [T, Hv, Dv]
-            beta = jax.nn.sigmoid(b.astype(jnp.float32))
-            g = -jnp.exp(a_log.astype(jnp.float32)) * jax.nn.softplus(
-                a.astype(jnp.float32) + dt_bias.astype(jnp.float32))
-            o, rec_state = ragged_gated_delta_rule(
-                q, k, v, g, beta, rec_state, slots, qsl, num_seqs, has_init, impl=impl,
-                interpret=self.interpret)
-            # Gated RMSNorm per value head: plain w, then * silu(z), in float32.
-            o32 = o.astype(jnp.float32)
-            o32 = o32 * jax.lax.rsqrt(jnp.mean(o32 * o32, axis=-1, keepdims=True) + eps)
-            o = (norm_w * o32.astype(o.dtype)).astype(jnp.float32)
-            o = (o * jax.nn.silu(z.astype(jnp.float32))).astype(z.dtype)
-            return o, conv_state, rec_state
+        local = partial(_mix_local, dk=dk, dv=dv, eps=eps, impl=impl, interpret=self.interpret)
 
         rep = PartitionSpec()
         # Axis 1 of the [T, heads, ...] activations and of the conv kernel, axis 0 of the

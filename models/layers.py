@@ -7,6 +7,7 @@ Weights are stored [in..., out...] so each projection is one einsum.
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import flax.linen as nn
@@ -27,6 +28,14 @@ INIT_STD = 0.02
 
 def logical_param(module: nn.Module, name: str, init, shape: tuple[int, ...], axes: tuple[str | None, ...],
            dtype: Dtype) -> jax.Array:
+    if module.has_variable("params", name):
+        # apply: read it. module.param would check its shape by tracing the initializer
+        # (jax.eval_shape, ~1 ms a param on every trace of every program).
+        value = nn.unbox(module.get_variable("params", name))
+        if value.shape != tuple(shape):
+            raise ValueError(f"param {'/'.join((*module.path, name))} has shape {value.shape}, "
+                             f"the model expects {tuple(shape)}")
+        return value
     return module.param(name, nn.with_logical_partitioning(init, axes), shape, dtype)
 
 
@@ -183,6 +192,22 @@ class Attention(nn.Module):
         return out, cache
 
 
+@partial(jax.jit, static_argnames=("sm_scale", "impl", "interpret"))
+def _write_and_attend(q, k, v, cache, slots, seq_lens, page_table, query_start_loc, num_seqs,
+                      first_page, *, sm_scale: float, impl: str, interpret: Any):
+    """One device's part of paged_attention. A jit of its own: jax traces it once per
+    shape, not once per layer (most of a forward's tracing on CPU, where the layers are
+    a Python loop), and XLA inlines it, so the compiled program is the same."""
+    page_size = cache.shape[2]
+    # Negative slots are dropped by write_kv: they must stay negative.
+    slots = jnp.where(slots < 0, slots, slots + first_page * page_size)
+    # Write first: a request may read pages that this very step fills.
+    cache = write_kv(cache, k, v, slots)
+    o = ragged_paged_attention(q, cache, seq_lens, page_table + first_page, query_start_loc,
+                               num_seqs, sm_scale=sm_scale, impl=impl, interpret=interpret)
+    return o, cache
+
+
 def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, cache: jax.Array,
                     inputs: ModelInputs, first_page: Any = 0, *, sm_scale: float, backend: str
                     ) -> tuple[jax.Array, jax.Array]:
@@ -194,17 +219,7 @@ def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, cache: jax.Array,
     and the cache never leaves its shard.
     """
     impl, interpret = backend_options(backend)
-
-    def local(q, k, v, cache, slots, seq_lens, page_table, query_start_loc, num_seqs, first_page):
-        page_size = cache.shape[2]
-        # Negative slots are dropped by write_kv: they must stay negative.
-        slots = jnp.where(slots < 0, slots, slots + first_page * page_size)
-        # Write first: a request may read pages that this very step fills.
-        cache = write_kv(cache, k, v, slots)
-        o = ragged_paged_attention(q, cache, seq_lens, page_table + first_page, query_start_loc,
-                                   num_seqs, sm_scale=sm_scale, impl=impl, interpret=interpret)
-        return o, cache
-
+    local = partial(_write_and_attend, sm_scale=sm_scale, impl=impl, interpret=interpret)
     heads, kv = heads_spec(3, 1), heads_spec(cache.ndim, KV_HEAD_AXIS)
     rep = PartitionSpec()
     fn = over_model_axis(local, in_specs=(heads, heads, heads, kv, rep, rep, rep, rep, rep, rep),

@@ -15,10 +15,10 @@ from flax.traverse_util import flatten_dict
 from safetensors.torch import load_file, save_file
 
 from models.config import ModelConfig
+from models.layer_stack import cache_shapes
 from models.registry import ARCHITECTURES, build_model, get_model_class
 from models.safetensors_io import SafeTensorsFile
 from models.weights import abstract_params, load_params, param_bytes, param_logical_axes
-from models.layer_stack import cache_shapes
 from tests.checkpoints import make_tiny_checkpoint
 from tests.models.batch_util import make_inputs
 
@@ -131,6 +131,24 @@ def test_wrong_shape_is_named(llama_dir, tmp_path):
         {"model.layers.0.self_attn.k_proj.weight": torch.zeros(16, 64)}))
     with pytest.raises(ValueError, match="model.layers.0.self_attn.k_proj.weight"):
         _load(path, jnp.float32)
+
+
+def test_a_param_of_the_wrong_shape_is_named_when_applied(llama_dir):
+    """apply reads params without flax's per-param initializer trace: its own check
+    still names a param whose shape the model does not expect."""
+    cfg = ModelConfig.from_pretrained(llama_dir)
+    model = build_model(cfg, jnp.float32)
+    params = load_params(llama_dir, cfg, model, jnp.float32)
+    w = params["layers_1"]["mlp"]["down_proj"]["kernel"]
+    params["layers_1"]["mlp"]["down_proj"]["kernel"] = w[:-1]
+    inputs, _ = make_inputs([(np.arange(3, 7), 0, [1])], num_tokens=8, num_rows=2)
+    caches = {k: jnp.zeros(s.shape, s.dtype) for k, s in cache_shapes(
+        cfg, num_pages=4, page_size=16, kv_dtype=jnp.float32, num_state_slots=0,
+        conv_state_dtype=jnp.float32).items()}
+    with pytest.raises(ValueError, match=r"param layers_1/mlp/down_proj/kernel has shape "
+                                         rf"\({w.shape[0] - 1}, {w.shape[1]}\), the model "
+                                         rf"expects \({w.shape[0]}, {w.shape[1]}\)"):
+        model.apply({"params": params}, caches, inputs)
 
 
 def test_missing_directory():
