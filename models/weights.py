@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
@@ -308,26 +309,56 @@ def _unrepeated(shape: tuple[int, ...], axis: int, repeat: int) -> tuple[int, ..
     return shape[:axis] + (shape[axis] // repeat,) + shape[axis + 1:]
 
 
+# Up to this many bytes of weights, dummy weights are drawn on the host with numpy: the
+# on-device program takes XLA:CPU ~2.5 s to compile for the tiny default model (a tenth
+# of its cold start), numpy 0.1 s to run; larger models are drawn on their devices.
+_HOST_DUMMY_BYTES = 256 * 2**20
+
+
 def _dummy_params(expected: dict[Path_, jax.ShapeDtypeStruct], dtype: jnp.dtype, seed: int,
                   shard_flat: dict[Path_, Any], repeat_axes: dict[Path_, int],
                   kv_head_repeat: int) -> dict:
     """Normal(0, 0.02) weights, ones for norms (zeros for (1 + w) norms), zeros for
-    biases, made on device.
+    biases, made on device (on the host for small models).
     Replicated KV heads are repeats, as from a checkpoint: any mesh gives the same model."""
     paths = sorted(expected)
 
-    def leaf(path: Path_, key: jax.Array) -> jax.Array:
-        sds, kind, axis = expected[path], path[-1], repeat_axes.get(path)
-        if kind == "scale":
-            return jnp.ones(sds.shape, dtype)
-        if kind in ("bias", "offset_scale"):
-            return jnp.zeros(sds.shape, dtype)
-        shape = sds.shape if axis is None else _unrepeated(sds.shape, axis, kv_head_repeat)
-        w = (0.02 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
-        return w if axis is None else jnp.repeat(w, kv_head_repeat, axis)
+    def drawn_shape(path: Path_) -> tuple[int, ...] | None:
+        """The shape to draw at random (before KV-head repeats); None: a constant."""
+        if path[-1] in ("scale", "bias", "offset_scale"):
+            return None
+        axis = repeat_axes.get(path)
+        shape = expected[path].shape
+        return shape if axis is None else _unrepeated(shape, axis, kv_head_repeat)
+
+    def finish(path: Path_, w: Any, xp: Any) -> Any:
+        """The drawn weight repeated per KV head, or the constant (xp: numpy or jnp)."""
+        shape = expected[path].shape
+        if path[-1] == "scale":
+            return xp.ones(shape, dtype)
+        if path[-1] in ("bias", "offset_scale"):
+            return xp.zeros(shape, dtype)
+        axis = repeat_axes.get(path)
+        return w if axis is None else xp.repeat(w, kv_head_repeat, axis)
+
+    total = sum(math.prod(expected[p].shape) for p in paths) * jnp.dtype(dtype).itemsize
+    if total <= _HOST_DUMMY_BYTES:
+        rng = np.random.default_rng(seed)
+        out = {}
+        for path in paths:
+            shape = drawn_shape(path)
+            w = None if shape is None else (0.02 * rng.standard_normal(shape, np.float32)).astype(dtype)
+            out[path] = jax.device_put(finish(path, w, np), _sharding_for(shard_flat, path))
+        return unflatten_dict(out)
 
     def make_all(key: jax.Array) -> dict:
-        return {path: leaf(path, jax.random.fold_in(key, i)) for i, path in enumerate(paths)}
+        out = {}
+        for i, path in enumerate(paths):
+            shape = drawn_shape(path)
+            w = None if shape is None else (
+                0.02 * jax.random.normal(jax.random.fold_in(key, i), shape, jnp.float32)).astype(dtype)
+            out[path] = finish(path, w, jnp)
+        return out
 
     # One program for every leaf: a jit per leaf compiled once per shape (56 compilations
     # before the tiny default model's first warmup program).

@@ -14,6 +14,7 @@ import torch
 from flax.traverse_util import flatten_dict
 from safetensors.torch import load_file, save_file
 
+from models import weights
 from models.config import ModelConfig
 from models.layer_stack import cache_shapes
 from models.registry import ARCHITECTURES, build_model, get_model_class
@@ -158,12 +159,19 @@ def test_missing_directory():
         load_params("/nonexistent/dir", cfg, build_model(cfg, jnp.float32), jnp.float32)
 
 
+@pytest.mark.parametrize("where", ["host", "device"])
 @pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])
-def test_dummy_weights(tmp_path, kind):
+def test_dummy_weights(tmp_path, kind, where, monkeypatch):
+    """Small models' dummy weights are drawn on the host, larger ones on their devices
+    (forced here by a zero threshold): the same kinds of values either way."""
+    if where == "device":
+        monkeypatch.setattr(weights, "_HOST_DUMMY_BYTES", 0)
     path = make_tiny_checkpoint(kind, tmp_path)
     cfg = ModelConfig.from_pretrained(path)
     model = build_model(cfg, jnp.bfloat16)
     params = load_params(None, cfg, model, jnp.bfloat16, load_format="dummy", seed=1)
+    again = load_params(None, cfg, model, jnp.bfloat16, load_format="dummy", seed=1)
+    other = load_params(None, cfg, model, jnp.bfloat16, load_format="dummy", seed=2)
     expected = flatten_dict(abstract_params(model))
     got = flatten_dict(params)
     assert got.keys() == expected.keys()
@@ -172,6 +180,8 @@ def test_dummy_weights(tmp_path, kind):
     assert np.all(np.asarray(got[("norm", "scale")], np.float32) == 1.0)
     emb = np.asarray(got[("embed_tokens", "embedding")], np.float32)
     assert abs(emb.std() - 0.02) < 0.003
+    np.testing.assert_array_equal(emb, np.asarray(again["embed_tokens"]["embedding"], np.float32))
+    assert not np.array_equal(emb, np.asarray(other["embed_tokens"]["embedding"], np.float32))
     n = sum(int(np.prod(s.shape)) for s in expected.values())
     assert param_bytes(params) == 2 * n
     # Same parameter count as the torch model (tied embeddings counted once).
