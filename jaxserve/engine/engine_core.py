@@ -5,6 +5,7 @@ import atexit
 import itertools
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, Iterator
@@ -74,7 +75,11 @@ class EngineCore:
         if config.load_format != "dummy" and not os.path.isdir(config.model):
             raise ValueError(f"model path {config.model!r} does not exist or is not a directory")
         self.model_config = mc = ModelConfig.from_pretrained(config.model)
-        self.tokenizer = _load_tokenizer(config.tokenizer or config.model)
+        # Importing transformers takes ~2 s of a 2-core CPU start: it overlaps the mesh,
+        # the model, its weights and the compilation, and is awaited once they are done.
+        tokenizer = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
+        tokenizer_loaded = tokenizer.submit(_load_tokenizer, config.tokenizer or config.model)
+        tokenizer.shutdown(wait=False)
         self.mesh = mesh if mesh is not None else make_mesh(config.mesh)
         if self.mesh.shape[DATA] != 1:
             raise ValueError(f"EngineCore runs one replica (a 1xM mesh), got mesh "
@@ -84,8 +89,6 @@ class EngineCore:
         self.layout = layout = engine_layout(config, mc, self.mesh)
         self.dtype = layout.dtype
         self.max_model_len = max_model_len = layout.max_model_len
-        self.inputs = InputProcessor(tokenizer=self.tokenizer, vocab_size=mc.vocab_size,
-                                     max_model_len=max_model_len)
         # Several processes (multi-host): process 0 schedules and publishes each step.
         self.channel = None
         if jax.process_count() > 1:
@@ -99,7 +102,6 @@ class EngineCore:
                            "is replicated on %d devices (%d KV heads stored, %d per device)",
                            mc.num_kv_heads, m, kv_heads // mc.num_kv_heads, kv_heads,
                            kv_heads // m)
-        self.eos_token_id = _eos_token_id(self.tokenizer, mc)
 
         progress.set_phase(LOADING_WEIGHTS, f"loading the weights of {config.model}")
         self.attention_backend = layout.attention_backend
@@ -142,10 +144,14 @@ class EngineCore:
                     kv_tokens / max_model_len)
 
         self.runner = make_runner(config, layout, model=self.model, params=self.params,
-                                  num_pages=self.num_pages, mesh=self.mesh,
-                                  eos_token_id=self.eos_token_id)
+                                  num_pages=self.num_pages, mesh=self.mesh)
         progress.set_phase(COMPILING, "listing the programs to compile")
         self.runner.warmup(partial(_report_compiling, progress))
+        self.tokenizer = tokenizer_loaded.result()
+        self.inputs = InputProcessor(tokenizer=self.tokenizer, vocab_size=mc.vocab_size,
+                                     max_model_len=max_model_len)
+        # The runner reads it at run time only (stop tokens banned before min_tokens).
+        self.eos_token_id = self.runner.eos_token_id = _eos_token_id(self.tokenizer, mc)
         self.scheduler = Scheduler(
             num_pages=self.num_pages, page_size=config.page_size,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.num_batched_tokens,
