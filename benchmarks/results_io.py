@@ -29,7 +29,8 @@ Snapshot = tuple[float, float, float]
 
 
 def cpu_snapshot() -> Snapshot | None:
-    """(busy CPU seconds of the whole machine, of this process, wall time), or None."""
+    """(busy CPU seconds of the whole machine, of this process and its children that
+    ended, wall time), or None. A benchmark's own servers are children: not "others"."""
     try:
         with open("/proc/stat", encoding="utf-8") as f:
             ticks = [int(x) for x in f.readline().split()[1:9]]
@@ -37,7 +38,7 @@ def cpu_snapshot() -> Snapshot | None:
         return None
     busy = (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")   # minus idle, iowait
     t = os.times()
-    return busy, t.user + t.system, time.monotonic()
+    return busy, t.user + t.system + t.children_user + t.children_system, time.monotonic()
 
 
 def other_load(start: Snapshot | None, end: Snapshot | None = None) -> float | None:
