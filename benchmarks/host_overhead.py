@@ -16,8 +16,8 @@ import time
 
 from jaxserve.core.request import Request
 from jaxserve.core.scheduler import Scheduler
-from jaxserve.runner.input_batch import InputBatchBuilder, pick_bucket, power_of_two_buckets
-from jaxserve.runner.model_runner import row_buckets
+from jaxserve.runner.buckets import pick_bucket, power_of_two_buckets, row_buckets
+from jaxserve.runner.input_batch import InputBatchBuilder
 from jaxserve.runner.sampler import SamplingRow, make_sampling_tensors, needs_penalties
 from jaxserve.sampling_params import SamplingParams
 

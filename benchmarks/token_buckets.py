@@ -35,14 +35,14 @@ ROOFLINE_CASES = (("qwen3.6-27b", "1x8", "tpu-v6e"), ("llama-3.1-8b", "1x1", "tp
 
 
 def ladders() -> dict[str, tuple[int, ...]]:
-    from jaxserve.runner.model_runner import midpoint_buckets, token_buckets
+    from jaxserve.runner.buckets import midpoint_buckets, token_buckets
     return {"fine (midpoints)": midpoint_buckets(16, MAX_TOKENS),
             "coarse (engine)": token_buckets(MAX_TOKENS)}
 
 
 def summarise(cost_of_bucket, ideal) -> list[dict[str, Any]]:
     """Per ladder and range: mean and max of cost(bucket(n)) / ideal(n)."""
-    from jaxserve.runner.input_batch import pick_bucket
+    from jaxserve.runner.buckets import pick_bucket
     out = []
     for name, ladder in ladders().items():
         for lo, hi in RANGES:
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     cpu = measure_cpu(args.iters)
     fine = ladders()["fine (midpoints)"]
-    from jaxserve.runner.input_batch import pick_bucket
+    from jaxserve.runner.buckets import pick_bucket
     rows = [{"where": "CPU, small Qwen3 (measured, vs the fine ladder)", **r}
             for r in summarise(lambda b: cpu[b], lambda n: cpu[pick_bucket(fine, n)])]
     for model, mesh, target in ROOFLINE_CASES:

@@ -10,24 +10,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from jaxserve.runner.buckets import pick_bucket
 from models.inputs import ModelInputs
-
-
-def power_of_two_buckets(smallest: int, largest: int) -> tuple[int, ...]:
-    """Powers of two from `smallest` until one covers `largest`."""
-    out, b = [], smallest
-    while True:
-        out.append(b)
-        if b >= largest:
-            return tuple(out)
-        b *= 2
-
-
-def pick_bucket(buckets: tuple[int, ...], n: int) -> int:
-    for b in buckets:
-        if b >= n:
-            return b
-    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
 @dataclass(frozen=True)

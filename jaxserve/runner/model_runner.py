@@ -30,8 +30,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxserve.runner.input_batch import (InputBatchBuilder, pick_bucket,
-                                         power_of_two_buckets)
+from jaxserve.runner.buckets import (page_buckets, pick_bucket, row_buckets,
+                                     sampling_row_buckets, token_buckets)
+from jaxserve.runner.input_batch import InputBatchBuilder
 from jaxserve.runner.layer_caches import layer_cache_specs, make_layer_caches
 from jaxserve.runner.parallel_compile import compile_all, default_compile_workers
 from jaxserve.runner.programs import (FORWARD, GREEDY, PENALTIES, PROMPT_LOGPROBS, RANDOM,
@@ -65,54 +66,9 @@ class _InFlight:
     prompt_lps: Any = None       # (device arrays, spans), or None
 
 
-def capped(ladder: tuple[int, ...], largest: int) -> tuple[int, ...]:
-    """The ladder's sizes below `largest`, then exactly `largest`."""
-    return tuple(b for b in ladder if b < largest) + (largest,)
-
-
-def capped_buckets(smallest: int, largest: int) -> tuple[int, ...]:
-    """Powers of two from `smallest`, then exactly `largest`."""
-    return capped(power_of_two_buckets(smallest, largest), largest)
-
-
-def midpoint_buckets(smallest: int, largest: int) -> tuple[int, ...]:
-    """Powers of two from `smallest` and the midpoints between them (16, 24, 32, 48, 64,
-    96, ...) until one covers `largest`: a step pads at most a third of its work
-    instead of half."""
-    out: list[int] = []
-    for b in power_of_two_buckets(smallest, largest):
-        if out:
-            out.append(b * 3 // 4)
-        out.append(b)
-    return tuple(out)
-
-
-# Below about this many tokens a step on an accelerator is bound by reading the weights
-# (v6e: 918 TFLOP/s over 1.6 TB/s, ~570 tokens for bf16 weights), so padding a step to
-# the next power of two costs little there; above, compute grows with the padding too.
-_COMPUTE_BOUND_TOKENS = 512
 # Prompt logprobs take the lm_head and the vocabulary's log_softmax over this many
 # tokens at a time: it bounds their float32 [tokens, V] temporaries.
 PROMPT_LOGPROBS_CHUNK = 256
-
-
-def token_buckets(largest: int) -> tuple[int, ...]:
-    """Powers of two from 16 (a step pads at most half) up to _COMPUTE_BOUND_TOKENS, then
-    the midpoints too (768, 1024, 1536, ...: at most a third) until one covers `largest`."""
-    return tuple(b for b in midpoint_buckets(16, largest)
-                 if b >= _COMPUTE_BOUND_TOKENS or b & (b - 1) == 0)
-
-
-def row_buckets(max_num_seqs: int) -> tuple[int, ...]:
-    """Rows the greedy sampler's lm_head computes (8, 12, 16, 24, ...), capped at
-    max_num_seqs: a decode step pads at most a third of its rows."""
-    return capped(midpoint_buckets(8, max_num_seqs), max_num_seqs)
-
-
-def sampling_row_buckets(max_num_seqs: int) -> tuple[int, ...]:
-    """Rows of the sampler that samples (8, 16, 32, ...): coarser, as it costs a program
-    per bucket (its lm_head pads at most half, ~free where it reads the weights)."""
-    return capped_buckets(8, max_num_seqs)
 
 
 class ModelRunner:
@@ -142,10 +98,10 @@ class ModelRunner:
         self.sampling_row_buckets = sampling_row_buckets(max_num_seqs)
         pages_per_req = -(-max_model_len // page_size)
         # The jnp reference attention reads whole page-table rows: bucket their width.
-        page_buckets = capped_buckets(4, pages_per_req) if context_buckets else None
+        widths = page_buckets(pages_per_req) if context_buckets else None
         self.builder = InputBatchBuilder(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                                          page_size=page_size, token_buckets=self.token_buckets,
-                                         page_buckets=page_buckets)
+                                         page_buckets=widths)
         # Per layer: a KV cache (KV heads as stored on this mesh), or recurrent state.
         cache_kw = dict(num_pages=num_pages, page_size=page_size, kv_dtype=kv_dtype,
                         num_state_slots=num_state_slots + 1 if num_state_slots else 0,

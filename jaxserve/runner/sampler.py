@@ -44,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.core.outputs import Logprob
+from jaxserve.runner.buckets import power_of_two_at_least
 from jaxserve.sampling_params import (MAX_BANNED_TOKENS, MAX_LOGPROBS, SAMPLING_EPS,
                                       SamplingParams)
 
@@ -116,10 +117,6 @@ def seed_to_key_data(seed: int) -> tuple[int, int]:
     return (seed >> 32) & _U32, seed & _U32
 
 
-def _bucket(n: int) -> int:
-    return max(_MIN_PENALTY_LEN, 1 << max(n - 1, 0).bit_length())
-
-
 def make_sampling_tensors(
     rows: Sequence[SamplingRow],
     num_rows_padded: int,
@@ -176,7 +173,8 @@ def make_sampling_tensors(
     if penalties:
         lengths = [len(row.prompt_token_ids) + len(row.output_token_ids) for row in rows]
         need = max(lengths, default=0)
-        length = _bucket(need) if penalty_len is None else penalty_len
+        length = (power_of_two_at_least(need, _MIN_PENALTY_LEN) if penalty_len is None
+                  else penalty_len)
         if need > length:
             raise ValueError(f"penalty_len={length} is shorter than a row's {need} tokens")
         ids = np.full((num_rows_padded, length), vocab_size, dtype=i32)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from jaxserve.runner.input_batch import pick_bucket
-from jaxserve.runner.model_runner import row_buckets, token_buckets
+from jaxserve.runner.buckets import (page_buckets, pick_bucket, power_of_two_at_least, row_buckets,
+                                     sampling_row_buckets, token_buckets)
 
 
 def test_ladders():
@@ -15,6 +15,19 @@ def test_ladders():
     assert row_buckets(64) == (8, 12, 16, 24, 32, 48, 64)
     assert row_buckets(100) == (8, 12, 16, 24, 32, 48, 64, 96, 100)
     assert row_buckets(5) == (5,)
+    assert sampling_row_buckets(100) == (8, 16, 32, 64, 100)
+    assert page_buckets(128) == (4, 8, 16, 32, 64, 128)
+    assert page_buckets(130) == (4, 8, 16, 32, 64, 128, 130)
+
+
+def test_power_of_two_at_least():
+    assert [power_of_two_at_least(n) for n in (0, 1, 2, 3, 16, 17)] == [1, 1, 2, 4, 16, 32]
+    assert power_of_two_at_least(5, 16) == 16 and power_of_two_at_least(17, 16) == 32
+
+
+def test_a_size_past_the_ladder_is_refused():
+    with pytest.raises(ValueError, match="2049 exceeds the largest bucket 2048"):
+        pick_bucket(token_buckets(2048), 2049)
 
 
 @pytest.mark.parametrize("ladder", [token_buckets(8192), row_buckets(64), row_buckets(100)])

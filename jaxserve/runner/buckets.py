@@ -1,0 +1,83 @@
+"""The bucket ladders: the fixed sizes a step is padded to, so that warmup compiles
+every program serving will run (a size off the ladder would compile mid-serving).
+
+Each ladder is a tuple of increasing sizes; a step takes the smallest that fits
+(`pick_bucket`). Powers of two pad at most half a step, with their midpoints at most
+a third, at the cost of more programs.
+"""
+from __future__ import annotations
+
+# Below about this many tokens a step on an accelerator is bound by reading the weights
+# (v6e: 918 TFLOP/s over 1.6 TB/s, ~570 tokens for bf16 weights), so padding a step to
+# the next power of two costs little there; above, compute grows with the padding too.
+_COMPUTE_BOUND_TOKENS = 512
+
+
+def pick_bucket(buckets: tuple[int, ...], n: int) -> int:
+    """The smallest bucket that holds n."""
+    for b in buckets:
+        if b >= n:
+            return b
+    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+
+
+def power_of_two_at_least(n: int, smallest: int = 1) -> int:
+    """The smallest power of two >= max(n, 1), and at least `smallest`."""
+    return max(smallest, 1 << max(n - 1, 0).bit_length())
+
+
+def power_of_two_buckets(smallest: int, largest: int) -> tuple[int, ...]:
+    """Powers of two from `smallest` until one covers `largest`."""
+    out, b = [], smallest
+    while True:
+        out.append(b)
+        if b >= largest:
+            return tuple(out)
+        b *= 2
+
+
+def capped(ladder: tuple[int, ...], largest: int) -> tuple[int, ...]:
+    """The ladder's sizes below `largest`, then exactly `largest`."""
+    return tuple(b for b in ladder if b < largest) + (largest,)
+
+
+def capped_buckets(smallest: int, largest: int) -> tuple[int, ...]:
+    """Powers of two from `smallest`, then exactly `largest`."""
+    return capped(power_of_two_buckets(smallest, largest), largest)
+
+
+def midpoint_buckets(smallest: int, largest: int) -> tuple[int, ...]:
+    """Powers of two from `smallest` and the midpoints between them (16, 24, 32, 48, 64,
+    96, ...) until one covers `largest`: a step pads at most a third of its work
+    instead of half."""
+    out: list[int] = []
+    for b in power_of_two_buckets(smallest, largest):
+        if out:
+            out.append(b * 3 // 4)
+        out.append(b)
+    return tuple(out)
+
+
+def token_buckets(largest: int) -> tuple[int, ...]:
+    """Tokens of the forward: powers of two from 16 (a step pads at most half) up to
+    _COMPUTE_BOUND_TOKENS, then the midpoints too (768, 1024, 1536, ...: at most a
+    third) until one covers `largest`."""
+    return tuple(b for b in midpoint_buckets(16, largest)
+                 if b >= _COMPUTE_BOUND_TOKENS or b & (b - 1) == 0)
+
+
+def row_buckets(max_num_seqs: int) -> tuple[int, ...]:
+    """Rows the greedy sampler's lm_head computes (8, 12, 16, 24, ...), capped at
+    max_num_seqs: a decode step pads at most a third of its rows."""
+    return capped(midpoint_buckets(8, max_num_seqs), max_num_seqs)
+
+
+def sampling_row_buckets(max_num_seqs: int) -> tuple[int, ...]:
+    """Rows of the sampler that samples (8, 16, 32, ...): coarser, as it costs a program
+    per bucket (its lm_head pads at most half, ~free where it reads the weights)."""
+    return capped_buckets(8, max_num_seqs)
+
+
+def page_buckets(pages_per_request: int) -> tuple[int, ...]:
+    """Page-table widths (4, 8, 16, ... pages, then exactly pages_per_request)."""
+    return capped_buckets(4, pages_per_request)
