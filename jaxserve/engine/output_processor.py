@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from jaxserve.core.detokenizer import IncrementalDetokenizer
 from jaxserve.core.outputs import CompletionOutput, RequestOutput
 from jaxserve.core.request import Request, RequestStatus
-from jaxserve.runner.sampler import make_logprob_dict
+from jaxserve.engine.detokenizer import IncrementalDetokenizer
+from jaxserve.engine.logprobs import make_logprob_dict
 
 
 @dataclass

@@ -43,7 +43,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.core.outputs import Logprob
 from jaxserve.runner.buckets import power_of_two_at_least
 from jaxserve.sampling_params import (MAX_BANNED_TOKENS, MAX_LOGPROBS, SAMPLING_EPS,
                                       SamplingParams)
@@ -384,45 +383,3 @@ def compute_prompt_logprobs(
     chosen, rank = _token_logprob_and_rank(logprobs, target_ids.astype(jnp.int32))
     top_values, top_ids = _top_logprobs(logprobs, MAX_LOGPROBS)
     return chosen, rank, top_values, top_ids
-
-
-# --- host helpers: device arrays (as numpy) -> vLLM's {token_id: Logprob} ---
-
-
-def make_logprob_dict(
-    token_id: int,
-    logprob: float,
-    rank: int,
-    top_ids: Sequence[int],
-    top_logprobs: Sequence[float],
-    num_logprobs: int,
-    decode: Callable[[int], str] | None = None,
-) -> dict[int, Logprob]:
-    """The chosen token first, then the `num_logprobs` most likely (ranks 1..k).
-
-    Entries with id < 0 (vocabulary smaller than asked) are skipped.
-    """
-    def entry(tid: int, lp: float, r: int) -> Logprob:
-        return Logprob(logprob=float(lp), rank=int(r), decoded_token=decode(tid) if decode else None)
-
-    out = {int(token_id): entry(int(token_id), logprob, rank)}
-    for i in range(min(num_logprobs, len(top_ids))):
-        tid = int(top_ids[i])
-        if tid >= 0 and tid not in out:
-            out[tid] = entry(tid, top_logprobs[i], i + 1)
-    return out
-
-
-def sampler_row_logprobs(
-    logprobs: np.ndarray,
-    logprob_token_ids: np.ndarray,
-    sampled_rank: np.ndarray,
-    row: int,
-    num_logprobs: int,
-    decode: Callable[[int], str] | None = None,
-) -> dict[int, Logprob]:
-    """`make_logprob_dict` for row `row` of a SamplerOutput (arrays already on host)."""
-    lp, ids = logprobs[row], logprob_token_ids[row]
-    return make_logprob_dict(
-        int(ids[0]), float(lp[0]), int(sampled_rank[row]), ids[1:], lp[1:], num_logprobs, decode
-    )

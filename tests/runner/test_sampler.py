@@ -19,12 +19,21 @@ from jaxserve.runner.sampler import (
     needs_penalties,
     only_greedy,
     sample,
-    sampler_row_logprobs,
     seed_to_key_data,
 )
+from jaxserve.engine.logprobs import make_logprob_dict
 from jaxserve.sampling_params import MAX_LOGPROBS, SamplingParams
 
 SAMPLE = jax.jit(sample, static_argnames=("penalties",))
+
+
+def sampler_row_logprobs(logprobs, logprob_token_ids, sampled_rank, row: int, num_logprobs: int,
+                         decode=None):
+    """make_logprob_dict for row `row` of a SamplerOutput read back to the host: column 0
+    is the sampled token, the rest the most likely ones (as the output processor reads it)."""
+    lp, ids = np.asarray(logprobs[row]), np.asarray(logprob_token_ids[row])
+    return make_logprob_dict(int(ids[0]), float(lp[0]), int(sampled_rank[row]), ids[1:], lp[1:],
+                             num_logprobs, decode)
 
 
 def run(logits, rows, penalties=False, num_rows=None, **kw):

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from jaxserve.core.detokenizer import IncrementalDetokenizer
+from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.tiny_tokenizer import make_tiny_tokenizer
 
 TEXTS = [
