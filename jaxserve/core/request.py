@@ -59,7 +59,7 @@ class Request:
 
     `sampling_params` is duck-typed; the core reads `max_tokens` (None: up
     to max_model_len), `min_tokens`, `ignore_eos`, `stop_token_ids` and, if
-    present, the three penalties from it.
+    present, `has_penalties`.
     """
 
     __slots__ = (
@@ -106,11 +106,7 @@ class Request:
         self._extend_block_hashes()
         # Only penalties need the token history on the device side; copying it
         # every step for every request would dominate scheduling time.
-        self.needs_output_history = (
-            getattr(sampling_params, "presence_penalty", 0.0) != 0.0
-            or getattr(sampling_params, "frequency_penalty", 0.0) != 0.0
-            or getattr(sampling_params, "repetition_penalty", 1.0) != 1.0
-        )
+        self.needs_output_history = getattr(sampling_params, "has_penalties", False)
 
     @property
     def num_tokens(self) -> int:

@@ -87,8 +87,7 @@ def _slim(sched_out):
     reqs = []
     for r in sched_out.requests:
         sp = r.sampling_params
-        keep = (sp.prompt_logprobs is not None or sp.presence_penalty != 0.0
-                or sp.frequency_penalty != 0.0 or sp.repetition_penalty != 1.0)
+        keep = sp.prompt_logprobs is not None or sp.has_penalties
         reqs.append(r if keep else dataclasses.replace(r, prompt_token_ids=()))
     return dataclasses.replace(sched_out, requests=reqs)
 

@@ -10,6 +10,7 @@ import pytest
 
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.scheduler import Scheduler
+from jaxserve.sampling_params import SamplingParams
 
 PS = 4
 EOS = 2
@@ -83,8 +84,8 @@ def test_chunked_prefill_token_accounting():
 def test_output_history_is_a_copy_only_with_penalties():
     s = sched()
     a = req("a", 3, max_tokens=8)
-    a.sampling_params.repetition_penalty = 1.2
-    a = Request("a", a.prompt_token_ids, a.sampling_params, page_size=PS)
+    a = Request("a", a.prompt_token_ids, SamplingParams(max_tokens=8, repetition_penalty=1.2),
+                page_size=PS)
     s.add_request(a)
     step(s)
     out, _ = step(s)
