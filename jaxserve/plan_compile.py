@@ -147,11 +147,11 @@ class SerialAfterFailure:
 
 
 def compile_program(runner: ModelRunner, program: Program, resident_bytes: int,
-                    gate: SerialAfterFailure | None = None) -> ProgramResult:
+                    gate: SerialAfterFailure) -> ProgramResult:
     """Lower and compile one program; a failure (e.g. RESOURCE_EXHAUSTED) is reported,
     with the error's first lines, not raised. resident_bytes: per device, what the
-    engine holds throughout (weights, KV pages, state)."""
-    gate = gate or SerialAfterFailure()
+    engine holds throughout (weights, KV pages, state). gate: shared by the programs of
+    one compile_plan."""
     start = time.perf_counter()
     try:
         with gate.turn():

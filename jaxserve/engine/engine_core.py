@@ -150,7 +150,7 @@ class EngineCore:
         self.tokenizer = tokenizer_loaded.result()
         self.inputs = InputProcessor(tokenizer=self.tokenizer, vocab_size=mc.vocab_size,
                                      max_model_len=max_model_len)
-        # The runner reads it at run time only (stop tokens banned before min_tokens).
+        # The runner reads it when it builds a step's inputs (stop tokens before min_tokens).
         self.eos_token_id = self.runner.eos_token_id = _eos_token_id(self.tokenizer, mc)
         self.scheduler = Scheduler(
             num_pages=self.num_pages, page_size=config.page_size,

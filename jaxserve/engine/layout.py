@@ -128,7 +128,7 @@ def layout_num_pages(config: EngineConfig, layout: EngineLayout, device: Any,
 
 
 def make_runner(config: EngineConfig, layout: EngineLayout, *, model, params, num_pages: int,
-                mesh: Mesh, eos_token_id: int | None = None, abstract: bool = False
+                mesh: Mesh, abstract: bool = False
                 ) -> ModelRunner:
     mc = layout.model_config
     return ModelRunner(
@@ -136,7 +136,7 @@ def make_runner(config: EngineConfig, layout: EngineLayout, *, model, params, nu
         num_state_slots=layout.num_state_slots, num_pages=num_pages,
         page_size=config.page_size, max_num_seqs=config.max_num_seqs,
         max_model_len=layout.max_model_len, max_num_batched_tokens=config.num_batched_tokens,
-        kv_dtype=layout.kv_dtype, eos_token_id=eos_token_id,
+        kv_dtype=layout.kv_dtype,
         # Only the reference reads whole page-table rows; the others stop at kv_len.
         context_buckets=layout.attention_backend == "reference", mesh=mesh,
         vocab_axis=layout.rules["vocab"], abstract=abstract)

@@ -74,7 +74,7 @@ PROMPT_LOGPROBS_CHUNK = 256
 class ModelRunner:
     def __init__(self, *, model, params, vocab_size: int, num_pages: int, page_size: int,
                  max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int, kv_dtype,
-                 num_state_slots: int = 0, eos_token_id: int | None = None,
+                 num_state_slots: int = 0,
                  context_buckets: bool = True, mesh=None, vocab_axis: str | None = None,
                  abstract: bool = False):
         """model.config: the model as it runs on this mesh (KV heads as stored);
@@ -91,7 +91,8 @@ class ModelRunner:
         # mesh axis for "vocab"), or whole.
         self._vocab_parallel = NamedSharding(self.mesh, PartitionSpec(None, vocab_axis))
         self.vocab_size = vocab_size
-        self.eos_token_id = eos_token_id
+        # Set by the engine once its tokenizer is loaded (after warmup: no program reads it).
+        self.eos_token_id: int | None = None
         self.max_model_len = max_model_len
         self.token_buckets = token_buckets(max_num_batched_tokens)
         self.row_buckets = row_buckets(max_num_seqs)
@@ -102,7 +103,7 @@ class ModelRunner:
         self.builder = InputBatchBuilder(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                                          page_size=page_size, token_buckets=self.token_buckets,
                                          page_buckets=widths)
-        # Per layer: a KV cache (KV heads as stored on this mesh), or recurrent state.
+        # The stacked caches (models/layer_stack.py): KV heads as stored on this mesh.
         cache_kw = dict(num_pages=num_pages, page_size=page_size, kv_dtype=kv_dtype,
                         num_state_slots=num_state_slots + 1 if num_state_slots else 0,
                         conv_state_dtype=model.dtype)
