@@ -60,6 +60,12 @@ def test_health_is_503_with_the_phase_until_ready_then_it_serves(tmp_path):
             assert time.monotonic() < deadline, srv.output()
             time.sleep(0.1)
         compiling = [s for s in seen if s["phase"] == startup.COMPILING]
+        # Before the first count the phase says it is listing its programs (no counts yet).
+        listing = [s for s in compiling if s["total"] is None]
+        assert all(s["done"] is None and s["detail"] == "listing the programs to compile"
+                   for s in listing), seen
+        assert compiling[:len(listing)] == listing, seen
+        compiling = compiling[len(listing):]
         # Programs compiled so far, never past the total nor backwards; at the total, the
         # compiled programs run once each before the engine is ready.
         assert compiling and all(0 <= s["done"] <= s["total"] for s in compiling), seen
