@@ -27,7 +27,7 @@ SMALL_QWEN3_ALIAS = "small-qwen3"   # benchmarks/common.py's random Qwen3 of the
 
 def resolve(model: str, load_format: str = "auto") -> str:
     """A local directory for `model`: "small-qwen3" is written on first use;
-    jaxserve.model_names resolves other aliases where it exists; otherwise `model` must
+    jaxserve.checkpoints.model_names resolves other aliases where it exists; otherwise `model` must
     be a directory."""
     if os.path.isdir(model):
         return model
@@ -36,12 +36,12 @@ def resolve(model: str, load_format: str = "auto") -> str:
         return make_small_qwen3(os.path.join(tempfile.gettempdir(),
                                              "jaxserve-bench-qwen3-small"))
     try:
-        from jaxserve.model_names import resolve_model
+        from jaxserve.checkpoints.model_names import resolve_model
     except ModuleNotFoundError as e:
-        if e.name != "jaxserve.model_names":
+        if e.name != "jaxserve.checkpoints.model_names":
             raise
         raise ValueError(f"{model!r} is not a directory (model aliases need "
-                         "jaxserve.model_names)") from None
+                         "jaxserve.checkpoints.model_names)") from None
     return resolve_model(model, load_format=load_format)
 
 

@@ -56,7 +56,7 @@ CASES = (
 def selection(programs: list) -> list:
     """The forward at the decode buckets of DECODE_ROWS and the largest, and the
     default selection's sampler."""
-    from jaxserve.plan_compile import default_selection
+    from jaxserve.planning.plan_compile import default_selection
     from jaxserve.runner.buckets import pick_bucket
     from jaxserve.runner.programs import FORWARD
 
@@ -69,8 +69,8 @@ def selection(programs: list) -> list:
 
 
 def run_case(case: Case) -> dict[str, Any]:
-    from jaxserve.plan import load_model_config, make_plan
-    from jaxserve.plan_compile import compile_plan
+    from jaxserve.planning.plan import load_model_config, make_plan
+    from jaxserve.planning.plan_compile import compile_plan
     from jaxserve.runner.buckets import pick_bucket
     from sharding.tpu_targets import tpu_target
 

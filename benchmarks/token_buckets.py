@@ -88,7 +88,7 @@ def measure_cpu(iters: int) -> dict[int, float]:
 
 def roofline(model: str, mesh: str, target_name: str):
     """Seconds of a step of n tokens per device on the chip's roofline."""
-    from jaxserve.plan import load_model_config, make_plan
+    from jaxserve.planning.plan import load_model_config, make_plan
     from sharding.tpu_targets import tpu_target
     target = tpu_target(target_name)
     plan = make_plan(load_model_config(model), model=model, mesh=mesh,

@@ -73,20 +73,12 @@ class EngineConfig:
         if self.num_batched_tokens < self.max_num_seqs:
             raise bad("max_num_batched_tokens", f"must be >= max_num_seqs ({self.max_num_seqs})")
         if self.mesh is not None:
+            # sharding owns the "DxM" format; imported here so that importing this
+            # module needs no jax.
+            from sharding.mesh import parse_mesh
             parse_mesh(self.mesh)
 
     @property
     def num_batched_tokens(self) -> int:
         """The per-step token budget (max_num_batched_tokens with its default)."""
         return self.max_num_batched_tokens or max(2048, self.max_num_seqs)
-
-
-def parse_mesh(mesh: str) -> tuple[int, int]:
-    """"DxM" -> (D, M), both >= 1."""
-    try:
-        d, m = (int(x) for x in mesh.lower().split("x"))
-    except ValueError:
-        raise ValueError(f"mesh={mesh!r}: expected 'DxM', e.g. '1x8'") from None
-    if d < 1 or m < 1:
-        raise ValueError(f"mesh={mesh!r}: both sizes must be >= 1")
-    return d, m

@@ -10,8 +10,8 @@ import argparse
 import logging
 import time
 
-from jaxserve.default_model import DEFAULT_MODEL_NAME, default_model_dir
-from jaxserve.model_configs import ALIASES
+from jaxserve.checkpoints.default_model import DEFAULT_MODEL_NAME, default_model_dir
+from jaxserve.checkpoints.model_configs import ALIASES
 
 logger = logging.getLogger("jaxserve")
 

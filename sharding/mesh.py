@@ -12,10 +12,19 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from jaxserve.config import parse_mesh   # the one "DxM" parser (host-only module)
-
 DATA, MODEL = "data", "model"
 AXES = (DATA, MODEL)
+
+
+def parse_mesh(mesh: str) -> tuple[int, int]:
+    """"DxM" -> (D, M), both >= 1."""
+    try:
+        d, m = (int(x) for x in mesh.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"mesh={mesh!r}: expected 'DxM', e.g. '1x8'") from None
+    if d < 1 or m < 1:
+        raise ValueError(f"mesh={mesh!r}: both sizes must be >= 1")
+    return d, m
 
 
 def make_mesh(spec: str | tuple[int, int] | None, devices=None) -> Mesh:

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from jaxserve.tiny_tokenizer import make_tiny_tokenizer
+from jaxserve.checkpoints.tiny_tokenizer import make_tiny_tokenizer
 
 # Small but non-trivial: GQA (4 q heads / 2 kv heads), several layers, llama3 RoPE scaling.
 _BASE: dict[str, Any] = dict(

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from jaxserve.model_configs import ALIASES
-from jaxserve.model_names import builtin_config, resolve_model
-from jaxserve.tiny_tokenizer import make_tiny_tokenizer
+from jaxserve.checkpoints.model_configs import ALIASES
+from jaxserve.checkpoints.model_names import builtin_config, resolve_model
+from jaxserve.checkpoints.tiny_tokenizer import make_tiny_tokenizer
 from models.config import ModelConfig
 
 MIB = 2**20

@@ -17,10 +17,10 @@ import jaxserve
 from jaxserve.api.loading import LoadingGate
 from jaxserve.api.metrics import Metrics
 from jaxserve.config import EngineConfig
-from jaxserve.default_model import DEFAULT_MODEL_NAME, default_model_dir
+from jaxserve.checkpoints.default_model import DEFAULT_MODEL_NAME, default_model_dir
 from jaxserve.engine.startup import STARTING, StartupProgress
-from jaxserve.model_configs import ALIASES
-from jaxserve.model_names import resolve_model
+from jaxserve.checkpoints.model_configs import ALIASES
+from jaxserve.checkpoints.model_names import resolve_model
 
 logger = logging.getLogger("jaxserve")
 
@@ -213,7 +213,7 @@ def _build_engine(args: argparse.Namespace, config: EngineConfig, served: str,
     from jaxserve.api.server import create_app
     from jaxserve.api.serving import ServerSettings
     from jaxserve.engine.async_engine import AsyncEngine
-    from jaxserve.plan import plan_for_engine
+    from jaxserve.planning.plan import plan_for_engine
 
     engine = AsyncEngine(config, on_fatal=on_fatal, progress=gate.progress)
     core = engine.core

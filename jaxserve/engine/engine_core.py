@@ -25,7 +25,7 @@ from jaxserve.engine.layout import (build_layout_model, engine_layout, layout_nu
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.startup import (ALLOCATING_KV_CACHE, COMPILING, LOADING_WEIGHTS,
                                      STARTING, StartupProgress)
-from jaxserve.model_names import resolve_model
+from jaxserve.checkpoints.model_names import resolve_model
 from jaxserve.runner import compile_counter
 from jaxserve.sampling_params import SamplingParams
 from models.config import ModelConfig

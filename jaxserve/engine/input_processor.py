@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from jaxserve.chat import render_chat
+from jaxserve.engine.chat_template import render_chat
 from jaxserve.sampling_params import MAX_BANNED_TOKENS, SamplingParams
 
 # Normalisers (NFC, for one) may merge a few characters into one before the tokenizer

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxserve.config import EngineConfig
-from jaxserve.runner.kv_budget import activation_bytes, choose_num_pages, page_bytes
+from jaxserve.planning.kv_budget import activation_bytes, choose_num_pages, page_bytes
 from jaxserve.runner.model_runner import ModelRunner
 from models.config import ModelConfig
 from models.registry import build_model

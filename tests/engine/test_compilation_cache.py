@@ -16,7 +16,7 @@ WORKER = """
 import json, logging, sys
 logging.basicConfig(level=logging.INFO)
 from jaxserve.config import EngineConfig
-from jaxserve.default_model import default_model_dir
+from jaxserve.checkpoints.default_model import default_model_dir
 from jaxserve.engine.data_parallel import make_engine
 from jaxserve.engine.startup import StartupProgress
 seen = []

@@ -5,7 +5,7 @@ import random
 import pytest
 
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
-from jaxserve.tiny_tokenizer import make_tiny_tokenizer
+from jaxserve.checkpoints.tiny_tokenizer import make_tiny_tokenizer
 
 TEXTS = [
     "Hello, my name is Alice and I like to write code.",

@@ -22,8 +22,8 @@ def test_flagship_on_tpu_within_budget():
     """Qwen3.6-27B as the engine builds it for a v6e 1x8 at its defaults (262,144 tokens,
     256 rows): counted on the abstract engine, nothing compiled."""
     from jaxserve.config import EngineConfig
-    from jaxserve.plan import load_model_config
-    from jaxserve.plan_compile import build_abstract_engine
+    from jaxserve.planning.plan import load_model_config
+    from jaxserve.planning.plan_compile import build_abstract_engine
     from sharding import replica_meshes
     from sharding.tpu_targets import abstract_tpu_mesh, tpu_target
     config = EngineConfig(model="qwen3.6-27b", mesh="1x8", load_format="dummy",

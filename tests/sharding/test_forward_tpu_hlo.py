@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import pytest
 
 from jaxserve.config import EngineConfig
-from jaxserve.plan import load_model_config
-from jaxserve.plan_compile import build_abstract_engine
+from jaxserve.planning.plan import load_model_config
+from jaxserve.planning.plan_compile import build_abstract_engine
 from jaxserve.runner.programs import FORWARD
 from sharding.tpu_targets import abstract_tpu_mesh, tpu_target
 from tests.checkpoints import make_tiny_checkpoint

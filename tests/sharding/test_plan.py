@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from jaxserve.plan import (
+from jaxserve.planning.plan import (
     BUILTIN_CONFIGS,
     WeightFigures,
     format_plan,
@@ -178,7 +178,7 @@ def test_the_cache_leaves_room_for_the_sampler():
     the cache shrinks by as much; with 8 rows the 10 % rule stands. The penalties' token
     history [rows, max_model_len] int32 comes on top (XLA:TPU: +260 MB of arguments at
     262,144 tokens, which took the default-context flagship past the chip)."""
-    from jaxserve.runner.kv_budget import SAMPLER_COPIES, kv_budget_bytes
+    from jaxserve.planning.kv_budget import SAMPLER_COPIES, kv_budget_bytes
     mc = load_model_config("qwen3.6-27b")
     kw = dict(model="qwen3.6-27b", mesh="1x8", max_model_len=8192, hbm_bytes=int(31.25 * GIB))
     p = make_plan(mc, **kw)

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from jaxserve.plan import main
+from jaxserve.planning.plan import main
 from tests.checkpoints import make_tiny_checkpoint
 
 pytest.importorskip("libtpu")
@@ -85,7 +85,7 @@ def test_planner_agrees_with_the_compiler(reports, mesh):
 def test_planner_agrees_on_a_hybrid_with_replicated_kv_heads(tmp_path):
     """Qwen3.5 (recurrent-state slots besides the pages) on 1x4: 2 KV heads replicated
     to 4, the state split by head."""
-    from jaxserve.plan_compile import compile_plan
+    from jaxserve.planning.plan_compile import compile_plan
     path = make_tiny_checkpoint("qwen3_5", tmp_path, num_attention_heads=8,
                                 num_key_value_heads=2, head_dim=128, linear_num_key_heads=4,
                                 linear_num_value_heads=8)
@@ -149,7 +149,7 @@ def test_a_step_past_a_compiler_limit_is_refused(tmp_path, capsys):
 
     from jaxserve.config import EngineConfig
     from jaxserve.engine.layout import engine_layout
-    from jaxserve.plan import load_model_config
+    from jaxserve.planning.plan import load_model_config
     from sharding.tpu_targets import abstract_tpu_mesh
 
     path = make_tiny_checkpoint("llama", tmp_path, num_attention_heads=16,
@@ -177,7 +177,7 @@ def test_a_step_past_a_compiler_limit_is_refused(tmp_path, capsys):
 
 def test_too_many_rows_for_the_gated_delta_kernel_are_refused():
     """The hybrid's decode kernel keeps 12 bytes per row in SMEM (its budget: 256 KiB)."""
-    from jaxserve.plan import load_model_config, make_plan
+    from jaxserve.planning.plan import load_model_config, make_plan
     mc = load_model_config("qwen3.6-27b")
     kw = dict(model="qwen3.6-27b", mesh="1x8", max_model_len=4096, platform="tpu")
     p = make_plan(mc, max_num_seqs=22_000, max_num_batched_tokens=22_000, **kw)

@@ -42,7 +42,7 @@ def default_model_dir(root: str | None = None) -> str:
     root = root or cache_root()
     path = os.path.join(root, DEFAULT_MODEL_NAME)
     if not os.path.exists(os.path.join(path, "tokenizer_config.json")):
-        from jaxserve.tiny_tokenizer import make_tiny_tokenizer
+        from jaxserve.checkpoints.tiny_tokenizer import make_tiny_tokenizer
         os.makedirs(path, exist_ok=True)
         with open(os.path.join(path, "config.json"), "w") as f:
             json.dump(_CONFIG, f, indent=2)

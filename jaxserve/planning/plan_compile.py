@@ -31,16 +31,17 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxserve.config import EngineConfig, parse_mesh
+from jaxserve.config import EngineConfig
 from jaxserve.engine.layout import (EngineLayout, build_layout_model, engine_layout,
                                     layout_num_pages, layout_param_shardings, make_runner)
-from jaxserve.plan import load_model_config, make_plan
-from jaxserve.plan_format import _gib
+from jaxserve.planning.plan import load_model_config, make_plan
+from jaxserve.planning.plan_format import _gib
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.runner.parallel_compile import compile_all, default_compile_workers
 from jaxserve.runner.programs import FORWARD, PENALTIES, SAMPLE, Program
 from models.weights import placed_abstract_params
 from sharding import bytes_per_device, replica_meshes
+from sharding.mesh import parse_mesh
 from sharding.tpu_targets import abstract_tpu_mesh, tpu_target
 
 # The error's first lines are enough to tell SMEM from HBM from a lowering bug.

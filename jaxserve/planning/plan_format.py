@@ -1,10 +1,10 @@
-"""The printout of a jaxserve.plan.Plan (`python -m jaxserve.plan`, the server's start-up log)."""
+"""The printout of a jaxserve.planning.plan.Plan (`python -m jaxserve.plan`, the server's start-up log)."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from jaxserve.plan import Plan
+    from jaxserve.planning.plan import Plan
 
 
 def _gib(n: float) -> str:

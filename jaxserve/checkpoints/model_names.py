@@ -17,8 +17,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from jaxserve.default_model import cache_root
-from jaxserve.model_configs import ALIASES, BUILTIN_CONFIGS
+from jaxserve.checkpoints.default_model import cache_root
+from jaxserve.checkpoints.model_configs import ALIASES, BUILTIN_CONFIGS
 
 logger = logging.getLogger("jaxserve")
 
@@ -171,7 +171,7 @@ def _materialise_dummy(alias: str, repo_id: str, config: dict, tokenizer_src: Pa
 
 
 def _write_tiny_tokenizer(out: Path, vocab_size: int) -> None:
-    from jaxserve.tiny_tokenizer import make_tiny_tokenizer
+    from jaxserve.checkpoints.tiny_tokenizer import make_tiny_tokenizer
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
     try:
         make_tiny_tokenizer(str(tmp), vocab_size=vocab_size)

@@ -1,0 +1,355 @@
+"""`python -m jaxserve.plan`: what a model needs on a "DxM" mesh, computed from its config.
+
+    python -m jaxserve.plan --model qwen3-8b --mesh 1x8 --hbm 80GiB
+    python -m jaxserve.plan --model qwen3-8b --mesh 1x8 --target tpu-v6e --compile [all] [--json]
+
+--compile builds the engine for a TPU target with abstract weights and compiles its
+warmup programs with the real XLA:TPU compiler on this host (jaxserve/plan_compile.py).
+
+Every figure comes from the model config and the same code the engine runs:
+parameter shapes from the flax model (jax.eval_shape, nothing allocated), their
+placement from sharding/rules.py (including KV heads replicated when M does not
+divide them), the KV page layout of the cache. Nothing here is a hand-typed size
+except the built-in configs (jaxserve/model_configs.py), copied from their
+published config.json.
+
+Memory: the engine's own rule -- the KV cache gets hbm_utilization (0.9) of the
+device memory (--hbm) that the weights leave, but never the estimated peak of a
+program's temporaries (the forward's at the largest token bucket or the
+sampler's over max_num_seqs rows); the rest is the reserve for activations,
+XLA's workspace and fragmentation. Hybrid models (Qwen3.5/3.6) keep a KV cache only in
+their full-attention layers; their linear-attention layers carry a fixed
+recurrent state per sequence, for which the engine takes max_num_seqs + 1 slots
+out of that budget first and pages the rest. Communication: Megatron
+tensor parallelism all-reduces the [tokens, hidden] activations twice per layer
+(after o_proj and after the MLP's down_proj) plus once for the vocab-parallel
+embedding; a ring all-reduce moves 2 (M-1)/M of the buffer through every device's
+link in each direction.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from jaxserve.checkpoints.model_configs import ALIASES, BUILTIN_CONFIGS  # noqa: F401  (one source)
+from jaxserve.planning.plan_format import format_plan
+from jaxserve.planning.kv_budget import activation_bytes, kv_budget_bytes
+
+# NVLink 4 on an H100 SXM: 18 links x 25 GB/s = 450 GB/s per direction per GPU.
+DEFAULT_LINK_GBPS = 450.0
+_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """"80GiB", "80GB", "85899345920" -> bytes."""
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"size {text!r}: expected a number with an optional unit "
+                         f"(B, KB, MB, GB, KiB, MiB, GiB, ...)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def load_model_config(model: str):
+    """An alias or its repo id (built-in config), a config.json path, a checkpoint
+    directory or a repo id in the local Hugging Face cache (config only, no weights)."""
+    from jaxserve.checkpoints.model_names import builtin_config, resolve_model
+    from models.config import ModelConfig
+    config = builtin_config(model)
+    if config is not None:
+        return ModelConfig.from_hf_dict(config)
+    if Path(model).is_file():
+        with open(model) as f:
+            return ModelConfig.from_hf_dict(json.load(f))
+    return ModelConfig.from_pretrained(resolve_model(model, load_format="dummy"))
+
+
+@dataclass(frozen=True)
+class WeightFigures:
+    """Parameter count and bytes of one replica's weights on a 1xM mesh."""
+    num_params: int
+    weight_bytes: int                 # one replica, all devices
+    bytes_per_device: int
+    replicated_bytes: int             # of bytes_per_device, held by every device
+
+
+def weight_figures(mc, m: int, dtype: str) -> WeightFigures:
+    """From the flax model's parameter shapes (jax.eval_shape: nothing allocated) and
+    their placement by sharding/rules.py."""
+    from flax.traverse_util import flatten_dict
+
+    from models.registry import build_model
+    from models.weights import abstract_params, param_logical_axes
+    from sharding import MODEL, kv_head_layout, logical_to_mesh, mesh_rules
+
+    kv_heads = kv_head_layout(mc.num_heads, mc.num_kv_heads, m)
+    module = build_model(replace(mc, num_kv_heads=kv_heads), dtype, "reference")
+    shapes = flatten_dict(abstract_params(module))
+    axes = flatten_dict(param_logical_axes(module))
+    rules = mesh_rules(mc, m)
+    per_device = replicated = total = num_params = 0
+    for path, sds in shapes.items():
+        nbytes = sds.size * _ITEMSIZE[dtype]
+        split = m if MODEL in tuple(logical_to_mesh(axes[path], rules)) else 1
+        # Replicated KV heads are the same parameters again: count them once.
+        unique = sds.size * mc.num_kv_heads // kv_heads if "kv_heads" in tuple(axes[path]) \
+            else sds.size
+        num_params += unique
+        total += unique * _ITEMSIZE[dtype]
+        per_device += nbytes // split
+        replicated += nbytes if split == 1 else 0
+    return WeightFigures(num_params, total, per_device, replicated)
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: str
+    mesh: tuple[int, int]
+    dtype: str
+    kv_dtype: str
+    num_params: int
+    weight_bytes: int                 # one replica, all devices
+    weight_bytes_per_device: int
+    replicated_param_bytes: int       # of weight_bytes_per_device, held by every device
+    kv_heads: int                     # as the model has them
+    kv_heads_stored: int              # across the model axis (replicated heads when K % M)
+    kv_bytes_per_token_per_device: int
+    num_layers: int
+    full_attention_layers: int        # layers with a KV cache (all but a hybrid's linear ones)
+    state_bytes_per_seq: int          # hybrid: recurrent state of one sequence, whole
+    state_bytes_per_seq_per_device: int
+    state_layout: str                 # what the state is made of, for the printout
+    hidden_size: int
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    activation_bytes: int             # estimated peak of one step, per device
+    hbm_bytes: int | None
+    hbm_utilization: float
+    link_gbps: float
+    compiler_limit: str | None = None  # TPU: why the largest step would not compile
+
+    @property
+    def free_after_weights(self) -> int:
+        return max(0, (self.hbm_bytes or 0) - self.weight_bytes_per_device)
+
+    @property
+    def kv_budget_bytes(self) -> int:
+        """What the engine gives the KV cache (and a hybrid's state slots): hbm_utilization
+        of what the weights leave, less any activations past the rest (kv_budget)."""
+        return kv_budget_bytes(self.free_after_weights, self.hbm_utilization,
+                               self.activation_bytes)
+
+    @property
+    def reserve_bytes(self) -> int:
+        return self.free_after_weights - self.kv_budget_bytes
+
+    @property
+    def is_hybrid(self) -> bool:
+        return self.state_bytes_per_seq > 0
+
+    @property
+    def state_slots(self) -> int:
+        """Recurrent-state slots the engine allocates up front: max_num_seqs + 1."""
+        return self.max_num_seqs + 1 if self.is_hybrid else 0
+
+    @property
+    def state_budget_bytes(self) -> int:
+        return self.state_slots * self.state_bytes_per_seq_per_device
+
+    @property
+    def page_budget_bytes(self) -> int:
+        """The KV budget less the state slots: what the KV pages get."""
+        return max(0, self.kv_budget_bytes - self.state_budget_bytes)
+
+    @property
+    def kv_tokens(self) -> int:
+        return self.page_budget_bytes // self.kv_bytes_per_token_per_device
+
+    @property
+    def max_sequences(self) -> int:
+        """Full-length (max_model_len) sequences that fit at once; a hybrid model also
+        runs at most max_num_seqs (one state slot each)."""
+        seqs = self.kv_tokens // self.max_model_len
+        if self.is_hybrid and self.state_budget_bytes > self.kv_budget_bytes:
+            return 0
+        return min(seqs, self.max_num_seqs) if self.is_hybrid else seqs
+
+    @property
+    def memory_fits(self) -> bool:
+        """max_num_seqs sequences of max_model_len tokens fit next to the weights."""
+        return (self.kv_budget_bytes > 0 and self.state_budget_bytes <= self.kv_budget_bytes
+                and self.max_num_seqs * self.max_model_len <= self.kv_tokens)
+
+    @property
+    def fits(self) -> bool:
+        """The memory fits and no compiler limit stands in the way."""
+        return self.memory_fits and self.compiler_limit is None
+
+    @property
+    def allreduce_bytes_per_token_per_layer(self) -> int:
+        act = _ITEMSIZE[self.dtype]
+        return 0 if self.mesh[1] == 1 else 2 * self.hidden_size * act
+
+    def allreduce_seconds(self, nbytes: float) -> float:
+        m = self.mesh[1]
+        return 0.0 if m == 1 else 2 * (m - 1) / m * nbytes / (self.link_gbps * 1e9)
+
+
+def make_plan(mc, *, model: str, mesh: str, dtype: str = "auto", kv_cache_dtype: str = "auto",
+              max_model_len: int | None = None, max_num_seqs: int = 256,
+              max_num_batched_tokens: int | None = None, hbm_bytes: int | None = None,
+              hbm_utilization: float = 0.9, link_gbps: float = DEFAULT_LINK_GBPS,
+              weights: WeightFigures | None = None, platform: str | None = None,
+              page_size: int = 16) -> Plan:
+    """weights: the parameter figures if known; by default from the flax model (which
+    needs the model class of mc.architecture). platform "tpu": also check the limits
+    of the TPU compiler that the kernels cannot stream around (compiler_limit)."""
+    from sharding.mesh import parse_mesh
+    from sharding import check_model_axis, kv_head_layout
+
+    d, m = parse_mesh(mesh)
+    check_model_axis(mc, m)
+    dtype = (mc.dtype if mc.dtype in _ITEMSIZE else "float32") if dtype == "auto" else dtype
+    kv_dtype = dtype if kv_cache_dtype == "auto" else kv_cache_dtype
+    for name, value in (("dtype", dtype), ("kv_cache_dtype", kv_dtype)):
+        if value not in _ITEMSIZE:
+            raise ValueError(f"{name}={value!r}: expected one of {tuple(_ITEMSIZE)}")
+    kv_heads = kv_head_layout(mc.num_heads, mc.num_kv_heads, m)
+    w = weights or weight_figures(mc, m, dtype)
+    max_model_len = max_model_len or mc.max_position_embeddings
+    tokens = max_num_batched_tokens or max(2048, max_num_seqs)
+    full = len(mc.full_attention_layers)
+    kv_tok = full * 2 * (kv_heads // m) * mc.head_dim * _ITEMSIZE[kv_dtype]
+    state, state_dev, layout = _state_figures(mc, m, dtype)
+    limit = None
+    if platform == "tpu":
+        from jaxserve.engine.layout import tpu_kernel_limit_error
+        limit = tpu_kernel_limit_error(mc, kv_heads, num_tokens=tokens, rows=max_num_seqs,
+                                       max_model_len=max_model_len, page_size=page_size)
+    return Plan(
+        model=f"{model} ({mc.architecture})", mesh=(d, m), dtype=dtype,
+        kv_dtype=kv_dtype, num_params=w.num_params, weight_bytes=w.weight_bytes,
+        weight_bytes_per_device=w.bytes_per_device, replicated_param_bytes=w.replicated_bytes,
+        kv_heads=mc.num_kv_heads, kv_heads_stored=kv_heads, kv_bytes_per_token_per_device=kv_tok,
+        num_layers=mc.num_layers, full_attention_layers=full, state_bytes_per_seq=state,
+        state_bytes_per_seq_per_device=state_dev, state_layout=layout,
+        hidden_size=mc.hidden_size, max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=tokens,
+        activation_bytes=activation_bytes(mc, m, tokens, max_num_seqs, _ITEMSIZE[dtype],
+                                          max_model_len),
+        hbm_bytes=hbm_bytes, hbm_utilization=hbm_utilization, link_gbps=link_gbps,
+        compiler_limit=limit)
+
+
+def _state_figures(mc, m: int, dtype: str) -> tuple[int, int, str]:
+    """(state bytes per sequence, per device, description) of a hybrid model; zeros else.
+    The conv state is in the model dtype; the state is split by key-head group over M
+    (sharding.check_model_axis requires M to divide the key heads)."""
+    if not mc.is_hybrid:
+        return 0, 0, ""
+    whole = mc.state_bytes_per_seq(_ITEMSIZE[dtype])
+    split = m
+    layout = (f"{len(mc.linear_attention_layers)} linear-attention layers x (conv "
+              f"{mc.linear_conv_kernel_dim - 1} x {mc.linear_conv_dim} {dtype} + delta rule "
+              f"{mc.linear_num_value_heads} x {mc.linear_key_head_dim} x "
+              f"{mc.linear_value_head_dim} float32)")
+    return whole, whole // split, layout
+
+
+def plan_for_engine(core) -> str:
+    """The plan of a running engine (EngineCore or DataParallelEngine), for the server's
+    start-up log; device memory from the first device's stats (unknown on CPU)."""
+    import jax
+    import jax.numpy as jnp
+
+    cfg = core.config
+    stats = jax.devices()[0].memory_stats() or {}
+    plan = make_plan(core.model_config, model=cfg.model, mesh=cfg.mesh or "1x1",
+                     dtype=jnp.dtype(core.dtype).name, kv_cache_dtype=cfg.kv_cache_dtype,
+                     max_model_len=core.max_model_len, max_num_seqs=cfg.max_num_seqs,
+                     max_num_batched_tokens=cfg.num_batched_tokens,
+                     hbm_bytes=stats.get("bytes_limit"), hbm_utilization=cfg.hbm_utilization)
+    return format_plan(plan)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m jaxserve.plan", description=__doc__.split("\n")[0])
+    ap.add_argument("--model", required=True,
+                    help="an alias (" + ", ".join(ALIASES) + ") or its repo id, a checkpoint "
+                         "dir, a config.json, or a repo id in the local Hugging Face cache")
+    ap.add_argument("--mesh", default="1x1", help="'DxM' (data x model parallel)")
+    ap.add_argument("--hbm", default=None, help="memory per device, e.g. 80GiB")
+    ap.add_argument("--hbm-utilization", type=float, default=0.9,
+                    help="share of the memory left after the weights that the KV cache gets; "
+                         "the rest is the activation reserve")
+    ap.add_argument("--max-model-len", type=int, default=None)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None)
+    ap.add_argument("--dtype", default="auto", help="auto, bfloat16, float16, float32")
+    ap.add_argument("--kv-cache-dtype", default="auto")
+    ap.add_argument("--interconnect-gbps", type=float, default=DEFAULT_LINK_GBPS,
+                    help="link bandwidth per direction per device in GB/s (default: NVLink 4 "
+                         "on H100 SXM, 450)")
+    ap.add_argument("--target", default=None, help="a TPU (tpu-v5e, tpu-v6e, tpu-v5p): its "
+                    "usable HBM per chip; with --compile, the chip to compile for")
+    ap.add_argument("--compile", nargs="?", const="default", choices=("default", "all"),
+                    default=None, help="compile the engine's warmup programs for --target on "
+                    "this host: the smallest and largest forward token bucket and the costliest "
+                    "sampler (penalties, largest row bucket), or 'all' of them")
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    args = ap.parse_args(argv)
+    try:
+        if args.target and args.hbm:
+            raise ValueError("give --hbm or --target (which sets the HBM), not both")
+        if args.compile:
+            if not args.target:
+                raise ValueError("--compile needs --target (tpu-v5e, tpu-v6e or tpu-v5p)")
+            return _compile(args)
+        hbm = _target_hbm(args.target) if args.target else \
+            parse_bytes(args.hbm) if args.hbm else None
+        mc = load_model_config(args.model)
+        plan = make_plan(mc, model=args.model, mesh=args.mesh, dtype=args.dtype,
+                         kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len,
+                         max_num_seqs=args.max_num_seqs,
+                         max_num_batched_tokens=args.max_num_batched_tokens,
+                         hbm_bytes=hbm, hbm_utilization=args.hbm_utilization,
+                         link_gbps=args.interconnect_gbps,
+                         platform="tpu" if args.target else None)
+    except ValueError as e:
+        ap.exit(2, f"error: {e}\n")
+    print(json.dumps(asdict(plan)) if args.json else format_plan(plan))
+
+
+def _target_hbm(target: str) -> int:
+    """What the engine would see as the chip's memory (the runtime keeps the rest)."""
+    from sharding.tpu_targets import tpu_target
+    return tpu_target(target).usable_hbm_bytes
+
+
+def _compile(args) -> None:
+    """--compile: build the engine for --target, compile, print the report."""
+    import sys
+
+    from jaxserve.planning.plan_compile import compile_plan, format_report
+
+    def progress(r) -> None:   # flagship programs take minutes each: say what is done
+        state = "compiled" if r.compiled else "FAILED"
+        print(f"[plan] {r.name} {r.tokens or r.rows}: {state} in {r.compile_seconds:.1f} s",
+              file=sys.stderr, flush=True)
+
+    kw = {k: v for k, v in (("max_model_len", args.max_model_len),
+                            ("max_num_batched_tokens", args.max_num_batched_tokens)) if v}
+    report = compile_plan(args.model, target=args.target, mesh=args.mesh, select=args.compile,
+                          progress=progress, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+                          max_num_seqs=args.max_num_seqs, hbm_utilization=args.hbm_utilization,
+                          **kw)
+    print(json.dumps(report.to_json()) if args.json else format_report(report))
+
+
+if __name__ == "__main__":
+    main()
