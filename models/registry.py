@@ -33,10 +33,16 @@ def get_model_class(architecture: str) -> type:
                          f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}") from None
 
 
+# What weights and activations may be computed in; "auto" falls back to float32 when
+# the checkpoint names none of them.
+SERVING_DTYPES = ("float32", "bfloat16", "float16")
+
+
 def resolve_dtype(dtype: Any, config: ModelConfig) -> jnp.dtype:
-    """"auto" (or None) -> the checkpoint's dtype (float32 when config.json names none)."""
+    """"auto" (or None) -> the checkpoint's dtype (float32 when config.json names none
+    of SERVING_DTYPES). The one rule for the engine, the planner and the loader."""
     if dtype is None or (isinstance(dtype, str) and dtype == "auto"):
-        dtype = config.dtype or "float32"
+        dtype = config.dtype if config.dtype in SERVING_DTYPES else "float32"
     try:
         return jnp.dtype(dtype)
     except TypeError:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from jaxserve.core.block_pool import BlockPool, KVCacheBlock
 from jaxserve.core.request import Request
+from jaxserve.core.state_slots import StateSlotPool
 
 
 class _ReqPages:
@@ -38,10 +39,10 @@ class KVCacheManager:
     `cache_salt` (n>1 siblings share their prompt pages even with caching off;
     the salt keeps those pages invisible to every other request).
 
-    Hybrid models (num_state_slots > 0) also give each request one recurrent-state
-    slot (1..num_state_slots; 0 is the null slot of padding rows) with its first
-    pages, returned with them. Their requests never share pages: a prefix hit would
-    skip the tokens that build the recurrent state.
+    Hybrid models (num_state_slots > 0: the cache plan's count, the null slot 0
+    included) also give each request one recurrent-state slot (a StateSlotPool) with
+    its first pages, returned with them. Their requests never share pages: a prefix
+    hit would skip the tokens that build the recurrent state.
     """
 
     def __init__(self, num_pages: int, page_size: int, enable_caching: bool = True,
@@ -52,9 +53,8 @@ class KVCacheManager:
             raise ValueError(f"num_state_slots must be >= 0, got {num_state_slots}")
         self.num_pages = num_pages
         self.page_size = page_size
-        self.num_state_slots = num_state_slots
         self.enable_caching = enable_caching
-        self.free_state_slots = list(range(num_state_slots, 0, -1))   # pop() gives 1 first
+        self.state_slots = StateSlotPool(num_state_slots) if num_state_slots else None
         # The pool always caches; this manager decides which requests take part.
         self.pool = BlockPool(num_pages, enable_caching=True)
         self.req_pages: dict[str, _ReqPages] = {}
@@ -63,7 +63,8 @@ class KVCacheManager:
 
     def _shares_pages(self, request: Request) -> bool:
         """Whether the request takes part in the prefix cache (never on hybrid models)."""
-        return not self.num_state_slots and (self.enable_caching or request.cache_salt is not None)
+        return self.state_slots is None and (self.enable_caching
+                                             or request.cache_salt is not None)
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest cached prefix of the request, in whole pages. At least one
@@ -120,10 +121,10 @@ class KVCacheManager:
                 return None
         if rp is None:
             state_slot = 0
-            if self.num_state_slots:
-                if not self.free_state_slots:
+            if self.state_slots is not None:
+                state_slot = self.state_slots.allocate()
+                if state_slot is None:
                     return None
-                state_slot = self.free_state_slots.pop()
             rp = self.req_pages[rid] = _ReqPages(state_slot)
         if computed:
             if rp.blocks:
@@ -174,7 +175,7 @@ class KVCacheManager:
         if rp is not None:
             self.pool.free_blocks(reversed(rp.blocks))
             if rp.state_slot:
-                self.free_state_slots.append(rp.state_slot)
+                self.state_slots.free(rp.state_slot)
 
     def get_block_ids(self, request_id: str) -> list[int]:
         """A copy of the request's page ids, in order."""

@@ -128,9 +128,10 @@ class Scheduler:
         # loop forever: a pool smaller than max_model_len caps lengths too.
         self.max_len = min(max_model_len, (num_pages - 1) * page_size)
         self.policy = policy
-        if num_state_slots and num_state_slots < max_num_seqs:
-            raise ValueError(f"num_state_slots={num_state_slots} < max_num_seqs={max_num_seqs}: "
-                             f"every running request of a hybrid model needs a state slot")
+        if num_state_slots and num_state_slots - 1 < max_num_seqs:
+            raise ValueError(f"num_state_slots={num_state_slots} (the null slot included) < "
+                             f"max_num_seqs + 1 = {max_num_seqs + 1}: every running request "
+                             f"of a hybrid model needs a state slot")
         self.kv = KVCacheManager(num_pages, page_size, enable_prefix_caching, num_state_slots)
         self.requests: dict[str, Request] = {}  # unfinished only
         self.running: list[Request] = []

@@ -65,6 +65,7 @@ class DataParallelEngine:
         self.max_model_len = first.max_model_len
         self.dtype = first.dtype
         self.num_pages = first.num_pages             # per replica
+        self.cache_plan = first.cache_plan           # per replica
         self.weight_bytes = first.weight_bytes       # per replica
         self.weight_bytes_per_device = first.weight_bytes_per_device
         self.eos_token_id = first.eos_token_id

@@ -20,7 +20,7 @@ from jaxserve.core.scheduler import Scheduler, SchedulerOutput, SchedulerStats
 from jaxserve.engine import multihost
 from jaxserve.engine.errors import EngineDeadError
 from jaxserve.engine.input_processor import InputProcessor
-from jaxserve.engine.layout import (build_layout_model, engine_layout, layout_num_pages,
+from jaxserve.engine.layout import (build_layout_model, engine_layout, layout_cache_plan,
                                     layout_param_shardings, make_runner)
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.startup import (ALLOCATING_KV_CACHE, COMPILING, LOADING_WEIGHTS,
@@ -124,27 +124,22 @@ class EngineCore:
                     "(model axis %d)", config.model, mc.architecture, jnp.dtype(self.dtype).name,
                     self.weight_bytes / 2**30, self.weight_bytes_per_device / 2**30, m)
 
-        self.num_state_slots = layout.num_state_slots
         self.prefix_caching = config.enable_prefix_caching and not mc.is_hybrid
         if mc.is_hybrid:
-            logger.info("hybrid model: %d of %d layers are linear attention with recurrent state "
-                        "(%d slots, %.2f GiB per device); KV pages for the other %d layers; "
-                        "prefix caching is off", len(mc.linear_attention_layers), mc.num_layers,
-                        self.num_state_slots, layout.state_bytes / 2**30,
+            logger.info("hybrid model: %d of %d layers are linear attention with recurrent "
+                        "state, the other %d keep KV pages; prefix caching is off",
+                        len(mc.linear_attention_layers), mc.num_layers,
                         len(mc.full_attention_layers))
         progress.set_phase(ALLOCATING_KV_CACHE, "sizing and allocating the KV cache")
-        # Pages are sized per device: each device holds kv_heads / M heads of every page.
-        self.num_pages = layout_num_pages(config, layout, self.mesh.devices.flat[0])
+        # Sized per device: each device holds kv_heads / M heads of every page.
+        plan = layout_cache_plan(config, layout, self.mesh.devices.flat[0])
         if self.channel is not None:   # every process must build the same cache shape
-            self.num_pages = multihost.agree_on_min(self.num_pages)
-        kv_tokens = (self.num_pages - 1) * config.page_size
-        logger.info("KV cache: %d pages x %d tokens = %d tokens (%.2f GiB per device); max "
-                    "concurrency at %d tokens: %.1fx", self.num_pages - 1, config.page_size,
-                    kv_tokens, self.num_pages * layout.bytes_per_page / 2**30, max_model_len,
-                    kv_tokens / max_model_len)
+            plan = plan.with_num_pages(multihost.agree_on_min(plan.num_pages))
+        self.cache_plan = plan
+        logger.info("%s", plan.describe())
 
-        self.runner = make_runner(config, layout, model=self.model, params=self.params,
-                                  num_pages=self.num_pages, mesh=self.mesh)
+        self.runner = make_runner(config, layout, plan, model=self.model, params=self.params,
+                                  mesh=self.mesh)
         progress.set_phase(COMPILING, "listing the programs to compile")
         self.runner.warmup(partial(_report_compiling, progress))
         self.tokenizer = tokenizer_loaded.result()
@@ -153,10 +148,10 @@ class EngineCore:
         # The runner reads it when it builds a step's inputs (stop tokens before min_tokens).
         self.eos_token_id = self.runner.eos_token_id = _eos_token_id(self.tokenizer, mc)
         self.scheduler = Scheduler(
-            num_pages=self.num_pages, page_size=config.page_size,
+            num_pages=plan.num_pages, page_size=plan.page_size,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.num_batched_tokens,
             max_model_len=max_model_len, enable_prefix_caching=self.prefix_caching,
-            policy=config.scheduling_policy, num_state_slots=self.num_state_slots)
+            policy=config.scheduling_policy, num_state_slots=plan.num_state_slots)
         self.outputs = OutputProcessor(self.tokenizer, stream=stream_outputs)
         self.num_steps = 0
         self.num_scheduled_tokens = 0   # tokens computed on device, all steps
@@ -302,6 +297,11 @@ class EngineCore:
             self.channel.close()
 
     # ---- load, for the data-parallel front door and the metrics ------------------------
+    @property
+    def num_pages(self) -> int:
+        """KV pages per layer, the null page included (the cache plan's)."""
+        return self.cache_plan.num_pages
+
     def num_unfinished(self) -> int:
         return self.scheduler.get_num_unfinished_requests()
 

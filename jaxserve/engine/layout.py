@@ -16,24 +16,17 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxserve.config import EngineConfig
-from jaxserve.planning.kv_budget import activation_bytes, choose_num_pages, page_bytes
+from jaxserve.planning.cache_plan import CachePlan, plan_caches, require_one_sequence
+from jaxserve.planning.kv_budget import activation_bytes, cache_budget_bytes
 from jaxserve.runner.model_runner import ModelRunner
+from models.cache_spec import CacheSpec, layer_cache_specs
 from models.config import ModelConfig
-from models.registry import build_model
+from models.registry import build_model, resolve_dtype
 from models.weights import param_logical_axes
 from pallas_kernels.ragged_paged_attention import resolve_backend
 from sharding import MODEL, check_model_axis, kv_head_layout, mesh_rules, param_shardings
 
 logger = logging.getLogger("jaxserve")
-
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-
-
-def resolve_dtype(name: str, checkpoint_dtype: str | None):
-    if name == "auto":
-        name = checkpoint_dtype if checkpoint_dtype in _DTYPES else "float32"
-    return _DTYPES[name]
-
 
 @dataclass(frozen=True)
 class EngineLayout:
@@ -42,12 +35,11 @@ class EngineLayout:
     dtype: Any
     kv_dtype: Any
     max_model_len: int
+    model_axis: int               # M: tensor-parallel devices of the replica
     kv_heads: int                 # as stored on this mesh (sharding.kv_head_layout)
     attention_backend: str        # resolved for the mesh's platform
     rules: dict[str, str | None]  # the rules table for this model and M
-    num_state_slots: int          # hybrid: one per running request (+ the null slot)
-    state_bytes: int              # hybrid: all state slots, the null slot included
-    bytes_per_page: int           # one KV page of every full-attention layer
+    cache_specs: tuple[CacheSpec, ...]  # one per layer (models/cache_spec.py)
     activation_bytes: int         # estimated peak temporaries of a program (kv_budget)
     scan_layers: bool             # EngineConfig.scan_layers, None resolved for the platform
 
@@ -60,9 +52,8 @@ class EngineLayout:
 def engine_layout(config: EngineConfig, mc: ModelConfig, mesh: Mesh) -> EngineLayout:
     """ValueError for a max_model_len past the model's or a model axis that does not
     divide the model (sharding.check_model_axis)."""
-    dtype = resolve_dtype(config.dtype, mc.dtype)
-    kv_dtype = resolve_dtype(config.kv_cache_dtype, None) if config.kv_cache_dtype != "auto" \
-        else dtype
+    dtype = resolve_dtype(config.dtype, mc)
+    kv_dtype = dtype if config.kv_cache_dtype == "auto" else resolve_dtype(config.kv_cache_dtype, mc)
     max_model_len = config.max_model_len or mc.max_position_embeddings
     if max_model_len > mc.max_position_embeddings:
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
@@ -70,14 +61,8 @@ def engine_layout(config: EngineConfig, mc: ModelConfig, mesh: Mesh) -> EngineLa
     m = mesh.shape[MODEL]
     check_model_axis(mc, m)
     kv_heads = kv_head_layout(mc.num_heads, mc.num_kv_heads, m)
-    # No prefix caching for hybrids (a cached prefix would skip the tokens that build
-    # the state): each running request holds a state slot, split by head over M.
-    slots = config.max_num_seqs if mc.is_hybrid else 0
-    state = (slots + 1) * mc.state_bytes_per_seq(jnp.dtype(dtype).itemsize) // m \
-        if mc.is_hybrid else 0
-    per_page = page_bytes(num_layers=len(mc.full_attention_layers), page_size=config.page_size,
-                          num_kv_heads=kv_heads // m, head_dim=mc.head_dim,
-                          itemsize=jnp.dtype(kv_dtype).itemsize)
+    specs = layer_cache_specs(replace(mc, num_kv_heads=kv_heads), kv_dtype=kv_dtype,
+                              conv_state_dtype=dtype)
     platform = mesh.devices.flat[0].platform
     backend = resolve_backend(config.attention_backend, platform)
     if platform == "tpu" and backend == "pallas":
@@ -89,8 +74,8 @@ def engine_layout(config: EngineConfig, mc: ModelConfig, mesh: Mesh) -> EngineLa
     act = activation_bytes(mc, m, config.num_batched_tokens, config.max_num_seqs,
                            jnp.dtype(dtype).itemsize, max_model_len)
     scan = config.scan_layers if config.scan_layers is not None else platform != "cpu"
-    return EngineLayout(mc, dtype, kv_dtype, max_model_len, kv_heads, backend,
-                        mesh_rules(mc, m), slots, state, per_page, act, scan)
+    return EngineLayout(mc, dtype, kv_dtype, max_model_len, m, kv_heads, backend,
+                        mesh_rules(mc, m), specs, act, scan)
 
 
 def tpu_kernel_limit_error(mc: ModelConfig, kv_heads: int, *, num_tokens: int, rows: int,
@@ -115,26 +100,31 @@ def layout_param_shardings(model, mesh: Mesh, layout: EngineLayout) -> Any:
     return param_shardings(param_logical_axes(model), mesh, layout.rules)
 
 
-def layout_num_pages(config: EngineConfig, layout: EngineLayout, device: Any,
-                     free_bytes: int | None = None) -> int:
-    """KV pages, the null page included (kv_budget.choose_num_pages). free_bytes: memory
-    left on each device after the weights; None asks `device`."""
-    return choose_num_pages(
-        num_pages=config.num_pages, kv_cache_memory_bytes=config.kv_cache_memory_bytes,
-        hbm_utilization=config.hbm_utilization, bytes_per_page=layout.bytes_per_page,
+def layout_cache_plan(config: EngineConfig, layout: EngineLayout, device: Any,
+                      free_bytes: int | None = None) -> CachePlan:
+    """The replica's cache plan (planning/cache_plan.py); ValueError when one sequence of
+    max_model_len does not fit. free_bytes: memory left on each device after the
+    weights; None asks `device`."""
+    if config.num_pages is not None:
+        budget, cap = None, False
+    else:
+        budget, cap = cache_budget_bytes(
+            kv_cache_memory_bytes=config.kv_cache_memory_bytes,
+            hbm_utilization=config.hbm_utilization, activation_bytes=layout.activation_bytes,
+            device=device, free_bytes=free_bytes)
+    return require_one_sequence(plan_caches(
+        layout.cache_specs, model_axis=layout.model_axis, page_size=config.page_size,
         max_num_seqs=config.max_num_seqs, max_model_len=layout.max_model_len,
-        page_size=config.page_size, device=device, reserved_bytes=layout.state_bytes,
-        free_bytes=free_bytes, activation_bytes=layout.activation_bytes)
+        num_pages=config.num_pages, budget_bytes=budget, cap_at_demand=cap))
 
 
-def make_runner(config: EngineConfig, layout: EngineLayout, *, model, params, num_pages: int,
-                mesh: Mesh, abstract: bool = False
-                ) -> ModelRunner:
+def make_runner(config: EngineConfig, layout: EngineLayout, cache_plan: CachePlan, *, model,
+                params, mesh: Mesh, abstract: bool = False) -> ModelRunner:
     mc = layout.model_config
     return ModelRunner(
         model=model, params=params, vocab_size=mc.vocab_size,
-        num_state_slots=layout.num_state_slots, num_pages=num_pages,
-        page_size=config.page_size, max_num_seqs=config.max_num_seqs,
+        num_state_slots=cache_plan.num_state_slots, num_pages=cache_plan.num_pages,
+        page_size=cache_plan.page_size, max_num_seqs=config.max_num_seqs,
         max_model_len=layout.max_model_len, max_num_batched_tokens=config.num_batched_tokens,
         kv_dtype=layout.kv_dtype,
         # Only the reference reads whole page-table rows; the others stop at kv_len.

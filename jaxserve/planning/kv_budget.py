@@ -1,5 +1,6 @@
-"""How many KV pages to allocate: explicit, from a byte budget, or from free memory
-(the device's, or given: the planner sizes the cache of a device that is not here)."""
+"""The memory the caches may take: given, a share of free memory (the device's, or given:
+the planner sizes the cache of a device that is not here), less the activations' estimated
+peak. planning/cache_plan.py turns it into pages and state slots."""
 from __future__ import annotations
 
 import logging
@@ -43,12 +44,6 @@ def kv_budget_bytes(free_bytes: int, hbm_utilization: float, activation: int) ->
     return max(0, min(int(free_bytes * hbm_utilization), free_bytes - activation))
 
 
-def page_bytes(*, num_layers: int, page_size: int, num_kv_heads: int, head_dim: int,
-               itemsize: int) -> int:
-    """Bytes of one page across all layers (K and V)."""
-    return num_layers * 2 * page_size * num_kv_heads * head_dim * itemsize
-
-
 def available_host_bytes() -> int:
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
@@ -56,34 +51,19 @@ def available_host_bytes() -> int:
         return 8 << 30
 
 
-def choose_num_pages(*, num_pages: int | None, kv_cache_memory_bytes: int | None,
-                     hbm_utilization: float, bytes_per_page: int, max_num_seqs: int,
-                     max_model_len: int, page_size: int, device: jax.Device | None,
-                     reserved_bytes: int = 0, free_bytes: int | None = None,
-                     activation_bytes: int = 0) -> int:
-    """Total pages including the null page 0. reserved_bytes (a hybrid model's
-    recurrent state, allocated up front) come out of the memory the cache may use.
-    free_bytes: the device memory the weights leave, when not read from `device`.
-    activation_bytes: the estimated peak of a program's temporaries (kv_budget_bytes)."""
-    pages_per_seq = -(-max_model_len // page_size)
-    if num_pages is not None:
-        total = num_pages
-    elif kv_cache_memory_bytes is not None:
-        total = max(0, kv_cache_memory_bytes - reserved_bytes) // bytes_per_page
-    elif free_bytes is None and device.platform == "cpu":
-        want = max_num_seqs * pages_per_seq + 1
-        cap = max(0, int(available_host_bytes() * _CPU_RAM_FRACTION) - reserved_bytes) // bytes_per_page
-        total = min(want, cap)
-    else:
-        if free_bytes is None:
-            stats = device.memory_stats() or {}
-            free_bytes = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
-        budget = kv_budget_bytes(free_bytes, hbm_utilization, activation_bytes)
-        total = max(0, budget - reserved_bytes) // bytes_per_page
-    if total < pages_per_seq + 1:
-        raise ValueError(
-            f"the KV cache holds {max(total - 1, 0)} pages of {page_size} tokens, fewer than one "
-            f"sequence of max_model_len={max_model_len} needs ({pages_per_seq}); lower "
-            f"max_model_len (to at most {max(total - 1, 0) * page_size}) or give the cache more memory (num_pages / kv_cache_memory_bytes / "
-            f"hbm_utilization)")
-    return total
+def cache_budget_bytes(*, kv_cache_memory_bytes: int | None, hbm_utilization: float,
+                       activation_bytes: int, device: jax.Device | None,
+                       free_bytes: int | None = None) -> tuple[int, bool]:
+    """(bytes per device the caches may take, whether to stop at what max_num_seqs
+    sequences need) for planning.cache_plan.plan_caches: kv_cache_memory_bytes when
+    given; on a CPU device a share of the host's free RAM, taken only as far as needed;
+    else hbm_utilization of the memory the weights leave (free_bytes, or read from
+    `device`), never eating into the estimated activation peak."""
+    if kv_cache_memory_bytes is not None:
+        return kv_cache_memory_bytes, False
+    if free_bytes is None and device.platform == "cpu":
+        return int(available_host_bytes() * _CPU_RAM_FRACTION), True
+    if free_bytes is None:
+        stats = device.memory_stats() or {}
+        free_bytes = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
+    return kv_budget_bytes(free_bytes, hbm_utilization, activation_bytes), False

@@ -34,13 +34,15 @@ import re
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+import jax.numpy as jnp
+
 from jaxserve.checkpoints.model_configs import ALIASES, BUILTIN_CONFIGS  # noqa: F401  (one source)
-from jaxserve.planning.plan_format import format_plan
+from jaxserve.planning.cache_plan import CachePlan, plan_caches
 from jaxserve.planning.kv_budget import activation_bytes, kv_budget_bytes
+from jaxserve.planning.plan_format import format_plan
 
 # NVLink 4 on an H100 SXM: 18 links x 25 GB/s = 450 GB/s per direction per GPU.
 DEFAULT_LINK_GBPS = 450.0
-_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -91,15 +93,16 @@ def weight_figures(mc, m: int, dtype: str) -> WeightFigures:
     shapes = flatten_dict(abstract_params(module))
     axes = flatten_dict(param_logical_axes(module))
     rules = mesh_rules(mc, m)
+    itemsize = jnp.dtype(dtype).itemsize
     per_device = replicated = total = num_params = 0
     for path, sds in shapes.items():
-        nbytes = sds.size * _ITEMSIZE[dtype]
+        nbytes = sds.size * itemsize
         split = m if MODEL in tuple(logical_to_mesh(axes[path], rules)) else 1
         # Replicated KV heads are the same parameters again: count them once.
         unique = sds.size * mc.num_kv_heads // kv_heads if "kv_heads" in tuple(axes[path]) \
             else sds.size
         num_params += unique
-        total += unique * _ITEMSIZE[dtype]
+        total += unique * itemsize
         per_device += nbytes // split
         replicated += nbytes if split == 1 else 0
     return WeightFigures(num_params, total, per_device, replicated)
@@ -131,6 +134,9 @@ class Plan:
     hbm_bytes: int | None
     hbm_utilization: float
     link_gbps: float
+    # The engine's cache plan (planning/cache_plan.py) for this memory; None when the
+    # device memory is unknown and no cache size was given.
+    cache: CachePlan | None = None
     compiler_limit: str | None = None  # TPU: why the largest step would not compile
 
     @property
@@ -140,7 +146,10 @@ class Plan:
     @property
     def kv_budget_bytes(self) -> int:
         """What the engine gives the KV cache (and a hybrid's state slots): hbm_utilization
-        of what the weights leave, less any activations past the rest (kv_budget)."""
+        of what the weights leave, less any activations past the rest (kv_budget); with
+        the device memory unknown, what the cache plan took."""
+        if self.hbm_bytes is None:
+            return self.cache.total_bytes if self.cache else 0
         return kv_budget_bytes(self.free_after_weights, self.hbm_utilization,
                                self.activation_bytes)
 
@@ -155,11 +164,11 @@ class Plan:
     @property
     def state_slots(self) -> int:
         """Recurrent-state slots the engine allocates up front: max_num_seqs + 1."""
-        return self.max_num_seqs + 1 if self.is_hybrid else 0
+        return self.cache.num_state_slots if self.cache else 0
 
     @property
     def state_budget_bytes(self) -> int:
-        return self.state_slots * self.state_bytes_per_seq_per_device
+        return self.cache.state_bytes if self.cache else 0
 
     @property
     def page_budget_bytes(self) -> int:
@@ -168,7 +177,8 @@ class Plan:
 
     @property
     def kv_tokens(self) -> int:
-        return self.page_budget_bytes // self.kv_bytes_per_token_per_device
+        """Tokens the engine's KV pages hold (the cache plan's; 0 when unknown)."""
+        return self.cache.kv_tokens if self.cache else 0
 
     @property
     def max_sequences(self) -> int:
@@ -182,7 +192,8 @@ class Plan:
     @property
     def memory_fits(self) -> bool:
         """max_num_seqs sequences of max_model_len tokens fit next to the weights."""
-        return (self.kv_budget_bytes > 0 and self.state_budget_bytes <= self.kv_budget_bytes
+        return (self.cache is not None and self.kv_budget_bytes > 0
+                and self.state_budget_bytes <= self.kv_budget_bytes
                 and self.max_num_seqs * self.max_model_len <= self.kv_tokens)
 
     @property
@@ -192,7 +203,7 @@ class Plan:
 
     @property
     def allreduce_bytes_per_token_per_layer(self) -> int:
-        act = _ITEMSIZE[self.dtype]
+        act = jnp.dtype(self.dtype).itemsize
         return 0 if self.mesh[1] == 1 else 2 * self.hidden_size * act
 
     def allreduce_seconds(self, nbytes: float) -> float:
@@ -205,75 +216,84 @@ def make_plan(mc, *, model: str, mesh: str, dtype: str = "auto", kv_cache_dtype:
               max_num_batched_tokens: int | None = None, hbm_bytes: int | None = None,
               hbm_utilization: float = 0.9, link_gbps: float = DEFAULT_LINK_GBPS,
               weights: WeightFigures | None = None, platform: str | None = None,
-              page_size: int = 16) -> Plan:
+              page_size: int = 16, kv_cache_memory_bytes: int | None = None,
+              num_pages: int | None = None, cache: CachePlan | None = None) -> Plan:
     """weights: the parameter figures if known; by default from the flax model (which
     needs the model class of mc.architecture). platform "tpu": also check the limits
-    of the TPU compiler that the kernels cannot stream around (compiler_limit)."""
-    from sharding.mesh import parse_mesh
+    of the TPU compiler that the kernels cannot stream around (compiler_limit).
+    The cache plan: `cache` when given (a running engine's), else made by the engine's
+    rule from num_pages, kv_cache_memory_bytes or hbm_bytes (none of them: unknown)."""
+    from models.cache_spec import PagedKVSpec, RecurrentStateSpec, layer_cache_specs
+    from models.registry import SERVING_DTYPES, resolve_dtype
     from sharding import check_model_axis, kv_head_layout
+    from sharding.mesh import parse_mesh
 
     d, m = parse_mesh(mesh)
     check_model_axis(mc, m)
-    dtype = (mc.dtype if mc.dtype in _ITEMSIZE else "float32") if dtype == "auto" else dtype
-    kv_dtype = dtype if kv_cache_dtype == "auto" else kv_cache_dtype
-    for name, value in (("dtype", dtype), ("kv_cache_dtype", kv_dtype)):
-        if value not in _ITEMSIZE:
-            raise ValueError(f"{name}={value!r}: expected one of {tuple(_ITEMSIZE)}")
+    for name, value in (("dtype", dtype), ("kv_cache_dtype", kv_cache_dtype)):
+        if value != "auto" and value not in SERVING_DTYPES:
+            raise ValueError(f"{name}={value!r}: expected one of {('auto', *SERVING_DTYPES)}")
+    dt = resolve_dtype(dtype, mc)
+    kv_dt = dt if kv_cache_dtype == "auto" else resolve_dtype(kv_cache_dtype, mc)
     kv_heads = kv_head_layout(mc.num_heads, mc.num_kv_heads, m)
-    w = weights or weight_figures(mc, m, dtype)
+    w = weights or weight_figures(mc, m, dt.name)
     max_model_len = max_model_len or mc.max_position_embeddings
     tokens = max_num_batched_tokens or max(2048, max_num_seqs)
-    full = len(mc.full_attention_layers)
-    kv_tok = full * 2 * (kv_heads // m) * mc.head_dim * _ITEMSIZE[kv_dtype]
-    state, state_dev, layout = _state_figures(mc, m, dtype)
+    specs = layer_cache_specs(replace(mc, num_kv_heads=kv_heads), kv_dtype=kv_dt,
+                              conv_state_dtype=dt)
+    kv_tok = sum(s.bytes_per_token() for s in specs if isinstance(s, PagedKVSpec)) // m
+    state = sum(s.bytes_per_slot() for s in specs if isinstance(s, RecurrentStateSpec))
+    act = activation_bytes(mc, m, tokens, max_num_seqs, dt.itemsize, max_model_len)
     limit = None
     if platform == "tpu":
         from jaxserve.engine.layout import tpu_kernel_limit_error
         limit = tpu_kernel_limit_error(mc, kv_heads, num_tokens=tokens, rows=max_num_seqs,
                                        max_model_len=max_model_len, page_size=page_size)
+    if cache is None and (num_pages or kv_cache_memory_bytes or hbm_bytes):
+        budget = None if num_pages else kv_cache_memory_bytes or kv_budget_bytes(
+            max(0, hbm_bytes - w.bytes_per_device), hbm_utilization, act)
+        cache = plan_caches(specs, model_axis=m, page_size=page_size,
+                            max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                            num_pages=num_pages, budget_bytes=budget)
     return Plan(
-        model=f"{model} ({mc.architecture})", mesh=(d, m), dtype=dtype,
-        kv_dtype=kv_dtype, num_params=w.num_params, weight_bytes=w.weight_bytes,
+        model=f"{model} ({mc.architecture})", mesh=(d, m), dtype=dt.name,
+        kv_dtype=jnp.dtype(kv_dt).name, num_params=w.num_params, weight_bytes=w.weight_bytes,
         weight_bytes_per_device=w.bytes_per_device, replicated_param_bytes=w.replicated_bytes,
         kv_heads=mc.num_kv_heads, kv_heads_stored=kv_heads, kv_bytes_per_token_per_device=kv_tok,
-        num_layers=mc.num_layers, full_attention_layers=full, state_bytes_per_seq=state,
-        state_bytes_per_seq_per_device=state_dev, state_layout=layout,
-        hidden_size=mc.hidden_size, max_model_len=max_model_len,
-        max_num_seqs=max_num_seqs, max_num_batched_tokens=tokens,
-        activation_bytes=activation_bytes(mc, m, tokens, max_num_seqs, _ITEMSIZE[dtype],
-                                          max_model_len),
-        hbm_bytes=hbm_bytes, hbm_utilization=hbm_utilization, link_gbps=link_gbps,
-        compiler_limit=limit)
+        num_layers=mc.num_layers, full_attention_layers=len(mc.full_attention_layers),
+        state_bytes_per_seq=state, state_bytes_per_seq_per_device=state // m,
+        state_layout=_state_layout(mc, dt.name), hidden_size=mc.hidden_size,
+        max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=tokens,
+        activation_bytes=act, hbm_bytes=hbm_bytes, hbm_utilization=hbm_utilization,
+        link_gbps=link_gbps, cache=cache, compiler_limit=limit)
 
 
-def _state_figures(mc, m: int, dtype: str) -> tuple[int, int, str]:
-    """(state bytes per sequence, per device, description) of a hybrid model; zeros else.
-    The conv state is in the model dtype; the state is split by key-head group over M
-    (sharding.check_model_axis requires M to divide the key heads)."""
+def _state_layout(mc, dtype: str) -> str:
+    """What a hybrid model's recurrent state is made of, for the printout ("" if none).
+    The conv state is in the model dtype, the delta-rule state float32; both are split
+    by key-head group over M (sharding.check_model_axis requires M to divide them)."""
     if not mc.is_hybrid:
-        return 0, 0, ""
-    whole = mc.state_bytes_per_seq(_ITEMSIZE[dtype])
-    split = m
-    layout = (f"{len(mc.linear_attention_layers)} linear-attention layers x (conv "
-              f"{mc.linear_conv_kernel_dim - 1} x {mc.linear_conv_dim} {dtype} + delta rule "
-              f"{mc.linear_num_value_heads} x {mc.linear_key_head_dim} x "
-              f"{mc.linear_value_head_dim} float32)")
-    return whole, whole // split, layout
+        return ""
+    return (f"{len(mc.linear_attention_layers)} linear-attention layers x (conv "
+            f"{mc.linear_conv_kernel_dim - 1} x {mc.linear_conv_dim} {dtype} + delta rule "
+            f"{mc.linear_num_value_heads} x {mc.linear_key_head_dim} x "
+            f"{mc.linear_value_head_dim} float32)")
 
 
 def plan_for_engine(core) -> str:
     """The plan of a running engine (EngineCore or DataParallelEngine), for the server's
-    start-up log; device memory from the first device's stats (unknown on CPU)."""
+    start-up log: its own cache plan, device memory from the first device's stats
+    (unknown on CPU)."""
     import jax
-    import jax.numpy as jnp
 
     cfg = core.config
     stats = jax.devices()[0].memory_stats() or {}
     plan = make_plan(core.model_config, model=cfg.model, mesh=cfg.mesh or "1x1",
                      dtype=jnp.dtype(core.dtype).name, kv_cache_dtype=cfg.kv_cache_dtype,
                      max_model_len=core.max_model_len, max_num_seqs=cfg.max_num_seqs,
-                     max_num_batched_tokens=cfg.num_batched_tokens,
-                     hbm_bytes=stats.get("bytes_limit"), hbm_utilization=cfg.hbm_utilization)
+                     max_num_batched_tokens=cfg.num_batched_tokens, page_size=cfg.page_size,
+                     hbm_bytes=stats.get("bytes_limit"), hbm_utilization=cfg.hbm_utilization,
+                     cache=core.cache_plan)
     return format_plan(plan)
 
 

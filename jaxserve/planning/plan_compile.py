@@ -33,7 +33,8 @@ import jax.numpy as jnp
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine.layout import (EngineLayout, build_layout_model, engine_layout,
-                                    layout_num_pages, layout_param_shardings, make_runner)
+                                    layout_cache_plan, layout_param_shardings, make_runner)
+from jaxserve.planning.cache_plan import CachePlan
 from jaxserve.planning.plan import load_model_config, make_plan
 from jaxserve.planning.plan_format import _gib
 from jaxserve.runner.model_runner import ModelRunner
@@ -188,7 +189,7 @@ class AbstractEngine:
     """One replica as EngineCore would build it, with nothing allocated."""
     runner: ModelRunner                   # abstract=True
     layout: EngineLayout
-    num_pages: int
+    cache_plan: CachePlan
     weight_bytes_per_device: int
     programs: list[Program]               # runner.warmup_programs()
 
@@ -201,10 +202,10 @@ def build_abstract_engine(config: EngineConfig, mc, mesh, hbm_bytes: int) -> Abs
     params = placed_abstract_params(model, layout.dtype,
                                     layout_param_shardings(model, mesh, layout))
     weights = bytes_per_device(params)
-    num_pages = layout_num_pages(config, layout, None, free_bytes=max(0, hbm_bytes - weights))
-    runner = make_runner(config, layout, model=model, params=params, num_pages=num_pages,
-                         mesh=mesh, abstract=True)
-    return AbstractEngine(runner, layout, num_pages, weights, runner.warmup_programs())
+    plan = layout_cache_plan(config, layout, None, free_bytes=max(0, hbm_bytes - weights))
+    runner = make_runner(config, layout, plan, model=model, params=params, mesh=mesh,
+                         abstract=True)
+    return AbstractEngine(runner, layout, plan, weights, runner.warmup_programs())
 
 
 def compile_plan(model: str, *, target: str, mesh: str = "1x1",
@@ -252,12 +253,11 @@ def compile_plan(model: str, *, target: str, mesh: str = "1x1",
                           on_done=None if progress is None else lambda _, r, __: progress(r))
     wall = time.perf_counter() - start
     return replace(
-        base, num_pages=eng.num_pages, weight_bytes_per_device=eng.weight_bytes_per_device,
-        kv_bytes_per_device=eng.num_pages * lay.bytes_per_page,
-        state_bytes_per_device=lay.state_bytes,
-        planner_bytes_per_device=(plan.weight_bytes_per_device
-                                  + plan.kv_tokens * plan.kv_bytes_per_token_per_device
-                                  + plan.state_budget_bytes),
+        base, num_pages=eng.cache_plan.num_pages,
+        weight_bytes_per_device=eng.weight_bytes_per_device,
+        kv_bytes_per_device=eng.cache_plan.kv_bytes,
+        state_bytes_per_device=eng.cache_plan.state_bytes,
+        planner_bytes_per_device=plan.weight_bytes_per_device + plan.cache.total_bytes,
         warmup_programs=len(eng.programs), programs=tuple(results), compile_workers=workers,
         wall_seconds=wall)
 

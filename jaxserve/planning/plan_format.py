@@ -43,27 +43,37 @@ def format_plan(p: Plan) -> str:
         lines.append(f"  state per sequence         {_gib(p.state_bytes_per_seq)} ({p.state_layout}), "
                      f"{_gib(p.state_bytes_per_seq_per_device)} per device"
                      + (f" (split by head {split} ways)" if split > 1 else ""))
-    lines += _memory_lines(p) if p.hbm_bytes else [
+    if p.hbm_bytes:
+        lines += _memory_lines(p)
+    lines += _cache_lines(p) if p.cache else [
         "  device memory              unknown (give --hbm to size the KV cache)"]
     return "\n".join(lines + _allreduce_lines(p))
 
 
 def _memory_lines(p: Plan) -> list[str]:
-    d = p.mesh[0]
-    seqs = p.kv_tokens // p.max_model_len
-    lines = [
+    return [
         f"  device memory              {_gib(p.hbm_bytes)}: weights "
         f"{_gib(p.weight_bytes_per_device)} + reserve {_gib(p.reserve_bytes)} (the larger of "
         f"{1 - p.hbm_utilization:.0%} of the rest and the estimated activations "
         f"~{_gib(p.activation_bytes)}: {p.max_num_batched_tokens} tokens/step, sampler over "
         f"{p.max_num_seqs} rows) + "
         + ("KV cache and state " if p.is_hybrid else "KV ") + _gib(p.kv_budget_bytes)]
+
+
+def _cache_lines(p: Plan) -> list[str]:
+    """The cache plan: what the engine allocates (planning/cache_plan.py)."""
+    d = p.mesh[0]
+    c = p.cache
+    seqs = p.kv_tokens // p.max_model_len
+    lines = []
     if p.is_hybrid:
         lines.append(f"  state slots                {p.state_slots} (max_num_seqs + 1) x "
                      f"{_gib(p.state_bytes_per_seq_per_device)} = {_gib(p.state_budget_bytes)}, "
                      f"allocated first; the KV pages get the remaining "
                      f"{_gib(p.page_budget_bytes)}")
     lines += [
+        f"  KV pages per replica       {max(c.num_pages - 1, 0):,} x {c.page_size} tokens (+ the "
+        f"null page) x {c.num_kv_layers} layers, {_gib(c.kv_bytes)} per device",
         f"  KV capacity per replica    {p.kv_tokens:,} tokens = {seqs} sequences x "
         f"{p.max_model_len:,} tokens (max_model_len)"
         + (f"; x{d} replicas = {d * p.kv_tokens:,} tokens" if d > 1 else ""),
@@ -73,7 +83,7 @@ def _memory_lines(p: Plan) -> list[str]:
     ]
     if p.compiler_limit:
         lines.append(f"  does NOT compile for TPU: {p.compiler_limit}")
-    if p.kv_budget_bytes == 0:
+    if p.hbm_bytes and p.kv_budget_bytes == 0:
         lines.append("  WARNING: the weights do not fit in device memory")
     elif p.state_budget_bytes > p.kv_budget_bytes:
         lines.append(f"  WARNING: the recurrent state of {p.state_slots} sequences "

@@ -78,7 +78,8 @@ class ModelRunner:
                  context_buckets: bool = True, mesh=None, vocab_axis: str | None = None,
                  abstract: bool = False):
         """model.config: the model as it runs on this mesh (KV heads as stored);
-        num_state_slots: recurrent-state slots besides the null slot 0 (hybrid models);
+        num_pages / num_state_slots: per layer, the null page / null slot 0 included
+        (planning/cache_plan.py; 0 slots: no recurrent layers);
         abstract: params are ShapeDtypeStructs with shardings and the caches are only
         described (nothing allocated): the programs can be lowered, not run."""
         self.model = model
@@ -105,7 +106,7 @@ class ModelRunner:
                                          page_buckets=widths)
         # The stacked caches (models/layer_stack.py): KV heads as stored on this mesh.
         cache_kw = dict(num_pages=num_pages, page_size=page_size, kv_dtype=kv_dtype,
-                        num_state_slots=num_state_slots + 1 if num_state_slots else 0,
+                        num_state_slots=num_state_slots,
                         conv_state_dtype=model.dtype)
         if abstract:
             self.kv_caches = layer_cache_specs(model.config, self.mesh, **cache_kw)

@@ -203,7 +203,7 @@ def test_reset_prefix_cache():
 
 
 def test_state_slots_follow_the_pages_and_hybrids_never_share():
-    kv = KVCacheManager(num_pages=9, page_size=4, enable_caching=True, num_state_slots=2)
+    kv = KVCacheManager(num_pages=9, page_size=4, enable_caching=True, num_state_slots=3)
     a, b, c = make("a", list(range(8))), make("b", list(range(8))), make("c", [1, 2])
     assert kv.allocate_slots(a, 8) is not None and kv.get_state_slot("a") == 1
     # The same prompt again: no prefix hit on a hybrid model, even with a shared salt.
@@ -218,4 +218,4 @@ def test_state_slots_follow_the_pages_and_hybrids_never_share():
     assert kv.allocate_slots(c, 2) is not None and kv.get_state_slot("c") == 1
     kv.free(b)
     kv.free(c)
-    assert sorted(kv.free_state_slots) == [1, 2]
+    assert sorted(kv.state_slots.free_slots) == [1, 2]

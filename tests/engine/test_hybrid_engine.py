@@ -84,10 +84,10 @@ def test_state_slots_come_back_on_abort_and_n_greater_than_one(checkpoint, expec
     engine.add_request("b", prompts[2], GREEDY)
     engine.step()
     slots = {kv.get_state_slot("a"), kv.get_state_slot("b")}
-    assert len(slots) == 2 and 0 not in slots and len(kv.free_state_slots) == 2
+    assert len(slots) == 2 and 0 not in slots and kv.state_slots.num_free == 2
     engine.abort_request("a")
     engine.step()
-    assert len(kv.free_state_slots) == 3
+    assert kv.state_slots.num_free == 3
     while engine.has_unfinished_requests():
         engine.step()
     assert_no_leaks(engine)

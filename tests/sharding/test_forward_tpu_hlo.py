@@ -95,7 +95,7 @@ def test_forward_step_compiles_without_cache_copies(checkpoint, mesh):
         whole = c.sharding.shard_shape(c.shape)
         layers = len(mc.full_attention_layers if kind == "kv" else mc.linear_attention_layers)
         shapes |= {whole, (whole[0] // layers, *whole[1:])}
-    kv_layer_bytes = NUM_PAGES * eng.layout.bytes_per_page // len(
+    kv_layer_bytes = NUM_PAGES * eng.cache_plan.bytes_per_page // len(
         eng.layout.model_config.full_attention_layers)
     forwards = [p for p in eng.programs if p.kind == FORWARD]
     widest = max(p.pages for p in forwards)

@@ -19,6 +19,11 @@ from jaxserve.planning.plan import (
 GIB = 2**30
 
 
+def paged_tokens(budget: int, per_token: int, page_size: int = 16) -> int:
+    """The engine's rule (planning/cache_plan.py): whole pages, less the null page."""
+    return max(budget // (per_token * page_size) - 1, 0) * page_size
+
+
 def test_qwen3_8b_on_1x8():
     mc = load_model_config("qwen3-8b")
     c = BUILTIN_CONFIGS["qwen3-8b"]
@@ -33,7 +38,7 @@ def test_qwen3_8b_on_1x8():
     assert p.weight_bytes_per_device == (params * 2 - norms) // 8 + norms
     assert p.kv_bytes_per_token_per_device == n_layers * 2 * 1 * c["head_dim"] * 2   # 1 head
     free = 80 * GIB - p.weight_bytes_per_device
-    assert p.kv_tokens == int(free * 0.9) // p.kv_bytes_per_token_per_device
+    assert p.kv_tokens == paged_tokens(int(free * 0.9), p.kv_bytes_per_token_per_device)
     assert p.allreduce_bytes_per_token_per_layer == 2 * e * 2
     assert p.allreduce_seconds(16384) == pytest.approx(2 * 7 / 8 * 16384 / 450e9)
 
@@ -109,7 +114,8 @@ def test_qwen36_27b_plan_figures(mesh, kv_heads_per_device, split):
     # The engine: KV budget = 0.9 x (HBM - weights); 17 state slots first, pages the rest.
     budget = int((80 * GIB - w.bytes_per_device) * 0.9)
     assert p.state_slots == 17
-    assert p.kv_tokens == (budget - 17 * state // split) // p.kv_bytes_per_token_per_device
+    assert p.kv_tokens == paged_tokens(budget - 17 * state // split,
+                                       p.kv_bytes_per_token_per_device)
     assert p.max_sequences == min(16, p.kv_tokens // 16384)
     assert p.fits == (16 * 16384 <= p.kv_tokens) and p.fits
     out = format_plan(p)
@@ -128,7 +134,7 @@ def test_qwen36_27b_plan_that_does_not_fit():
                   weights=w)
     assert p.max_model_len == 262144 and not p.fits
     budget = int((80 * GIB - w.weight_bytes) * 0.9)
-    assert p.kv_tokens == (budget - 17 * state) // (64 * 2**10)
+    assert p.kv_tokens == paged_tokens(budget - 17 * state, 64 * 2**10)
     assert p.max_sequences == p.kv_tokens // 262144 == 1
     out = format_plan(p)
     assert "WARNING: the plan does not fit: 16 sequences of 262,144 tokens" in out
@@ -155,7 +161,8 @@ def test_non_hybrid_plans_have_no_state():
     p = make_plan(mc, model="qwen3-8b", mesh="1x8", hbm_bytes=80 * GIB, max_num_seqs=8,
                   max_model_len=4096, weights=hand_weights(8 * 10**9, 8))
     assert (p.state_slots, p.state_budget_bytes, p.full_attention_layers) == (0, 0, 36)
-    assert p.kv_tokens == int((80 * GIB - 2 * 10**9) * 0.9) // p.kv_bytes_per_token_per_device
+    assert p.kv_tokens == paged_tokens(int((80 * GIB - 2 * 10**9) * 0.9),
+                                       p.kv_bytes_per_token_per_device)
     out = format_plan(p)
     assert "state" not in out and "WARNING" not in out and "(36 layers x K and V)" in out
 

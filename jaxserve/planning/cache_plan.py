@@ -1,0 +1,118 @@
+"""The cache plan: the models' per-layer cache specs and a memory budget -> how many KV
+pages and recurrent-state slots one replica allocates, and their bytes per device.
+
+One plan, made once: the engine allocates its caches from it (runner/layer_caches.py),
+the scheduler's page and state-slot managers are sized by it, and the start-up log
+and `python -m jaxserve.plan` print it, so the capacity a user reads is the capacity
+the engine runs with. Host only: no jax.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Sequence
+
+from models.cache_spec import CacheSpec, PagedKVSpec, RecurrentStateSpec
+
+
+@dataclass(frozen=True)
+class CachePlan:
+    """One replica's caches. Pages and slots are per layer and include the null page /
+    null slot 0 (what padding rows read and write); bytes are per device."""
+    page_size: int
+    num_pages: int                # per KV layer, the null page included
+    num_state_slots: int          # per recurrent layer, the null slot included; 0: none
+    bytes_per_page: int           # one page of every KV layer
+    bytes_per_state_slot: int     # one slot of every recurrent layer
+    num_kv_layers: int
+    num_state_layers: int
+    max_model_len: int
+
+    @property
+    def kv_tokens(self) -> int:
+        """Tokens the KV pages hold (the null page holds none)."""
+        return max(self.num_pages - 1, 0) * self.page_size
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.num_pages * self.bytes_per_page
+
+    @property
+    def state_bytes(self) -> int:
+        return self.num_state_slots * self.bytes_per_state_slot
+
+    @property
+    def total_bytes(self) -> int:
+        return self.kv_bytes + self.state_bytes
+
+    @property
+    def has_state(self) -> bool:
+        return self.num_state_slots > 0
+
+    @property
+    def max_running(self) -> int | None:
+        """Sequences the state slots let run at once (None: no recurrent layers)."""
+        return self.num_state_slots - 1 if self.has_state else None
+
+    @property
+    def max_concurrency(self) -> float:
+        """Sequences of max_model_len tokens the KV pages hold at once."""
+        return self.kv_tokens / self.max_model_len
+
+    def fits_one_sequence(self) -> bool:
+        return self.num_pages - 1 >= -(-self.max_model_len // self.page_size)
+
+    def with_num_pages(self, num_pages: int) -> CachePlan:
+        """The same plan with fewer pages (multi-host: every process takes the least)."""
+        return replace(self, num_pages=num_pages)
+
+    def describe(self) -> str:
+        """The start-up log's account of the caches."""
+        kv = (f"KV cache: {self.num_pages - 1} pages x {self.page_size} tokens = "
+              f"{self.kv_tokens} tokens in {self.num_kv_layers} layers ({self.kv_bytes / 2**30:.2f} "
+              f"GiB per device); max concurrency at {self.max_model_len} tokens: "
+              f"{self.max_concurrency:.1f}x")
+        if not self.has_state:
+            return kv
+        return (f"{kv}; recurrent state: {self.max_running} slots (+ the null slot) x "
+                f"{self.num_state_layers} layers ({self.state_bytes / 2**30:.2f} GiB per device)")
+
+
+def plan_caches(specs: Sequence[CacheSpec], *, model_axis: int, page_size: int,
+                max_num_seqs: int, max_model_len: int, num_pages: int | None = None,
+                budget_bytes: int | None = None, cap_at_demand: bool = False) -> CachePlan:
+    """Exactly one of num_pages (given) and budget_bytes (the memory per device the
+    caches may take, state slots first, then pages). Every recurrent layer gets a slot
+    per running sequence (max_num_seqs) plus the null slot. cap_at_demand: no more pages
+    than max_num_seqs sequences of max_model_len need (CPU: memory is shared with the host).
+    The plan may not fit one sequence (fits_one_sequence): the planner prints that, the
+    engine refuses it (require_one_sequence)."""
+    if (num_pages is None) == (budget_bytes is None):
+        raise ValueError("plan_caches: give exactly one of num_pages and budget_bytes")
+    kv = [s for s in specs if isinstance(s, PagedKVSpec)]
+    state = [s for s in specs if isinstance(s, RecurrentStateSpec)]
+    # Every cache is split by head over the model axis (the caller checked it divides).
+    per_page = sum(s.bytes_per_token() for s in kv) * page_size // model_axis
+    per_slot = sum(s.bytes_per_slot() for s in state) // model_axis
+    slots = max_num_seqs + 1 if state else 0
+    if num_pages is None:
+        num_pages = max(0, budget_bytes - slots * per_slot) // per_page if per_page else 0
+        if cap_at_demand:
+            num_pages = min(num_pages, max_num_seqs * -(-max_model_len // page_size) + 1)
+    return CachePlan(page_size=page_size, num_pages=num_pages, num_state_slots=slots,
+                     bytes_per_page=per_page, bytes_per_state_slot=per_slot,
+                     num_kv_layers=len(kv), num_state_layers=len(state),
+                     max_model_len=max_model_len)
+
+
+def require_one_sequence(plan: CachePlan) -> CachePlan:
+    """The plan, or ValueError with the fix when one max_model_len sequence does not fit
+    (the scheduler could never run it, and preempting would loop)."""
+    if plan.fits_one_sequence():
+        return plan
+    have = max(plan.num_pages - 1, 0)
+    need = -(-plan.max_model_len // plan.page_size)
+    raise ValueError(
+        f"the KV cache holds {have} pages of {plan.page_size} tokens, fewer than one "
+        f"sequence of max_model_len={plan.max_model_len} needs ({need}); lower "
+        f"max_model_len (to at most {have * plan.page_size}) or give the cache more memory "
+        f"(num_pages / kv_cache_memory_bytes / hbm_utilization)")

@@ -1,0 +1,86 @@
+"""One cache plan: the capacity the start-up log and `python -m jaxserve.plan` print is
+what the engine allocates on device and what its scheduler hands out -- for dense, MoE
+and hybrid models, on one device and on four."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from jaxserve import LLM
+from jaxserve.planning.cache_plan import plan_caches
+from jaxserve.planning.plan import load_model_config, make_plan, plan_for_engine
+from models.cache_spec import PagedKVSpec, RecurrentStateSpec, SharedKVSpec
+from sharding import bytes_per_device
+from tests.checkpoints import make_tiny_checkpoint
+
+# Enough for a few hundred pages of the tiny models, so the budget (not a cap) decides.
+BUDGET = 3 << 20
+# The hybrid's DeltaNet key heads must divide by the model axis (4).
+OVERRIDES = {"qwen3_5": dict(linear_num_key_heads=4, linear_num_value_heads=8)}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    made: dict[str, str] = {}
+
+    def get(kind: str) -> str:
+        if kind not in made:
+            made[kind] = make_tiny_checkpoint(kind, tmp_path_factory.mktemp(kind),
+                                              **OVERRIDES.get(kind, {}))
+        return made[kind]
+    return get
+
+
+ENGINE = dict(dtype="float32", max_model_len=64, max_num_seqs=2, max_num_batched_tokens=32)
+
+
+@pytest.mark.parametrize("mesh", ["1x1", "1x4"])
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe", "qwen3_5"])
+def test_the_printed_plan_is_what_the_engine_allocates(checkpoint, kind, mesh, caplog):
+    path = checkpoint(kind)
+    with caplog.at_level(logging.INFO, logger="jaxserve"):
+        core = LLM(path, mesh=mesh, kv_cache_memory_bytes=BUDGET, **ENGINE).engine
+    plan = core.cache_plan
+    assert plan.describe() in caplog.messages
+    # The device arrays: every KV layer's pages, every recurrent layer's slots.
+    caches = core.runner.kv_caches
+    assert caches["kv"].shape[0] == plan.num_kv_layers * plan.num_pages
+    assert bytes_per_device(caches["kv"]) == plan.kv_bytes
+    hybrid = kind == "qwen3_5"
+    assert plan.has_state == hybrid == ("recurrent" in caches)
+    if hybrid:
+        for kind_ in ("conv", "recurrent"):
+            assert caches[kind_].shape[0] == plan.num_state_layers * plan.num_state_slots
+        assert bytes_per_device([caches["conv"], caches["recurrent"]]) == plan.state_bytes
+        assert plan.num_state_slots == ENGINE["max_num_seqs"] + 1
+    assert plan.total_bytes <= BUDGET < plan.total_bytes + plan.bytes_per_page
+    # The scheduler hands out exactly these pages and slots.
+    kv = core.scheduler.kv
+    assert kv.num_pages == plan.num_pages and kv.get_num_free_pages() == plan.num_pages - 1
+    assert (kv.state_slots.num_slots if kv.state_slots else 0) == plan.num_state_slots
+    assert core.scheduler.max_len == min(64, plan.kv_tokens)
+    # The printed plan shows that capacity ...
+    text = plan_for_engine(core)
+    assert f"KV pages per replica       {plan.num_pages - 1:,} x 16 tokens" in text
+    assert f"KV capacity per replica    {plan.kv_tokens:,} tokens" in text
+    # ... and the planner, given the same budget, makes the same plan.
+    mc = load_model_config(path)
+    assert make_plan(mc, model=path, mesh=mesh, kv_cache_memory_bytes=BUDGET,
+                     **ENGINE).cache == plan
+
+
+def test_cache_specs_per_layer_kind():
+    """A layer that shares another's KV costs nothing; recurrent state comes first."""
+    kv = PagedKVSpec(num_kv_heads=4, head_dim=8, dtype="float32")
+    state = RecurrentStateSpec(shapes=((3, 8), (2, 4, 4)), dtypes=("float32", "float32"))
+    plan = plan_caches([kv, SharedKVSpec(0), state, kv], model_axis=2, page_size=16,
+                       max_num_seqs=3, max_model_len=64, budget_bytes=100_000)
+    per_page = 2 * (2 * 4 * 8 * 4) * 16 // 2
+    per_slot = (3 * 8 + 2 * 4 * 4) * 4 // 2
+    assert (plan.bytes_per_page, plan.bytes_per_state_slot) == (per_page, per_slot)
+    assert plan.num_state_slots == 4 and plan.max_running == 3
+    assert plan.num_pages == (100_000 - 4 * per_slot) // per_page
+    capped = plan_caches([kv], model_axis=1, page_size=16, max_num_seqs=3, max_model_len=64,
+                         budget_bytes=10**9, cap_at_demand=True)
+    assert capped.num_pages == 3 * 4 + 1 and not capped.has_state
