@@ -11,7 +11,6 @@ from functools import partial
 from typing import Any, Iterator
 
 import jax
-import jax.numpy as jnp
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.outputs import RequestOutput
@@ -20,8 +19,8 @@ from jaxserve.core.scheduler import Scheduler, SchedulerOutput, SchedulerStats
 from jaxserve.engine import multihost
 from jaxserve.engine.errors import EngineDeadError
 from jaxserve.engine.input_processor import InputProcessor
-from jaxserve.engine.layout import (build_layout_model, engine_layout, layout_cache_plan,
-                                    layout_param_shardings, make_runner)
+from jaxserve.engine.layout import engine_layout, layout_cache_plan, make_runner
+from jaxserve.engine.loader import load_model
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.startup import (ALLOCATING_KV_CACHE, COMPILING, LOADING_WEIGHTS,
                                      STARTING, StartupProgress)
@@ -29,8 +28,7 @@ from jaxserve.checkpoints.model_names import resolve_model
 from jaxserve.runner import compile_counter
 from jaxserve.sampling_params import SamplingParams
 from models.config import ModelConfig
-from models.weights import load_params, param_bytes, untie_lm_head
-from sharding import DATA, MODEL, bytes_per_device, make_mesh
+from sharding import DATA, make_mesh
 
 logger = logging.getLogger("jaxserve")
 
@@ -85,7 +83,6 @@ class EngineCore:
             raise ValueError(f"EngineCore runs one replica (a 1xM mesh), got mesh "
                              f"{dict(self.mesh.shape)}; jaxserve.engine.data_parallel."
                              f"make_engine builds D replicas")
-        m = self.mesh.shape[MODEL]
         self.layout = layout = engine_layout(config, mc, self.mesh)
         self.dtype = layout.dtype
         self.max_model_len = max_model_len = layout.max_model_len
@@ -95,34 +92,14 @@ class EngineCore:
             multihost.check_mesh(self.mesh)
             self.channel = multihost.StepChannel()
             atexit.register(self.shutdown)   # followers must not wait for ever
-        # KV heads as stored on this mesh: a multiple of M (replicated heads when K % M).
-        kv_heads = layout.kv_heads
-        if kv_heads != mc.num_kv_heads:
-            logger.warning("num_kv_heads=%d does not divide by the model axis %d: each KV head "
-                           "is replicated on %d devices (%d KV heads stored, %d per device)",
-                           mc.num_kv_heads, m, kv_heads // mc.num_kv_heads, kv_heads,
-                           kv_heads // m)
 
         progress.set_phase(LOADING_WEIGHTS, f"loading the weights of {config.model}")
         self.attention_backend = layout.attention_backend
-        self.model = build_layout_model(layout)
-        shardings_of = lambda model: layout_param_shardings(model, self.mesh, layout)
-        self.params = load_params(config.model, mc, self.model, self.dtype,
-                                  load_format=config.load_format, seed=config.seed,
-                                  shardings=shardings_of(self.model),
-                                  kv_head_repeat=kv_heads // mc.num_kv_heads,
-                                  progress=partial(_report_loading, progress))
-        if mc.tie_word_embeddings and self.mesh.devices.flat[0].platform == "cpu":
-            self.model, self.params = untie_lm_head(self.model, self.params, shardings_of)
-            logger.info("CPU: the lm_head reads a transposed copy of the tied embedding "
-                        "(faster decode matmul, +%.1f MiB)",
-                        param_bytes(self.params["lm_head"]) / 2**20)
-        self.weight_bytes = param_bytes(self.params)
-        self.weight_bytes_per_device = bytes_per_device(self.params)
-        # The load's time and rate are models.weights' line; this one is what is in memory.
-        logger.info("model %s (%s, %s): %.2f GiB of weights, %.2f GiB per device "
-                    "(model axis %d)", config.model, mc.architecture, jnp.dtype(self.dtype).name,
-                    self.weight_bytes / 2**30, self.weight_bytes_per_device / 2**30, m)
+        loaded = load_model(config, layout, self.mesh,
+                            on_progress=partial(_report_loading, progress))
+        self.model, self.params = loaded.model, loaded.params
+        self.weight_bytes = loaded.weight_bytes
+        self.weight_bytes_per_device = loaded.weight_bytes_per_device
 
         self.prefix_caching = config.enable_prefix_caching and not mc.is_hybrid
         if mc.is_hybrid:
