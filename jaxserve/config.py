@@ -8,7 +8,7 @@ from dataclasses import dataclass
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _LOAD_FORMATS = ("auto", "safetensors", "dummy")
 _POLICIES = ("fcfs", "priority")
-# "auto": the Pallas kernels on GPU/TPU, the XLA page loop on CPU; "reference": the
+# "auto": chosen by platform (pallas_kernels' resolve_backend owns the rule); "reference": the
 # simple jnp oracle; "pallas_interpret": the Pallas kernel body in interpret mode on CPU
 # (tests; slow).
 _ATTENTION_BACKENDS = ("auto", "xla", "reference", "pallas", "pallas_interpret")

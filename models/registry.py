@@ -53,9 +53,8 @@ def build_model(config: ModelConfig, dtype: Any = "auto", attention_backend: str
                 scan_layers: bool = False) -> nn.Module:
     """The flax module for `config`; parameters and activations in `dtype`.
 
-    attention_backend: "auto" (Pallas kernels on GPU/TPU, the jnp reference on CPU),
-    "reference", "pallas" or "pallas_interpret"; "auto" is resolved here, for the
-    default backend. scan_layers: the layers under jax.lax.scan over stacked params
+    attention_backend: a name of pallas_kernels.ragged_paged_attention.resolve_backend,
+    which owns what "auto" means; resolved here for the default backend. scan_layers: the layers under jax.lax.scan over stacked params
     (models/llama.py).
     """
     return get_model_class(config.architecture)(config=config, dtype=resolve_dtype(dtype, config),

@@ -40,8 +40,9 @@ BACKENDS = {
 
 
 def resolve_backend(backend: str, platform: str | None = None) -> str:
-    """An attention backend name with "auto" resolved: the Pallas kernels on GPU/TPU,
-    the reference elsewhere (platform defaults to jax.default_backend())."""
+    """An attention backend name with "auto" resolved -- the one place that says what
+    it means: the Pallas kernels on GPU/TPU, the XLA page loop elsewhere (platform
+    defaults to jax.default_backend())."""
     if backend == "auto":
         platform = platform or jax.default_backend()
         backend = "pallas" if platform in ("gpu", "cuda", "tpu") else "xla"
