@@ -31,7 +31,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxserve.config import EngineConfig
+from jaxserve.config import EngineConfig, default_max_num_seqs
 from jaxserve.engine.layout import (EngineLayout, build_layout_model, engine_layout,
                                     layout_num_pages, layout_param_shardings, make_runner)
 from jaxserve.planning.plan import load_model_config, make_plan
@@ -220,7 +220,9 @@ def compile_plan(model: str, *, target: str, mesh: str = "1x1",
     hbm = tpu_target(target).usable_hbm_bytes
     _, m = parse_mesh(mesh)
     mc = load_model_config(model)
-    # Each of the D replicas compiles the same programs on its own 1xM devices.
+    # Each of the D replicas compiles the same programs on its own 1xM devices. The
+    # default rows are the target's, not this host's (EngineConfig would ask jax here).
+    engine_kw.setdefault("max_num_seqs", default_max_num_seqs("tpu"))
     config = EngineConfig(model=model, mesh=f"1x{m}", load_format="dummy",
                           compilation_cache_dir=None, **engine_kw)
     replica = replica_meshes(abstract_tpu_mesh(target, mesh))[0]
