@@ -1,9 +1,15 @@
-"""EngineConfig: every engine knob in one frozen, validated dataclass."""
+"""EngineConfig: every engine knob in one frozen, validated dataclass.
+
+A knob with a command-line flag carries its help text (and flag aliases, choices) as
+field metadata: jaxserve/engine_args.py makes the flags of the server, the planner and
+`python -m jaxserve.generate` from these fields, so a flag's name, type and default
+are the field's own."""
 from __future__ import annotations
 
 import dataclasses
 import os
 from dataclasses import dataclass
+from typing import Any
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _LOAD_FORMATS = ("auto", "safetensors", "dummy")
@@ -14,38 +20,88 @@ _POLICIES = ("fcfs", "priority")
 _ATTENTION_BACKENDS = ("auto", "xla", "reference", "pallas", "pallas_interpret")
 
 
+def default_max_num_seqs(platform: str) -> int:
+    """max_num_seqs when none is given, for the platform the engine runs on ("cpu",
+    "gpu", "tpu"). Each sampler row bucket up to max_num_seqs is a warmup program
+    (runner/buckets.py): on CPU 64 keeps the built-in tiny model's server at 23
+    programs (96: 25, 256: 29, over its budget of 24, tests/engine/test_warmup_budget.py);
+    accelerators take vLLM's 256, where the programs are worth the batch (the TPU plans
+    and compile checks are made at 256), so one number cannot serve both. LLM, the
+    server and the planner all take it from here."""
+    return 64 if platform == "cpu" else 256
+
+
+class ConfigError(ValueError):
+    """An invalid EngineConfig value; `field` names the knob (a CLI names its flag)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+def _knob(default: Any = dataclasses.MISSING, *, help: str, aliases: tuple[str, ...] = (),
+          choices: tuple[str, ...] | None = None, default_help: str | None = None,
+          default_factory: Any = dataclasses.MISSING) -> Any:
+    """A field with a command-line flag: --field-name, plus `aliases` (vLLM spellings).
+    default_help: what the default means where the value alone would not say."""
+    return dataclasses.field(default=default, default_factory=default_factory,
+                             metadata={"help": help, "aliases": aliases, "choices": choices,
+                                       "default_help": default_help})
+
+
+def _compilation_cache_default() -> str:
+    return os.environ.get("JAXSERVE_COMPILATION_CACHE",
+                          os.path.expanduser("~/.cache/jaxserve/xla"))
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str
     tokenizer: str | None = None          # defaults to the model directory
-    dtype: str = "auto"                   # "auto" = the checkpoint's dtype
-    kv_cache_dtype: str = "auto"          # "auto" = the model dtype
-    max_model_len: int | None = None      # None = the model's max_position_embeddings
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None  # None = max(2048, max_num_seqs)
-    page_size: int = 16
-    seed: int = 0
-    enable_prefix_caching: bool = True
-    load_format: str = "auto"
-    scheduling_policy: str = "fcfs"
+    dtype: str = _knob("auto", choices=_DTYPES,
+                       help="weights and activations; auto = the checkpoint's dtype")
+    kv_cache_dtype: str = _knob("auto", choices=_DTYPES, help="KV cache dtype; auto = the "
+                                                              "model dtype")
+    max_model_len: int | None = _knob(None, help="context length (prompt + output)",
+                                      default_help="the model's max_position_embeddings")
+    # None = default_max_num_seqs for the platform, resolved at construction.
+    max_num_seqs: int | None = _knob(None, help="most requests in one step",
+                                     default_help="64 on CPU, 256 on GPU/TPU")
+    max_num_batched_tokens: int | None = _knob(None, help="token budget of one step",
+                                               default_help="max(2048, max_num_seqs)")
+    page_size: int = _knob(16, aliases=("--block-size",), help="tokens per KV cache page")
+    seed: int = _knob(0, help="engine seed (for requests without a seed)")
+    enable_prefix_caching: bool = _knob(True, help="reuse the KV pages of shared prompt "
+                                                   "prefixes")
+    load_format: str = _knob("auto", choices=_LOAD_FORMATS,
+                             help="dummy = random weights at the model's real shape")
+    scheduling_policy: str = _knob("fcfs", choices=_POLICIES, help="order of the waiting "
+                                                                   "requests")
     num_pages: int | None = None          # explicit KV page count (includes the null page)
-    hbm_utilization: float = 0.9          # accelerators: fraction of free memory after weights
+    hbm_utilization: float = _knob(
+        0.9, aliases=("--gpu-memory-utilization",),
+        help="accelerators: share of the device memory the weights leave that the KV cache "
+             "gets; the rest is the reserve for activations")
     kv_cache_memory_bytes: int | None = None  # explicit KV cache budget in bytes
-    mesh: str | None = None               # "DxM": D data-parallel replicas x M-way tensor parallel
-    attention_backend: str = "auto"       # one of _ATTENTION_BACKENDS
+    mesh: str | None = _knob(None, help="device mesh 'DxM': D data-parallel replicas, each "
+                                        "tensor parallel over M devices", default_help="1x1")
+    attention_backend: str = _knob("auto", choices=_ATTENTION_BACKENDS,
+                                   help="auto: Pallas kernels on GPU/TPU, XLA on CPU")
     # Layers under jax.lax.scan (one compiled layer body whatever the depth) or a Python
-    # loop; None = scan on accelerators, loop on CPU (XLA:CPU copies scanned weights).
+    # loop; None = scan on accelerators, loop on CPU (for_platform).
     scan_layers: bool | None = None
-    compilation_cache_dir: str | None = dataclasses.field(
-        default_factory=lambda: os.environ.get(
-            "JAXSERVE_COMPILATION_CACHE", os.path.expanduser("~/.cache/jaxserve/xla")))
+    compilation_cache_dir: str | None = _knob(
+        default_factory=_compilation_cache_default,
+        help="persistent XLA compilation cache: a second start loads the programs compiled "
+             "by the first from here instead of compiling them again; '' or 'none' turns it off",
+        default_help="env JAXSERVE_COMPILATION_CACHE, else ~/.cache/jaxserve/xla")
 
     def __post_init__(self) -> None:
-        def bad(field: str, why: str) -> ValueError:
-            return ValueError(f"{field}={getattr(self, field)!r}: {why}")
+        def bad(field: str, why: str) -> ConfigError:
+            return ConfigError(field, f"{field}={getattr(self, field)!r}: {why}")
 
         if not self.model:
-            raise ValueError("model must name a checkpoint directory")
+            raise ConfigError("model", "model must name a checkpoint directory")
         if self.dtype not in _DTYPES:
             raise bad("dtype", f"must be one of {_DTYPES}")
         if self.kv_cache_dtype not in _DTYPES:
@@ -58,7 +114,7 @@ class EngineConfig:
             raise bad("attention_backend", f"must be one of {_ATTENTION_BACKENDS}")
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise bad("page_size", "must be a positive power of two")
-        if self.max_num_seqs < 1:
+        if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise bad("max_num_seqs", "must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise bad("max_model_len", "must be >= 1")
@@ -70,15 +126,26 @@ class EngineConfig:
             raise bad("hbm_utilization", "must be in (0, 1]")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise bad("kv_cache_memory_bytes", "must be > 0")
-        if self.num_batched_tokens < self.max_num_seqs:
+        if self.max_num_seqs is not None and self.num_batched_tokens < self.max_num_seqs:
             raise bad("max_num_batched_tokens", f"must be >= max_num_seqs ({self.max_num_seqs})")
         if self.mesh is not None:
             # sharding owns the "DxM" format; imported here so that importing this
             # module needs no jax.
             from sharding.mesh import parse_mesh
-            parse_mesh(self.mesh)
+            try:
+                parse_mesh(self.mesh)
+            except ValueError as e:
+                raise ConfigError("mesh", str(e)) from e
 
     @property
     def num_batched_tokens(self) -> int:
         """The per-step token budget (max_num_batched_tokens with its default)."""
-        return self.max_num_batched_tokens or max(2048, self.max_num_seqs)
+        return self.max_num_batched_tokens or max(2048, self.max_num_seqs or 0)
+
+    def for_platform(self, platform: str) -> EngineConfig:
+        """This config with the defaults that depend on the platform ("cpu", "gpu",
+        "tpu") filled in: what an engine on that platform runs (validated again)."""
+        return dataclasses.replace(
+            self, max_num_seqs=self.max_num_seqs or default_max_num_seqs(platform),
+            # XLA:CPU copies scanned weights out of their stack: loop there.
+            scan_layers=platform != "cpu" if self.scan_layers is None else self.scan_layers)

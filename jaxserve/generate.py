@@ -12,11 +12,15 @@ import time
 
 from jaxserve.checkpoints.default_model import DEFAULT_MODEL_NAME, default_model_dir
 from jaxserve.checkpoints.model_configs import ALIASES
+from jaxserve.engine_args import add_engine_args, engine_kwargs
 
 logger = logging.getLogger("jaxserve")
 
+# The engine flags this command takes: made from EngineConfig's fields.
+GENERATE_ENGINE_FLAGS = ("seed", "dtype", "max_model_len", "max_num_seqs", "load_format")
 
-def main(argv: list[str] | None = None) -> None:
+
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m jaxserve.generate", description=__doc__)
     ap.add_argument("--model", default=None,
                     help="checkpoint directory (config.json, *.safetensors, tokenizer), Hugging "
@@ -27,14 +31,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt")
     ap.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     ap.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass")
-    ap.add_argument("--seed", type=int, default=0, help="engine seed")
-    ap.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
-    ap.add_argument("--max-model-len", type=int, default=None, help="context length")
-    ap.add_argument("--max-num-seqs", type=int, default=16, help="requests per step")
-    ap.add_argument("--load-format", default="auto",
-                    help="auto, safetensors or dummy (random weights at the real shape; with "
-                         "an alias no files are needed)")
-    args = ap.parse_args(argv)
+    # Its own max_num_seqs: a few prompts need few rows, and each row bucket is a sampler
+    # program to compile before the first token.
+    add_engine_args(ap, GENERATE_ENGINE_FLAGS, defaults={"max_num_seqs": 16})
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
 
     from jaxserve import LLM, SamplingParams
@@ -44,9 +48,8 @@ def main(argv: list[str] | None = None) -> None:
         logger.info("no --model given: using the built-in %s (random weights, so the output "
                     "is random text); pass --model /path/to/hf-checkpoint for a real model",
                     DEFAULT_MODEL_NAME)
-    llm = LLM(model, dtype=args.dtype, max_model_len=args.max_model_len,
-              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=max(256, args.max_num_seqs),
-              seed=args.seed, load_format=load_format)
+    kwargs = {**engine_kwargs(args), "load_format": load_format}
+    llm = LLM(model, max_num_batched_tokens=max(256, args.max_num_seqs), **kwargs)
     prompts = args.prompt or ["Hello, my name is", "The capital of France is"]
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p,
                             max_tokens=args.max_tokens)

@@ -16,7 +16,8 @@ import uvicorn
 import jaxserve
 from jaxserve.api.loading import LoadingGate
 from jaxserve.api.metrics import Metrics
-from jaxserve.config import EngineConfig
+from jaxserve.config import ConfigError, EngineConfig
+from jaxserve.engine_args import add_engine_args, config_error, engine_kwargs
 from jaxserve.checkpoints.default_model import DEFAULT_MODEL_NAME, default_model_dir
 from jaxserve.engine.startup import STARTING, StartupProgress
 from jaxserve.checkpoints.model_configs import ALIASES
@@ -42,8 +43,6 @@ def parser() -> argparse.ArgumentParser:
     a("--port", type=int, default=8000, help="port to listen on")
     a("--api-key", default=os.environ.get("JAXSERVE_API_KEY"),
       help="require 'Authorization: Bearer KEY' (default: env JAXSERVE_API_KEY)")
-    a("--mesh", default=None, help="device mesh 'DxM': D data-parallel replicas, each tensor "
-                                   "parallel over M devices")
     a("--coordinator-address", default=os.environ.get("JAXSERVE_COORDINATOR_ADDRESS"),
       help="multi-host: host:port of process 0's jax.distributed coordinator (default: env "
            "JAXSERVE_COORDINATOR_ADDRESS)")
@@ -51,20 +50,8 @@ def parser() -> argparse.ArgumentParser:
       help="multi-host: number of processes, one per host (env JAXSERVE_NUM_PROCESSES)")
     a("--process-id", type=int, default=_env_int("JAXSERVE_PROCESS_ID"),
       help="multi-host: this process's index; 0 serves HTTP (env JAXSERVE_PROCESS_ID)")
-    a("--max-model-len", type=int, default=None, help="context length (prompt + output)")
-    a("--max-num-seqs", type=int, default=64, help="most requests in one step")
-    a("--max-num-batched-tokens", type=int, default=None, help="token budget of one step")
-    a("--page-size", "--block-size", dest="page_size", type=int, default=16,
-      help="tokens per KV cache page")
-    a("--hbm-utilization", "--gpu-memory-utilization", dest="hbm_utilization", type=float,
-      default=0.9, help="share of free accelerator memory for the KV cache")
-    a("--dtype", default="auto", help="weights/activations: auto, float32, bfloat16, float16")
-    a("--kv-cache-dtype", default="auto", help="KV cache dtype (auto = model dtype)")
-    a("--load-format", default="auto", help="auto, safetensors or dummy (random weights at "
-                                            "the model's real shape)")
-    a("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-      help="reuse the KV pages of shared prompt prefixes")
-    a("--seed", type=int, default=0, help="engine seed (requests without a seed)")
+    # The engine's knobs: flags made from EngineConfig's fields (names, types, defaults).
+    add_engine_args(ap)
     a("--chat-template", default=None, help="chat template file or string (default: the "
                                             "tokenizer's)")
     a("--generation-config", default="auto",
@@ -76,12 +63,6 @@ def parser() -> argparse.ArgumentParser:
     a("--max-request-body-bytes", type=int, default=32 * 2**20,
       help="answer 413 to request bodies larger than this (default 32 MiB)")
     a("--disable-log-requests", action="store_true", help="do not log each request")
-    a("--scheduling-policy", default="fcfs", help="fcfs or priority")
-    a("--attention-backend", default="auto", help="auto, reference, pallas, pallas_interpret")
-    a("--compilation-cache-dir", default=None,
-      help="persistent XLA compilation cache: a second start loads the programs compiled "
-           "by the first from here instead of compiling them again. Default: env "
-           "JAXSERVE_COMPILATION_CACHE, else ~/.cache/jaxserve/xla; '' or 'none' turns it off")
     a("--timeout-graceful-shutdown", type=float, default=5.0,
       help="seconds in-flight requests get to finish on SIGTERM/SIGINT")
     return ap
@@ -93,29 +74,15 @@ def _env_int(name: str) -> int | None:
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    model, load_format = args.model, args.load_format
+    """ConfigError (a ValueError naming the field) for a bad value."""
+    kwargs = engine_kwargs(args)
+    model = args.model
     if model is None:
-        model, load_format = default_model_dir(), "dummy"
+        model, kwargs["load_format"] = default_model_dir(), "dummy"
         logger.warning("no --model given: serving the built-in %s, a tiny model with RANDOM "
                        "weights (its output is random text). Serve a real checkpoint with "
                        "--model /path/to/hf-checkpoint", DEFAULT_MODEL_NAME)
-    return EngineConfig(
-        model=model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
-        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size,
-        seed=args.seed, enable_prefix_caching=args.enable_prefix_caching,
-        load_format=load_format, scheduling_policy=args.scheduling_policy,
-        hbm_utilization=args.hbm_utilization, mesh=args.mesh,
-        attention_backend=args.attention_backend, **_compilation_cache(args))
-
-
-def _compilation_cache(args: argparse.Namespace) -> dict:
-    """EngineConfig's compilation_cache_dir when the flag is given (else its default)."""
-    value = args.compilation_cache_dir
-    if value is None:
-        return {}
-    off = value.strip().lower() in ("", "none")
-    return {"compilation_cache_dir": None if off else os.path.expanduser(value)}
+    return EngineConfig(model=model, **kwargs)
 
 
 def chat_template(value: str | None) -> str | None:
@@ -142,7 +109,8 @@ def generation_defaults(setting: str, model_dir: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parser().parse_args(argv)
+    ap = parser()
+    args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     if _multihost(args):
         from jaxserve.engine import multihost
@@ -151,10 +119,10 @@ def main(argv: list[str] | None = None) -> None:
             # Hosts other than process 0 serve no HTTP: they run the steps process 0
             # publishes.
             from jaxserve.engine.data_parallel import make_engine
-            make_engine(engine_config(args)).follow()
+            make_engine(_checked_config(ap, args)).follow()
             return
     t0 = time.perf_counter()
-    config = engine_config(args)
+    config = _checked_config(ap, args)
     try:   # alias / repo id -> directory here too: generation_config.json is read from it
         config = replace(config, model=resolve_model(config.model, load_format=config.load_format))
     except ValueError as e:
@@ -198,6 +166,14 @@ def main(argv: list[str] | None = None) -> None:
         os._exit(1 if fatal else 0)
     if fatal:
         sys.exit(1)
+
+
+def _checked_config(ap: argparse.ArgumentParser, args: argparse.Namespace) -> EngineConfig:
+    """engine_config, or exit 2 naming the flag whose value EngineConfig refuses."""
+    try:
+        return engine_config(args)
+    except ConfigError as e:
+        config_error(ap, e)
 
 
 def _multihost(args: argparse.Namespace) -> bool:

@@ -51,7 +51,6 @@ class DataParallelEngine:
     def __init__(self, config: EngineConfig, *, stream_outputs: bool = False, mesh=None,
                  balance_slack: int = 2, progress: StartupProgress | None = None):
         mesh = mesh if mesh is not None else make_mesh(config.mesh)
-        self.config = config
         self.balance_slack = balance_slack
         # One seed sequence for all replicas: a seedless request gets the same seed
         # whatever the mesh, as in a single engine.
@@ -60,6 +59,7 @@ class DataParallelEngine:
                                     seed_counter=seeds, progress=progress)
                          for sub in replica_meshes(mesh)]
         first = self.replicas[0]
+        self.config = first.config                   # resolved for the platform
         self.tokenizer = first.tokenizer
         self.model_config = first.model_config
         self.max_model_len = first.max_model_len

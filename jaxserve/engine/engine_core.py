@@ -68,7 +68,6 @@ class EngineCore:
         progress.set_phase(STARTING, "reading the model's config and tokenizer")
         # An alias or HF repo id becomes a local directory before anything reads it.
         config = replace(config, model=resolve_model(config.model, load_format=config.load_format))
-        self.config = config
         enable_compilation_cache(config.compilation_cache_dir)
         if config.load_format != "dummy" and not os.path.isdir(config.model):
             raise ValueError(f"model path {config.model!r} does not exist or is not a directory")
@@ -83,6 +82,7 @@ class EngineCore:
             raise ValueError(f"EngineCore runs one replica (a 1xM mesh), got mesh "
                              f"{dict(self.mesh.shape)}; jaxserve.engine.data_parallel."
                              f"make_engine builds D replicas")
+        self.config = config = config.for_platform(self.mesh.devices.flat[0].platform)
         self.layout = layout = engine_layout(config, mc, self.mesh)
         self.dtype = layout.dtype
         self.max_model_len = max_model_len = layout.max_model_len

@@ -41,7 +41,7 @@ class EngineLayout:
     rules: dict[str, str | None]  # the rules table for this model and M
     cache_specs: tuple[CacheSpec, ...]  # one per layer (models/cache_spec.py)
     activation_bytes: int         # estimated peak temporaries of a program (kv_budget)
-    scan_layers: bool             # EngineConfig.scan_layers, None resolved for the platform
+    scan_layers: bool             # EngineConfig.scan_layers (for_platform resolved it)
 
     @property
     def run_config(self) -> ModelConfig:
@@ -52,6 +52,8 @@ class EngineLayout:
 def engine_layout(config: EngineConfig, mc: ModelConfig, mesh: Mesh) -> EngineLayout:
     """ValueError for a max_model_len past the model's or a model axis that does not
     divide the model (sharding.check_model_axis)."""
+    platform = mesh.devices.flat[0].platform
+    config = config.for_platform(platform)   # (idempotent: the engine resolved it already)
     dtype = resolve_dtype(config.dtype, mc)
     kv_dtype = dtype if config.kv_cache_dtype == "auto" else resolve_dtype(config.kv_cache_dtype, mc)
     max_model_len = config.max_model_len or mc.max_position_embeddings
@@ -63,7 +65,6 @@ def engine_layout(config: EngineConfig, mc: ModelConfig, mesh: Mesh) -> EngineLa
     kv_heads = kv_head_layout(mc.num_heads, mc.num_kv_heads, m)
     specs = layer_cache_specs(replace(mc, num_kv_heads=kv_heads), kv_dtype=kv_dtype,
                               conv_state_dtype=dtype)
-    platform = mesh.devices.flat[0].platform
     backend = resolve_backend(config.attention_backend, platform)
     if platform == "tpu" and backend == "pallas":
         why = tpu_kernel_limit_error(mc, kv_heads, num_tokens=config.num_batched_tokens,
@@ -73,9 +74,8 @@ def engine_layout(config: EngineConfig, mc: ModelConfig, mesh: Mesh) -> EngineLa
             raise ValueError(why)
     act = activation_bytes(mc, m, config.num_batched_tokens, config.max_num_seqs,
                            jnp.dtype(dtype).itemsize, max_model_len)
-    scan = config.scan_layers if config.scan_layers is not None else platform != "cpu"
     return EngineLayout(mc, dtype, kv_dtype, max_model_len, m, kv_heads, backend,
-                        mesh_rules(mc, m), specs, act, scan)
+                        mesh_rules(mc, m), specs, act, config.scan_layers)
 
 
 def tpu_kernel_limit_error(mc: ModelConfig, kv_heads: int, *, num_tokens: int, rows: int,

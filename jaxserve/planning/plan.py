@@ -37,6 +37,8 @@ from pathlib import Path
 import jax.numpy as jnp
 
 from jaxserve.checkpoints.model_configs import ALIASES, BUILTIN_CONFIGS  # noqa: F401  (one source)
+from jaxserve.config import default_max_num_seqs
+from jaxserve.engine_args import add_engine_args
 from jaxserve.planning.cache_plan import CachePlan, plan_caches
 from jaxserve.planning.kv_budget import activation_bytes, kv_budget_bytes
 from jaxserve.planning.plan_format import format_plan
@@ -297,21 +299,18 @@ def plan_for_engine(core) -> str:
     return format_plan(plan)
 
 
-def main(argv: list[str] | None = None) -> None:
+# The engine flags a plan takes: made from EngineConfig's fields, as the server's are.
+PLAN_ENGINE_FLAGS = ("mesh", "hbm_utilization", "max_model_len", "max_num_seqs",
+                     "max_num_batched_tokens", "dtype", "kv_cache_dtype")
+
+
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m jaxserve.plan", description=__doc__.split("\n")[0])
     ap.add_argument("--model", required=True,
                     help="an alias (" + ", ".join(ALIASES) + ") or its repo id, a checkpoint "
                          "dir, a config.json, or a repo id in the local Hugging Face cache")
-    ap.add_argument("--mesh", default="1x1", help="'DxM' (data x model parallel)")
     ap.add_argument("--hbm", default=None, help="memory per device, e.g. 80GiB")
-    ap.add_argument("--hbm-utilization", type=float, default=0.9,
-                    help="share of the memory left after the weights that the KV cache gets; "
-                         "the rest is the activation reserve")
-    ap.add_argument("--max-model-len", type=int, default=None)
-    ap.add_argument("--max-num-seqs", type=int, default=256)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=None)
-    ap.add_argument("--dtype", default="auto", help="auto, bfloat16, float16, float32")
-    ap.add_argument("--kv-cache-dtype", default="auto")
+    add_engine_args(ap, PLAN_ENGINE_FLAGS)
     ap.add_argument("--interconnect-gbps", type=float, default=DEFAULT_LINK_GBPS,
                     help="link bandwidth per direction per device in GB/s (default: NVLink 4 "
                          "on H100 SXM, 450)")
@@ -322,7 +321,22 @@ def main(argv: list[str] | None = None) -> None:
                     "this host: the smallest and largest forward token bucket and the costliest "
                     "sampler (penalties, largest row bucket), or 'all' of them")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
+    return ap
+
+
+def parse_args(ap: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
+    # EngineConfig's defaults where it resolves None: one device, and the rows of the
+    # platform planned for.
+    args.mesh = args.mesh or "1x1"
+    if args.max_num_seqs is None:
+        args.max_num_seqs = default_max_num_seqs("tpu" if args.target else "gpu")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = parser()
+    args = parse_args(ap, argv)
     try:
         if args.target and args.hbm:
             raise ValueError("give --hbm or --target (which sets the HBM), not both")

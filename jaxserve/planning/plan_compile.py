@@ -197,6 +197,7 @@ class AbstractEngine:
 def build_abstract_engine(config: EngineConfig, mc, mesh, hbm_bytes: int) -> AbstractEngine:
     """mesh: one replica's 1xM mesh of abstract chips. ValueError when the engine would
     refuse to start (e.g. no room for one sequence)."""
+    config = config.for_platform(mesh.devices.flat[0].platform)
     layout = engine_layout(config, mc, mesh)
     model = build_layout_model(layout)
     params = placed_abstract_params(model, layout.dtype,
@@ -221,9 +222,10 @@ def compile_plan(model: str, *, target: str, mesh: str = "1x1",
     hbm = tpu_target(target).usable_hbm_bytes
     _, m = parse_mesh(mesh)
     mc = load_model_config(model)
-    # Each of the D replicas compiles the same programs on its own 1xM devices.
+    # Each of the D replicas compiles the same programs on its own 1xM devices. The
+    # default rows are the target's, not this host's (EngineConfig would ask jax here).
     config = EngineConfig(model=model, mesh=f"1x{m}", load_format="dummy",
-                          compilation_cache_dir=None, **engine_kw)
+                          compilation_cache_dir=None, **engine_kw).for_platform("tpu")
     replica = replica_meshes(abstract_tpu_mesh(target, mesh))[0]
     base = CompileReport(model=model, target=target, mesh=mesh, hbm_bytes=hbm,
                          published_hbm_bytes=tpu_target(target).hbm_bytes,

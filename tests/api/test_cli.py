@@ -62,7 +62,7 @@ def test_alias_with_dummy_weights_gets_as_far_as_building_the_model(tmp_path, mo
     weights is where this test stops it. The engine is built while the server listens:
     its failure stops the server, is logged, and the exit status is 1."""
     from jaxserve.api.cli import main
-    from jaxserve.engine import engine_core
+    from jaxserve.engine import loader
     from tests.api.conftest import free_port
     monkeypatch.setenv("JAXSERVE_CACHE", str(tmp_path))
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))
@@ -74,7 +74,7 @@ def test_alias_with_dummy_weights_gets_as_far_as_building_the_model(tmp_path, mo
     def stop(model_dir, mc, model, *args, **kwargs):
         built.update(model_dir=model_dir, mc=mc, model=model)
         raise Stop
-    monkeypatch.setattr(engine_core, "load_params", stop)
+    monkeypatch.setattr(loader, "load_params", stop)
     with pytest.raises(SystemExit) as e:
         main(["--model", "qwen3-8b", "--load-format", "dummy", "--max-model-len", "4096",
               "--port", str(free_port())])

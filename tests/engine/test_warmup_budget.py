@@ -21,13 +21,14 @@ def kinds(programs) -> Counter:
 def test_flagship_on_tpu_within_budget():
     """Qwen3.6-27B as the engine builds it for a v6e 1x8 at its defaults (262,144 tokens,
     256 rows): counted on the abstract engine, nothing compiled."""
-    from jaxserve.config import EngineConfig
+    from jaxserve.config import EngineConfig, default_max_num_seqs
     from jaxserve.planning.plan import load_model_config
     from jaxserve.planning.plan_compile import build_abstract_engine
     from sharding import replica_meshes
     from sharding.tpu_targets import abstract_tpu_mesh, tpu_target
+    # Built on this CPU host, the default rows would be CPU's: ask for the TPU's.
     config = EngineConfig(model="qwen3.6-27b", mesh="1x8", load_format="dummy",
-                          compilation_cache_dir=None)
+                          compilation_cache_dir=None, max_num_seqs=default_max_num_seqs("tpu"))
     mesh = replica_meshes(abstract_tpu_mesh("tpu-v6e", "1x8"))[0]
     eng = build_abstract_engine(config, load_model_config("qwen3.6-27b"), mesh,
                                 tpu_target("tpu-v6e").usable_hbm_bytes)

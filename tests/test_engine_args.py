@@ -1,0 +1,110 @@
+"""The engine flags of the server, the planner and generate are EngineConfig's fields:
+same names, types and defaults, or a field says why it has no flag."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+
+import pytest
+
+from jaxserve.api import cli
+from jaxserve.config import EngineConfig, default_max_num_seqs
+from jaxserve.engine_args import FLAGS, NOT_FLAGS, flag_name
+from jaxserve.planning import plan
+
+FIELDS = {f.name: f for f in dataclasses.fields(EngineConfig)}
+
+
+def engine_actions(ap: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    return {a.dest: a for a in ap._actions if a.dest in FIELDS and a.dest != "model"}
+
+
+def field_default(name: str):
+    f = FIELDS[name]
+    return argparse.SUPPRESS if f.default is dataclasses.MISSING else f.default
+
+
+def test_every_field_is_a_flag_or_says_why_not():
+    assert set(FLAGS) | set(NOT_FLAGS) == set(FIELDS)
+    assert not set(FLAGS) & set(NOT_FLAGS)
+    assert all(NOT_FLAGS.values())
+
+
+def test_server_flags_are_engine_config_fields():
+    actions = engine_actions(cli.parser())
+    assert set(actions) == set(FLAGS)   # the server takes every engine flag
+    hints = typing.get_type_hints(EngineConfig)
+    for name, action in actions.items():
+        assert flag_name(name) in action.option_strings
+        assert action.default == field_default(name), name
+        value_type = next(t for t in typing.get_args(hints[name]) or (hints[name],)
+                          if t is not type(None))
+        if value_type is bool:
+            assert isinstance(action, argparse.BooleanOptionalAction), name
+        elif name != "compilation_cache_dir":   # (parses '' / 'none' as off)
+            assert action.type is value_type, name
+    # No flags at all: EngineConfig's own defaults (max_num_seqs: the platform's).
+    args = cli.parser().parse_args(["--model", "/m"])
+    assert cli.engine_config(args) == EngineConfig(model="/m")
+    assert EngineConfig(model="/m").for_platform("cpu").max_num_seqs == default_max_num_seqs("cpu") == 64
+    assert EngineConfig(model="/m").for_platform("tpu").max_num_seqs == 256
+
+
+@pytest.mark.parametrize("flag, value, field, expected", [
+    ("--block-size", "32", "page_size", 32), ("--page-size", "8", "page_size", 8),
+    ("--gpu-memory-utilization", "0.5", "hbm_utilization", 0.5),
+    ("--hbm-utilization", "0.7", "hbm_utilization", 0.7),
+    ("--max-num-seqs", "8", "max_num_seqs", 8), ("--attention-backend", "xla",
+                                                 "attention_backend", "xla")])
+def test_todays_spellings_still_work(flag, value, field, expected):
+    cfg = cli.engine_config(cli.parser().parse_args(["--model", "/m", flag, value]))
+    assert getattr(cfg, field) == expected
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--max-num-seqs", "0"], "argument --max-num-seqs: max_num_seqs=0: must be >= 1"),
+    (["--max-num-seqs", "many"], "argument --max-num-seqs: invalid int value: 'many'"),
+    (["--dtype", "float64"], "argument --dtype: invalid choice: 'float64'"),
+    (["--max-num-batched-tokens", "32", "--max-num-seqs", "64"],
+     "argument --max-num-batched-tokens: max_num_batched_tokens=32: must be >= max_num_seqs"),
+    (["--block-size", "12"], "argument --page-size: page_size=12: must be a positive power"),
+    (["--mesh", "2y4"], "argument --mesh: "),
+    (["--no-such-flag", "1"], "unrecognized arguments: --no-such-flag 1")])
+def test_bad_values_exit_2_naming_the_flag(argv, message, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("JAXSERVE_CACHE", str(tmp_path))   # where the default model goes
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: python -m jaxserve.api") and message in err, err
+
+
+def test_planner_defaults_are_engine_config_defaults():
+    ap = plan.parser()
+    actions = engine_actions(ap)
+    assert set(actions) == set(plan.PLAN_ENGINE_FLAGS)
+    server = engine_actions(cli.parser())
+    for name, action in actions.items():   # the very flags the server has
+        assert (action.option_strings, action.type, action.help) == \
+            (server[name].option_strings, server[name].type, server[name].help)
+    args = plan.parse_args(ap, ["--model", "qwen3-8b"])
+    for name in plan.PLAN_ENGINE_FLAGS:
+        if name not in ("max_num_seqs", "mesh"):
+            assert getattr(args, name) == field_default(name), name
+    assert args.mesh == "1x1"   # EngineConfig's None: one device
+    # A plan is for an accelerator: EngineConfig's default there.
+    assert args.max_num_seqs == default_max_num_seqs("gpu") == 256
+    tpu = plan.parse_args(ap, ["--model", "qwen3-8b", "--target", "tpu-v6e"])
+    assert tpu.max_num_seqs == default_max_num_seqs("tpu") == 256
+
+
+def test_generate_defaults_are_engine_config_defaults_but_its_rows():
+    from jaxserve import generate
+    actions = engine_actions(generate.parser())
+    assert set(actions) == set(generate.GENERATE_ENGINE_FLAGS)
+    for name, action in actions.items():
+        if name != "max_num_seqs":
+            assert action.default == field_default(name), name
+    assert actions["max_num_seqs"].default == 16 and "(default: 16)" in actions[
+        "max_num_seqs"].help
