@@ -47,11 +47,12 @@ class HostBatch:
     num_reqs: int
 
 
-# Per-row sampling columns: (name, dtype, value of a padding / free row).
-_SAMPLING = (("temperature", np.float32, 0.0), ("top_k", np.int32, 0),
-             ("top_p", np.float32, 1.0), ("min_p", np.float32, 0.0),
-             ("presence_penalty", np.float32, 0.0), ("frequency_penalty", np.float32, 0.0),
-             ("repetition_penalty", np.float32, 1.0), ("want_logprobs", np.bool_, False))
+# SamplingParams fields kept per row as SamplingTensors takes them: (name, dtype, value
+# of a padding row).
+_FROM_PARAMS = (("temperature", np.float32, 0.0), ("top_k", np.int32, 0),
+                ("top_p", np.float32, 1.0), ("min_p", np.float32, 0.0),
+                ("presence_penalty", np.float32, 0.0), ("frequency_penalty", np.float32, 0.0),
+                ("repetition_penalty", np.float32, 1.0))
 
 
 class InputBatch:
@@ -85,8 +86,9 @@ class InputBatch:
         self.num_tokens = np.zeros(r, np.int32)
         self.num_prompt = np.zeros(r, np.int32)
         self.state_slots = np.zeros(r, np.int32)
-        for name, dtype, fill in _SAMPLING:
+        for name, dtype, fill in _FROM_PARAMS:
             setattr(self, name, np.full(r, fill, dtype))
+        self.want_logprobs = np.zeros(r, np.bool_)
         self.keys = np.zeros((r, 2), np.uint32)
         self.seeded = np.ones(r, np.bool_)       # False: a fresh random key every step
         self.min_tokens = np.zeros(r, np.int32)
@@ -94,6 +96,12 @@ class InputBatch:
         self.has_penalties = np.zeros(r, np.bool_)
         self.greedy_only = np.zeros(r, np.bool_)  # greedy, no logprobs, no penalties
         self.want_prompt_logprobs = np.zeros(r, np.bool_)
+        # Every per-row array but the two wide ones: what moving a row copies.
+        self._row_arrays = [self.num_pages, self.num_tokens, self.num_prompt, self.state_slots,
+                            self.want_logprobs, self.keys, self.seeded, self.min_tokens,
+                            self.banned, self.has_penalties, self.greedy_only,
+                            self.want_prompt_logprobs,
+                            *(getattr(self, name) for name, _, _ in _FROM_PARAMS)]
         self._rng = np.random.default_rng()
         # Step buffers, reused (the device call gets copies).
         t_max = token_buckets[-1]
@@ -165,10 +173,7 @@ class InputBatch:
         self.page_table[dst, :n] = self.page_table[src, :n]
         self.page_table[src, :n] = 0
         self.tokens[dst, :self.num_tokens[src]] = self.tokens[src, :self.num_tokens[src]]
-        for a in (self.num_pages, self.num_tokens, self.num_prompt, self.state_slots,
-                  self.keys, self.seeded, self.min_tokens, self.banned, self.has_penalties,
-                  self.greedy_only, self.want_prompt_logprobs,
-                  *(getattr(self, name) for name, _, _ in _SAMPLING)):
+        for a in self._row_arrays:
             a[dst] = a[src]
         self.num_pages[src] = 0
 
@@ -189,7 +194,7 @@ class InputBatch:
         self.num_pages[row] = len(r.block_ids)
         self.state_slots[row] = r.state_slot
         sp = r.sampling_params
-        for name, _, _ in _SAMPLING[:-1]:
+        for name, _, _ in _FROM_PARAMS:
             getattr(self, name)[row] = getattr(sp, name)
         self.want_logprobs[row] = sp.logprobs is not None
         self.want_prompt_logprobs[row] = sp.prompt_logprobs is not None
@@ -273,7 +278,8 @@ class InputBatch:
             out[:n] = a[rows]
             return out
 
-        t = {name: col(getattr(self, name), fill) for name, _, fill in _SAMPLING}
+        t = {name: col(getattr(self, name), fill) for name, _, fill in _FROM_PARAMS}
+        t["want_logprobs"] = col(self.want_logprobs, False)
         num_out = self.num_tokens[rows] - self.num_prompt[rows]
         steps = np.zeros(num_rows_padded, np.int32)
         steps[:n] = num_out

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jaxserve.core.request import Request
-from jaxserve.core.scheduler import Scheduler
+from jaxserve.core.scheduler import CachedRequestData, Scheduler, SchedulerOutput
 from jaxserve.runner.buckets import pick_bucket, power_of_two_buckets
 from jaxserve.runner.input_batch import InputBatch
 from jaxserve.runner.sampler import SamplingRow, make_sampling_tensors
@@ -67,7 +67,8 @@ def random_params(rng: random.Random) -> SamplingParams:
         top_k=5 if kind == 1 else 0, top_p=0.9 if kind == 2 else 1.0,
         repetition_penalty=1.3 if kind == 3 else 1.0,
         presence_penalty=0.5 if kind == 3 else 0.0,
-        min_tokens=rng.randrange(0, min(4, max_tokens + 1)), stop_token_ids=[5] if kind == 4 else None,
+        min_tokens=rng.randrange(0, min(4, max_tokens + 1)),
+        stop_token_ids=[5] if kind == 4 else None,
         logprobs=2 if kind == 2 else None, prompt_logprobs=1 if kind == 4 else None)
 
 
@@ -134,11 +135,12 @@ def test_diffs_rebuild_the_full_copy(policy, hybrid):
     assert seen["prefix_hits"] > 0 or hybrid   # hybrid models never share pages
 
 
-def test_unknown_running_request_and_overflow_are_refused():
+def test_a_diff_the_batch_cannot_apply_is_refused():
     sched = Scheduler(num_pages=11, page_size=PS, max_num_seqs=R, max_num_batched_tokens=16,
                       max_model_len=MML)
-    batch = InputBatch(max_num_seqs=R, max_model_len=MML, page_size=PS, token_buckets=BUCKETS,
-                       vocab_size=V)
+    new_batch = lambda: InputBatch(max_num_seqs=R, max_model_len=MML, page_size=PS,  # noqa: E731
+                                   token_buckets=BUCKETS, vocab_size=V)
+    batch = new_batch()
     sched.add_request(Request("a", [7, 8, 9], SamplingParams(max_tokens=4), page_size=PS))
     out = sched.schedule()
     batch.update(out, EOS)
@@ -146,7 +148,8 @@ def test_unknown_running_request_and_overflow_are_refused():
     # The runner never stored the sampled token: the next step asks for what it lacks.
     with pytest.raises(ValueError, match="the runner knows 3"):
         batch.update(sched.schedule(), EOS)
+    running_a = SchedulerOutput([], CachedRequestData(["a"], [3], [1], [[]]), 1, [], [])
     with pytest.raises(ValueError, match="not in the runner's batch"):
-        InputBatch(max_num_seqs=R, max_model_len=MML, page_size=PS, token_buckets=BUCKETS,
-                   vocab_size=V).update(out.__class__(
-                       [], out.cached_reqs.__class__(["a"], [3], [1], [[]]), 1, [], []), EOS)
+        new_batch().update(running_a, EOS)
+    with pytest.raises(ValueError, match="already in the runner's batch"):
+        batch.update(SchedulerOutput(out.new_reqs, CachedRequestData.empty(), 3, [], []), EOS)
