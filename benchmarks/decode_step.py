@@ -33,7 +33,7 @@ def main() -> None:
         import pallas_kernels.ragged_paged_attention.paged_loop as paged_loop
         paged_loop.ragged_paged_attention = lambda q, *a, **k: q
     from jaxserve.config import EngineConfig
-    from jaxserve.core.scheduler import ScheduledRequest, SchedulerOutput
+    from jaxserve.core.scheduler import CachedRequestData, NewRequestData, SchedulerOutput
     from jaxserve.engine.engine_core import EngineCore
     from jaxserve.sampling_params import SamplingParams
 
@@ -44,19 +44,28 @@ def main() -> None:
     runner = core.runner
     params = SamplingParams(temperature=0.0, max_tokens=100, seed=1)
     rng = np.random.default_rng(0)
-    reqs = []
+    news, lens = [], []
     for i in range(n):
         ctx = int(rng.integers(20, 480))
         new = 128 if i < args.prefill else 1
         ctx = max(ctx, new)
-        pages = list(range(1 + i * 32, 1 + i * 32 + -(-ctx // 16)))
-        reqs.append(ScheduledRequest(str(i), [5] * new, ctx - new, pages, True, params, 3,
-                                     [1, 2, 3], ()))
-    num_tokens = sum(len(r.token_ids) for r in reqs)
+        # Room for the tokens each timed step adds (every execute samples one per row).
+        pages = list(range(1 + i * 32, 1 + i * 32 + -(-(ctx + 32) // 16)))
+        # The context as if prefix-cached: only the last `new` tokens are computed.
+        news.append(NewRequestData(str(i), [5] * ctx, [], params, pages, ctx - new, new))
+        lens.append(new)
+    num_tokens = sum(lens)
     if num_tokens > 512:
         raise SystemExit(f"{num_tokens} tokens: more than max_num_batched_tokens=512")
-    out = SchedulerOutput(requests=reqs, num_scheduled_tokens=num_tokens, preempted_req_ids=[],
-                          finished_req_ids=[])
+    runner.execute(SchedulerOutput(news, CachedRequestData.empty(), num_tokens, [], []))
+    batch = runner.batch
+
+    def step_out() -> SchedulerOutput:
+        """The same rows again, each computing its last `new` tokens (so each samples)."""
+        ids = [r.req_id for r in news]
+        starts = [int(batch.num_tokens[batch.row_of[rid]]) - k for rid, k in zip(ids, lens)]
+        return SchedulerOutput([], CachedRequestData(ids, starts, lens, [[] for _ in ids]),
+                               num_tokens, [], [])
 
     def timed(fn) -> float:
         for _ in range(3):
@@ -66,8 +75,8 @@ def main() -> None:
             fn()
         return (time.perf_counter() - t0) / args.iters * 1e3
 
-    execute_ms = timed(lambda: runner.execute(out))
-    hb = runner.builder.build(reqs)
+    execute_ms = timed(lambda: runner.execute(step_out()))
+    hb = batch.build(batch.update(step_out(), None))
     inputs, idx = jax.device_put((hb.inputs, hb.logits_indices))
 
     def forward():

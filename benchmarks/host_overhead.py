@@ -3,9 +3,12 @@
     python benchmarks/host_overhead.py [--num-requests 256] [--steps 200]
 
 256 requests are decoding (prompts of 100-1000 tokens already computed); each
-step schedules one token for each, builds the padded device batch and the
-sampling tensors, then feeds back one sampled token per request. No model runs:
-this is the Python/numpy cost the device step has to hide.
+step schedules one token for each (a diff: running requests as counts and new pages),
+applies it to the runner's persistent batch and builds the padded device batch and
+the sampling tensors, then stores one sampled token per request in the batch and
+feeds it back to the scheduler. No model runs: this is the Python/numpy cost the
+device step has to hide. "input preparation" counts the batch's upkeep (storing the
+sampled tokens) too.
 """
 from __future__ import annotations
 
@@ -16,9 +19,10 @@ import time
 
 from jaxserve.core.request import Request
 from jaxserve.core.scheduler import Scheduler
-from jaxserve.runner.buckets import pick_bucket, power_of_two_buckets, row_buckets
-from jaxserve.runner.input_batch import InputBatchBuilder
-from jaxserve.runner.sampler import SamplingRow, make_sampling_tensors, needs_penalties
+import numpy as np
+
+from jaxserve.runner.buckets import pick_bucket, power_of_two_buckets, sampling_row_buckets
+from jaxserve.runner.input_batch import InputBatch
 from jaxserve.sampling_params import SamplingParams
 
 
@@ -39,29 +43,40 @@ def main() -> None:
     for i in range(n):
         prompt = [rng.randrange(100, 30000) for _ in range(rng.randint(100, 1000))]
         sched.add_request(Request(str(i), prompt, params, page_size=ps))
-    builder = InputBatchBuilder(max_num_seqs=n, max_model_len=mml, page_size=ps,
-                                token_buckets=power_of_two_buckets(16, max(2048, n)))
+    batch = InputBatch(max_num_seqs=n, max_model_len=mml, page_size=ps, vocab_size=32000,
+                       token_buckets=power_of_two_buckets(16, max(2048, n)))
+    eos = 2
+
+    def feed_back(out, rows) -> None:
+        """What collect and the scheduler do with the sampled tokens."""
+        batch.append_sampled(rows, np.full(rows.num_reqs, 7, np.int32))
+        picked = np.flatnonzero(rows.sample)
+        sched.update_from_output(out, dict(zip([rows.req_ids[i] for i in picked],
+                                               [7] * len(picked))))
+
     # Prefill everything first (not timed).
     while True:
         out = sched.schedule()
-        sched.update_from_output(out, {r.req_id: 7 for r in out.requests if r.sample})
-        if len(out.requests) == n and out.num_scheduled_tokens == n:
+        feed_back(out, batch.update(out, eos))
+        if len(out.cached_reqs.req_ids) == n and out.num_scheduled_tokens == n:
             break
-    rows_buckets = row_buckets(n)
+    rows_buckets = sampling_row_buckets(n)
     times_sched, times_prep = [], []
     for _ in range(args.steps):
         t0 = time.perf_counter()
         out = sched.schedule()
         t1 = time.perf_counter()
-        reqs = out.requests
-        builder.build(reqs)
-        rows = [SamplingRow(r.sampling_params, r.num_output_tokens) for r in reqs]
-        make_sampling_tensors(rows, pick_bucket(rows_buckets, len(reqs)), 32000,
-                              penalties=needs_penalties([r.sampling_params for r in reqs]),
-                              penalty_len=mml)
+        rows = batch.update(out, eos)
+        batch.build(rows)
+        batch.sampling_tensors(rows, pick_bucket(rows_buckets, rows.num_reqs),
+                               penalties=bool(batch.has_penalties[rows.rows].any()),
+                               penalty_len=mml)
+        batch.append_sampled(rows, np.full(rows.num_reqs, 7, np.int32))
         t2 = time.perf_counter()
-        assert len(reqs) == n and all(len(r.token_ids) == 1 for r in reqs)
-        sched.update_from_output(out, {r.req_id: 7 for r in reqs})
+        assert rows.num_reqs == n and rows.num_tokens == n and rows.sample.all()
+        picked = np.flatnonzero(rows.sample)
+        sched.update_from_output(out, dict(zip([rows.req_ids[i] for i in picked],
+                                               [7] * len(picked))))
         times_sched.append(t1 - t0)
         times_prep.append(t2 - t1)
     med = lambda xs: statistics.median(xs) * 1e3  # noqa: E731

@@ -56,14 +56,14 @@ def main() -> None:
     core.scheduler.schedule = timed(t["schedule"], core.scheduler.schedule)
     runner.dispatch = timed(t["dispatch"], runner.dispatch)
     runner.collect = timed(t["collect"], runner.collect)
-    build = runner.builder.build
+    build = runner.batch.build
 
-    def build_and_count(reqs):
-        t["rows"].append(len(reqs))
-        t["tokens"].append(sum(len(r.token_ids) for r in reqs))
-        return timed(t["build"], build)(reqs)
+    def build_and_count(rows):
+        t["rows"].append(rows.num_reqs)
+        t["tokens"].append(rows.num_tokens)
+        return timed(t["build"], build)(rows)
 
-    runner.builder.build = build_and_count
+    runner.batch.build = build_and_count
     items = workload(args.workload, args.num_prompts)
     compiles = llm.engine.num_compilations
     t0 = time.perf_counter()

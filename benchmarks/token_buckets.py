@@ -63,7 +63,7 @@ def measure_cpu(iters: int) -> dict[int, float]:
     llm = LLM(model=path, dtype="float32", max_model_len=1024, max_num_seqs=64,
               max_num_batched_tokens=MAX_TOKENS)
     runner = llm.engine.runner
-    rows, pages = runner.builder._seq_lens.shape[0], runner.builder.page_buckets[-1]
+    rows, pages = runner.batch.max_num_seqs, runner.batch.page_buckets[-1]
     seconds = {}
     for t in ladders()["fine (midpoints)"]:
         z = np.zeros(t, np.int32)

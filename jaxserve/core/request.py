@@ -58,8 +58,7 @@ class Request:
     """One generation request. The scheduler owns and mutates it.
 
     `sampling_params` is duck-typed; the core reads `max_tokens` (None: up
-    to max_model_len), `min_tokens`, `ignore_eos`, `stop_token_ids` and, if
-    present, `has_penalties`.
+    to max_model_len), `min_tokens`, `ignore_eos` and `stop_token_ids`.
     """
 
     __slots__ = (
@@ -67,7 +66,7 @@ class Request:
         "arrival_time", "priority", "cache_salt", "page_size",
         "output_token_ids", "all_token_ids", "num_computed_tokens",
         "num_cached_tokens", "num_preemptions", "status", "stop_reason",
-        "block_hashes", "needs_output_history",
+        "block_hashes",
     )
 
     def __init__(
@@ -104,9 +103,6 @@ class Request:
         self.stop_reason: int | str | None = None
         self.block_hashes: list[int] = []
         self._extend_block_hashes()
-        # Only penalties need the token history on the device side; copying it
-        # every step for every request would dominate scheduling time.
-        self.needs_output_history = getattr(sampling_params, "has_penalties", False)
 
     @property
     def num_tokens(self) -> int:

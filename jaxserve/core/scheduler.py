@@ -5,62 +5,15 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Iterable
 
 from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.request import Request, RequestStatus
+from jaxserve.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
 
-
-@dataclass(frozen=True, slots=True)
-class ScheduledRequest:
-    req_id: str
-    token_ids: list[int]  # tokens to compute: all_token_ids[start_pos:start_pos+n]
-    start_pos: int  # num_computed_tokens before this step (position of token_ids[0])
-    block_ids: list[int]  # a copy of all the request's page ids, in order
-    sample: bool  # this step reaches the end of the known tokens: sample one
-    sampling_params: object
-    num_output_tokens: int  # outputs before this step (index of the sampled token)
-    prompt_token_ids: list[int]  # a reference; read-only by contract
-    # A copy when the request uses penalties (the only reader); () otherwise.
-    output_token_ids: list[int] | tuple[()]
-    state_slot: int = 0  # hybrid models: the request's recurrent-state slot (0 = none)
-
-
-# A frozen dataclass's __init__ sets each field through object.__setattr__,
-# ~3x slower than writing the slots directly; at 256 requests a step that is
-# a quarter of schedule(). Same object, same fields, built the fast way.
-_SR_FIELDS = tuple(f.name for f in fields(ScheduledRequest))
-assert ScheduledRequest.__slots__ == _SR_FIELDS
-(_set_req_id, _set_token_ids, _set_start_pos, _set_block_ids, _set_sample, _set_params,
- _set_num_out, _set_prompt, _set_outputs, _set_state_slot) = [
-    getattr(ScheduledRequest, f).__set__ for f in _SR_FIELDS]
-_new = object.__new__
-
-
-def _scheduled_request(req_id, token_ids, start_pos, block_ids, sample, sampling_params,
-                       num_output_tokens, prompt_token_ids, output_token_ids,
-                       state_slot) -> ScheduledRequest:
-    r = _new(ScheduledRequest)
-    _set_req_id(r, req_id)
-    _set_token_ids(r, token_ids)
-    _set_start_pos(r, start_pos)
-    _set_block_ids(r, block_ids)
-    _set_sample(r, sample)
-    _set_params(r, sampling_params)
-    _set_num_out(r, num_output_tokens)
-    _set_prompt(r, prompt_token_ids)
-    _set_outputs(r, output_token_ids)
-    _set_state_slot(r, state_slot)
-    return r
-
-
-@dataclass(frozen=True, slots=True)
-class SchedulerOutput:
-    requests: list[ScheduledRequest]  # batch order
-    num_scheduled_tokens: int
-    preempted_req_ids: list[str]
-    finished_req_ids: list[str]  # finished (incl. aborted) since the previous schedule()
+__all__ = ["CachedRequestData", "NewRequestData", "Scheduler", "SchedulerOutput",
+           "SchedulerStats"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,10 +153,10 @@ class Scheduler:
         """A step failed part-way: what it wrote to the KV cache cannot be trusted.
         Forgets the prefix-cache hashes of the pages it was to fill, then aborts
         `req_ids` (its requests, and whatever else the caller fails with them)."""
-        for sr in scheduler_output.requests:
-            req = self.requests.get(sr.req_id)
+        for rid, start, _ in scheduler_output.scheduled():
+            req = self.requests.get(rid)
             if req is not None:
-                self.kv.uncache_unwritten(req, sr.start_pos, shared_too=True)
+                self.kv.uncache_unwritten(req, start, shared_too=True)
         done = self.abort_requests(req_ids)
         # update_from_output may have stopped (and released) some before it failed,
         # leaving finished requests in `running`.
@@ -245,51 +198,49 @@ class Scheduler:
         self.num_preemptions += 1
         self._push_waiting(req, front=True)
 
-    def _make(self, req: Request, num_new: int) -> ScheduledRequest:
-        start = req.num_computed_tokens
-        end = start + num_new
-        all_ids = req.all_token_ids
-        req.num_computed_tokens = end
-        return _scheduled_request(
-            req.request_id, all_ids[start:end], start,
-            self.kv.get_block_ids(req.request_id), end == len(all_ids),
-            req.sampling_params, len(req.output_token_ids),
-            req.prompt_token_ids,
-            req.output_token_ids[:] if req.needs_output_history else (),
-            self.kv.get_state_slot(req.request_id),
-        )
-
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         kv = self.kv
         running = self.running
-        scheduled: dict[str, ScheduledRequest] = {}
+        # Running requests go out as columns: the runner holds the rest of them.
+        ids: list[str] = []
+        starts: list[int] = []
+        lens: list[int] = []
+        pages: list[list[int]] = []
+        new_reqs: list[NewRequestData] = []
         preempted: list[str] = []
 
         # 1. Running requests, in order: decodes and unfinished prefill chunks.
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            start = req.num_computed_tokens
+            num_new = min(req.num_tokens - start, budget)
             if num_new <= 0:
                 i += 1
                 continue
-            while kv.allocate_slots(req, num_new) is None:
+            while (new_blocks := kv.allocate_slots(req, num_new)) is None:
                 victim = self._pick_victim()
                 vi = running.index(victim)
                 del running[vi]
-                undone = scheduled.pop(victim.request_id, None)
-                if undone is not None:  # priority policy: it ran earlier this step
-                    budget += len(undone.token_ids)
-                    kv.uncache_unwritten(victim, undone.start_pos)
-                if vi < i:
+                if vi < i:  # priority policy: it was scheduled earlier this step
                     i -= 1
+                    k = ids.index(victim.request_id) if victim.request_id in ids else -1
+                    if k >= 0:
+                        budget += lens[k]
+                        kv.uncache_unwritten(victim, starts[k])
+                        del ids[k], starts[k], lens[k], pages[k]
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is req:
                     break
             else:
-                scheduled[req.request_id] = self._make(req, num_new)
+                req.num_computed_tokens = start + num_new
+                ids.append(req.request_id)
+                starts.append(start)
+                lens.append(num_new)
+                # allocate_slots' fast path returns a fresh [] (most decodes).
+                pages.append([b.block_id for b in new_blocks] if new_blocks else new_blocks)
                 budget -= num_new
                 i += 1
 
@@ -305,16 +256,21 @@ class Scheduler:
                 self._pop_waiting()
                 if req.num_cached_tokens < 0:
                     req.num_cached_tokens = num_hit
-                req.num_computed_tokens = num_hit
+                req.num_computed_tokens = num_hit + num_new
                 req.status = RequestStatus.RUNNING
                 running.append(req)
-                scheduled[req.request_id] = self._make(req, num_new)
+                rid = req.request_id
+                # Whole: new to the runner, or resumed (preemption dropped its row).
+                new_reqs.append(NewRequestData(
+                    rid, req.prompt_token_ids, req.output_token_ids[:], req.sampling_params,
+                    kv.get_block_ids(rid), num_hit, num_new, kv.get_state_slot(rid)))
                 budget -= num_new
 
         finished = self._finished_ids
         self._finished_ids = []
         return SchedulerOutput(
-            requests=list(scheduled.values()),
+            new_reqs=new_reqs,
+            cached_reqs=CachedRequestData(ids, starts, lens, pages),
             num_scheduled_tokens=self.max_num_batched_tokens - budget,
             preempted_req_ids=preempted,
             finished_req_ids=finished,
@@ -328,15 +284,16 @@ class Scheduler:
         out: list[Request] = []
         finished_any = False
         running_status = RequestStatus.RUNNING
-        for sr in scheduler_output.requests:
-            if not sr.sample:
-                continue
-            req = self.requests.get(sr.req_id)
+        requests = self.requests
+        for rid in scheduler_output.req_ids:
+            req = requests.get(rid)
             if req is None or req.status != running_status:
                 continue  # aborted or preempted since it was scheduled
-            tok = sampled.get(sr.req_id)
+            if req.num_computed_tokens < req.num_tokens:
+                continue  # a prefill chunk short of the end: nothing sampled
+            tok = sampled.get(rid)
             if tok is None:  # it would never be scheduled again
-                raise ValueError(f"no sampled token for running request {sr.req_id!r}")
+                raise ValueError(f"no sampled token for running request {rid!r}")
             req.append_output_token_ids(tok)
             if self._check_stop(req, tok):
                 self._release(req)

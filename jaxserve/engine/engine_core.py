@@ -199,7 +199,9 @@ class EngineCore:
         """Schedules and dispatches one step; the device works while the host goes on."""
         try:
             sched_out = self.scheduler.schedule()
-            if self.channel is not None and sched_out.requests:
+            # Followers keep the same persistent batch: every diff reaches them, even
+            # one that only drops rows.
+            if self.channel is not None and not sched_out.is_empty:
                 self.channel.publish(sched_out)
         except Exception as e:
             # A half-done schedule leaves pages and queues in an unknown state.
@@ -233,7 +235,7 @@ class EngineCore:
         returns one finished output with `error` per request; `done`: outputs the step
         had already produced, kept for requests it finished before failing."""
         message = f"{type(error).__name__}: {error}"
-        child_ids = [r.req_id for r in sched_out.requests]
+        child_ids = sched_out.req_ids
         parents = self.outputs.parents_of(child_ids)
         logger.error("engine step %d failed (%s); failing requests %s", self.num_steps,
                      message, parents, exc_info=error)

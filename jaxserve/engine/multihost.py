@@ -3,7 +3,8 @@
 JAX is multi-controller: every process must run the same jitted computations
 on the same inputs, each feeding its own devices. Process 0 owns the scheduler
 and (in the server) the HTTP front end. Before each step's device work it
-publishes the step's SchedulerOutput through the coordination service that
+publishes the step's SchedulerOutput (a diff: every process's runner keeps the
+same persistent batch) through the coordination service that
 jax.distributed already runs (its key-value store: JAX's own runtime, no
 extra RPC layer); every other process reads it and runs the identical
 `ModelRunner.execute`, so the host arrays, the jitted calls and their order
@@ -16,7 +17,6 @@ behind a load balancer instead.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import pickle
@@ -81,17 +81,6 @@ def agree_on_min(value: int) -> int:
     return int(np.min(multihost_utils.process_allgather(np.array([value], np.int64))))
 
 
-def _slim(sched_out):
-    """Followers only need what the runner reads: the prompt ids of a request matter
-    for penalties and prompt logprobs alone (other rows' penalties are neutral)."""
-    reqs = []
-    for r in sched_out.requests:
-        sp = r.sampling_params
-        keep = sp.prompt_logprobs is not None or sp.has_penalties
-        reqs.append(r if keep else dataclasses.replace(r, prompt_token_ids=()))
-    return dataclasses.replace(sched_out, requests=reqs)
-
-
 class StepChannel:
     """Process 0 -> every other process: the scheduler output of each step, in order.
 
@@ -106,7 +95,8 @@ class StepChannel:
         self._closed = False
 
     def publish(self, sched_out) -> None:
-        self._send(pickle.dumps(_slim(sched_out), protocol=pickle.HIGHEST_PROTOCOL))
+        # A diff: new requests whole (once), running ones as new pages and counts.
+        self._send(pickle.dumps(sched_out, protocol=pickle.HIGHEST_PROTOCOL))
 
     def close(self) -> None:
         """Tells the followers to stop (idempotent)."""

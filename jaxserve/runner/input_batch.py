@@ -1,8 +1,15 @@
-"""Flattens one SchedulerOutput into fixed-shape numpy arrays (a token bucket).
+"""The runner's persistent batch: one row per request it holds, kept between steps.
 
-Arrays are preallocated at their largest size and reused every step, so the
-per-step host cost is a few vectorised numpy ops plus one small loop over
-the scheduled requests.
+The scheduler sends diffs (jaxserve/core/sched_output.py): new requests whole,
+running ones as the pages appended and the tokens to compute. A row keeps its
+request's page-table row (appended to, never rebuilt), its tokens (prompt, then the
+outputs this runner sampled: the history penalties and prompt logprobs read) and its
+sampling settings, all as numpy columns. A step is then a few vectorised gathers over
+the scheduled rows into fixed-shape arrays (a token bucket; padding rows use the null
+page 0 and the null state slot 0), not a rebuild from per-request copies.
+
+Rows of finished / preempted requests are freed and the last rows moved into the
+holes, so the held rows stay 0..num_rows-1.
 """
 from __future__ import annotations
 
@@ -10,8 +17,26 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from jaxserve.core.sched_output import NewRequestData, SchedulerOutput
 from jaxserve.runner.buckets import pick_bucket
+from jaxserve.runner.sampler import SamplingTensors, only_greedy, seed_to_key_data
+from jaxserve.sampling_params import MAX_BANNED_TOKENS
 from models.inputs import ModelInputs
+
+
+@dataclass(frozen=True)
+class ScheduledRows:
+    """The rows one step computes, in batch order."""
+    req_ids: list[str]
+    rows: np.ndarray      # int32[n] persistent row of each batch row
+    starts: np.ndarray    # int32[n] position of each row's first token this step
+    lens: np.ndarray      # int32[n] tokens each row computes
+    sample: np.ndarray    # bool[n]  the row reaches the end of its known tokens: sample one
+    num_tokens: int
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
 
 
 @dataclass(frozen=True)
@@ -22,71 +47,271 @@ class HostBatch:
     num_reqs: int
 
 
-class InputBatchBuilder:
+# SamplingParams fields kept per row as SamplingTensors takes them: (name, dtype, value
+# of a padding row).
+_FROM_PARAMS = (("temperature", np.float32, 0.0), ("top_k", np.int32, 0),
+                ("top_p", np.float32, 1.0), ("min_p", np.float32, 0.0),
+                ("presence_penalty", np.float32, 0.0), ("frequency_penalty", np.float32, 0.0),
+                ("repetition_penalty", np.float32, 1.0))
+
+
+class InputBatch:
     """`page_buckets` are the page-table widths a step may use: the narrowest one that
     holds the longest request is passed, so attention that reads whole page-table
     rows (the jnp reference) reads no more context than the batch needs."""
 
     def __init__(self, *, max_num_seqs: int, max_model_len: int, page_size: int,
-                 token_buckets: tuple[int, ...], page_buckets: tuple[int, ...] | None = None):
+                 token_buckets: tuple[int, ...], vocab_size: int,
+                 page_buckets: tuple[int, ...] | None = None):
+        self.max_num_seqs = r = max_num_seqs
+        self.max_model_len = max_model_len
         self.page_size = page_size
+        self.vocab_size = vocab_size
         self.token_buckets = token_buckets
         self.pages_per_req = -(-max_model_len // page_size)
         self.page_buckets = page_buckets or (self.pages_per_req,)
         if self.page_buckets[-1] != self.pages_per_req:
             raise ValueError(f"the widest page bucket must be {self.pages_per_req}")
-        t_max, r_max = token_buckets[-1], max_num_seqs
+        # Held requests: row -> id and back; rows 0..num_rows-1 are held.
+        self.req_ids: list[str | None] = [None] * r
+        self.row_of: dict[str, int] = {}
+        self.num_rows = 0
+        # Rows past a request's pages stay 0 (the null page): freed rows are zeroed.
+        self.page_table = np.zeros((r, self.pages_per_req), np.int32)
+        self.num_pages = np.zeros(r, np.int32)
+        # Prompt then outputs. np.zeros maps untouched memory lazily, so the resident
+        # size follows the tokens held, not max_model_len. +1: a request whose prompt
+        # fills max_model_len still samples (and stores) one token.
+        self.tokens = np.zeros((r, max_model_len + 1), np.int32)
+        self.num_tokens = np.zeros(r, np.int32)
+        self.num_prompt = np.zeros(r, np.int32)
+        self.state_slots = np.zeros(r, np.int32)
+        for name, dtype, fill in _FROM_PARAMS:
+            setattr(self, name, np.full(r, fill, dtype))
+        self.want_logprobs = np.zeros(r, np.bool_)
+        self.keys = np.zeros((r, 2), np.uint32)
+        self.seeded = np.ones(r, np.bool_)       # False: a fresh random key every step
+        self.min_tokens = np.zeros(r, np.int32)
+        self.banned = np.full((r, MAX_BANNED_TOKENS), vocab_size, np.int32)  # stop tokens
+        self.has_penalties = np.zeros(r, np.bool_)
+        self.greedy_only = np.zeros(r, np.bool_)  # greedy, no logprobs, no penalties
+        self.want_prompt_logprobs = np.zeros(r, np.bool_)
+        # Every per-row array but the two wide ones: what moving a row copies.
+        self._row_arrays = [self.num_pages, self.num_tokens, self.num_prompt, self.state_slots,
+                            self.want_logprobs, self.keys, self.seeded, self.min_tokens,
+                            self.banned, self.has_penalties, self.greedy_only,
+                            self.want_prompt_logprobs,
+                            *(getattr(self, name) for name, _, _ in _FROM_PARAMS)]
+        self._rng = np.random.default_rng()
+        # Step buffers, reused (the device call gets copies).
+        t_max = token_buckets[-1]
         self._token_ids = np.zeros(t_max, np.int32)
         self._positions = np.zeros(t_max, np.int32)
         self._slots = np.zeros(t_max, np.int32)
-        self._qsl = np.zeros(r_max + 1, np.int32)
-        self._seq_lens = np.zeros(r_max, np.int32)
-        self._page_table = np.zeros((r_max, self.pages_per_req), np.int32)
-        self._logits_idx = np.zeros(r_max, np.int32)
-        self._state_slots = np.zeros(r_max, np.int32)
+        self._qsl = np.zeros(r + 1, np.int32)
 
-    def build(self, requests: list) -> HostBatch:
-        num_reqs = len(requests)
-        lens = np.fromiter((len(r.token_ids) for r in requests), np.int32, num_reqs)
-        starts = np.fromiter((r.start_pos for r in requests), np.int32, num_reqs)
-        num_tokens = int(lens.sum())
+    # ---- the scheduler's diff --------------------------------------------------------
+    def update(self, sched_out: SchedulerOutput, eos_token_id: int | None) -> ScheduledRows:
+        """Applies one step's diff: drops finished and preempted rows, extends running
+        ones, adds new ones. -> the rows this step computes."""
+        self.remove(sched_out.finished_req_ids + sched_out.preempted_req_ids)
+        c = sched_out.cached_reqs
+        row_of = self.row_of
+        try:
+            rows = [row_of[rid] for rid in c.req_ids]
+        except KeyError as e:
+            raise ValueError(f"request {e.args[0]!r} is not in the runner's batch") from None
+        pt, num_pages = self.page_table, self.num_pages
+        for row, ids in zip(rows, c.new_block_ids):
+            if ids:   # a new page: every page_size tokens of a decode
+                n = num_pages[row]
+                pt[row, n:n + len(ids)] = ids
+                num_pages[row] = n + len(ids)
+        req_ids = c.req_ids
+        starts, lens = c.num_computed_tokens, c.num_new_tokens
+        if sched_out.new_reqs:
+            req_ids = req_ids + [r.req_id for r in sched_out.new_reqs]
+            rows = rows + [self._add(r, eos_token_id) for r in sched_out.new_reqs]
+            starts = starts + [r.num_computed_tokens for r in sched_out.new_reqs]
+            lens = lens + [r.num_new_tokens for r in sched_out.new_reqs]
+        n = len(rows)
+        rows_a = np.fromiter(rows, np.int32, n)
+        starts_a = np.fromiter(starts, np.int32, n)
+        lens_a = np.fromiter(lens, np.int32, n)
+        ends, known = starts_a + lens_a, self.num_tokens[rows_a]
+        if (ends > known).any():
+            i = int(np.argmax(ends > known))
+            raise ValueError(f"request {req_ids[i]!r}: asked to compute up to token "
+                             f"{ends[i]}, the runner knows {known[i]}")
+        return ScheduledRows(req_ids, rows_a, starts_a, lens_a, ends == known,
+                             int(lens_a.sum()))
+
+    def remove(self, req_ids: list[str]) -> None:
+        """Frees the rows of these requests (unknown ids are ignored) and moves the last
+        held rows into the holes."""
+        holes = []
+        for rid in req_ids:
+            row = self.row_of.pop(rid, None)
+            if row is not None:
+                self.req_ids[row] = None
+                self.page_table[row, :self.num_pages[row]] = 0
+                self.num_pages[row] = 0
+                holes.append(row)
+        if not holes:
+            return
+        held = self.num_rows - len(holes)
+        movers = (r for r in range(held, self.num_rows) if self.req_ids[r] is not None)
+        for dst, src in zip(sorted(h for h in holes if h < held), movers):
+            self._move(src, dst)
+        self.num_rows = held
+
+    def _move(self, src: int, dst: int) -> None:
+        rid = self.req_ids[src]
+        self.req_ids[dst], self.req_ids[src] = rid, None
+        self.row_of[rid] = dst
+        n = self.num_pages[src]
+        self.page_table[dst, :n] = self.page_table[src, :n]
+        self.page_table[src, :n] = 0
+        self.tokens[dst, :self.num_tokens[src]] = self.tokens[src, :self.num_tokens[src]]
+        for a in self._row_arrays:
+            a[dst] = a[src]
+        self.num_pages[src] = 0
+
+    def _add(self, r: NewRequestData, eos_token_id: int | None) -> int:
+        if r.req_id in self.row_of:
+            raise ValueError(f"request {r.req_id!r} is already in the runner's batch")
+        row = self.num_rows
+        if row == self.max_num_seqs:
+            raise ValueError(f"more than max_num_seqs={self.max_num_seqs} requests held")
+        self.num_rows += 1
+        self.req_ids[row] = r.req_id
+        self.row_of[r.req_id] = row
+        n_p, n_o = len(r.prompt_token_ids), len(r.output_token_ids)
+        self.tokens[row, :n_p] = r.prompt_token_ids
+        self.tokens[row, n_p:n_p + n_o] = r.output_token_ids
+        self.num_prompt[row], self.num_tokens[row] = n_p, n_p + n_o
+        self.page_table[row, :len(r.block_ids)] = r.block_ids
+        self.num_pages[row] = len(r.block_ids)
+        self.state_slots[row] = r.state_slot
+        sp = r.sampling_params
+        for name, _, _ in _FROM_PARAMS:
+            getattr(self, name)[row] = getattr(sp, name)
+        self.want_logprobs[row] = sp.logprobs is not None
+        self.want_prompt_logprobs[row] = sp.prompt_logprobs is not None
+        self.has_penalties[row] = sp.has_penalties
+        self.greedy_only[row] = only_greedy([sp])
+        self.seeded[row] = sp.seed is not None
+        self.keys[row] = seed_to_key_data(sp.seed) if sp.seed is not None else (0, 0)
+        # Stop tokens may not be sampled among the first min_tokens outputs (as vLLM).
+        self.min_tokens[row] = sp.min_tokens
+        stops = () if not sp.min_tokens else (
+            (() if sp.ignore_eos or eos_token_id is None else (eos_token_id,))
+            + tuple(sp.stop_token_ids))
+        if len(stops) > MAX_BANNED_TOKENS:
+            raise ValueError(f"at most {MAX_BANNED_TOKENS} stop tokens can be held back "
+                             f"by min_tokens, got {len(stops)}")
+        self.banned[row] = self.vocab_size
+        self.banned[row, :len(stops)] = stops
+        return row
+
+    def append_sampled(self, step: ScheduledRows, token_ids: np.ndarray) -> None:
+        """Stores the tokens sampled for `step` (token_ids[i]: batch row i; rows that did
+        not sample are skipped): they are the next step's input and the history."""
+        rows = step.rows[step.sample]
+        at = self.num_tokens[rows]
+        self.tokens[rows, at] = token_ids[:step.num_reqs][step.sample]
+        self.num_tokens[rows] = at + 1
+
+    # ---- one step's arrays -------------------------------------------------------------
+    def build(self, step: ScheduledRows) -> HostBatch:
+        """The padded device inputs of a step."""
+        num_reqs, num_tokens = step.num_reqs, step.num_tokens
+        rows, starts, lens = step.rows, step.starts, step.lens
         t = pick_bucket(self.token_buckets, num_tokens)
-
-        token_ids = self._token_ids[:t]
-        token_ids[:] = 0
+        r_max, ps = self.max_num_seqs, self.page_size
         cu = self._qsl
         cu[0] = 0
         np.cumsum(lens, out=cu[1:num_reqs + 1])
         cu[num_reqs + 1:] = num_tokens
-        pt = self._page_table
-        pt[:] = 0   # rows past num_reqs stay zero: no stale pages in padding rows
-        state_slots = self._state_slots
-        state_slots[:] = 0   # padding rows use the null state slot
-        for i, r in enumerate(requests):
-            token_ids[cu[i]:cu[i + 1]] = r.token_ids
-            pt[i, :len(r.block_ids)] = r.block_ids
-            state_slots[i] = r.state_slot
-
-        row_of_token = np.repeat(np.arange(num_reqs, dtype=np.int32), lens)
+        if num_tokens == num_reqs:   # decodes only: one token per row
+            row_of_token, positions_real = rows, starts
+        else:
+            batch_row = np.repeat(np.arange(num_reqs, dtype=np.int32), lens)
+            row_of_token = rows[batch_row]
+            positions_real = (np.arange(num_tokens, dtype=np.int32) - cu[batch_row]
+                              + starts[batch_row])
+        token_ids = self._token_ids[:t]
+        token_ids[num_tokens:] = 0
+        token_ids[:num_tokens] = self.tokens[row_of_token, positions_real]
         positions = self._positions[:t]
-        positions[:] = 0
-        positions[:num_tokens] = (np.arange(num_tokens, dtype=np.int32)
-                                  - cu[row_of_token] + starts[row_of_token])
+        positions[num_tokens:] = 0
+        positions[:num_tokens] = positions_real
         slots = self._slots[:t]
-        slots[:] = 0  # padding tokens write into the null page
-        pos = positions[:num_tokens]
-        slots[:num_tokens] = (pt[row_of_token, pos // self.page_size] * self.page_size
-                              + pos % self.page_size)
+        slots[num_tokens:] = 0  # padding tokens write into the null page
+        slots[:num_tokens] = (self.page_table[row_of_token, positions_real // ps] * ps
+                              + positions_real % ps)
 
-        self._seq_lens[:] = 0
-        self._seq_lens[:num_reqs] = starts + lens
-        longest = int(self._seq_lens[:num_reqs].max(initial=1))
-        width = pick_bucket(self.page_buckets, -(-longest // self.page_size))
-        self._logits_idx[:] = 0
-        self._logits_idx[:num_reqs] = cu[1:num_reqs + 1] - 1
+        seq_lens = np.zeros(r_max, np.int32)
+        seq_lens[:num_reqs] = starts + lens
+        longest = int(seq_lens[:num_reqs].max(initial=1))
+        width = pick_bucket(self.page_buckets, -(-longest // ps))
+        page_table = np.zeros((r_max, width), np.int32)
+        page_table[:num_reqs] = self.page_table[rows, :width]
+        state_slots = np.zeros(r_max, np.int32)
+        state_slots[:num_reqs] = self.state_slots[rows]
+        logits_idx = np.zeros(r_max, np.int32)
+        logits_idx[:num_reqs] = cu[1:num_reqs + 1] - 1
         inputs = ModelInputs(
             token_ids=token_ids.copy(), positions=positions.copy(), slot_mapping=slots.copy(),
-            query_start_loc=cu.copy(), seq_lens=self._seq_lens.copy(),
-            page_table=pt[:, :width].copy(), num_seqs=np.array([num_reqs], np.int32),
-            state_slots=state_slots.copy())
-        return HostBatch(inputs, self._logits_idx.copy(), num_tokens, num_reqs)
+            query_start_loc=cu.copy(), seq_lens=seq_lens, page_table=page_table,
+            num_seqs=np.array([num_reqs], np.int32), state_slots=state_slots)
+        return HostBatch(inputs, logits_idx, num_tokens, num_reqs)
+
+    def sampling_tensors(self, step: ScheduledRows, num_rows_padded: int, *,
+                         penalties: bool, penalty_len: int) -> SamplingTensors:
+        """The sampler's per-row settings for the step's rows (rows past them are
+        padding), as sampler.make_sampling_tensors builds them from SamplingRows."""
+        rows, n = step.rows, step.num_reqs
+
+        def col(a: np.ndarray, fill) -> np.ndarray:
+            out = np.full((num_rows_padded, *a.shape[1:]), fill, a.dtype)
+            out[:n] = a[rows]
+            return out
+
+        t = {name: col(getattr(self, name), fill) for name, _, fill in _FROM_PARAMS}
+        t["want_logprobs"] = col(self.want_logprobs, False)
+        num_out = self.num_tokens[rows] - self.num_prompt[rows]
+        steps = np.zeros(num_rows_padded, np.int32)
+        steps[:n] = num_out
+        keys = col(self.keys, 0)
+        unseeded = np.flatnonzero(~self.seeded[rows])
+        if unseeded.size:   # not reproducible, as vLLM
+            keys[unseeded] = self._rng.integers(0, 1 << 32, size=(unseeded.size, 2),
+                                                dtype=np.uint64)
+        banned = col(self.banned, self.vocab_size)
+        banned[:n][num_out >= self.min_tokens[rows]] = self.vocab_size
+        if penalties:
+            # Each row's prompt then outputs, padded with V (dropped by the sampler).
+            ids = np.full((num_rows_padded, penalty_len), self.vocab_size, np.int32)
+            ids[:n] = self.tokens[rows, :penalty_len]
+            ids[:n][np.arange(penalty_len)[None, :] >= self.num_tokens[rows][:, None]] = \
+                self.vocab_size
+            t["penalty_token_ids"] = ids
+            t["num_prompt_tokens"] = col(self.num_prompt, 0)
+        return SamplingTensors(keys=keys, steps=steps, banned_token_ids=banned, **t)
+
+    def prompt_logprob_targets(self, step: ScheduledRows, cu: np.ndarray,
+                               size: int) -> tuple[np.ndarray, list]:
+        """Next prompt token of each position of this step whose next token is a prompt
+        token, for rows that want prompt logprobs: (targets int32[size], -1 elsewhere;
+        spans [(req_id, first token in the batch, count, first position)])."""
+        targets = np.full(size, -1, np.int32)
+        spans = []
+        for i in np.flatnonzero(self.want_prompt_logprobs[step.rows]):
+            row, lo = step.rows[i], int(step.starts[i])
+            hi = min(lo + int(step.lens[i]), int(self.num_prompt[row]) - 1)
+            if hi <= lo:
+                continue  # this chunk holds no position whose next token is a prompt token
+            targets[cu[i]:cu[i] + hi - lo] = self.tokens[row, lo + 1:hi + 1]
+            spans.append((step.req_ids[i], int(cu[i]), hi - lo, lo))
+        return targets, spans

@@ -1,4 +1,5 @@
-"""The jitted model step: pads a SchedulerOutput into a bucket, runs, samples.
+"""The jitted model step: applies a SchedulerOutput to the persistent batch, pads the
+step into a bucket, runs, samples.
 
 Three jitted functions, each compiled for a small fixed set of shapes at
 warmup: the forward pass (one per token bucket, KV caches donated so every
@@ -32,14 +33,12 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxserve.runner.buckets import (page_buckets, pick_bucket, row_buckets,
                                      sampling_row_buckets, token_buckets)
-from jaxserve.runner.input_batch import InputBatchBuilder
+from jaxserve.runner.input_batch import InputBatch, ScheduledRows
 from jaxserve.runner.layer_caches import layer_cache_specs, make_layer_caches
 from jaxserve.runner.parallel_compile import compile_all, default_compile_workers
 from jaxserve.runner.programs import (FORWARD, GREEDY, PENALTIES, PROMPT_LOGPROBS, RANDOM,
                                       SAMPLE, Program)
-from jaxserve.runner.sampler import (SamplingRow, compute_prompt_logprobs,
-                                     make_sampling_tensors, needs_penalties, only_greedy,
-                                     sample)
+from jaxserve.runner.sampler import compute_prompt_logprobs, make_sampling_tensors, sample
 from jaxserve.runner.warmup_report import OnProgram, WarmupReport
 from jaxserve.sampling_params import MAX_LOGPROBS
 from models.inputs import ModelInputs
@@ -60,7 +59,7 @@ class ModelRunnerOutput:
 @dataclass
 class _InFlight:
     """A dispatched step: device results not yet read back (see ModelRunner.dispatch)."""
-    reqs: list
+    rows: ScheduledRows | None
     sampled: Any = None          # SamplerOutput on device, or None
     logprobs: bool = False       # whether a request wants the sampler's logprobs
     prompt_lps: Any = None       # (device arrays, spans), or None
@@ -101,9 +100,10 @@ class ModelRunner:
         pages_per_req = -(-max_model_len // page_size)
         # The jnp reference attention reads whole page-table rows: bucket their width.
         widths = page_buckets(pages_per_req) if context_buckets else None
-        self.builder = InputBatchBuilder(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                                         page_size=page_size, token_buckets=self.token_buckets,
-                                         page_buckets=widths)
+        # The requests this runner holds, kept between steps (the scheduler sends diffs).
+        self.batch = InputBatch(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                                page_size=page_size, token_buckets=self.token_buckets,
+                                vocab_size=vocab_size, page_buckets=widths)
         # The stacked caches (models/layer_stack.py): KV heads as stored on this mesh.
         cache_kw = dict(num_pages=num_pages, page_size=page_size, kv_dtype=kv_dtype,
                         num_state_slots=num_state_slots,
@@ -180,10 +180,13 @@ class ModelRunner:
         return self.collect(self.dispatch(scheduler_output))
 
     def dispatch(self, scheduler_output) -> _InFlight:
-        """Launches the step's device work and returns without waiting for it
-        (data-parallel replicas dispatch in turn, then collect)."""
+        """Applies the step's diff to the persistent batch, launches the step's device work
+        and returns without waiting for it (data-parallel replicas dispatch in turn, then
+        collect). A step that fails leaves rows the scheduler then aborts: they come back
+        as finished ids and are dropped at the next dispatch."""
+        rows = self.batch.update(scheduler_output, self.eos_token_id)
         with jax.set_mesh(self.mesh):
-            return self._dispatch(scheduler_output.requests)
+            return self._dispatch(rows)
 
     def collect(self, step: _InFlight) -> ModelRunnerOutput:
         """Waits for a dispatched step and reads its results back to the host."""
@@ -200,13 +203,16 @@ class ModelRunner:
         result = jax.device_get(step.sampled if step.logprobs else
                                 step.sampled.replace(logprobs=None, logprob_token_ids=None,
                                                      sampled_rank=None))
-        for i, r in enumerate(step.reqs):
-            if not r.sample:
-                continue
-            out.sampled[r.req_id] = int(result.token_ids[i])
-            if r.sampling_params.logprobs is not None:
-                out.logprobs[r.req_id] = (result.logprob_token_ids[i], result.logprobs[i],
-                                          int(result.sampled_rank[i]))
+        rows = step.rows
+        self.batch.append_sampled(rows, result.token_ids)
+        picked = np.flatnonzero(rows.sample)
+        ids = [rows.req_ids[i] for i in picked]
+        out.sampled = dict(zip(ids, result.token_ids[picked].tolist()))
+        if step.logprobs:
+            for i, rid in zip(picked, ids):
+                if self.batch.want_logprobs[rows.rows[i]]:
+                    out.logprobs[rid] = (result.logprob_token_ids[i], result.logprobs[i],
+                                         int(result.sampled_rank[i]))
         return out
 
     def device_state_ok(self) -> bool:
@@ -223,61 +229,40 @@ class ModelRunner:
             return False
         return True
 
-    def _dispatch(self, reqs) -> _InFlight:
-        step = _InFlight(reqs)
-        if not reqs:
+    def _dispatch(self, rows: ScheduledRows) -> _InFlight:
+        step = _InFlight(rows)
+        if not rows.num_reqs:
             return step
-        hb = self.builder.build(reqs)
+        batch = self.batch
+        hb = batch.build(rows)
         # numpy straight into the jitted call: its C++ path copies them in faster than a
         # separate jax.device_put of the pytree (~0.1 vs ~0.5 ms a step on CPU).
         hidden, hidden_rows, self.kv_caches = self._forward(
             self.params, self.kv_caches, hb.inputs, hb.logits_indices)
 
-        if any(r.sampling_params.prompt_logprobs is not None for r in reqs):
-            step.prompt_lps = self._prompt_logprobs_async(reqs, hb, hidden)
-        if not any(r.sample for r in reqs):
+        r = rows.rows
+        if batch.want_prompt_logprobs[r].any():
+            step.prompt_lps = self._prompt_logprobs_async(rows, hb, hidden)
+        if not rows.sample.any():
             return step
-        params = [r.sampling_params for r in reqs]
         # Penalties are rare and ship a [rows, max_model_len] history: one program for
         # them, at the largest row bucket, rather than one per bucket.
-        mode = PENALTIES if needs_penalties(params) else GREEDY if only_greedy(params) else RANDOM
+        mode = (PENALTIES if batch.has_penalties[r].any() else
+                GREEDY if batch.greedy_only[r].all() else RANDOM)
         num_rows = (self.row_buckets[-1] if mode == PENALTIES else
                     pick_bucket(self.row_buckets if mode == GREEDY else
                                 self.sampling_row_buckets, hb.num_reqs))
-        rows = [SamplingRow(r.sampling_params, r.num_output_tokens,
-                            prompt_token_ids=r.prompt_token_ids,
-                            output_token_ids=r.output_token_ids,
-                            banned_token_ids=self._banned(r)) for r in reqs]
-        tensors = make_sampling_tensors(rows, num_rows, self.vocab_size,
-                                        penalties=mode == PENALTIES,
-                                        penalty_len=self.max_model_len)
+        tensors = batch.sampling_tensors(rows, num_rows, penalties=mode == PENALTIES,
+                                         penalty_len=self.max_model_len)
         step.sampled = self._sample(self.params, hidden_rows, tensors, num_rows, mode)
-        step.logprobs = any(p.logprobs is not None for p in params)
+        step.logprobs = bool(batch.want_logprobs[r].any())
         return step
 
-    def _banned(self, r) -> tuple[int, ...]:
-        """Stop tokens may not be sampled among the first min_tokens outputs (as vLLM)."""
-        sp = r.sampling_params
-        if r.num_output_tokens >= sp.min_tokens:
-            return ()
-        eos = () if sp.ignore_eos or self.eos_token_id is None else (self.eos_token_id,)
-        return eos + tuple(sp.stop_token_ids)
-
-    def _prompt_logprobs_async(self, reqs, hb, hidden):
+    def _prompt_logprobs_async(self, rows: ScheduledRows, hb, hidden):
         """Logprob of each prompt token given its prefix, for the tokens of this chunk:
         (device arrays, spans) or None."""
-        targets = np.full(self._max_tokens, -1, np.int32)
-        spans = []
-        cu = hb.inputs.query_start_loc
-        for i, r in enumerate(reqs):
-            if r.sampling_params.prompt_logprobs is None:
-                continue
-            n_prompt = len(r.prompt_token_ids)
-            lo, hi = r.start_pos, min(r.start_pos + len(r.token_ids), n_prompt - 1)
-            if hi <= lo:
-                continue  # this chunk holds no position whose next token is a prompt token
-            targets[cu[i]:cu[i] + hi - lo] = r.prompt_token_ids[lo + 1:hi + 1]
-            spans.append((r.req_id, cu[i], hi - lo, lo))
+        targets, spans = self.batch.prompt_logprob_targets(
+            rows, hb.inputs.query_start_loc, self._max_tokens)
         if not spans:
             return None
         targets = jax.device_put(targets, self._rep)
@@ -290,7 +275,7 @@ class ModelRunner:
         sampler at the largest. Arguments as serving passes them: numpy batch inputs
         (device arrays would compile other programs), device arrays for what serving takes from the
         forward's outputs (ShapeDtypeStructs when abstract)."""
-        r_max = self.builder._seq_lens.shape[0]
+        r_max = self.batch.max_num_seqs
 
         def forward_args(t: int, p: int) -> tuple:
             z = np.zeros(t, np.int32)
@@ -304,7 +289,7 @@ class ModelRunner:
         def hidden(rows: int) -> Any:
             """Hidden states [rows, E] as the forward returns them."""
             if self._hidden_spec is None:
-                t, p = self.token_buckets[0], self.builder.page_buckets[-1]
+                t, p = self.token_buckets[0], self.batch.page_buckets[-1]
                 self._hidden_spec = jax.eval_shape(self._forward, *forward_args(t, p))[1]
             return self._put(np.zeros((rows, self._hidden_spec.shape[-1]),
                                       self._hidden_spec.dtype))
@@ -319,7 +304,7 @@ class ModelRunner:
             return self.params, hidden(r_max), tensors, rows, mode
 
         progs = [Program(FORWARD, self._forward, partial(forward_args, t, p), tokens=t, pages=p)
-                 for t, p in itertools.product(self.token_buckets, self.builder.page_buckets)]
+                 for t, p in itertools.product(self.token_buckets, self.batch.page_buckets)]
         progs.append(Program(PROMPT_LOGPROBS, self._prompt_logprobs,
                              partial(logprobs_args, self._max_tokens), tokens=self._max_tokens))
         modes = [(GREEDY, rows) for rows in self.row_buckets] + \
@@ -369,5 +354,5 @@ class ModelRunner:
         self.warmup_cache_hits = summary.counts.cache_hits
         self.warmup_fresh_compilations = summary.counts.fresh
         logger.info("warmup: token buckets %s, page-table widths %s, row buckets %s (greedy), "
-                    "%s (sampling)", list(self.token_buckets), list(self.builder.page_buckets),
+                    "%s (sampling)", list(self.token_buckets), list(self.batch.page_buckets),
                     list(self.row_buckets), list(self.sampling_row_buckets))

@@ -39,16 +39,70 @@ def token_for(rid, k):
     return 1000 * (ord(rid[0]) - ord("a") + 1) + k
 
 
-def step(s, tokens=None):
-    """One engine step. Returns (output, [(req_id, start_pos, n, sample)])."""
+class Mirror:
+    """What a runner rebuilds from the scheduler's diffs alone: each held request's
+    tokens (prompt, then the outputs it was told were sampled) and pages."""
+
+    def __init__(self):
+        self.tokens: dict[str, list[int]] = {}
+        self.pages: dict[str, list[int]] = {}
+        self.num_prompt: dict[str, int] = {}
+
+    def apply(self, out):
+        """-> one view per scheduled request, in batch order, as the runner sees it."""
+        for rid in out.finished_req_ids + out.preempted_req_ids:
+            self.tokens.pop(rid, None)
+            self.pages.pop(rid, None)
+        c = out.cached_reqs
+        views = []
+        for rid, start, n, new_pages in zip(c.req_ids, c.num_computed_tokens,
+                                            c.num_new_tokens, c.new_block_ids):
+            self.pages[rid] = self.pages[rid] + new_pages
+            views.append(self._view(rid, start, n))
+        for r in out.new_reqs:
+            assert r.req_id not in self.tokens, "a held request sent whole again"
+            self.tokens[r.req_id] = list(r.prompt_token_ids) + list(r.output_token_ids)
+            self.num_prompt[r.req_id] = len(r.prompt_token_ids)
+            self.pages[r.req_id] = list(r.block_ids)
+            views.append(self._view(r.req_id, r.num_computed_tokens, r.num_new_tokens))
+        return views
+
+    def _view(self, rid, start, n):
+        toks = self.tokens[rid]
+        assert start + n <= len(toks), "asked to compute a token the runner cannot know"
+        return SimpleNamespace(req_id=rid, start_pos=start, token_ids=toks[start:start + n],
+                               block_ids=list(self.pages[rid]), sample=start + n == len(toks),
+                               num_output_tokens=len(toks) - self.num_prompt[rid])
+
+    def sampled(self, tokens: dict[str, int]):
+        for rid, tok in tokens.items():
+            self.tokens[rid].append(tok)
+
+
+def schedule(s):
+    """s.schedule(), with its diffs applied to the scheduler's mirror: (output, views)."""
     out = s.schedule()
-    assert out.num_scheduled_tokens == sum(len(r.token_ids) for r in out.requests)
+    if not hasattr(s, "_test_mirror"):
+        s._test_mirror = Mirror()
+    mirror = s._test_mirror
+    return out, mirror.apply(out)
+
+
+def step(s, tokens=None):
+    """One engine step. Returns (views of the scheduled requests, [(req_id, start_pos,
+    n, sample)])."""
+    out, views = schedule(s)
+    assert out.num_scheduled_tokens == sum(len(r.token_ids) for r in views)
     sampled = {}
-    for r in out.requests:
+    for r in views:
         if r.sample:
             sampled[r.req_id] = (tokens or {}).get(r.req_id, token_for(r.req_id, r.num_output_tokens))
     s.update_from_output(out, sampled)
-    return out, [(r.req_id, r.start_pos, len(r.token_ids), r.sample) for r in out.requests]
+    s._test_mirror.sampled(sampled)   # the runner appends what it sampled
+    return SimpleNamespace(out=out, requests=views, preempted_req_ids=out.preempted_req_ids,
+                           finished_req_ids=out.finished_req_ids,
+                           num_scheduled_tokens=out.num_scheduled_tokens), \
+        [(r.req_id, r.start_pos, len(r.token_ids), r.sample) for r in views]
 
 
 def test_chunked_prefill_token_accounting():
@@ -69,7 +123,7 @@ def test_chunked_prefill_token_accounting():
     out, got = step(s)
     assert got == [("a", 20, 1, True)]
     assert out.requests[0].token_ids == [token_for("a", 0)]
-    assert out.requests[0].output_token_ids == ()  # no penalties: no history copy
+    assert out.out.new_reqs == []  # running: a delta, no copy of its token history
     assert out.requests[0].block_ids == [1, 2, 3, 4, 5, 6]
     _, got = step(s)
     assert got == [("a", 21, 1, True)]
@@ -77,22 +131,34 @@ def test_chunked_prefill_token_accounting():
     assert a.output_token_ids == [token_for("a", k) for k in range(3)]
     assert not s.has_unfinished_requests()
     out = s.schedule()
-    assert out.requests == [] and out.finished_req_ids == ["a"]
+    assert out.req_ids == [] and out.finished_req_ids == ["a"]
     assert s.kv.get_num_free_pages() == 64
 
 
-def test_output_history_is_a_copy_only_with_penalties():
-    s = sched()
-    a = req("a", 3, max_tokens=8)
-    a = Request("a", a.prompt_token_ids, SamplingParams(max_tokens=8, repetition_penalty=1.2),
+def test_output_history_is_a_copy_only_when_resumed():
+    """The runner keeps each request's token history (penalties read it): a running
+    request's diff carries none; one resumed after preemption brings a copy of its
+    outputs so far, unaffected by later appends."""
+    s = sched(num_pages=3)  # 2 usable pages
+    a = Request("a", [100, 101, 102], SamplingParams(max_tokens=8, repetition_penalty=1.2),
                 page_size=PS)
+    b = req("b", 3, max_tokens=8)
     s.add_request(a)
+    s.add_request(b)
     step(s)
+    step(s)
+    out, _ = step(s)  # a needs a second page: b yields
+    assert out.out.new_reqs == [] and out.preempted_req_ids == ["b"]
+    while s.get_request("a") is not None:
+        out, _ = step(s)
     out, _ = step(s)
-    hist = out.requests[0].output_token_ids
-    assert hist == [token_for("a", 0)] and hist is not a.output_token_ids
-    assert a.output_token_ids == [token_for("a", 0), token_for("a", 1)]
-    assert hist == [token_for("a", 0)]  # unaffected by the later append
+    new = out.out.new_reqs[0]
+    before = [token_for("b", 0), token_for("b", 1)]
+    assert new.req_id == "b" and new.output_token_ids == before
+    hist = new.output_token_ids
+    assert hist is not s.get_request("b").output_token_ids
+    assert s.get_request("b").output_token_ids == before + [token_for("b", 2)]
+    assert hist == before  # unaffected by the later append
 
 
 def test_max_tokens_none_runs_to_max_model_len():
@@ -328,7 +394,7 @@ def test_abort_frees_pages():
     assert s.num_running == 0 and s.num_waiting == 0 and not s.has_unfinished_requests()
     assert s.update_from_output(out, {"a": 7}) == [] and a.output_token_ids == []
     out = s.schedule()
-    assert out.requests == [] and out.finished_req_ids == ["a", "b"]
+    assert out.req_ids == [] and out.finished_req_ids == ["a", "b"]
     assert s.schedule().finished_req_ids == []
 
 
@@ -372,15 +438,6 @@ def test_add_request_validation_and_counts():
     assert s.get_num_unfinished_requests() == 1 and s.get_request("a") is not None
 
 
-def test_fast_constructor_builds_the_same_message():
-    from jaxserve.core.scheduler import ScheduledRequest, _scheduled_request
-    args = ("r", [1, 2], 3, [4, 5], True, sp(), 6, [7], (), 2)
-    fast = _scheduled_request(*args)
-    assert type(fast) is ScheduledRequest and fast == ScheduledRequest(*args)
-    with pytest.raises(AttributeError):  # still frozen
-        fast.start_pos = 0
-
-
 def test_core_does_not_import_jax():
     root = Path(__file__).resolve().parents[2]
     code = ("import sys, jaxserve.core.scheduler, jaxserve.core.kv_cache_manager; "
@@ -421,12 +478,12 @@ def test_random_workload_against_a_fake_kv_cache(policy, caching):
             victim = rng.choice(s.running)
             s.abort_requests(victim.request_id)
             expected[victim.request_id] = -1
-        out = s.schedule()
-        for r in out.requests:  # "layer 0 writes K/V for the whole batch"
+        out, views = schedule(s)  # what the runner sees: rebuilt from the diffs alone
+        for r in views:  # "layer 0 writes K/V for the whole batch"
             for k, tok in enumerate(r.token_ids):
                 pos = r.start_pos + k
                 kv_slots[(r.block_ids[pos // PS], pos % PS)] = tok
-        for r in out.requests:  # "then attention reads each request's context"
+        for r in views:  # "then attention reads each request's context"
             req_obj = s.get_request(r.req_id)
             end = r.start_pos + len(r.token_ids)
             assert r.token_ids == req_obj.all_token_ids[r.start_pos:end]
@@ -436,8 +493,9 @@ def test_random_workload_against_a_fake_kv_cache(policy, caching):
         used = {b for ids_ in (s.kv.get_block_ids(x.request_id) for x in s.running) for b in ids_}
         assert s.kv.get_num_free_pages() == 12 - len(used)
         assert 0 not in used
-        s.update_from_output(out, {r.req_id: token_for("a", r.num_output_tokens)
-                                   for r in out.requests if r.sample})
+        sampled = {r.req_id: token_for("a", r.num_output_tokens) for r in views if r.sample}
+        s.update_from_output(out, sampled)
+        s._test_mirror.sampled(sampled)
         if t > 300 and not s.has_unfinished_requests():
             break
     assert not s.has_unfinished_requests()

@@ -145,7 +145,7 @@ def test_pages_the_failed_step_did_not_write_leave_the_prefix_cache(llm, expecte
     real_dispatch = core.runner.dispatch
 
     def dispatch(sched_out):
-        if any(r.req_id == "unwritten" for r in sched_out.requests):
+        if "unwritten" in sched_out.req_ids:
             raise RuntimeError("before the forward pass")
         return real_dispatch(sched_out)
     monkeypatch.setattr(core.runner, "dispatch", dispatch)

@@ -47,11 +47,11 @@ def _assert_split(core) -> None:
 
 def _assert_step_collectives(core) -> None:
     runner, mc = core.runner, core.model_config
-    t, rows = runner.token_buckets[-1], runner.builder._seq_lens.shape[0]
+    t, rows = runner.token_buckets[-1], runner.batch.max_num_seqs
     z = np.zeros(t, np.int32)
     inputs = ModelInputs(token_ids=z, positions=z, slot_mapping=z,
                          query_start_loc=np.zeros(rows + 1, np.int32), seq_lens=np.zeros(rows, np.int32),
-                         page_table=np.zeros((rows, runner.builder.pages_per_req), np.int32),
+                         page_table=np.zeros((rows, runner.batch.pages_per_req), np.int32),
                          num_seqs=np.zeros(1, np.int32), state_slots=np.zeros(rows, np.int32))
     with jax.set_mesh(runner.mesh):
         hlo = runner._forward.lower(runner.params, runner.kv_caches, inputs,

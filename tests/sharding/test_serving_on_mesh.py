@@ -68,7 +68,7 @@ def test_nothing_compiles_after_warmup(llm):
 def test_step_has_only_the_tensor_parallel_collectives(llm):
     core = llm.engine.replicas[1]
     runner, mc = core.runner, core.model_config
-    rows = runner.builder._seq_lens.shape[0]
+    rows = runner.batch.max_num_seqs
     assert_step_collectives(core)   # MoE: the all-reduce comes after the top-k combine
 
     # Sampling gathers the vocab-parallel logits [R, V] (in the branches of sampled rows

@@ -1,0 +1,69 @@
+"""What the scheduler hands the runner each step: a diff against the runner's batch.
+
+The runner keeps a persistent batch (jaxserve/runner/input_batch.py): one row per
+request it holds, with the request's pages, tokens and sampling settings. So a step
+sends new requests whole (first scheduled, or resumed after a preemption, which
+dropped their row) and running ones as deltas: the pages appended and how many tokens
+to compute. Running requests carry no token ids: every output they have was sampled
+by this runner (multi-host: by every host's runner, from the same replicated result),
+and the tokens they compute next are those outputs. Finished and preempted ids tell
+the runner which rows to drop, before it adds the new ones.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import chain
+from typing import Any, Iterator
+
+
+@dataclass(frozen=True, slots=True)
+class NewRequestData:
+    """A request the runner does not hold yet, whole."""
+    req_id: str
+    prompt_token_ids: list[int]   # a reference; read-only by contract
+    output_token_ids: list[int]   # a copy: outputs so far ([] unless resumed after preemption)
+    sampling_params: Any
+    block_ids: list[int]          # a copy of its page ids, in order
+    num_computed_tokens: int      # tokens already in the KV cache (prefix-cache hit)
+    num_new_tokens: int           # tokens to compute this step
+    state_slot: int = 0           # hybrid models: its recurrent-state slot (0 = none)
+
+
+@dataclass(frozen=True, slots=True)
+class CachedRequestData:
+    """Requests the runner holds from an earlier step, as columns (one entry each)."""
+    req_ids: list[str]
+    num_computed_tokens: list[int]   # position of the first token to compute
+    num_new_tokens: list[int]        # tokens to compute this step
+    new_block_ids: list[list[int]]   # pages appended this step (mostly [])
+
+    @staticmethod
+    def empty() -> CachedRequestData:
+        return CachedRequestData([], [], [], [])
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerOutput:
+    new_reqs: list[NewRequestData]
+    cached_reqs: CachedRequestData
+    num_scheduled_tokens: int       # all requests' tokens this step
+    preempted_req_ids: list[str]    # rows to drop: the requests come back as new ones
+    finished_req_ids: list[str]     # finished (incl. aborted, failed) since the last schedule()
+
+    @property
+    def req_ids(self) -> list[str]:
+        """Every scheduled request: running ones in order, then the new ones."""
+        return self.cached_reqs.req_ids + [r.req_id for r in self.new_reqs]
+
+    def scheduled(self) -> Iterator[tuple[str, int, int]]:
+        """(req_id, num_computed_tokens, num_new_tokens) of each scheduled request."""
+        c = self.cached_reqs
+        return chain(zip(c.req_ids, c.num_computed_tokens, c.num_new_tokens),
+                     ((r.req_id, r.num_computed_tokens, r.num_new_tokens)
+                      for r in self.new_reqs))
+
+    @property
+    def is_empty(self) -> bool:
+        """Nothing for a runner to do (no rows to add, advance or drop)."""
+        return not (self.new_reqs or self.cached_reqs.req_ids or self.preempted_req_ids
+                    or self.finished_req_ids)
