@@ -77,7 +77,7 @@ def random_params(rng: random.Random) -> SamplingParams:
 def test_diffs_rebuild_the_full_copy(policy, hybrid):
     rng = random.Random(7)
     sched = Scheduler(num_pages=11, page_size=PS, max_num_seqs=R, max_num_batched_tokens=16,
-                      max_model_len=MML, policy=policy, num_state_slots=R if hybrid else 0)
+                      max_model_len=MML, policy=policy, num_state_slots=R + 1 if hybrid else 0)
     batch = InputBatch(max_num_seqs=R, max_model_len=MML, page_size=PS, token_buckets=BUCKETS,
                        vocab_size=V, page_buckets=(4, 8, 12))
     prefixes = [[rng.randrange(3, V) for _ in range(9)] for _ in range(2)]
