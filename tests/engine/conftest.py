@@ -28,3 +28,8 @@ def assert_no_leaks(engine) -> None:
     assert sched.kv_cache_usage == 0.0
     # Hybrid models: every recurrent-state slot is back.
     assert sorted(sched.kv.free_state_slots) == list(range(1, sched.kv.num_state_slots + 1))
+
+
+def add(engine, request_id: str, prompt, params, **kwargs) -> None:
+    """Adds a request as LLM and the server do: through the engine's front door."""
+    engine.add_request(engine.inputs.process(request_id, prompt, params, **kwargs))

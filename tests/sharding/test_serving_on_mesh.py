@@ -91,7 +91,8 @@ def test_async_engine_serves_through_the_front_door(llm):
 
     async def one(i, p):
         last = None
-        async for out in engine.generate(f"a{i}", p["prompt_token_ids"], greedy):
+        request = engine.inputs.process(f"a{i}", p["prompt_token_ids"], greedy)
+        async for out in engine.generate(request):
             last = out
         return last.outputs[0].token_ids
 
