@@ -123,7 +123,7 @@ def test_front_door_routes_to_the_cached_prefix(llm):
 
 def test_plan_for_the_running_engine(llm):
     from jaxserve.planning.plan import plan_for_engine
-    text = plan_for_engine(llm.engine)
+    text = plan_for_engine(llm.engine.info)   # its config, model_config, dtype, max_model_len
     assert "mesh 2x4 (2 replicas x 4-way tensor parallel)" in text
     assert "KV heads                   2 do not divide by 4: each replicated 2x, 1 per device" \
         in text
