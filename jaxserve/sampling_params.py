@@ -10,6 +10,9 @@ import enum
 import math
 from dataclasses import dataclass, field
 
+# The engine's exceptions module imports nothing (no jax), so this stays host-only.
+from jaxserve.engine.errors import InputError
+
 # Most logprobs a request may ask for (per sampled token and per prompt token). The
 # sampler always computes this many top entries, so it is a compile-time constant.
 MAX_LOGPROBS = 20
@@ -100,8 +103,8 @@ class SamplingParams:
             set_("min_p", 0.0)
 
     def _validate(self) -> None:
-        def bad(name: str, value: object, want: str) -> ValueError:
-            return ValueError(f"{name} must be {want}, got {value!r}")
+        def bad(name: str, value: object, want: str) -> InputError:
+            return InputError(f"{name} must be {want}, got {value!r}", name)
 
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
             raise bad("n", self.n, f"an int in [1, {MAX_N}]")
@@ -124,9 +127,9 @@ class SamplingParams:
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
             raise bad("min_tokens", self.min_tokens, "an int >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens must be <= max_tokens={self.max_tokens}, got {self.min_tokens!r}"
-            )
+            raise InputError(
+                f"min_tokens must be <= max_tokens={self.max_tokens}, got {self.min_tokens!r}",
+                "min_tokens")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):

@@ -192,26 +192,24 @@ def _build_engine(args: argparse.Namespace, config: EngineConfig, served: str,
     from jaxserve.planning.plan import plan_for_engine
 
     engine = AsyncEngine(config, on_fatal=on_fatal, progress=gate.progress)
-    core = engine.core
-    logger.info("%s", plan_for_engine(core))
+    info = engine.info
+    logger.info("%s", plan_for_engine(info))
     settings = ServerSettings(
-        served_model_name=served, max_model_len=core.max_model_len, api_key=args.api_key,
+        served_model_name=served, max_model_len=info.max_model_len, api_key=args.api_key,
         max_waiting_requests=args.max_waiting_requests,
         disable_log_requests=args.disable_log_requests,
         chat_template=chat_template(args.chat_template),
         generation_defaults=generation_defaults(args.generation_config, config.model),
         max_request_body_bytes=args.max_request_body_bytes)
     gate.open(create_app(engine, settings, gate.metrics), engine)
-    kv_tokens = (core.num_pages - 1) * config.page_size
     logger.info(
         "serving %s (%s) | mesh %s | dtype %s | weights %.1f MiB | KV cache %d pages = %d tokens "
         "| max concurrency at %d tokens: %.1f | warmup %d compilations (%d fresh, %d from the "
         "persistent compilation cache) in %.1f s | ready in %.1f s at http://%s:%d/v1", served,
-        core.model_config.architecture, config.mesh or "1x1",
-        core.dtype.__name__ if hasattr(core.dtype, "__name__") else core.dtype,
-        core.weight_bytes / 2**20, core.num_pages - 1, kv_tokens, core.max_model_len,
-        kv_tokens / core.max_model_len, core.warmup_compilations,
-        core.warmup_fresh_compilations, core.warmup_cache_hits, core.warmup_seconds,
+        info.model_config.architecture, config.mesh or "1x1", info.dtype,
+        info.weight_bytes / 2**20, info.num_pages - 1, info.kv_tokens, info.max_model_len,
+        info.kv_tokens / info.max_model_len, info.warmup_compilations,
+        info.warmup_fresh_compilations, info.warmup_cache_hits, info.warmup_seconds,
         time.perf_counter() - t0, args.host, args.port)
 
 

@@ -26,11 +26,6 @@ def error_response(err: APIError) -> JSONResponse:
 
 
 def bad_request(e: ValueError, param: str | None = None) -> APIError:
-    """A ValueError from validation: the input processor's InputError names its field,
-    SamplingParams' messages start with it."""
-    message = str(e)
-    param = getattr(e, "param", None) or param
-    if param is None:
-        first = message.split(" ", 1)[0].split("=", 1)[0]
-        param = first if first.isidentifier() else None
-    return APIError(400, message, param)
+    """A refused request: an InputError (from the input processor or SamplingParams)
+    names its field; `param` is the fallback for one that names none."""
+    return APIError(400, str(e), getattr(e, "param", None) or param)

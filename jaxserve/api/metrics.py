@@ -34,6 +34,12 @@ class Metrics:
                               "Sequences (n per prompt) the server admitted that the engine "
                               "has not finished; less the running ones, what "
                               "--max-waiting-requests limits.")
+        # Gauges of the input processor's own counts (it counts; a counter here could
+        # only mirror them): each engine request (one per prompt) is checked once.
+        self.processed = gauge("jaxserve:num_requests_processed",
+                               "Engine requests (one per prompt) the input processor accepted.")
+        self.refused = gauge("jaxserve:num_requests_refused",
+                             "Engine requests the input processor refused (400s).")
         self.prompt_tokens = counter("jaxserve:prompt_tokens", "Prompt tokens processed.")
         self.generation_tokens = counter("jaxserve:generation_tokens", "Tokens generated.")
         self.requests_finished = counter("jaxserve:request_success", "Requests finished.")
@@ -42,7 +48,7 @@ class Metrics:
                               "Time per output token after the first.")
         self.e2e = histogram("jaxserve:e2e_request_latency_seconds", "End-to-end latency.")
 
-    def render(self, stats, *, admitted: int) -> bytes:
+    def render(self, stats, *, admitted: int, processed: int = 0, refused: int = 0) -> bytes:
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_cache_usage)
@@ -50,6 +56,8 @@ class Metrics:
         self.compilations.set(stats.num_compilations)
         self.preemptions.set(stats.num_preemptions)
         self.admitted.set(admitted)
+        self.processed.set(processed)
+        self.refused.set(refused)
         return generate_latest(self.registry)
 
     def render_idle(self) -> bytes:

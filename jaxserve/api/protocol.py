@@ -122,7 +122,8 @@ def sampling_params(req: _SamplingFields, defaults: dict[str, Any], *, max_token
                     logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
     """Request fields over the served model's defaults (its generation_config) over ours.
 
-    Raises ValueError naming the bad field (SamplingParams validates).
+    Raises InputError (a ValueError) whose `param` names the bad field (SamplingParams
+    validates).
     """
     def pick(name: str, fallback):
         value = getattr(req, name)

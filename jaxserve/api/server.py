@@ -91,7 +91,10 @@ def create_app(engine: AsyncEngine, settings: ServerSettings,
     @app.get("/metrics", response_class=Response, responses={200: {
         "description": "Prometheus text format", "content": {CONTENT_TYPE_LATEST: {}}}})
     async def prometheus() -> Response:
-        return Response(metrics.render(engine.stats, admitted=serving.num_in_flight),
+        inputs = engine.inputs
+        return Response(metrics.render(engine.stats, admitted=serving.num_in_flight,
+                                       processed=inputs.num_processed,
+                                       refused=inputs.num_refused),
                         media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/version")
@@ -118,7 +121,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings,
         serving.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of 'prompt' and 'messages'", "prompt")
-        inputs = engine.core.inputs
+        inputs = engine.inputs
         try:
             if req.prompt is not None:
                 ids = await asyncio.to_thread(inputs.tokenize, req.prompt,
@@ -137,7 +140,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings,
         serving.check_model(req.model)
         if engine.tokenizer is None:
             raise APIError(400, "this model has no tokenizer")
-        vocab = engine.core.model_config.vocab_size
+        vocab = engine.info.vocab_size
         bad = [t for t in req.tokens if t >= vocab]
         if bad:
             raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {vocab})",

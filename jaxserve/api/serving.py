@@ -4,8 +4,9 @@ Every prompt of a request becomes one engine request (its n completions are
 children inside the engine); their delta outputs are merged into one stream
 of choices, indexed prompt_index * n + completion_index as OpenAI does.
 
-Tokenizing and chat-template rendering run in a worker thread, never on the
-event loop (a big prompt must not freeze /health and every other stream). Each
+Every prompt goes through the input processor (tokenizing, chat-template rendering,
+every limit) once, in a worker thread, never on the event loop (a big prompt must
+not freeze /health and every other stream) and never in the engine thread. Each
 admitted request holds its n * prompts sequences against --max-waiting-requests
 until the engine finishes it or its response ends, however it ends (see _Answer).
 """
@@ -27,6 +28,7 @@ from jaxserve.api.metrics import Metrics
 from jaxserve.api.protocol import ChatCompletionRequest, CompletionRequest, sampling_params
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.engine.async_engine import AsyncEngine, EngineDeadError
+from jaxserve.engine.input_processor import EngineRequest
 from jaxserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("jaxserve")
@@ -44,12 +46,6 @@ class ServerSettings:
     chat_template: str | None = None
     generation_defaults: dict = field(default_factory=dict)
     max_request_body_bytes: int = 32 * 2**20
-
-
-@dataclass
-class _Prompt:
-    text: str | None
-    ids: list[int]
 
 
 @dataclass
@@ -110,7 +106,7 @@ class OpenAIServing:
         self.settings = settings
         self.metrics = metrics
         self.tokenizer = engine.tokenizer
-        self.inputs = engine.core.inputs
+        self.inputs = engine.inputs
         # Sequences (n per prompt) admitted and not finished; event-loop thread only.
         self.num_in_flight = 0
         self.shutting_down = False
@@ -150,34 +146,22 @@ class OpenAIServing:
         for answer in self.answers:
             answer.queue.put_nowait((-1, _ShuttingDown()))
 
-    def _checked(self, prompts: list[_Prompt], params: SamplingParams) -> list[_Prompt]:
-        for p in prompts:
-            self.inputs.process(p.ids, params)
-        return prompts
-
     async def _in_worker(self, fn, *args, **kwargs):
-        """Runs tokenizer work off the event loop; its ValueErrors become 400s."""
+        """Runs the input processor off the event loop; its InputErrors become 400s."""
         try:
             return await asyncio.to_thread(fn, *args, **kwargs)
         except ValueError as e:
             raise bad_request(e) from None
 
     # ---- /v1/completions ----------------------------------------------------------------
-    def _completion_prompts(self, prompt, params: SamplingParams) -> list[_Prompt]:
-        """Worker thread: the request's prompts, tokenized and checked."""
-        if isinstance(prompt, str):
+    def _completion_prompts(self, rid: str, prompt, params: SamplingParams,
+                            priority: int) -> list[EngineRequest]:
+        """Worker thread: the request's prompts, one engine request each ("{rid}-{i}").
+        A bare [] is one empty prompt, which the input processor refuses."""
+        if isinstance(prompt, str) or all(isinstance(t, int) for t in prompt):
             prompt = [prompt]
-        elif prompt and all(isinstance(t, int) for t in prompt):
-            prompt = [prompt]
-        if not prompt:
-            raise APIError(400, "prompt must not be empty", "prompt")
-        out = []
-        for p in prompt:
-            if isinstance(p, str):
-                out.append(_Prompt(p, self.inputs.tokenize(p)))
-            else:
-                out.append(_Prompt(None, list(p)))
-        return self._checked(out, params)
+        return [self.inputs.process(f"{rid}-{i}", p, params, priority=priority)
+                for i, p in enumerate(prompt)]
 
     async def completions(self, req: CompletionRequest, raw: Request):
         self.check_open()
@@ -188,10 +172,11 @@ class OpenAIServing:
                                      prompt_logprobs=req.logprobs if req.echo else None)
         except ValueError as e:
             raise bad_request(e)
-        prompts = await self._in_worker(self._completion_prompts, req.prompt, params)
-        answer = self.admit(len(prompts), params.n)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        stream = self._merged(rid, prompts, params, req.priority, answer)
+        prompts = await self._in_worker(self._completion_prompts, rid, req.prompt, params,
+                                        req.priority)
+        answer = self.admit(len(prompts), params.n)
+        stream = self._merged(rid, prompts, params, answer)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return _sse(self._completion_chunks(rid, prompts, params, req, stream,
@@ -208,22 +193,25 @@ class OpenAIServing:
                         for c in choices],
             "usage": _usage(prompts, choices)})
 
-    def _completion_choice(self, c: _Choice, i: int, prompts: list[_Prompt],
+    def _completion_choice(self, c: _Choice, i: int, prompts: list[EngineRequest],
                            prompt_lps: dict[int, list], req: CompletionRequest) -> dict:
         text, logprobs = c.text, None
         if req.echo:
             text = self._prompt_text(prompts[i]) + text
         if req.logprobs is not None:
             logprobs = _completion_logprobs(
-                c.logprobs, req.logprobs, self, prompts[i].ids if req.echo else None,
+                c.logprobs, req.logprobs, self,
+                prompts[i].prompt_token_ids if req.echo else None,
                 prompt_lps.get(i))
         return {"index": c.index, "text": text, "logprobs": logprobs,
                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
 
-    def _prompt_text(self, prompt: _Prompt) -> str:
-        if prompt.text is not None:
-            return prompt.text
-        return self.tokenizer.decode(prompt.ids) if self.tokenizer is not None else ""
+    def _prompt_text(self, prompt: EngineRequest) -> str:
+        if prompt.prompt is not None:
+            return prompt.prompt
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(list(prompt.prompt_token_ids))
 
     async def _completion_chunks(self, rid, prompts, params, req, stream,
                                  include_usage) -> AsyncIterator[str]:
@@ -253,14 +241,15 @@ class OpenAIServing:
                          "usage": _usage(prompts, list(choices.values()))})
 
     # ---- /v1/chat/completions -------------------------------------------------------------
-    def _chat_prompts(self, req: ChatCompletionRequest, params: SamplingParams
-                      ) -> list[_Prompt]:
-        """Worker thread: the conversation rendered by the chat template, checked."""
+    def _chat_prompts(self, rid: str, req: ChatCompletionRequest, params: SamplingParams
+                      ) -> list[EngineRequest]:
+        """Worker thread: the conversation rendered by the chat template, as one engine
+        request ("{rid}-0")."""
         ids = self.inputs.render_chat([m.model_dump() for m in req.messages],
                                       chat_template=self.settings.chat_template,
                                       add_generation_prompt=req.add_generation_prompt,
                                       template_kwargs=req.chat_template_kwargs)
-        return self._checked([_Prompt(None, ids)], params)
+        return [self.inputs.process(f"{rid}-0", ids, params, priority=req.priority)]
 
     async def chat(self, req: ChatCompletionRequest, raw: Request):
         self.check_open()
@@ -276,10 +265,10 @@ class OpenAIServing:
                                      logprobs=(top or 0) if req.logprobs else None)
         except ValueError as e:
             raise bad_request(e)
-        prompts = await self._in_worker(self._chat_prompts, req, params)
-        answer = self.admit(1, params.n)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = self._merged(rid, prompts, params, req.priority, answer)
+        prompts = await self._in_worker(self._chat_prompts, rid, req, params)
+        answer = self.admit(1, params.n)
+        stream = self._merged(rid, prompts, params, answer)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return _sse(self._chat_chunks(rid, prompts, req, stream, include_usage), answer)
@@ -321,20 +310,19 @@ class OpenAIServing:
             yield _data({**base, "choices": [], "usage": _usage(prompts, list(choices.values()))})
 
     # ---- shared machinery ---------------------------------------------------------------------
-    async def _merged(self, rid: str, prompts: list[_Prompt], params: SamplingParams,
-                      priority: int, answer: _Answer
-                      ) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Runs every prompt; yields (prompt index, its delta output)."""
+    async def _merged(self, rid: str, prompts: list[EngineRequest], params: SamplingParams,
+                      answer: _Answer) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Runs every prompt; yields (prompt index, its delta output). params: the
+        request's, as the client gave them (for the log)."""
         queue = answer.queue
         trackers = [_Tracker(time.monotonic()) for _ in prompts]
         if not self.settings.disable_log_requests:
             logger.info("request %s: %d prompt(s) of %s tokens, %s", rid, len(prompts),
-                        [len(p.ids) for p in prompts], params)
+                        [p.num_prompt_tokens for p in prompts], params)
 
-        async def pump(i: int, p: _Prompt) -> None:
+        async def pump(i: int, p: EngineRequest) -> None:
             try:
-                async for out in self.engine.generate(f"{rid}-{i}", p.ids, params,
-                                                      prompt=p.text, priority=priority):
+                async for out in self.engine.generate(p):
                     if out.finished:
                         answer.prompt_done(i)
                     queue.put_nowait((i, out))
@@ -359,7 +347,7 @@ class OpenAIServing:
                     remaining -= 1
                     self.metrics.observe_request(
                         arrival=tr.arrival, first_token=tr.first_token, end=time.monotonic(),
-                        num_prompt=len(prompts[i].ids), num_output=tr.num_output)
+                        num_prompt=prompts[i].num_prompt_tokens, num_output=tr.num_output)
                 yield i, out
         finally:
             answer.close()
@@ -416,8 +404,8 @@ def _accumulate(acc: _Choice, c) -> None:
         acc.finish_reason, acc.stop_reason = c.finish_reason, c.stop_reason
 
 
-def _usage(prompts: list[_Prompt], choices: list[_Choice]) -> dict:
-    prompt_tokens = sum(len(p.ids) for p in prompts)
+def _usage(prompts: list[EngineRequest], choices: list[_Choice]) -> dict:
+    prompt_tokens = sum(p.num_prompt_tokens for p in prompts)
     completion_tokens = sum(len(c.token_ids) for c in choices)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}

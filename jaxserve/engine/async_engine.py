@@ -1,9 +1,10 @@
-"""AsyncEngine: one engine thread drives EngineCore; each request gets its own stream.
+"""AsyncEngine: one engine thread drives an Engine; each request gets its own stream.
 
-The engine thread owns the EngineCore, or the DataParallelEngine for a "DxM"
-mesh with D > 1 (nothing else touches it). Coroutines
-submit commands through a queue; the thread runs steps while work remains and
-delivers each request's delta outputs to the asyncio queue of its caller.
+The engine thread owns the Engine (an EngineCore, or the DataParallelEngine for a
+"DxM" mesh with D > 1): nothing else touches it. Callers check their requests at
+the front door first (`inputs`, from any thread), then submit them through a
+queue; the thread runs steps while work remains and delivers each request's
+delta outputs to the asyncio queue of its caller.
 A caller that goes away (client disconnect, cancellation) aborts its request,
 which frees its pages at the next step boundary.
 
@@ -25,11 +26,11 @@ from typing import AsyncIterator, Callable
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.outputs import RequestOutput
-from jaxserve.engine.data_parallel import DataParallelEngine, make_engine
-from jaxserve.engine.engine_core import EngineCore
-from jaxserve.engine.errors import EngineDeadError, RequestFailedError
+from jaxserve.engine.data_parallel import make_engine
+from jaxserve.engine.errors import EngineDeadError, InputError, RequestFailedError
+from jaxserve.engine.input_processor import EngineRequest, InputProcessor
+from jaxserve.engine.protocol import Engine, EngineInfo
 from jaxserve.engine.startup import StartupProgress
-from jaxserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("jaxserve")
 
@@ -49,15 +50,18 @@ __all__ = ["AsyncEngine", "EngineDeadError", "EngineStats", "RequestFailedError"
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig, *,
-                 core: EngineCore | DataParallelEngine | None = None,
+    def __init__(self, config: EngineConfig, *, core: Engine | None = None,
                  on_fatal: Callable[[BaseException], None] | None = None,
                  progress: StartupProgress | None = None):
-        """on_fatal: called once, from the engine thread, with the error that stopped the
-        engine (after every caller has been failed). progress: follows the engine's
-        construction (see make_engine)."""
-        self.core = core or make_engine(config, stream_outputs=True, progress=progress)
+        """core: the engine to drive (default: make_engine(config)); only the engine
+        thread touches it after this. on_fatal: called once, from the engine thread,
+        with the error that stopped the engine (after every caller has been failed).
+        progress: follows the engine's construction (see make_engine)."""
+        self.core: Engine = core or make_engine(config, stream_outputs=True, progress=progress)
         self.config = config
+        # Safe from any thread: the facts are frozen, the processor keeps no engine state.
+        self.info: EngineInfo = self.core.info
+        self.inputs: InputProcessor = self.core.inputs
         self.tokenizer = self.core.tokenizer
         self.stats = EngineStats()
         self._commands: queue.Queue = queue.Queue()
@@ -81,19 +85,19 @@ class AsyncEngine:
         """Requests submitted and not finished (waiting + running + not yet added)."""
         return len(self._streams)
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams, *, prompt: str | None = None,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """Streams the request's delta outputs; the last one has finished=True."""
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        """Streams the delta outputs of a request from `inputs.process`; the last one
+        has finished=True."""
+        request_id = request.request_id
         loop = asyncio.get_running_loop()
         stream: asyncio.Queue = asyncio.Queue()
         with self._lock:   # under the lock: a dying engine fails every stream it sees
             if self.dead or self._stopping.is_set():
                 raise self._dead_error()
             if request_id in self._streams:
-                raise ValueError(f"request id {request_id!r} is already in use")
+                raise InputError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = (loop, stream)
-        self._commands.put(("add", request_id, prompt_token_ids, params, prompt, priority))
+        self._commands.put(("add", request))
         finished = False
         try:
             while not finished:
@@ -132,10 +136,11 @@ class AsyncEngine:
     def _handle(self, cmd: tuple) -> None:
         core = self.core
         if cmd[0] == "add":
-            _, rid, ids, params, prompt, priority = cmd
+            request: EngineRequest = cmd[1]
+            rid = request.request_id
             try:
-                core.add_request(rid, ids, params, prompt=prompt, priority=priority)
-            except ValueError as e:   # bad input
+                core.add_request(request)
+            except ValueError as e:   # refused (an id in use): this request only
                 self._deliver(rid, e)
             except EngineDeadError:
                 raise

@@ -1,13 +1,15 @@
 """Chat messages -> prompt token ids through the tokenizer's chat template.
 
 Everything that goes wrong here is the request's fault (its messages, its
-template arguments, or a template that refuses them), so every failure is a
-ValueError with a message for the client.
+template arguments, or a template that refuses them), so every failure is an
+InputError (a ValueError) naming the field at fault, with a message for the client.
 """
 from __future__ import annotations
 
 import inspect
 from typing import Any
+
+from jaxserve.engine.errors import InputError
 
 
 def message_text(content: Any) -> str:
@@ -20,11 +22,11 @@ def message_text(content: Any) -> str:
         texts = []
         for part in content:
             if not isinstance(part, dict) or part.get("type") != "text":
-                raise ValueError("only text content parts are supported")
+                raise InputError("only text content parts are supported", "messages")
             texts.append(str(part.get("text", "")))
         return "".join(texts)
-    raise ValueError(f"message content must be a string or a list of parts, got "
-                     f"{type(content).__name__}")
+    raise InputError(f"message content must be a string or a list of parts, got "
+                     f"{type(content).__name__}", "messages")
 
 
 # Variables the renderer itself hands every template (transformers' render_jinja_template).
@@ -46,29 +48,31 @@ def render_chat(tokenizer, messages: list[dict], *, chat_template: str | None = 
     template_kwargs: extra template variables (a client's chat_template_kwargs)."""
     template_kwargs = template_kwargs or {}
     if tokenizer is None:
-        raise ValueError("chat needs a tokenizer; this model has none")
+        raise InputError("chat needs a tokenizer; this model has none", "messages")
     if not messages:
-        raise ValueError("messages must not be empty")
+        raise InputError("messages must not be empty", "messages")
     conv = []
     for m in messages:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise ValueError("each message needs a string 'role'")
+            raise InputError("each message needs a string 'role'", "messages")
         conv.append({"role": m["role"], "content": message_text(m.get("content"))})
     chars = sum(len(m["role"]) + len(m["content"]) for m in conv)
     if max_chars is not None and chars > max_chars:
-        raise ValueError(f"messages have {chars} characters, more than the {max_chars} "
-                         f"that max_model_len tokens can hold")
+        raise InputError(f"messages have {chars} characters, more than the {max_chars} "
+                         f"that max_model_len tokens can hold", "messages")
     if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
-        raise ValueError("the tokenizer has no chat template; pass one (--chat-template)")
+        raise InputError("the tokenizer has no chat template; pass one (--chat-template)",
+                         "messages")
     clash = sorted(set(template_kwargs) & _renderer_arguments(tokenizer))
     if clash:
-        raise ValueError(f"chat_template_kwargs may not set {', '.join(clash)}: the server "
-                         f"sets {'it' if len(clash) == 1 else 'them'} itself")
+        raise InputError(f"chat_template_kwargs may not set {', '.join(clash)}: the server "
+                         f"sets {'it' if len(clash) == 1 else 'them'} itself",
+                         "chat_template_kwargs")
     try:
         ids = tokenizer.apply_chat_template(conv, chat_template=chat_template,
                                             add_generation_prompt=add_generation_prompt,
                                             tokenize=True, return_dict=False, **template_kwargs)
     except Exception as e:  # noqa: BLE001 - the template runs on the request's data
-        raise ValueError(f"the chat template failed on these messages: "
-                         f"{type(e).__name__}: {e}") from None
+        raise InputError(f"the chat template failed on these messages: "
+                         f"{type(e).__name__}: {e}", "messages") from None
     return list(ids)

@@ -1,8 +1,8 @@
 """Data parallelism: D engine replicas behind one front door.
 
 `make_engine(config)` is what LLM and AsyncEngine build: a plain EngineCore
-for a "1xM" mesh, a DataParallelEngine for "DxM" with D > 1. The front door
-speaks EngineCore's interface, so callers do not know which they hold.
+for a "1xM" mesh, a DataParallelEngine for "DxM" with D > 1. Both are an
+Engine (jaxserve.engine.protocol), so callers do not know which they hold.
 
 Each replica is a whole EngineCore (scheduler, KV pages, runner) on its own
 1xM sub-mesh, devices d*M .. (d+1)*M - 1. A step dispatches every busy
@@ -18,22 +18,25 @@ slack bounds how much imbalance a prefix hit may buy.
 from __future__ import annotations
 
 import logging
-from typing import Iterator
+from dataclasses import replace
+from typing import Iterator, Sequence
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.scheduler import SchedulerStats
 from jaxserve.engine import multihost
 from jaxserve.engine.engine_core import EngineCore, engine_seeds, prompt_block_hashes
+from jaxserve.engine.errors import InputError
+from jaxserve.engine.input_processor import EngineRequest
+from jaxserve.engine.protocol import Engine, EngineInfo
 from jaxserve.engine.startup import READY, StartupProgress
-from jaxserve.sampling_params import SamplingParams
 from sharding import DATA, make_mesh, replica_meshes
 
 logger = logging.getLogger("jaxserve")
 
 
 def make_engine(config: EngineConfig, *, stream_outputs: bool = False,
-                progress: StartupProgress | None = None) -> EngineCore | DataParallelEngine:
+                progress: StartupProgress | None = None) -> Engine:
     """progress: follows the construction; READY once the engine is built."""
     multihost.initialize()   # from JAXSERVE_* env, when set (the CLI passes its flags first)
     mesh = make_mesh(config.mesh)
@@ -61,24 +64,15 @@ class DataParallelEngine:
         first = self.replicas[0]
         self.config = first.config                   # resolved for the platform
         self.tokenizer = first.tokenizer
-        self.model_config = first.model_config
-        self.max_model_len = first.max_model_len
-        self.dtype = first.dtype
-        self.num_pages = first.num_pages             # per replica
-        self.cache_plan = first.cache_plan           # per replica
-        self.weight_bytes = first.weight_bytes       # per replica
-        self.weight_bytes_per_device = first.weight_bytes_per_device
-        self.eos_token_id = first.eos_token_id
-        self.inputs = first.inputs                   # the same limits everywhere
+        # One front door: replica 0's processor has the limits every replica shares.
+        self.inputs = first.inputs
+        self.info = combined_info(self.replicas)
         self._replica_of: dict[str, int] = {}
         logger.info("data parallel: %d replicas of mesh 1x%d", len(self.replicas),
                     mesh.shape["model"])
 
     # ---- requests ------------------------------------------------------------------
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
-        return self.replicas[0].validate(prompt_token_ids, params)
-
-    def choose_replica(self, prompt_token_ids: list[int]) -> int:
+    def choose_replica(self, prompt_token_ids: Sequence[int]) -> int:
         loads = [r.num_unfinished() for r in self.replicas]
         ok = [i for i, n in enumerate(loads) if n <= min(loads) + self.balance_slack]
         if len(ok) == 1:
@@ -87,14 +81,15 @@ class DataParallelEngine:
         return max(ok, key=lambda i: (self.replicas[i].cached_prefix_pages(hashes),
                                       -loads[i], -i))
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    **kwargs) -> None:
-        if request_id in self._replica_of:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        self.validate(prompt_token_ids, params)   # before routing: errors leave no trace
-        d = self.choose_replica(prompt_token_ids)
-        self.replicas[d].add_request(request_id, prompt_token_ids, params, **kwargs)
-        self._replica_of[request_id] = d
+    def add_request(self, request: EngineRequest) -> None:
+        """A request from self.inputs.process, checked there: only an id already in use
+        is refused here (InputError)."""
+        rid = request.request_id
+        if rid in self._replica_of:
+            raise InputError(f"request id {rid!r} is already in use")
+        d = self.choose_replica(request.prompt_token_ids)
+        self.replicas[d].add_request(request)
+        self._replica_of[rid] = d
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         d = self._replica_of.pop(request_id, None)
@@ -105,11 +100,17 @@ class DataParallelEngine:
         return any(r.has_unfinished_requests() for r in self.replicas)
 
     def step(self) -> list[RequestOutput]:
-        busy = [r for r in self.replicas if r.has_unfinished_requests()]
-        begun = [r.begin_step() for r in busy]          # all replicas dispatch ...
+        return self.finish_step(self.begin_step())
+
+    def begin_step(self) -> list[tuple[EngineCore, object]]:
+        """Every busy replica dispatches its step; none is waited for yet."""
+        return [(r, r.begin_step()) for r in self.replicas if r.has_unfinished_requests()]
+
+    def finish_step(self, begun: list[tuple[EngineCore, object]]) -> list[RequestOutput]:
+        """Waits for each replica's step from begin_step, in turn."""
         outs: list[RequestOutput] = []
-        for r, b in zip(busy, begun):                   # ... then each is waited for
-            outs.extend(r.finish_step(b))
+        for r, step in begun:
+            outs.extend(r.finish_step(step))
         for o in outs:
             if o.finished:
                 self._replica_of.pop(o.request_id, None)
@@ -144,18 +145,14 @@ class DataParallelEngine:
     def num_compilations(self) -> int:
         return self.replicas[0].num_compilations      # the counter is per process
 
-    @property
-    def warmup_compilations(self) -> int:
-        return sum(r.warmup_compilations for r in self.replicas)
 
-    @property
-    def warmup_seconds(self) -> float:
-        return sum(r.warmup_seconds for r in self.replicas)
-
-    @property
-    def warmup_cache_hits(self) -> int:
-        return sum(r.warmup_cache_hits for r in self.replicas)
-
-    @property
-    def warmup_fresh_compilations(self) -> int:
-        return sum(r.warmup_fresh_compilations for r in self.replicas)
+def combined_info(replicas: Sequence[EngineCore]) -> EngineInfo:
+    """Replica 0's facts (num_pages and the weight bytes stay per replica: every
+    replica has the same), with the warmup figures summed over the replicas."""
+    first = replicas[0].info
+    infos = [r.info for r in replicas]
+    return replace(first, num_replicas=len(replicas),
+                   warmup_seconds=sum(i.warmup_seconds for i in infos),
+                   warmup_compilations=sum(i.warmup_compilations for i in infos),
+                   warmup_cache_hits=sum(i.warmup_cache_hits for i in infos),
+                   warmup_fresh_compilations=sum(i.warmup_fresh_compilations for i in infos))

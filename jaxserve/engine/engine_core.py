@@ -11,22 +11,23 @@ from functools import partial
 from typing import Any, Iterator
 
 import jax
+import jax.numpy as jnp
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.scheduler import Scheduler, SchedulerOutput, SchedulerStats
 from jaxserve.engine import multihost
-from jaxserve.engine.errors import EngineDeadError
-from jaxserve.engine.input_processor import InputProcessor
+from jaxserve.engine.errors import EngineDeadError, InputError
+from jaxserve.engine.input_processor import EngineRequest, InputProcessor
 from jaxserve.engine.layout import engine_layout, layout_cache_plan, make_runner
 from jaxserve.engine.loader import load_model
 from jaxserve.engine.output_processor import OutputProcessor
+from jaxserve.engine.protocol import EngineInfo
 from jaxserve.engine.startup import (ALLOCATING_KV_CACHE, COMPILING, LOADING_WEIGHTS,
                                      STARTING, StartupProgress)
 from jaxserve.checkpoints.model_names import resolve_model
 from jaxserve.runner import compile_counter
-from jaxserve.sampling_params import SamplingParams
 from models.config import ModelConfig
 from sharding import DATA, make_mesh
 
@@ -133,29 +134,38 @@ class EngineCore:
         self.num_steps = 0
         self.num_scheduled_tokens = 0   # tokens computed on device, all steps
         self._seed_counter = seed_counter or engine_seeds(config.seed)
+        self.info = self._describe()
+
+    def _describe(self) -> EngineInfo:
+        runner = self.runner
+        return EngineInfo(
+            config=self.config, model_config=self.model_config,
+            dtype=jnp.dtype(self.dtype).name, max_model_len=self.max_model_len,
+            cache_plan=self.cache_plan, weight_bytes=self.weight_bytes,
+            weight_bytes_per_device=self.weight_bytes_per_device,
+            eos_token_id=self.eos_token_id, warmup_seconds=runner.warmup_seconds,
+            warmup_compilations=runner.warmup_compilations,
+            warmup_cache_hits=runner.warmup_cache_hits,
+            warmup_fresh_compilations=runner.warmup_fresh_compilations)
 
     # ---- requests ------------------------------------------------------------------
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
-        """Checks one request (the input processor's rules); returns its params with
-        max_tokens resolved."""
-        return self.inputs.process(prompt_token_ids, params)
-
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    *, prompt: str | None = None, arrival_time: float | None = None,
-                    priority: int = 0) -> None:
+    def add_request(self, request: EngineRequest) -> None:
+        """Adds a request from the input processor (self.inputs.process), which checked
+        it: only an id already in use is refused here (InputError)."""
+        request_id, params = request.request_id, request.sampling_params
+        prompt_token_ids = list(request.prompt_token_ids)
         if self.outputs.has(request_id):
-            raise ValueError(f"request id {request_id!r} is already in use")
-        params = self.validate(prompt_token_ids, params)
+            raise InputError(f"request id {request_id!r} is already in use")
         child_ids = [request_id] if params.n == 1 else [f"{i}_{request_id}"
                                                         for i in range(params.n)]
         # A completion id ("0_x") may equal another request's id: refuse it up front,
         # or undoing this add would touch the other request.
         taken = [c for c in child_ids if self.scheduler.get_request(c) is not None]
         if taken:
-            raise ValueError(f"request id {taken[0]!r} is already in use")
+            raise InputError(f"request id {taken[0]!r} is already in use")
         added: list[str] = []
         try:
-            self.outputs.add(request_id, prompt, list(prompt_token_ids), params, child_ids)
+            self.outputs.add(request_id, request.prompt, prompt_token_ids, params, child_ids)
             # A request-private salt keeps the prefix cache among the request's own n
             # completions: when caching is off, and when prompt logprobs are wanted (a
             # cached position would not be computed, so it would have no logprob).
@@ -168,7 +178,7 @@ class EngineCore:
                     child = replace(child, seed=next(self._seed_counter))
                 self.scheduler.add_request(Request(
                     cid, prompt_token_ids, child, eos_token_id=self.eos_token_id,
-                    arrival_time=arrival_time, priority=priority, cache_salt=salt,
+                    arrival_time=request.arrival_time, priority=request.priority, cache_salt=salt,
                     page_size=self.config.page_size))
                 added.append(cid)
         except BaseException as e:
@@ -298,24 +308,6 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> None:
         self.scheduler.reset_prefix_cache()
-
-    @property
-    def warmup_compilations(self) -> int:
-        return self.runner.warmup_compilations
-
-    @property
-    def warmup_seconds(self) -> float:
-        return self.runner.warmup_seconds
-
-    @property
-    def warmup_cache_hits(self) -> int:
-        """XLA compilations of warmup the persistent compilation cache supplied."""
-        return self.runner.warmup_cache_hits
-
-    @property
-    def warmup_fresh_compilations(self) -> int:
-        """XLA compilations of warmup compiled in this process."""
-        return self.runner.warmup_fresh_compilations
 
 
 def _report_loading(progress: StartupProgress, done: int, total: int) -> None:

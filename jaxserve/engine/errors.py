@@ -20,3 +20,12 @@ class RequestFailedError(RuntimeError):
         super().__init__(f"request {request_id!r} failed: {error}")
         self.request_id = request_id
         self.error = error
+
+
+class InputError(ValueError):
+    """A request the front door refuses; `param` names the field at fault (OpenAI's
+    `param`), so the server never has to guess it from the message."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param

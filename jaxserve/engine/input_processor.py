@@ -8,23 +8,37 @@ gets in. Host only: no jax.
 """
 from __future__ import annotations
 
-from dataclasses import replace
-from typing import Any
+import threading
+from dataclasses import dataclass, replace
+from typing import Any, Sequence
 
 from jaxserve.engine.chat_template import render_chat
+from jaxserve.engine.errors import InputError
 from jaxserve.sampling_params import MAX_BANNED_TOKENS, SamplingParams
+
+__all__ = ["EngineRequest", "InputError", "InputProcessor", "check_unicode"]
 
 # Normalisers (NFC, for one) may merge a few characters into one before the tokenizer
 # splits the text, so the character bound allows this factor on top of the longest token.
 _NORMALISER_SLACK = 4
 
 
-class InputError(ValueError):
-    """A request the engine refuses; `param` names the field at fault (OpenAI's `param`)."""
+@dataclass(frozen=True)
+class EngineRequest:
+    """One request past the front door: every limit checked, trusted from here on.
 
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
+    Only InputProcessor.process makes these; the engines add them as they are.
+    """
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling_params: SamplingParams   # max_tokens resolved: never None
+    prompt: str | None = None         # the text the ids came from, when there was one
+    priority: int = 0                 # lower runs first (scheduling_policy="priority")
+    arrival_time: float | None = None   # None: when the engine adds it
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
 
 
 def check_unicode(text: str, field: str) -> None:
@@ -36,7 +50,22 @@ def check_unicode(text: str, field: str) -> None:
                          field) from None
 
 
+def _check_not_empty(prompt: str | Sequence[int], field: str) -> None:
+    """The one home of the empty-prompt rule, for text and token ids alike. Text is
+    checked before tokenizing: a tokenizer that adds BOS would make "" one token."""
+    if len(prompt) == 0:
+        raise InputError(f"{field} must not be empty", field)
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 class InputProcessor:
+    """Tokenizes, renders chats, and turns a prompt and its SamplingParams into an
+    EngineRequest. Stateless but for its counters, so any thread may call it (the
+    server calls it from worker threads, never through the engine)."""
+
     def __init__(self, *, tokenizer, vocab_size: int, max_model_len: int):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -46,13 +75,16 @@ class InputProcessor:
         # the tokenizer spends time on it.
         longest = max(map(len, tokenizer.get_vocab()), default=1) if tokenizer else 1
         self.max_prompt_chars = max_model_len * max(longest, 1) * _NORMALISER_SLACK
+        # What process() accepted and refused: each request is checked exactly once.
+        self.num_processed = 0
+        self.num_refused = 0
+        self._count_lock = threading.Lock()
 
     # ---- text -> token ids -----------------------------------------------------------
     def check_text(self, text: str, field: str = "prompt") -> None:
         if not isinstance(text, str):
             raise InputError(f"{field} must be a string, got {type(text).__name__}", field)
-        if not text:
-            raise InputError(f"{field} must not be empty", field)
+        _check_not_empty(text, field)
         if len(text) > self.max_prompt_chars:
             raise InputError(
                 f"{field} has {len(text)} characters: more than max_model_len="
@@ -73,29 +105,63 @@ class InputProcessor:
         """Chat messages -> prompt ids; every failure is the request's (InputError)."""
         _check_strings(messages, "messages")
         _check_strings(template_kwargs, "chat_template_kwargs")
-        try:
-            return render_chat(self.tokenizer, messages, chat_template=chat_template,
-                               add_generation_prompt=add_generation_prompt,
-                               max_chars=self.max_prompt_chars,
-                               template_kwargs=template_kwargs)
-        except ValueError as e:
-            param = "chat_template_kwargs" if "chat_template_kwargs" in str(e) else "messages"
-            raise InputError(str(e), param) from None
+        return render_chat(self.tokenizer, messages, chat_template=chat_template,
+                           add_generation_prompt=add_generation_prompt,
+                           max_chars=self.max_prompt_chars, template_kwargs=template_kwargs)
 
-    # ---- token ids + sampling parameters --------------------------------------------
-    def process(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
-        """Checks one request; returns its params with max_tokens resolved."""
+    # ---- the front door --------------------------------------------------------------
+    def process(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
+                *, text: str | None = None, priority: int = 0,
+                arrival_time: float | None = None) -> EngineRequest:
+        """Checks one request against every limit; the only way to an EngineRequest.
+
+        prompt: text (tokenized here) or token ids; text: the text token ids came from,
+        if the caller has it (outputs carry it). Raises InputError naming the field.
+        """
+        try:
+            request = self._process(request_id, prompt, params, text, priority, arrival_time)
+        except InputError:
+            with self._count_lock:
+                self.num_refused += 1
+            raise
+        with self._count_lock:
+            self.num_processed += 1
+        return request
+
+    def _process(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
+                 text: str | None, priority: int, arrival_time: float | None
+                 ) -> EngineRequest:
+        if not isinstance(request_id, str):
+            raise InputError(f"request_id must be a str, got {type(request_id).__name__}")
+        if not isinstance(params, SamplingParams):
+            raise InputError(f"sampling params must be a SamplingParams, got "
+                             f"{type(params).__name__}")
+        if not _is_int(priority):
+            raise InputError(f"priority must be an int, got {priority!r}", "priority")
+        if isinstance(prompt, str):
+            text, prompt = prompt, self.tokenize(prompt)
+        # A tokenizer's ids are checked too: its added tokens may lie past the vocabulary.
+        ids = self._checked_ids(prompt)
+        params = self._checked_params(len(ids), params)
+        return EngineRequest(request_id, tuple(ids), params, prompt=text, priority=priority,
+                             arrival_time=arrival_time)
+
+    def _checked_ids(self, prompt_token_ids: Sequence[int]) -> list[int]:
         if not isinstance(prompt_token_ids, (list, tuple)) or not all(
-                isinstance(t, int) and not isinstance(t, bool) for t in prompt_token_ids):
+                _is_int(t) for t in prompt_token_ids):
             raise InputError("prompt_token_ids must be a list of ints", "prompt")
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise InputError("the prompt is empty", "prompt")
+        _check_not_empty(prompt_token_ids, "prompt")
         vocab = self.vocab_size
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
             raise InputError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})",
                              "prompt")
+        return list(prompt_token_ids)
+
+    def _checked_params(self, n: int, params: SamplingParams) -> SamplingParams:
+        """params with max_tokens resolved against the room an n-token prompt leaves
+        (the checks keep the order they always had, so the same error wins)."""
+        vocab = self.vocab_size
         bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
         if bad:
             raise InputError(f"stop_token_ids: {bad[0]} is outside the vocabulary "

@@ -1,7 +1,6 @@
 """LLM: offline batch generation with vLLM's names and behaviour."""
 from __future__ import annotations
 
-import itertools
 from typing import Any, Sequence
 
 from tqdm.auto import tqdm
@@ -9,7 +8,9 @@ from tqdm.auto import tqdm
 from jaxserve.config import EngineConfig
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.engine.data_parallel import make_engine
-from jaxserve.engine.errors import RequestFailedError
+from jaxserve.engine.errors import InputError, RequestFailedError
+from jaxserve.engine.input_processor import EngineRequest
+from jaxserve.engine.protocol import Engine
 from jaxserve.sampling_params import SamplingParams
 
 PromptType = str | dict[str, Any]
@@ -27,9 +28,9 @@ class LLM:
     def __init__(self, model: str, **engine_args: Any):
         if "block_size" in engine_args:
             engine_args["page_size"] = engine_args.pop("block_size")
-        self.engine = make_engine(EngineConfig(model=model, **engine_args))
+        self.engine: Engine = make_engine(EngineConfig(model=model, **engine_args))
         self.tokenizer = self.engine.tokenizer
-        self._ids = itertools.count()
+        self._next_id = 0   # request ids "0", "1", ...: one per prompt the engine ran
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -57,17 +58,16 @@ class LLM:
                              "prompts; give one, or one per prompt")
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
-        # Validate everything before adding anything, so a bad prompt harms no other.
-        requests = []
-        for i, (p, sp) in enumerate(zip(prompts, sampling_params)):
-            text, ids = self._tokenize(p)
-            self.engine.validate(ids, sp)
-            requests.append((text, list(ids), sp, 0 if priority is None else priority[i]))
+        # Process (validate) everything before adding anything, so a bad prompt harms
+        # no other; the ids are taken only once all passed.
+        requests = [self._process(str(self._next_id + i), p, sp,
+                                  0 if priority is None else priority[i])
+                    for i, (p, sp) in enumerate(zip(prompts, sampling_params))]
+        self._next_id += len(requests)
         order = {}
-        for text, ids, sp, prio in requests:
-            rid = str(next(self._ids))
-            order[rid] = len(order)
-            self.engine.add_request(rid, ids, sp, prompt=text, priority=prio)
+        for req in requests:
+            order[req.request_id] = len(order)
+            self.engine.add_request(req)
         return self._run(order, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]],
@@ -83,17 +83,23 @@ class LLM:
             template_kwargs=chat_template_kwargs)} for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        """Text or {'prompt_token_ids': [...]} -> (text, ids); the ids are checked with
-        the sampling parameters in generate (the input processor's process)."""
-        if isinstance(prompt, str):
-            return prompt, self.engine.inputs.tokenize(prompt)
+    def _process(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                 priority: int) -> EngineRequest:
+        """Text, {'prompt': text} or {'prompt_token_ids': [...]} (with the text they came
+        from under 'prompt', if any), through the engine's input processor."""
+        inputs = self.engine.inputs
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            return prompt.get("prompt"), prompt["prompt_token_ids"]
+            ids = prompt["prompt_token_ids"]
+            # Token ids are never text to tokenize: a str is refused as ids are.
+            ids = [ids] if isinstance(ids, str) else ids
+            return inputs.process(request_id, ids, params, text=prompt.get("prompt"),
+                                  priority=priority)
         if isinstance(prompt, dict) and "prompt" in prompt:
-            return self._tokenize(prompt["prompt"])
-        raise ValueError(f"a prompt must be a str or a dict with 'prompt_token_ids', got "
-                         f"{type(prompt).__name__}")
+            prompt = prompt["prompt"]
+        if isinstance(prompt, str):
+            return inputs.process(request_id, prompt, params, priority=priority)
+        raise InputError(f"a prompt must be a str or a dict with 'prompt_token_ids', got "
+                         f"{type(prompt).__name__}", "prompt")
 
     def _run(self, order: dict[str, int], use_tqdm: bool) -> list[RequestOutput]:
         results: list[RequestOutput | None] = [None] * len(order)

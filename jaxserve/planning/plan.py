@@ -282,20 +282,19 @@ def _state_layout(mc, dtype: str) -> str:
             f"{mc.linear_value_head_dim} float32)")
 
 
-def plan_for_engine(core) -> str:
-    """The plan of a running engine (EngineCore or DataParallelEngine), for the server's
-    start-up log: its own cache plan, device memory from the first device's stats
-    (unknown on CPU)."""
+def plan_for_engine(info) -> str:
+    """The plan of a running engine (its EngineInfo), for the server's start-up log: its
+    own cache plan, device memory from the first device's stats (unknown on CPU)."""
     import jax
 
-    cfg = core.config
+    cfg = info.config
     stats = jax.devices()[0].memory_stats() or {}
-    plan = make_plan(core.model_config, model=cfg.model, mesh=cfg.mesh or "1x1",
-                     dtype=jnp.dtype(core.dtype).name, kv_cache_dtype=cfg.kv_cache_dtype,
-                     max_model_len=core.max_model_len, max_num_seqs=cfg.max_num_seqs,
+    plan = make_plan(info.model_config, model=cfg.model, mesh=cfg.mesh or "1x1",
+                     dtype=info.dtype, kv_cache_dtype=cfg.kv_cache_dtype,
+                     max_model_len=info.max_model_len, max_num_seqs=cfg.max_num_seqs,
                      max_num_batched_tokens=cfg.num_batched_tokens, page_size=cfg.page_size,
                      hbm_bytes=stats.get("bytes_limit"), hbm_utilization=cfg.hbm_utilization,
-                     cache=core.cache_plan)
+                     cache=info.cache_plan)
     return format_plan(plan)
 
 

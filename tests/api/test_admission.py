@@ -10,18 +10,19 @@ import pytest
 
 from jaxserve.api.server import create_app
 from jaxserve.api.serving import ServerSettings
+from jaxserve.engine.input_processor import InputProcessor
 
 
 class StubEngine:
     """What the serving layer asks of the engine before a request reaches it."""
     tokenizer = None
     stats = SimpleNamespace(num_running=0)
-    core = SimpleNamespace(inputs=SimpleNamespace(process=lambda ids, params: params))
 
     def __init__(self):
         self.generated = 0
+        self.inputs = InputProcessor(tokenizer=None, vocab_size=100, max_model_len=64)
 
-    async def generate(self, request_id, prompt_token_ids, params, **kwargs):
+    async def generate(self, request):
         self.generated += 1
         raise RuntimeError("the stub runs no model")
         yield   # an async generator

@@ -30,3 +30,8 @@ def assert_no_leaks(engine) -> None:
     slots = sched.kv.state_slots
     if slots is not None:
         assert sorted(slots.free_slots) == list(range(1, slots.num_slots))
+
+
+def add(engine, request_id: str, prompt, params, **kwargs) -> None:
+    """Adds a request as LLM and the server do: through the engine's front door."""
+    engine.add_request(engine.inputs.process(request_id, prompt, params, **kwargs))

@@ -47,7 +47,7 @@ async def tokens(engine: AsyncEngine, rid: str, prompt: list[int], params) -> li
     fails the test (TimeoutError) instead of hanging it."""
     async def collect() -> list[int]:
         got = []
-        async for out in engine.generate(rid, prompt, params):
+        async for out in engine.generate(engine.inputs.process(rid, prompt, params)):
             got += out.outputs[0].token_ids if out.outputs else []
         return got
     return await asyncio.wait_for(collect(), timeout=60)

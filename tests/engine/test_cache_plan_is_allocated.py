@@ -61,7 +61,8 @@ def test_the_printed_plan_is_what_the_engine_allocates(checkpoint, kind, mesh, c
     assert (kv.state_slots.num_slots if kv.state_slots else 0) == plan.num_state_slots
     assert core.scheduler.max_len == min(64, plan.kv_tokens)
     # The printed plan shows that capacity ...
-    text = plan_for_engine(core)
+    text = plan_for_engine(core.info)
+    assert core.info.cache_plan == plan
     assert f"KV pages per replica       {plan.num_pages - 1:,} x 16 tokens" in text
     assert f"KV capacity per replica    {plan.kv_tokens:,} tokens" in text
     # ... and the planner, given the same budget, makes the same plan.

@@ -25,8 +25,8 @@ core = make_engine(EngineConfig(
     model=default_model_dir(), load_format="dummy", max_num_seqs=8, max_num_batched_tokens=32,
     max_model_len=128, compilation_cache_dir=sys.argv[1]), progress=progress)
 print("RESULT " + json.dumps({
-    "programs": len(core.runner.warmup_programs()), "lowered": core.warmup_compilations,
-    "hits": core.warmup_cache_hits, "fresh": core.warmup_fresh_compilations,
+    "programs": len(core.runner.warmup_programs()), "lowered": core.info.warmup_compilations,
+    "hits": core.info.warmup_cache_hits, "fresh": core.info.warmup_fresh_compilations,
     "phases": seen}))
 """
 

@@ -8,7 +8,7 @@ import pytest
 
 from jaxserve import LLM, SamplingParams
 from tests.checkpoints import reference_greedy
-from tests.engine.conftest import KINDS, assert_no_leaks
+from tests.engine.conftest import KINDS, add, assert_no_leaks
 
 NUM_NEW = 32
 PROMPT_LENS = (5, 16, 33, 70)   # 70 tokens = more than 3 pages of 16
@@ -52,7 +52,7 @@ def test_greedy_matches_transformers(kind, checkpoint):
     while pending or engine.has_unfinished_requests():
         if pending and step % 3 == 0:
             i, p = pending.pop(0)
-            engine.add_request(str(i), p, GREEDY)
+            add(engine, str(i), p, GREEDY)
         sched_before = engine.scheduler
         outs = engine.step()
         step += 1

@@ -10,7 +10,7 @@ import pytest
 
 from jaxserve import LLM, SamplingParams
 from tests.checkpoints import HYBRID_KINDS, reference_greedy
-from tests.engine.conftest import assert_no_leaks
+from tests.engine.conftest import add, assert_no_leaks
 
 NUM_NEW = 32
 PROMPT_LENS = (5, 33, 70, 130)   # 70 and 130 tokens: several DeltaNet chunks of 64
@@ -36,7 +36,7 @@ def _run_staggered(engine, prompts, params=GREEDY, every: int = 3) -> dict[str, 
     while pending or engine.has_unfinished_requests():
         if pending and step % every == 0:
             i, p = pending.pop(0)
-            engine.add_request(str(i), p, params)
+            add(engine, str(i), p, params)
         for o in engine.step():
             if o.finished:
                 results[o.request_id] = o.outputs[0].token_ids
@@ -80,8 +80,8 @@ def test_state_slots_come_back_on_abort_and_n_greater_than_one(checkpoint, expec
     engine = LLM(path, dtype="float32", max_model_len=256, max_num_seqs=4,
                  max_num_batched_tokens=256).engine
     kv = engine.scheduler.kv
-    engine.add_request("a", prompts[3], GREEDY)
-    engine.add_request("b", prompts[2], GREEDY)
+    add(engine, "a", prompts[3], GREEDY)
+    add(engine, "b", prompts[2], GREEDY)
     engine.step()
     slots = {kv.get_state_slot("a"), kv.get_state_slot("b")}
     assert len(slots) == 2 and 0 not in slots and kv.state_slots.num_free == 2

@@ -12,7 +12,7 @@ import random
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from tests.engine.conftest import assert_no_leaks
+from tests.engine.conftest import add, assert_no_leaks
 
 PREFIX_LEN = 20   # more than one page of 16: later requests hit it in the prefix cache
 
@@ -59,7 +59,7 @@ def _check_rows(core) -> None:
 def _run_alone(core, items) -> list[tuple]:
     want = []
     for i, (prompt, params) in enumerate(items):
-        core.add_request(f"alone{i}", prompt, params)
+        add(core, f"alone{i}", prompt, params)
         outs = []
         while core.has_unfinished_requests():
             outs += [o for o in core.step() if o.finished]
@@ -84,7 +84,7 @@ def _run_mixed(core, items, seed: int, fail_step: int) -> tuple[dict, set, set]:
         while pending or core.has_unfinished_requests():
             while pending and rng.random() < 0.4:
                 i, (prompt, params) = pending.pop(0)
-                core.add_request(str(i), prompt, params)
+                add(core, str(i), prompt, params)
             running = [r.request_id for r in core.scheduler.running]
             if running and rng.random() < 0.05:
                 rid = rng.choice(running).split("_")[-1]   # a parent id ("1_3" -> "3")

@@ -13,7 +13,7 @@ import pytest
 from jaxserve import LLM, SamplingParams
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.engine.errors import EngineDeadError, RequestFailedError
-from tests.engine.conftest import assert_no_leaks
+from tests.engine.conftest import add, assert_no_leaks
 
 BUDGET = 32
 FILLS_A_STEP = list(range(3, 3 + BUDGET))     # two full pages of 16
@@ -60,8 +60,8 @@ def run_to_end(engine) -> dict[str, RequestOutput]:
 def test_failed_step_fails_only_its_requests(llm, expected):
     core = llm.engine
     llm.reset_prefix_cache()                           # so the prompt fills the step
-    core.add_request("bad", FILLS_A_STEP, overflowing_params())
-    core.add_request("good", OTHER, GREEDY)           # waits: the step is full
+    add(core, "bad", FILLS_A_STEP, overflowing_params())
+    add(core, "good", OTHER, GREEDY)           # waits: the step is full
     final = run_to_end(core)
     bad = final["bad"]
     assert bad.finished and bad.error.startswith("OverflowError: ")
@@ -71,7 +71,7 @@ def test_failed_step_fails_only_its_requests(llm, expected):
     assert final["good"].outputs[0].token_ids == expected[tuple(OTHER)]
     assert_no_leaks(core)
     # The engine serves the next request as if nothing had happened.
-    core.add_request("next", FILLS_A_STEP, GREEDY)
+    add(core, "next", FILLS_A_STEP, GREEDY)
     assert run_to_end(core)["next"].outputs[0].token_ids == expected[tuple(FILLS_A_STEP)]
     assert_no_leaks(core)
 
@@ -88,7 +88,7 @@ def test_all_n_completions_fail_and_every_page_comes_back(llm, monkeypatch):
             raise RuntimeError("injected")
         return real_collect(step)
     monkeypatch.setattr(core.runner, "collect", collect)
-    core.add_request("pair", OTHER, SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=9))
+    add(core, "pair", OTHER, SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=9))
     final = run_to_end(core)
     assert final["pair"].error == "RuntimeError: injected"
     assert [len(c.token_ids) for c in final["pair"].outputs] == [2, 2]
@@ -100,9 +100,9 @@ def test_completion_id_taken_by_another_request_is_refused_harmlessly(llm, expec
     """Completion 0 of an n=2 request "dup" is named "0_dup": a running request of that
     name must keep its outputs when the add is refused."""
     core = llm.engine
-    core.add_request("0_dup", OTHER, GREEDY)
+    add(core, "0_dup", OTHER, GREEDY)
     with pytest.raises(ValueError, match="'0_dup' is already in use"):
-        core.add_request("dup", OTHER, SamplingParams(n=2, seed=1, max_tokens=3))
+        add(core, "dup", OTHER, SamplingParams(n=2, seed=1, max_tokens=3))
     assert not core.outputs.has("dup")
     assert run_to_end(core)["0_dup"].outputs[0].token_ids == expected[tuple(OTHER)]
     assert_no_leaks(core)
@@ -120,14 +120,14 @@ def test_update_failing_after_a_request_finished_leaves_nothing_running(llm, exp
         out.sampled.pop("long", None)
         return out
     monkeypatch.setattr(core.runner, "collect", collect)
-    core.add_request("short", OTHER, SamplingParams(temperature=0.0, max_tokens=1))
-    core.add_request("long", [12, 13, 14], GREEDY)
+    add(core, "short", OTHER, SamplingParams(temperature=0.0, max_tokens=1))
+    add(core, "long", [12, 13, 14], GREEDY)
     final = run_to_end(core)
     assert "no sampled token" in final["long"].error
     assert final["short"].error is not None    # in the failed step: it fails with it
     monkeypatch.undo()
     assert core.scheduler.running == []
-    core.add_request("next", OTHER, GREEDY)
+    add(core, "next", OTHER, GREEDY)
     assert run_to_end(core)["next"].outputs[0].token_ids == expected[tuple(OTHER)]
     assert_no_leaks(core)
 
@@ -149,16 +149,16 @@ def test_pages_the_failed_step_did_not_write_leave_the_prefix_cache(llm, expecte
             raise RuntimeError("before the forward pass")
         return real_dispatch(sched_out)
     monkeypatch.setattr(core.runner, "dispatch", dispatch)
-    core.add_request("unwritten", prompt, GREEDY)
+    add(core, "unwritten", prompt, GREEDY)
     hits = core.stats().prefix_cache_hits
     if sharer:
-        core.add_request("sharer", prompt[:16] + [50, 51], GREEDY)
+        add(core, "sharer", prompt[:16] + [50, 51], GREEDY)
     failed = run_to_end(core)
     assert "before the forward pass" in failed["unwritten"].error
     if sharer:   # it hit the first page in the failing step itself
         assert core.stats().prefix_cache_hits - hits == 16 and failed["sharer"].error
     monkeypatch.undo()
-    core.add_request("again", prompt, GREEDY)
+    add(core, "again", prompt, GREEDY)
     again = run_to_end(core)["again"]
     assert again.num_cached_tokens == 0
     assert again.outputs[0].token_ids == clean.outputs[0].token_ids
@@ -190,7 +190,7 @@ def test_lost_device_state_is_fatal(checkpoint):
         core.runner.kv_caches["kv"].delete()    # as if donated into a call that then raised
         raise RuntimeError("inside the forward pass")
     core.runner.dispatch = dispatch
-    core.add_request("r", OTHER, GREEDY)
+    add(core, "r", OTHER, GREEDY)
     with pytest.raises(EngineDeadError, match="KV cache .* was lost.*inside the forward"):
         core.step()
     assert not core.runner.device_state_ok()
@@ -217,8 +217,8 @@ def test_one_replica_fails_the_other_finishes(dp_llm, where, monkeypatch):
         monkeypatch.setattr(r0, "collect", collect)
     params = overflowing_params() if where == "dispatch" else GREEDY
     llm.reset_prefix_cache()
-    engine.add_request("bad", FILLS_A_STEP, params)      # idle: replica 0
-    engine.add_request("good", OTHER, GREEDY)            # less loaded: replica 1
+    add(engine, "bad", FILLS_A_STEP, params)      # idle: replica 0
+    add(engine, "good", OTHER, GREEDY)            # less loaded: replica 1
     assert engine._replica_of == {"bad": 0, "good": 1}
     final = run_to_end(engine)
     assert final["bad"].error is not None

@@ -6,7 +6,9 @@ import pytest
 from jaxserve.config import EngineConfig
 from jaxserve.engine.data_parallel import DataParallelEngine
 from jaxserve.engine.engine_core import prompt_block_hashes
+from jaxserve.engine.input_processor import InputProcessor
 from jaxserve.sampling_params import SamplingParams
+from tests.engine.conftest import add
 
 
 class FakeReplica:
@@ -20,13 +22,8 @@ class FakeReplica:
     def cached_prefix_pages(self, block_hashes) -> int:
         return min(self.cached_pages, len(block_hashes))
 
-    def validate(self, prompt, params):
-        if not prompt:
-            raise ValueError("the prompt is empty")
-        return params
-
-    def add_request(self, rid, prompt, params, **kw):
-        self.added.append(rid)
+    def add_request(self, request):   # no validate: the front door did that
+        self.added.append(request.request_id)
         self.load += 1
 
     def abort_request(self, rid):
@@ -41,6 +38,7 @@ def front(*replicas, slack: int = 2) -> DataParallelEngine:
     dp = DataParallelEngine.__new__(DataParallelEngine)   # skip building real engines
     dp.replicas, dp.balance_slack, dp._replica_of = list(replicas), slack, {}
     dp.config = EngineConfig(model="unused", page_size=16)
+    dp.inputs = InputProcessor(tokenizer=None, vocab_size=100, max_model_len=64)
     return dp
 
 
@@ -51,7 +49,7 @@ def test_least_loaded_wins_and_ties_go_to_the_first():
     a, b, c = FakeReplica(3), FakeReplica(1), FakeReplica(1)
     dp = front(a, b, c, slack=0)
     for i in range(4):
-        dp.add_request(f"r{i}", [5, 6], P)
+        add(dp, f"r{i}", [5, 6], P)
     assert (a.added, b.added, c.added) == ([], ["r0", "r2"], ["r1", "r3"])
 
 
@@ -60,9 +58,9 @@ def test_prefix_hit_wins_within_the_slack_only():
     hot = FakeReplica(2, cached_pages=2)
     cold = FakeReplica(0)
     dp = front(cold, hot, slack=2)
-    dp.add_request("x", prompt, P)
+    add(dp, "x", prompt, P)
     assert hot.added == ["x"]                  # load 2 <= 0 + slack: the prefix hit wins
-    dp.add_request("y", prompt, P)             # load 3 > 0 + slack: balance wins
+    add(dp, "y", prompt, P)             # load 3 > 0 + slack: balance wins
     assert cold.added == ["y"]
 
 
@@ -75,11 +73,11 @@ def test_reset_prefix_cache_reaches_every_replica():
 def test_ids_are_unique_across_replicas_and_aborts_route_back():
     a, b = FakeReplica(), FakeReplica()
     dp = front(a, b, slack=0)
-    dp.add_request("r", [3], P)
+    add(dp, "r", [3], P)
     with pytest.raises(ValueError, match="already in use"):
-        dp.add_request("r", [3], P)
+        add(dp, "r", [3], P)
     with pytest.raises(ValueError, match="empty"):
-        dp.add_request("bad", [], P)
+        add(dp, "bad", [], P)
     assert a.added == ["r"] and b.added == []
     dp.abort_request("r")
     assert a.aborted == ["r"] and dp.abort_request("r") is None

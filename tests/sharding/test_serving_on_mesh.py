@@ -91,7 +91,8 @@ def test_async_engine_serves_through_the_front_door(llm):
 
     async def one(i, p):
         last = None
-        async for out in engine.generate(f"a{i}", p["prompt_token_ids"], greedy):
+        request = engine.inputs.process(f"a{i}", p["prompt_token_ids"], greedy)
+        async for out in engine.generate(request):
             last = out
         return last.outputs[0].token_ids
 
@@ -122,7 +123,7 @@ def test_front_door_routes_to_the_cached_prefix(llm):
 
 def test_plan_for_the_running_engine(llm):
     from jaxserve.planning.plan import plan_for_engine
-    text = plan_for_engine(llm.engine)
+    text = plan_for_engine(llm.engine.info)   # its config, model_config, dtype, max_model_len
     assert "mesh 2x4 (2 replicas x 4-way tensor parallel)" in text
     assert "KV heads                   2 do not divide by 4: each replicated 2x, 1 per device" \
         in text
