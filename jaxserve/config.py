@@ -11,7 +11,9 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-_DTYPES = ("auto", "float32", "bfloat16", "float16")
+from models.config import SERVING_DTYPES   # (no jax: a plain module of model facts)
+
+_DTYPES = ("auto", *SERVING_DTYPES)
 _LOAD_FORMATS = ("auto", "safetensors", "dummy")
 _POLICIES = ("fcfs", "priority")
 # "auto": chosen by platform (pallas_kernels' resolve_backend owns the rule); "reference": the

@@ -29,6 +29,9 @@ SUPPORTED_ARCHITECTURES = tuple(sorted((
     "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")))
 # Qwen3.5 / Qwen3.6: hybrid Gated DeltaNet + gated attention (dense and MoE).
 HYBRID_ARCHS = frozenset(a for a in SUPPORTED_ARCHITECTURES if a.startswith("Qwen3_5"))
+# What weights and activations may be computed in (the "auto" rule is
+# models.registry.resolve_dtype's); jaxserve.config offers these names.
+SERVING_DTYPES = ("float32", "bfloat16", "float16")
 FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
 # Families whose attention has q_norm / k_norm (RMSNorm over head_dim, before RoPE).
 _QK_NORM_ARCHS = frozenset({"Qwen3ForCausalLM", "Qwen3MoeForCausalLM"}) | HYBRID_ARCHS

@@ -6,7 +6,7 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
-from models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from models.config import SERVING_DTYPES, SUPPORTED_ARCHITECTURES, ModelConfig
 from models.llama import LlamaForCausalLM, Qwen3ForCausalLM
 from models.qwen3_5 import Qwen3_5ForCausalLM
 from models.qwen3_moe import Qwen3MoeForCausalLM
@@ -31,11 +31,6 @@ def get_model_class(architecture: str) -> type:
     except KeyError:
         raise ValueError(f"Architecture {architecture!r} is not supported; "
                          f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}") from None
-
-
-# What weights and activations may be computed in; "auto" falls back to float32 when
-# the checkpoint names none of them.
-SERVING_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def resolve_dtype(dtype: Any, config: ModelConfig) -> jnp.dtype:

@@ -226,7 +226,8 @@ def make_plan(mc, *, model: str, mesh: str, dtype: str = "auto", kv_cache_dtype:
     The cache plan: `cache` when given (a running engine's), else made by the engine's
     rule from num_pages, kv_cache_memory_bytes or hbm_bytes (none of them: unknown)."""
     from models.cache_spec import PagedKVSpec, RecurrentStateSpec, layer_cache_specs
-    from models.registry import SERVING_DTYPES, resolve_dtype
+    from models.config import SERVING_DTYPES
+    from models.registry import resolve_dtype
     from sharding import check_model_axis, kv_head_layout
     from sharding.mesh import parse_mesh
 
