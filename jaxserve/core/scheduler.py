@@ -18,13 +18,30 @@ __all__ = ["CachedRequestData", "NewRequestData", "Scheduler", "SchedulerOutput"
 
 @dataclass(frozen=True, slots=True)
 class SchedulerStats:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    prefix_cache_hit_rate: float
-    num_preemptions: int
+    """What the scheduler counts; the one statistics record (the engines add to it)."""
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0   # tokens looked up
+    prefix_cache_hits: int = 0      # tokens found
+    num_preemptions: int = 0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries \
+            else 0.0
+
+    @staticmethod
+    def merge(parts: list[SchedulerStats]) -> SchedulerStats:
+        """Several schedulers as one (data-parallel replicas): counts summed, KV usage the
+        mean of theirs (every replica has a pool of the same size)."""
+        return SchedulerStats(
+            num_running=sum(p.num_running for p in parts),
+            num_waiting=sum(p.num_waiting for p in parts),
+            kv_cache_usage=sum(p.kv_cache_usage for p in parts) / len(parts),
+            prefix_cache_queries=sum(p.prefix_cache_queries for p in parts),
+            prefix_cache_hits=sum(p.prefix_cache_hits for p in parts),
+            num_preemptions=sum(p.num_preemptions for p in parts))
 
 
 class _PriorityQueue:
@@ -362,6 +379,5 @@ class Scheduler:
         return SchedulerStats(
             num_running=len(self.running), num_waiting=len(self.waiting),
             kv_cache_usage=self.kv.usage, prefix_cache_queries=pc.queries,
-            prefix_cache_hits=pc.hits, prefix_cache_hit_rate=pc.hit_rate,
-            num_preemptions=self.num_preemptions,
+            prefix_cache_hits=pc.hits, num_preemptions=self.num_preemptions,
         )

@@ -21,11 +21,12 @@ import asyncio
 import logging
 import queue
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import AsyncIterator, Callable
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.outputs import RequestOutput
+from jaxserve.core.scheduler import SchedulerStats
 from jaxserve.engine.data_parallel import make_engine
 from jaxserve.engine.errors import EngineDeadError, InputError, RequestFailedError
 from jaxserve.engine.input_processor import EngineRequest, InputProcessor
@@ -35,15 +36,16 @@ from jaxserve.engine.startup import StartupProgress
 logger = logging.getLogger("jaxserve")
 
 
-@dataclass(frozen=True)
-class EngineStats:
-    """A snapshot the engine thread publishes after every step (read by /metrics)."""
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0
-    prefix_cache_hit_rate: float = 0.0
+@dataclass(frozen=True, slots=True)
+class EngineStats(SchedulerStats):
+    """A snapshot the engine thread publishes after every step (read by /metrics): the
+    scheduler's counts and the engine's compilations."""
     num_compilations: int = 0
-    num_preemptions: int = 0
+
+    @staticmethod
+    def of(s: SchedulerStats, num_compilations: int) -> EngineStats:
+        return EngineStats(**{f.name: getattr(s, f.name) for f in fields(SchedulerStats)},
+                           num_compilations=num_compilations)
 
 
 __all__ = ["AsyncEngine", "EngineDeadError", "EngineStats", "RequestFailedError"]
@@ -207,11 +209,7 @@ class AsyncEngine:
         return e
 
     def _publish_stats(self) -> None:
-        s = self.core.stats()
-        self.stats = EngineStats(
-            num_running=s.num_running, num_waiting=s.num_waiting,
-            kv_cache_usage=s.kv_cache_usage, prefix_cache_hit_rate=s.prefix_cache_hit_rate,
-            num_compilations=self.core.num_compilations, num_preemptions=s.num_preemptions)
+        self.stats = EngineStats.of(self.core.stats(), self.core.num_compilations)
 
     def _abort_all(self) -> None:
         with self._lock:

@@ -121,17 +121,7 @@ class DataParallelEngine:
         return sum(r.num_unfinished() for r in self.replicas)
 
     def stats(self) -> SchedulerStats:
-        """Summed over replicas; KV usage is the mean of the replicas' usage."""
-        parts = [r.stats() for r in self.replicas]
-        queries = sum(p.prefix_cache_queries for p in parts)
-        hits = sum(p.prefix_cache_hits for p in parts)
-        return SchedulerStats(
-            num_running=sum(p.num_running for p in parts),
-            num_waiting=sum(p.num_waiting for p in parts),
-            kv_cache_usage=sum(p.kv_cache_usage for p in parts) / len(parts),
-            prefix_cache_queries=queries, prefix_cache_hits=hits,
-            prefix_cache_hit_rate=hits / queries if queries else 0.0,
-            num_preemptions=sum(p.num_preemptions for p in parts))
+        return SchedulerStats.merge([r.stats() for r in self.replicas])
 
     def reset_prefix_cache(self) -> None:
         for r in self.replicas:
