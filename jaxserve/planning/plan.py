@@ -208,6 +208,14 @@ class Plan:
         act = jnp.dtype(self.dtype).itemsize
         return 0 if self.mesh[1] == 1 else 2 * self.hidden_size * act
 
+    def to_json(self) -> dict:
+        """The fields, the cache plan, and the figures derived from them that the printout
+        shows (KV capacity, full-length sequences that fit, whether it fits)."""
+        return {**asdict(self), "kv_budget_bytes": self.kv_budget_bytes,
+                "kv_tokens": self.kv_tokens, "max_concurrency": self.max_sequences,
+                "state_slots": self.state_slots, "memory_fits": self.memory_fits,
+                "fits": self.fits}
+
     def allreduce_seconds(self, nbytes: float) -> float:
         m = self.mesh[1]
         return 0.0 if m == 1 else 2 * (m - 1) / m * nbytes / (self.link_gbps * 1e9)
@@ -356,7 +364,7 @@ def main(argv: list[str] | None = None) -> None:
                          platform="tpu" if args.target else None)
     except ValueError as e:
         ap.exit(2, f"error: {e}\n")
-    print(json.dumps(asdict(plan)) if args.json else format_plan(plan))
+    print(json.dumps(plan.to_json()) if args.json else format_plan(plan))
 
 
 def _target_hbm(target: str) -> int:

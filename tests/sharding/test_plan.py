@@ -64,6 +64,18 @@ def test_cli_prints_the_plan(capsys, checkpoint):
     assert "num_attention_heads=32" in capsys.readouterr().err
 
 
+def test_cli_json_has_the_derived_figures(capsys):
+    main(["--model", "qwen3-8b", "--mesh", "1x8", "--hbm", "80GiB", "--json"])
+    got = json.loads(capsys.readouterr().out)
+    p = make_plan(load_model_config("qwen3-8b"), model="qwen3-8b", mesh="1x8",
+                  hbm_bytes=80 * GIB)
+    assert got["weight_bytes_per_device"] == p.weight_bytes_per_device > 0
+    assert got["kv_bytes_per_token_per_device"] == 18 * 2**10
+    assert got["kv_tokens"] == p.kv_tokens == got["cache"]["num_pages"] * 16 - 16
+    assert got["max_concurrency"] == p.kv_tokens // p.max_model_len == 99
+    assert got["fits"] is False and got["state_slots"] == 0
+
+
 def test_parse_bytes():
     assert parse_bytes("80GiB") == 80 * GIB and parse_bytes("80GB") == 80 * 10**9
     assert parse_bytes("1024") == 1024
