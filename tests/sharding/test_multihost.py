@@ -30,20 +30,25 @@ def test_two_processes_give_the_same_tokens(checkpoint, tmp_path):
            "JAX_PLATFORMS": "cpu",
            "JAXSERVE_COORDINATOR_ADDRESS": f"127.0.0.1:{_free_port()}",
            "JAXSERVE_NUM_PROCESSES": "2"}
-    procs = [subprocess.Popen([sys.executable, WORKER, path, str(out), json.dumps(prompts),
-                               str(MAX_TOKENS)], env={**env, "JAXSERVE_PROCESS_ID": str(i)},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for i in range(2)]
-    logs = []
+    # Each process logs to a file: a pipe read only after the other process ends can fill
+    # up and block its writer (jax's C++ runtime logs there too) until it misses heartbeats.
+    logs = [tmp_path / f"process{i}.log" for i in range(2)]
+    procs = []
+    for i, log in enumerate(logs):
+        with open(log, "w") as f:
+            procs.append(subprocess.Popen(
+                [sys.executable, WORKER, path, str(out), json.dumps(prompts), str(MAX_TOKENS)],
+                env={**env, "JAXSERVE_PROCESS_ID": str(i)}, stdout=f, stderr=subprocess.STDOUT))
     try:
         for p in procs:
-            logs.append(p.communicate(timeout=240)[0])
+            p.wait(timeout=240)
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    for p, log in zip(procs, logs):
-        assert p.returncode == 0, log[-3000:]
+    tails = "\n".join(f"--- process {i} ---\n{log.read_text()[-3000:]}"
+                       for i, log in enumerate(logs))
+    assert [p.returncode for p in procs] == [0, 0], tails
     got = json.loads(out.read_text())
     assert got["processes"] == 2 and got["devices"] == 4
     assert got["compilations_after_warmup"] == 0
