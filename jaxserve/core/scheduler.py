@@ -242,8 +242,8 @@ class Scheduler:
                 del running[vi]
                 if vi < i:  # priority policy: it was scheduled earlier this step
                     i -= 1
-                    k = ids.index(victim.request_id) if victim.request_id in ids else -1
-                    if k >= 0:
+                    if victim.request_id in ids:
+                        k = ids.index(victim.request_id)
                         budget += lens[k]
                         kv.uncache_unwritten(victim, starts[k])
                         del ids[k], starts[k], lens[k], pages[k]

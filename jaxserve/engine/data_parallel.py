@@ -62,7 +62,6 @@ class DataParallelEngine:
                                     seed_counter=seeds, progress=progress)
                          for sub in replica_meshes(mesh)]
         first = self.replicas[0]
-        self.config = first.config                   # resolved for the platform
         self.tokenizer = first.tokenizer
         # One front door: replica 0's processor has the limits every replica shares.
         self.inputs = first.inputs
@@ -77,7 +76,7 @@ class DataParallelEngine:
         ok = [i for i, n in enumerate(loads) if n <= min(loads) + self.balance_slack]
         if len(ok) == 1:
             return ok[0]
-        hashes = prompt_block_hashes(prompt_token_ids, self.config.page_size)
+        hashes = prompt_block_hashes(prompt_token_ids, self.info.page_size)
         return max(ok, key=lambda i: (self.replicas[i].cached_prefix_pages(hashes),
                                       -loads[i], -i))
 

@@ -85,8 +85,6 @@ class EngineCore:
                              f"make_engine builds D replicas")
         self.config = config = config.for_platform(self.mesh.devices.flat[0].platform)
         self.layout = layout = engine_layout(config, mc, self.mesh)
-        self.dtype = layout.dtype
-        self.max_model_len = max_model_len = layout.max_model_len
         # Several processes (multi-host): process 0 schedules and publishes each step.
         self.channel = None
         if jax.process_count() > 1:
@@ -95,12 +93,9 @@ class EngineCore:
             atexit.register(self.shutdown)   # followers must not wait for ever
 
         progress.set_phase(LOADING_WEIGHTS, f"loading the weights of {config.model}")
-        self.attention_backend = layout.attention_backend
         loaded = load_model(config, layout, self.mesh,
                             on_progress=partial(_report_loading, progress))
         self.model, self.params = loaded.model, loaded.params
-        self.weight_bytes = loaded.weight_bytes
-        self.weight_bytes_per_device = loaded.weight_bytes_per_device
 
         self.prefix_caching = config.enable_prefix_caching and not mc.is_hybrid
         if mc.is_hybrid:
@@ -113,7 +108,6 @@ class EngineCore:
         plan = layout_cache_plan(config, layout, self.mesh.devices.flat[0])
         if self.channel is not None:   # every process must build the same cache shape
             plan = plan.with_num_pages(multihost.agree_on_min(plan.num_pages))
-        self.cache_plan = plan
         logger.info("%s", plan.describe())
 
         self.runner = make_runner(config, layout, plan, model=self.model, params=self.params,
@@ -122,28 +116,26 @@ class EngineCore:
         self.runner.warmup(partial(_report_compiling, progress))
         self.tokenizer = tokenizer_loaded.result()
         self.inputs = InputProcessor(tokenizer=self.tokenizer, vocab_size=mc.vocab_size,
-                                     max_model_len=max_model_len)
+                                     max_model_len=layout.max_model_len)
         # The runner reads it when it builds a step's inputs (stop tokens before min_tokens).
-        self.eos_token_id = self.runner.eos_token_id = _eos_token_id(self.tokenizer, mc)
+        self.runner.eos_token_id = eos = _eos_token_id(self.tokenizer, mc)
         self.scheduler = Scheduler(
             num_pages=plan.num_pages, page_size=plan.page_size,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.num_batched_tokens,
-            max_model_len=max_model_len, enable_prefix_caching=self.prefix_caching,
+            max_model_len=layout.max_model_len, enable_prefix_caching=self.prefix_caching,
             policy=config.scheduling_policy, num_state_slots=plan.num_state_slots)
         self.outputs = OutputProcessor(self.tokenizer, stream=stream_outputs)
         self.num_steps = 0
         self.num_scheduled_tokens = 0   # tokens computed on device, all steps
         self._seed_counter = seed_counter or engine_seeds(config.seed)
-        self.info = self._describe()
-
-    def _describe(self) -> EngineInfo:
+        # The engine's facts have one owner from here on (layout, loaded model, plan).
         runner = self.runner
-        return EngineInfo(
-            config=self.config, model_config=self.model_config,
-            dtype=jnp.dtype(self.dtype).name, max_model_len=self.max_model_len,
-            cache_plan=self.cache_plan, weight_bytes=self.weight_bytes,
-            weight_bytes_per_device=self.weight_bytes_per_device,
-            eos_token_id=self.eos_token_id, warmup_seconds=runner.warmup_seconds,
+        self.info = EngineInfo(
+            config=config, model_config=mc, dtype=jnp.dtype(layout.dtype).name,
+            max_model_len=layout.max_model_len, cache_plan=plan,
+            weight_bytes=loaded.weight_bytes,
+            weight_bytes_per_device=loaded.weight_bytes_per_device, eos_token_id=eos,
+            warmup_seconds=runner.warmup_seconds,
             warmup_compilations=runner.warmup_compilations,
             warmup_cache_hits=runner.warmup_cache_hits,
             warmup_fresh_compilations=runner.warmup_fresh_compilations)
@@ -177,8 +169,9 @@ class EngineCore:
                 if child.seed is None:
                     child = replace(child, seed=next(self._seed_counter))
                 self.scheduler.add_request(Request(
-                    cid, prompt_token_ids, child, eos_token_id=self.eos_token_id,
-                    arrival_time=request.arrival_time, priority=request.priority, cache_salt=salt,
+                    cid, prompt_token_ids, child, eos_token_id=self.info.eos_token_id,
+                    arrival_time=request.arrival_time, priority=request.priority,
+                    cache_salt=salt,
                     page_size=self.config.page_size))
                 added.append(cid)
         except BaseException as e:
@@ -286,11 +279,6 @@ class EngineCore:
             self.channel.close()
 
     # ---- load, for the data-parallel front door and the metrics ------------------------
-    @property
-    def num_pages(self) -> int:
-        """KV pages per layer, the null page included (the cache plan's)."""
-        return self.cache_plan.num_pages
-
     def num_unfinished(self) -> int:
         return self.scheduler.get_num_unfinished_requests()
 

@@ -73,8 +73,7 @@ class Engine(Protocol):
     place that validates them; add_request trusts them and refuses only what the
     engine alone can know (an id already in use).
     """
-    config: EngineConfig
-    info: EngineInfo
+    info: EngineInfo              # its config too (info.config), resolved as it runs
     inputs: InputProcessor
     tokenizer: Any   # a Hugging Face tokenizer, or None (prompts must be token ids)
 

@@ -101,11 +101,6 @@ class SamplingRow:
     banned_token_ids: Sequence[int] = ()  # may not be sampled now (stop tokens < min_tokens)
 
 
-def needs_penalties(params: Sequence[SamplingParams]) -> bool:
-    """Whether a batch needs the penalties program (some row has a penalty)."""
-    return any(p.has_penalties for p in params)
-
-
 def only_greedy(params: Sequence[SamplingParams]) -> bool:
     """Whether a batch can take the greedy program (argmax, no logprobs, no penalties)."""
     return all(p.is_greedy and p.logprobs is None and not p.has_penalties for p in params)

@@ -24,7 +24,7 @@ def assert_no_leaks(engine) -> None:
     """Every page is free (or free-and-cached) and no request is left behind."""
     sched = engine.scheduler
     assert not sched.has_unfinished_requests(), sched.requests
-    assert sched.kv.get_num_free_pages() == engine.num_pages - 1
+    assert sched.kv.get_num_free_pages() == engine.info.num_pages - 1
     assert sched.kv_cache_usage == 0.0
     # Hybrid models: every recurrent-state slot is back.
     slots = sched.kv.state_slots

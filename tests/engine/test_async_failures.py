@@ -36,7 +36,7 @@ def engine(llm):
     """An AsyncEngine on the module's core; fatal errors are recorded, not acted on."""
     fatal: list[BaseException] = []
     llm.reset_prefix_cache()
-    eng = AsyncEngine(llm.engine.config, core=llm.engine, on_fatal=fatal.append)
+    eng = AsyncEngine(llm.engine.info.config, core=llm.engine, on_fatal=fatal.append)
     eng.fatal = fatal
     yield eng
     eng.shutdown()
@@ -122,7 +122,7 @@ def test_lost_device_state_is_fatal(checkpoint):
     at once."""
     core = build(checkpoint).engine
     fatal: list[BaseException] = []
-    engine = AsyncEngine(core.config, core=core, on_fatal=fatal.append)
+    engine = AsyncEngine(core.info.config, core=core, on_fatal=fatal.append)
     real_dispatch = core.runner.dispatch
 
     def dispatch(sched_out):

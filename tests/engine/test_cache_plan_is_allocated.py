@@ -41,7 +41,7 @@ def test_the_printed_plan_is_what_the_engine_allocates(checkpoint, kind, mesh, c
     path = checkpoint(kind)
     with caplog.at_level(logging.INFO, logger="jaxserve"):
         core = LLM(path, mesh=mesh, kv_cache_memory_bytes=BUDGET, **ENGINE).engine
-    plan = core.cache_plan
+    plan = core.info.cache_plan
     assert plan.describe() in caplog.messages
     # The device arrays: every KV layer's pages, every recurrent layer's slots.
     caches = core.runner.kv_caches
@@ -62,7 +62,6 @@ def test_the_printed_plan_is_what_the_engine_allocates(checkpoint, kind, mesh, c
     assert core.scheduler.max_len == min(64, plan.kv_tokens)
     # The printed plan shows that capacity ...
     text = plan_for_engine(core.info)
-    assert core.info.cache_plan == plan
     assert f"KV pages per replica       {plan.num_pages - 1:,} x 16 tokens" in text
     assert f"KV capacity per replica    {plan.kv_tokens:,} tokens" in text
     # ... and the planner, given the same budget, makes the same plan.

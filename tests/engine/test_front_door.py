@@ -10,6 +10,7 @@ import pytest
 from jaxserve import LLM, SamplingParams
 from jaxserve.engine.engine_core import EngineCore
 from jaxserve.engine.protocol import Engine, EngineInfo
+from models.weights import param_bytes
 from tests.engine.conftest import assert_no_leaks
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
@@ -71,9 +72,10 @@ def test_engine_core_is_an_engine_with_frozen_info(llm):
     with pytest.raises(dataclasses.FrozenInstanceError):
         info.num_pages = 0   # type: ignore[misc]
     assert (info.max_model_len, info.dtype, info.num_replicas) == (64, "float32", 1)
-    assert info.num_pages == core.num_pages and info.vocab_size == core.model_config.vocab_size
-    assert info.kv_tokens == (core.num_pages - 1) * info.page_size
-    assert info.weight_bytes == core.weight_bytes > 0
+    assert info.num_pages == core.scheduler.kv.num_pages
+    assert info.vocab_size == core.model_config.vocab_size
+    assert info.kv_tokens == (core.scheduler.kv.num_pages - 1) * info.page_size
+    assert info.weight_bytes == param_bytes(core.params) > 0
     assert info.warmup_compilations == core.runner.warmup_compilations > 0
     assert info.warmup_seconds == core.runner.warmup_seconds
-    assert info.model == core.config.model
+    assert info.config is core.config

@@ -16,7 +16,6 @@ from jaxserve.runner.sampler import (
     compute_prompt_logprobs,
     first_argmax,
     make_sampling_tensors,
-    needs_penalties,
     only_greedy,
     sample,
     seed_to_key_data,
@@ -292,11 +291,6 @@ def test_greedy_program_is_the_argmax_after_banned_tokens():
     assert only_greedy([SamplingParams(temperature=0.0)])
     assert not only_greedy([SamplingParams(temperature=0.0, logprobs=1)])
     assert not only_greedy([SamplingParams(temperature=0.0), SamplingParams(temperature=0.5)])
-
-
-def test_needs_penalties():
-    assert not needs_penalties([SamplingParams(temperature=0.7, logprobs=2)])
-    assert needs_penalties([SamplingParams(), SamplingParams(presence_penalty=0.1)])
 
 
 def test_compute_prompt_logprobs_matches_numpy():

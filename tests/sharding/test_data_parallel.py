@@ -1,9 +1,10 @@
 """The data-parallel front door's routing, with stand-in replicas (no model)."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
-from jaxserve.config import EngineConfig
 from jaxserve.engine.data_parallel import DataParallelEngine
 from jaxserve.engine.engine_core import prompt_block_hashes
 from jaxserve.engine.input_processor import InputProcessor
@@ -37,7 +38,7 @@ class FakeReplica:
 def front(*replicas, slack: int = 2) -> DataParallelEngine:
     dp = DataParallelEngine.__new__(DataParallelEngine)   # skip building real engines
     dp.replicas, dp.balance_slack, dp._replica_of = list(replicas), slack, {}
-    dp.config = EngineConfig(model="unused", page_size=16)
+    dp.info = SimpleNamespace(page_size=16)   # routing reads only the page size
     dp.inputs = InputProcessor(tokenizer=None, vocab_size=100, max_model_len=64)
     return dp
 

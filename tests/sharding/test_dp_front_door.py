@@ -60,7 +60,7 @@ def test_info_is_replica_zeros_with_the_warmup_summed(llm):
     engine = llm.engine
     info, first = engine.info, engine.replicas[0].info
     assert info.num_replicas == 2 and first.num_replicas == 1
-    assert info.num_pages == first.num_pages == engine.replicas[0].num_pages   # per replica
+    assert info.num_pages == first.num_pages == engine.replicas[0].scheduler.kv.num_pages  # per replica
     assert info.weight_bytes == first.weight_bytes                             # per replica
     assert info.max_model_len == 64 and info.dtype == "float32"
     assert info.warmup_compilations == sum(r.info.warmup_compilations for r in engine.replicas)
@@ -69,7 +69,7 @@ def test_info_is_replica_zeros_with_the_warmup_summed(llm):
 
 
 def test_the_async_engine_offers_the_front_door_and_info(llm):
-    engine = AsyncEngine(llm.engine.config, core=llm.engine)
+    engine = AsyncEngine(llm.engine.info.config, core=llm.engine)
     try:
         assert engine.info is llm.engine.info and engine.inputs is llm.engine.inputs
         before = engine.inputs.num_processed

@@ -87,7 +87,7 @@ def test_async_engine_serves_through_the_front_door(llm):
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     expected = [o.outputs[0].token_ids
                 for o in llm.generate(prompts, greedy, use_tqdm=False)]
-    engine = AsyncEngine(llm.engine.config, core=llm.engine)
+    engine = AsyncEngine(llm.engine.info.config, core=llm.engine)
 
     async def one(i, p):
         last = None
