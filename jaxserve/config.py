@@ -11,9 +11,12 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from models.config import SERVING_DTYPES   # (no jax: a plain module of model facts)
+from models.config import (  # (no jax: a plain module of model facts)
+    KV_QUANT_DTYPES, SERVING_DTYPES, WEIGHT_QUANT_DTYPES)
 
 _DTYPES = ("auto", *SERVING_DTYPES)
+_KV_CACHE_DTYPES = (*_DTYPES, *KV_QUANT_DTYPES)
+_QUANTIZATIONS = tuple(WEIGHT_QUANT_DTYPES)
 _LOAD_FORMATS = ("auto", "safetensors", "dummy")
 _POLICIES = ("fcfs", "priority")
 # "auto": chosen by platform (pallas_kernels' resolve_backend owns the rule); "reference": the
@@ -62,8 +65,16 @@ class EngineConfig:
     tokenizer: str | None = None          # defaults to the model directory
     dtype: str = _knob("auto", choices=_DTYPES,
                        help="weights and activations; auto = the checkpoint's dtype")
-    kv_cache_dtype: str = _knob("auto", choices=_DTYPES, help="KV cache dtype; auto = the "
-                                                              "model dtype")
+    kv_cache_dtype: str = _knob(
+        "auto", choices=_KV_CACHE_DTYPES,
+        help="KV cache dtype; auto = the model dtype. fp8 (= fp8_e4m3), fp8_e5m2 and int8 "
+             "store it quantized with a scale per layer and KV head for K and V")
+    quantization: str | None = _knob(
+        None, aliases=("-q",), choices=_QUANTIZATIONS,
+        help="store the linear layers' weights in fp8 (float8_e4m3fn) or int8, one scale per "
+             "output channel, quantized at load (not embeddings, norms, the lm_head or MoE "
+             "routers); an fp8 checkpoint is served in its own fp8 blocks without this flag",
+        default_help="the checkpoint's own quantization, else none")
     max_model_len: int | None = _knob(None, help="context length (prompt + output)",
                                       default_help="the model's max_position_embeddings")
     # None = default_max_num_seqs for the platform, resolved at construction.
@@ -106,8 +117,10 @@ class EngineConfig:
             raise ConfigError("model", "model must name a checkpoint directory")
         if self.dtype not in _DTYPES:
             raise bad("dtype", f"must be one of {_DTYPES}")
-        if self.kv_cache_dtype not in _DTYPES:
-            raise bad("kv_cache_dtype", f"must be one of {_DTYPES}")
+        if self.kv_cache_dtype not in _KV_CACHE_DTYPES:
+            raise bad("kv_cache_dtype", f"must be one of {_KV_CACHE_DTYPES}")
+        if self.quantization is not None and self.quantization not in _QUANTIZATIONS:
+            raise bad("quantization", f"must be one of {_QUANTIZATIONS} (or unset)")
         if self.load_format not in _LOAD_FORMATS:
             raise bad("load_format", f"must be one of {_LOAD_FORMATS}")
         if self.scheduling_policy not in _POLICIES:

@@ -32,12 +32,56 @@ HYBRID_ARCHS = frozenset(a for a in SUPPORTED_ARCHITECTURES if a.startswith("Qwe
 # What weights and activations may be computed in (the "auto" rule is
 # models.registry.resolve_dtype's); jaxserve.config offers these names.
 SERVING_DTYPES = ("float32", "bfloat16", "float16")
+# Weight quantization methods (--quantization) -> the dtype the linear layers' kernels
+# are stored in (models/quantization.py does the arithmetic).
+WEIGHT_QUANT_DTYPES = {"fp8": "float8_e4m3fn", "int8": "int8"}
+# KV cache dtypes stored quantized, with per-(layer, kv head) scales (--kv-cache-dtype;
+# vLLM's names: "fp8" is e4m3) -> the cache's dtype.
+KV_QUANT_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn",
+                   "fp8_e5m2": "float8_e5m2", "int8": "int8"}
 FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
 # Families whose attention has q_norm / k_norm (RMSNorm over head_dim, before RoPE).
 _QK_NORM_ARCHS = frozenset({"Qwen3ForCausalLM", "Qwen3MoeForCausalLM"}) | HYBRID_ARCHS
 _QK_NORM_MODEL_TYPES = frozenset({"qwen3", "qwen3_moe"})
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class WeightQuant:
+    """How the linear layers' kernels are stored: in `method`'s dtype with float32 scales,
+    one per output channel and per `block_in` rows of the contraction (None: one block of
+    all rows, i.e. per output channel). An FP8 block checkpoint (quantization_config
+    weight_block_size [block_out, block_in]) keeps its blocks; block_out only says how to
+    read its scales (each output channel gets its block's)."""
+    method: str                   # a key of WEIGHT_QUANT_DTYPES
+    block_in: int | None = None
+    block_out: int | None = None  # a checkpoint's; None when quantized at load
+
+    def __post_init__(self) -> None:
+        if self.method not in WEIGHT_QUANT_DTYPES:
+            raise ValueError(f"quantization {self.method!r}: expected one of "
+                             f"{tuple(WEIGHT_QUANT_DTYPES)}")
+        for name in ("block_in", "block_out"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
+
+    @property
+    def dtype_name(self) -> str:
+        return WEIGHT_QUANT_DTYPES[self.method]
+
+
+def resolve_weight_quant(method: str | None, checkpoint: WeightQuant | None) -> WeightQuant | None:
+    """How the engine stores the weights: a quantized checkpoint's own quantization
+    (`method` may only repeat it, as vLLM requires), else `method` per output channel
+    (None: unquantized)."""
+    if checkpoint is not None:
+        if method not in (None, checkpoint.method):
+            raise ValueError(f"quantization={method!r}: the checkpoint is already "
+                             f"{checkpoint.method}-quantized (its config.json "
+                             f"quantization_config); omit the flag or pass {checkpoint.method}")
+        return checkpoint
+    return None if method is None else WeightQuant(method)
 
 
 @dataclass(frozen=True)
@@ -80,6 +124,12 @@ class ModelConfig:
     partial_rotary_factor: float = 1.0               # RoPE on the first head_dim * this dims
     attn_output_gate: bool = False                   # q_proj also gives a sigmoid output gate
     norm_plus_one: bool = False                      # RMSNorm weight applied as (1 + w)
+    # As published: the checkpoint's quantization_config. In the engine's run config
+    # (engine/layout.py): how this engine stores the weights (--quantization).
+    weight_quant: WeightQuant | None = None
+    # Run config only: the KV cache is stored quantized, so each attention layer holds
+    # per-kv-head K and V scales (param "kv_scale", models/layers.py).
+    kv_cache_quantized: bool = False
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
@@ -264,7 +314,33 @@ class ModelConfig:
             partial_rotary_factor=rotary_factor,
             attn_output_gate=hybrid,
             norm_plus_one=hybrid,
+            weight_quant=_parse_quantization(d.get("quantization_config")
+                                             or t.get("quantization_config")),
         )
+
+
+def _parse_quantization(q: dict[str, Any] | None) -> WeightQuant | None:
+    """A checkpoint's quantization_config: FP8 with dynamic activation scales and block
+    weight scales (DeepSeek / Qwen "-FP8" checkpoints) is served as it is; anything else
+    is refused by name rather than read as if it were unquantized."""
+    if not q:
+        return None
+    method = q.get("quant_method")
+    if method != "fp8":
+        raise ValueError(f"checkpoint quantization_config quant_method={method!r} is not "
+                         f"supported: jaxserve reads fp8 block-quantized checkpoints, or "
+                         f"quantizes an unquantized one at load (--quantization fp8|int8)")
+    if q.get("activation_scheme", "dynamic") != "dynamic":
+        raise ValueError(f"fp8 checkpoint with activation_scheme="
+                         f"{q['activation_scheme']!r}: only dynamic activation scales are "
+                         f"supported")
+    if q.get("fmt", "e4m3") != "e4m3":
+        raise ValueError(f"fp8 checkpoint with fmt={q['fmt']!r}: only e4m3 weights are supported")
+    block = q.get("weight_block_size")
+    if not block or len(block) != 2:
+        raise ValueError(f"fp8 checkpoint with weight_block_size={block!r}: expected "
+                         f"[block_out, block_in] (per-tensor fp8 checkpoints are not supported)")
+    return WeightQuant("fp8", block_in=int(block[1]), block_out=int(block[0]))
 
 
 def _parse_rope(t: dict[str, Any], max_pos: int, allow_partial: bool = False

@@ -116,9 +116,13 @@ class GatedDeltaNet(nn.Module):
         g_width = 2 * dk + r * dv
         ax_k, ax_v = "linear_key_heads", "linear_value_heads"
 
-        qkv = Einsum("TE,EKG->TKG", (E, hk, g_width), ("embed", ax_k, None), dtype=dt,
+        # Quantized (--quantization): the large projections; not the per-head gates
+        # in_proj_b / in_proj_a (E x Hv each, and they set the decay of the whole state).
+        wq = cfg.weight_quant
+        qkv = Einsum("TE,EKG->TKG", (E, hk, g_width), ("embed", ax_k, None), dtype=dt, quant=wq,
                      name="in_proj_qkv")(x)
-        z = Einsum("TE,EVD->TVD", (E, hv, dv), ("embed", ax_v, None), dtype=dt, name="in_proj_z")(x)
+        z = Einsum("TE,EVD->TVD", (E, hv, dv), ("embed", ax_v, None), dtype=dt, quant=wq,
+                   name="in_proj_z")(x)
         b = Einsum("TE,EV->TV", (E, hv), ("embed", ax_v), dtype=dt, name="in_proj_b")(x)
         a = Einsum("TE,EV->TV", (E, hv), ("embed", ax_v), dtype=dt, name="in_proj_a")(x)
         conv_w = _Weight("kernel", (kc, hk, g_width), (None, ax_k, None),
@@ -132,7 +136,7 @@ class GatedDeltaNet(nn.Module):
         else:
             o, state = self._mix(qkv, z, b, a, conv_w, a_log, dt_bias, norm_w, state, inputs,
                                  first_slot)
-        out = Einsum("TVD,VDE->TE", (hv, dv, E), (ax_v, None, "embed"), 2, dtype=dt,
+        out = Einsum("TVD,VDE->TE", (hv, dv, E), (ax_v, None, "embed"), 2, dtype=dt, quant=wq,
                      name="out_proj")(o)
         return out, state
 

@@ -16,8 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from models.config import ModelConfig
+from models.config import ModelConfig, WeightQuant
 from models.inputs import ModelInputs
+from models.quantization import SCALE_SUFFIX, quantized_matmul, scale_shape, storage_dtype
 from pallas_kernels.ragged_paged_attention import (KV_HEAD_AXIS, backend_options,
                                                     ragged_paged_attention, write_kv)
 from sharding.parallel import heads_spec, over_model_axis
@@ -72,11 +73,19 @@ class Einsum(nn.Module):
     use_bias: bool = False
     dtype: Dtype = jnp.float32
     out_dtype: Dtype | None = None
+    # Stored quantized (models/quantization.py): "kernel" in the quantized dtype plus
+    # "kernel_scale"; None: "kernel" in dtype.
+    quant: WeightQuant | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        w = logical_param(self, "kernel", nn.initializers.normal(INIT_STD), self.shape, self.axes, self.dtype)
         n = self.num_contract
+        if self.quant is not None:
+            y = quantized_matmul(x, *quantized_param(self, "kernel", self.shape, self.axes, n,
+                                                     self.quant), n, self.quant.block_in,
+                                 self.dtype, self.out_dtype)
+            return self._add_bias(y)
+        w = logical_param(self, "kernel", nn.initializers.normal(INIT_STD), self.shape, self.axes, self.dtype)
         if n > 1:
             # x's last n axes contract with the kernel's first n (as in "TNH,NHE->TE"). One
             # merged axis instead: both reshapes are free on row-major arrays, while the
@@ -86,11 +95,27 @@ class Einsum(nn.Module):
                               preferred_element_type=self.out_dtype)
         else:
             y = jnp.einsum(self.eq, x.astype(self.dtype), w, preferred_element_type=self.out_dtype)
-        if self.use_bias:
-            b = logical_param(self, "bias", nn.initializers.zeros, self.shape[self.num_contract:],
-                       self.axes[self.num_contract:], self.dtype)
-            y = y + b
-        return y
+        return self._add_bias(y)
+
+    def _add_bias(self, y: jax.Array) -> jax.Array:
+        if not self.use_bias:
+            return y
+        return y + logical_param(self, "bias", nn.initializers.zeros, self.shape[self.num_contract:],
+                                 self.axes[self.num_contract:], self.dtype)
+
+
+def quantized_param(module: nn.Module, name: str, shape: tuple[int, ...],
+                    axes: tuple[str | None, ...], num_contract: int, quant: WeightQuant,
+                    num_stacked: int = 0) -> tuple[jax.Array, jax.Array]:
+    """(q, scale) of a quantized kernel: param `name` in the quantized dtype and
+    `name + SCALE_SUFFIX` float32 (models/quantization.py), sharded along the kernel's
+    output axes. num_stacked: leading axes stacking kernels (experts), each its own scales."""
+    s = num_stacked
+    q = logical_param(module, name, nn.initializers.zeros, shape, axes, storage_dtype(quant))
+    scale = logical_param(module, name + SCALE_SUFFIX, nn.initializers.ones,
+                          (*shape[:s], *scale_shape(shape[s:], num_contract, quant.block_in)),
+                          (*axes[:s], None, *axes[s + num_contract:]), jnp.float32)
+    return q, scale
 
 
 class Embed(nn.Module):
@@ -165,14 +190,16 @@ class Attention(nn.Module):
         (models/layer_stack.py)."""
         cfg, dt = self.config, self.dtype
         E, N, K, H = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        bias, gated = cfg.attention_bias, cfg.attn_output_gate
+        bias, gated, wq = cfg.attention_bias, cfg.attn_output_gate, cfg.weight_quant
         q_width = 2 * H if gated else H   # per head: query, then the gate
         q = Einsum("TE,ENH->TNH", (E, N, q_width), ("embed", "heads", "head_dim"), 1, bias, dt,
-                   name="q_proj")(x)
+                   quant=wq, name="q_proj")(x)
         if gated:
             q, gate = jnp.split(q, 2, axis=-1)
-        k = Einsum("TE,EKH->TKH", (E, K, H), ("embed", "kv_heads", "head_dim"), 1, bias, dt, name="k_proj")(x)
-        v = Einsum("TE,EKH->TKH", (E, K, H), ("embed", "kv_heads", "head_dim"), 1, bias, dt, name="v_proj")(x)
+        k = Einsum("TE,EKH->TKH", (E, K, H), ("embed", "kv_heads", "head_dim"), 1, bias, dt, quant=wq,
+                   name="k_proj")(x)
+        v = Einsum("TE,EKH->TKH", (E, K, H), ("embed", "kv_heads", "head_dim"), 1, bias, dt, quant=wq,
+                   name="v_proj")(x)
         if cfg.qk_norm:
             q = RMSNorm(H, cfg.rms_norm_eps, dt, cfg.norm_plus_one, name="q_norm")(q)
             k = RMSNorm(H, cfg.rms_norm_eps, dt, cfg.norm_plus_one, name="k_norm")(k)
@@ -188,7 +215,8 @@ class Attention(nn.Module):
                                        backend=self.attention_backend)
         if gated:
             o = o * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(o.dtype)
-        out = Einsum("TNH,NHE->TE", (N, H, E), ("heads", "head_dim", "embed"), 2, bias, dt, name="o_proj")(o)
+        out = Einsum("TNH,NHE->TE", (N, H, E), ("heads", "head_dim", "embed"), 2, bias, dt, quant=wq,
+                     name="o_proj")(o)
         return out, cache
 
 
@@ -237,6 +265,8 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         E, F, dt = self.config.hidden_size, self.width or self.config.intermediate_size, self.dtype
-        gate = Einsum("TE,EF->TF", (E, F), ("embed", "mlp"), dtype=dt, name="gate_proj")(x)
-        up = Einsum("TE,EF->TF", (E, F), ("embed", "mlp"), dtype=dt, name="up_proj")(x)
-        return Einsum("TF,FE->TE", (F, E), ("mlp", "embed"), dtype=dt, name="down_proj")(nn.silu(gate) * up)
+        wq = self.config.weight_quant
+        gate = Einsum("TE,EF->TF", (E, F), ("embed", "mlp"), dtype=dt, quant=wq, name="gate_proj")(x)
+        up = Einsum("TE,EF->TF", (E, F), ("embed", "mlp"), dtype=dt, quant=wq, name="up_proj")(x)
+        return Einsum("TF,FE->TE", (F, E), ("mlp", "embed"), dtype=dt, quant=wq,
+                      name="down_proj")(nn.silu(gate) * up)

@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from models.layers import INIT_STD, MLP, Einsum, logical_param
+from models.layers import INIT_STD, MLP, Einsum, logical_param, quantized_param
+from models.quantization import dequantize
 from models.llama import LlamaForCausalLM
 from sharding.mesh import MODEL
 from sharding.parallel import over_model_axis
@@ -41,28 +42,50 @@ class SparseMoeBlock(nn.Module):
         top_w = top_w.astype(x.dtype)
 
         experts = _Experts(cfg, dt, name="experts")
-        w_gate, w_up, w_down = experts()
+        (w_gate, s_gate), (w_up, s_up), (w_down, s_down) = experts()
+        # Quantized experts with one scale per output channel: the grouped matmuls read
+        # the converted kernels and each row's output is scaled by its expert's scales
+        # (scale None: nothing to do). Block scales (FP8 checkpoints) are dequantized
+        # first, outside the per-device function, where XLA fuses it elementwise.
+        if s_gate is not None and s_gate.shape[1] != 1:
+            w_gate, w_up, w_down = (_dequantize_experts(w, s, cfg.weight_quant.block_in, dt) for w, s in
+                                    ((w_gate, s_gate), (w_up, s_up), (w_down, s_down)))
+            s_gate = s_up = s_down = None
+        per_channel = s_gate is not None
 
-        def grouped(x, top_w, top_i, w_gate, w_up, w_down):
+        def grouped(x, top_w, top_i, w_gate, w_up, w_down, *scales):
             # Group the T*k (token, expert) pairs by expert for ragged_dot.
             flat_expert = top_i.reshape(T * k)
             order = jnp.argsort(flat_expert, stable=True)
             token = order // k                                             # source token of each row
             group_sizes = jnp.bincount(flat_expert, length=X).astype(jnp.int32)
             xs = x[token].astype(dt)                                       # [T*k, E]
-            gate = jax.lax.ragged_dot(xs, w_gate, group_sizes)             # [T*k, F]
-            up = jax.lax.ragged_dot(xs, w_up, group_sizes)
-            y = jax.lax.ragged_dot(nn.silu(gate) * up, w_down, group_sizes)   # [T*k, E]
+
+            def matmul(a, w, i):
+                if not per_channel:
+                    return jax.lax.ragged_dot(a, w, group_sizes)
+                y = jax.lax.ragged_dot(a, w.astype(dt), group_sizes,
+                                       preferred_element_type=jnp.float32)
+                return (y * scales[i][flat_expert[order], 0]).astype(dt)   # [T*k, out]
+
+            gate = matmul(xs, w_gate, 0)                                   # [T*k, F]
+            up = matmul(xs, w_up, 1)
+            y = matmul(nn.silu(gate) * up, w_down, 2)                      # [T*k, E]
             y = y * top_w.reshape(T * k)[order][:, None]
             return jnp.zeros_like(x).at[token].add(y.astype(x.dtype))
 
         # Tensor-parallel experts (sharding/rules.py): each device runs every expert on
         # its slice of F and the partial [T, E] outputs are summed once, after the
         # combine (left to XLA, the all-reduce lands on the k-times larger [T*k, E] rows).
+        # Per-channel scales follow their outputs: F (gate, up) split, E (down) whole --
+        # scaling a partial sum before the all-reduce is the same as after.
         rep, f_out, f_in = PartitionSpec(), PartitionSpec(None, None, MODEL), \
             PartitionSpec(None, MODEL, None)
-        out = over_model_axis(grouped, in_specs=(rep, rep, rep, f_out, f_out, f_in),
-                              out_specs=rep, sum_outputs=True)(x, top_w, top_i, w_gate, w_up, w_down)
+        scales = (s_gate, s_up, s_down) if per_channel else ()
+        scale_specs = (f_out, f_out, rep) if per_channel else ()
+        out = over_model_axis(grouped, in_specs=(rep, rep, rep, f_out, f_out, f_in, *scale_specs),
+                              out_specs=rep, sum_outputs=True)(x, top_w, top_i, w_gate, w_up, w_down,
+                                                               *scales)
         if cfg.shared_expert_intermediate_size:
             # Qwen3.5-MoE: a dense expert every token uses, scaled by its own sigmoid gate.
             shared = MLP(cfg, dt, cfg.shared_expert_intermediate_size, name="shared_expert")(x)
@@ -71,20 +94,31 @@ class SparseMoeBlock(nn.Module):
         return out
 
 
+def _dequantize_experts(q: jax.Array, scale: jax.Array, block: int | None, dtype: Any) -> jax.Array:
+    return jax.vmap(lambda qe, se: dequantize(qe, se, 1, block, dtype))(q, scale)
+
+
 class _Experts(nn.Module):
-    """Holds the stacked expert weights (param paths mlp/experts/{gate,up,down}_proj)."""
+    """Holds the stacked expert weights (param paths mlp/experts/{gate,up,down}_proj,
+    quantized: plus {...}_proj_scale [X, blocks, out])."""
     config: Any
     dtype: Dtype = jnp.float32
 
     @nn.compact
-    def __call__(self) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def __call__(self) -> tuple[tuple[jax.Array, jax.Array | None], ...]:
+        """((kernel, scale or None) for gate, up, down)."""
         cfg = self.config
         E, F, X = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
-        init = nn.initializers.normal(INIT_STD)
-        w_gate = logical_param(self, "gate_proj", init, (X, E, F), ("experts", "embed", "mlp"), self.dtype)
-        w_up = logical_param(self, "up_proj", init, (X, E, F), ("experts", "embed", "mlp"), self.dtype)
-        w_down = logical_param(self, "down_proj", init, (X, F, E), ("experts", "mlp", "embed"), self.dtype)
-        return w_gate, w_up, w_down
+        init, wq = nn.initializers.normal(INIT_STD), cfg.weight_quant
+
+        def weight(name, shape, axes):
+            if wq is not None:
+                return quantized_param(self, name, shape, axes, 1, wq, num_stacked=1)
+            return logical_param(self, name, init, shape, axes, self.dtype), None
+
+        return (weight("gate_proj", (X, E, F), ("experts", "embed", "mlp")),
+                weight("up_proj", (X, E, F), ("experts", "embed", "mlp")),
+                weight("down_proj", (X, F, E), ("experts", "mlp", "embed")))
 
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):

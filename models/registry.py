@@ -6,7 +6,7 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
-from models.config import SERVING_DTYPES, SUPPORTED_ARCHITECTURES, ModelConfig
+from models.config import KV_QUANT_DTYPES, SERVING_DTYPES, SUPPORTED_ARCHITECTURES, ModelConfig
 from models.llama import LlamaForCausalLM, Qwen3ForCausalLM
 from models.qwen3_5 import Qwen3_5ForCausalLM
 from models.qwen3_moe import Qwen3MoeForCausalLM
@@ -42,6 +42,19 @@ def resolve_dtype(dtype: Any, config: ModelConfig) -> jnp.dtype:
         return jnp.dtype(dtype)
     except TypeError:
         raise ValueError(f"unknown dtype {dtype!r}") from None
+
+
+def resolve_kv_dtype(kv_cache_dtype: Any, model_dtype: Any) -> jnp.dtype:
+    """The KV cache's dtype: "auto" (or None) = the model's; a quantized name
+    (models.config.KV_QUANT_DTYPES: fp8, fp8_e4m3, fp8_e5m2, int8) its storage type;
+    else a serving dtype."""
+    if kv_cache_dtype is None or kv_cache_dtype == "auto":
+        return jnp.dtype(model_dtype)
+    name = KV_QUANT_DTYPES.get(kv_cache_dtype, kv_cache_dtype)
+    try:
+        return jnp.dtype(name)
+    except TypeError:
+        raise ValueError(f"unknown KV cache dtype {kv_cache_dtype!r}") from None
 
 
 def build_model(config: ModelConfig, dtype: Any = "auto", attention_backend: str = "auto",

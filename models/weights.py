@@ -27,10 +27,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax.traverse_util import flatten_dict, unflatten_dict
 
-from models.config import ModelConfig
+from models.config import ModelConfig, WeightQuant
 from models.inputs import ModelInputs
 from models.layer_stack import layer_period
 from models.param_placement import Index, ParamTask, Progress, Reader, place_params
+from models.quant_weights import (block_scale_name, dequantize_block, is_quantized_dtype,
+                                  quantize_layout, scale_leaf, spread_block_scale)
+from models.quantization import SCALE_SUFFIX, quantize, storage_dtype
 from models.registry import resolve_dtype
 from models.safetensors_io import SafeTensorsFile
 
@@ -68,11 +71,31 @@ def abstract_params(model: nn.Module, *, boxed: bool = False) -> dict:
 
 
 def placed_abstract_params(model: nn.Module, dtype: Any, shardings: Any) -> dict:
-    """What load_params returns (every leaf in `dtype`, placed by `shardings`) as
-    ShapeDtypeStructs: for compiling ahead of time without any weights."""
-    return jax.tree_util.tree_map(
-        lambda sds, sh: jax.ShapeDtypeStruct(sds.shape, jnp.dtype(dtype), sharding=sh),
-        abstract_params(model), shardings)
+    """What load_params returns (every leaf in `dtype` but quantized kernels and their
+    scales, placed by `shardings`) as ShapeDtypeStructs: for compiling ahead of time
+    without any weights."""
+    expected = flatten_dict(abstract_params(model))
+    quant = quantized_leaves(expected)
+    return unflatten_dict({
+        path: jax.ShapeDtypeStruct(sds.shape, sds.dtype if path in quant else jnp.dtype(dtype),
+                                   sharding=sh)
+        for (path, sds), sh in zip(expected.items(), _flat_in_order(shardings, expected))})
+
+
+def _flat_in_order(tree: Any, expected: dict) -> list:
+    flat = flatten_dict(tree)
+    return [flat[path] for path in expected]
+
+
+def quantized_leaves(expected: dict[Path_, Any]) -> dict[Path_, tuple[str, Path_]]:
+    """Leaves of a quantized model (models/quantization.py): path -> ("kernel" | "scale",
+    the kernel's path)."""
+    out: dict[Path_, tuple[str, Path_]] = {}
+    for path, sds in expected.items():
+        if is_quantized_dtype(sds.dtype):
+            out[path] = ("kernel", path)
+            out[path[:-1] + (scale_leaf(path[-1]),)] = ("scale", path)
+    return out
 
 
 def param_logical_axes(model: nn.Module) -> dict:
@@ -94,6 +117,8 @@ def hf_names(path: Path_, cfg: ModelConfig, prefix: str = "model.") -> np.ndarra
     the VL text model's)."""
     if path == ("lm_head", "kernel"):
         return np.array("lm_head.weight", dtype=object)
+    if path[-1].endswith(SCALE_SUFFIX) and path[-1][:-len(SCALE_SUFFIX)] in ("kernel", *_EXPERT_PROJS):
+        path = path[:-1] + (path[-1][:-len(SCALE_SUFFIX)],)   # a quantized kernel's scale
     scanned = path[0] == "layers"            # ("layers", "layers_j", ...)
     if scanned:
         period, j = layer_period(cfg), int(path[1][len("layers_"):])
@@ -216,7 +241,7 @@ def load_params(model_dir: str | Path | None, cfg: ModelConfig, model: nn.Module
         expected = flatten_dict(abstract_params(model))
         shard_flat = flatten_dict(shardings) if shardings is not None else {}
         return _dummy_params(expected, dtype, seed, shard_flat, _kv_repeat_axes(model, kv_head_repeat),
-                             kv_head_repeat)
+                             kv_head_repeat, model.config.weight_quant, _stacked_axes(model))
     tasks = checkpoint_tasks(model_dir, cfg, model, dtype, shardings=shardings,
                              kv_head_repeat=kv_head_repeat)
     return unflatten_dict(place_params(tasks, workers=workers, progress=progress,
@@ -237,6 +262,11 @@ def checkpoint_tasks(model_dir: str | Path | None, cfg: ModelConfig, model: nn.M
     prefix = _VL_TEXT_PREFIX if any(n.startswith(_VL_TEXT_PREFIX) for n in where) else "model."
     sources = {path: hf_names(path, cfg, prefix) for path in expected}
     wanted = {n for names in sources.values() for n in names.flat}
+    block_scales = {block_scale_name(n) for n in wanted} & where.keys()
+    if block_scales and cfg.weight_quant is None:
+        raise ValueError(f"checkpoint {str(model_dir)!r} has fp8 block scales "
+                         f"({_describe(block_scales)}) but its config.json has no "
+                         f"quantization_config saying their block size")
     missing = wanted - where.keys()
     skipped = {n for n in where if n.startswith(_SKIPPED_PREFIXES)}
     if skipped:
@@ -245,7 +275,8 @@ def checkpoint_tasks(model_dir: str | Path | None, cfg: ModelConfig, model: nn.M
     ignored = skipped | {n for n in where if n.endswith(_IGNORED_SUFFIXES)}
     if cfg.tie_word_embeddings:
         ignored.add("lm_head.weight")   # some tied checkpoints still store a copy
-    unexpected = where.keys() - wanted - ignored
+        ignored.add(block_scale_name("lm_head.weight"))
+    unexpected = where.keys() - wanted - block_scales - ignored
     if missing:
         raise ValueError(f"checkpoint {str(model_dir)!r} lacks {len(missing)} tensors: {_describe(missing)}")
     if unexpected:
@@ -253,33 +284,82 @@ def checkpoint_tasks(model_dir: str | Path | None, cfg: ModelConfig, model: nn.M
                          f"{_describe(unexpected)}")
 
     np_dtype = np.dtype(dtype)
-    return [ParamTask(path=path, shape=sds.shape, dtype=np_dtype,
-                      sharding=_sharding_for(shard_flat, path),
-                      nbytes=sum(where[n].nbytes(n) for n in sources[path].flat),
-                      num_tensors=sources[path].size,
-                      open=partial(_open_param, path, sds.shape, sources[path], where, cfg, np_dtype,
-                                   repeat_axes.get(path), kv_head_repeat))
-            for path, sds in expected.items()]
+    quant = quantized_leaves(expected)
+    model_quant = model.config.weight_quant
+
+    def task(path: Path_, sds: Any) -> ParamTask:
+        role, kernel_path = quant.get(path, ("param", path))
+        names = sources[path]
+        if role == "param":
+            nbytes = sum(where[n].nbytes(n) for n in names.flat)
+        elif role == "kernel":
+            nbytes = sum(where[n].nbytes(n) for n in names.flat)
+        else:   # the scale: its own tensor when the checkpoint has one, else nothing new read
+            nbytes = sum(where[block_scale_name(n)].nbytes(block_scale_name(n))
+                         for n in names.flat if block_scale_name(n) in where)
+        kernel_inner = expected[kernel_path].shape[names.ndim:]
+        scale_path = kernel_path[:-1] + (scale_leaf(kernel_path[-1]),)
+        scale_inner = expected[scale_path].shape[names.ndim:] if role != "param" else None
+        leaf_dtype = np.dtype(sds.dtype) if role != "param" else np_dtype
+        return ParamTask(path=path, shape=sds.shape, dtype=leaf_dtype,
+                         sharding=_sharding_for(shard_flat, path), nbytes=nbytes,
+                         num_tensors=names.size if role != "scale" else 0,
+                         open=partial(_open_param, path, sds.shape, names, where, cfg, leaf_dtype,
+                                      repeat_axes.get(path), kv_head_repeat, role=role,
+                                      kernel_path=kernel_path, kernel_inner=kernel_inner,
+                                      scale_inner=scale_inner, model_quant=model_quant))
+
+    return [task(path, sds) for path, sds in expected.items()]
 
 
 def _open_param(path: Path_, shape: tuple[int, ...], names: np.ndarray, where: dict[str, SafeTensorsFile],
                 cfg: ModelConfig, np_dtype: np.dtype, repeat_axis: int | None,
-                kv_head_repeat: int) -> Reader:
+                kv_head_repeat: int, *, role: str = "param", kernel_path: Path_ = (),
+                kernel_inner: tuple[int, ...] = (), scale_inner: tuple[int, ...] | None = None,
+                model_quant: WeightQuant | None = None) -> Reader:
     """Prepares one param on the host (in a loading thread); returns its slice reader.
-    names: hf_names(path), one tensor per entry of the param's stacked leading axes."""
+    names: hf_names(path), one tensor per entry of the param's stacked leading axes.
+    role: "param" (a plain one), or a quantized "kernel" / its "scale"
+    (models/quant_weights.py)."""
     stacked = names.ndim
     inner = shape[stacked:]
+
+    def checkpoint_float(name: str) -> np.ndarray:
+        """The tensor as stored, or float32 dequantized when stored in fp8 with block scales."""
+        w = where[name].get(name)
+        scale = block_scale_name(name)
+        return dequantize_block(w, where[scale].get(scale), cfg.weight_quant) if scale in where else w
+
+    def as_stored(name: str, at: tuple[int, ...]) -> np.ndarray:
+        """`role`'s array for one checkpoint tensor in the param layout with shape `at`."""
+        if role == "param":
+            return _to_param_layout(checkpoint_float(name), path, at, name, cfg)
+        scale_name = block_scale_name(name)
+        if model_quant.block_out is not None and scale_name in where:
+            # An FP8 checkpoint's own values and block scales, as they are.
+            if role == "kernel":
+                return _to_param_layout(where[name].get(name), kernel_path, at, name, cfg)
+            out_features = where[name].shape(name)[0]
+            spread = spread_block_scale(where[scale_name].get(scale_name), out_features,
+                                        model_quant.block_out)
+            return _to_param_layout(spread, kernel_path, at, scale_name, cfg)
+        k_at, s_at = ((at, _shrunk_like(scale_inner, kernel_inner, at)) if role == "kernel"
+                      else (_shrunk_like(kernel_inner, scale_inner, at), at))
+        w = _to_param_layout(checkpoint_float(name), kernel_path, k_at, name, cfg)
+        q, scale = quantize_layout(w, k_at, s_at, model_quant,
+                                   np.dtype(np_dtype if role == "kernel" else
+                                            storage_dtype(model_quant)))
+        return q if role == "kernel" else scale
 
     def element(name: str) -> np.ndarray:
         """One checkpoint tensor in the param's layout: a view of the file's mmap where
         it can be (a transpose and split axes are), so a slice of it reads only that."""
         if repeat_axis is None:
-            return _to_param_layout(where[name].get(name), path, inner, name, cfg)
+            return as_stored(name, inner)
         # Replicated KV heads: built whole (small K/V projections), each head repeated.
         axis = repeat_axis - stacked
-        w = _to_param_layout(where[name].get(name), path,
-                             _unrepeated(inner, axis, kv_head_repeat), name, cfg)
-        return np.repeat(w, kv_head_repeat, axis=axis)
+        return np.repeat(as_stored(name, _unrepeated(inner, axis, kv_head_repeat)),
+                         kv_head_repeat, axis=axis)
 
     if stacked == 0:
         view = element(names.item())
@@ -294,6 +374,16 @@ def _open_param(path: Path_, shape: tuple[int, ...], names: np.ndarray, where: d
                   for idx in itertools.product(*outer)]
         return np.stack(pieces).reshape(*(len(r) for r in outer), *pieces[0].shape)
     return read
+
+
+def _shrunk_like(other: tuple[int, ...], mine: tuple[int, ...], at: tuple[int, ...]
+                 ) -> tuple[int, ...]:
+    """A quantized kernel and its scale share their output axes. With KV heads repeated
+    (k_proj / v_proj: one contraction axis, so the two have the same rank), this role's
+    shape `mine` is built as `at`, one output axis smaller: the other's shrunk the same way."""
+    if at == mine:
+        return other
+    return tuple(o * a // m for o, m, a in zip(other, mine, at, strict=True))
 
 
 def _contiguous(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
@@ -317,11 +407,14 @@ _HOST_DUMMY_BYTES = 256 * 2**20
 
 def _dummy_params(expected: dict[Path_, jax.ShapeDtypeStruct], dtype: jnp.dtype, seed: int,
                   shard_flat: dict[Path_, Any], repeat_axes: dict[Path_, int],
-                  kv_head_repeat: int) -> dict:
+                  kv_head_repeat: int, quant: WeightQuant | None = None,
+                  stacked_axes: dict[Path_, int] | None = None) -> dict:
     """Normal(0, 0.02) weights, ones for norms (zeros for (1 + w) norms), zeros for
-    biases, made on device (on the host for small models).
+    biases, made on device (on the host for small models); a quantized model's kernels
+    are drawn so and quantized (models/quantization.py).
     Replicated KV heads are repeats, as from a checkpoint: any mesh gives the same model."""
-    paths = sorted(expected)
+    qleaves = quantized_leaves(expected)
+    paths = sorted(p for p in expected if qleaves.get(p, ("kernel",))[0] != "scale")
 
     def drawn_shape(path: Path_) -> tuple[int, ...] | None:
         """The shape to draw at random (before KV-head repeats); None: a constant."""
@@ -331,15 +424,22 @@ def _dummy_params(expected: dict[Path_, jax.ShapeDtypeStruct], dtype: jnp.dtype,
         shape = expected[path].shape
         return shape if axis is None else _unrepeated(shape, axis, kv_head_repeat)
 
-    def finish(path: Path_, w: Any, xp: Any) -> Any:
-        """The drawn weight repeated per KV head, or the constant (xp: numpy or jnp)."""
+    def finish(path: Path_, w: Any, xp: Any) -> dict[Path_, Any]:
+        """The drawn weight repeated per KV head (quantized: and its scale), or the constant
+        (xp: numpy or jnp)."""
         shape = expected[path].shape
         if path[-1] == "scale":
-            return xp.ones(shape, dtype)
+            return {path: xp.ones(shape, dtype)}
         if path[-1] in ("bias", "offset_scale"):
-            return xp.zeros(shape, dtype)
+            return {path: xp.zeros(shape, dtype)}
         axis = repeat_axes.get(path)
-        return w if axis is None else xp.repeat(w, kv_head_repeat, axis)
+        w = w if axis is None else xp.repeat(w, kv_head_repeat, axis)
+        if path not in qleaves:
+            return {path: w.astype(dtype)}
+        scale_path = path[:-1] + (scale_leaf(path[-1]),)
+        lead = stacked_axes.get(path, 0)
+        q, scale = _quantize_stacked(w, expected[path], expected[scale_path], lead, quant, xp)
+        return {path: q, scale_path: scale}
 
     total = sum(math.prod(expected[p].shape) for p in paths) * jnp.dtype(dtype).itemsize
     if total <= _HOST_DUMMY_BYTES:
@@ -348,7 +448,8 @@ def _dummy_params(expected: dict[Path_, jax.ShapeDtypeStruct], dtype: jnp.dtype,
         for path in paths:
             shape = drawn_shape(path)
             w = None if shape is None else (0.02 * rng.standard_normal(shape, np.float32)).astype(dtype)
-            out[path] = jax.device_put(finish(path, w, np), _sharding_for(shard_flat, path))
+            for leaf, value in finish(path, w, np).items():
+                out[leaf] = jax.device_put(value, _sharding_for(shard_flat, leaf))
         return unflatten_dict(out)
 
     def make_all(key: jax.Array) -> dict:
@@ -357,14 +458,42 @@ def _dummy_params(expected: dict[Path_, jax.ShapeDtypeStruct], dtype: jnp.dtype,
             shape = drawn_shape(path)
             w = None if shape is None else (
                 0.02 * jax.random.normal(jax.random.fold_in(key, i), shape, jnp.float32)).astype(dtype)
-            out[path] = finish(path, w, jnp)
+            out.update(finish(path, w, jnp))
         return out
 
     # One program for every leaf: a jit per leaf compiled once per shape (56 compilations
     # before the tiny default model's first warmup program).
-    shardings = {path: _sharding_for(shard_flat, path) for path in paths}
+    shardings = {path: _sharding_for(shard_flat, path) for path in expected}
     kw = {"out_shardings": shardings} if all(v is not None for v in shardings.values()) else {}
     return unflatten_dict(jax.jit(make_all, **kw)(jax.random.key(seed)))
+
+
+def _quantize_stacked(w: Any, kernel: Any, scale: Any, lead: int, quant: WeightQuant, xp: Any
+                      ) -> tuple[Any, Any]:
+    """quantize() each of the `lead` stacked axes' kernels (layers, experts) on its own."""
+    n = len(kernel.shape) - len(scale.shape) + 1
+    inner_k, inner_s = kernel.shape[lead:], scale.shape[lead:]
+    flat = w.reshape(-1, *inner_k)
+    if xp is np:
+        pairs = [quantize(x, kernel.dtype, n, quant.block_in, np) for x in flat]
+        q, s = np.stack([p[0] for p in pairs]), np.stack([p[1] for p in pairs])
+    else:
+        q, s = jax.vmap(lambda x: quantize(x, kernel.dtype, n, quant.block_in, jnp))(flat)
+    return q.reshape(kernel.shape), s.reshape(*kernel.shape[:lead], *inner_s)
+
+
+def _stacked_axes(model: nn.Module) -> dict[Path_, int]:
+    """param path -> its leading stacked axes (scanned layers, experts): each entry is a
+    kernel of its own."""
+    axes = flatten_dict(param_logical_axes(model))
+    out = {}
+    for path, spec in axes.items():
+        names = tuple(spec)
+        n = 0
+        while n < len(names) and names[n] in ("layers", "experts"):
+            n += 1
+        out[path] = n
+    return out
 
 
 def untie_lm_head(model: nn.Module, params: dict,

@@ -121,3 +121,56 @@ def reference_greedy(path: str | Path, prompts: list[list[int]], num_new: int,
                                  do_sample=False, pad_token_id=0)
             outs.append(gen[0, len(p):].tolist())
     return outs
+
+
+# Linear layers an FP8 checkpoint stores in float8 (as Qwen's "-FP8" checkpoints do), plus
+# the MoE router, which jaxserve keeps unquantized: loading must dequantize it.
+_FP8_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                "in_proj_qkv", "in_proj_z", "out_proj", "mlp.gate")
+
+
+def make_fp8_block_checkpoint(src: str | Path, fp8_dir: str | Path, dequantized_dir: str | Path,
+                              block: tuple[int, int]) -> tuple[str, str]:
+    """From the float checkpoint `src`: an FP8 block checkpoint (float8_e4m3fn weights,
+    `weight_scale_inv` per [block_out, block_in] block, quantization_config in config.json)
+    and the same model with those weights dequantized to float32 (the reference's)."""
+    import json
+    import shutil
+
+    import ml_dtypes
+    import numpy as np
+    from safetensors.numpy import load_file
+    from safetensors.torch import save_file
+
+    bo, bi = block
+    fp8_max = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)
+    src, fp8_dir, dequantized_dir = Path(src), Path(fp8_dir), Path(dequantized_dir)
+    for d in (fp8_dir, dequantized_dir):
+        shutil.copytree(src, d, dirs_exist_ok=True)
+    tensors = load_file(str(src / "model.safetensors"))
+    fp8, deq = {}, {}
+    for name, w in tensors.items():
+        if not (name.endswith(".weight") and w.ndim == 2 and ".visual." not in name
+                and any(f".{p}.weight" in name for p in _FP8_LINEARS)):
+            fp8[name] = deq[name] = torch.from_numpy(np.ascontiguousarray(w))
+            continue
+        out, inp = w.shape
+        ob, ib = -(-out // bo), -(-inp // bi)
+        padded = np.zeros((ob * bo, ib * bi), np.float32)
+        padded[:out, :inp] = w
+        blocks = np.abs(padded.reshape(ob, bo, ib, bi)).max(axis=(1, 3))
+        scale = np.where(blocks > 0, blocks / fp8_max, 1.0).astype(np.float32)     # [ob, ib]
+        per_elem = np.repeat(np.repeat(scale, bo, 0), bi, 1)[:out, :inp]
+        q = np.clip(w / per_elem, -fp8_max, fp8_max).astype(ml_dtypes.float8_e4m3fn)
+        fp8[name] = torch.from_numpy(q.view(np.uint8)).view(torch.float8_e4m3fn)
+        fp8[name + "_scale_inv"] = torch.from_numpy(scale)
+        deq[name] = torch.from_numpy(q.astype(np.float32) * per_elem)
+    save_file(fp8, str(fp8_dir / "model.safetensors"), metadata={"format": "pt"})
+    save_file(deq, str(dequantized_dir / "model.safetensors"), metadata={"format": "pt"})
+    with open(src / "config.json") as f:
+        config = json.load(f)
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                     "fmt": "e4m3", "weight_block_size": [bo, bi]}
+    with open(fp8_dir / "config.json", "w") as f:
+        json.dump(config, f, indent=2)
+    return str(fp8_dir), str(dequantized_dir)

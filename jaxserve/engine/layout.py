@@ -20,8 +20,8 @@ from jaxserve.planning.cache_plan import CachePlan, plan_caches, require_one_seq
 from jaxserve.planning.kv_budget import activation_bytes, cache_budget_bytes
 from jaxserve.runner.model_runner import ModelRunner
 from models.cache_spec import CacheSpec, layer_cache_specs
-from models.config import ModelConfig
-from models.registry import build_model, resolve_dtype
+from models.config import ModelConfig, WeightQuant, resolve_weight_quant
+from models.registry import build_model, resolve_dtype, resolve_kv_dtype
 from models.weights import param_logical_axes
 from pallas_kernels.ragged_paged_attention import resolve_backend
 from sharding import MODEL, check_model_axis, kv_head_layout, mesh_rules, param_shardings
@@ -34,6 +34,7 @@ class EngineLayout:
     model_config: ModelConfig     # as published
     dtype: Any
     kv_dtype: Any
+    weight_quant: WeightQuant | None  # how the weights are stored (models/quantization.py)
     max_model_len: int
     model_axis: int               # M: tensor-parallel devices of the replica
     kv_heads: int                 # as stored on this mesh (sharding.kv_head_layout)
@@ -45,8 +46,11 @@ class EngineLayout:
 
     @property
     def run_config(self) -> ModelConfig:
-        """The model as it runs on this mesh (KV heads as stored)."""
-        return replace(self.model_config, num_kv_heads=self.kv_heads)
+        """The model as it runs on this mesh: KV heads as stored, weights as quantized,
+        per-head KV scales when the cache is quantized."""
+        return replace(self.model_config, num_kv_heads=self.kv_heads,
+                       weight_quant=self.weight_quant,
+                       kv_cache_quantized=jnp.dtype(self.kv_dtype).itemsize == 1)
 
 
 def engine_layout(config: EngineConfig, mc: ModelConfig, mesh: Mesh) -> EngineLayout:
@@ -55,7 +59,8 @@ def engine_layout(config: EngineConfig, mc: ModelConfig, mesh: Mesh) -> EngineLa
     platform = mesh.devices.flat[0].platform
     config = config.for_platform(platform)   # (idempotent: the engine resolved it already)
     dtype = resolve_dtype(config.dtype, mc)
-    kv_dtype = dtype if config.kv_cache_dtype == "auto" else resolve_dtype(config.kv_cache_dtype, mc)
+    kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, dtype)
+    weight_quant = resolve_weight_quant(config.quantization, mc.weight_quant)
     max_model_len = config.max_model_len or mc.max_position_embeddings
     if max_model_len > mc.max_position_embeddings:
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
@@ -74,7 +79,7 @@ def engine_layout(config: EngineConfig, mc: ModelConfig, mesh: Mesh) -> EngineLa
             raise ValueError(why)
     act = activation_bytes(mc, m, config.num_batched_tokens, config.max_num_seqs,
                            jnp.dtype(dtype).itemsize, max_model_len)
-    return EngineLayout(mc, dtype, kv_dtype, max_model_len, m, kv_heads, backend,
+    return EngineLayout(mc, dtype, kv_dtype, weight_quant, max_model_len, m, kv_heads, backend,
                         mesh_rules(mc, m), specs, act, config.scan_layers)
 
 

@@ -81,9 +81,10 @@ class WeightFigures:
     replicated_bytes: int             # of bytes_per_device, held by every device
 
 
-def weight_figures(mc, m: int, dtype: str) -> WeightFigures:
-    """From the flax model's parameter shapes (jax.eval_shape: nothing allocated) and
-    their placement by sharding/rules.py."""
+def weight_figures(mc, m: int, dtype: str, weight_quant=None) -> WeightFigures:
+    """From the flax model's parameter shapes and dtypes (jax.eval_shape: nothing
+    allocated; quantized kernels in their own dtype, their scales float32, the rest in
+    `dtype`) and their placement by sharding/rules.py."""
     from flax.traverse_util import flatten_dict
 
     from models.registry import build_model
@@ -91,13 +92,14 @@ def weight_figures(mc, m: int, dtype: str) -> WeightFigures:
     from sharding import MODEL, kv_head_layout, logical_to_mesh, mesh_rules
 
     kv_heads = kv_head_layout(mc.num_heads, mc.num_kv_heads, m)
-    module = build_model(replace(mc, num_kv_heads=kv_heads), dtype, "reference")
+    module = build_model(replace(mc, num_kv_heads=kv_heads, weight_quant=weight_quant), dtype,
+                         "reference")
     shapes = flatten_dict(abstract_params(module))
     axes = flatten_dict(param_logical_axes(module))
     rules = mesh_rules(mc, m)
-    itemsize = jnp.dtype(dtype).itemsize
     per_device = replicated = total = num_params = 0
     for path, sds in shapes.items():
+        itemsize = sds.dtype.itemsize
         nbytes = sds.size * itemsize
         split = m if MODEL in tuple(logical_to_mesh(axes[path], rules)) else 1
         # Replicated KV heads are the same parameters again: count them once.
@@ -116,6 +118,7 @@ class Plan:
     mesh: tuple[int, int]
     dtype: str
     kv_dtype: str
+    quantization: str | None          # the weights' (WeightQuant.method), None: unquantized
     num_params: int
     weight_bytes: int                 # one replica, all devices
     weight_bytes_per_device: int
@@ -222,6 +225,7 @@ class Plan:
 
 
 def make_plan(mc, *, model: str, mesh: str, dtype: str = "auto", kv_cache_dtype: str = "auto",
+              quantization: str | None = None,
               max_model_len: int | None = None, max_num_seqs: int = 256,
               max_num_batched_tokens: int | None = None, hbm_bytes: int | None = None,
               hbm_utilization: float = 0.9, link_gbps: float = DEFAULT_LINK_GBPS,
@@ -234,20 +238,20 @@ def make_plan(mc, *, model: str, mesh: str, dtype: str = "auto", kv_cache_dtype:
     The cache plan: `cache` when given (a running engine's), else made by the engine's
     rule from num_pages, kv_cache_memory_bytes or hbm_bytes (none of them: unknown)."""
     from models.cache_spec import PagedKVSpec, RecurrentStateSpec, layer_cache_specs
-    from models.config import SERVING_DTYPES
-    from models.registry import resolve_dtype
+    from models.config import SERVING_DTYPES, resolve_weight_quant
+    from models.registry import resolve_dtype, resolve_kv_dtype
     from sharding import check_model_axis, kv_head_layout
     from sharding.mesh import parse_mesh
 
     d, m = parse_mesh(mesh)
     check_model_axis(mc, m)
-    for name, value in (("dtype", dtype), ("kv_cache_dtype", kv_cache_dtype)):
-        if value != "auto" and value not in SERVING_DTYPES:
-            raise ValueError(f"{name}={value!r}: expected one of {('auto', *SERVING_DTYPES)}")
+    if dtype != "auto" and dtype not in SERVING_DTYPES:
+        raise ValueError(f"dtype={dtype!r}: expected one of {('auto', *SERVING_DTYPES)}")
     dt = resolve_dtype(dtype, mc)
-    kv_dt = dt if kv_cache_dtype == "auto" else resolve_dtype(kv_cache_dtype, mc)
+    kv_dt = resolve_kv_dtype(kv_cache_dtype, dt)
+    weight_quant = resolve_weight_quant(quantization, mc.weight_quant)
     kv_heads = kv_head_layout(mc.num_heads, mc.num_kv_heads, m)
-    w = weights or weight_figures(mc, m, dt.name)
+    w = weights or weight_figures(mc, m, dt.name, weight_quant)
     max_model_len = max_model_len or mc.max_position_embeddings
     tokens = max_num_batched_tokens or max(2048, max_num_seqs)
     specs = layer_cache_specs(replace(mc, num_kv_heads=kv_heads), kv_dtype=kv_dt,
@@ -268,7 +272,8 @@ def make_plan(mc, *, model: str, mesh: str, dtype: str = "auto", kv_cache_dtype:
                             num_pages=num_pages, budget_bytes=budget)
     return Plan(
         model=f"{model} ({mc.architecture})", mesh=(d, m), dtype=dt.name,
-        kv_dtype=jnp.dtype(kv_dt).name, num_params=w.num_params, weight_bytes=w.weight_bytes,
+        kv_dtype=jnp.dtype(kv_dt).name,
+        quantization=weight_quant.method if weight_quant else None, num_params=w.num_params, weight_bytes=w.weight_bytes,
         weight_bytes_per_device=w.bytes_per_device, replicated_param_bytes=w.replicated_bytes,
         kv_heads=mc.num_kv_heads, kv_heads_stored=kv_heads, kv_bytes_per_token_per_device=kv_tok,
         num_layers=mc.num_layers, full_attention_layers=len(mc.full_attention_layers),
@@ -300,6 +305,7 @@ def plan_for_engine(info) -> str:
     stats = jax.devices()[0].memory_stats() or {}
     plan = make_plan(info.model_config, model=cfg.model, mesh=cfg.mesh or "1x1",
                      dtype=info.dtype, kv_cache_dtype=cfg.kv_cache_dtype,
+                     quantization=cfg.quantization,
                      max_model_len=info.max_model_len, max_num_seqs=cfg.max_num_seqs,
                      max_num_batched_tokens=cfg.num_batched_tokens, page_size=cfg.page_size,
                      hbm_bytes=stats.get("bytes_limit"), hbm_utilization=cfg.hbm_utilization,
@@ -309,7 +315,7 @@ def plan_for_engine(info) -> str:
 
 # The engine flags a plan takes: made from EngineConfig's fields, as the server's are.
 PLAN_ENGINE_FLAGS = ("mesh", "hbm_utilization", "max_model_len", "max_num_seqs",
-                     "max_num_batched_tokens", "dtype", "kv_cache_dtype")
+                     "max_num_batched_tokens", "dtype", "kv_cache_dtype", "quantization")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -356,7 +362,8 @@ def main(argv: list[str] | None = None) -> None:
             parse_bytes(args.hbm) if args.hbm else None
         mc = load_model_config(args.model)
         plan = make_plan(mc, model=args.model, mesh=args.mesh, dtype=args.dtype,
-                         kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len,
+                         kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
+                         max_model_len=args.max_model_len,
                          max_num_seqs=args.max_num_seqs,
                          max_num_batched_tokens=args.max_num_batched_tokens,
                          hbm_bytes=hbm, hbm_utilization=args.hbm_utilization,
@@ -388,6 +395,7 @@ def _compile(args) -> None:
                             ("max_num_batched_tokens", args.max_num_batched_tokens)) if v}
     report = compile_plan(args.model, target=args.target, mesh=args.mesh, select=args.compile,
                           progress=progress, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+                          quantization=args.quantization,
                           max_num_seqs=args.max_num_seqs, hbm_utilization=args.hbm_utilization,
                           **kw)
     print(json.dumps(report.to_json()) if args.json else format_report(report))

@@ -240,7 +240,8 @@ def compile_plan(model: str, *, target: str, mesh: str = "1x1",
         return replace(base, error=f"{type(e).__name__}: {e}")
     lay = eng.layout
     plan = make_plan(mc, model=model, mesh=f"1x{m}", dtype=_dtype_name(lay.dtype),
-                     kv_cache_dtype=_dtype_name(lay.kv_dtype), max_model_len=lay.max_model_len,
+                     kv_cache_dtype=config.kv_cache_dtype, quantization=config.quantization,
+                     max_model_len=lay.max_model_len,
                      max_num_seqs=config.max_num_seqs,
                      max_num_batched_tokens=config.num_batched_tokens, hbm_bytes=hbm,
                      hbm_utilization=config.hbm_utilization)
