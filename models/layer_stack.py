@@ -26,6 +26,10 @@ from models.gated_deltanet import state_shapes
 from pallas_kernels.ragged_paged_attention import make_kv_cache
 
 KV, CONV, RECURRENT = "kv", "conv", "recurrent"
+# A quantized KV cache's scales [A, K, 2] (models/llama.py): a model parameter that rides
+# along with the caches through the layers, so each layer reads its slice as it reads
+# its pages (scanned layers included).
+KV_SCALE = "kv_scale"
 
 
 def layer_kind(cfg: ModelConfig, i: int) -> tuple[str, bool]:

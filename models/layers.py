@@ -184,10 +184,11 @@ class Attention(nn.Module):
     attention_backend: str = "reference"   # EngineConfig.attention_backend, "auto" resolved
 
     @nn.compact
-    def __call__(self, x: jax.Array, cache: jax.Array, inputs: ModelInputs, first_page: Any = 0
-                 ) -> tuple[jax.Array, jax.Array]:
+    def __call__(self, x: jax.Array, cache: jax.Array, inputs: ModelInputs, first_page: Any = 0,
+                 kv_scale: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
         """cache: the stacked KV cache; this layer's pages start at first_page
-        (models/layer_stack.py)."""
+        (models/layer_stack.py). kv_scale: float32 [K, 2], this layer's K and V scales
+        when the cache is stored quantized."""
         cfg, dt = self.config, self.dtype
         E, N, K, H = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         bias, gated, wq = cfg.attention_bias, cfg.attn_output_gate, cfg.weight_quant
@@ -212,7 +213,7 @@ class Attention(nn.Module):
             o = q
         else:
             o, cache = paged_attention(q, k, v, cache, inputs, first_page, sm_scale=H ** -0.5,
-                                       backend=self.attention_backend)
+                                       backend=self.attention_backend, kv_scale=kv_scale)
         if gated:
             o = o * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(o.dtype)
         out = Einsum("TNH,NHE->TE", (N, H, E), ("heads", "head_dim", "embed"), 2, bias, dt, quant=wq,
@@ -221,8 +222,8 @@ class Attention(nn.Module):
 
 
 @partial(jax.jit, static_argnames=("sm_scale", "impl", "interpret"))
-def _write_and_attend(q, k, v, cache, slots, seq_lens, page_table, query_start_loc, num_seqs,
-                      first_page, *, sm_scale: float, impl: str, interpret: Any):
+def _write_and_attend(q, k, v, cache, kv_scale, slots, seq_lens, page_table, query_start_loc,
+                      num_seqs, first_page, *, sm_scale: float, impl: str, interpret: Any):
     """One device's part of paged_attention. A jit of its own: jax traces it once per
     shape, not once per layer (most of a forward's tracing on CPU, where the layers are
     a Python loop), and XLA inlines it, so the compiled program is the same."""
@@ -230,15 +231,16 @@ def _write_and_attend(q, k, v, cache, slots, seq_lens, page_table, query_start_l
     # Negative slots are dropped by write_kv: they must stay negative.
     slots = jnp.where(slots < 0, slots, slots + first_page * page_size)
     # Write first: a request may read pages that this very step fills.
-    cache = write_kv(cache, k, v, slots)
+    cache = write_kv(cache, k, v, slots, kv_scale=kv_scale)
     o = ragged_paged_attention(q, cache, seq_lens, page_table + first_page, query_start_loc,
-                               num_seqs, sm_scale=sm_scale, impl=impl, interpret=interpret)
+                               num_seqs, sm_scale=sm_scale, impl=impl, interpret=interpret,
+                               kv_scale=kv_scale)
     return o, cache
 
 
 def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, cache: jax.Array,
-                    inputs: ModelInputs, first_page: Any = 0, *, sm_scale: float, backend: str
-                    ) -> tuple[jax.Array, jax.Array]:
+                    inputs: ModelInputs, first_page: Any = 0, *, sm_scale: float, backend: str,
+                    kv_scale: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Writes k, v [T, K, H] into the cache, then attends q [T, N, H] over it. The
     inputs' page ids count from first_page: the layer's own pages of a stacked cache.
 
@@ -250,9 +252,10 @@ def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, cache: jax.Array,
     local = partial(_write_and_attend, sm_scale=sm_scale, impl=impl, interpret=interpret)
     heads, kv = heads_spec(3, 1), heads_spec(cache.ndim, KV_HEAD_AXIS)
     rep = PartitionSpec()
-    fn = over_model_axis(local, in_specs=(heads, heads, heads, kv, rep, rep, rep, rep, rep, rep),
+    scale = rep if kv_scale is None else heads_spec(2, 0)
+    fn = over_model_axis(local, in_specs=(heads, heads, heads, kv, scale, rep, rep, rep, rep, rep, rep),
                          out_specs=(heads, kv))
-    return fn(q, k, v, cache, inputs.slot_mapping, inputs.seq_lens, inputs.page_table,
+    return fn(q, k, v, cache, kv_scale, inputs.slot_mapping, inputs.seq_lens, inputs.page_table,
               inputs.query_start_loc, inputs.num_seqs, jnp.asarray(first_page, jnp.int32))
 
 

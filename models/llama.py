@@ -15,8 +15,8 @@ import jax.numpy as jnp
 
 from models.config import FULL_ATTENTION, ModelConfig
 from models.inputs import ModelInputs
-from models.layer_stack import KV, cache_index, layer_period, per_layer
-from models.layers import MLP, Attention, Einsum, Embed, RMSNorm
+from models.layer_stack import KV, KV_SCALE, cache_index, layer_period, per_layer
+from models.layers import MLP, Attention, Einsum, Embed, RMSNorm, logical_param
 
 Dtype = Any
 
@@ -45,8 +45,9 @@ class DecoderLayer(nn.Module):
                     cache_index: Any) -> tuple[jax.Array, dict[str, Any]]:
         kv = caches.get(KV)   # absent from init's placeholder
         first_page = 0 if kv is None else cache_index * per_layer(kv, self.config, FULL_ATTENTION)
+        kv_scale = caches[KV_SCALE][cache_index] if KV_SCALE in caches else None
         a, kv = Attention(self.config, self.dtype, self.attention_backend,
-                          name="self_attn")(h, kv, inputs, first_page)
+                          name="self_attn")(h, kv, inputs, first_page, kv_scale)
         return a, caches if kv is None else {**caches, KV: kv}
 
 
@@ -104,6 +105,12 @@ class LlamaForCausalLM(nn.Module):
             self.layers = [type(self).make_layer(cfg, self.dtype, self.attention_backend, i)
                            for i in range(cfg.num_layers)]
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.dtype, cfg.norm_plus_one)
+        if cfg.kv_cache_quantized:
+            # K and V scales per full-attention layer and KV head (models/kv_scales.py).
+            self.kv_scales = logical_param(
+                self, "kv_scales", nn.initializers.ones,
+                (len(cfg.full_attention_layers), cfg.num_kv_heads, 2), (None, "kv_heads", None),
+                jnp.float32)
         if not cfg.tie_word_embeddings:
             self.lm_head = Einsum("TE,EV->TV", (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"),
                                   dtype=self.dtype, out_dtype=jnp.float32)
@@ -113,12 +120,15 @@ class LlamaForCausalLM(nn.Module):
         """caches: models/layer_stack.cache_shapes' arrays (init takes any placeholder)."""
         cfg = self.config
         x = self.embed_tokens(inputs.token_ids)
+        if cfg.kv_cache_quantized:
+            caches = {**caches, KV_SCALE: self.kv_scales}
         if self.scan_layers:
             blocks = jnp.arange(cfg.num_layers // layer_period(cfg), dtype=jnp.int32)
             (x, caches), _ = self.layers((x, caches), blocks, inputs)
         else:
             for i, layer in enumerate(self.layers):
                 x, caches = layer(x, caches, inputs, cache_index(cfg, i))
+        caches = {k: v for k, v in caches.items() if k != KV_SCALE}
         x = self.norm(x)
         if self.is_initializing():   # so that init creates the lm_head parameters too
             self.compute_logits(x)

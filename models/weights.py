@@ -47,6 +47,9 @@ _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 # multi-token-prediction head are not served (MTP returns with speculative decoding).
 _VL_TEXT_PREFIX = "model.language_model."
 _SKIPPED_PREFIXES = ("model.visual.", "mtp.")
+# Params no checkpoint holds: the KV cache's scales (models/kv_scales.py sets them after
+# the load), loaded as ones.
+_COMPUTED_LEAVES = ("kv_scales",)
 _LEAF_TO_HF = {"kernel": "weight", "scale": "weight", "offset_scale": "weight", "embedding": "weight"}
 
 
@@ -77,8 +80,9 @@ def placed_abstract_params(model: nn.Module, dtype: Any, shardings: Any) -> dict
     expected = flatten_dict(abstract_params(model))
     quant = quantized_leaves(expected)
     return unflatten_dict({
-        path: jax.ShapeDtypeStruct(sds.shape, sds.dtype if path in quant else jnp.dtype(dtype),
-                                   sharding=sh)
+        path: jax.ShapeDtypeStruct(
+            sds.shape, sds.dtype if path in quant or path[-1] in _COMPUTED_LEAVES else jnp.dtype(dtype),
+            sharding=sh)
         for (path, sds), sh in zip(expected.items(), _flat_in_order(shardings, expected))})
 
 
@@ -260,7 +264,8 @@ def checkpoint_tasks(model_dir: str | Path | None, cfg: ModelConfig, model: nn.M
     where = _open_checkpoint(Path(model_dir))
 
     prefix = _VL_TEXT_PREFIX if any(n.startswith(_VL_TEXT_PREFIX) for n in where) else "model."
-    sources = {path: hf_names(path, cfg, prefix) for path in expected}
+    computed = {path for path in expected if path[-1] in _COMPUTED_LEAVES}
+    sources = {path: hf_names(path, cfg, prefix) for path in expected if path not in computed}
     wanted = {n for names in sources.values() for n in names.flat}
     block_scales = {block_scale_name(n) for n in wanted} & where.keys()
     if block_scales and cfg.weight_quant is None:
@@ -288,6 +293,11 @@ def checkpoint_tasks(model_dir: str | Path | None, cfg: ModelConfig, model: nn.M
     model_quant = model.config.weight_quant
 
     def task(path: Path_, sds: Any) -> ParamTask:
+        if path in computed:
+            ones = np.ones(sds.shape, np.dtype(sds.dtype))
+            return ParamTask(path=path, shape=sds.shape, dtype=np.dtype(sds.dtype),
+                             sharding=_sharding_for(shard_flat, path), nbytes=0, num_tensors=0,
+                             open=lambda: lambda index: ones[index])
         role, kernel_path = quant.get(path, ("param", path))
         names = sources[path]
         if role == "param":
@@ -418,7 +428,7 @@ def _dummy_params(expected: dict[Path_, jax.ShapeDtypeStruct], dtype: jnp.dtype,
 
     def drawn_shape(path: Path_) -> tuple[int, ...] | None:
         """The shape to draw at random (before KV-head repeats); None: a constant."""
-        if path[-1] in ("scale", "bias", "offset_scale"):
+        if path[-1] in ("scale", "bias", "offset_scale", *_COMPUTED_LEAVES):
             return None
         axis = repeat_axes.get(path)
         shape = expected[path].shape
@@ -428,6 +438,8 @@ def _dummy_params(expected: dict[Path_, jax.ShapeDtypeStruct], dtype: jnp.dtype,
         """The drawn weight repeated per KV head (quantized: and its scale), or the constant
         (xp: numpy or jnp)."""
         shape = expected[path].shape
+        if path[-1] in _COMPUTED_LEAVES:
+            return {path: xp.ones(shape, expected[path].dtype)}
         if path[-1] == "scale":
             return {path: xp.ones(shape, dtype)}
         if path[-1] in ("bias", "offset_scale"):

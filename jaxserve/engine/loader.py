@@ -10,11 +10,13 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine.layout import EngineLayout, build_layout_model, layout_param_shardings
+from models.kv_scales import kv_scales
 from models.weights import load_params, param_bytes, untie_lm_head
 from sharding import MODEL, bytes_per_device
 
@@ -46,6 +48,13 @@ def load_model(config: EngineConfig, layout: EngineLayout, mesh: Mesh, *,
                          shardings=shardings_of(model),
                          kv_head_repeat=layout.kv_heads // mc.num_kv_heads,
                          progress=on_progress)
+    if model.config.kv_cache_quantized:
+        with jax.set_mesh(mesh):
+            params = {**params, "kv_scales": kv_scales(model, params, layout.kv_dtype,
+                                                       seed=config.seed)}
+        logger.info("KV cache in %s: K and V scales per layer and KV head %s",
+                    jnp.dtype(layout.kv_dtype).name,
+                    "calibrated on a prefill" if jnp.dtype(layout.kv_dtype) == jnp.int8 else "1 (fp8)")
     if mc.tie_word_embeddings and mesh.devices.flat[0].platform == "cpu":
         model, params = untie_lm_head(model, params, shardings_of)
         logger.info("CPU: the lm_head reads a transposed copy of the tied embedding "
