@@ -4,7 +4,8 @@ The cache layout is owned by this module: build caches with `make_kv_cache`,
 fill them with `write_kv`, read them with `ragged_paged_attention`
 (impl="pallas" picks the Mosaic GPU or Mosaic TPU kernel by the lowering
 platform, impl="reference" the pure-jnp spec; see dispatch.py). A quantized
-cache (fp8 / int8, quant.py) is written with per-kv-head scales, kv_scale.
+cache (fp8 / int8, quant.py) comes with per-kv-head scales, kv_scale, passed
+to both write_kv and ragged_paged_attention.
 """
 from pallas_kernels.ragged_paged_attention.cache import (KV_CACHE_NDIM, KV_HEAD_AXIS,
                                                          make_kv_cache, write_kv)

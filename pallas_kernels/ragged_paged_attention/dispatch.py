@@ -6,8 +6,8 @@ impl="xla": a page-by-page online-softmax loop in plain XLA (paged_loop.py), the
 impl="pallas": the kernel for the platform the computation is *lowered* for,
   chosen with lax.platform_dependent, so jax.export(..., platforms=["cuda"])
   and platforms=["tpu"] both work from a CPU-only machine:
-    cuda -> gpu.py (Mosaic GPU) when gpu.supports(...) (bf16/f16, head_dim
-            64/128/256), else the reference;
+    cuda -> gpu.py (Mosaic GPU) when gpu.supports(...) (bf16/f16/fp8/int8,
+            head_dim 64/128/256), else the reference;
     tpu  -> tpu.py (Mosaic TPU);
     anything else (cpu, rocm) -> the reference.
   interpret=True (or "tpu") runs the TPU kernel body in Pallas TPU interpret
@@ -17,6 +17,13 @@ impl="pallas": the kernel for the platform the computation is *lowered* for,
   (seconds each) and lacks WGMMA on transposed/register operands (see gpu.py).
 The kernels compute in the cache dtype (q is cast to it; the output comes back
 in q's dtype) with float32 softmax statistics and accumulators.
+Quantized caches (fp8 / int8, quant.py) come with kv_scale float32[K, 2]; the
+scales fold out of every impl here: q is multiplied by its kv head's K scale
+before (in float32, then back to q's dtype), the output by its V scale after,
+so an impl only reads the narrow cache and casts K/V tiles after loading them:
+reference and xla compute in float32 as always, the TPU kernel in q's dtype,
+the GPU kernel in f16 for fp8 and q's 16-bit dtype for int8 (gpu.compute_dtype).
+A float cache takes no kv_scale and runs exactly as before.
 Multi-platform export (e.g. platforms=["cpu", "cuda"]) is not possible: jax
 0.10.2 cannot lower a Mosaic GPU kernel inside a multi-platform module.
 """
@@ -27,7 +34,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.ragged_paged_attention import gpu, paged_loop, reference, tpu
-from pallas_kernels.ragged_paged_attention.cache import cache_dims
+from pallas_kernels.ragged_paged_attention.cache import cache_dims, check_kv_scale
 
 IMPLS = ("pallas", "xla", "reference")
 # Engine-level names (EngineConfig.attention_backend) -> (impl, interpret).
@@ -88,9 +95,27 @@ def ragged_paged_attention(
     soft_cap: float | None = None,
     impl: str = "pallas",
     interpret: bool | str = False,
+    kv_scale: jax.Array | None = None,   # float32[K, 2] for a quantized cache (quant.py)
 ) -> jax.Array:                   # [T, N, H]
     """Causal attention of each packed token over its own request's pages (see reference.py)."""
     _validate(q, cache, kv_lens, page_table, query_start_loc, num_seqs, sliding_window, soft_cap)
+    check_kv_scale(cache, kv_scale)
+    if kv_scale is None:
+        return _attend(q, cache, kv_lens, page_table, query_start_loc, num_seqs, sm_scale=sm_scale,
+                       sliding_window=sliding_window, soft_cap=soft_cap, impl=impl,
+                       interpret=interpret)
+    # Query head n reads kv head n // G: its scales, repeated per head of the group.
+    scale = jnp.repeat(kv_scale.astype(jnp.float32), q.shape[1] // kv_scale.shape[0], axis=0)
+    k_scale, v_scale = scale[:, 0, None], scale[:, 1, None]            # [N, 1]
+    q = (q.astype(jnp.float32) * k_scale).astype(q.dtype)
+    out = _attend(q, cache, kv_lens, page_table, query_start_loc, num_seqs, sm_scale=sm_scale,
+                  sliding_window=sliding_window, soft_cap=soft_cap, impl=impl, interpret=interpret)
+    return (out.astype(jnp.float32) * v_scale).astype(q.dtype)
+
+
+def _attend(q, cache, kv_lens, page_table, query_start_loc, num_seqs, *, sm_scale, sliding_window,
+            soft_cap, impl, interpret):
+    """The impl on a cache whose values are used as stored (scales already folded)."""
     args = (q, cache, kv_lens.astype(jnp.int32), page_table.astype(jnp.int32),
             query_start_loc.astype(jnp.int32), num_seqs.astype(jnp.int32))
     kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
@@ -118,3 +143,4 @@ def ragged_paged_attention(
     on_gpu = (lambda *a: gpu.ragged_paged_attention_gpu(*a, **kw)) if gpu_ok else ref
     on_tpu = lambda *a: tpu.ragged_paged_attention_tpu(*a, **kw)
     return lax.platform_dependent(*args, cuda=on_gpu, tpu=on_tpu, default=ref)
+
