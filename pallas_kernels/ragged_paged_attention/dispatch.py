@@ -7,7 +7,8 @@ impl="pallas": the kernel for the platform the computation is *lowered* for,
   chosen with lax.platform_dependent, so jax.export(..., platforms=["cuda"])
   and platforms=["tpu"] both work from a CPU-only machine:
     cuda -> gpu.py (Mosaic GPU) when gpu.supports(...) (bf16/f16/fp8/int8,
-            head_dim 64/128/256), else the reference;
+            head_dim 64/128/256), else the reference (kv_cache_dtype_error says
+            so, for the engine's start-up);
     tpu  -> tpu.py (Mosaic TPU);
     anything else (cpu, rocm) -> the reference.
   interpret=True (or "tpu") runs the TPU kernel body in Pallas TPU interpret
@@ -35,6 +36,7 @@ from jax import lax
 
 from pallas_kernels.ragged_paged_attention import gpu, paged_loop, reference, tpu
 from pallas_kernels.ragged_paged_attention.cache import cache_dims, check_kv_scale
+from pallas_kernels.ragged_paged_attention.quant import is_quantized
 
 IMPLS = ("pallas", "xla", "reference")
 # Engine-level names (EngineConfig.attention_backend) -> (impl, interpret).
@@ -144,3 +146,49 @@ def _attend(q, cache, kv_lens, page_table, query_start_loc, num_seqs, *, sm_scal
     on_tpu = lambda *a: tpu.ragged_paged_attention_tpu(*a, **kw)
     return lax.platform_dependent(*args, cuda=on_gpu, tpu=on_tpu, default=ref)
 
+
+_FLOAT_CACHE_DTYPES = tuple(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16))
+
+
+def kv_cache_dtype_error(kv_dtype, *, platform: str, backend: str, head_dim: int, num_heads: int,
+                         num_kv_heads: int, page_size: int, tpu_generation: str | None = None
+                         ) -> str | None:
+    """Why this engine would not read a cache of kv_dtype with attention `backend`
+    ("auto" resolved for `platform`: "cpu", "gpu"/"cuda", "tpu") -- including the
+    silent fallback of impl="pallas" to the reference -- with the fix; None when it
+    works. For the engine's start-up, so no combination falls back silently.
+
+    TPU: every float and quantized dtype compiles (Mosaic, deviceless, for v4, v5e,
+    v5p and v6e: tests/kernels/test_kv_quant.py), fp8 too on chips without fp8
+    arithmetic (the kernel casts tiles to q's dtype), so tpu_generation refuses
+    nothing today; it is where a generation whose compiler refuses a dtype goes.
+    """
+    del tpu_generation
+    try:
+        dtype = jnp.dtype(kv_dtype)
+    except TypeError:
+        return f"kv cache dtype {kv_dtype!r} is not a dtype"
+    if dtype not in _FLOAT_CACHE_DTYPES and not is_quantized(dtype):
+        return (f"kv cache dtype {dtype}: expected float32, bfloat16, float16, float8_e4m3fn, "
+                f"float8_e5m2 or int8")
+    if num_kv_heads < 1 or num_heads % num_kv_heads:
+        return f"{num_heads} query heads is not a multiple of {num_kv_heads} kv heads"
+    impl, interpret = backend_options(resolve_backend(backend, platform))
+    if impl != "pallas" or interpret or platform not in ("gpu", "cuda"):
+        return None       # reference, XLA loop and the TPU kernel read every cache dtype
+    if gpu.supports(dtype, head_dim, num_heads, num_kv_heads, page_size):
+        return None
+    group = num_heads // num_kv_heads
+    if dtype == jnp.float32:
+        why = "float32 (WGMMA would run it as TF32)"
+    elif head_dim not in (64, 128, 256):
+        why = f"head_dim {head_dim} (64, 128 or 256 only)"
+    elif group > gpu.ROWS:
+        why = f"{group} query heads per kv head (at most {gpu.ROWS})"
+    else:
+        why = (f"page_size {page_size} for {dtype} caches (its KV steps must be a multiple "
+               f"of {gpu.ROWS} tokens: page sizes that divide or are multiples of 128)")
+    return (f"the Mosaic GPU attention kernel cannot read this cache: {why}; "
+            f"impl='pallas' would fall back to the slow XLA reference. Use "
+            f"attention_backend='xla' (the page loop) or a cache it reads (bfloat16, float16, "
+            f"fp8, int8 at head_dim 64/128/256)")
