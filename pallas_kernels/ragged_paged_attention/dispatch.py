@@ -158,8 +158,9 @@ def kv_cache_dtype_error(kv_dtype, *, platform: str, backend: str, head_dim: int
     silent fallback of impl="pallas" to the reference -- with the fix; None when it
     works. For the engine's start-up, so no combination falls back silently.
 
-    TPU: every float and quantized dtype compiles (Mosaic, deviceless, for v4, v5e,
-    v5p and v6e: tests/kernels/test_kv_quant.py), fp8 too on chips without fp8
+    TPU: the kernel compiles with fp8 (e4m3, e5m2) and int8 caches for v4, v5e, v5p
+    and v6e (libtpu's deviceless compiler; v5e and v6e in
+    tests/kernels/test_kv_quant_compile.py), fp8 too on chips without fp8
     arithmetic (the kernel casts tiles to q's dtype), so tpu_generation refuses
     nothing today; it is where a generation whose compiler refuses a dtype goes.
     """
