@@ -20,6 +20,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.ragged_paged_attention.quant import is_quantized, quantize
+
 KV_HEAD_AXIS = 1
 KV_CACHE_NDIM = 4
 
@@ -44,8 +46,28 @@ def cache_dims(cache: jax.Array) -> tuple[int, int, int, int]:
     return num_pages, page_size, kv2 // 2, head_dim
 
 
-def write_kv(cache: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> jax.Array:
+def check_kv_scale(cache: jax.Array, kv_scale: jax.Array | None) -> None:
+    """A quantized cache needs its float32[K, 2] scales; a float cache takes none (a
+    scale given for it would be silently ignored)."""
+    _, _, kv_heads, _ = cache_dims(cache)
+    if not is_quantized(cache.dtype):
+        if kv_scale is not None:
+            raise ValueError(f"kv_scale given for a {jnp.dtype(cache.dtype)} cache: only "
+                             f"quantized (fp8 / int8) caches take scales")
+        return
+    if kv_scale is None:
+        raise ValueError(f"a {jnp.dtype(cache.dtype)} cache needs kv_scale float32[{kv_heads}, 2] "
+                         f"(the K and V scale of each kv head)")
+    if kv_scale.shape != (kv_heads, 2):
+        raise ValueError(f"kv_scale shape {kv_scale.shape}: expected ({kv_heads}, 2)")
+
+
+def write_kv(cache: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array,
+             kv_scale: jax.Array | None = None) -> jax.Array:
     """Scatter k, v [N, K, H] into their slots (page * page_size + offset).
+
+    A quantized cache (quant.py) stores k / kv_scale[:, 0] and v / kv_scale[:, 1]
+    of each kv head; kv_scale is required for it and refused for a float cache.
 
     One XLA scatter of [H] rows into the cache seen as [P * 2K * S, H] (the same
     bytes): under jit with the cache donated it updates the buffer in place
@@ -56,13 +78,18 @@ def write_kv(cache: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Arr
     the cache are dropped.
     """
     num_pages, page_size, kv_heads, head_dim = cache_dims(cache)
+    check_kv_scale(cache, kv_scale)
     if k.shape != v.shape or k.shape[1:] != (kv_heads, head_dim):
         raise ValueError(f"k {k.shape} / v {v.shape}: expected [N, {kv_heads}, {head_dim}]")
     slot_mapping = slot_mapping.astype(jnp.int32)
     page = slot_mapping // page_size
     offset = slot_mapping % page_size
     page = jnp.where(slot_mapping < 0, num_pages, page)      # negative slots are dropped too
-    kv = jnp.stack([k, v], axis=2).astype(cache.dtype)      # [N, K, 2, H]
+    kv = jnp.stack([k, v], axis=2)                          # [N, K, 2, H]
+    if kv_scale is None:
+        kv = kv.astype(cache.dtype)
+    else:
+        kv = quantize(kv, kv_scale.astype(jnp.float32)[:, :, None], cache.dtype)
     kv = kv.reshape(k.shape[0] * 2 * kv_heads, head_dim)    # [N * 2K, H]
     # Rows of the cache seen as [P * 2K * S, H]: row (page * 2K + j) * S + offset.
     rows = ((page[:, None] * (2 * kv_heads) + jnp.arange(2 * kv_heads)) * page_size

@@ -6,8 +6,9 @@ impl="xla": a page-by-page online-softmax loop in plain XLA (paged_loop.py), the
 impl="pallas": the kernel for the platform the computation is *lowered* for,
   chosen with lax.platform_dependent, so jax.export(..., platforms=["cuda"])
   and platforms=["tpu"] both work from a CPU-only machine:
-    cuda -> gpu.py (Mosaic GPU) when gpu.supports(...) (bf16/f16, head_dim
-            64/128/256), else the reference;
+    cuda -> gpu.py (Mosaic GPU) when gpu.supports(...) (bf16/f16/fp8/int8,
+            head_dim 64/128/256), else the reference (kv_cache_dtype_error says
+            so, for the engine's start-up);
     tpu  -> tpu.py (Mosaic TPU);
     anything else (cpu, rocm) -> the reference.
   interpret=True (or "tpu") runs the TPU kernel body in Pallas TPU interpret
@@ -17,6 +18,13 @@ impl="pallas": the kernel for the platform the computation is *lowered* for,
   (seconds each) and lacks WGMMA on transposed/register operands (see gpu.py).
 The kernels compute in the cache dtype (q is cast to it; the output comes back
 in q's dtype) with float32 softmax statistics and accumulators.
+Quantized caches (fp8 / int8, quant.py) come with kv_scale float32[K, 2]; the
+scales fold out of every impl here: q is multiplied by its kv head's K scale
+before (in float32, then back to q's dtype), the output by its V scale after,
+so an impl only reads the narrow cache and casts K/V tiles after loading them:
+reference and xla compute in float32 as always, the TPU kernel in q's dtype,
+the GPU kernel in f16 for fp8 and q's 16-bit dtype for int8 (gpu.compute_dtype).
+A float cache takes no kv_scale and runs exactly as before.
 Multi-platform export (e.g. platforms=["cpu", "cuda"]) is not possible: jax
 0.10.2 cannot lower a Mosaic GPU kernel inside a multi-platform module.
 """
@@ -27,7 +35,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.ragged_paged_attention import gpu, paged_loop, reference, tpu
-from pallas_kernels.ragged_paged_attention.cache import cache_dims
+from pallas_kernels.ragged_paged_attention.cache import cache_dims, check_kv_scale
+from pallas_kernels.ragged_paged_attention.quant import is_quantized
 
 IMPLS = ("pallas", "xla", "reference")
 # Engine-level names (EngineConfig.attention_backend) -> (impl, interpret).
@@ -88,9 +97,27 @@ def ragged_paged_attention(
     soft_cap: float | None = None,
     impl: str = "pallas",
     interpret: bool | str = False,
+    kv_scale: jax.Array | None = None,   # float32[K, 2] for a quantized cache (quant.py)
 ) -> jax.Array:                   # [T, N, H]
     """Causal attention of each packed token over its own request's pages (see reference.py)."""
     _validate(q, cache, kv_lens, page_table, query_start_loc, num_seqs, sliding_window, soft_cap)
+    check_kv_scale(cache, kv_scale)
+    if kv_scale is None:
+        return _attend(q, cache, kv_lens, page_table, query_start_loc, num_seqs, sm_scale=sm_scale,
+                       sliding_window=sliding_window, soft_cap=soft_cap, impl=impl,
+                       interpret=interpret)
+    # Query head n reads kv head n // G: its scales, repeated per head of the group.
+    scale = jnp.repeat(kv_scale.astype(jnp.float32), q.shape[1] // kv_scale.shape[0], axis=0)
+    k_scale, v_scale = scale[:, 0, None], scale[:, 1, None]            # [N, 1]
+    q = (q.astype(jnp.float32) * k_scale).astype(q.dtype)
+    out = _attend(q, cache, kv_lens, page_table, query_start_loc, num_seqs, sm_scale=sm_scale,
+                  sliding_window=sliding_window, soft_cap=soft_cap, impl=impl, interpret=interpret)
+    return (out.astype(jnp.float32) * v_scale).astype(q.dtype)
+
+
+def _attend(q, cache, kv_lens, page_table, query_start_loc, num_seqs, *, sm_scale, sliding_window,
+            soft_cap, impl, interpret):
+    """The impl on a cache whose values are used as stored (scales already folded)."""
     args = (q, cache, kv_lens.astype(jnp.int32), page_table.astype(jnp.int32),
             query_start_loc.astype(jnp.int32), num_seqs.astype(jnp.int32))
     kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
@@ -118,3 +145,51 @@ def ragged_paged_attention(
     on_gpu = (lambda *a: gpu.ragged_paged_attention_gpu(*a, **kw)) if gpu_ok else ref
     on_tpu = lambda *a: tpu.ragged_paged_attention_tpu(*a, **kw)
     return lax.platform_dependent(*args, cuda=on_gpu, tpu=on_tpu, default=ref)
+
+
+_FLOAT_CACHE_DTYPES = tuple(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16))
+
+
+def kv_cache_dtype_error(kv_dtype, *, platform: str, backend: str, head_dim: int, num_heads: int,
+                         num_kv_heads: int, page_size: int, tpu_generation: str | None = None
+                         ) -> str | None:
+    """Why this engine would not read a cache of kv_dtype with attention `backend`
+    ("auto" resolved for `platform`: "cpu", "gpu"/"cuda", "tpu") -- including the
+    silent fallback of impl="pallas" to the reference -- with the fix; None when it
+    works. For the engine's start-up, so no combination falls back silently.
+
+    TPU: the kernel compiles with fp8 (e4m3, e5m2) and int8 caches for v4, v5e, v5p
+    and v6e (libtpu's deviceless compiler; v5e and v6e in
+    tests/kernels/test_kv_quant_compile.py), fp8 too on chips without fp8
+    arithmetic (the kernel casts tiles to q's dtype), so tpu_generation refuses
+    nothing today; it is where a generation whose compiler refuses a dtype goes.
+    """
+    del tpu_generation
+    try:
+        dtype = jnp.dtype(kv_dtype)
+    except TypeError:
+        return f"kv cache dtype {kv_dtype!r} is not a dtype"
+    if dtype not in _FLOAT_CACHE_DTYPES and not is_quantized(dtype):
+        return (f"kv cache dtype {dtype}: expected float32, bfloat16, float16, float8_e4m3fn, "
+                f"float8_e5m2 or int8")
+    if num_kv_heads < 1 or num_heads % num_kv_heads:
+        return f"{num_heads} query heads is not a multiple of {num_kv_heads} kv heads"
+    impl, interpret = backend_options(resolve_backend(backend, platform))
+    if impl != "pallas" or interpret or platform not in ("gpu", "cuda"):
+        return None       # reference, XLA loop and the TPU kernel read every cache dtype
+    if gpu.supports(dtype, head_dim, num_heads, num_kv_heads, page_size):
+        return None
+    group = num_heads // num_kv_heads
+    if dtype == jnp.float32:
+        why = "float32 (WGMMA would run it as TF32)"
+    elif head_dim not in (64, 128, 256):
+        why = f"head_dim {head_dim} (64, 128 or 256 only)"
+    elif group > gpu.ROWS:
+        why = f"{group} query heads per kv head (at most {gpu.ROWS})"
+    else:
+        why = (f"page_size {page_size} for {dtype} caches (its KV steps must be a multiple "
+               f"of {gpu.ROWS} tokens: page sizes that divide or are multiples of 128)")
+    return (f"the Mosaic GPU attention kernel cannot read this cache: {why}; "
+            f"impl='pallas' would fall back to the slow XLA reference. Use "
+            f"attention_backend='xla' (the page loop) or a cache it reads (bfloat16, float16, "
+            f"fp8, int8 at head_dim 64/128/256)")

@@ -23,6 +23,11 @@ Each CTA has two warpgroups:
     (WGMMA with P from registers), then writes the normalised [M, H] tile by TMA.
 Decode (one token) and prefill chunks are the same code: a decode unit simply
 has G live rows and one step per KV_STEP tokens of context.
+A quantized cache (fp8 / int8, scales folded by dispatch.py) rides the TMA ring
+in its one-byte dtype (half the bytes); the compute warpgroup casts each K and
+V slot into a 16-bit tile in shared memory (WGMMA reads its B operand from
+there), frees the slot at once and runs the WGMMAs on the copy. fp8 is cast to
+f16 (exact; fp8 -> bf16 needs a newer ptxas), int8 to q's 16-bit dtype.
 
 Masking is positional: row m is token t = m // G of the block, position
 Q_POS + min(t, Q_COUNT - 1) (padding rows copy the last real row so they
@@ -39,9 +44,11 @@ in jax 0.10.2 has neither WGMMA on transposed/register operands nor
 layout_cast), and the hardware form by exporting for "cuda" (the Pallas ->
 Mosaic GPU lowering checks WGMMA shapes, layouts, TMA boxes and the
 shared-memory budget). Unverified without a GPU: PTX compilation, numerics on
-hardware (approx exp2/tanh), register pressure at H = 256, and performance.
+hardware (approx exp2/tanh), register pressure at H = 256, and performance
+(the quantized casts run on the compute warpgroup, serially with its math).
 Not supported (the dispatcher falls back to the XLA reference): float32 (WGMMA
-would run it as TF32), head_dim outside {64, 128, 256}, G > 64.
+would run it as TF32), head_dim outside {64, 128, 256}, G > 64, and for a
+quantized cache KV steps that are not a multiple of 64 tokens (odd page sizes).
 """
 from __future__ import annotations
 
@@ -57,6 +64,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.ragged_paged_attention import blocks
 from pallas_kernels.ragged_paged_attention.cache import cache_dims
+from pallas_kernels.ragged_paged_attention.quant import is_quantized
 
 ROWS = 64                     # one warpgroup's WGMMA M
 _SMEM_BUDGET = 220 * 1024     # of the 227 KiB a Hopper CTA may use (barriers and reduction scratch take the rest)
@@ -75,18 +83,43 @@ class GpuConfig:
 
 def supports(dtype, head_dim: int, num_heads: int, num_kv_heads: int, page_size: int) -> bool:
     group = num_heads // num_kv_heads
-    return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-            and head_dim in (64, 128, 256) and 1 <= group <= ROWS and page_size % 8 == 0)
+    # A quantized tile is cast ROWS rows at a time (the 8-bit WGMMA register layout).
+    ok_dtype = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) or (
+        is_quantized(dtype) and _kv_step(head_dim, page_size) % ROWS == 0)
+    return ok_dtype and head_dim in (64, 128, 256) and 1 <= group <= ROWS and page_size % 8 == 0
 
 
-def choose_config(head_dim: int, group: int, page_size: int, itemsize: int,
-                  num_ctas: int) -> GpuConfig:
+def compute_dtype(cache_dtype, q_dtype):
+    """The dtype the tensor cores multiply in: the cache's for a 16-bit cache. A
+    quantized one is cast in shared memory: fp8 to f16 (exact, one cvt; fp8 -> bf16
+    needs a newer ptxas than the lowering may find, and f16 holds every fp8 value),
+    int8 to q's 16-bit dtype, bf16 by default (exact either way: |x| <= 127)."""
+    if not is_quantized(cache_dtype):
+        return jnp.dtype(cache_dtype)
+    if jnp.issubdtype(cache_dtype, jnp.floating):
+        return jnp.dtype(jnp.float16)
+    return jnp.dtype(q_dtype) if jnp.dtype(q_dtype).itemsize == 2 else jnp.dtype(jnp.bfloat16)
+
+
+def _kv_step(head_dim: int, page_size: int) -> int:
     kv_step = 128 if head_dim <= 128 else 64
     if page_size % kv_step and kv_step % page_size:
         kv_step = page_size                # odd page sizes: one page per step
+    return kv_step
+
+
+def choose_config(head_dim: int, group: int, page_size: int, itemsize: int,
+                  num_ctas: int, compute_itemsize: int | None = None) -> GpuConfig:
+    """itemsize: the cache's (the TMA ring); compute_itemsize: the tiles the tensor
+    cores read (q, and for a quantized cache the cast K and V copies)."""
+    kv_step = _kv_step(head_dim, page_size)
     piece = min(page_size, kv_step)
+    compute_itemsize = compute_itemsize or itemsize
+    fixed = ROWS * head_dim * compute_itemsize
+    if compute_itemsize != itemsize:
+        fixed += 2 * kv_step * head_dim * compute_itemsize      # the cast K and V tiles
     stage_bytes = 2 * kv_step * head_dim * itemsize
-    stages = max(2, min(4, (_SMEM_BUDGET - ROWS * head_dim * itemsize) // stage_bytes))
+    stages = max(2, min(4, (_SMEM_BUDGET - fixed) // stage_bytes))
     return GpuConfig(block_q=ROWS // group, kv_step=kv_step, piece=piece, stages=stages,
                      num_ctas=num_ctas)
 
@@ -130,10 +163,22 @@ def _accumulate_pv(acc, p, v_ref, *, interpreted: bool):
     return pl.run_state(pv)(plgpu.ACC.init(acc))
 
 
+def _cast_tile(src, dst, *, interpreted: bool):
+    """dst[...] = src[...] as dst's dtype (a quantized K or V tile into the 16-bit copy
+    the WGMMA reads), ROWS rows at a time to bound the registers it takes."""
+    rows = min(ROWS, src.shape[0])
+    for r in range(0, src.shape[0], rows):
+        part = src.at[pl.ds(r, rows)]
+        x = part[...] if interpreted else plgpu.load(part, (), layout=plgpu.Layout.WGMMA_8BIT)
+        dst[pl.ds(r, rows)] = x.astype(dst.dtype)
+    plgpu.commit_smem()
+
+
 def _kernel(meta_ref, pages_ref, q_ref, cache_ref, o_ref, q_smem, k_smem, v_smem,
-            q_bar, k_full, v_full, k_free, v_free, *, cfg: GpuConfig, group: int,
+            q_bar, k_full, v_full, k_free, v_free, *cast_smem, cfg: GpuConfig, group: int,
             num_kv_heads: int, page_size: int, sm_scale: float, soft_cap: float | None,
             sliding_window: int | None, interpreted: bool):
+    """cast_smem: (K, V) 16-bit tiles for a quantized cache, none otherwise."""
     cta = lax.axis_index("cta")
     wg = lax.axis_index("wg")
     kv_step, piece, stages = cfg.kv_step, cfg.piece, cfg.stages
@@ -178,8 +223,17 @@ def _kernel(meta_ref, pages_ref, q_ref, cache_ref, o_ref, q_smem, k_smem, v_smem
                 slot = lax.rem(done + s, stages)
                 base = (step_lo + s) * kv_step
                 plgpu.barrier_wait(k_full.at[slot])
-                scores = _qk(q_smem, k_smem.at[slot], (ROWS, kv_step), interpreted=interpreted)
-                plgpu.barrier_arrive(k_free.at[slot])
+                k_tile, v_tile = k_smem.at[slot], v_smem.at[slot]
+                if cast_smem:
+                    # A quantized slot is cast once and freed at once; the WGMMAs of the
+                    # previous step, which read the cast tiles, were waited for (their
+                    # results are used before this point).
+                    _cast_tile(k_tile, cast_smem[0], interpreted=interpreted)
+                    plgpu.barrier_arrive(k_free.at[slot])
+                    k_tile, v_tile = cast_smem
+                scores = _qk(q_smem, k_tile, (ROWS, kv_step), interpreted=interpreted)
+                if not cast_smem:
+                    plgpu.barrier_arrive(k_free.at[slot])
 
                 scores = scores * sm_scale
                 if soft_cap is not None:
@@ -196,16 +250,20 @@ def _kernel(meta_ref, pages_ref, q_ref, cache_ref, o_ref, q_smem, k_smem, v_smem
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
 
                 plgpu.barrier_wait(v_full.at[slot])
+                if cast_smem:
+                    _cast_tile(v_smem.at[slot], v_tile, interpreted=interpreted)
+                    plgpu.barrier_arrive(v_free.at[slot])
 
                 @pl.when(base + kv_step > kv_len)
                 def _zero_stale_v():
-                    v = v_smem.at[slot]
+                    v = v_tile
                     vrow = iota((kv_step, head_dim), 0)
                     v[...] = jnp.where(base + vrow < kv_len, v[...], jnp.zeros_like(v[...]))
                     plgpu.commit_smem()
 
-                acc = _accumulate_pv(acc, p.astype(dtype), v_smem.at[slot], interpreted=interpreted)
-                plgpu.barrier_arrive(v_free.at[slot])
+                acc = _accumulate_pv(acc, p.astype(dtype), v_tile, interpreted=interpreted)
+                if not cast_smem:
+                    plgpu.barrier_arrive(v_free.at[slot])
                 return acc, m_new, l_i
 
             acc, m_i, l_i = lax.fori_loop(0, num_steps, step, (acc, m_i, l_i))
@@ -269,33 +327,39 @@ def ragged_paged_attention_gpu(q, cache, kv_lens, page_table, query_start_loc, n
     _, page_size, num_kv, _ = cache_dims(cache)
     group = num_heads // num_kv
     itemsize = jnp.dtype(cache.dtype).itemsize
+    compute = compute_dtype(cache.dtype, q.dtype)
     # Interpret mode compiles every CTA separately (seconds each): keep it to two.
     num_ctas = 2 if interpret else default_num_ctas()
-    cfg = config or choose_config(head_dim, group, page_size, itemsize, num_ctas)
+    cfg = config or choose_config(head_dim, group, page_size, itemsize, num_ctas,
+                                  compute.itemsize)
     if cfg.block_q * group > ROWS or cfg.kv_step % cfg.piece or page_size % cfg.piece:
         raise ValueError(f"inconsistent {cfg} for page_size {page_size}, G {group}")
     meta, token_item, token_row, token_valid = blocks.plan_items(
         query_start_loc, kv_lens, num_seqs, num_tokens=num_tokens, block_q=cfg.block_q,
         kv_step=cfg.kv_step, page_size=page_size, sliding_window=sliding_window)
-    q_blocks = blocks.gather_queries(q.astype(cache.dtype), meta, num_kv_heads=num_kv,
+    q_blocks = blocks.gather_queries(q.astype(compute), meta, num_kv_heads=num_kv,
                                      block_q=cfg.block_q, rows=ROWS)
-    transforms = _swizzle_transforms(head_dim, itemsize)
+    transforms = _swizzle_transforms(head_dim, compute.itemsize)
+    kv_transforms = _swizzle_transforms(head_dim, itemsize)
+    cast_tiles = [plgpu.SMEM((cfg.kv_step, head_dim), compute, transforms=transforms)
+                  for _ in range(2 if compute != cache.dtype else 0)]
     pieces = cfg.kv_step // cfg.piece
     kernel = functools.partial(
         _kernel, cfg=cfg, group=group, num_kv_heads=num_kv, page_size=page_size, sm_scale=sm_scale,
         soft_cap=soft_cap, sliding_window=sliding_window, interpreted=bool(interpret))
     out_blocks = plgpu.kernel(
         kernel,
-        out_type=jax.ShapeDtypeStruct(q_blocks.shape, cache.dtype),
+        out_type=jax.ShapeDtypeStruct(q_blocks.shape, compute),
         scratch_types=[
-            plgpu.SMEM((ROWS, head_dim), cache.dtype, transforms=transforms),
-            plgpu.SMEM((cfg.stages, cfg.kv_step, head_dim), cache.dtype, transforms=transforms),
-            plgpu.SMEM((cfg.stages, cfg.kv_step, head_dim), cache.dtype, transforms=transforms),
+            plgpu.SMEM((ROWS, head_dim), compute, transforms=transforms),
+            plgpu.SMEM((cfg.stages, cfg.kv_step, head_dim), cache.dtype, transforms=kv_transforms),
+            plgpu.SMEM((cfg.stages, cfg.kv_step, head_dim), cache.dtype, transforms=kv_transforms),
             plgpu.Barrier(num_barriers=1),
             plgpu.Barrier(num_arrivals=pieces, num_barriers=cfg.stages),
             plgpu.Barrier(num_arrivals=pieces, num_barriers=cfg.stages),
             plgpu.Barrier(num_barriers=cfg.stages),
             plgpu.Barrier(num_barriers=cfg.stages),
+            *cast_tiles,
         ],
         grid=(cfg.num_ctas,),
         grid_names=("cta",),

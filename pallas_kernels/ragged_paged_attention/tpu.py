@@ -20,10 +20,15 @@ covering all K kv heads, so one DMA per page brings K and V of every head
     P V. V rows at or past KV_LEN are selected to zero first (stale slots may
     hold NaN and 0 * NaN is NaN).
 Decode and prefill chunks are the same code path.
+A quantized cache (fp8 / int8; its scales are folded into q and the output by
+dispatch.py) is DMA'd as stored -- the KV buffers keep its one-byte dtype, the
+bandwidth saving -- and each K / V tile is cast to q's dtype in VMEM; the
+query and output tiles are in q's dtype then.
 
 Verified without a TPU: TPU interpret mode on CPU (the logic, DMAs and
 semaphores) and compilation by libtpu's deviceless XLA:TPU + Mosaic compilers
-for v5e and v6e (tests/kernels/test_rpa_tpu_compile.py). The item metadata is
+for v5e and v6e (tests/kernels/test_rpa_tpu_compile.py; quantized caches:
+tests/kernels/test_kv_quant.py). The item metadata is
 the one SMEM figure that grows (with the token bucket): smem_limit_error says
 when a shape would not fit. Unverified: running on a TPU, performance and
 block-size tuning. Known limit: the first KV step (and index
@@ -42,6 +47,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.ragged_paged_attention import blocks, cost
 from pallas_kernels.ragged_paged_attention.cache import cache_dims
+from pallas_kernels.ragged_paged_attention.quant import is_quantized
 
 _MXU_ROWS = 128                  # target query rows per item
 _KV_BUF_BYTES = 2 * 1024 * 1024  # one KV slot (all heads); two slots are live
@@ -67,9 +73,11 @@ def _block_q(group: int) -> int:
 
 
 def choose_config(group: int, page_size: int, num_kv_heads: int, head_dim: int,
-                  itemsize: int) -> TpuConfig:
+                  itemsize: int, compute_itemsize: int | None = None) -> TpuConfig:
+    """itemsize: the cache's (KV buffer bytes); compute_itemsize: the query tiles'
+    (default the same; q's dtype for a quantized cache, whose tiles are cast)."""
     block_q = _block_q(group)
-    sublanes = 8 * (4 // itemsize)                      # 8 rows of f32, 16 of bf16
+    sublanes = 8 * (4 // (compute_itemsize or itemsize))   # 8 rows of f32, 16 of bf16
     rows = -(-block_q * group // sublanes) * sublanes
     per_token = num_kv_heads * 2 * head_dim * itemsize
     want = max(page_size, min(_MAX_KV_STEP, _KV_BUF_BYTES // per_token))
@@ -180,7 +188,8 @@ def _kernel(meta_ref, q_ref, cache_hbm, pages_hbm, o_ref, kv_buf, sems, idx_buf,
         for c in copies(0, 0):
             c.start()
 
-        precision = lax.Precision.HIGHEST if kv_buf.dtype == jnp.float32 else None
+        compute = q_ref.dtype          # the cache's, or q's when the cache is quantized
+        precision = lax.Precision.HIGHEST if compute == jnp.float32 else None
 
         def step(s, carry):
             slot = lax.rem(s, 2)
@@ -217,8 +226,10 @@ def _kernel(meta_ref, q_ref, cache_hbm, pages_hbm, o_ref, kv_buf, sems, idx_buf,
                 keep &= kv_pos > q_of_row - sliding_window
             v_live = base + lax.broadcasted_iota(jnp.int32, (kv_step, kv_buf.shape[-1]), 0) < kv_len
             for h in range(num_kv_heads):
-                k = kv_buf[slot, :, 2 * h].reshape(kv_step, -1)         # [PPS, S, H] -> [L, H]
-                v = kv_buf[slot, :, 2 * h + 1].reshape(kv_step, -1)
+                # [PPS, S, H] -> [L, H]; a quantized page is cast here, in VMEM (the DMA
+                # moved its narrow bytes); the cast is a no-op for a float cache.
+                k = kv_buf[slot, :, 2 * h].astype(compute).reshape(kv_step, -1)
+                v = kv_buf[slot, :, 2 * h + 1].astype(compute).reshape(kv_step, -1)
                 v = jnp.where(v_live, v, jnp.zeros_like(v))
                 q = q_ref[h]                                           # [M, H]
                 scores = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
@@ -253,13 +264,16 @@ def ragged_paged_attention_tpu(q, cache, kv_lens, page_table, query_start_loc, n
     num_tokens, num_heads, head_dim = q.shape
     _, page_size, num_kv, _ = cache_dims(cache)
     group = num_heads // num_kv
-    cfg = config or choose_config(group, page_size, num_kv, head_dim, jnp.dtype(cache.dtype).itemsize)
+    # A quantized cache (scales folded by the caller) is read narrow and computed in q's dtype.
+    compute = q.dtype if is_quantized(cache.dtype) else cache.dtype
+    cfg = config or choose_config(group, page_size, num_kv, head_dim, jnp.dtype(cache.dtype).itemsize,
+                                  jnp.dtype(compute).itemsize)
     if cfg.kv_step != cfg.pages_per_step * page_size or cfg.rows < cfg.block_q * group:
         raise ValueError(f"inconsistent {cfg} for page_size {page_size}, G {group}")
     meta, token_item, token_row, token_valid = blocks.plan_items(
         query_start_loc, kv_lens, num_seqs, num_tokens=num_tokens, block_q=cfg.block_q,
         kv_step=cfg.kv_step, page_size=page_size, sliding_window=sliding_window)
-    q_blocks = blocks.gather_queries(q.astype(cache.dtype), meta, num_kv_heads=num_kv,
+    q_blocks = blocks.gather_queries(q.astype(compute), meta, num_kv_heads=num_kv,
                                      block_q=cfg.block_q, rows=cfg.rows)
     n_items = meta.shape[0]
     num_pages, pages_per_req = cache.shape[0], page_table.shape[1]
@@ -274,7 +288,7 @@ def ragged_paged_attention_tpu(q, cache, kv_lens, page_table, query_start_loc, n
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     out_blocks = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct(q_blocks.shape, cache.dtype),
+        out_shape=jax.ShapeDtypeStruct(q_blocks.shape, compute),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1,
             grid=(n_items,),
