@@ -11,11 +11,12 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from models.config import (  # (no jax: a plain module of model facts)
-    KV_QUANT_DTYPES, SERVING_DTYPES, WEIGHT_QUANT_DTYPES)
+# (no jax: plain modules of model and cache-dtype facts)
+from models.config import SERVING_DTYPES, WEIGHT_QUANT_DTYPES
+from pallas_kernels.kv_cache_dtypes import KV_QUANT_DTYPE_NAMES
 
 _DTYPES = ("auto", *SERVING_DTYPES)
-_KV_CACHE_DTYPES = (*_DTYPES, *KV_QUANT_DTYPES)
+_KV_CACHE_DTYPES = (*_DTYPES, *KV_QUANT_DTYPE_NAMES)
 _QUANTIZATIONS = tuple(WEIGHT_QUANT_DTYPES)
 _LOAD_FORMATS = ("auto", "safetensors", "dummy")
 _POLICIES = ("fcfs", "priority")

@@ -35,10 +35,6 @@ SERVING_DTYPES = ("float32", "bfloat16", "float16")
 # Weight quantization methods (--quantization) -> the dtype the linear layers' kernels
 # are stored in (models/quantization.py does the arithmetic).
 WEIGHT_QUANT_DTYPES = {"fp8": "float8_e4m3fn", "int8": "int8"}
-# KV cache dtypes stored quantized, with per-(layer, kv head) scales (--kv-cache-dtype;
-# vLLM's names: "fp8" is e4m3) -> the cache's dtype.
-KV_QUANT_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn",
-                   "fp8_e5m2": "float8_e5m2", "int8": "int8"}
 FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
 # Families whose attention has q_norm / k_norm (RMSNorm over head_dim, before RoPE).
 _QK_NORM_ARCHS = frozenset({"Qwen3ForCausalLM", "Qwen3MoeForCausalLM"}) | HYBRID_ARCHS

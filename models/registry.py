@@ -6,10 +6,11 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
-from models.config import KV_QUANT_DTYPES, SERVING_DTYPES, SUPPORTED_ARCHITECTURES, ModelConfig
+from models.config import SERVING_DTYPES, SUPPORTED_ARCHITECTURES, ModelConfig
 from models.llama import LlamaForCausalLM, Qwen3ForCausalLM
 from models.qwen3_5 import Qwen3_5ForCausalLM
 from models.qwen3_moe import Qwen3MoeForCausalLM
+from pallas_kernels.kv_cache_dtypes import KV_QUANT_DTYPE_NAMES
 from pallas_kernels.ragged_paged_attention import resolve_backend
 
 ARCHITECTURES: dict[str, type] = {
@@ -46,11 +47,11 @@ def resolve_dtype(dtype: Any, config: ModelConfig) -> jnp.dtype:
 
 def resolve_kv_dtype(kv_cache_dtype: Any, model_dtype: Any) -> jnp.dtype:
     """The KV cache's dtype: "auto" (or None) = the model's; a quantized name
-    (models.config.KV_QUANT_DTYPES: fp8, fp8_e4m3, fp8_e5m2, int8) its storage type;
+    (pallas_kernels.kv_cache_dtypes: fp8, fp8_e4m3, fp8_e5m2, int8) its storage type;
     else a serving dtype."""
     if kv_cache_dtype is None or kv_cache_dtype == "auto":
         return jnp.dtype(model_dtype)
-    name = KV_QUANT_DTYPES.get(kv_cache_dtype, kv_cache_dtype)
+    name = KV_QUANT_DTYPE_NAMES.get(kv_cache_dtype, kv_cache_dtype)
     try:
         return jnp.dtype(name)
     except TypeError:

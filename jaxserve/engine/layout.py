@@ -23,7 +23,7 @@ from models.cache_spec import CacheSpec, layer_cache_specs
 from models.config import ModelConfig, WeightQuant, resolve_weight_quant
 from models.registry import build_model, resolve_dtype, resolve_kv_dtype
 from models.weights import param_logical_axes
-from pallas_kernels.ragged_paged_attention import resolve_backend
+from pallas_kernels.ragged_paged_attention import kv_cache_dtype_error, resolve_backend
 from sharding import MODEL, check_model_axis, kv_head_layout, mesh_rules, param_shardings
 
 logger = logging.getLogger("jaxserve")
@@ -71,6 +71,12 @@ def engine_layout(config: EngineConfig, mc: ModelConfig, mesh: Mesh) -> EngineLa
     specs = layer_cache_specs(replace(mc, num_kv_heads=kv_heads), kv_dtype=kv_dtype,
                               conv_state_dtype=dtype)
     backend = resolve_backend(config.attention_backend, platform)
+    if jnp.dtype(kv_dtype).itemsize == 1:   # quantized: a kernel that cannot read it is an error
+        why = kv_cache_dtype_error(kv_dtype, platform=platform, backend=backend,
+                                   head_dim=mc.head_dim, num_heads=mc.num_heads,
+                                   num_kv_heads=kv_heads, page_size=config.page_size)
+        if why:
+            raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r}: {why}")
     if platform == "tpu" and backend == "pallas":
         why = tpu_kernel_limit_error(mc, kv_heads, num_tokens=config.num_batched_tokens,
                                      rows=config.max_num_seqs, max_model_len=max_model_len,

@@ -151,8 +151,7 @@ _FLOAT_CACHE_DTYPES = tuple(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jn
 
 
 def kv_cache_dtype_error(kv_dtype, *, platform: str, backend: str, head_dim: int, num_heads: int,
-                         num_kv_heads: int, page_size: int, tpu_generation: str | None = None
-                         ) -> str | None:
+                         num_kv_heads: int, page_size: int) -> str | None:
     """Why this engine would not read a cache of kv_dtype with attention `backend`
     ("auto" resolved for `platform`: "cpu", "gpu"/"cuda", "tpu") -- including the
     silent fallback of impl="pallas" to the reference -- with the fix; None when it
@@ -161,10 +160,8 @@ def kv_cache_dtype_error(kv_dtype, *, platform: str, backend: str, head_dim: int
     TPU: the kernel compiles with fp8 (e4m3, e5m2) and int8 caches for v4, v5e, v5p
     and v6e (libtpu's deviceless compiler; v5e and v6e in
     tests/kernels/test_kv_quant_compile.py), fp8 too on chips without fp8
-    arithmetic (the kernel casts tiles to q's dtype), so tpu_generation refuses
-    nothing today; it is where a generation whose compiler refuses a dtype goes.
+    arithmetic (the kernel casts tiles to q's dtype), so no TPU generation is refused.
     """
-    del tpu_generation
     try:
         dtype = jnp.dtype(kv_dtype)
     except TypeError:

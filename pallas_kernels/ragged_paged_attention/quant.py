@@ -13,13 +13,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.kv_cache_dtypes import KV_QUANT_DTYPE_NAMES
+
 # Cache dtype names (an engine's kv_cache_dtype) -> the stored dtype.
-KV_QUANT_DTYPES = {
-    "fp8": jnp.float8_e4m3fn,
-    "fp8_e4m3": jnp.float8_e4m3fn,
-    "fp8_e5m2": jnp.float8_e5m2,
-    "int8": jnp.int8,
-}
+KV_QUANT_DTYPES = {name: jnp.dtype(stored) for name, stored in KV_QUANT_DTYPE_NAMES.items()}
 _QUANTIZED = frozenset(jnp.dtype(d) for d in KV_QUANT_DTYPES.values())
 INT8_MAX = 127      # symmetric: -128 is never stored, so negation stays exact
 

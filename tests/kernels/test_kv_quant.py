@@ -261,9 +261,7 @@ def test_kv_cache_dtype_error_none_where_a_kernel_reads_it(dtype):
                               ("cuda", "pallas"), ("gpu", "xla"), ("tpu", "auto"),
                               ("cpu", "pallas_interpret")):
         assert kv_cache_dtype_error(dtype, platform=platform, backend=backend, **SHAPE) is None
-    for generation in ("v5e", "v6e", None):
-        assert kv_cache_dtype_error(dtype, platform="tpu", backend="pallas",
-                                    tpu_generation=generation, **SHAPE) is None
+    assert kv_cache_dtype_error(dtype, platform="tpu", backend="pallas", **SHAPE) is None
 
 
 def test_kv_cache_dtype_error_names_the_gpu_fallbacks():
