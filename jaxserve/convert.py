@@ -12,6 +12,10 @@ quantizes) and writes
     DIR/jaxserve_checkpoint.json  what the tree is (checkpoints/converted.py), last
     DIR/tokenizer*, chat template, generation_config.json   copied as they are
 
+Converting for 1xM needs M devices: a CPU host is split into M XLA devices for it, so
+run it with JAX_PLATFORMS=cpu where fewer accelerators than M are attached (the tree
+is the same on any platform; --scan-layers for an engine on GPU/TPU).
+
 `--model DIR` then restores the tree straight into the engine's shardings. An engine
 that would build another tree (a model axis storing other KV heads, another dtype,
 scan_layers or quantization) is refused with the flag to change.
@@ -28,17 +32,18 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from jaxserve.checkpoints.converted import (FORMAT_VERSION, PARAMS_DIR, Leaf,
-                                            Manifest, is_converted, write_manifest)
+from jaxserve.checkpoints.converted import (FORMAT_VERSION, PARAMS_DIR, Leaf, Manifest,
+                                            is_converted, tree_settings, write_manifest)
 from jaxserve.checkpoints.model_configs import ALIASES
 from jaxserve.config import ConfigError, EngineConfig
 from jaxserve.engine_args import FLAGS, add_engine_args, config_error, engine_kwargs
 
 logger = logging.getLogger("jaxserve")
 
-# The engine flags that change the converted tree (quantization once EngineConfig has it).
-CONVERT_ENGINE_FLAGS = tuple(f for f in ("mesh", "dtype", "quantization", "load_format", "seed")
-                             if f in FLAGS)
+# The engine flags that change the converted tree (quantization once EngineConfig has
+# it; kv_cache_dtype where a quantized cache adds scale params) or its weights.
+CONVERT_ENGINE_FLAGS = tuple(f for f in ("mesh", "dtype", "quantization", "kv_cache_dtype",
+                                         "load_format", "seed") if f in FLAGS)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -105,7 +110,7 @@ def convert(config: EngineConfig, output: str | Path) -> Manifest:
         format_version=FORMAT_VERSION, architecture=mc.architecture, dtype=dtype,
         quantization=getattr(config, "quantization", None), model_axis=m,
         kv_heads=layout.kv_heads, num_kv_heads=mc.num_kv_heads,
-        scan_layers=bool(layout.scan_layers),
+        scan_layers=bool(layout.scan_layers), settings=tree_settings(config),
         leaves=tuple(Leaf(path, tuple(x.shape), jax.numpy.dtype(x.dtype).name)
                      for path, x in sorted(flatten_dict(params).items())),
         source=source,

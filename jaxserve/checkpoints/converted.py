@@ -28,6 +28,14 @@ PARAMS_DIR = "params"
 FORMAT_VERSION = 1
 
 Path_ = tuple[str, ...]
+# EngineConfig fields, besides dtype, quantization, scan_layers and the mesh (checked on
+# their own), that may shape the param tree (a quantized KV cache has per-head scale
+# params): recorded at conversion, named when the trees differ.
+TREE_SETTINGS = ("kv_cache_dtype",)
+
+
+def tree_settings(config: Any) -> dict[str, Any]:
+    return {f: getattr(config, f) for f in TREE_SETTINGS if hasattr(config, f)}
 
 
 @dataclass(frozen=True)
@@ -53,6 +61,7 @@ class Manifest:
     num_kv_heads: int            # the model's own
     scan_layers: bool            # layers stacked for jax.lax.scan
     leaves: tuple[Leaf, ...]
+    settings: dict[str, Any]     # tree_settings of the converting engine
     source: str                  # the model converted (a record for people)
     load_format: str             # "dummy": random weights
     jaxserve_version: str
@@ -171,10 +180,11 @@ def resolve_converted(config: Any) -> Any:
 
 def check_tree(manifest: Manifest, model_dir: str, *, dtype: str, quantization: str | None,
                model_axis: int, kv_heads: int, scan_layers: bool, platform: str,
-               shapes: dict[Path_, tuple[int, ...]]) -> None:
+               settings: dict[str, Any], shapes: dict[Path_, tuple[int, ...]]) -> None:
     """Refuses an engine that would build another tree than the stored one. The
     arguments are the engine's: its layout's dtype name, quantization, model axis, KV
-    heads as stored, scan_layers, its platform, and its params' paths -> shapes."""
+    heads as stored, scan_layers, its platform, its tree_settings and its params'
+    paths -> shapes."""
     name = repr(model_dir)
     if dtype != manifest.dtype:
         raise ValueError(f"dtype {dtype}: {name} was converted to {manifest.dtype}; pass "
@@ -182,8 +192,9 @@ def check_tree(manifest: Manifest, model_dir: str, *, dtype: str, quantization: 
     if quantization != manifest.quantization:
         fix = (f"pass --quantization {manifest.quantization}" if manifest.quantization
                else "drop --quantization")
-        raise ValueError(f"quantization {quantization}: {name} was converted with "
-                         f"quantization {manifest.quantization}; {fix}, or convert again")
+        raise ValueError(f"quantization {quantization or 'none'}: {name} was converted "
+                         f"with quantization {manifest.quantization or 'none'}; {fix}, or "
+                         f"convert again")
     if kv_heads != manifest.kv_heads:
         raise ValueError(
             f"{name} was converted for model axis {manifest.model_axis}, which stores "
@@ -196,14 +207,17 @@ def check_tree(manifest: Manifest, model_dir: str, *, dtype: str, quantization: 
         raise ValueError(
             f"{name} holds its layers {how(manifest.scan_layers)} (scan_layers="
             f"{manifest.scan_layers}), this engine on {platform} runs them {how(scan_layers)}: "
-            f"convert again with {flag} (the default on the platform that converts), or run "
-            f"the engine with LLM(..., scan_layers={manifest.scan_layers})")
+            f"convert again with {flag}, or run the engine with LLM(..., "
+            f"scan_layers={manifest.scan_layers})")
     stored = {leaf.path: leaf.shape for leaf in manifest.leaves}
     differ = sorted(set(stored) ^ set(shapes)) + sorted(
         p for p in set(stored) & set(shapes) if stored[p] != shapes[p])
     if differ:
         shown = "; ".join(f"{'/'.join(p)}: stored {stored.get(p, 'none')}, engine "
                           f"{shapes.get(p, 'none')}" for p in differ[:3])
+        changed = [f"--{f.replace('_', '-')} {settings[f]} (converted with {was})"
+                   for f, was in manifest.settings.items() if f in settings and settings[f] != was]
+        why = f" This engine has {', '.join(changed)}: pass the converted value, or" if changed else ""
         raise ValueError(f"{name}'s params do not fit the model this engine builds "
-                         f"({len(differ)} leaves differ: {shown}): convert it again with "
-                         f"this jaxserve")
+                         f"({len(differ)} leaves differ: {shown}).{why} convert it again "
+                         f"with this jaxserve and these settings")

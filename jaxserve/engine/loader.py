@@ -18,7 +18,7 @@ from flax.traverse_util import flatten_dict, unflatten_dict
 from jax.sharding import Mesh
 
 from jaxserve.checkpoints.converted import (PARAMS_DIR, check_settings, check_tree,
-                                            is_converted, read_manifest)
+                                            is_converted, read_manifest, tree_settings)
 from jaxserve.config import EngineConfig
 from jaxserve.engine.layout import EngineLayout, build_layout_model, layout_param_shardings
 from models.orbax_io import restore_params
@@ -65,6 +65,7 @@ def _restore_converted(config: EngineConfig, layout: EngineLayout, mesh: Mesh, m
                quantization=getattr(config, "quantization", None),
                model_axis=layout.model_axis, kv_heads=layout.kv_heads,
                scan_layers=layout.scan_layers, platform=mesh.devices.flat[0].platform,
+               settings=tree_settings(config),
                shapes={p: x.shape for p, x in flatten_dict(abstract_params(model)).items()})
     placed = flatten_dict(shardings)
     target = unflatten_dict({leaf.path: jax.ShapeDtypeStruct(leaf.shape, jnp.dtype(leaf.dtype),

@@ -94,6 +94,7 @@ def test_converted_serves_the_safetensors_greedy_tokens(kind, mesh, checkpoint, 
     assert (manifest.dtype, manifest.model_axis, manifest.scan_layers) == (
         "float32", int(mesh[-1]), False)
     assert manifest.source == src and manifest.quantization is None
+    assert manifest.settings == {"kv_cache_dtype": "auto"}
     assert {"config.json", "tokenizer.json", "tokenizer_config.json", MANIFEST,
             PARAMS_DIR} <= set(os.listdir(out))
     assert load_model_config(str(out)).dtype == "float32"   # the planner reads it too
@@ -188,7 +189,13 @@ def test_a_changed_or_unfinished_directory_is_refused(checkpoint, tmp_path):
     leaves = [dict(x, shape=[7]) if x["path"] == "norm/scale" else x for x in manifest["leaves"]]
     with_manifest(leaves=leaves)
     with pytest.raises(ValueError, match=r"params do not fit .* norm/scale: stored \(7,\), "
-                                         r"engine \(64,\)\): convert it again"):
+                                         r"engine \(64,\)\)\. convert it again"):
+        _load(str(out))
+    # A setting that may shape the tree (a quantized KV cache's scales) is named.
+    with_manifest(leaves=leaves, settings={"kv_cache_dtype": "bfloat16"})
+    with pytest.raises(ValueError, match=r"This engine has --kv-cache-dtype auto \(converted "
+                                         r"with bfloat16\): pass the converted value, or "
+                                         r"convert it again"):
         _load(str(out))
     with_manifest(format_version=99)
     with pytest.raises(ValueError, match=r"format_version 99, this jaxserve reads version 1"):
