@@ -29,7 +29,9 @@ NOT_FLAGS: dict[str, str] = {
                  "the KV cache",
     "kv_cache_memory_bytes": "LLM only: on the command line --hbm-utilization sizes the KV "
                              "cache",
-    "scan_layers": "LLM only (a debugging switch): the platform picks, scan on accelerators",
+    "scan_layers": "LLM only (a debugging switch): the platform picks, scan on accelerators "
+                   "(python -m jaxserve.convert has its own --scan-layers: the layout it "
+                   "writes)",
 }
 
 

@@ -99,6 +99,17 @@ def test_planner_defaults_are_engine_config_defaults():
     assert tpu.max_num_seqs == default_max_num_seqs("tpu") == 256
 
 
+def test_convert_flags_are_engine_config_fields():
+    from jaxserve import convert
+    actions = engine_actions(convert.parser())
+    # --scan-layers is convert's own (EngineConfig.scan_layers has no engine flag).
+    assert set(actions) == set(convert.CONVERT_ENGINE_FLAGS) | {"scan_layers"}
+    for name in convert.CONVERT_ENGINE_FLAGS:
+        assert actions[name].default == field_default(name), name
+    args = convert.parser().parse_args(["--model", "/m", "--output", "/o", "--mesh", "2x4"])
+    assert (args.mesh, args.scan_layers, args.output) == ("2x4", None, "/o")
+
+
 def test_generate_defaults_are_engine_config_defaults_but_its_rows():
     from jaxserve import generate
     actions = engine_actions(generate.parser())

@@ -25,7 +25,7 @@ logger = logging.getLogger("jaxserve")
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 # What a checkpoint's tokenizer may consist of (generation_config.json rides along: its
 # sampling defaults belong with the tokenizer's chat template).
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
                     "tokenizer.model", "special_tokens_map.json", "added_tokens.json",
                     "chat_template.jinja", "chat_template.json", "generation_config.json")
 _TINY_MARK = ".jaxserve-tiny-tokenizer"   # the dummy directory holds the tiny tokenizer
@@ -156,9 +156,9 @@ def _materialise_dummy(alias: str, repo_id: str, config: dict, tokenizer_src: Pa
     out.mkdir(parents=True, exist_ok=True)
     _atomic_write(out / "config.json", json.dumps(config, indent=2))
     if tokenizer_src is not None and (not _has_tokenizer(out) or (out / _TINY_MARK).exists()):
-        for f in _TOKENIZER_FILES + (_TINY_MARK,):
+        for f in TOKENIZER_FILES + (_TINY_MARK,):
             (out / f).unlink(missing_ok=True)
-        for f in _TOKENIZER_FILES:
+        for f in TOKENIZER_FILES:
             if (tokenizer_src / f).is_file():
                 shutil.copyfile(tokenizer_src / f, out / f)   # follows the cache's symlinks
     elif tokenizer_src is None and not _has_tokenizer(out):

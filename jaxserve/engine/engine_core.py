@@ -26,6 +26,7 @@ from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.protocol import EngineInfo
 from jaxserve.engine.startup import (ALLOCATING_KV_CACHE, COMPILING, LOADING_WEIGHTS,
                                      STARTING, StartupProgress)
+from jaxserve.checkpoints.converted import resolve_converted
 from jaxserve.checkpoints.model_names import resolve_model
 from jaxserve.runner import compile_counter
 from models.config import ModelConfig
@@ -69,6 +70,9 @@ class EngineCore:
         progress.set_phase(STARTING, "reading the model's config and tokenizer")
         # An alias or HF repo id becomes a local directory before anything reads it.
         config = replace(config, model=resolve_model(config.model, load_format=config.load_format))
+        # A converted checkpoint (python -m jaxserve.convert) brings its dtype (and
+        # quantization); settings it cannot serve are refused here, before any work.
+        config = resolve_converted(config)
         enable_compilation_cache(config.compilation_cache_dir)
         if config.load_format != "dummy" and not os.path.isdir(config.model):
             raise ValueError(f"model path {config.model!r} does not exist or is not a directory")

@@ -2,22 +2,28 @@
 
 `load_model` is the only bring-up step that touches weights: it builds the flax model
 for the layout's choices (engine/layout.py), reads the checkpoint (or draws dummy
-weights) straight into the parameter shardings, and unties a tied lm_head on CPU.
+weights, or restores a converted checkpoint: jaxserve/convert.py) straight into the
+parameter shardings, and unties a tied lm_head on CPU.
 """
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+from flax.traverse_util import flatten_dict, unflatten_dict
 from jax.sharding import Mesh
 
+from jaxserve.checkpoints.converted import (PARAMS_DIR, check_settings, check_tree,
+                                            is_converted, read_manifest, tree_settings)
 from jaxserve.config import EngineConfig
 from jaxserve.engine.layout import EngineLayout, build_layout_model, layout_param_shardings
 from models.kv_scales import kv_scales
-from models.weights import load_params, param_bytes, untie_lm_head
+from models.orbax_io import restore_params
+from models.weights import abstract_params, load_params, param_bytes, untie_lm_head
 from sharding import MODEL, bytes_per_device
 
 logger = logging.getLogger("jaxserve")
@@ -31,6 +37,59 @@ class LoadedModel:
     weight_bytes_per_device: int
 
 
+def load_weights(config: EngineConfig, layout: EngineLayout, mesh: Mesh, *,
+                 on_progress: Callable[[int, int], None] | None = None) -> tuple[Any, Any]:
+    """The flax model and its params as the layout runs them, placed in their
+    shardings, with nothing platform-specific yet (a tied lm_head is still tied): read
+    from the safetensors, drawn at random (load_format dummy) or restored from a
+    converted checkpoint. What `python -m jaxserve.convert` writes."""
+    mc = layout.model_config
+    model = build_layout_model(layout)
+    shardings = layout_param_shardings(model, mesh, layout)
+    if os.path.isdir(config.model) and is_converted(config.model):
+        return model, _restore_converted(config, layout, mesh, model, shardings, on_progress)
+    params = load_params(config.model, mc, model, layout.dtype,
+                         load_format=config.load_format, seed=config.seed,
+                         shardings=shardings,
+                         kv_head_repeat=layout.kv_heads // mc.num_kv_heads,
+                         progress=on_progress)
+    if model.config.kv_cache_quantized:   # (a converted checkpoint stores its scales)
+        int8 = jnp.dtype(layout.kv_dtype) == jnp.int8
+        with jax.set_mesh(mesh):
+            params = {**params, "kv_scales": kv_scales(model, params, layout.kv_dtype,
+                                                       seed=config.seed)}
+        logger.info("KV cache in %s: K and V scales per layer and KV head %s",
+                    jnp.dtype(layout.kv_dtype).name,
+                    "calibrated on a prefill (models/kv_scales.py)" if int8 else "1 (fp8)")
+    return model, params
+
+
+def _restore_converted(config: EngineConfig, layout: EngineLayout, mesh: Mesh, model: Any,
+                       shardings: Any, on_progress: Callable[[int, int], None] | None) -> Any:
+    """The converted tree, each leaf read in its stored dtype straight into its
+    sharding, after refusing an engine that would build another tree."""
+    manifest = read_manifest(config.model)
+    check_settings(manifest, config, config.model)
+    check_tree(manifest, config.model, dtype=jnp.dtype(layout.dtype).name,
+               quantization=layout.weight_quant.method if layout.weight_quant else None,
+               model_axis=layout.model_axis, kv_heads=layout.kv_heads,
+               scan_layers=layout.scan_layers, platform=mesh.devices.flat[0].platform,
+               settings=tree_settings(config),
+               shapes={p: x.shape for p, x in flatten_dict(abstract_params(model)).items()})
+    placed = flatten_dict(shardings)
+    target = unflatten_dict({leaf.path: jax.ShapeDtypeStruct(leaf.shape, jnp.dtype(leaf.dtype),
+                                                             sharding=placed[leaf.path])
+                             for leaf in manifest.leaves})
+    total = manifest.param_bytes
+    if on_progress:
+        on_progress(0, total)
+    params = restore_params(os.path.join(config.model, PARAMS_DIR), target,
+                            what=f"the converted {os.path.basename(config.model.rstrip('/'))}")
+    if on_progress:
+        on_progress(total, total)
+    return params
+
+
 def load_model(config: EngineConfig, layout: EngineLayout, mesh: Mesh, *,
                on_progress: Callable[[int, int], None] | None = None) -> LoadedModel:
     """on_progress(bytes done, bytes total) while the weights load."""
@@ -41,21 +100,9 @@ def load_model(config: EngineConfig, layout: EngineLayout, mesh: Mesh, *,
                        "is replicated on %d devices (%d KV heads stored, %d per device)",
                        mc.num_kv_heads, m, layout.kv_heads // mc.num_kv_heads, layout.kv_heads,
                        layout.kv_heads // m)
-    model = build_layout_model(layout)
-    shardings_of = lambda module: layout_param_shardings(module, mesh, layout)
-    params = load_params(config.model, mc, model, layout.dtype,
-                         load_format=config.load_format, seed=config.seed,
-                         shardings=shardings_of(model),
-                         kv_head_repeat=layout.kv_heads // mc.num_kv_heads,
-                         progress=on_progress)
-    if model.config.kv_cache_quantized:
-        with jax.set_mesh(mesh):
-            params = {**params, "kv_scales": kv_scales(model, params, layout.kv_dtype,
-                                                       seed=config.seed)}
-        logger.info("KV cache in %s: K and V scales per layer and KV head %s",
-                    jnp.dtype(layout.kv_dtype).name,
-                    "calibrated on a prefill" if jnp.dtype(layout.kv_dtype) == jnp.int8 else "1 (fp8)")
+    model, params = load_weights(config, layout, mesh, on_progress=on_progress)
     if mc.tie_word_embeddings and mesh.devices.flat[0].platform == "cpu":
+        shardings_of = lambda module: layout_param_shardings(module, mesh, layout)
         model, params = untie_lm_head(model, params, shardings_of)
         logger.info("CPU: the lm_head reads a transposed copy of the tied embedding "
                     "(faster decode matmul, +%.1f MiB)", param_bytes(params["lm_head"]) / 2**20)
