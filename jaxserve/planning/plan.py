@@ -81,10 +81,12 @@ class WeightFigures:
     replicated_bytes: int             # of bytes_per_device, held by every device
 
 
-def weight_figures(mc, m: int, dtype: str, weight_quant=None) -> WeightFigures:
+def weight_figures(mc, m: int, dtype: str, weight_quant=None,
+                   kv_cache_quantized: bool = False) -> WeightFigures:
     """From the flax model's parameter shapes and dtypes (jax.eval_shape: nothing
     allocated; quantized kernels in their own dtype, their scales float32, the rest in
-    `dtype`) and their placement by sharding/rules.py."""
+    `dtype`; a quantized KV cache adds its float32 scales) and their placement by
+    sharding/rules.py."""
     from flax.traverse_util import flatten_dict
 
     from models.registry import build_model
@@ -92,8 +94,8 @@ def weight_figures(mc, m: int, dtype: str, weight_quant=None) -> WeightFigures:
     from sharding import MODEL, kv_head_layout, logical_to_mesh, mesh_rules
 
     kv_heads = kv_head_layout(mc.num_heads, mc.num_kv_heads, m)
-    module = build_model(replace(mc, num_kv_heads=kv_heads, weight_quant=weight_quant), dtype,
-                         "reference")
+    module = build_model(replace(mc, num_kv_heads=kv_heads, weight_quant=weight_quant,
+                                 kv_cache_quantized=kv_cache_quantized), dtype, "reference")
     shapes = flatten_dict(abstract_params(module))
     axes = flatten_dict(param_logical_axes(module))
     rules = mesh_rules(mc, m)
@@ -251,7 +253,7 @@ def make_plan(mc, *, model: str, mesh: str, dtype: str = "auto", kv_cache_dtype:
     kv_dt = resolve_kv_dtype(kv_cache_dtype, dt)
     weight_quant = resolve_weight_quant(quantization, mc.weight_quant)
     kv_heads = kv_head_layout(mc.num_heads, mc.num_kv_heads, m)
-    w = weights or weight_figures(mc, m, dt.name, weight_quant)
+    w = weights or weight_figures(mc, m, dt.name, weight_quant, kv_dt.itemsize == 1)
     max_model_len = max_model_len or mc.max_position_embeddings
     tokens = max_num_batched_tokens or max(2048, max_num_seqs)
     specs = layer_cache_specs(replace(mc, num_kv_heads=kv_heads), kv_dtype=kv_dt,

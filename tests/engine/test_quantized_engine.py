@@ -35,6 +35,14 @@ def _logprobs(outs) -> np.ndarray:
                      for o in outs for step in o.outputs[0].logprobs])
 
 
+@pytest.fixture
+def no_warmup(monkeypatch):
+    """Compile on first use: the numeric tests here start many engines, whose full
+    warmups would dominate (the no-compilation test keeps its warmup)."""
+    from jaxserve.runner.model_runner import ModelRunner
+    monkeypatch.setattr(ModelRunner, "warmup", lambda self, *a, **k: None)
+
+
 @pytest.fixture(scope="module")
 def qwen3_5(tmp_path_factory) -> str:
     """A hybrid with 8 query / 2 KV heads and 4 key heads, so it splits over 1x2."""
@@ -43,7 +51,7 @@ def qwen3_5(tmp_path_factory) -> str:
                                 linear_num_value_heads=8)
 
 
-def test_kv_scales_int8_calibrated_fp8_one(checkpoint):
+def test_kv_scales_int8_calibrated_fp8_one(checkpoint, no_warmup):
     path = checkpoint("llama")
     for kv, calibrated in (("int8", True), ("fp8", False)):
         core = _engine(path, kv_cache_dtype=kv).engine
@@ -57,7 +65,7 @@ def test_kv_scales_int8_calibrated_fp8_one(checkpoint):
 
 
 @pytest.mark.parametrize("quantization,kv", [("int8", "int8"), ("fp8", "fp8")])
-def test_prefix_hits_give_the_tokens_of_a_cold_run(checkpoint, quantization, kv):
+def test_prefix_hits_give_the_tokens_of_a_cold_run(checkpoint, quantization, kv, no_warmup):
     """A hit reads the quantized pages another request wrote: the same values, so the
     same tokens as computing them again."""
     llm = _engine(checkpoint("qwen3"), quantization=quantization, kv_cache_dtype=kv)
@@ -70,7 +78,7 @@ def test_prefix_hits_give_the_tokens_of_a_cold_run(checkpoint, quantization, kv)
     assert_no_leaks(llm.engine)
 
 
-def test_quantized_hybrid_on_a_mesh_matches_one_device(qwen3_5):
+def test_quantized_hybrid_on_a_mesh_matches_one_device(qwen3_5, no_warmup):
     """Quantized kernels, their scales and the KV scales split over the model axis:
     the tokens of one device."""
     kw = dict(quantization="int8", kv_cache_dtype="int8")
@@ -96,11 +104,13 @@ def test_quantized_engine_compiles_nothing_after_warmup(checkpoint):
 # Next-token top-1 agreement with the float32 engine over every prompt position (a
 # random tiny model: flat distributions, so a pessimistic figure; benchmarks/
 # quantization.py records the rates per scheme). Floors a little under the rates seen.
-AGREEMENT_FLOOR = {(None, "fp8"): 0.95, (None, "int8"): 0.95, ("int8", "auto"): 0.9,
-                   ("fp8", "auto"): 0.8, ("int8", "int8"): 0.85, ("fp8", "fp8"): 0.75}
+# Seen (llama, 792 positions): KV fp8 0.966, KV int8 0.970, int8 weights 0.977, fp8
+# weights 0.929, both int8 0.970, both fp8 0.929.
+AGREEMENT_FLOOR = {(None, "fp8"): 0.93, (None, "int8"): 0.93, ("int8", "auto"): 0.93,
+                   ("fp8", "auto"): 0.88, ("int8", "int8"): 0.93, ("fp8", "fp8"): 0.88}
 
 
-def test_next_token_agreement_with_the_float_engine(checkpoint):
+def test_next_token_agreement_with_the_float_engine(checkpoint, no_warmup):
     path = checkpoint("llama")
     prompts = _prompts((100,) * 8, seed=3)
     params = SamplingParams(max_tokens=1, prompt_logprobs=1)
