@@ -17,7 +17,8 @@ from jaxserve.engine_args import add_engine_args, engine_kwargs
 logger = logging.getLogger("jaxserve")
 
 # The engine flags this command takes: made from EngineConfig's fields.
-GENERATE_ENGINE_FLAGS = ("seed", "dtype", "max_model_len", "max_num_seqs", "load_format")
+GENERATE_ENGINE_FLAGS = ("seed", "dtype", "quantization", "kv_cache_dtype", "max_model_len",
+                         "max_num_seqs", "load_format")
 
 
 def parser() -> argparse.ArgumentParser:
