@@ -76,6 +76,23 @@ def test_cli_json_has_the_derived_figures(capsys):
     assert got["fits"] is False and got["state_slots"] == 0
 
 
+@pytest.mark.parametrize("scheme", ["fp8", "int8"])
+def test_cli_json_bytes_follow_quantization(capsys, scheme):
+    """qwen3.6-27b on one 80 GiB GPU: quantized linear layers hold about half the bf16
+    bytes (embeddings, lm_head and norms stay bf16), a quantized KV cache half the bytes
+    per token, and the freed memory holds more full-length sequences."""
+    def plan(*flags: str) -> dict:
+        main(["--model", "qwen3.6-27b", "--hbm", "80GiB", "--max-model-len", "32768",
+              "--max-num-seqs", "16", "--json", *flags])
+        return json.loads(capsys.readouterr().out)
+    base, quant = plan(), plan("--quantization", scheme, "--kv-cache-dtype", scheme)
+    assert base["quantization"] is None and quant["quantization"] == scheme
+    assert 0.5 < quant["weight_bytes_per_device"] / base["weight_bytes_per_device"] < 0.6
+    assert quant["kv_bytes_per_token_per_device"] * 2 == base["kv_bytes_per_token_per_device"]
+    assert quant["max_concurrency"] > base["max_concurrency"]
+    assert quant["kv_dtype"] == ("float8_e4m3fn" if scheme == "fp8" else "int8")
+
+
 def test_parse_bytes():
     assert parse_bytes("80GiB") == 80 * GIB and parse_bytes("80GB") == 80 * 10**9
     assert parse_bytes("1024") == 1024
