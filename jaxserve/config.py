@@ -76,6 +76,12 @@ class EngineConfig:
              "output channel, quantized at load (not embeddings, norms, the lm_head or MoE "
              "routers); an fp8 checkpoint is served in its own fp8 blocks without this flag",
         default_help="the checkpoint's own quantization, else none")
+    activation_quantization: str | None = _knob(
+        None, choices=("dynamic",),
+        help="with --quantization: also quantize each token's activations to the weights' "
+             "dtype in the step (per-token scale) and multiply in it -- w8a8, for int8 or fp8 "
+             "matrix units (TPU v5e/v6e int8, H100 fp8); without it activations stay in the "
+             "model dtype (w8a16)", default_help="none (w8a16)")
     max_model_len: int | None = _knob(None, help="context length (prompt + output)",
                                       default_help="the model's max_position_embeddings")
     # None = default_max_num_seqs for the platform, resolved at construction.
@@ -122,6 +128,8 @@ class EngineConfig:
             raise bad("kv_cache_dtype", f"must be one of {_KV_CACHE_DTYPES}")
         if self.quantization is not None and self.quantization not in _QUANTIZATIONS:
             raise bad("quantization", f"must be one of {_QUANTIZATIONS} (or unset)")
+        if self.activation_quantization not in (None, "dynamic"):
+            raise bad("activation_quantization", "must be 'dynamic' (or unset)")
         if self.load_format not in _LOAD_FORMATS:
             raise bad("load_format", f"must be one of {_LOAD_FORMATS}")
         if self.scheduling_policy not in _POLICIES:

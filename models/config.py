@@ -53,6 +53,9 @@ class WeightQuant:
     method: str                   # a key of WEIGHT_QUANT_DTYPES
     block_in: int | None = None
     block_out: int | None = None  # a checkpoint's; None when quantized at load
+    # True: activations quantized per token to the same dtype in the step and the matmul
+    # run in it (w8a8); False: activations stay in the model dtype (w8a16).
+    dynamic_activations: bool = False
 
     def __post_init__(self) -> None:
         if self.method not in WEIGHT_QUANT_DTYPES:
@@ -67,17 +70,30 @@ class WeightQuant:
         return WEIGHT_QUANT_DTYPES[self.method]
 
 
-def resolve_weight_quant(method: str | None, checkpoint: WeightQuant | None) -> WeightQuant | None:
+def resolve_weight_quant(method: str | None, checkpoint: WeightQuant | None,
+                         activations: str | None = None) -> WeightQuant | None:
     """How the engine stores the weights: a quantized checkpoint's own quantization
     (`method` may only repeat it, as vLLM requires), else `method` per output channel
-    (None: unquantized)."""
+    (None: unquantized). activations "dynamic": w8a8 (per-channel weights only)."""
     if checkpoint is not None:
         if method not in (None, checkpoint.method):
             raise ValueError(f"quantization={method!r}: the checkpoint is already "
                              f"{checkpoint.method}-quantized (its config.json "
                              f"quantization_config); omit the flag or pass {checkpoint.method}")
+        if activations is not None:
+            raise ValueError(f"activation_quantization={activations!r}: the checkpoint's "
+                             f"{checkpoint.method} block scales are applied per weight block; "
+                             f"quantized activations need per-output-channel weights (serve "
+                             f"an unquantized checkpoint with --quantization)")
         return checkpoint
-    return None if method is None else WeightQuant(method)
+    if method is None:
+        if activations is not None:
+            raise ValueError(f"activation_quantization={activations!r} needs --quantization "
+                             f"(fp8 or int8): the activations take the weights' dtype")
+        return None
+    if activations not in (None, "dynamic"):
+        raise ValueError(f"activation_quantization={activations!r}: expected 'dynamic' or none")
+    return WeightQuant(method, dynamic_activations=activations == "dynamic")
 
 
 @dataclass(frozen=True)

@@ -83,7 +83,7 @@ class Einsum(nn.Module):
         if self.quant is not None:
             y = quantized_matmul(x, *quantized_param(self, "kernel", self.shape, self.axes, n,
                                                      self.quant), n, self.quant.block_in,
-                                 self.dtype, self.out_dtype)
+                                 self.dtype, self.out_dtype, self.quant.dynamic_activations)
             return self._add_bias(y)
         w = logical_param(self, "kernel", nn.initializers.normal(INIT_STD), self.shape, self.axes, self.dtype)
         if n > 1:

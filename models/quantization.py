@@ -92,19 +92,49 @@ def dequantize(q: Any, scale: Any, num_contract: int, block: int | None, dtype: 
     return w.astype(dtype).reshape(q.shape)
 
 
+def quantize_rows(x: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array]:
+    """Dynamic activation quantization: each row (token) of x [..., I] in `dtype` with its
+    own float32 scale [..., 1] (absmax / qmax), computed in the step."""
+    x32 = x.astype(jnp.float32)
+    absmax = jnp.max(jnp.abs(x32), axis=-1, keepdims=True)
+    top = qmax(dtype)
+    scale = jnp.where(absmax > 0, absmax / top, 1.0)
+    y = jnp.clip(x32 / scale, -top, top)
+    if np.dtype(dtype) == np.int8:
+        y = jnp.round(y)
+    return y.astype(dtype), scale
+
+
+def int_or_float_dot(a: jax.Array, b: jax.Array) -> jax.Array:
+    """a @ b of two quantized operands in their own dtype: int8 x int8 accumulates in
+    int32 (exact), fp8 x fp8 in float32; as float32."""
+    acc = jnp.int32 if a.dtype == jnp.int8 else jnp.float32
+    return jnp.dot(a, b, preferred_element_type=acc).astype(jnp.float32)
+
+
 def quantized_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, num_contract: int,
-                     block: int | None, dtype: Any, out_dtype: Any = None) -> jax.Array:
+                     block: int | None, dtype: Any, out_dtype: Any = None,
+                     dynamic_activations: bool = False) -> jax.Array:
     """x [..., in...] @ the kernel q * scale -> [..., out...], computed in `dtype`.
 
     One scale per output channel: the scale multiplies the matmul's output (exact, and
     the kernel is only converted, which XLA fuses into the dot's operand). Block scales:
-    the kernel is dequantized first (XLA fuses that into the operand as well)."""
+    the kernel is dequantized first (XLA fuses that into the operand as well).
+    dynamic_activations (per-channel scales only): x is quantized per token to the
+    kernel's dtype and the product runs in that dtype (w8a8: int8 or fp8 matmul units),
+    both scales applied to the output."""
     n = num_contract
     out_shape = q.shape[n:]
     x2 = x.astype(dtype).reshape(*x.shape[:x.ndim - n], -1)
-    if scale.shape[0] == 1:
-        y = jnp.dot(x2, q.astype(dtype).reshape(-1, math.prod(out_shape)),
-                    preferred_element_type=jnp.float32)
+    q2 = q.reshape(-1, math.prod(out_shape))
+    if dynamic_activations:
+        if scale.shape[0] != 1:
+            raise ValueError("dynamic activation quantization needs per-output-channel "
+                             "weight scales, not block scales")
+        xq, x_scale = quantize_rows(x2, q.dtype)
+        y = (int_or_float_dot(xq, q2) * x_scale * scale.reshape(-1)).astype(out_dtype or dtype)
+    elif scale.shape[0] == 1:
+        y = jnp.dot(x2, q2.astype(dtype), preferred_element_type=jnp.float32)
         y = y * scale.reshape(-1)
         y = y.astype(out_dtype or dtype)
     else:

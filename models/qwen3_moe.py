@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from models.layers import INIT_STD, MLP, Einsum, logical_param, quantized_param
-from models.quantization import dequantize
+from models.quantization import dequantize, quantize_rows
 from models.llama import LlamaForCausalLM
 from sharding.mesh import MODEL
 from sharding.parallel import over_model_axis
@@ -64,9 +64,15 @@ class SparseMoeBlock(nn.Module):
             def matmul(a, w, i):
                 if not per_channel:
                     return jax.lax.ragged_dot(a, w, group_sizes)
+                rows = scales[i][flat_expert[order], 0]                    # [T*k, out]
+                if cfg.weight_quant.dynamic_activations:                   # w8a8
+                    aq, a_scale = quantize_rows(a, w.dtype)
+                    acc = jnp.int32 if w.dtype == jnp.int8 else jnp.float32
+                    y = jax.lax.ragged_dot(aq, w, group_sizes, preferred_element_type=acc)
+                    return (y.astype(jnp.float32) * a_scale * rows).astype(dt)
                 y = jax.lax.ragged_dot(a, w.astype(dt), group_sizes,
                                        preferred_element_type=jnp.float32)
-                return (y * scales[i][flat_expert[order], 0]).astype(dt)   # [T*k, out]
+                return (y * rows).astype(dt)
 
             gate = matmul(xs, w_gate, 0)                                   # [T*k, F]
             up = matmul(xs, w_up, 1)

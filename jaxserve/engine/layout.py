@@ -60,7 +60,8 @@ def engine_layout(config: EngineConfig, mc: ModelConfig, mesh: Mesh) -> EngineLa
     config = config.for_platform(platform)   # (idempotent: the engine resolved it already)
     dtype = resolve_dtype(config.dtype, mc)
     kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, dtype)
-    weight_quant = resolve_weight_quant(config.quantization, mc.weight_quant)
+    weight_quant = resolve_weight_quant(config.quantization, mc.weight_quant,
+                                        config.activation_quantization)
     max_model_len = config.max_model_len or mc.max_position_embeddings
     if max_model_len > mc.max_position_embeddings:
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's "

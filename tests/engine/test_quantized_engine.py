@@ -104,10 +104,13 @@ def test_quantized_engine_compiles_nothing_after_warmup(checkpoint):
 # Next-token top-1 agreement with the float32 engine over every prompt position (a
 # random tiny model: flat distributions, so a pessimistic figure; benchmarks/
 # quantization.py records the rates per scheme). Floors a little under the rates seen.
-# Seen (llama, 792 positions): KV fp8 0.966, KV int8 0.970, int8 weights 0.977, fp8
-# weights 0.929, both int8 0.970, both fp8 0.929.
-AGREEMENT_FLOOR = {(None, "fp8"): 0.93, (None, "int8"): 0.93, ("int8", "auto"): 0.93,
-                   ("fp8", "auto"): 0.88, ("int8", "int8"): 0.93, ("fp8", "fp8"): 0.88}
+# (weights, KV cache, activations). Seen (llama, 792 positions): KV fp8 0.966, KV int8
+# 0.970, int8 weights 0.977, fp8 weights 0.929, both int8 0.970, both fp8 0.929,
+# w8a8 int8 0.977, w8a8 fp8 0.920.
+AGREEMENT_FLOOR = {(None, "fp8", None): 0.93, (None, "int8", None): 0.93,
+                   ("int8", "auto", None): 0.93, ("fp8", "auto", None): 0.88,
+                   ("int8", "int8", None): 0.93, ("fp8", "fp8", None): 0.88,
+                   ("int8", "auto", "dynamic"): 0.9, ("fp8", "auto", "dynamic"): 0.85}
 
 
 def test_next_token_agreement_with_the_float_engine(checkpoint, no_warmup):
@@ -126,10 +129,11 @@ def test_next_token_agreement_with_the_float_engine(checkpoint, no_warmup):
 
     ref_best, ref_lp = top1()
     rates = {}
-    for (quantization, kv), floor in AGREEMENT_FLOOR.items():
-        best, lp = top1(quantization=quantization, kv_cache_dtype=kv)
-        rates[(quantization, kv)] = (float(np.mean(best == ref_best)),
-                                     float(np.mean(np.abs(lp - ref_lp))))
+    for quantization, kv, activations in AGREEMENT_FLOOR:
+        best, lp = top1(quantization=quantization, kv_cache_dtype=kv,
+                        activation_quantization=activations)
+        rates[(quantization, kv, activations)] = (float(np.mean(best == ref_best)),
+                                                  float(np.mean(np.abs(lp - ref_lp))))
     print("top-1 agreement, mean |dlogprob|:", rates)
     for key, floor in AGREEMENT_FLOOR.items():
         assert rates[key][0] >= floor, (key, rates[key])

@@ -85,6 +85,33 @@ def test_quantized_matmul_is_the_matmul_of_the_dequantized_kernel(shape, n, bloc
         np.testing.assert_allclose(np.asarray(got), np.tensordot(x, w, axes=n), rtol=0.1, atol=0.5)
 
 
+@pytest.mark.parametrize("shape,n", [((48, 4, 8), 1), ((4, 12, 40), 2)])
+def test_dynamic_activations_multiply_quantized_rows(shape, n):
+    """w8a8: each token quantized with its own scale, the product in the weights' dtype
+    (int8 accumulates exactly in int32) -- the matmul of the dequantized operands."""
+    from models.quantization import quantize_rows
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal(shape).astype(np.float32)
+    x = rng.standard_normal((5, *shape[:n])).astype(np.float32)
+    x[1] *= 30.0                                   # rows keep their own scales
+    for dtype in (np.dtype(np.int8), FP8):
+        q, scale = quantize(w, dtype, n, None)
+        got = quantized_matmul(jnp.asarray(x), jnp.asarray(q), jnp.asarray(scale), n, None,
+                               jnp.float32, dynamic_activations=True)
+        xq, xs = quantize_rows(jnp.asarray(x.reshape(5, -1)), dtype)
+        x_deq = np.asarray(xq).astype(np.float32) * np.asarray(xs)
+        deq = np.asarray(dequantize(jnp.asarray(q), jnp.asarray(scale), n, None, jnp.float32))
+        want = x_deq @ deq.reshape(x_deq.shape[1], -1)
+        np.testing.assert_allclose(np.asarray(got).reshape(5, -1), want, rtol=1e-5, atol=1e-4)
+        full = np.tensordot(x, w, axes=n).reshape(5, -1)
+        err = np.abs(np.asarray(got).reshape(5, -1) - full).max(axis=1)
+        assert (err < 0.15 * np.abs(full).max(axis=1)).all(), err
+    with pytest.raises(ValueError, match="per-output-channel"):
+        q, scale = quantize(w, np.dtype(np.int8), n, 16)
+        quantized_matmul(jnp.asarray(x), jnp.asarray(q), jnp.asarray(scale), n, 16, jnp.float32,
+                         dynamic_activations=True)
+
+
 def test_quantization_flag_must_match_a_quantized_checkpoint():
     ckpt = WeightQuant("fp8", block_in=128, block_out=128)
     assert resolve_weight_quant(None, ckpt) == ckpt
@@ -93,6 +120,11 @@ def test_quantization_flag_must_match_a_quantized_checkpoint():
         resolve_weight_quant("int8", ckpt)
     assert resolve_weight_quant("int8", None) == WeightQuant("int8")
     assert resolve_weight_quant(None, None) is None
+    assert resolve_weight_quant("fp8", None, "dynamic") == WeightQuant("fp8", dynamic_activations=True)
+    with pytest.raises(ValueError, match="needs --quantization"):
+        resolve_weight_quant(None, None, "dynamic")
+    with pytest.raises(ValueError, match="per-output-channel weights"):
+        resolve_weight_quant(None, ckpt, "dynamic")
 
 
 def test_unsupported_checkpoint_quantization_is_refused():

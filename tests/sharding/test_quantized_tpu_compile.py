@@ -21,11 +21,14 @@ def tiny(tmp_path_factory) -> str:
                                 intermediate_size=256, head_dim=128)
 
 
-@pytest.mark.parametrize("target,mesh,scheme", [("tpu-v6e", "1x1", "fp8"), ("tpu-v6e", "1x4", "fp8"),
-                                                ("tpu-v5e", "1x1", "int8")])
-def test_quantized_forward_compiles_and_the_planner_agrees(tiny, target, mesh, scheme):
+@pytest.mark.parametrize("target,mesh,scheme,activations", [
+    ("tpu-v6e", "1x1", "fp8", None), ("tpu-v6e", "1x4", "fp8", None),
+    ("tpu-v5e", "1x1", "int8", None), ("tpu-v5e", "1x4", "int8", "dynamic")])
+def test_quantized_forward_compiles_and_the_planner_agrees(tiny, target, mesh, scheme, activations):
+    """w8a16 everywhere; w8a8 int8 (the int8 MXU) on v5e too."""
     r = compile_plan(tiny, target=target, mesh=mesh, quantization=scheme, kv_cache_dtype=scheme,
-                     max_model_len=256, select=lambda progs: progs[:1])
+                     activation_quantization=activations, max_model_len=256,
+                     select=lambda progs: progs[:1])
     (p,) = r.programs
     assert r.error is None and p.compiled, p.error
     # The planner, from the config alone, gives the engine's weights and cache bytes ...
@@ -39,3 +42,23 @@ def test_quantized_forward_compiles_and_the_planner_agrees(tiny, target, mesh, s
     bf16 = make_plan(load_model_config(tiny), model=tiny, mesh=mesh, max_model_len=256)
     assert plan.kv_bytes_per_token_per_device * 2 == bf16.kv_bytes_per_token_per_device
     assert plan.weight_bytes_per_device < 0.7 * bf16.weight_bytes_per_device
+
+
+def test_w8a8_int8_multiplies_in_int8_on_v5e():
+    """Dynamic activations: XLA:TPU gets an s8 x s8 -> s32 product (the int8 MXU), not
+    a float matmul of converted operands."""
+    import jax
+    import jax.numpy as jnp
+
+    from models.quantization import quantized_matmul
+    from tests.tpu_compile import compile_on_tpu
+    f = lambda x, q, s: quantized_matmul(x, q, s, 1, None, jnp.bfloat16, dynamic_activations=True)
+    text = compile_on_tpu(f, jax.ShapeDtypeStruct((256, 1024), jnp.bfloat16),
+                          jax.ShapeDtypeStruct((1024, 512), jnp.int8),
+                          jax.ShapeDtypeStruct((1, 512), jnp.float32), target="tpu-v5e").as_text()
+    import re
+    products = re.findall(r"= (\w+)\[[^\]]*\]\S* (?:convolution|dot)\((%[\w.]+), (%[\w.]+)\)", text)
+    types = {m.group(1): m.group(2) for m in re.finditer(r"(%[\w.]+) = (\w+)\[", text)}
+    assert products
+    for result, a, b in products:
+        assert (result, types[a], types[b]) == ("s32", "s8", "s8")
