@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from tests.checkpoints import make_tiny_checkpoint
 from tests.engine.conftest import assert_no_leaks
 
 PROMPT_LENS = (5, 20, 33, 70)
@@ -43,14 +42,6 @@ def no_warmup(monkeypatch):
     monkeypatch.setattr(ModelRunner, "warmup", lambda self, *a, **k: None)
 
 
-@pytest.fixture(scope="module")
-def qwen3_5(tmp_path_factory) -> str:
-    """A hybrid with 8 query / 2 KV heads and 4 key heads, so it splits over 1x2."""
-    return make_tiny_checkpoint("qwen3_5", tmp_path_factory.mktemp("q35"), num_attention_heads=8,
-                                num_key_value_heads=2, linear_num_key_heads=4,
-                                linear_num_value_heads=8)
-
-
 def test_kv_scales_int8_calibrated_fp8_one(checkpoint, no_warmup):
     path = checkpoint("llama")
     for kv, calibrated in (("int8", True), ("fp8", False)):
@@ -78,12 +69,13 @@ def test_prefix_hits_give_the_tokens_of_a_cold_run(checkpoint, quantization, kv,
     assert_no_leaks(llm.engine)
 
 
-def test_quantized_hybrid_on_a_mesh_matches_one_device(qwen3_5, no_warmup):
-    """Quantized kernels, their scales and the KV scales split over the model axis:
-    the tokens of one device."""
-    kw = dict(quantization="int8", kv_cache_dtype="int8")
-    one = _engine(qwen3_5, **kw).generate(_prompts(), GREEDY, use_tqdm=False)
-    two = _engine(qwen3_5, mesh="1x2", **kw).generate(_prompts(), GREEDY, use_tqdm=False)
+def test_quantized_moe_on_a_mesh_matches_one_device(checkpoint, no_warmup):
+    """Quantized kernels (experts' included), their scales and the KV scales split over
+    the model axis: the tokens of one device. (A quantized hybrid on 1x1:
+    tests/models/test_quantization.py's FP8 checkpoint.)"""
+    path, kw = checkpoint("qwen3_moe"), dict(quantization="int8", kv_cache_dtype="int8")
+    one = _engine(path, **kw).generate(_prompts(), GREEDY, use_tqdm=False)
+    two = _engine(path, mesh="1x2", **kw).generate(_prompts(), GREEDY, use_tqdm=False)
     assert _tokens(two) == _tokens(one)
     np.testing.assert_allclose(_logprobs(two), _logprobs(one), atol=1e-3)
 
