@@ -1,4 +1,4 @@
-"""After warmup, nothing compiles: 200 random requests with every sampling feature."""
+"""After warmup, nothing compiles: random requests with every sampling feature."""
 from __future__ import annotations
 
 import random
@@ -9,9 +9,11 @@ from jaxserve import LLM, SamplingParams
 from tests.engine.conftest import assert_no_leaks
 
 
-# qwen3_5_moe: a hybrid (recurrent-state slots, DeltaNet chunk loops) with a shared-expert MoE.
-@pytest.mark.parametrize("kind", ["qwen3_moe", "qwen3_5_moe"])
-def test_200_random_requests_compile_nothing_new(checkpoint, kind):
+# qwen3_5_moe: a hybrid (recurrent-state slots, DeltaNet chunk loops) with a shared-expert
+# MoE; half the requests (its CPU steps cost several times the dense model's, and the
+# random features are the same).
+@pytest.mark.parametrize("kind,num_requests", [("qwen3_moe", 200), ("qwen3_5_moe", 100)])
+def test_random_requests_compile_nothing_new(checkpoint, kind, num_requests):
     llm = LLM(checkpoint(kind), dtype="float32", max_model_len=128, max_num_seqs=16,
               max_num_batched_tokens=64)
     engine = llm.engine
@@ -19,7 +21,7 @@ def test_200_random_requests_compile_nothing_new(checkpoint, kind):
     before = engine.num_compilations
     rng = random.Random(0)
     prompts, params = [], []
-    for _ in range(200):
+    for _ in range(num_requests):
         n = rng.randint(1, 90)
         prompts.append({"prompt_token_ids": [rng.randrange(3, 256) for _ in range(n)]})
         kw = dict(max_tokens=rng.randint(1, 128 - n - 1), ignore_eos=rng.random() < 0.5)
@@ -43,7 +45,7 @@ def test_200_random_requests_compile_nothing_new(checkpoint, kind):
             kw.update(stop_token_ids=[rng.randrange(3, 256)], min_tokens=min(2, kw["max_tokens"]))
         params.append(SamplingParams(**kw))
     outs = llm.generate(prompts, params, use_tqdm=False)
-    assert len(outs) == 200 and all(o.finished for o in outs)
+    assert len(outs) == num_requests and all(o.finished for o in outs)
     assert all(len(o.outputs) == p.n for o, p in zip(outs, params))
     assert engine.num_compilations == before, "something compiled after warmup"
     assert_no_leaks(engine)
