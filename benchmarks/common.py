@@ -23,8 +23,8 @@ def make_word_tokenizer(path: str, vocab_size: int) -> None:
                             eos_token="</s>").save_pretrained(path)
 
 
-def make_qwen3(path: str, config: dict, seed: int = 0) -> str:
-    """A random-weight Qwen3 with `config` saved as float32 safetensors, with a word-level
+def make_qwen3(path: str, config: dict, seed: int = 0, dtype: str = "float32") -> str:
+    """A random-weight Qwen3 with `config` saved as `dtype` safetensors, with a word-level
     tokenizer over its whole vocabulary; reused when `path` already holds one."""
     if os.path.exists(os.path.join(path, "tokenizer.json")):
         return path
@@ -32,7 +32,8 @@ def make_qwen3(path: str, config: dict, seed: int = 0) -> str:
     from transformers import Qwen3Config, Qwen3ForCausalLM
     torch.manual_seed(seed)
     cfg = Qwen3Config(**config, eos_token_id=None, bos_token_id=None)
-    model = Qwen3ForCausalLM(cfg).to(torch.float32)
+    # Built in its dtype: a large model is never held in float32 first.
+    model = Qwen3ForCausalLM._from_config(cfg, torch_dtype=getattr(torch, dtype))
     model.save_pretrained(path, safe_serialization=True)
     make_word_tokenizer(path, config["vocab_size"])
     return path

@@ -34,6 +34,7 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
+from benchmarks.common import make_qwen3  # noqa: E402
 from benchmarks.results_io import markdown_table, write_results  # noqa: E402
 
 CONFIG: dict[str, Any] = dict(
@@ -44,8 +45,7 @@ CONFIG: dict[str, Any] = dict(
 
 def write_checkpoint(path: Path) -> Path:
     """A random bf16 Qwen3 (CONFIG) at `path`, unless one is already there."""
-    if (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file():
-        return path
+    return Path(make_qwen3(str(path), CONFIG, dtype="bfloat16"))
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
     torch.manual_seed(0)
