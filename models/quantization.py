@@ -33,6 +33,7 @@ import ml_dtypes
 import numpy as np
 
 from models.config import WeightQuant
+from pallas_kernels.ragged_paged_attention.quant import quantize as quantize_with_scale
 
 SCALE_SUFFIX = "_scale"   # a quantized kernel "k" has its scale in param "k_scale"
 
@@ -95,14 +96,9 @@ def dequantize(q: Any, scale: Any, num_contract: int, block: int | None, dtype: 
 def quantize_rows(x: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array]:
     """Dynamic activation quantization: each row (token) of x [..., I] in `dtype` with its
     own float32 scale [..., 1] (absmax / qmax), computed in the step."""
-    x32 = x.astype(jnp.float32)
-    absmax = jnp.max(jnp.abs(x32), axis=-1, keepdims=True)
-    top = qmax(dtype)
-    scale = jnp.where(absmax > 0, absmax / top, 1.0)
-    y = jnp.clip(x32 / scale, -top, top)
-    if np.dtype(dtype) == np.int8:
-        y = jnp.round(y)
-    return y.astype(dtype), scale
+    absmax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1, keepdims=True)
+    scale = jnp.where(absmax > 0, absmax / qmax(dtype), 1.0)
+    return quantize_with_scale(x, scale, dtype), scale
 
 
 def int_or_float_dot(a: jax.Array, b: jax.Array) -> jax.Array:
