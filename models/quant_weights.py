@@ -23,12 +23,6 @@ from models.quantization import SCALE_SUFFIX, quantize
 BLOCK_SCALE_SUFFIX = "_scale_inv"   # HF FP8 checkpoints: "<...>.weight_scale_inv"
 
 
-def is_quantized_dtype(dtype) -> bool:
-    """int8 or a float8 type: a quantized kernel's leaf."""
-    dtype = np.dtype(dtype)
-    return dtype.itemsize == 1 and dtype.kind in ("i", "V", "f")
-
-
 def scale_leaf(name: str) -> str:
     return name + SCALE_SUFFIX
 

@@ -31,11 +31,12 @@ from models.config import ModelConfig, WeightQuant
 from models.inputs import ModelInputs
 from models.layer_stack import layer_period
 from models.param_placement import Index, ParamTask, Progress, Reader, place_params
-from models.quant_weights import (block_scale_name, dequantize_block, is_quantized_dtype,
-                                  quantize_layout, scale_leaf, spread_block_scale)
+from models.quant_weights import (block_scale_name, dequantize_block, quantize_layout, scale_leaf,
+                                  spread_block_scale)
 from models.quantization import SCALE_SUFFIX, quantize, storage_dtype
 from models.registry import resolve_dtype
 from models.safetensors_io import SafeTensorsFile
+from pallas_kernels.ragged_paged_attention.quant import is_quantized
 
 logger = logging.getLogger("jaxserve")
 
@@ -96,7 +97,7 @@ def quantized_leaves(expected: dict[Path_, Any]) -> dict[Path_, tuple[str, Path_
     the kernel's path)."""
     out: dict[Path_, tuple[str, Path_]] = {}
     for path, sds in expected.items():
-        if is_quantized_dtype(sds.dtype):
+        if is_quantized(sds.dtype):
             out[path] = ("kernel", path)
             out[path[:-1] + (scale_leaf(path[-1]),)] = ("scale", path)
     return out
@@ -300,9 +301,7 @@ def checkpoint_tasks(model_dir: str | Path | None, cfg: ModelConfig, model: nn.M
                              open=lambda: lambda index: ones[index])
         role, kernel_path = quant.get(path, ("param", path))
         names = sources[path]
-        if role == "param":
-            nbytes = sum(where[n].nbytes(n) for n in names.flat)
-        elif role == "kernel":
+        if role != "scale":
             nbytes = sum(where[n].nbytes(n) for n in names.flat)
         else:   # the scale: its own tensor when the checkpoint has one, else nothing new read
             nbytes = sum(where[block_scale_name(n)].nbytes(block_scale_name(n))

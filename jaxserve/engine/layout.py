@@ -23,7 +23,8 @@ from models.cache_spec import CacheSpec, layer_cache_specs
 from models.config import ModelConfig, WeightQuant, resolve_weight_quant
 from models.registry import build_model, resolve_dtype, resolve_kv_dtype
 from models.weights import param_logical_axes
-from pallas_kernels.ragged_paged_attention import kv_cache_dtype_error, resolve_backend
+from pallas_kernels.ragged_paged_attention import (is_quantized, kv_cache_dtype_error,
+                                                    resolve_backend)
 from sharding import MODEL, check_model_axis, kv_head_layout, mesh_rules, param_shardings
 
 logger = logging.getLogger("jaxserve")
@@ -50,7 +51,7 @@ class EngineLayout:
         per-head KV scales when the cache is quantized."""
         return replace(self.model_config, num_kv_heads=self.kv_heads,
                        weight_quant=self.weight_quant,
-                       kv_cache_quantized=jnp.dtype(self.kv_dtype).itemsize == 1)
+                       kv_cache_quantized=is_quantized(self.kv_dtype))
 
 
 def engine_layout(config: EngineConfig, mc: ModelConfig, mesh: Mesh) -> EngineLayout:
@@ -72,7 +73,7 @@ def engine_layout(config: EngineConfig, mc: ModelConfig, mesh: Mesh) -> EngineLa
     specs = layer_cache_specs(replace(mc, num_kv_heads=kv_heads), kv_dtype=kv_dtype,
                               conv_state_dtype=dtype)
     backend = resolve_backend(config.attention_backend, platform)
-    if jnp.dtype(kv_dtype).itemsize == 1:   # quantized: a kernel that cannot read it is an error
+    if is_quantized(kv_dtype):   # a kernel that cannot read it is an error
         why = kv_cache_dtype_error(kv_dtype, platform=platform, backend=backend,
                                    head_dim=mc.head_dim, num_heads=mc.num_heads,
                                    num_kv_heads=kv_heads, page_size=config.page_size)

@@ -242,6 +242,7 @@ def make_plan(mc, *, model: str, mesh: str, dtype: str = "auto", kv_cache_dtype:
     from models.cache_spec import PagedKVSpec, RecurrentStateSpec, layer_cache_specs
     from models.config import SERVING_DTYPES, resolve_weight_quant
     from models.registry import resolve_dtype, resolve_kv_dtype
+    from pallas_kernels.ragged_paged_attention import is_quantized
     from sharding import check_model_axis, kv_head_layout
     from sharding.mesh import parse_mesh
 
@@ -253,7 +254,7 @@ def make_plan(mc, *, model: str, mesh: str, dtype: str = "auto", kv_cache_dtype:
     kv_dt = resolve_kv_dtype(kv_cache_dtype, dt)
     weight_quant = resolve_weight_quant(quantization, mc.weight_quant)
     kv_heads = kv_head_layout(mc.num_heads, mc.num_kv_heads, m)
-    w = weights or weight_figures(mc, m, dt.name, weight_quant, kv_dt.itemsize == 1)
+    w = weights or weight_figures(mc, m, dt.name, weight_quant, is_quantized(kv_dt))
     max_model_len = max_model_len or mc.max_position_embeddings
     tokens = max_num_batched_tokens or max(2048, max_num_seqs)
     specs = layer_cache_specs(replace(mc, num_kv_heads=kv_heads), kv_dtype=kv_dt,
