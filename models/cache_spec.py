@@ -18,7 +18,7 @@ from typing import Any, Union
 
 import numpy as np
 
-from models.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig
+from models.config import KV_LAYER_TYPES, LINEAR_ATTENTION, SLIDING_ATTENTION, ModelConfig
 from models.gated_deltanet import state_shapes
 
 
@@ -57,12 +57,16 @@ CacheSpec = Union[PagedKVSpec, RecurrentStateSpec, SharedKVSpec]
 
 def layer_cache_specs(cfg: ModelConfig, *, kv_dtype: Any, conv_state_dtype: Any
                       ) -> tuple[CacheSpec, ...]:
-    """One spec per layer, in layer order. cfg.num_kv_heads: as stored on the mesh."""
+    """One spec per layer, in layer order. cfg's KV heads: as stored on the mesh."""
     specs: list[CacheSpec] = []
     for i in range(cfg.num_layers):
         kind = cfg.layer_type(i)
-        if kind == FULL_ATTENTION:
-            specs.append(PagedKVSpec(cfg.num_kv_heads, cfg.head_dim, np.dtype(kv_dtype)))
+        if kind in KV_LAYER_TYPES and cfg.is_kv_shared(i):
+            specs.append(SharedKVSpec(cfg.kv_source(i)))
+        elif kind in KV_LAYER_TYPES:
+            window = cfg.sliding_window if kind == SLIDING_ATTENTION else None
+            specs.append(PagedKVSpec(cfg.layer_num_kv_heads(i), cfg.layer_head_dim(i),
+                                     np.dtype(kv_dtype), window))
         elif kind == LINEAR_ATTENTION:
             arrays = state_shapes(cfg, 1, conv_state_dtype)
             specs.append(RecurrentStateSpec(tuple(a.shape[1:] for a in arrays),

@@ -21,6 +21,8 @@ _MODEL_TYPE_TO_ARCH = {
     "qwen3_5_text": "Qwen3_5ForCausalLM",
     "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
     "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+    "gemma4": "Gemma4ForConditionalGeneration",
+    "gemma4_text": "Gemma4ForCausalLM",
 }
 # Architectures served (models/registry.py maps each to its module).
 SUPPORTED_ARCHITECTURES = tuple(sorted((
@@ -35,12 +37,19 @@ SERVING_DTYPES = ("float32", "bfloat16", "float16")
 # Weight quantization methods (--quantization) -> the dtype the linear layers' kernels
 # are stored in (models/quantization.py does the arithmetic).
 WEIGHT_QUANT_DTYPES = {"fp8": "float8_e4m3fn", "int8": "int8"}
+# Gemma 4: sliding-window layers beside global (full) ones, per-layer embeddings, KV sharing.
+GEMMA4_ARCHS = frozenset(("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"))
 FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
+SLIDING_ATTENTION = "sliding_attention"
+# Layer types that keep a paged KV cache (a kind each: models/layer_stack.py).
+KV_LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
 # Families whose attention has q_norm / k_norm (RMSNorm over head_dim, before RoPE).
-_QK_NORM_ARCHS = frozenset({"Qwen3ForCausalLM", "Qwen3MoeForCausalLM"}) | HYBRID_ARCHS
+_QK_NORM_ARCHS = frozenset({"Qwen3ForCausalLM", "Qwen3MoeForCausalLM"}) | HYBRID_ARCHS | GEMMA4_ARCHS
 _QK_NORM_MODEL_TYPES = frozenset({"qwen3", "qwen3_moe"})
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "proportional")
+# MLP activations: SwiGLU (silu) and Gemma's GeGLU (tanh-approximated gelu).
+SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 @dataclass(frozen=True)
@@ -142,6 +151,23 @@ class ModelConfig:
     # Run config only: the KV cache is stored quantized, so each attention layer holds
     # per-kv-head K and V scales (param "kv_scale", models/layers.py).
     kv_cache_quantized: bool = False
+    hidden_act: str = "silu"                         # a SUPPORTED_ACTIVATIONS name
+    # Gemma 4. Sliding-window layers (layer type SLIDING_ATTENTION) see the last
+    # `sliding_window` positions, RoPE theta sliding_rope_theta, head_dim / num_kv_heads;
+    # the global (FULL_ATTENTION) layers of such a model have their own head dim and KV
+    # heads (0: the same), RoPE from rope_theta / rope_scaling ("proportional").
+    sliding_window: int | None = None
+    sliding_rope_theta: float = 10000.0
+    full_head_dim: int = 0
+    full_num_kv_heads: int = 0
+    attention_k_eq_v: bool = False                   # global layers: V from k_proj, no v_proj
+    final_logit_softcapping: float | None = None     # logits = cap * tanh(logits / cap)
+    # The last num_kv_shared_layers layers compute no K/V: each reads the KV of the last
+    # earlier layer of its type (kv_source); with use_double_wide_mlp their MLP is 2x wide.
+    num_kv_shared_layers: int = 0
+    use_double_wide_mlp: bool = False
+    hidden_size_per_layer_input: int = 0             # per-layer embeddings (0: none)
+    vocab_size_per_layer_input: int = 0
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
@@ -159,7 +185,7 @@ class ModelConfig:
             if len(self.layer_types) != self.num_layers:
                 raise ValueError(f"layer_types has {len(self.layer_types)} entries for "
                                  f"{self.num_layers} layers")
-            bad = set(self.layer_types) - {FULL_ATTENTION, LINEAR_ATTENTION}
+            bad = set(self.layer_types) - {FULL_ATTENTION, LINEAR_ATTENTION, SLIDING_ATTENTION}
             if bad:
                 raise ValueError(f"unsupported layer types {sorted(bad)}")
         if self.is_hybrid:
@@ -170,6 +196,20 @@ class ModelConfig:
             if self.linear_num_value_heads % self.linear_num_key_heads:
                 raise ValueError(f"linear_num_value_heads {self.linear_num_value_heads} is not a "
                                  f"multiple of linear_num_key_heads {self.linear_num_key_heads}")
+        if self.hidden_act not in SUPPORTED_ACTIVATIONS:
+            raise ValueError(f"hidden_act {self.hidden_act!r} is not supported; expected one of "
+                             f"{SUPPORTED_ACTIVATIONS}")
+        if SLIDING_ATTENTION in self.layer_types and not (self.sliding_window or 0) > 0:
+            raise ValueError("sliding-attention layers need a positive sliding_window")
+        if not 0 <= self.num_kv_shared_layers < self.num_layers:
+            raise ValueError(f"num_kv_shared_layers={self.num_kv_shared_layers}: must be in "
+                             f"[0, {self.num_layers})")
+        for i in range(self.num_layers - self.num_kv_shared_layers, self.num_layers):
+            self.kv_source(i)   # raises when no earlier layer of its type computes KV
+        for i in self.kv_layers():
+            if self.num_heads % self.layer_num_kv_heads(i):
+                raise ValueError(f"layer {i}: num_heads {self.num_heads} is not a multiple of "
+                                 f"its {self.layer_num_kv_heads(i)} KV heads")
         if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
             raise ValueError(f"partial_rotary_factor {self.partial_rotary_factor} gives an invalid "
                              f"rotary dimension {self.rotary_dim} for head_dim {self.head_dim}")
@@ -196,8 +236,9 @@ class ModelConfig:
 
     @property
     def full_attention_layers(self) -> tuple[int, ...]:
-        """Layers with a paged KV cache."""
-        return tuple(i for i in range(self.num_layers) if self.layer_type(i) == FULL_ATTENTION)
+        """Global-attention layers that own a paged KV cache (all KV layers but Gemma's
+        sliding-window ones)."""
+        return self.kv_layers(FULL_ATTENTION)
 
     @property
     def linear_attention_layers(self) -> tuple[int, ...]:
@@ -221,6 +262,53 @@ class ModelConfig:
         rec = (self.linear_num_value_heads * self.linear_key_head_dim
                * self.linear_value_head_dim * 4)
         return len(self.linear_attention_layers) * (conv + rec)
+
+    @property
+    def is_gemma4(self) -> bool:
+        return self.architecture in GEMMA4_ARCHS
+
+    @property
+    def has_sliding_layers(self) -> bool:
+        return SLIDING_ATTENTION in self.layer_types
+
+    def layer_head_dim(self, i: int) -> int:
+        """Head dim of layer i's attention (Gemma 4's global layers have their own)."""
+        if self.layer_type(i) == FULL_ATTENTION and self.full_head_dim:
+            return self.full_head_dim
+        return self.head_dim
+
+    def layer_num_kv_heads(self, i: int) -> int:
+        """KV heads of layer i's attention (as stored, in a run config)."""
+        if self.layer_type(i) == FULL_ATTENTION and self.full_num_kv_heads:
+            return self.full_num_kv_heads
+        return self.num_kv_heads
+
+    def is_kv_shared(self, i: int) -> bool:
+        return i >= self.num_layers - self.num_kv_shared_layers
+
+    def kv_source(self, i: int) -> int:
+        """The layer whose KV cache layer i reads: itself, or for a KV-sharing layer the
+        last layer of the same type before the shared ones (as transformers' Gemma 4)."""
+        if not self.is_kv_shared(i):
+            return i
+        first_shared = self.num_layers - self.num_kv_shared_layers
+        kind = self.layer_type(i)
+        for j in range(first_shared - 1, -1, -1):
+            if self.layer_type(j) == kind:
+                return j
+        raise ValueError(f"layer {i} ({kind}) shares KV, but no earlier layer of its type "
+                         f"computes any")
+
+    def kv_layers(self, kind: str | None = None) -> tuple[int, ...]:
+        """Layers that own a paged KV cache (of layer type `kind`; None: any)."""
+        return tuple(i for i in range(self.num_layers)
+                     if self.layer_type(i) in KV_LAYER_TYPES and not self.is_kv_shared(i)
+                     and (kind is None or self.layer_type(i) == kind))
+
+    def mlp_width(self, i: int) -> int:
+        """Layer i's dense MLP width (Gemma 4 E2B: KV-sharing layers' are double)."""
+        wide = self.use_double_wide_mlp and self.is_kv_shared(i)
+        return self.intermediate_size * (2 if wide else 1)
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         """Same rule as transformers' Qwen3-MoE decoder layer."""
@@ -261,6 +349,11 @@ class ModelConfig:
             raise ValueError(f"Architecture {architecture!r} is not supported; "
                              f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
         t = d.get("text_config") or d  # multimodal wrappers keep the text model here
+        if architecture in GEMMA4_ARCHS:
+            from models.gemma4_config import gemma4_fields
+            return cls(**gemma4_fields(architecture, d, t),
+                       weight_quant=_parse_quantization(d.get("quantization_config")
+                                                        or t.get("quantization_config")))
 
         def need(key: str) -> Any:
             if t.get(key) is None:

@@ -16,3 +16,8 @@ class ModelInputs:
     num_seqs: jax.Array         # int32[1]   live requests (rows past it are padding)
     # Hybrid models only: recurrent-state slot of each row (0 = the null slot of padding rows).
     state_slots: jax.Array | None = None   # int32[R]
+    # Models with sliding-window layers (Gemma 4): those layers' pages are a KV group of
+    # their own (pages out of the window are freed), so they have their own slots and
+    # page table, as above. None: they use slot_mapping / page_table.
+    sliding_slot_mapping: jax.Array | None = None   # int32[T]
+    sliding_page_table: jax.Array | None = None     # int32[R, P]

@@ -5,9 +5,13 @@ layer's cache is a range of pages (or state slots) of one array, reached by addi
 offset to the page and slot ids:
     "kv"         [A * pages, 2K, S, H]   the full-attention layers' paged KV (A layers;
                                          each layer's page 0 is its null page)
+    "kv_sliding" [W * pages', 2K', S, H']  Gemma 4's sliding-window layers' (W layers, their
+                                         own pages: a KV group of its own, the plan's
+                                         num_sliding_pages)
     "conv"       [D * slots, Hk*G*(kc-1)]  the linear-attention layers' state (D layers;
     "recurrent"  [D * slots, Hv, Dk, Dv]    each layer's slot 0 is its null slot)
-The layers then differ only by an offset, which is what lets `jax.lax.scan` run one
+Layers that share another's KV (Gemma 4's last layers) own no slice: they read their
+source layer's (ModelConfig.kv_source). The layers then differ only by an offset, which is what lets `jax.lax.scan` run one
 compiled layer body over all of them (a per-layer array could not be indexed by the
 loop counter without copying it).
 
@@ -21,19 +25,31 @@ from typing import Any
 
 import jax
 
-from models.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig
+from models.config import FULL_ATTENTION, LINEAR_ATTENTION, SLIDING_ATTENTION, ModelConfig
 from models.gated_deltanet import state_shapes
 from pallas_kernels.ragged_paged_attention import make_kv_cache
 
-KV, CONV, RECURRENT = "kv", "conv", "recurrent"
+KV, KV_SLIDING, CONV, RECURRENT = "kv", "kv_sliding", "conv", "recurrent"
+# The paged KV array of each layer type that has one.
+KV_KIND = {FULL_ATTENTION: KV, SLIDING_ATTENTION: KV_SLIDING}
 # A quantized KV cache's scales [A, K, 2] (models/llama.py): a model parameter that rides
 # along with the caches through the layers, so each layer reads its slice as it reads
 # its pages (scanned layers included).
 KV_SCALE = "kv_scale"
 
 
-def layer_kind(cfg: ModelConfig, i: int) -> tuple[str, bool]:
-    return cfg.layer_type(i), cfg.is_moe_layer(i)
+def layer_kind(cfg: ModelConfig, i: int) -> tuple[str, bool, bool]:
+    return cfg.layer_type(i), cfg.is_moe_layer(i), cfg.is_kv_shared(i)
+
+
+def owns_cache(cfg: ModelConfig, i: int) -> bool:
+    return not cfg.is_kv_shared(i)
+
+
+def num_owners(cfg: ModelConfig, layer_type: str, layers: range | None = None) -> int:
+    """Layers of `layer_type` (among `layers`, default all) that own a cache slice."""
+    return sum(cfg.layer_type(i) == layer_type and owns_cache(cfg, i)
+               for i in (layers if layers is not None else range(cfg.num_layers)))
 
 
 def layer_period(cfg: ModelConfig) -> int:
@@ -46,24 +62,32 @@ def layer_period(cfg: ModelConfig) -> int:
 
 
 def cache_index(cfg: ModelConfig, i: int) -> int:
-    """Layer i's place among the layers of its kind: which slice of its cache it owns."""
-    kind = cfg.layer_type(i)
-    return sum(cfg.layer_type(j) == kind for j in range(i))
+    """Layer i's place among the cache-owning layers of its kind: which slice of its
+    cache it owns (a KV-sharing layer: its source's)."""
+    i = cfg.kv_source(i)
+    return num_owners(cfg, cfg.layer_type(i), range(i))
 
 
 def cache_shapes(cfg: ModelConfig, *, num_pages: int, page_size: int, kv_dtype: Any,
-                 num_state_slots: int, conv_state_dtype: Any) -> dict[str, jax.ShapeDtypeStruct]:
-    """The stacked caches of every layer (see the module docstring). num_pages and
-    num_state_slots are per layer, null page and null slot included; cfg.num_kv_heads
-    is the number stored (sharding.kv_head_layout)."""
+                 num_state_slots: int, conv_state_dtype: Any, num_sliding_pages: int | None = None
+                 ) -> dict[str, jax.ShapeDtypeStruct]:
+    """The stacked caches of every layer (see the module docstring). num_pages (the
+    global layers'), num_sliding_pages (the sliding-window layers'; None: num_pages) and
+    num_state_slots are per layer, null page and null slot included; the KV heads are
+    as stored (sharding.kv_head_layout)."""
     out: dict[str, jax.ShapeDtypeStruct] = {}
-    attention = sum(cfg.layer_type(i) == FULL_ATTENTION for i in range(cfg.num_layers))
-    linear = sum(cfg.layer_type(i) == LINEAR_ATTENTION for i in range(cfg.num_layers))
-    if attention:
+    linear = num_owners(cfg, LINEAR_ATTENTION)
+    for layer_type, kind in KV_KIND.items():
+        owners = cfg.kv_layers(layer_type)
+        if not owners:
+            continue
+        pages = num_pages if layer_type == FULL_ATTENTION or num_sliding_pages is None \
+            else num_sliding_pages
+        i = owners[0]
         # The page layout belongs to the kernel module: ask make_kv_cache for it.
-        kv = jax.eval_shape(lambda: make_kv_cache(num_pages, page_size, cfg.num_kv_heads,
-                                                  cfg.head_dim, kv_dtype))
-        out[KV] = jax.ShapeDtypeStruct((attention * kv.shape[0], *kv.shape[1:]), kv.dtype)
+        kv = jax.eval_shape(lambda: make_kv_cache(pages, page_size, cfg.layer_num_kv_heads(i),
+                                                  cfg.layer_head_dim(i), kv_dtype))
+        out[kind] = jax.ShapeDtypeStruct((len(owners) * kv.shape[0], *kv.shape[1:]), kv.dtype)
     if linear:
         conv, rec = state_shapes(cfg, num_state_slots, conv_state_dtype)
         out[CONV] = jax.ShapeDtypeStruct((linear * conv.shape[0], *conv.shape[1:]), conv.dtype)
@@ -74,4 +98,4 @@ def cache_shapes(cfg: ModelConfig, *, num_pages: int, page_size: int, kv_dtype: 
 def per_layer(cache: jax.Array, cfg: ModelConfig, layer_type: str) -> int:
     """Pages (the KV cache) or state slots (the recurrent state) each layer of
     `layer_type` owns in its stacked cache."""
-    return cache.shape[0] // sum(cfg.layer_type(i) == layer_type for i in range(cfg.num_layers))
+    return cache.shape[0] // num_owners(cfg, layer_type)

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from models.config import FULL_ATTENTION, ModelConfig
 from models.inputs import ModelInputs
-from models.layer_stack import KV, KV_SCALE, cache_index, layer_period, per_layer
+from models.layer_stack import KV, KV_SCALE, cache_index, layer_period, num_owners, per_layer
 from models.layers import MLP, Attention, Einsum, Embed, RMSNorm, logical_param
 
 Dtype = Any
@@ -67,7 +67,7 @@ class LayerBlock(nn.Module):
         period = layer_period(cfg)
         for j in range(period):
             # Layers of j's kind per block, times the block, plus j's place in its block.
-            same_kind = sum(cfg.layer_type(i) == cfg.layer_type(j) for i in range(period))
+            same_kind = num_owners(cfg, cfg.layer_type(j), range(period))
             layer = self.model_cls.make_layer(cfg, self.dtype, self.attention_backend, j,
                                               name=f"layers_{j}")
             x, caches = layer(x, caches, inputs, block * same_kind + cache_index(cfg, j))
