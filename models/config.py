@@ -28,7 +28,8 @@ _MODEL_TYPE_TO_ARCH = {
 SUPPORTED_ARCHITECTURES = tuple(sorted((
     "LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
     "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration",
-    "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")))
+    "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration",
+    "Gemma4ForCausalLM", "Gemma4ForConditionalGeneration")))
 # Qwen3.5 / Qwen3.6: hybrid Gated DeltaNet + gated attention (dense and MoE).
 HYBRID_ARCHS = frozenset(a for a in SUPPORTED_ARCHITECTURES if a.startswith("Qwen3_5"))
 # What weights and activations may be computed in (the "auto" rule is

@@ -46,16 +46,25 @@ class RMSNorm(nn.Module):
     plus_one=False: plain w, cast back before the multiply (Llama / Qwen3).
     plus_one=True: (1 + w) applied in float32, then cast (Qwen3.5; the weight is stored
     as the offset from one, param "offset_scale", zeros at init).
+    weight_f32=True: plain w applied in float32, then cast (Gemma 4).
+    use_weight=False: no weight at all (Gemma 4's v_norm and router norm).
     """
     dim: int
     eps: float
     dtype: Dtype = jnp.float32
     plus_one: bool = False
+    weight_f32: bool = False
+    use_weight: bool = True
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if not self.use_weight:
+            return y.astype(x.dtype)
+        if self.weight_f32:
+            w = logical_param(self, "scale", nn.initializers.ones, (self.dim,), ("norm",), self.dtype)
+            return (y * w.astype(jnp.float32)).astype(x.dtype)
         if self.plus_one:
             w = logical_param(self, "offset_scale", nn.initializers.zeros, (self.dim,), ("norm",),
                               self.dtype)
@@ -157,6 +166,13 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
         blended = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
         return np.where(medium, blended, scaled).astype(np.float32)
+    if kind == "proportional":
+        # Gemma 4's global layers: the first fraction of the frequencies as default RoPE
+        # over the whole head (exponents / head_dim), the rest 0, so dims i and i + H/2
+        # rotate for the first ones and pass through for the others.
+        angles = int(scaling["partial_rotary_factor"] * head_dim // 2)
+        inv = np.concatenate([inv[:angles], np.zeros(head_dim // 2 - angles, np.float32)])
+        return (inv / np.float32(scaling.get("factor", 1.0))).astype(np.float32)
     raise ValueError(f"unsupported rope type {kind!r}")
 
 
@@ -221,46 +237,62 @@ class Attention(nn.Module):
         return out, cache
 
 
-@partial(jax.jit, static_argnames=("sm_scale", "impl", "interpret"))
+@partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "impl", "interpret"))
 def _write_and_attend(q, k, v, cache, kv_scale, slots, seq_lens, page_table, query_start_loc,
-                      num_seqs, first_page, *, sm_scale: float, impl: str, interpret: Any):
+                      num_seqs, first_page, *, sm_scale: float, sliding_window: int | None,
+                      impl: str, interpret: Any):
     """One device's part of paged_attention. A jit of its own: jax traces it once per
     shape, not once per layer (most of a forward's tracing on CPU, where the layers are
     a Python loop), and XLA inlines it, so the compiled program is the same."""
     page_size = cache.shape[2]
-    # Negative slots are dropped by write_kv: they must stay negative.
-    slots = jnp.where(slots < 0, slots, slots + first_page * page_size)
-    # Write first: a request may read pages that this very step fills.
-    cache = write_kv(cache, k, v, slots, kv_scale=kv_scale)
+    if k is not None:   # None: a KV-sharing layer reads another layer's pages
+        # Negative slots are dropped by write_kv: they must stay negative.
+        slots = jnp.where(slots < 0, slots, slots + first_page * page_size)
+        # Write first: a request may read pages that this very step fills.
+        cache = write_kv(cache, k, v, slots, kv_scale=kv_scale)
     o = ragged_paged_attention(q, cache, seq_lens, page_table + first_page, query_start_loc,
-                               num_seqs, sm_scale=sm_scale, impl=impl, interpret=interpret,
-                               kv_scale=kv_scale)
+                               num_seqs, sm_scale=sm_scale, sliding_window=sliding_window,
+                               impl=impl, interpret=interpret, kv_scale=kv_scale)
     return o, cache
 
 
-def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, cache: jax.Array,
+def paged_attention(q: jax.Array, k: jax.Array | None, v: jax.Array | None, cache: jax.Array,
                     inputs: ModelInputs, first_page: Any = 0, *, sm_scale: float, backend: str,
-                    kv_scale: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-    """Writes k, v [T, K, H] into the cache, then attends q [T, N, H] over it. The
-    inputs' page ids count from first_page: the layer's own pages of a stacked cache.
+                    kv_scale: jax.Array | None = None, sliding_window: int | None = None
+                    ) -> tuple[jax.Array, jax.Array]:
+    """Writes k, v [T, K, H] into the cache (None: nothing to write, a KV-sharing layer),
+    then attends q [T, N, H] over it. The inputs' page ids count from first_page: the
+    layer's own pages of a stacked cache. sliding_window: a sliding-window layer, which
+    sees the last `sliding_window` positions and whose pages are the sliding KV group's
+    (inputs.sliding_slot_mapping / sliding_page_table, when the batch has them).
 
     Under a mesh each device does this for its own heads only (shard_map over the
     model axis): attention is independent per KV head, so no collective is needed
     and the cache never leaves its shard.
     """
     impl, interpret = backend_options(backend)
-    local = partial(_write_and_attend, sm_scale=sm_scale, impl=impl, interpret=interpret)
+    local = partial(_write_and_attend, sm_scale=sm_scale, sliding_window=sliding_window, impl=impl,
+                    interpret=interpret)
+    slots, page_table = inputs.slot_mapping, inputs.page_table
+    if sliding_window is not None and inputs.sliding_page_table is not None:
+        slots, page_table = inputs.sliding_slot_mapping, inputs.sliding_page_table
     heads, kv = heads_spec(3, 1), heads_spec(cache.ndim, KV_HEAD_AXIS)
     rep = PartitionSpec()
     scale = rep if kv_scale is None else heads_spec(2, 0)
     fn = over_model_axis(local, in_specs=(heads, heads, heads, kv, scale, rep, rep, rep, rep, rep, rep),
                          out_specs=(heads, kv))
-    return fn(q, k, v, cache, kv_scale, inputs.slot_mapping, inputs.seq_lens, inputs.page_table,
+    return fn(q, k, v, cache, kv_scale, slots, inputs.seq_lens, page_table,
               inputs.query_start_loc, inputs.num_seqs, jnp.asarray(first_page, jnp.int32))
 
 
+def activation(cfg: ModelConfig):
+    """The gated MLP's activation: SwiGLU's silu or GeGLU's tanh-approximated gelu."""
+    return nn.silu if cfg.hidden_act == "silu" else partial(jax.nn.gelu, approximate=True)
+
+
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)); width = config.intermediate_size unless given."""
+    """SwiGLU (GeGLU for Gemma): down(act(gate(x)) * up(x)); width = intermediate_size
+    unless given."""
     config: ModelConfig
     dtype: Dtype = jnp.float32
     width: int | None = None
@@ -272,4 +304,4 @@ class MLP(nn.Module):
         gate = Einsum("TE,EF->TF", (E, F), ("embed", "mlp"), dtype=dt, quant=wq, name="gate_proj")(x)
         up = Einsum("TE,EF->TF", (E, F), ("embed", "mlp"), dtype=dt, quant=wq, name="up_proj")(x)
         return Einsum("TF,FE->TE", (F, E), ("mlp", "embed"), dtype=dt, quant=wq,
-                      name="down_proj")(nn.silu(gate) * up)
+                      name="down_proj")(activation(self.config)(gate) * up)

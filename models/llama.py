@@ -29,9 +29,10 @@ class DecoderLayer(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array, caches: dict[str, Any], inputs: ModelInputs,
-                 cache_index: Any) -> tuple[jax.Array, dict[str, Any]]:
+                 cache_index: Any, layer_index: Any = None) -> tuple[jax.Array, dict[str, Any]]:
         """caches: every layer's, stacked (models/layer_stack.py); this layer owns slice
-        `cache_index` (an int, or the scan's traced one) of its kind's array."""
+        `cache_index` (an int, or the scan's traced one) of its kind's array. layer_index:
+        its place in the model (likewise), for per-layer inputs riding in caches."""
         cfg, dt = self.config, self.dtype
         h = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt, cfg.norm_plus_one, name="input_layernorm")(x)
         a, caches = self.token_mixer(h, caches, inputs, cache_index)
@@ -70,7 +71,8 @@ class LayerBlock(nn.Module):
             same_kind = num_owners(cfg, cfg.layer_type(j), range(period))
             layer = self.model_cls.make_layer(cfg, self.dtype, self.attention_backend, j,
                                               name=f"layers_{j}")
-            x, caches = layer(x, caches, inputs, block * same_kind + cache_index(cfg, j))
+            x, caches = layer(x, caches, inputs, block * same_kind + cache_index(cfg, j),
+                              block * period + j)
         return (x, caches), None
 
 
@@ -104,7 +106,8 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.layers = [type(self).make_layer(cfg, self.dtype, self.attention_backend, i)
                            for i in range(cfg.num_layers)]
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.dtype, cfg.norm_plus_one)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.dtype, cfg.norm_plus_one,
+                            weight_f32=cfg.is_gemma4)
         if cfg.kv_cache_quantized:
             # K and V scales per full-attention layer and KV head (models/kv_scales.py).
             self.kv_scales = logical_param(
@@ -119,20 +122,26 @@ class LlamaForCausalLM(nn.Module):
                  ) -> tuple[jax.Array, dict[str, Any]]:
         """caches: models/layer_stack.cache_shapes' arrays (init takes any placeholder)."""
         cfg = self.config
-        x = self.embed_tokens(inputs.token_ids)
+        x, riders = self.embed(inputs)
         if cfg.kv_cache_quantized:
-            caches = {**caches, KV_SCALE: self.kv_scales}
+            riders[KV_SCALE] = self.kv_scales
+        # Riders: per-layer values the layers read beside their caches (scanned too).
+        caches = {**caches, **riders}
         if self.scan_layers:
             blocks = jnp.arange(cfg.num_layers // layer_period(cfg), dtype=jnp.int32)
             (x, caches), _ = self.layers((x, caches), blocks, inputs)
         else:
             for i, layer in enumerate(self.layers):
-                x, caches = layer(x, caches, inputs, cache_index(cfg, i))
-        caches = {k: v for k, v in caches.items() if k != KV_SCALE}
+                x, caches = layer(x, caches, inputs, cache_index(cfg, i), i)
+        caches = {k: v for k, v in caches.items() if k not in riders}
         x = self.norm(x)
         if self.is_initializing():   # so that init creates the lm_head parameters too
             self.compute_logits(x)
         return x, caches
+
+    def embed(self, inputs: ModelInputs) -> tuple[jax.Array, dict[str, Any]]:
+        """The token embeddings [T, E] and the riders the layers read (none here)."""
+        return self.embed_tokens(inputs.token_ids), {}
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         """[N, E] final-normed hidden rows -> float32 logits [N, V]."""

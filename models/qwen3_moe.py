@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from models.layers import INIT_STD, MLP, Einsum, logical_param, quantized_param
+from models.layers import INIT_STD, MLP, Einsum, activation, logical_param, quantized_param
 from models.quantization import dequantize, quantize_rows
 from models.llama import LlamaForCausalLM
 from sharding.mesh import MODEL
@@ -31,7 +31,6 @@ class SparseMoeBlock(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:   # [T, E] -> [T, E]
         cfg, dt = self.config, self.dtype
         E, X, k = cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok
-        T = x.shape[0]
 
         # Router: softmax over all experts in float32, then top-k.
         router_logits = Einsum("TE,EX->TX", (E, X), ("embed", None), dtype=dt, name="gate")(x)
@@ -41,57 +40,7 @@ class SparseMoeBlock(nn.Module):
             top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
         top_w = top_w.astype(x.dtype)
 
-        experts = _Experts(cfg, dt, name="experts")
-        (w_gate, s_gate), (w_up, s_up), (w_down, s_down) = experts()
-        # Quantized experts with one scale per output channel: the grouped matmuls read
-        # the converted kernels and each row's output is scaled by its expert's scales
-        # (scale None: nothing to do). Block scales (FP8 checkpoints) are dequantized
-        # first, outside the per-device function, where XLA fuses it elementwise.
-        if s_gate is not None and s_gate.shape[1] != 1:
-            w_gate, w_up, w_down = (_dequantize_experts(w, s, cfg.weight_quant.block_in, dt) for w, s in
-                                    ((w_gate, s_gate), (w_up, s_up), (w_down, s_down)))
-            s_gate = s_up = s_down = None
-        per_channel = s_gate is not None
-
-        def grouped(x, top_w, top_i, w_gate, w_up, w_down, *scales):
-            # Group the T*k (token, expert) pairs by expert for ragged_dot.
-            flat_expert = top_i.reshape(T * k)
-            order = jnp.argsort(flat_expert, stable=True)
-            token = order // k                                             # source token of each row
-            group_sizes = jnp.bincount(flat_expert, length=X).astype(jnp.int32)
-            xs = x[token].astype(dt)                                       # [T*k, E]
-
-            def matmul(a, w, i):
-                if not per_channel:
-                    return jax.lax.ragged_dot(a, w, group_sizes)
-                rows = scales[i][flat_expert[order], 0]                    # [T*k, out]
-                if cfg.weight_quant.dynamic_activations:                   # w8a8
-                    aq, a_scale = quantize_rows(a, w.dtype)
-                    acc = jnp.int32 if w.dtype == jnp.int8 else jnp.float32
-                    y = jax.lax.ragged_dot(aq, w, group_sizes, preferred_element_type=acc)
-                    return (y.astype(jnp.float32) * a_scale * rows).astype(dt)
-                y = jax.lax.ragged_dot(a, w.astype(dt), group_sizes,
-                                       preferred_element_type=jnp.float32)
-                return (y * rows).astype(dt)
-
-            gate = matmul(xs, w_gate, 0)                                   # [T*k, F]
-            up = matmul(xs, w_up, 1)
-            y = matmul(nn.silu(gate) * up, w_down, 2)                      # [T*k, E]
-            y = y * top_w.reshape(T * k)[order][:, None]
-            return jnp.zeros_like(x).at[token].add(y.astype(x.dtype))
-
-        # Tensor-parallel experts (sharding/rules.py): each device runs every expert on
-        # its slice of F and the partial [T, E] outputs are summed once, after the
-        # combine (left to XLA, the all-reduce lands on the k-times larger [T*k, E] rows).
-        # Per-channel scales follow their outputs: F (gate, up) split, E (down) whole --
-        # scaling a partial sum before the all-reduce is the same as after.
-        rep, f_out, f_in = PartitionSpec(), PartitionSpec(None, None, MODEL), \
-            PartitionSpec(None, MODEL, None)
-        scales = (s_gate, s_up, s_down) if per_channel else ()
-        scale_specs = (f_out, f_out, rep) if per_channel else ()
-        out = over_model_axis(grouped, in_specs=(rep, rep, rep, f_out, f_out, f_in, *scale_specs),
-                              out_specs=rep, sum_outputs=True)(x, top_w, top_i, w_gate, w_up, w_down,
-                                                               *scales)
+        out = routed_experts(cfg, dt, x, top_w, top_i, Experts(cfg, dt, name="experts")())
         if cfg.shared_expert_intermediate_size:
             # Qwen3.5-MoE: a dense expert every token uses, scaled by its own sigmoid gate.
             shared = MLP(cfg, dt, cfg.shared_expert_intermediate_size, name="shared_expert")(x)
@@ -100,11 +49,70 @@ class SparseMoeBlock(nn.Module):
         return out
 
 
+def routed_experts(cfg: Any, dt: Dtype, x: jax.Array, top_w: jax.Array, top_i: jax.Array,
+                   weights: tuple[tuple[jax.Array, jax.Array | None], ...]) -> jax.Array:
+    """sum_k top_w[t, k] * expert_{top_i[t, k]}(x[t]) for x [T, E] -> [T, E]; weights:
+    (kernel, scale or None) of the stacked experts' gate, up and down projections."""
+    X, k = cfg.num_experts, cfg.num_experts_per_tok
+    T = x.shape[0]
+    act = activation(cfg)
+    (w_gate, s_gate), (w_up, s_up), (w_down, s_down) = weights
+    # Quantized experts with one scale per output channel: the grouped matmuls read
+    # the converted kernels and each row's output is scaled by its expert's scales
+    # (scale None: nothing to do). Block scales (FP8 checkpoints) are dequantized
+    # first, outside the per-device function, where XLA fuses it elementwise.
+    if s_gate is not None and s_gate.shape[1] != 1:
+        w_gate, w_up, w_down = (_dequantize_experts(w, s, cfg.weight_quant.block_in, dt) for w, s in
+                                ((w_gate, s_gate), (w_up, s_up), (w_down, s_down)))
+        s_gate = s_up = s_down = None
+    per_channel = s_gate is not None
+
+    def grouped(x, top_w, top_i, w_gate, w_up, w_down, *scales):
+        # Group the T*k (token, expert) pairs by expert for ragged_dot.
+        flat_expert = top_i.reshape(T * k)
+        order = jnp.argsort(flat_expert, stable=True)
+        token = order // k                                             # source token of each row
+        group_sizes = jnp.bincount(flat_expert, length=X).astype(jnp.int32)
+        xs = x[token].astype(dt)                                       # [T*k, E]
+
+        def matmul(a, w, i):
+            if not per_channel:
+                return jax.lax.ragged_dot(a, w, group_sizes)
+            rows = scales[i][flat_expert[order], 0]                    # [T*k, out]
+            if cfg.weight_quant.dynamic_activations:                   # w8a8
+                aq, a_scale = quantize_rows(a, w.dtype)
+                acc = jnp.int32 if w.dtype == jnp.int8 else jnp.float32
+                y = jax.lax.ragged_dot(aq, w, group_sizes, preferred_element_type=acc)
+                return (y.astype(jnp.float32) * a_scale * rows).astype(dt)
+            y = jax.lax.ragged_dot(a, w.astype(dt), group_sizes,
+                                   preferred_element_type=jnp.float32)
+            return (y * rows).astype(dt)
+
+        gate = matmul(xs, w_gate, 0)                                   # [T*k, F]
+        up = matmul(xs, w_up, 1)
+        y = matmul(act(gate) * up, w_down, 2)                          # [T*k, E]
+        y = y * top_w.reshape(T * k)[order][:, None]
+        return jnp.zeros_like(x).at[token].add(y.astype(x.dtype))
+
+    # Tensor-parallel experts (sharding/rules.py): each device runs every expert on
+    # its slice of F and the partial [T, E] outputs are summed once, after the
+    # combine (left to XLA, the all-reduce lands on the k-times larger [T*k, E] rows).
+    # Per-channel scales follow their outputs: F (gate, up) split, E (down) whole --
+    # scaling a partial sum before the all-reduce is the same as after.
+    rep, f_out, f_in = PartitionSpec(), PartitionSpec(None, None, MODEL), \
+        PartitionSpec(None, MODEL, None)
+    scales = (s_gate, s_up, s_down) if per_channel else ()
+    scale_specs = (f_out, f_out, rep) if per_channel else ()
+    return over_model_axis(grouped, in_specs=(rep, rep, rep, f_out, f_out, f_in, *scale_specs),
+                           out_specs=rep, sum_outputs=True)(x, top_w, top_i, w_gate, w_up, w_down,
+                                                            *scales)
+
+
 def _dequantize_experts(q: jax.Array, scale: jax.Array, block: int | None, dtype: Any) -> jax.Array:
     return jax.vmap(lambda qe, se: dequantize(qe, se, 1, block, dtype))(q, scale)
 
 
-class _Experts(nn.Module):
+class Experts(nn.Module):
     """Holds the stacked expert weights (param paths mlp/experts/{gate,up,down}_proj,
     quantized: plus {...}_proj_scale [X, blocks, out])."""
     config: Any

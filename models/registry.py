@@ -7,6 +7,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from models.config import SERVING_DTYPES, SUPPORTED_ARCHITECTURES, ModelConfig
+from models.gemma4 import Gemma4ForCausalLM
 from models.llama import LlamaForCausalLM, Qwen3ForCausalLM
 from models.qwen3_5 import Qwen3_5ForCausalLM
 from models.qwen3_moe import Qwen3MoeForCausalLM
@@ -22,6 +23,9 @@ ARCHITECTURES: dict[str, type] = {
     "Qwen3_5ForConditionalGeneration": Qwen3_5ForCausalLM,
     "Qwen3_5MoeForCausalLM": Qwen3_5ForCausalLM,
     "Qwen3_5MoeForConditionalGeneration": Qwen3_5ForCausalLM,
+    # Gemma 4: the vision-language checkpoints serve their text model.
+    "Gemma4ForCausalLM": Gemma4ForCausalLM,
+    "Gemma4ForConditionalGeneration": Gemma4ForCausalLM,
 }
 assert tuple(sorted(ARCHITECTURES)) == SUPPORTED_ARCHITECTURES
 

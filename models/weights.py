@@ -44,14 +44,22 @@ Path_ = tuple[str, ...]
 _EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
 # Present in some checkpoints, never needed.
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
-# Vision-language checkpoints: the text model lives here; the vision tower and the
-# multi-token-prediction head are not served (MTP returns with speculative decoding).
+# Vision-language checkpoints: the text model lives here; the vision (and Gemma 4's audio)
+# towers and the multi-token-prediction head are not served (MTP returns with
+# speculative decoding).
 _VL_TEXT_PREFIX = "model.language_model."
-_SKIPPED_PREFIXES = ("model.visual.", "mtp.")
+_SKIPPED_PREFIXES = ("model.visual.", "mtp.", "model.vision_tower.", "model.embed_vision.",
+                     "model.audio_tower.", "model.embed_audio.")
 # Params no checkpoint holds: the KV cache's scales (models/kv_scales.py sets them after
 # the load), loaded as ones.
 _COMPUTED_LEAVES = ("kv_scales",)
 _LEAF_TO_HF = {"kernel": "weight", "scale": "weight", "offset_scale": "weight", "embedding": "weight"}
+# Params named as their HF tensor, not by the leaf rule (Gemma 4's router input scale).
+_KEPT_LEAVES = (("router", "scale"),)
+# Gemma 4 stores each layer's experts as [X, 2F, E] gate_up_proj and [X, E, F] down_proj.
+_FUSED_EXPERTS = {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
+# Dummy weights: these are ones (norm weights; Gemma 4's layer and expert scales).
+_ONES_LEAVES = ("scale", "layer_scalar", "per_expert_scale")
 
 
 # ---- the expected parameter tree ---------------------------------------------
@@ -132,11 +140,18 @@ def hf_names(path: Path_, cfg: ModelConfig, prefix: str = "model.") -> np.ndarra
         layers, path = [int(path[0][len("layers_"):])], path[1:]
     else:
         layers = [None]
-    experts = len(path) >= 2 and path[-2] == "experts" and path[-1] in _EXPERT_PROJS
+    experts = len(path) >= 3 and path[-3:-1] == ("mlp", "experts") and path[-1] in _EXPERT_PROJS
 
     def name(layer: int | None, expert: int | None) -> str:
         head = [] if layer is None else [f"layers.{layer}"]
-        tail = [f"{expert}.{path[-1]}.weight"] if experts else [_LEAF_TO_HF.get(path[-1], path[-1])]
+        if experts:
+            tail = [f"{expert}.{path[-1]}.weight"]
+        elif path[-2:] in _KEPT_LEAVES:
+            tail = [path[-1]]
+        elif path[-2:-1] == ("experts",):   # Gemma 4: all experts in one tensor, gate|up fused
+            tail = [_FUSED_EXPERTS.get(path[-1], path[-1])]
+        else:
+            tail = [_LEAF_TO_HF.get(path[-1], path[-1])]
         return prefix + ".".join(head + list(path[:-1]) + tail)
 
     names = np.array([[name(layer, e) for e in (range(cfg.num_experts) if experts else [None])]
@@ -167,6 +182,11 @@ def _to_param_layout(w: np.ndarray, path: Path_, shape: tuple[int, ...], name: s
         if w.ndim != 2:
             raise ValueError(f"tensor {name!r} has shape {w.shape}; expected a 2-D [out, in] weight")
         w = _group_by_key_head(w.T, cfg)
+    elif path[-2:-1] == ("experts",) and w.ndim == 3:   # Gemma 4's [X, out, in] experts
+        if kind in _FUSED_EXPERTS:   # gate_up_proj: gate rows then up rows
+            half = w.shape[1] // 2
+            w = w[:, :half] if kind == "gate_proj" else w[:, half:]
+        w = np.swapaxes(w, 1, 2)
     elif kind == "kernel" or kind in _EXPERT_PROJS:   # HF [out, in] -> ours [in..., out...]
         if w.ndim != 2:
             raise ValueError(f"tensor {name!r} has shape {w.shape}; expected a 2-D [out, in] weight")
@@ -212,18 +232,27 @@ def _sharding_for(shardings: dict[Path_, Any], path: Path_) -> Any:
     return shardings.get(path) if shardings else None
 
 
-def _kv_repeat_axes(model: nn.Module, kv_head_repeat: int) -> dict[Path_, int]:
-    """param path -> its kv_heads axis, for the params to repeat (none when repeat is 1)."""
-    if kv_head_repeat == 1:
-        return {}
-    axes = flatten_dict(param_logical_axes(model))
-    return {path: tuple(spec).index("kv_heads") for path, spec in axes.items()
-            if "kv_heads" in tuple(spec)}
+# Logical axes of KV heads (Gemma 4's global layers have their own count).
+_KV_HEAD_AXES = ("kv_heads", "global_kv_heads")
+KVHeadRepeat = int | dict[str, int]
+
+
+def _kv_repeat_axes(model: nn.Module, kv_head_repeat: KVHeadRepeat) -> dict[Path_, tuple[int, int]]:
+    """param path -> (its KV-heads axis, the repeat), for the params to repeat.
+    kv_head_repeat: one repeat for every KV-heads axis, or one per logical axis name."""
+    repeats = kv_head_repeat if isinstance(kv_head_repeat, dict) else \
+        dict.fromkeys(_KV_HEAD_AXES, kv_head_repeat)
+    out = {}
+    for path, spec in flatten_dict(param_logical_axes(model)).items():
+        for name in _KV_HEAD_AXES:
+            if name in tuple(spec) and repeats.get(name, 1) != 1:
+                out[path] = (tuple(spec).index(name), repeats[name])
+    return out
 
 
 def load_params(model_dir: str | Path | None, cfg: ModelConfig, model: nn.Module, dtype: Any = "auto", *,
                 load_format: str = "auto", seed: int = 0, shardings: Any = None,
-                kv_head_repeat: int = 1, workers: int | None = None,
+                kv_head_repeat: KVHeadRepeat = 1, workers: int | None = None,
                 progress: Progress | None = None) -> dict:
     """Params for `model` from `model_dir`, cast to `dtype` ("auto" = checkpoint dtype).
 
@@ -232,7 +261,7 @@ def load_params(model_dir: str | Path | None, cfg: ModelConfig, model: nn.Module
     its own slice of each tensor (models/param_placement.py).
     kv_head_repeat: `model` has this many times the checkpoint's KV heads (KV heads
     replicated for tensor parallelism, sharding.kv_head_layout); each KV head's
-    weights are repeated that often, consecutively. load_format "dummy" needs no files.
+    weights are repeated that often, consecutively (a dict: per KV-heads logical axis). load_format "dummy" needs no files.
     workers: threads loading tensors (None: param_placement.default_workers()).
     progress: optional hook `progress(bytes_done, bytes_total)` over the checkpoint
     bytes to read, called from the calling thread: (0, total) before the first read,
@@ -246,7 +275,7 @@ def load_params(model_dir: str | Path | None, cfg: ModelConfig, model: nn.Module
         expected = flatten_dict(abstract_params(model))
         shard_flat = flatten_dict(shardings) if shardings is not None else {}
         return _dummy_params(expected, dtype, seed, shard_flat, _kv_repeat_axes(model, kv_head_repeat),
-                             kv_head_repeat, model.config.weight_quant, _stacked_axes(model))
+                             model.config.weight_quant, _stacked_axes(model))
     tasks = checkpoint_tasks(model_dir, cfg, model, dtype, shardings=shardings,
                              kv_head_repeat=kv_head_repeat)
     return unflatten_dict(place_params(tasks, workers=workers, progress=progress,
@@ -254,7 +283,7 @@ def load_params(model_dir: str | Path | None, cfg: ModelConfig, model: nn.Module
 
 
 def checkpoint_tasks(model_dir: str | Path | None, cfg: ModelConfig, model: nn.Module, dtype: Any, *,
-                     shardings: Any = None, kv_head_repeat: int = 1) -> list[ParamTask]:
+                     shardings: Any = None, kv_head_repeat: KVHeadRepeat = 1) -> list[ParamTask]:
     """One ParamTask per param of `model` (see load_params), after checking that the
     checkpoint holds exactly the tensors the model needs. Nothing is read yet."""
     if model_dir is None or not Path(model_dir).is_dir():
@@ -314,7 +343,7 @@ def checkpoint_tasks(model_dir: str | Path | None, cfg: ModelConfig, model: nn.M
                          sharding=_sharding_for(shard_flat, path), nbytes=nbytes,
                          num_tensors=names.size if role != "scale" else 0,
                          open=partial(_open_param, path, sds.shape, names, where, cfg, leaf_dtype,
-                                      repeat_axes.get(path), kv_head_repeat, role=role,
+                                      *repeat_axes.get(path, (None, 1)), role=role,
                                       kernel_path=kernel_path, kernel_inner=kernel_inner,
                                       scale_inner=scale_inner, model_quant=model_quant))
 
@@ -415,8 +444,8 @@ _HOST_DUMMY_BYTES = 256 * 2**20
 
 
 def _dummy_params(expected: dict[Path_, jax.ShapeDtypeStruct], dtype: jnp.dtype, seed: int,
-                  shard_flat: dict[Path_, Any], repeat_axes: dict[Path_, int],
-                  kv_head_repeat: int, quant: WeightQuant | None = None,
+                  shard_flat: dict[Path_, Any], repeat_axes: dict[Path_, tuple[int, int]],
+                  quant: WeightQuant | None = None,
                   stacked_axes: dict[Path_, int] | None = None) -> dict:
     """Normal(0, 0.02) weights, ones for norms (zeros for (1 + w) norms), zeros for
     biases, made on device (on the host for small models); a quantized model's kernels
@@ -427,11 +456,10 @@ def _dummy_params(expected: dict[Path_, jax.ShapeDtypeStruct], dtype: jnp.dtype,
 
     def drawn_shape(path: Path_) -> tuple[int, ...] | None:
         """The shape to draw at random (before KV-head repeats); None: a constant."""
-        if path[-1] in ("scale", "bias", "offset_scale", *_COMPUTED_LEAVES):
+        if path[-1] in (*_ONES_LEAVES, "bias", "offset_scale", *_COMPUTED_LEAVES):
             return None
-        axis = repeat_axes.get(path)
         shape = expected[path].shape
-        return shape if axis is None else _unrepeated(shape, axis, kv_head_repeat)
+        return shape if path not in repeat_axes else _unrepeated(shape, *repeat_axes[path])
 
     def finish(path: Path_, w: Any, xp: Any) -> dict[Path_, Any]:
         """The drawn weight repeated per KV head (quantized: and its scale), or the constant
@@ -439,12 +467,13 @@ def _dummy_params(expected: dict[Path_, jax.ShapeDtypeStruct], dtype: jnp.dtype,
         shape = expected[path].shape
         if path[-1] in _COMPUTED_LEAVES:
             return {path: xp.ones(shape, expected[path].dtype)}
-        if path[-1] == "scale":
+        if path[-1] in _ONES_LEAVES:
             return {path: xp.ones(shape, dtype)}
         if path[-1] in ("bias", "offset_scale"):
             return {path: xp.zeros(shape, dtype)}
-        axis = repeat_axes.get(path)
-        w = w if axis is None else xp.repeat(w, kv_head_repeat, axis)
+        if path in repeat_axes:
+            axis, repeat = repeat_axes[path]
+            w = xp.repeat(w, repeat, axis)
         if path not in qleaves:
             return {path: w.astype(dtype)}
         scale_path = path[:-1] + (scale_leaf(path[-1]),)

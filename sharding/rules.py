@@ -27,6 +27,7 @@ RULES: dict[str, str | None] = {
                          # vocab % M != 0 (logged): padding would leak into the logits' shape
     "heads": MODEL,      # q_proj outputs, o_proj inputs
     "kv_heads": MODEL,   # k_proj / v_proj outputs and the KV cache (kv_head_layout below)
+    "global_kv_heads": MODEL,   # Gemma 4's global layers' KV heads (a count of their own)
     "linear_key_heads": MODEL,    # Gated DeltaNet: key-head groups (q, k and their v heads),
     "linear_value_heads": MODEL,  # split together; the recurrent state likewise
     "mlp": MODEL,        # gate/up outputs, down inputs -- dense MLP *and* inside each expert

@@ -45,9 +45,39 @@ _KINDS["qwen3_5_moe"] = dict(_HYBRID, num_experts=8, num_experts_per_tok=2, moe_
                              shared_expert_intermediate_size=48)
 _VISION = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64)
 HYBRID_KINDS = ("qwen3_5", "qwen3_5_moe")
+# Gemma 4 text models: 5 sliding-window layers (window 8, smaller than the prompts; head_dim
+# 16, 2 KV heads) then a global layer (head_dim 32) -- the published 5:1 pattern.
+_GEMMA4 = dict(
+    num_hidden_layers=6, head_dim=16, global_head_dim=32, sliding_window=8,
+    hidden_size_per_layer_input=0, final_logit_softcapping=30.0, tie_word_embeddings=True,
+    rms_norm_eps=1e-6,
+)
+_KINDS["gemma4"] = dict(_GEMMA4)
+# 26B / 31B: global layers with one KV head and V from k_proj; the 26B's MoE beside the MLP.
+_KINDS["gemma4_kv"] = dict(_GEMMA4, attention_k_eq_v=True, num_global_key_value_heads=1)
+_KINDS["gemma4_moe"] = dict(_GEMMA4, attention_k_eq_v=True, num_global_key_value_heads=1,
+                            enable_moe_block=True, num_experts=8, top_k_experts=2,
+                            moe_intermediate_size=32)
+# E2B / E4B: per-layer embeddings, the last two layers (one sliding, one global) read
+# the KV of layers 3 (sliding) and 2 (global), with double-wide MLPs.
+_KINDS["gemma4_e"] = dict(
+    _GEMMA4, layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                          "sliding_attention", "sliding_attention", "full_attention"],
+    hidden_size_per_layer_input=8, vocab_size_per_layer_input=256, num_kv_shared_layers=2,
+    use_double_wide_mlp=True)
+# A vision-language checkpoint (text under model.language_model, a tiny vision tower).
+_KINDS["gemma4_vl"] = dict(_GEMMA4)
+_GEMMA4_VISION = dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=2, head_dim=16)
+GEMMA4_KINDS = ("gemma4", "gemma4_kv", "gemma4_moe", "gemma4_e", "gemma4_vl")
 
 
 def _classes(kind: str):
+    if kind.startswith("gemma4"):
+        from transformers import (Gemma4Config, Gemma4ForCausalLM,
+                                  Gemma4ForConditionalGeneration, Gemma4TextConfig)
+        return ((Gemma4Config, Gemma4ForConditionalGeneration) if kind == "gemma4_vl"
+                else (Gemma4TextConfig, Gemma4ForCausalLM))
     from transformers import (LlamaConfig, LlamaForCausalLM, Qwen3_5Config,
                               Qwen3_5ForConditionalGeneration, Qwen3_5MoeConfig,
                               Qwen3_5MoeForConditionalGeneration, Qwen3Config, Qwen3ForCausalLM,
@@ -73,7 +103,12 @@ def make_tiny_model(kind: str, *, seed: int = 0, **config_overrides: Any) -> tor
     hybrid = kind in HYBRID_KINDS
     if hybrid and "num_experts" in text:
         text.pop("intermediate_size")
-    config = config_cls(text_config=text, vision_config=_VISION) if hybrid else config_cls(**text)
+    if hybrid:
+        config = config_cls(text_config=text, vision_config=_VISION)
+    elif kind == "gemma4_vl":
+        config = config_cls(text_config=text, vision_config=_GEMMA4_VISION, audio_config=None)
+    else:
+        config = config_cls(**text)
     torch.manual_seed(seed)
     model = model_cls(config).eval()
     gen = torch.Generator().manual_seed(seed + 1)
@@ -89,8 +124,14 @@ def make_tiny_model(kind: str, *, seed: int = 0, **config_overrides: Any) -> tor
                 p.copy_(0.5 * torch.randn(p.shape, generator=gen))
             elif name.endswith(".bias"):
                 p.copy_(0.1 * torch.randn(p.shape, generator=gen))
-            elif name.endswith("mlp.gate.weight"):   # make routing decisive, not near-uniform
+            elif name.endswith(("mlp.gate.weight", "router.proj.weight")):
+                # make routing decisive, not near-uniform
                 p.copy_(0.5 * torch.randn(p.shape, generator=gen))
+            elif name.endswith(("router.scale", "router.per_expert_scale")):
+                p.copy_(torch.empty(p.shape).uniform_(0.5, 1.5, generator=gen))
+        for name, b in model.named_buffers():   # Gemma 4's stored per-layer scalar
+            if name.endswith("layer_scalar"):
+                b.copy_(torch.empty(b.shape).uniform_(0.5, 1.5, generator=gen))
     return model
 
 
