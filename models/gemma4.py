@@ -26,9 +26,9 @@ import jax.numpy as jnp
 
 from models.config import SLIDING_ATTENTION, ModelConfig
 from models.inputs import ModelInputs
-from models.layer_stack import KV_KIND, KV_SCALE, per_layer
-from models.layers import (MLP, Einsum, Embed, RMSNorm, activation, apply_rope, logical_param,
-                           paged_attention, rope_inv_freq)
+from models.layer_stack import KV_KIND, KV_SCALES, per_layer
+from models.layers import (MLP, Einsum, Embed, RMSNorm, activation, apply_rope, kv_heads_axis,
+                           logical_param, paged_attention, rope_inv_freq)
 from models.llama import LlamaForCausalLM
 from models.qwen3_moe import Experts, routed_experts
 
@@ -40,14 +40,6 @@ PER_LAYER_INPUTS = "per_layer_inputs"
 def _norm(cfg: ModelConfig, dim: int, dtype: Dtype, name: str | None = None,
           use_weight: bool = True) -> RMSNorm:
     return RMSNorm(dim, cfg.rms_norm_eps, dtype, weight_f32=True, use_weight=use_weight, name=name)
-
-
-def kv_heads_axis(cfg: ModelConfig, layer: int) -> str:
-    """The logical axis of a layer's KV heads: global layers with their own count have
-    their own name (sharding/rules.py), so each group is replicated as its count needs."""
-    if cfg.layer_type(layer) != SLIDING_ATTENTION and cfg.full_num_kv_heads:
-        return "global_kv_heads"
-    return "kv_heads"
 
 
 class Gemma4Attention(nn.Module):
@@ -126,7 +118,8 @@ class Gemma4DecoderLayer(nn.Module):
         kind = KV_KIND[cfg.layer_type(i)]
         cache = caches.get(kind)   # absent from init's placeholder
         first_page = 0 if cache is None else cache_index * per_layer(cache, cfg, cfg.layer_type(i))
-        kv_scale = caches[KV_SCALE][cache_index] if KV_SCALE in caches else None
+        rider = KV_SCALES[kind][1]
+        kv_scale = caches[rider][cache_index] if rider in caches else None
         a, cache = Gemma4Attention(cfg, i, dt, self.attention_backend, name="self_attn")(
             _norm(cfg, E, dt, "input_layernorm")(x), cache, inputs, first_page, kv_scale)
         if cache is not None:

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.inputs import ModelInputs
-from models.layer_stack import KV, cache_shapes
+from models.layer_stack import KV, KV_SCALES, cache_shapes
 
 CALIBRATION_TOKENS = 512
 MARGIN = 2.0
@@ -33,15 +33,18 @@ _INT8_MAX = 127.0
 _PAGE = 16
 
 
-def kv_scales(model: Any, params: dict, kv_dtype: Any, *, seed: int = 0) -> jax.Array:
-    """The "kv_scales" param [A, K, 2] for a cache of kv_dtype (see the module docstring).
-    Runs under the caller's mesh (jax.set_mesh) when the params are sharded."""
-    shape = params["kv_scales"].shape
+def kv_scales(model: Any, params: dict, kv_dtype: Any, *, seed: int = 0) -> dict[str, jax.Array]:
+    """The scale params ("kv_scales" [A, K, 2], and Gemma 4's "kv_scales_sliding") for a
+    cache of kv_dtype (see the module docstring). Runs under the caller's mesh
+    (jax.set_mesh) when the params are sharded."""
+    names = [name for name, _ in KV_SCALES.values() if name in params]
     if jnp.dtype(kv_dtype) != jnp.int8:
-        return jnp.ones(shape, jnp.float32)
+        return {name: jnp.ones(params[name].shape, jnp.float32) for name in names}
+    if names != ["kv_scales"]:
+        raise ValueError("int8 KV scales are calibrated for one KV array only")
     absmax = calibration_absmax(model, params, seed=seed)
     scale = np.where(absmax > 0, MARGIN * absmax / _INT8_MAX, 1.0).astype(np.float32)
-    return jax.device_put(scale, params["kv_scales"].sharding)
+    return {"kv_scales": jax.device_put(scale, params["kv_scales"].sharding)}
 
 
 def calibration_absmax(model: Any, params: dict, *, seed: int = 0) -> np.ndarray:
@@ -49,7 +52,8 @@ def calibration_absmax(model: Any, params: dict, *, seed: int = 0) -> np.ndarray
     CALIBRATION_TOKENS tokens, with the cache in float32."""
     cfg = model.config
     plain = model.clone(config=replace(cfg, kv_cache_quantized=False))
-    plain_params = {k: v for k, v in params.items() if k != "kv_scales"}
+    plain_params = {k: v for k, v in params.items()
+                    if k not in [name for name, _ in KV_SCALES.values()]}
     n, pages = CALIBRATION_TOKENS, CALIBRATION_TOKENS // _PAGE
     caches = {kind: jnp.zeros(s.shape, s.dtype) for kind, s in cache_shapes(
         cfg, num_pages=pages + 1, page_size=_PAGE, kv_dtype=jnp.float32, num_state_slots=2,

@@ -34,8 +34,9 @@ KV, KV_SLIDING, CONV, RECURRENT = "kv", "kv_sliding", "conv", "recurrent"
 KV_KIND = {FULL_ATTENTION: KV, SLIDING_ATTENTION: KV_SLIDING}
 # A quantized KV cache's scales [A, K, 2] (models/llama.py): a model parameter that rides
 # along with the caches through the layers, so each layer reads its slice as it reads
-# its pages (scanned layers included).
+# its pages (scanned layers included). Per KV array: (the param, its rider's key).
 KV_SCALE = "kv_scale"
+KV_SCALES = {KV: ("kv_scales", KV_SCALE), KV_SLIDING: ("kv_scales_sliding", "kv_scale_sliding")}
 
 
 def layer_kind(cfg: ModelConfig, i: int) -> tuple[str, bool, bool]:

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from models.config import ModelConfig, WeightQuant
+from models.config import FULL_ATTENTION, ModelConfig, WeightQuant
 from models.inputs import ModelInputs
 from models.quantization import SCALE_SUFFIX, quantized_matmul, scale_shape, storage_dtype
 from pallas_kernels.ragged_paged_attention import (KV_HEAD_AXIS, backend_options,
@@ -188,6 +188,15 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
 
 
 # ---- attention and MLP -------------------------------------------------------
+
+def kv_heads_axis(cfg: ModelConfig, layer: int) -> str:
+    """The logical axis of a layer's KV heads: Gemma 4's global layers, with a count of
+    their own, have their own name (sharding/rules.py), so each count is replicated on
+    the mesh as it needs."""
+    if cfg.layer_type(layer) == FULL_ATTENTION and cfg.full_num_kv_heads:
+        return "global_kv_heads"
+    return "kv_heads"
+
 
 class Attention(nn.Module):
     """GQA attention over the paged KV cache (Llama / Qwen3 style).

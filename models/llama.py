@@ -15,8 +15,11 @@ import jax.numpy as jnp
 
 from models.config import FULL_ATTENTION, ModelConfig
 from models.inputs import ModelInputs
-from models.layer_stack import KV, KV_SCALE, cache_index, layer_period, num_owners, per_layer
-from models.layers import MLP, Attention, Einsum, Embed, RMSNorm, logical_param
+from models.layer_stack import (KV, KV_KIND, KV_SCALE, KV_SCALES, cache_index, layer_period,
+                                num_owners, per_layer)
+from models.layers import MLP, Attention, Einsum, Embed, RMSNorm, kv_heads_axis, logical_param
+
+KV_LAYER_TYPE = {kind: layer_type for layer_type, kind in KV_KIND.items()}
 
 Dtype = Any
 
@@ -109,11 +112,13 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.dtype, cfg.norm_plus_one,
                             weight_f32=cfg.is_gemma4)
         if cfg.kv_cache_quantized:
-            # K and V scales per full-attention layer and KV head (models/kv_scales.py).
-            self.kv_scales = logical_param(
-                self, "kv_scales", nn.initializers.ones,
-                (len(cfg.full_attention_layers), cfg.num_kv_heads, 2), (None, "kv_heads", None),
-                jnp.float32)
+            # K and V scales per KV layer and head, one param per KV array (models/kv_scales.py).
+            self.kv_scale_params = {
+                rider: logical_param(self, name, nn.initializers.ones,
+                                     (len(owners), cfg.layer_num_kv_heads(owners[0]), 2),
+                                     (None, kv_heads_axis(cfg, owners[0]), None), jnp.float32)
+                for kind, (name, rider) in KV_SCALES.items()
+                if (owners := cfg.kv_layers(KV_LAYER_TYPE[kind]))}
         if not cfg.tie_word_embeddings:
             self.lm_head = Einsum("TE,EV->TV", (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"),
                                   dtype=self.dtype, out_dtype=jnp.float32)
@@ -124,7 +129,7 @@ class LlamaForCausalLM(nn.Module):
         cfg = self.config
         x, riders = self.embed(inputs)
         if cfg.kv_cache_quantized:
-            riders[KV_SCALE] = self.kv_scales
+            riders.update(self.kv_scale_params)
         # Riders: per-layer values the layers read beside their caches (scanned too).
         caches = {**caches, **riders}
         if self.scan_layers:

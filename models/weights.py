@@ -52,7 +52,7 @@ _SKIPPED_PREFIXES = ("model.visual.", "mtp.", "model.vision_tower.", "model.embe
                      "model.audio_tower.", "model.embed_audio.")
 # Params no checkpoint holds: the KV cache's scales (models/kv_scales.py sets them after
 # the load), loaded as ones.
-_COMPUTED_LEAVES = ("kv_scales",)
+_COMPUTED_LEAVES = ("kv_scales", "kv_scales_sliding")
 _LEAF_TO_HF = {"kernel": "weight", "scale": "weight", "offset_scale": "weight", "embedding": "weight"}
 # Params named as their HF tensor, not by the leaf rule (Gemma 4's router input scale).
 _KEPT_LEAVES = (("router", "scale"),)

@@ -55,7 +55,8 @@ def check_model_axis(mc: Any, m: int) -> None:
     expert and shared-expert MLP widths (MoE); the DeltaNet key heads (hybrid). KV heads need not (kv_head_layout), nor the vocabulary.
     """
     need = [("num_attention_heads", mc.num_heads)]
-    if not mc.is_moe or any(not mc.is_moe_layer(i) for i in range(mc.num_layers)):
+    dense_mlp = mc.is_gemma4 or not mc.is_moe   # Gemma 4's MoE layers keep a dense MLP
+    if dense_mlp or any(not mc.is_moe_layer(i) for i in range(mc.num_layers)):
         need.append(("intermediate_size", mc.intermediate_size))
     if mc.is_moe:
         need.append(("moe_intermediate_size", mc.moe_intermediate_size))
@@ -86,6 +87,25 @@ def kv_head_layout(num_heads: int, num_kv_heads: int, m: int) -> int:
         raise ValueError(f"cannot place {num_kv_heads} KV heads for {num_heads} query heads "
                          f"on a model axis of {m}")
     return stored
+
+
+def with_stored_kv_heads(mc: Any, m: int) -> Any:
+    """The model config with its KV heads as stored on a model axis of M (kv_head_layout),
+    Gemma 4's global layers' count included."""
+    from dataclasses import replace
+    full = mc.full_num_kv_heads and kv_head_layout(mc.num_heads, mc.full_num_kv_heads, m)
+    return replace(mc, num_kv_heads=kv_head_layout(mc.num_heads, mc.num_kv_heads, m),
+                   full_num_kv_heads=full)
+
+
+def kv_head_repeats(mc: Any, m: int) -> dict[str, int]:
+    """How often each KV head is repeated on a model axis of M, per logical axis of KV
+    heads (models/weights.py load_params' kv_head_repeat)."""
+    stored = with_stored_kv_heads(mc, m)
+    out = {"kv_heads": stored.num_kv_heads // mc.num_kv_heads}
+    if mc.full_num_kv_heads:
+        out["global_kv_heads"] = stored.full_num_kv_heads // mc.full_num_kv_heads
+    return out
 
 
 def mesh_rules(mc: Any, m: int) -> dict[str, str | None]:

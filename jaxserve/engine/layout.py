@@ -25,7 +25,8 @@ from models.registry import build_model, resolve_dtype, resolve_kv_dtype
 from models.weights import param_logical_axes
 from pallas_kernels.ragged_paged_attention import (is_quantized, kv_cache_dtype_error,
                                                     resolve_backend)
-from sharding import MODEL, check_model_axis, kv_head_layout, mesh_rules, param_shardings
+from sharding import (MODEL, check_model_axis, mesh_rules, param_shardings,
+                      with_stored_kv_heads)
 
 logger = logging.getLogger("jaxserve")
 
@@ -39,6 +40,7 @@ class EngineLayout:
     max_model_len: int
     model_axis: int               # M: tensor-parallel devices of the replica
     kv_heads: int                 # as stored on this mesh (sharding.kv_head_layout)
+    global_kv_heads: int          # Gemma 4's global layers' own count, as stored (0: none)
     attention_backend: str        # resolved for the mesh's platform
     rules: dict[str, str | None]  # the rules table for this model and M
     cache_specs: tuple[CacheSpec, ...]  # one per layer (models/cache_spec.py)
@@ -50,7 +52,7 @@ class EngineLayout:
         """The model as it runs on this mesh: KV heads as stored, weights as quantized,
         per-head KV scales when the cache is quantized."""
         return replace(self.model_config, num_kv_heads=self.kv_heads,
-                       weight_quant=self.weight_quant,
+                       full_num_kv_heads=self.global_kv_heads, weight_quant=self.weight_quant,
                        kv_cache_quantized=is_quantized(self.kv_dtype))
 
 
@@ -69,26 +71,43 @@ def engine_layout(config: EngineConfig, mc: ModelConfig, mesh: Mesh) -> EngineLa
                          f"max_position_embeddings={mc.max_position_embeddings}")
     m = mesh.shape[MODEL]
     check_model_axis(mc, m)
-    kv_heads = kv_head_layout(mc.num_heads, mc.num_kv_heads, m)
-    specs = layer_cache_specs(replace(mc, num_kv_heads=kv_heads), kv_dtype=kv_dtype,
-                              conv_state_dtype=dtype)
+    stored = with_stored_kv_heads(mc, m)
+    specs = layer_cache_specs(stored, kv_dtype=kv_dtype, conv_state_dtype=dtype)
     backend = resolve_backend(config.attention_backend, platform)
-    if is_quantized(kv_dtype):   # a kernel that cannot read it is an error
-        why = kv_cache_dtype_error(kv_dtype, platform=platform, backend=backend,
-                                   head_dim=mc.head_dim, num_heads=mc.num_heads,
-                                   num_kv_heads=kv_heads, page_size=config.page_size)
-        if why:
-            raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r}: {why}")
-    if platform == "tpu" and backend == "pallas":
-        why = tpu_kernel_limit_error(mc, kv_heads, num_tokens=config.num_batched_tokens,
-                                     rows=config.max_num_seqs, max_model_len=max_model_len,
-                                     page_size=config.page_size)
-        if why:
-            raise ValueError(why)
+    if is_quantized(kv_dtype) and mc.is_gemma4 and jnp.dtype(kv_dtype) == jnp.int8:
+        raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r}: int8 KV caches need "
+                         f"calibrated scales, not implemented for Gemma 4's two KV groups; "
+                         f"use fp8 (scale 1)")
+    for layer in _attention_shapes(stored):
+        if is_quantized(kv_dtype):   # a kernel that cannot read it is an error
+            why = kv_cache_dtype_error(kv_dtype, platform=platform, backend=backend,
+                                       head_dim=stored.layer_head_dim(layer),
+                                       num_heads=mc.num_heads,
+                                       num_kv_heads=stored.layer_num_kv_heads(layer),
+                                       page_size=config.page_size)
+            if why:
+                raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r}: {why}")
+        if platform == "tpu" and backend == "pallas":
+            why = tpu_kernel_limit_error(mc, stored.layer_num_kv_heads(layer),
+                                         num_tokens=config.num_batched_tokens,
+                                         rows=config.max_num_seqs, max_model_len=max_model_len,
+                                         page_size=config.page_size)
+            if why:
+                raise ValueError(why)
     act = activation_bytes(mc, m, config.num_batched_tokens, config.max_num_seqs,
                            jnp.dtype(dtype).itemsize, max_model_len)
-    return EngineLayout(mc, dtype, kv_dtype, weight_quant, max_model_len, m, kv_heads, backend,
-                        mesh_rules(mc, m), specs, act, config.scan_layers)
+    return EngineLayout(mc, dtype, kv_dtype, weight_quant, max_model_len, m, stored.num_kv_heads,
+                        stored.full_num_kv_heads, backend, mesh_rules(mc, m), specs, act,
+                        config.scan_layers)
+
+
+def _attention_shapes(mc: ModelConfig) -> list[int]:
+    """One KV layer of each distinct (head dim, KV heads): what the start-up checks of
+    the attention kernels need to see."""
+    seen: dict[tuple[int, int], int] = {}
+    for i in mc.kv_layers():
+        seen.setdefault((mc.layer_head_dim(i), mc.layer_num_kv_heads(i)), i)
+    return list(seen.values())
 
 
 def tpu_kernel_limit_error(mc: ModelConfig, kv_heads: int, *, num_tokens: int, rows: int,

@@ -24,7 +24,7 @@ from jaxserve.engine.layout import EngineLayout, build_layout_model, layout_para
 from models.kv_scales import kv_scales
 from models.orbax_io import restore_params
 from models.weights import abstract_params, load_params, param_bytes, untie_lm_head
-from sharding import MODEL, bytes_per_device
+from sharding import MODEL, bytes_per_device, kv_head_repeats
 
 logger = logging.getLogger("jaxserve")
 
@@ -51,13 +51,12 @@ def load_weights(config: EngineConfig, layout: EngineLayout, mesh: Mesh, *,
     params = load_params(config.model, mc, model, layout.dtype,
                          load_format=config.load_format, seed=config.seed,
                          shardings=shardings,
-                         kv_head_repeat=layout.kv_heads // mc.num_kv_heads,
+                         kv_head_repeat=kv_head_repeats(mc, layout.model_axis),
                          progress=on_progress)
     if model.config.kv_cache_quantized:   # (a converted checkpoint stores its scales)
         int8 = jnp.dtype(layout.kv_dtype) == jnp.int8
         with jax.set_mesh(mesh):
-            params = {**params, "kv_scales": kv_scales(model, params, layout.kv_dtype,
-                                                       seed=config.seed)}
+            params = {**params, **kv_scales(model, params, layout.kv_dtype, seed=config.seed)}
         logger.info("KV cache in %s: K and V scales per layer and KV head %s",
                     jnp.dtype(layout.kv_dtype).name,
                     "calibrated on a prefill (models/kv_scales.py)" if int8 else "1 (fp8)")
