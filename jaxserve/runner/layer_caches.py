@@ -18,7 +18,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from models.config import ModelConfig
 from models.gated_deltanet import CONV_HEAD_AXIS, CONV_NDIM, STATE_HEAD_AXIS
-from models.layer_stack import CONV, KV, RECURRENT, cache_shapes
+from models.layer_stack import CONV, KV, KV_SLIDING, RECURRENT, cache_shapes
 from pallas_kernels.ragged_paged_attention import KV_CACHE_NDIM, KV_HEAD_AXIS
 from sharding import kv_cache_sharding
 from sharding.parallel import heads_spec
@@ -30,7 +30,8 @@ def layer_cache_specs(cfg: ModelConfig, mesh: Mesh, *, num_pages: int, page_size
     """The stacked caches as ShapeDtypeStructs carrying their shardings; nothing is
     allocated. num_pages / num_state_slots per layer; cfg.num_kv_heads is the number
     stored on this mesh (sharding.kv_head_layout)."""
-    shardings = {KV: kv_cache_sharding(mesh, KV_HEAD_AXIS, KV_CACHE_NDIM),
+    kv = kv_cache_sharding(mesh, KV_HEAD_AXIS, KV_CACHE_NDIM)
+    shardings = {KV: kv, KV_SLIDING: kv,
                  CONV: NamedSharding(mesh, heads_spec(CONV_NDIM, CONV_HEAD_AXIS)),
                  RECURRENT: NamedSharding(mesh, heads_spec(4, STATE_HEAD_AXIS))}
     shapes = cache_shapes(cfg, num_pages=num_pages, page_size=page_size, kv_dtype=kv_dtype,
