@@ -51,7 +51,10 @@ def gemma4_fields(architecture: str, d: dict[str, Any], t: dict[str, Any]) -> di
     full_head_dim, full_kv_heads = _global_attention(t, layer_types, k_eq_v)
     sliding_theta, full_theta, full_scaling = _rope(t)
     moe = bool(t.get("enable_moe_block", False))
-    eos = t.get("eos_token_id", d.get("eos_token_id"))
+    # The wrapper's list (<eos>, <turn|>) and the text model's own, in that order.
+    eos = [e for src in (d.get("eos_token_id"), t.get("eos_token_id") if t is not d else None)
+           for e in ([src] if isinstance(src, int) else src or ())]
+    eos = list(dict.fromkeys(eos)) or None
     ple = int(t.get("hidden_size_per_layer_input") or 0)
     return dict(
         architecture=architecture,
@@ -70,7 +73,7 @@ def gemma4_fields(architecture: str, d: dict[str, Any], t: dict[str, Any]) -> di
         attention_bias=bool(t.get("attention_bias", False)),
         qk_norm=True,
         dtype=t.get("dtype") or t.get("torch_dtype") or d.get("dtype") or d.get("torch_dtype"),
-        eos_token_id=tuple(int(e) for e in eos) if isinstance(eos, list) else eos,
+        eos_token_id=(eos[0] if len(eos) == 1 else tuple(int(e) for e in eos)) if eos else None,
         bos_token_id=t.get("bos_token_id", d.get("bos_token_id")),
         num_experts=int(t.get("num_experts") or 0) if moe else 0,
         num_experts_per_tok=int(t.get("top_k_experts") or 0) if moe else 0,

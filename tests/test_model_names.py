@@ -46,7 +46,9 @@ def test_aliases_name_the_published_repos():
     assert ALIASES == {
         "qwen3.6-27b": "Qwen/Qwen3.6-27B", "qwen3.6-35b-a3b": "Qwen/Qwen3.6-35B-A3B",
         "qwen3-8b": "Qwen/Qwen3-8B", "qwen3-30b-a3b": "Qwen/Qwen3-30B-A3B",
-        "llama-3.1-8b": "meta-llama/Llama-3.1-8B-Instruct"}
+        "llama-3.1-8b": "meta-llama/Llama-3.1-8B-Instruct",
+        "gemma-4-31b": "google/gemma-4-31B-it", "gemma-4-26b-a4b": "google/gemma-4-26B-A4B-it",
+        "gemma-4-e4b": "google/gemma-4-E4B-it", "gemma-4-e2b": "google/gemma-4-E2B-it"}
     for alias, repo in ALIASES.items():
         assert builtin_config(alias) == builtin_config(alias.upper()) == builtin_config(repo)
     assert builtin_config("Qwen/Qwen2-7B") is None

@@ -8,6 +8,9 @@ Files written by transformers < 5 carry `rope_theta` + `rope_scaling`, kept as p
 """
 from __future__ import annotations
 
+from jaxserve.checkpoints.gemma4_configs import ALIASES as GEMMA4_ALIASES
+from jaxserve.checkpoints.gemma4_configs import CONFIGS as GEMMA4_CONFIGS
+
 FULL, LINEAR = "full_attention", "linear_attention"
 
 # alias -> Hugging Face repo id (aliases are matched case-insensitively).
@@ -17,6 +20,7 @@ ALIASES: dict[str, str] = {
     "qwen3-8b": "Qwen/Qwen3-8B",
     "qwen3-30b-a3b": "Qwen/Qwen3-30B-A3B",
     "llama-3.1-8b": "meta-llama/Llama-3.1-8B-Instruct",
+    **GEMMA4_ALIASES,
 }
 
 
@@ -105,5 +109,6 @@ BUILTIN_CONFIGS: dict[str, dict] = {
         "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
         "use_cache": True, "vocab_size": 128256,
     },
+    **GEMMA4_CONFIGS,
 }
 assert set(BUILTIN_CONFIGS) == set(ALIASES)

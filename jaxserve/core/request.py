@@ -62,7 +62,7 @@ class Request:
     """
 
     __slots__ = (
-        "request_id", "prompt_token_ids", "sampling_params", "eos_token_id",
+        "request_id", "prompt_token_ids", "sampling_params", "eos_token_ids",
         "arrival_time", "priority", "cache_salt", "page_size",
         "output_token_ids", "all_token_ids", "num_computed_tokens",
         "num_cached_tokens", "num_preemptions", "status", "stop_reason",
@@ -74,7 +74,7 @@ class Request:
         request_id: str,
         prompt_token_ids: Iterable[int],
         sampling_params: Any,
-        eos_token_id: int | None = None,
+        eos_token_id: int | Iterable[int] | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
@@ -89,7 +89,9 @@ class Request:
         self.request_id = request_id
         self.prompt_token_ids = prompt
         self.sampling_params = sampling_params
-        self.eos_token_id = eos_token_id
+        # End-of-sequence ids (the tokenizer's, the config's and generation_config's).
+        self.eos_token_ids = frozenset(() if eos_token_id is None else (
+            (eos_token_id,) if isinstance(eos_token_id, int) else eos_token_id))
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.priority = priority
         self.cache_salt = cache_salt

@@ -326,7 +326,7 @@ class Scheduler:
         # The first min_tokens outputs may not stop the request (the sampler masks stop
         # tokens there, as vLLM does).
         if n_out > getattr(sp, "min_tokens", 0):
-            if tok == req.eos_token_id and not getattr(sp, "ignore_eos", False):
+            if tok in req.eos_token_ids and not getattr(sp, "ignore_eos", False):
                 req.status = RequestStatus.FINISHED_STOPPED
                 req.stop_reason = None
                 return True

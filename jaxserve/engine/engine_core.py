@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import atexit
 import itertools
+import json
 import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -122,7 +123,9 @@ class EngineCore:
         self.inputs = InputProcessor(tokenizer=self.tokenizer, vocab_size=mc.vocab_size,
                                      max_model_len=layout.max_model_len)
         # The runner reads it when it builds a step's inputs (stop tokens before min_tokens).
-        self.runner.eos_token_id = eos = _eos_token_id(self.tokenizer, mc)
+        eos_ids = _eos_token_ids(self.tokenizer, mc, config.model)
+        self.runner.eos_token_ids = eos_ids
+        eos = eos_ids[0] if eos_ids else None
         self.scheduler = Scheduler(
             num_pages=plan.num_pages, page_size=plan.page_size,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.num_batched_tokens,
@@ -139,6 +142,7 @@ class EngineCore:
             max_model_len=layout.max_model_len, cache_plan=plan,
             weight_bytes=loaded.weight_bytes,
             weight_bytes_per_device=loaded.weight_bytes_per_device, eos_token_id=eos,
+            eos_token_ids=eos_ids,
             warmup_seconds=runner.warmup_seconds,
             warmup_compilations=runner.warmup_compilations,
             warmup_cache_hits=runner.warmup_cache_hits,
@@ -173,7 +177,7 @@ class EngineCore:
                 if child.seed is None:
                     child = replace(child, seed=next(self._seed_counter))
                 self.scheduler.add_request(Request(
-                    cid, prompt_token_ids, child, eos_token_id=self.info.eos_token_id,
+                    cid, prompt_token_ids, child, eos_token_id=self.info.eos_token_ids,
                     arrival_time=request.arrival_time, priority=request.priority,
                     cache_salt=salt,
                     page_size=self.config.page_size))
@@ -333,8 +337,16 @@ def _load_tokenizer(path: str):
         return None
 
 
-def _eos_token_id(tokenizer, mc: ModelConfig) -> int | None:
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        return tokenizer.eos_token_id
-    eos = mc.eos_token_id
-    return eos[0] if isinstance(eos, (list, tuple)) else eos
+def _eos_token_ids(tokenizer, mc: ModelConfig, model_dir: str) -> tuple[int, ...]:
+    """Every id that ends a sequence (as vLLM): the tokenizer's eos first, then the
+    config's and generation_config.json's (Gemma 4: <eos> and <turn|>; Llama 3.1:
+    <|eot_id|> and <|eom_id|>)."""
+    ids = [tokenizer.eos_token_id] if tokenizer is not None and \
+        tokenizer.eos_token_id is not None else []
+    ids += mc.eos_token_ids
+    gen = os.path.join(model_dir, "generation_config.json")
+    if os.path.isfile(gen):
+        with open(gen) as f:
+            eos = json.load(f).get("eos_token_id")
+        ids += [eos] if isinstance(eos, int) else list(eos or ())
+    return tuple(dict.fromkeys(int(i) for i in ids))

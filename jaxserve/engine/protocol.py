@@ -36,6 +36,7 @@ class EngineInfo:
     weight_bytes: int             # per replica
     weight_bytes_per_device: int
     eos_token_id: int | None
+    eos_token_ids: tuple[int, ...]   # every end-of-sequence id (eos_token_id first)
     warmup_seconds: float
     warmup_compilations: int      # XLA compilations warmup asked for ...
     warmup_cache_hits: int        # ... of which the persistent compilation cache had

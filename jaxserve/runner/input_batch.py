@@ -111,7 +111,7 @@ class InputBatch:
         self._qsl = np.zeros(r + 1, np.int32)
 
     # ---- the scheduler's diff --------------------------------------------------------
-    def update(self, sched_out: SchedulerOutput, eos_token_id: int | None) -> ScheduledRows:
+    def update(self, sched_out: SchedulerOutput, eos_token_ids: tuple[int, ...]) -> ScheduledRows:
         """Applies one step's diff: drops finished and preempted rows, extends running
         ones, adds new ones. -> the rows this step computes."""
         self.remove(sched_out.finished_req_ids + sched_out.preempted_req_ids)
@@ -131,7 +131,7 @@ class InputBatch:
         starts, lens = c.num_computed_tokens, c.num_new_tokens
         if sched_out.new_reqs:
             req_ids = req_ids + [r.req_id for r in sched_out.new_reqs]
-            rows = rows + [self._add(r, eos_token_id) for r in sched_out.new_reqs]
+            rows = rows + [self._add(r, eos_token_ids) for r in sched_out.new_reqs]
             starts = starts + [r.num_computed_tokens for r in sched_out.new_reqs]
             lens = lens + [r.num_new_tokens for r in sched_out.new_reqs]
         n = len(rows)
@@ -177,7 +177,7 @@ class InputBatch:
             a[dst] = a[src]
         self.num_pages[src] = 0
 
-    def _add(self, r: NewRequestData, eos_token_id: int | None) -> int:
+    def _add(self, r: NewRequestData, eos_token_ids: tuple[int, ...]) -> int:
         if r.req_id in self.row_of:
             raise ValueError(f"request {r.req_id!r} is already in the runner's batch")
         row = self.num_rows
@@ -205,7 +205,7 @@ class InputBatch:
         # Stop tokens may not be sampled among the first min_tokens outputs (as vLLM).
         self.min_tokens[row] = sp.min_tokens
         stops = () if not sp.min_tokens else (
-            (() if sp.ignore_eos or eos_token_id is None else (eos_token_id,))
+            (() if sp.ignore_eos else tuple(eos_token_ids))
             + tuple(sp.stop_token_ids))
         if len(stops) > MAX_BANNED_TOKENS:
             raise ValueError(f"at most {MAX_BANNED_TOKENS} stop tokens can be held back "

@@ -92,7 +92,7 @@ class ModelRunner:
         self._vocab_parallel = NamedSharding(self.mesh, PartitionSpec(None, vocab_axis))
         self.vocab_size = vocab_size
         # Set by the engine once its tokenizer is loaded (after warmup: no program reads it).
-        self.eos_token_id: int | None = None
+        self.eos_token_ids: tuple[int, ...] = ()   # held back by min_tokens
         self.max_model_len = max_model_len
         self.token_buckets = token_buckets(max_num_batched_tokens)
         self.row_buckets = row_buckets(max_num_seqs)
@@ -184,7 +184,7 @@ class ModelRunner:
         and returns without waiting for it (data-parallel replicas dispatch in turn, then
         collect). A step that fails leaves rows the scheduler then aborts: they come back
         as finished ids and are dropped at the next dispatch."""
-        rows = self.batch.update(scheduler_output, self.eos_token_id)
+        rows = self.batch.update(scheduler_output, self.eos_token_ids)
         with jax.set_mesh(self.mesh):
             return self._dispatch(rows)
 

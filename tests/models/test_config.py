@@ -122,3 +122,36 @@ def test_head_dim_defaults_and_validation(dirs):
     del d2["vocab_size"]
     with pytest.raises(ValueError, match="vocab_size"):
         ModelConfig.from_hf_dict(d2)
+
+
+def test_gemma4_builtin_configs_read_as_published():
+    """The four Gemma 4 sizes: layer patterns, the global layers' own attention shape,
+    KV sharing and per-layer embeddings as published; parameter counts as announced."""
+    from jaxserve.checkpoints.model_names import builtin_config
+    big = ModelConfig.from_hf_dict(builtin_config("gemma-4-31b"))
+    assert big.architecture == "Gemma4ForConditionalGeneration" and big.num_layers == 60
+    assert big.full_attention_layers == tuple(range(5, 60, 6)) and big.sliding_window == 1024
+    assert (big.layer_head_dim(0), big.layer_num_kv_heads(0)) == (256, 16)
+    assert (big.layer_head_dim(5), big.layer_num_kv_heads(5)) == (512, 4)
+    assert big.attention_k_eq_v and big.final_logit_softcapping == 30.0
+    assert big.rope_scaling["rope_type"] == "proportional" and big.eos_token_ids == (1, 106)
+    moe = ModelConfig.from_hf_dict(builtin_config("gemma-4-26b-a4b"))
+    assert (moe.num_experts, moe.num_experts_per_tok, moe.moe_intermediate_size) == (128, 8, 704)
+    e2b = ModelConfig.from_hf_dict(builtin_config("gemma-4-e2b"))
+    assert e2b.full_attention_layers == (4, 9, 14)           # 4:1, then KV sharing from 15
+    assert e2b.kv_source(15) == 13 and e2b.kv_source(19) == 14 and e2b.kv_source(34) == 14
+    assert e2b.mlp_width(14) == 6144 and e2b.mlp_width(15) == 12288
+    assert e2b.hidden_size_per_layer_input == 256
+    e4b = ModelConfig.from_hf_dict(builtin_config("gemma-4-e4b"))
+    assert e4b.kv_source(29) == 23 and len(e4b.kv_layers()) == 24
+
+
+def test_gemma4_configs_refused_by_name():
+    from jaxserve.checkpoints.model_names import builtin_config
+    for key, value, needle in (("hidden_activation", "silu", "hidden_activation"),
+                               ("use_bidirectional_attention", "all", "bidirectional"),
+                               ("attn_logit_softcapping", 50.0, "attn_logit_softcapping")):
+        cfg = builtin_config("gemma-4-e2b")
+        cfg["text_config"][key] = value
+        with pytest.raises(ValueError, match=needle):
+            ModelConfig.from_hf_dict(cfg)

@@ -94,7 +94,7 @@ def test_diffs_rebuild_the_full_copy(policy, hybrid):
         if rng.random() < 0.03 and sched.running:
             sched.abort_requests(rng.choice(sched.running).request_id)
         out = sched.schedule()
-        rows = batch.update(out, EOS)
+        rows = batch.update(out, (EOS,))
         assert set(batch.row_of) == {r.request_id for r in sched.running}
         assert sorted(batch.row_of.values()) == list(range(batch.num_rows))
         seen["prefix_hits"] += sum(r.num_computed_tokens > 0 for r in out.new_reqs)
@@ -129,7 +129,7 @@ def test_diffs_rebuild_the_full_copy(policy, hybrid):
         if t > 200 and not sched.has_unfinished_requests():
             break
     assert not sched.has_unfinished_requests()
-    batch.update(sched.schedule(), EOS)
+    batch.update(sched.schedule(), (EOS,))
     assert batch.num_rows == 0 and not batch.row_of and not batch.page_table.any()
     assert sched.num_preemptions > 0 and seen["chunks"] > 0 and seen["prompt_lps"] > 0
     assert seen["prefix_hits"] > 0 or hybrid   # hybrid models never share pages
@@ -143,13 +143,13 @@ def test_a_diff_the_batch_cannot_apply_is_refused():
     batch = new_batch()
     sched.add_request(Request("a", [7, 8, 9], SamplingParams(max_tokens=4), page_size=PS))
     out = sched.schedule()
-    batch.update(out, EOS)
+    batch.update(out, (EOS,))
     sched.update_from_output(out, {"a": 11})
     # The runner never stored the sampled token: the next step asks for what it lacks.
     with pytest.raises(ValueError, match="the runner knows 3"):
-        batch.update(sched.schedule(), EOS)
+        batch.update(sched.schedule(), (EOS,))
     running_a = SchedulerOutput([], CachedRequestData(["a"], [3], [1], [[]]), 1, [], [])
     with pytest.raises(ValueError, match="not in the runner's batch"):
         new_batch().update(running_a, EOS)
     with pytest.raises(ValueError, match="already in the runner's batch"):
-        batch.update(SchedulerOutput(out.new_reqs, CachedRequestData.empty(), 3, [], []), EOS)
+        batch.update(SchedulerOutput(out.new_reqs, CachedRequestData.empty(), 3, [], []), (EOS,))
