@@ -11,8 +11,10 @@ from tests.engine.conftest import assert_no_leaks
 
 # qwen3_5_moe: a hybrid (recurrent-state slots, DeltaNet chunk loops) with a shared-expert
 # MoE; half the requests (its CPU steps cost several times the dense model's, and the
-# random features are the same).
-@pytest.mark.parametrize("kind,num_requests", [("qwen3_moe", 200), ("qwen3_5_moe", 100)])
+# random features are the same); gemma4_e: sliding-window and global KV groups, per-layer
+# embeddings and KV-sharing layers.
+@pytest.mark.parametrize("kind,num_requests", [("qwen3_moe", 200), ("qwen3_5_moe", 100),
+                                               ("gemma4_e", 60)])
 def test_random_requests_compile_nothing_new(checkpoint, kind, num_requests):
     llm = LLM(checkpoint(kind), dtype="float32", max_model_len=128, max_num_seqs=16,
               max_num_batched_tokens=64)
