@@ -45,7 +45,7 @@ class Mirror:
 
     def __init__(self):
         self.tokens: dict[str, list[int]] = {}
-        self.pages: dict[str, list[int]] = {}
+        self.pages: dict[str, tuple[list[int], ...]] = {}   # per KV group
         self.num_prompt: dict[str, int] = {}
 
     def apply(self, out):
@@ -57,13 +57,13 @@ class Mirror:
         views = []
         for rid, start, n, new_pages in zip(c.req_ids, c.num_computed_tokens,
                                             c.num_new_tokens, c.new_block_ids):
-            self.pages[rid] = self.pages[rid] + new_pages
+            self.pages[rid] = tuple(p + n for p, n in zip(self.pages[rid], new_pages, strict=True))
             views.append(self._view(rid, start, n))
         for r in out.new_reqs:
             assert r.req_id not in self.tokens, "a held request sent whole again"
             self.tokens[r.req_id] = list(r.prompt_token_ids) + list(r.output_token_ids)
             self.num_prompt[r.req_id] = len(r.prompt_token_ids)
-            self.pages[r.req_id] = list(r.block_ids)
+            self.pages[r.req_id] = tuple(list(ids) for ids in r.block_ids)
             views.append(self._view(r.req_id, r.num_computed_tokens, r.num_new_tokens))
         return views
 
@@ -71,7 +71,8 @@ class Mirror:
         toks = self.tokens[rid]
         assert start + n <= len(toks), "asked to compute a token the runner cannot know"
         return SimpleNamespace(req_id=rid, start_pos=start, token_ids=toks[start:start + n],
-                               block_ids=list(self.pages[rid]), sample=start + n == len(toks),
+                               block_ids=list(self.pages[rid][0]), sample=start + n == len(toks),
+                               group_block_ids=tuple(list(p) for p in self.pages[rid]),
                                num_output_tokens=len(toks) - self.num_prompt[rid])
 
     def sampled(self, tokens: dict[str, int]):

@@ -148,7 +148,7 @@ def test_a_diff_the_batch_cannot_apply_is_refused():
     # The runner never stored the sampled token: the next step asks for what it lacks.
     with pytest.raises(ValueError, match="the runner knows 3"):
         batch.update(sched.schedule(), EOS)
-    running_a = SchedulerOutput([], CachedRequestData(["a"], [3], [1], [[]]), 1, [], [])
+    running_a = SchedulerOutput([], CachedRequestData(["a"], [3], [1], [([],)]), 1, [], [])
     with pytest.raises(ValueError, match="not in the runner's batch"):
         new_batch().update(running_a, EOS)
     with pytest.raises(ValueError, match="already in the runner's batch"):
