@@ -194,15 +194,16 @@ class KVCacheManager:
         ps = self.page_size
         total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
         caches = self._shares_pages(request)
+        if rp is not None and not new_computed_blocks:
+            # Fast path (most decodes): no new page and no page becomes full.
+            if total <= len(rp.ids[GLOBAL]) * ps and (not caches or total // ps <= rp.num_cached):
+                if self.sliding_pool is None:
+                    return ([],)
+                self._drop_out_of_window(request, rp)
+                return [], []
         hit = new_computed_blocks if new_computed_blocks and new_computed_blocks[GLOBAL] \
             else None
         sliding = self.sliding_pool is not None
-        if rp is not None and hit is None:
-            # Fast path (most decodes): no new page and no page becomes full.
-            if total <= len(rp.ids[GLOBAL]) * ps and (not caches or total // ps <= rp.num_cached):
-                if sliding:
-                    self._drop_out_of_window(request, rp)
-                return self._no_blocks()
         num_have = 0 if rp is None else len(rp.ids[GLOBAL])
         num_hit = 0 if hit is None else len(hit[GLOBAL])
         num_new_blocks = -(-total // ps) - num_have - num_hit

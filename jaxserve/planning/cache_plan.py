@@ -68,14 +68,10 @@ class CachePlan:
         return window_pages(self.sliding_window, self.page_size) if self.has_sliding else 0
 
     @property
-    def sliding_full_history_bytes(self) -> int:
-        """What the sliding layers would take keeping every token's KV, i.e. a page for
-        each global page (as when all KV layers share one page-id space)."""
-        return self.num_pages * self.bytes_per_sliding_page
-
-    @property
     def sliding_saved_bytes(self) -> int:
-        return max(self.sliding_full_history_bytes - self.sliding_kv_bytes, 0)
+        """What the sliding layers would take beyond their group keeping every token's
+        KV: a page per global page (one page-id space for all KV layers)."""
+        return max(self.num_pages * self.bytes_per_sliding_page - self.sliding_kv_bytes, 0)
 
     @property
     def full_history_kv_tokens(self) -> int:
