@@ -111,15 +111,20 @@ class CachePlan:
 
     def describe(self) -> str:
         """The start-up log's account of the caches."""
-        kind = "global " if self.has_sliding else ""
+        sliding = self.has_sliding
+        kind = "global " if sliding else ""
+        # A sliding model's two layer types: what a token costs in each.
+        per_token = f"{self.bytes_per_page / self.page_size / 2**10:.1f} KiB/token, " \
+            if sliding else ""
         kv = (f"KV cache: {self.num_pages - 1} pages x {self.page_size} tokens = "
-              f"{self.kv_tokens} tokens in {self.num_kv_layers} {kind}layers "
-              f"({self.global_kv_bytes / 2**30:.2f} GiB per device); max concurrency at "
+              f"{self.kv_tokens} tokens in {self.num_kv_layers} {kind}layers ({per_token}"
+              f"{self.global_kv_bytes / 2**30:.2f} GiB per device); max concurrency at "
               f"{self.max_model_len} tokens: {self.max_concurrency:.1f}x")
-        if self.has_sliding:
+        if sliding:
             kv += (f"; sliding-window KV (window {self.sliding_window}): "
                    f"{self.num_sliding_pages - 1} pages x {self.num_sliding_layers} layers "
-                   f"({self.sliding_kv_bytes / 2**30:.2f} GiB per device), at most "
+                   f"({self.bytes_per_sliding_page / self.page_size / 2**10:.1f} KiB/token, "
+                   f"{self.sliding_kv_bytes / 2**30:.2f} GiB per device), at most "
                    f"{self.sliding_pages_per_seq} pages per sequence between steps (a page "
                    f"per token there: {self.full_history_kv_tokens} tokens in this memory)")
         if not self.has_state:

@@ -59,18 +59,19 @@ def test_sliding_group_sizing_and_budget_order():
 
 
 def test_describe_shows_both_groups():
-    specs = [SLIDING, GLOBAL]
+    wide = replace(GLOBAL, head_dim=32)   # 0.5 KiB a token, the sliding layer 0.25
     kw = dict(model_axis=1, page_size=4, max_num_seqs=3, max_model_len=400,
               max_num_batched_tokens=16)
-    text = plan_caches(specs, num_pages=101, **kw).describe()
-    assert text.startswith("KV cache: 100 pages x 4 tokens = 400 tokens in 1 global layers")
-    assert "sliding-window KV (window 10): 19 pages x 1 layers" in text
+    text = plan_caches([SLIDING, wide], num_pages=101, **kw).describe()
+    assert text.startswith("KV cache: 100 pages x 4 tokens = 400 tokens in 1 global layers "
+                           "(0.5 KiB/token, ")
+    assert "sliding-window KV (window 10): 19 pages x 1 layers (0.2 KiB/token, " in text
     assert "at most 4 pages per sequence between steps" in text
-    # The same KV memory, a page per token in every layer: (101 + 20) pages of 1 KiB in
-    # pages of 2 KiB = 60, less the null page.
-    assert "(a page per token there: 236 tokens in this memory)" in text
+    # The same KV memory, a page per token in every layer: (101 x 2 + 20 x 1) KiB in
+    # pages of 3 KiB = 74, less the null page.
+    assert "(a page per token there: 292 tokens in this memory)" in text
     plain = plan_caches([GLOBAL], num_pages=101, **kw).describe()
-    assert "sliding" not in plain and "in 1 layers" in plain
+    assert "sliding" not in plain and "in 1 layers (0.00 GiB" in plain
 
 
 def gemma_config(**over) -> ModelConfig:
