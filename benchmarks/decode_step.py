@@ -52,7 +52,7 @@ def main() -> None:
         # Room for the tokens each timed step adds (every execute samples one per row).
         pages = list(range(1 + i * 32, 1 + i * 32 + -(-(ctx + 32) // 16)))
         # The context as if prefix-cached: only the last `new` tokens are computed.
-        news.append(NewRequestData(str(i), [5] * ctx, [], params, pages, ctx - new, new))
+        news.append(NewRequestData(str(i), [5] * ctx, [], params, (pages,), ctx - new, new))
         lens.append(new)
     num_tokens = sum(lens)
     if num_tokens > 512:
@@ -64,7 +64,7 @@ def main() -> None:
         """The same rows again, each computing its last `new` tokens (so each samples)."""
         ids = [r.req_id for r in news]
         starts = [int(batch.num_tokens[batch.row_of[rid]]) - k for rid, k in zip(ids, lens)]
-        return SchedulerOutput([], CachedRequestData(ids, starts, lens, [[] for _ in ids]),
+        return SchedulerOutput([], CachedRequestData(ids, starts, lens, [([],) for _ in ids]),
                                num_tokens, [], [])
 
     def timed(fn) -> float:

@@ -145,9 +145,12 @@ class BlockPool:
                 f"{len(hashes)} full-page hashes or {len(blocks)} blocks"
             )
         cached = self.cached_blocks
+        null = self.null_block
         for i in range(num_cached_blocks, num_full_blocks):
             b = blocks[i]
-            if b.block_hash is not None:  # a prefix hit: already registered
+            # A prefix hit (already registered), or a sliding-window group's null page
+            # standing in for a page before the window.
+            if b.block_hash is not None or b is null:
                 continue
             h = hashes[i]
             # One page per hash: an independently computed duplicate stays
@@ -158,10 +161,13 @@ class BlockPool:
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on cached pages (a prefix hit); free ones leave the
-        free queue so they cannot be evicted."""
+        free queue so they cannot be evicted. The null page is skipped (it is never
+        counted, as free_blocks never frees it)."""
         fq = self.free_queue
         for b in blocks:
-            if b.ref_cnt == 0 and b is not self.null_block:
+            if b is self.null_block:
+                continue
+            if b.ref_cnt == 0:
                 fq.remove(b)
             b.ref_cnt += 1
 

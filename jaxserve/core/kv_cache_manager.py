@@ -1,4 +1,13 @@
-"""Per-request page tables on top of the BlockPool, with prefix-cache lookup."""
+"""Per-request page tables on top of the BlockPools, with prefix-cache lookup.
+
+KV groups: every KV layer shares one page-id space (group GLOBAL), except the
+sliding-window layers when the cache plan gives them a pool of their own (group
+SLIDING). A sliding layer never reads a key more than sliding_window - 1 positions
+before its query, so that group gives a request's pages back once they lie wholly
+before its window. Both groups' page lists have the same length (entry i holds
+positions [i * page_size, (i + 1) * page_size) in each); the sliding list has the null
+page 0 where it gave a page back, or never needed one (a prefix hit).
+"""
 
 from __future__ import annotations
 
@@ -8,18 +17,31 @@ from jaxserve.core.block_pool import BlockPool, KVCacheBlock
 from jaxserve.core.request import Request
 from jaxserve.core.state_slots import StateSlotPool
 
+GLOBAL, SLIDING = 0, 1   # KV group indices
+
+# Pages per KV group, in group order.
+GroupBlocks = tuple[list[KVCacheBlock], ...]
+
+
+def window_pages(window: int, page_size: int) -> int:
+    """Most pages `window` consecutive positions can span: the window - 1 keys before a
+    query take at most ceil((window - 1) / page_size) pages, the query's own one more."""
+    return -(-(window - 1) // page_size) + 1
+
 
 class _ReqPages:
-    """A request's pages, their ids (kept in step to copy cheaply) and how many
-    of its leading pages have been offered to the prefix cache."""
+    """A request's pages per KV group, their ids (kept in step to copy cheaply), how many
+    of its leading pages have been offered to the prefix cache and, in a sliding group,
+    how many leading entries are the null page."""
 
-    __slots__ = ("blocks", "ids", "num_cached", "state_slot")
+    __slots__ = ("blocks", "ids", "num_cached", "state_slot", "num_dropped")
 
-    def __init__(self, state_slot: int = 0) -> None:
-        self.blocks: list[KVCacheBlock] = []
-        self.ids: list[int] = []
+    def __init__(self, num_groups: int, state_slot: int = 0) -> None:
+        self.blocks: list[list[KVCacheBlock]] = [[] for _ in range(num_groups)]
+        self.ids: list[list[int]] = [[] for _ in range(num_groups)]
         self.num_cached = 0
         self.state_slot = state_slot
+        self.num_dropped = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,34 +65,56 @@ class KVCacheManager:
     included) also give each request one recurrent-state slot (a StateSlotPool) with
     its first pages, returned with them. Their requests never share pages: a prefix
     hit would skip the tokens that build the recurrent state.
+
+    num_sliding_pages > 0 (with sliding_window): the sliding-window layers' KV group,
+    a second pool of that many pages (the null page included). Both groups register
+    full pages under the same chained hashes (Request.block_hashes).
     """
 
     def __init__(self, num_pages: int, page_size: int, enable_caching: bool = True,
-                 num_state_slots: int = 0) -> None:
+                 num_state_slots: int = 0, *, num_sliding_pages: int = 0,
+                 sliding_window: int | None = None) -> None:
         if page_size <= 0:
             raise ValueError(f"page_size must be positive, got {page_size}")
         if num_state_slots < 0:
             raise ValueError(f"num_state_slots must be >= 0, got {num_state_slots}")
+        if (num_sliding_pages > 0) != (sliding_window is not None):
+            raise ValueError(f"give num_sliding_pages and sliding_window together, got "
+                             f"{num_sliding_pages} and {sliding_window}")
+        if sliding_window is not None and sliding_window <= 0:
+            raise ValueError(f"sliding_window must be positive, got {sliding_window}")
         self.num_pages = num_pages
         self.page_size = page_size
         self.enable_caching = enable_caching
         self.state_slots = StateSlotPool(num_state_slots) if num_state_slots else None
-        # The pool always caches; this manager decides which requests take part.
+        # The pools always cache; this manager decides which requests take part.
         self.pool = BlockPool(num_pages, enable_caching=True)
+        self.sliding_pool = BlockPool(num_sliding_pages) if num_sliding_pages else None
+        self.sliding_window = sliding_window
+        self.pools: tuple[BlockPool, ...] = (self.pool,) if self.sliding_pool is None else \
+            (self.pool, self.sliding_pool)
         self.req_pages: dict[str, _ReqPages] = {}
         self._queries = 0
         self._hits = 0
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.pools)
+
+    def _no_blocks(self) -> GroupBlocks:
+        return ([],) if self.sliding_pool is None else ([], [])
 
     def _shares_pages(self, request: Request) -> bool:
         """Whether the request takes part in the prefix cache (never on hybrid models)."""
         return self.state_slots is None and (self.enable_caching
                                              or request.cache_salt is not None)
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
-        """Longest cached prefix of the request, in whole pages. At least one
-        token is always left to compute, since its logits are needed."""
+    def get_computed_blocks(self, request: Request) -> tuple[GroupBlocks, int]:
+        """Longest cached prefix of the request, in whole pages: (its pages per KV group,
+        its length in tokens). At least one token is always left to compute, since its
+        logits are needed."""
         if not self._shares_pages(request):
-            return [], 0
+            return self._no_blocks(), 0
         # Pages fully inside the first num_tokens - 1 tokens.
         max_pages = (request.num_tokens - 1) // self.page_size
         hashes = request.block_hashes
@@ -81,23 +125,67 @@ class KVCacheManager:
             if b is None:
                 break
             hit.append(b)
-        num_tokens = len(hit) * self.page_size
+        blocks = (hit,) if self.sliding_pool is None else self._sliding_hit(hashes, hit)
+        num_tokens = len(blocks[GLOBAL]) * self.page_size
         self._queries += request.num_tokens
         self._hits += num_tokens
-        return hit, num_tokens
+        return blocks, num_tokens
+
+    def _sliding_hit(self, hashes: list[int], hit: list[KVCacheBlock]) -> GroupBlocks:
+        """The longest prefix of the global hit whose window the sliding group has cached:
+        its first computed token (at L) reads keys from L - W + 1 on, so the sliding pages
+        covering [L - W + 1, L) must be cached; before them it gets the null page."""
+        cached = self.sliding_pool.cached_blocks
+        ps, w = self.page_size, self.sliding_window
+        # run[i]: consecutive sliding-cached pages ending at page i.
+        run, r = [], 0
+        for h in hashes[:len(hit)]:
+            r = r + 1 if h in cached else 0
+            run.append(r)
+        for n in range(len(hit), 0, -1):
+            first = max(n * ps - w + 1, 0) // ps
+            if n - first <= run[n - 1]:
+                sliding = [self.sliding_pool.null_block] * first
+                sliding += [cached[hashes[i]] for i in range(first, n)]
+                return hit[:n], sliding
+        return [], []
+
+    def _out_of_window(self, request: Request, rp: _ReqPages) -> tuple[int, int]:
+        """[lo, hi): the sliding pages of the request, not yet given back, that lie wholly
+        before its window (position num_computed_tokens - W + 1): no query of it reads
+        them again."""
+        start = request.num_computed_tokens - self.sliding_window + 1
+        hi = min(max(start, 0) // self.page_size, len(rp.blocks[SLIDING]))
+        return rp.num_dropped, max(hi, rp.num_dropped)
+
+    def _drop_out_of_window(self, request: Request, rp: _ReqPages) -> None:
+        """Gives the out-of-window sliding pages back to the pool (keeping their hashes, so
+        a prefix hit may still find them until they are evicted) and puts the null page
+        in their place."""
+        lo, hi = self._out_of_window(request, rp)
+        if hi == lo:
+            return
+        blocks, ids = rp.blocks[SLIDING], rp.ids[SLIDING]
+        dropped = blocks[lo:hi]
+        blocks[lo:hi] = [self.sliding_pool.null_block] * (hi - lo)
+        ids[lo:hi] = [0] * (hi - lo)
+        rp.num_dropped = hi
+        self.sliding_pool.free_blocks(reversed(dropped))
 
     def allocate_slots(
         self,
         request: Request,
         num_new_tokens: int,
-        new_computed_blocks: list[KVCacheBlock] | None = None,
+        new_computed_blocks: GroupBlocks | None = None,
         num_new_computed_tokens: int = 0,
-    ) -> list[KVCacheBlock] | None:
+    ) -> GroupBlocks | None:
         """Make the request's pages cover num_computed_tokens +
-        num_new_computed_tokens + num_new_tokens tokens.
+        num_new_computed_tokens + num_new_tokens tokens, in every KV group.
+        new_computed_blocks: a prefix hit, as get_computed_blocks gives it.
 
-        Returns the newly allocated pages (possibly empty), or None, changing
-        nothing, when the pool cannot supply them.
+        A sliding group first gives back the pages that lie wholly before the request's
+        window. Returns the newly allocated pages per group (the same number in each,
+        possibly none), or None, changing nothing, when a pool cannot supply them.
         """
         if num_new_tokens <= 0:
             raise ValueError(f"num_new_tokens must be positive, got {num_new_tokens}")
@@ -108,41 +196,58 @@ class KVCacheManager:
         caches = self._shares_pages(request)
         if rp is not None and not new_computed_blocks:
             # Fast path (most decodes): no new page and no page becomes full.
-            if total <= len(rp.ids) * ps and (not caches or total // ps <= rp.num_cached):
-                return []
-        num_have = 0 if rp is None else len(rp.ids)
-        computed = new_computed_blocks or ()
-        num_new_blocks = -(-total // ps) - num_have - len(computed)
-        pool = self.pool
-        if num_new_blocks > 0 or computed:
-            # Free-but-cached hits leave the free queue when touched.
-            num_evictable_hits = sum(1 for b in computed if b.ref_cnt == 0)
-            if num_new_blocks > pool.free_queue.num_free - num_evictable_hits:
-                return None
+            if total <= len(rp.ids[GLOBAL]) * ps and (not caches or total // ps <= rp.num_cached):
+                if self.sliding_pool is None:
+                    return ([],)
+                self._drop_out_of_window(request, rp)
+                return [], []
+        hit = new_computed_blocks if new_computed_blocks and new_computed_blocks[GLOBAL] \
+            else None
+        sliding = self.sliding_pool is not None
+        num_have = 0 if rp is None else len(rp.ids[GLOBAL])
+        num_hit = 0 if hit is None else len(hit[GLOBAL])
+        num_new_blocks = -(-total // ps) - num_have - num_hit
+        if num_new_blocks > 0 or hit:
+            for g, pool in enumerate(self.pools):
+                supply = pool.free_queue.num_free
+                if hit:   # free-but-cached hits leave the free queue when touched
+                    supply -= sum(1 for b in hit[g] if b.ref_cnt == 0 and b is not pool.null_block)
+                if g == SLIDING and rp is not None:   # given back before allocating
+                    lo, hi = self._out_of_window(request, rp)
+                    supply += sum(1 for b in rp.blocks[SLIDING][lo:hi] if b.ref_cnt == 1)
+                if num_new_blocks > supply:
+                    return None
         if rp is None:
             state_slot = 0
             if self.state_slots is not None:
                 state_slot = self.state_slots.allocate()
                 if state_slot is None:
                     return None
-            rp = self.req_pages[rid] = _ReqPages(state_slot)
-        if computed:
-            if rp.blocks:
+            rp = self.req_pages[rid] = _ReqPages(len(self.pools), state_slot)
+        if hit:
+            if rp.blocks[GLOBAL]:
                 raise ValueError(f"request {rid!r} already has pages; prefix hits only apply to new requests")
-            pool.touch(computed)
-            rp.blocks.extend(computed)
-            rp.ids.extend(b.block_id for b in computed)
-        new_blocks: list[KVCacheBlock] = []
+            for g, pool in enumerate(self.pools):
+                pool.touch(hit[g])
+                rp.blocks[g].extend(hit[g])
+                rp.ids[g].extend(b.block_id for b in hit[g])
+            if sliding:
+                rp.num_dropped = sum(1 for b in hit[SLIDING] if b.block_id == 0)
+        elif sliding:
+            self._drop_out_of_window(request, rp)
+        new_blocks = self._no_blocks()
         if num_new_blocks > 0:
-            new_blocks = pool.get_new_blocks(num_new_blocks)
-            rp.blocks.extend(new_blocks)
-            rp.ids.extend(b.block_id for b in new_blocks)
+            new_blocks = tuple(pool.get_new_blocks(num_new_blocks) for pool in self.pools)
+            for g, blocks in enumerate(new_blocks):
+                rp.blocks[g].extend(blocks)
+                rp.ids[g].extend(b.block_id for b in blocks)
         # Register pages that become full with this step's tokens now, so a
         # request scheduled later in the same step can already share them.
         if caches:
             num_full = total // ps
             if num_full > rp.num_cached:
-                pool.cache_full_blocks(request, rp.blocks, rp.num_cached, num_full)
+                for g, pool in enumerate(self.pools):
+                    pool.cache_full_blocks(request, rp.blocks[g], rp.num_cached, num_full)
                 rp.num_cached = num_full
         return new_blocks
 
@@ -158,40 +263,47 @@ class KVCacheManager:
         rp = self.req_pages.get(request.request_id)
         if rp is None:
             return
-        blocks = rp.blocks
         first = num_written_tokens // self.page_size
-        cached = self.pool.cached_blocks
-        for b in blocks[first:]:
-            # ref_cnt == 1: nobody else shares it (shared pages hold valid KV).
-            if (b.block_hash is not None and (shared_too or b.ref_cnt == 1)
-                    and cached.get(b.block_hash) is b):
-                del cached[b.block_hash]
-                b.block_hash = None
+        for pool, blocks in zip(self.pools, rp.blocks):
+            cached = pool.cached_blocks
+            for b in blocks[first:]:
+                # ref_cnt == 1: nobody else shares it (shared pages hold valid KV).
+                if (b.block_hash is not None and (shared_too or b.ref_cnt == 1)
+                        and cached.get(b.block_hash) is b):
+                    del cached[b.block_hash]
+                    b.block_hash = None
 
     def free(self, request: Request) -> None:
         """Give back all pages of the request, tail first, so that its last
         pages are evicted before its (more shareable) first ones."""
         rp = self.req_pages.pop(request.request_id, None)
         if rp is not None:
-            self.pool.free_blocks(reversed(rp.blocks))
+            for pool, blocks in zip(self.pools, rp.blocks):
+                pool.free_blocks(reversed(blocks))
             if rp.state_slot:
                 self.state_slots.free(rp.state_slot)
 
-    def get_block_ids(self, request_id: str) -> list[int]:
-        """A copy of the request's page ids, in order."""
+    def get_block_ids(self, request_id: str, group: int = GLOBAL) -> list[int]:
+        """A copy of the request's page ids in one KV group, in order."""
         rp = self.req_pages.get(request_id)
-        return [] if rp is None else rp.ids[:]
+        return [] if rp is None else rp.ids[group][:]
+
+    def get_group_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        """Copies of the request's page ids, one list per KV group."""
+        return tuple(self.get_block_ids(request_id, g) for g in range(len(self.pools)))
 
     def get_state_slot(self, request_id: str) -> int:
         """The request's recurrent-state slot (0: none, or not a hybrid model)."""
         rp = self.req_pages.get(request_id)
         return 0 if rp is None else rp.state_slot
 
-    def get_num_free_pages(self) -> int:
-        return self.pool.get_num_free_blocks()
+    def get_num_free_pages(self, group: int = GLOBAL) -> int:
+        return self.pools[group].get_num_free_blocks()
 
     @property
     def usage(self) -> float:
+        """The global group's: the plan sizes a sliding group for max_num_seqs windows,
+        so the global one is what fills up."""
         return self.pool.get_usage()
 
     @property
@@ -199,4 +311,5 @@ class KVCacheManager:
         return PrefixCacheStats(self._queries, self._hits)
 
     def reset_prefix_cache(self) -> None:
-        self.pool.reset_prefix_cache()
+        for pool in self.pools:
+            pool.reset_prefix_cache()

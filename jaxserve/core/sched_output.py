@@ -8,12 +8,22 @@ to compute. Running requests carry no token ids: every output they have was samp
 by this runner (multi-host: by every host's runner, from the same replicated result),
 and the tokens they compute next are those outputs. Finished and preempted ids tell
 the runner which rows to drop, before it adds the new ones.
+
+Pages come per KV group (jaxserve/core/kv_cache_manager.py): the global layers', then,
+when the model's sliding-window layers have a pool of their own, theirs; the lists have
+equal lengths. Sliding pages given back as they leave a request's window are not sent:
+the runner keeps their stale ids in its page-table row, which is safe because attention
+never reads a page wholly before the window (and a freed page only ever holds finite
+values). A new request's sliding list has the null page 0 before its window.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import chain
 from typing import Any, Iterator
+
+# One list of page ids per KV group, in group order.
+GroupBlockIds = tuple[list[int], ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,7 +33,7 @@ class NewRequestData:
     prompt_token_ids: list[int]   # a reference; read-only by contract
     output_token_ids: list[int]   # a copy: outputs so far ([] unless resumed after preemption)
     sampling_params: Any
-    block_ids: list[int]          # a copy of its page ids, in order
+    block_ids: GroupBlockIds      # copies of its page ids per KV group, in order
     num_computed_tokens: int      # tokens already in the KV cache (prefix-cache hit)
     num_new_tokens: int           # tokens to compute this step
     state_slot: int = 0           # hybrid models: its recurrent-state slot (0 = none)
@@ -35,7 +45,7 @@ class CachedRequestData:
     req_ids: list[str]
     num_computed_tokens: list[int]   # position of the first token to compute
     num_new_tokens: list[int]        # tokens to compute this step
-    new_block_ids: list[list[int]]   # pages appended this step (mostly [])
+    new_block_ids: list[GroupBlockIds]   # pages appended this step per group (mostly empty)
 
     @staticmethod
     def empty() -> CachedRequestData:

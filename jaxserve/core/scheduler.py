@@ -8,7 +8,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Iterable
 
-from jaxserve.core.kv_cache_manager import KVCacheManager
+from jaxserve.core.kv_cache_manager import KVCacheManager, window_pages
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
 
@@ -81,7 +81,12 @@ class Scheduler:
         enable_prefix_caching: bool = True,
         policy: str = "fcfs",
         num_state_slots: int = 0,
+        num_sliding_pages: int = 0,
+        sliding_window: int | None = None,
     ) -> None:
+        """num_sliding_pages / sliding_window: the sliding-window layers' KV group
+        (planning/cache_plan.py; 0 / None: the model has none, or they share the global
+        pages)."""
         for name, v in (("num_pages", num_pages), ("page_size", page_size),
                         ("max_num_seqs", max_num_seqs),
                         ("max_num_batched_tokens", max_num_batched_tokens),
@@ -102,7 +107,18 @@ class Scheduler:
             raise ValueError(f"num_state_slots={num_state_slots} (the null slot included) < "
                              f"max_num_seqs + 1 = {max_num_seqs + 1}: every running request "
                              f"of a hybrid model needs a state slot")
-        self.kv = KVCacheManager(num_pages, page_size, enable_prefix_caching, num_state_slots)
+        self.kv = KVCacheManager(num_pages, page_size, enable_prefix_caching, num_state_slots,
+                                 num_sliding_pages=num_sliding_pages,
+                                 sliding_window=sliding_window)
+        if sliding_window is not None:
+            # A request alone must always fit in the sliding pool too: its window, one
+            # step's tokens and the page they may straddle (or its whole length, if less).
+            need = min(-(-self.max_len // page_size), window_pages(sliding_window, page_size)
+                       + -(-max_num_batched_tokens // page_size))
+            if num_sliding_pages - 1 < need:
+                raise ValueError(f"num_sliding_pages={num_sliding_pages} (the null page "
+                                 f"included) < {need + 1}: one request's sliding window and "
+                                 f"step need {need} pages")
         self.requests: dict[str, Request] = {}  # unfinished only
         self.running: list[Request] = []
         self.waiting: deque[Request] | _PriorityQueue = (
@@ -223,7 +239,7 @@ class Scheduler:
         ids: list[str] = []
         starts: list[int] = []
         lens: list[int] = []
-        pages: list[list[int]] = []
+        pages: list[tuple[list[int], ...]] = []
         new_reqs: list[NewRequestData] = []
         preempted: list[str] = []
 
@@ -256,8 +272,9 @@ class Scheduler:
                 ids.append(req.request_id)
                 starts.append(start)
                 lens.append(num_new)
-                # allocate_slots' fast path returns a fresh [] (most decodes).
-                pages.append([b.block_id for b in new_blocks] if new_blocks else new_blocks)
+                # allocate_slots' fast path returns fresh empty lists (most decodes).
+                pages.append(tuple([b.block_id for b in g] for g in new_blocks)
+                             if new_blocks[0] else new_blocks)
                 budget -= num_new
                 i += 1
 
@@ -280,7 +297,7 @@ class Scheduler:
                 # Whole: new to the runner, or resumed (preemption dropped its row).
                 new_reqs.append(NewRequestData(
                     rid, req.prompt_token_ids, req.output_token_ids[:], req.sampling_params,
-                    kv.get_block_ids(rid), num_hit, num_new, kv.get_state_slot(rid)))
+                    kv.get_group_block_ids(rid), num_hit, num_new, kv.get_state_slot(rid)))
                 budget -= num_new
 
         finished = self._finished_ids

@@ -130,7 +130,8 @@ class EngineCore:
             num_pages=plan.num_pages, page_size=plan.page_size,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.num_batched_tokens,
             max_model_len=layout.max_model_len, enable_prefix_caching=self.prefix_caching,
-            policy=config.scheduling_policy, num_state_slots=plan.num_state_slots)
+            policy=config.scheduling_policy, num_state_slots=plan.num_state_slots,
+            num_sliding_pages=plan.num_sliding_pages, sliding_window=plan.sliding_window)
         self.outputs = OutputProcessor(self.tokenizer, stream=stream_outputs)
         self.num_steps = 0
         self.num_scheduled_tokens = 0   # tokens computed on device, all steps

@@ -147,7 +147,8 @@ def layout_cache_plan(config: EngineConfig, layout: EngineLayout, device: Any,
     return require_one_sequence(plan_caches(
         layout.cache_specs, model_axis=layout.model_axis, page_size=config.page_size,
         max_num_seqs=config.max_num_seqs, max_model_len=layout.max_model_len,
-        num_pages=config.num_pages, budget_bytes=budget, cap_at_demand=cap))
+        max_num_batched_tokens=config.num_batched_tokens, num_pages=config.num_pages,
+        budget_bytes=budget, cap_at_demand=cap))
 
 
 def make_runner(config: EngineConfig, layout: EngineLayout, cache_plan: CachePlan, *, model,
@@ -156,6 +157,7 @@ def make_runner(config: EngineConfig, layout: EngineLayout, cache_plan: CachePla
     return ModelRunner(
         model=model, params=params, vocab_size=mc.vocab_size,
         num_state_slots=cache_plan.num_state_slots, num_pages=cache_plan.num_pages,
+        num_sliding_pages=cache_plan.num_sliding_pages,
         page_size=cache_plan.page_size, max_num_seqs=config.max_num_seqs,
         max_model_len=layout.max_model_len, max_num_batched_tokens=config.num_batched_tokens,
         kv_dtype=layout.kv_dtype,

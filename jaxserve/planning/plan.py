@@ -20,7 +20,9 @@ sampler's over max_num_seqs rows); the rest is the reserve for activations,
 XLA's workspace and fragmentation. Hybrid models (Qwen3.5/3.6) keep a KV cache only in
 their full-attention layers; their linear-attention layers carry a fixed
 recurrent state per sequence, for which the engine takes max_num_seqs + 1 slots
-out of that budget first and pages the rest. Communication: Megatron
+out of that budget first and pages the rest. Models with sliding-window layers
+(Gemma 4) give those layers pages of their own, enough for max_num_seqs windows and
+one step, taken from the budget before the global layers' pages. Communication: Megatron
 tensor parallelism all-reduces the [tokens, hidden] activations twice per layer
 (after o_proj and after the MLP's down_proj) plus once for the vocab-parallel
 embedding; a ring all-reduce moves 2 (M-1)/M of the buffer through every device's
@@ -127,9 +129,9 @@ class Plan:
     replicated_param_bytes: int       # of weight_bytes_per_device, held by every device
     kv_heads: int                     # as the model has them
     kv_heads_stored: int              # across the model axis (replicated heads when K % M)
-    kv_bytes_per_token_per_device: int
+    kv_bytes_per_token_per_device: int   # the global (full-attention) layers'
     num_layers: int
-    full_attention_layers: int        # layers with a KV cache (all but a hybrid's linear ones)
+    full_attention_layers: int        # global layers with a KV cache of their own
     state_bytes_per_seq: int          # hybrid: recurrent state of one sequence, whole
     state_bytes_per_seq_per_device: int
     state_layout: str                 # what the state is made of, for the printout
@@ -145,6 +147,11 @@ class Plan:
     # device memory is unknown and no cache size was given.
     cache: CachePlan | None = None
     compiler_limit: str | None = None  # TPU: why the largest step would not compile
+    # Sliding-window layers (Gemma 4) with a KV cache of their own, and their window.
+    sliding_attention_layers: int = 0
+    sliding_kv_bytes_per_token_per_device: int = 0
+    sliding_window: int | None = None
+    kv_shared_layers: int = 0         # layers that read another layer's KV (own none)
 
     @property
     def free_after_weights(self) -> int:
@@ -216,10 +223,14 @@ class Plan:
     def to_json(self) -> dict:
         """The fields, the cache plan, and the figures derived from them that the printout
         shows (KV capacity, full-length sequences that fit, whether it fits)."""
+        c = self.cache
         return {**asdict(self), "kv_budget_bytes": self.kv_budget_bytes,
                 "kv_tokens": self.kv_tokens, "max_concurrency": self.max_sequences,
                 "state_slots": self.state_slots, "memory_fits": self.memory_fits,
-                "fits": self.fits}
+                "fits": self.fits,
+                "sliding_pages_per_seq": c.sliding_pages_per_seq if c else 0,
+                "sliding_kv_saved_bytes": c.sliding_saved_bytes if c else 0,
+                "full_history_kv_tokens": c.full_history_kv_tokens if c else 0}
 
     def allreduce_seconds(self, nbytes: float) -> float:
         m = self.mesh[1]
@@ -239,7 +250,8 @@ def make_plan(mc, *, model: str, mesh: str, dtype: str = "auto", kv_cache_dtype:
     of the TPU compiler that the kernels cannot stream around (compiler_limit).
     The cache plan: `cache` when given (a running engine's), else made by the engine's
     rule from num_pages, kv_cache_memory_bytes or hbm_bytes (none of them: unknown)."""
-    from models.cache_spec import PagedKVSpec, RecurrentStateSpec, layer_cache_specs
+    from models.cache_spec import (PagedKVSpec, RecurrentStateSpec, SharedKVSpec,
+                                   layer_cache_specs)
     from models.config import SERVING_DTYPES, resolve_weight_quant
     from models.registry import resolve_dtype, resolve_kv_dtype
     from pallas_kernels.ragged_paged_attention import is_quantized
@@ -259,7 +271,9 @@ def make_plan(mc, *, model: str, mesh: str, dtype: str = "auto", kv_cache_dtype:
     tokens = max_num_batched_tokens or max(2048, max_num_seqs)
     specs = layer_cache_specs(replace(mc, num_kv_heads=kv_heads), kv_dtype=kv_dt,
                               conv_state_dtype=dt)
-    kv_tok = sum(s.bytes_per_token() for s in specs if isinstance(s, PagedKVSpec)) // m
+    kv_tok = sum(s.bytes_per_token() for s in specs
+                 if isinstance(s, PagedKVSpec) and s.sliding_window is None) // m
+    sliding = [s for s in specs if isinstance(s, PagedKVSpec) and s.sliding_window is not None]
     state = sum(s.bytes_per_slot() for s in specs if isinstance(s, RecurrentStateSpec))
     act = activation_bytes(mc, m, tokens, max_num_seqs, dt.itemsize, max_model_len)
     limit = None
@@ -272,7 +286,8 @@ def make_plan(mc, *, model: str, mesh: str, dtype: str = "auto", kv_cache_dtype:
             max(0, hbm_bytes - w.bytes_per_device), hbm_utilization, act)
         cache = plan_caches(specs, model_axis=m, page_size=page_size,
                             max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                            num_pages=num_pages, budget_bytes=budget)
+                            max_num_batched_tokens=tokens, num_pages=num_pages,
+                            budget_bytes=budget)
     return Plan(
         model=f"{model} ({mc.architecture})", mesh=(d, m), dtype=dt.name,
         kv_dtype=jnp.dtype(kv_dt).name,
@@ -284,7 +299,11 @@ def make_plan(mc, *, model: str, mesh: str, dtype: str = "auto", kv_cache_dtype:
         state_layout=_state_layout(mc, dt.name), hidden_size=mc.hidden_size,
         max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=tokens,
         activation_bytes=act, hbm_bytes=hbm_bytes, hbm_utilization=hbm_utilization,
-        link_gbps=link_gbps, cache=cache, compiler_limit=limit)
+        link_gbps=link_gbps, cache=cache, compiler_limit=limit,
+        sliding_attention_layers=len(sliding),
+        sliding_kv_bytes_per_token_per_device=sum(s.bytes_per_token() for s in sliding) // m,
+        sliding_window=mc.sliding_window if sliding else None,
+        kv_shared_layers=sum(isinstance(s, SharedKVSpec) for s in specs))
 
 
 def _state_layout(mc, dtype: str) -> str:

@@ -31,15 +31,25 @@ def format_plan(p: Plan) -> str:
         lines.append(f"  layers                     {p.num_layers}: {p.full_attention_layers} full "
                      f"attention (KV cache), {p.num_layers - p.full_attention_layers} linear "
                      f"attention (recurrent state)")
+    elif p.sliding_attention_layers:
+        lines.append(f"  layers                     {p.num_layers}: {p.full_attention_layers} global "
+                     f"attention (KV of every token), {p.sliding_attention_layers} "
+                     f"sliding-window attention (KV of the last {p.sliding_window:,} tokens)"
+                     + (f", {p.kv_shared_layers} reading an earlier layer's KV (none of "
+                        f"their own)" if p.kv_shared_layers else ""))
     if p.kv_heads_stored != p.kv_heads:
         lines.append(f"  KV heads                   {p.kv_heads} do not divide by {m}: each "
                      f"replicated {p.kv_heads_stored // p.kv_heads}x, "
                      f"{p.kv_heads_stored // m} per device")
     else:
         lines.append(f"  KV heads                   {p.kv_heads}, {p.kv_heads // m} per device")
-    kind = "full-attention layers" if p.is_hybrid else "layers"
+    kind = "full-attention layers" if p.is_hybrid else \
+        "global layers" if p.sliding_attention_layers else "layers"
     lines.append(f"  KV cache per token/device  {p.kv_bytes_per_token_per_device / 2**10:.1f} KiB "
-                 f"({p.full_attention_layers} {kind} x K and V)")
+                 f"({p.full_attention_layers} {kind} x K and V)"
+                 + (f" + {p.sliding_kv_bytes_per_token_per_device / 2**10:.1f} KiB "
+                    f"({p.sliding_attention_layers} sliding-window layers, for the tokens in "
+                    f"a window only)" if p.sliding_attention_layers else ""))
     if p.is_hybrid:
         split = p.state_bytes_per_seq // p.state_bytes_per_seq_per_device
         lines.append(f"  state per sequence         {_gib(p.state_bytes_per_seq)} ({p.state_layout}), "
@@ -73,9 +83,19 @@ def _cache_lines(p: Plan) -> list[str]:
                      f"{_gib(p.state_bytes_per_seq_per_device)} = {_gib(p.state_budget_bytes)}, "
                      f"allocated first; the KV pages get the remaining "
                      f"{_gib(p.page_budget_bytes)}")
+    if c.has_sliding:
+        lines += [
+            f"  sliding-window KV pages    {c.num_sliding_pages - 1:,} x {c.page_size} tokens "
+            f"(+ the null page) x {c.num_sliding_layers} layers, {_gib(c.sliding_kv_bytes)} "
+            f"per device, allocated first ({p.max_num_seqs} windows + one step's tokens)",
+            f"  sliding-window saving      at most {c.sliding_pages_per_seq} pages kept per "
+            f"sequence (its window), not one per {c.page_size} tokens: keeping every token's KV "
+            f"in those layers, this KV memory would hold {c.full_history_kv_tokens:,} tokens, "
+            f"not {p.kv_tokens:,}"]
+    layers = "global layers" if c.has_sliding else "layers"
     lines += [
         f"  KV pages per replica       {max(c.num_pages - 1, 0):,} x {c.page_size} tokens (+ the "
-        f"null page) x {c.num_kv_layers} layers, {_gib(c.kv_bytes)} per device",
+        f"null page) x {c.num_kv_layers} {layers}, {_gib(c.global_kv_bytes)} per device",
         f"  KV capacity per replica    {p.kv_tokens:,} tokens = {seqs} sequences x "
         f"{p.max_model_len:,} tokens (max_model_len)"
         + (f"; x{d} replicas = {d * p.kv_tokens:,} tokens" if d > 1 else ""),

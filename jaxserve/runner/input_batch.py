@@ -10,6 +10,11 @@ page 0 and the null state slot 0), not a rebuild from per-request copies.
 
 Rows of finished / preempted requests are freed and the last rows moved into the
 holes, so the held rows stay 0..num_rows-1.
+
+A model whose sliding-window layers have a KV group of their own (sliding=True) has a
+second page-table row per request, for those layers' pages: it keeps the ids of pages
+the scheduler gave back as they left the window (jaxserve/core/sched_output.py says
+why that is safe).
 """
 from __future__ import annotations
 
@@ -58,11 +63,13 @@ _FROM_PARAMS = (("temperature", np.float32, 0.0), ("top_k", np.int32, 0),
 class InputBatch:
     """`page_buckets` are the page-table widths a step may use: the narrowest one that
     holds the longest request is passed, so attention that reads whole page-table
-    rows (the jnp reference) reads no more context than the batch needs."""
+    rows (the jnp reference) reads no more context than the batch needs.
+    sliding: the sliding-window layers' KV group has its own pages (the scheduler sends
+    two page lists per request); the step's inputs then carry their slots and table."""
 
     def __init__(self, *, max_num_seqs: int, max_model_len: int, page_size: int,
                  token_buckets: tuple[int, ...], vocab_size: int,
-                 page_buckets: tuple[int, ...] | None = None):
+                 page_buckets: tuple[int, ...] | None = None, sliding: bool = False):
         self.max_num_seqs = r = max_num_seqs
         self.max_model_len = max_model_len
         self.page_size = page_size
@@ -78,6 +85,10 @@ class InputBatch:
         self.num_rows = 0
         # Rows past a request's pages stay 0 (the null page): freed rows are zeroed.
         self.page_table = np.zeros((r, self.pages_per_req), np.int32)
+        self.sliding_page_table = np.zeros_like(self.page_table) if sliding else None
+        # One per KV group, as the scheduler sends their pages (equally many in each).
+        self._page_tables = (self.page_table,) if not sliding else \
+            (self.page_table, self.sliding_page_table)
         self.num_pages = np.zeros(r, np.int32)
         # Prompt then outputs. np.zeros maps untouched memory lazily, so the resident
         # size follows the tokens held, not max_model_len. +1: a request whose prompt
@@ -108,6 +119,7 @@ class InputBatch:
         self._token_ids = np.zeros(t_max, np.int32)
         self._positions = np.zeros(t_max, np.int32)
         self._slots = np.zeros(t_max, np.int32)
+        self._sliding_slots = np.zeros(t_max, np.int32)
         self._qsl = np.zeros(r + 1, np.int32)
 
     # ---- the scheduler's diff --------------------------------------------------------
@@ -121,12 +133,13 @@ class InputBatch:
             rows = [row_of[rid] for rid in c.req_ids]
         except KeyError as e:
             raise ValueError(f"request {e.args[0]!r} is not in the runner's batch") from None
-        pt, num_pages = self.page_table, self.num_pages
+        tables, num_pages = self._page_tables, self.num_pages
         for row, ids in zip(rows, c.new_block_ids):
-            if ids:   # a new page: every page_size tokens of a decode
-                n = num_pages[row]
-                pt[row, n:n + len(ids)] = ids
-                num_pages[row] = n + len(ids)
+            if ids[0]:   # a new page: every page_size tokens of a decode
+                n, k = num_pages[row], len(ids[0])
+                for pt, group_ids in zip(tables, ids, strict=True):
+                    pt[row, n:n + k] = group_ids
+                num_pages[row] = n + k
         req_ids = c.req_ids
         starts, lens = c.num_computed_tokens, c.num_new_tokens
         if sched_out.new_reqs:
@@ -154,7 +167,8 @@ class InputBatch:
             row = self.row_of.pop(rid, None)
             if row is not None:
                 self.req_ids[row] = None
-                self.page_table[row, :self.num_pages[row]] = 0
+                for pt in self._page_tables:
+                    pt[row, :self.num_pages[row]] = 0
                 self.num_pages[row] = 0
                 holes.append(row)
         if not holes:
@@ -170,8 +184,9 @@ class InputBatch:
         self.req_ids[dst], self.req_ids[src] = rid, None
         self.row_of[rid] = dst
         n = self.num_pages[src]
-        self.page_table[dst, :n] = self.page_table[src, :n]
-        self.page_table[src, :n] = 0
+        for pt in self._page_tables:
+            pt[dst, :n] = pt[src, :n]
+            pt[src, :n] = 0
         self.tokens[dst, :self.num_tokens[src]] = self.tokens[src, :self.num_tokens[src]]
         for a in self._row_arrays:
             a[dst] = a[src]
@@ -190,8 +205,12 @@ class InputBatch:
         self.tokens[row, :n_p] = r.prompt_token_ids
         self.tokens[row, n_p:n_p + n_o] = r.output_token_ids
         self.num_prompt[row], self.num_tokens[row] = n_p, n_p + n_o
-        self.page_table[row, :len(r.block_ids)] = r.block_ids
-        self.num_pages[row] = len(r.block_ids)
+        if len(r.block_ids) != len(self._page_tables):
+            raise ValueError(f"request {r.req_id!r} has pages in {len(r.block_ids)} KV "
+                             f"groups, the runner keeps {len(self._page_tables)}")
+        for pt, ids in zip(self._page_tables, r.block_ids):
+            pt[row, :len(ids)] = ids
+        self.num_pages[row] = len(r.block_ids[0])
         self.state_slots[row] = r.state_slot
         sp = r.sampling_params
         for name, _, _ in _FROM_PARAMS:
@@ -246,10 +265,16 @@ class InputBatch:
         positions = self._positions[:t]
         positions[num_tokens:] = 0
         positions[:num_tokens] = positions_real
+        page_of_token, offset = positions_real // ps, positions_real % ps
         slots = self._slots[:t]
         slots[num_tokens:] = 0  # padding tokens write into the null page
-        slots[:num_tokens] = (self.page_table[row_of_token, positions_real // ps] * ps
-                              + positions_real % ps)
+        slots[:num_tokens] = self.page_table[row_of_token, page_of_token] * ps + offset
+        sliding = self.sliding_page_table is not None
+        if sliding:
+            sliding_slots = self._sliding_slots[:t]
+            sliding_slots[num_tokens:] = 0
+            sliding_slots[:num_tokens] = (self.sliding_page_table[row_of_token, page_of_token]
+                                          * ps + offset)
 
         seq_lens = np.zeros(r_max, np.int32)
         seq_lens[:num_reqs] = starts + lens
@@ -257,6 +282,9 @@ class InputBatch:
         width = pick_bucket(self.page_buckets, -(-longest // ps))
         page_table = np.zeros((r_max, width), np.int32)
         page_table[:num_reqs] = self.page_table[rows, :width]
+        if sliding:
+            sliding_table = np.zeros((r_max, width), np.int32)
+            sliding_table[:num_reqs] = self.sliding_page_table[rows, :width]
         state_slots = np.zeros(r_max, np.int32)
         state_slots[:num_reqs] = self.state_slots[rows]
         logits_idx = np.zeros(r_max, np.int32)
@@ -264,7 +292,9 @@ class InputBatch:
         inputs = ModelInputs(
             token_ids=token_ids.copy(), positions=positions.copy(), slot_mapping=slots.copy(),
             query_start_loc=cu.copy(), seq_lens=seq_lens, page_table=page_table,
-            num_seqs=np.array([num_reqs], np.int32), state_slots=state_slots)
+            num_seqs=np.array([num_reqs], np.int32), state_slots=state_slots,
+            sliding_slot_mapping=sliding_slots.copy() if sliding else None,
+            sliding_page_table=sliding_table if sliding else None)
         return HostBatch(inputs, logits_idx, num_tokens, num_reqs)
 
     def sampling_tensors(self, step: ScheduledRows, num_rows_padded: int, *,

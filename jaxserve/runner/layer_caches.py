@@ -1,6 +1,7 @@
-"""The model's device caches: the full-attention layers' paged KV and, for the
-linear-attention layers of hybrid models, the per-slot recurrent state, each kind one
-array with its layers stacked (models/layer_stack.py).
+"""The model's device caches: the full-attention layers' paged KV (and Gemma 4's
+sliding-window layers', with their own page count when the plan gives them a KV group)
+and, for the linear-attention layers of hybrid models, the per-slot recurrent state,
+each kind one array with its layers stacked (models/layer_stack.py).
 
 Everything is allocated once, zeroed, in its sharding: KV caches split by KV
 head, recurrent state by head group (models/gated_deltanet.py), so every device
@@ -25,28 +26,32 @@ from sharding.parallel import heads_spec
 
 
 def layer_cache_specs(cfg: ModelConfig, mesh: Mesh, *, num_pages: int, page_size: int,
-                      kv_dtype: Any, num_state_slots: int, conv_state_dtype: Any
-                      ) -> dict[str, jax.ShapeDtypeStruct]:
+                      kv_dtype: Any, num_state_slots: int, conv_state_dtype: Any,
+                      num_sliding_pages: int = 0) -> dict[str, jax.ShapeDtypeStruct]:
     """The stacked caches as ShapeDtypeStructs carrying their shardings; nothing is
-    allocated. num_pages / num_state_slots per layer; cfg.num_kv_heads is the number
-    stored on this mesh (sharding.kv_head_layout)."""
-    kv = kv_cache_sharding(mesh, KV_HEAD_AXIS, KV_CACHE_NDIM)
-    shardings = {KV: kv, KV_SLIDING: kv,
+    allocated. num_pages / num_sliding_pages (0: the sliding-window layers, if any, have
+    num_pages too) / num_state_slots per layer; cfg.num_kv_heads is the number stored on
+    this mesh (sharding.kv_head_layout)."""
+    kv_sharding = kv_cache_sharding(mesh, KV_HEAD_AXIS, KV_CACHE_NDIM)
+    shardings = {KV: kv_sharding, KV_SLIDING: kv_sharding,   # one page layout, split by head
                  CONV: NamedSharding(mesh, heads_spec(CONV_NDIM, CONV_HEAD_AXIS)),
                  RECURRENT: NamedSharding(mesh, heads_spec(4, STATE_HEAD_AXIS))}
     shapes = cache_shapes(cfg, num_pages=num_pages, page_size=page_size, kv_dtype=kv_dtype,
-                          num_state_slots=num_state_slots, conv_state_dtype=conv_state_dtype)
+                          num_state_slots=num_state_slots, conv_state_dtype=conv_state_dtype,
+                          num_sliding_pages=num_sliding_pages or None)
     return {kind: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=shardings[kind])
             for kind, s in shapes.items()}
 
 
 def make_layer_caches(cfg: ModelConfig, mesh: Mesh, *, num_pages: int, page_size: int,
-                      kv_dtype: Any, num_state_slots: int, conv_state_dtype: Any
+                      kv_dtype: Any, num_state_slots: int, conv_state_dtype: Any,
+                      num_sliding_pages: int = 0
                       ) -> tuple[dict[str, jax.Array], dict[str, Any]]:
     """(caches, their shardings), allocated as layer_cache_specs describes them."""
     specs = layer_cache_specs(cfg, mesh, num_pages=num_pages, page_size=page_size,
                               kv_dtype=kv_dtype, num_state_slots=num_state_slots,
-                              conv_state_dtype=conv_state_dtype)
+                              conv_state_dtype=conv_state_dtype,
+                              num_sliding_pages=num_sliding_pages)
     shardings = {kind: s.sharding for kind, s in specs.items()}
     # One program makes them all (a jit per array would compile once per state shape).
     caches = jax.jit(lambda: {kind: jnp.zeros(s.shape, s.dtype) for kind, s in specs.items()},

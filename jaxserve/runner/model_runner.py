@@ -73,12 +73,14 @@ PROMPT_LOGPROBS_CHUNK = 256
 class ModelRunner:
     def __init__(self, *, model, params, vocab_size: int, num_pages: int, page_size: int,
                  max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int, kv_dtype,
-                 num_state_slots: int = 0,
+                 num_state_slots: int = 0, num_sliding_pages: int = 0,
                  context_buckets: bool = True, mesh=None, vocab_axis: str | None = None,
                  abstract: bool = False):
         """model.config: the model as it runs on this mesh (KV heads as stored);
         num_pages / num_state_slots: per layer, the null page / null slot 0 included
         (planning/cache_plan.py; 0 slots: no recurrent layers);
+        num_sliding_pages: the sliding-window layers' KV group, pages per layer (0: no such
+        group; the step's inputs then carry no sliding slots or page table);
         abstract: params are ShapeDtypeStructs with shardings and the caches are only
         described (nothing allocated): the programs can be lowered, not run."""
         self.model = model
@@ -103,10 +105,11 @@ class ModelRunner:
         # The requests this runner holds, kept between steps (the scheduler sends diffs).
         self.batch = InputBatch(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                                 page_size=page_size, token_buckets=self.token_buckets,
-                                vocab_size=vocab_size, page_buckets=widths)
+                                vocab_size=vocab_size, page_buckets=widths,
+                                sliding=num_sliding_pages > 0)
         # The stacked caches (models/layer_stack.py): KV heads as stored on this mesh.
         cache_kw = dict(num_pages=num_pages, page_size=page_size, kv_dtype=kv_dtype,
-                        num_state_slots=num_state_slots,
+                        num_state_slots=num_state_slots, num_sliding_pages=num_sliding_pages,
                         conv_state_dtype=model.dtype)
         if abstract:
             self.kv_caches = layer_cache_specs(model.config, self.mesh, **cache_kw)
@@ -276,6 +279,7 @@ class ModelRunner:
         (device arrays would compile other programs), device arrays for what serving takes from the
         forward's outputs (ShapeDtypeStructs when abstract)."""
         r_max = self.batch.max_num_seqs
+        sliding = self.batch.sliding_page_table is not None
 
         def forward_args(t: int, p: int) -> tuple:
             z = np.zeros(t, np.int32)
@@ -283,7 +287,9 @@ class ModelRunner:
                 token_ids=z, positions=z, slot_mapping=z,
                 query_start_loc=np.zeros(r_max + 1, np.int32), seq_lens=np.zeros(r_max, np.int32),
                 page_table=np.zeros((r_max, p), np.int32), num_seqs=np.zeros(1, np.int32),
-                state_slots=np.zeros(r_max, np.int32))
+                state_slots=np.zeros(r_max, np.int32),
+                sliding_slot_mapping=z if sliding else None,
+                sliding_page_table=np.zeros((r_max, p), np.int32) if sliding else None)
             return self.params, self.kv_caches, inputs, np.zeros(r_max, np.int32)
 
         def hidden(rows: int) -> Any:

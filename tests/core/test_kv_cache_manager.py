@@ -19,10 +19,10 @@ def make(rid, tokens, salt=None):
 def run_prefill(kv, req, hit=(), num_hit=0):
     """What the scheduler does for a new request scheduled in one chunk."""
     req.num_computed_tokens = 0
-    got = kv.allocate_slots(req, req.num_tokens - num_hit, list(hit) or None, num_hit)
+    got = kv.allocate_slots(req, req.num_tokens - num_hit, hit or None, num_hit)
     assert got is not None
     req.num_computed_tokens = req.num_tokens
-    return got
+    return got[0]
 
 
 def test_request_block_hashes_chain_and_extend():
@@ -60,10 +60,10 @@ def test_allocate_and_free():
     assert kv.usage == pytest.approx(3 / 8)
     # decode: 10 -> 11 tokens needs no new page, 12 -> 13 does
     a.append_output_token_ids(100)
-    assert kv.allocate_slots(a, 1) == []
+    assert kv.allocate_slots(a, 1) == ([],)
     a.num_computed_tokens = 11
     a.append_output_token_ids([101, 102])
-    assert [b.block_id for b in kv.allocate_slots(a, 2)] == [4]
+    assert [b.block_id for b in kv.allocate_slots(a, 2)[0]] == [4]
     assert kv.get_block_ids("a") == [1, 2, 3, 4]
     # the block id list handed out is a copy
     kv.get_block_ids("a").append(99)
@@ -79,7 +79,7 @@ def test_prefix_hit_exact_blocks_and_refcounts():
     run_prefill(kv, a)  # pages 1,2 full and cached, 3 partial
     b = make("b", list(range(8)) + [50, 51, 52])
     hit, n = kv.get_computed_blocks(b)
-    assert [x.block_id for x in hit] == [1, 2] and n == 8
+    assert [x.block_id for x in hit[0]] == [1, 2] and n == 8
     new = run_prefill(kv, b, hit, n)
     assert [x.block_id for x in new] == [4]
     assert kv.get_block_ids("b") == [1, 2, 4]
@@ -96,12 +96,12 @@ def test_full_hit_keeps_one_token_to_compute():
     run_prefill(kv, make("a", range(12)))  # three full cached pages 1,2,3
     # identical 8-token prompt: both pages hit, but the last is dropped
     hit, n = kv.get_computed_blocks(make("b", range(8)))
-    assert [x.block_id for x in hit] == [1] and n == 4
+    assert [x.block_id for x in hit[0]] == [1] and n == 4
     # 9 tokens: two full pages hit, the 9th token is computed
     hit, n = kv.get_computed_blocks(make("c", range(9)))
-    assert [x.block_id for x in hit] == [1, 2] and n == 8
+    assert [x.block_id for x in hit[0]] == [1, 2] and n == 8
     hit, n = kv.get_computed_blocks(make("d", range(12)))
-    assert [x.block_id for x in hit] == [1, 2] and n == 8
+    assert [x.block_id for x in hit[0]] == [1, 2] and n == 8
 
 
 def test_eviction_is_lru_with_reverse_order_free():
@@ -115,32 +115,32 @@ def test_eviction_is_lru_with_reverse_order_free():
     assert kv.get_block_ids("c") == [4, 5, 6, 7, 8, 3]  # page 3 (a's tail) evicted
     d = make("d", list(range(12)) + [7])
     hit, n = kv.get_computed_blocks(d)
-    assert [x.block_id for x in hit] == [1, 2] and n == 8  # chain stops at evicted page
+    assert [x.block_id for x in hit[0]] == [1, 2] and n == 8  # chain stops at evicted page
 
 
 def test_cache_salt_isolation_with_caching_off():
     kv = KVCacheManager(num_pages=17, page_size=PS, enable_caching=False)
     prompt = list(range(9))
     run_prefill(kv, make("s1", prompt, salt="x"))
-    assert kv.get_computed_blocks(make("plain", prompt)) == ([], 0)
-    assert kv.get_computed_blocks(make("other", prompt, salt="y")) == ([], 0)
+    assert kv.get_computed_blocks(make("plain", prompt)) == (([],), 0)
+    assert kv.get_computed_blocks(make("other", prompt, salt="y")) == (([],), 0)
     hit, n = kv.get_computed_blocks(make("s2", prompt, salt="x"))
-    assert [x.block_id for x in hit] == [1, 2] and n == 8
+    assert [x.block_id for x in hit[0]] == [1, 2] and n == 8
     # without a salt nothing is registered when caching is off
     run_prefill(kv, make("p1", prompt))
-    assert kv.get_computed_blocks(make("p2", prompt)) == ([], 0)
+    assert kv.get_computed_blocks(make("p2", prompt)) == (([],), 0)
 
 
 def test_cache_salt_isolation_with_caching_on():
     kv = KVCacheManager(num_pages=17, page_size=PS)
     prompt = list(range(9))
     run_prefill(kv, make("s1", prompt, salt="x"))
-    assert kv.get_computed_blocks(make("plain", prompt)) == ([], 0)
+    assert kv.get_computed_blocks(make("plain", prompt)) == (([],), 0)
     run_prefill(kv, make("p1", prompt))
     hit, _ = kv.get_computed_blocks(make("p2", prompt))
-    assert [x.block_id for x in hit] == [4, 5]
+    assert [x.block_id for x in hit[0]] == [4, 5]
     hit, _ = kv.get_computed_blocks(make("s2", prompt, salt="x"))
-    assert [x.block_id for x in hit] == [1, 2]
+    assert [x.block_id for x in hit[0]] == [1, 2]
 
 
 def test_allocate_none_changes_nothing():
@@ -161,7 +161,7 @@ def test_free_cached_hits_are_not_counted_as_free():
     kv.free(a)  # all 3 free; 1 and 2 still cached
     b = make("b", list(range(8)) + [60, 61, 62, 63, 64])  # 13 tokens: 4 pages
     hit, n = kv.get_computed_blocks(b)
-    assert [x.block_id for x in hit] == [1, 2]
+    assert [x.block_id for x in hit[0]] == [1, 2]
     # 2 new pages needed but only page 3 is free once 1,2 are touched
     assert kv.allocate_slots(b, b.num_tokens - n, hit, n) is None
     assert kv.get_num_free_pages() == 3
@@ -180,7 +180,7 @@ def test_pages_are_shareable_within_the_same_step():
     a = make("a", range(9))
     kv.allocate_slots(a, 9)  # a.num_computed_tokens still 0: nothing computed yet
     hit, n = kv.get_computed_blocks(make("b", range(9)))
-    assert [x.block_id for x in hit] == [1, 2] and n == 8
+    assert [x.block_id for x in hit[0]] == [1, 2] and n == 8
 
 
 def test_uncache_unwritten_pages():
@@ -199,7 +199,7 @@ def test_reset_prefix_cache():
     kv = KVCacheManager(num_pages=9, page_size=PS)
     run_prefill(kv, make("a", range(9)))
     kv.reset_prefix_cache()
-    assert kv.get_computed_blocks(make("b", range(9))) == ([], 0)
+    assert kv.get_computed_blocks(make("b", range(9))) == (([],), 0)
 
 
 def test_state_slots_follow_the_pages_and_hybrids_never_share():
@@ -207,8 +207,8 @@ def test_state_slots_follow_the_pages_and_hybrids_never_share():
     a, b, c = make("a", list(range(8))), make("b", list(range(8))), make("c", [1, 2])
     assert kv.allocate_slots(a, 8) is not None and kv.get_state_slot("a") == 1
     # The same prompt again: no prefix hit on a hybrid model, even with a shared salt.
-    assert kv.get_computed_blocks(b) == ([], 0)
-    assert kv.get_computed_blocks(make("s", list(range(8)), salt="x")) == ([], 0)
+    assert kv.get_computed_blocks(b) == (([],), 0)
+    assert kv.get_computed_blocks(make("s", list(range(8)), salt="x")) == (([],), 0)
     assert kv.allocate_slots(b, 8) is not None and kv.get_state_slot("b") == 2
     # Pages remain but no slot: nothing is allocated.
     free_pages = kv.get_num_free_pages()

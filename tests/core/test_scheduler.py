@@ -45,7 +45,7 @@ class Mirror:
 
     def __init__(self):
         self.tokens: dict[str, list[int]] = {}
-        self.pages: dict[str, list[int]] = {}
+        self.pages: dict[str, tuple[list[int], ...]] = {}   # per KV group
         self.num_prompt: dict[str, int] = {}
 
     def apply(self, out):
@@ -57,13 +57,13 @@ class Mirror:
         views = []
         for rid, start, n, new_pages in zip(c.req_ids, c.num_computed_tokens,
                                             c.num_new_tokens, c.new_block_ids):
-            self.pages[rid] = self.pages[rid] + new_pages
+            self.pages[rid] = tuple(p + n for p, n in zip(self.pages[rid], new_pages, strict=True))
             views.append(self._view(rid, start, n))
         for r in out.new_reqs:
             assert r.req_id not in self.tokens, "a held request sent whole again"
             self.tokens[r.req_id] = list(r.prompt_token_ids) + list(r.output_token_ids)
             self.num_prompt[r.req_id] = len(r.prompt_token_ids)
-            self.pages[r.req_id] = list(r.block_ids)
+            self.pages[r.req_id] = tuple(list(ids) for ids in r.block_ids)
             views.append(self._view(r.req_id, r.num_computed_tokens, r.num_new_tokens))
         return views
 
@@ -71,7 +71,8 @@ class Mirror:
         toks = self.tokens[rid]
         assert start + n <= len(toks), "asked to compute a token the runner cannot know"
         return SimpleNamespace(req_id=rid, start_pos=start, token_ids=toks[start:start + n],
-                               block_ids=list(self.pages[rid]), sample=start + n == len(toks),
+                               block_ids=list(self.pages[rid][0]), sample=start + n == len(toks),
+                               group_block_ids=tuple(list(p) for p in self.pages[rid]),
                                num_output_tokens=len(toks) - self.num_prompt[rid])
 
     def sampled(self, tokens: dict[str, int]):
@@ -446,21 +447,31 @@ def test_core_does_not_import_jax():
     subprocess.run([sys.executable, "-c", code], check=True, cwd=root, env=env)
 
 
+@pytest.mark.parametrize("window", [None, 6])
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
 @pytest.mark.parametrize("caching", [True, False])
-def test_random_workload_against_a_fake_kv_cache(policy, caching):
+def test_random_workload_against_a_fake_kv_cache(policy, caching, window):
     """Random arrivals, shared prefixes, a tight pool and aborts. A fake device
     writes each scheduled token into its page slot, then checks that every
-    request's pages hold exactly its tokens so far (prefix hits included)."""
+    request's pages hold exactly its tokens so far (prefix hits included).
+    window: the sliding-window layers also have a (tight) pool of their own; their
+    pages must hold the tokens each step's queries see (its window), and every page of
+    both groups is back, unreferenced, at the end."""
     import random
 
+    from jaxserve.core.kv_cache_manager import SLIDING
+
     rng = random.Random(1234)
+    num_sliding = 9 if window else 0   # the least a lone request needs (3 + 3) + 2 + 1
     s = sched(num_pages=13, budget=12, max_num_seqs=4, max_model_len=40, policy=policy,
-              enable_prefix_caching=caching)
+              enable_prefix_caching=caching, num_sliding_pages=num_sliding,
+              sliding_window=window)
     kv_slots: dict[tuple[int, int], int] = {}
+    sliding_slots: dict[tuple[int, int], int] = {}
     prefixes = [[rng.randrange(3, 50) for _ in range(9)] for _ in range(3)]
     expected: dict[str, int] = {}
     reqs: list[Request] = []
+    seen_dropped = 0
     for t in range(400):
         if len(reqs) < 40 and rng.random() < 0.3:
             rid = f"r{len(reqs)}"
@@ -483,6 +494,8 @@ def test_random_workload_against_a_fake_kv_cache(policy, caching):
             for k, tok in enumerate(r.token_ids):
                 pos = r.start_pos + k
                 kv_slots[(r.block_ids[pos // PS], pos % PS)] = tok
+                if window:
+                    sliding_slots[(r.group_block_ids[SLIDING][pos // PS], pos % PS)] = tok
         for r in views:  # "then attention reads each request's context"
             req_obj = s.get_request(r.req_id)
             end = r.start_pos + len(r.token_ids)
@@ -490,9 +503,20 @@ def test_random_workload_against_a_fake_kv_cache(policy, caching):
             assert len(r.block_ids) == -(-end // PS)
             got = [kv_slots.get((r.block_ids[p // PS], p % PS)) for p in range(end)]
             assert got == req_obj.all_token_ids[:end], r.req_id
-        used = {b for ids_ in (s.kv.get_block_ids(x.request_id) for x in s.running) for b in ids_}
-        assert s.kv.get_num_free_pages() == 12 - len(used)
-        assert 0 not in used
+            if window:   # the keys this step's queries see, through the runner's table
+                lo = max(r.start_pos - window + 1, 0)
+                ids = r.group_block_ids[SLIDING]
+                assert len(ids) == len(r.block_ids) and 0 not in ids[lo // PS:]
+                got = [sliding_slots.get((ids[p // PS], p % PS)) for p in range(lo, end)]
+                assert got == req_obj.all_token_ids[lo:end], r.req_id
+        for group, usable in ((0, 12), (SLIDING, num_sliding - 1))[:2 if window else 1]:
+            held = [s.kv.get_block_ids(x.request_id, group) for x in s.running]
+            used = {b for ids_ in held for b in ids_} - {0}
+            assert s.kv.get_num_free_pages(group) == usable - len(used)
+            if group == SLIDING:
+                seen_dropped += sum(ids_.count(0) for ids_ in held)
+            else:
+                assert 0 not in {b for ids_ in held for b in ids_}
         sampled = {r.req_id: token_for("a", r.num_output_tokens) for r in views if r.sample}
         s.update_from_output(out, sampled)
         s._test_mirror.sampled(sampled)
@@ -503,6 +527,11 @@ def test_random_workload_against_a_fake_kv_cache(policy, caching):
         if expected[r.request_id] >= 0:
             assert r.output_token_ids == [token_for("a", k) for k in range(expected[r.request_id])]
     assert s.kv.get_num_free_pages() == 12 and s.kv_cache_usage == 0.0
+    for pool in s.kv.pools:   # no page leaked, in either group
+        assert pool.get_num_free_blocks() == pool.num_blocks - 1
+        assert all(b.ref_cnt == 0 for b in pool.blocks)
     assert s.stats().num_preemptions > 0
     if caching:
         assert s.stats().prefix_cache_hits > 0
+    if window:
+        assert seen_dropped > 0   # pages did leave the window

@@ -75,12 +75,13 @@ def test_cache_specs_per_layer_kind():
     kv = PagedKVSpec(num_kv_heads=4, head_dim=8, dtype="float32")
     state = RecurrentStateSpec(shapes=((3, 8), (2, 4, 4)), dtypes=("float32", "float32"))
     plan = plan_caches([kv, SharedKVSpec(0), state, kv], model_axis=2, page_size=16,
-                       max_num_seqs=3, max_model_len=64, budget_bytes=100_000)
+                       max_num_seqs=3, max_model_len=64, max_num_batched_tokens=32,
+                       budget_bytes=100_000)
     per_page = 2 * (2 * 4 * 8 * 4) * 16 // 2
     per_slot = (3 * 8 + 2 * 4 * 4) * 4 // 2
     assert (plan.bytes_per_page, plan.bytes_per_state_slot) == (per_page, per_slot)
     assert plan.num_state_slots == 4 and plan.max_running == 3
     assert plan.num_pages == (100_000 - 4 * per_slot) // per_page
     capped = plan_caches([kv], model_axis=1, page_size=16, max_num_seqs=3, max_model_len=64,
-                         budget_bytes=10**9, cap_at_demand=True)
+                         max_num_batched_tokens=32, budget_bytes=10**9, cap_at_demand=True)
     assert capped.num_pages == 3 * 4 + 1 and not capped.has_state

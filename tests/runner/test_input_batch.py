@@ -2,7 +2,8 @@
 give, every step, the same device inputs and sampling tensors as a full copy of each
 scheduled request built from the scheduler's own state (the path the diffs replaced),
 under random arrivals, aborts, preemption, prefix hits, chunked prefill, hybrid state
-slots, penalties, min_tokens and prompt logprobs."""
+slots, penalties, min_tokens and prompt logprobs -- and, for a sliding-window KV group,
+its slot mapping and page table from its own page ids."""
 from __future__ import annotations
 
 import random
@@ -10,6 +11,7 @@ import random
 import numpy as np
 import pytest
 
+from jaxserve.core.kv_cache_manager import SLIDING
 from jaxserve.core.request import Request
 from jaxserve.core.scheduler import CachedRequestData, Scheduler, SchedulerOutput
 from jaxserve.runner.buckets import pick_bucket, power_of_two_buckets
@@ -21,14 +23,16 @@ PS, V, EOS, MML, R = 4, 97, 2, 48, 4
 BUCKETS = power_of_two_buckets(16, 16)
 
 
-def full_copy_inputs(sched: Scheduler, out, width: int) -> dict[str, np.ndarray]:
-    """The device inputs built the old way: from each request's whole state."""
+def full_copy_inputs(sched: Scheduler, out, width: int, group: int = 0
+                     ) -> dict[str, np.ndarray]:
+    """The device inputs built the old way: from each request's whole state (its pages
+    in KV group `group`)."""
     tokens, pos, slots, qsl, seq_lens = [], [], [], [0], []
     pt = np.zeros((R, width), np.int32)
     state = np.zeros(R, np.int32)
     for i, (rid, start, n) in enumerate(out.scheduled()):
         req = sched.get_request(rid)
-        pages = sched.kv.get_block_ids(rid)
+        pages = sched.kv.get_block_ids(rid, group)
         tokens += req.all_token_ids[start:start + n]
         pos += range(start, start + n)
         slots += [pages[p // PS] * PS + p % PS for p in range(start, start + n)]
@@ -72,17 +76,36 @@ def random_params(rng: random.Random) -> SamplingParams:
         logprobs=2 if kind == 2 else None, prompt_logprobs=1 if kind == 4 else None)
 
 
-@pytest.mark.parametrize("hybrid", [False, True])
+def check_sliding(sched: Scheduler, out, inputs, num_reqs: int) -> int:
+    """The sliding slot mapping is the scheduler's exactly; the sliding page table is
+    too from each row's window on (before it the scheduler has the null page where the
+    runner may keep ids of pages given back). -> stale ids seen."""
+    width = inputs.sliding_page_table.shape[1]
+    want = full_copy_inputs(sched, out, width, SLIDING)
+    np.testing.assert_array_equal(inputs.sliding_slot_mapping, want["slot_mapping"])
+    got_pt, want_pt = inputs.sliding_page_table, want["page_table"]
+    np.testing.assert_array_equal(got_pt[num_reqs:], 0)
+    stale = 0
+    for i, (_, start, _) in enumerate(out.scheduled()):
+        first = max(start - sched.kv.sliding_window + 1, 0) // PS
+        np.testing.assert_array_equal(got_pt[i, first:], want_pt[i, first:])
+        assert not want_pt[i, :first].any()
+        stale += int(got_pt[i, :first].astype(bool).sum())
+    return stale
+
+
+@pytest.mark.parametrize("hybrid,window", [(False, None), (True, None), (False, 6)])
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
-def test_diffs_rebuild_the_full_copy(policy, hybrid):
+def test_diffs_rebuild_the_full_copy(policy, hybrid, window):
     rng = random.Random(7)
     sched = Scheduler(num_pages=11, page_size=PS, max_num_seqs=R, max_num_batched_tokens=16,
-                      max_model_len=MML, policy=policy, num_state_slots=R + 1 if hybrid else 0)
+                      max_model_len=MML, policy=policy, num_state_slots=R + 1 if hybrid else 0,
+                      num_sliding_pages=10 if window else 0, sliding_window=window)
     batch = InputBatch(max_num_seqs=R, max_model_len=MML, page_size=PS, token_buckets=BUCKETS,
-                       vocab_size=V, page_buckets=(4, 8, 12))
+                       vocab_size=V, page_buckets=(4, 8, 12), sliding=window is not None)
     prefixes = [[rng.randrange(3, V) for _ in range(9)] for _ in range(2)]
     n_added = 0
-    seen = dict(prefix_hits=0, chunks=0, prompt_lps=0)
+    seen = dict(prefix_hits=0, chunks=0, prompt_lps=0, stale=0)
     for t in range(300):
         if n_added < 30 and rng.random() < 0.3:
             prompt = (prefixes[rng.randrange(2)][:rng.randrange(0, 10)]
@@ -105,6 +128,11 @@ def test_diffs_rebuild_the_full_copy(policy, hybrid):
             want = full_copy_inputs(sched, out, width)
             for name, value in want.items():
                 np.testing.assert_array_equal(getattr(hb.inputs, name), value, err_msg=name)
+            if window:
+                seen["stale"] += check_sliding(sched, out, hb.inputs, rows.num_reqs)
+            else:   # every other model's inputs are as before
+                assert hb.inputs.sliding_slot_mapping is None
+                assert hb.inputs.sliding_page_table is None
             np.testing.assert_array_equal(hb.logits_indices[:rows.num_reqs],
                                           want["query_start_loc"][1:rows.num_reqs + 1] - 1)
             penalties = bool(batch.has_penalties[rows.rows].any())
@@ -131,8 +159,10 @@ def test_diffs_rebuild_the_full_copy(policy, hybrid):
     assert not sched.has_unfinished_requests()
     batch.update(sched.schedule(), (EOS,))
     assert batch.num_rows == 0 and not batch.row_of and not batch.page_table.any()
+    assert not window or not batch.sliding_page_table.any()
     assert sched.num_preemptions > 0 and seen["chunks"] > 0 and seen["prompt_lps"] > 0
     assert seen["prefix_hits"] > 0 or hybrid   # hybrid models never share pages
+    assert seen["stale"] > 0 or not window
 
 
 def test_a_diff_the_batch_cannot_apply_is_refused():
@@ -148,8 +178,8 @@ def test_a_diff_the_batch_cannot_apply_is_refused():
     # The runner never stored the sampled token: the next step asks for what it lacks.
     with pytest.raises(ValueError, match="the runner knows 3"):
         batch.update(sched.schedule(), (EOS,))
-    running_a = SchedulerOutput([], CachedRequestData(["a"], [3], [1], [[]]), 1, [], [])
+    running_a = SchedulerOutput([], CachedRequestData(["a"], [3], [1], [([],)]), 1, [], [])
     with pytest.raises(ValueError, match="not in the runner's batch"):
-        new_batch().update(running_a, EOS)
+        new_batch().update(running_a, (EOS,))
     with pytest.raises(ValueError, match="already in the runner's batch"):
         batch.update(SchedulerOutput(out.new_reqs, CachedRequestData.empty(), 3, [], []), (EOS,))
