@@ -51,10 +51,17 @@ def dequantize_block(w: np.ndarray, scale_inv: np.ndarray, quant: WeightQuant) -
 
 
 def quantize_layout(w: np.ndarray, kernel_shape: tuple[int, ...], scale_shape: tuple[int, ...],
-                    quant: WeightQuant, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
-    """(q, scale) of a float kernel already in the param layout [in..., out...]; the scale
-    param's shape [blocks, out...] says where the contraction axes end."""
+                    quant: WeightQuant, dtype: np.dtype, lead: int = 0
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """(q, scale) of a float kernel already in the param layout [lead..., in..., out...];
+    the scale param's shape [lead..., blocks, out...] says where the contraction axes end.
+    lead: leading axes of kernels quantized each on its own (Gemma 4's experts, one
+    tensor for all of a layer's)."""
     num_contract = len(kernel_shape) - (len(scale_shape) - 1)
-    q, scale = quantize(np.asarray(w, np.float32).reshape(kernel_shape), dtype, num_contract,
-                        quant.block_in)
-    return q, scale
+    w = np.asarray(w, np.float32).reshape(kernel_shape)
+    if not lead:
+        return quantize(w, dtype, num_contract, quant.block_in)
+    pairs = [quantize(x, dtype, num_contract, quant.block_in)
+             for x in w.reshape(-1, *kernel_shape[lead:])]
+    return (np.stack([q for q, _ in pairs]).reshape(kernel_shape),
+            np.stack([s for _, s in pairs]).reshape(scale_shape))

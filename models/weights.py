@@ -321,6 +321,7 @@ def checkpoint_tasks(model_dir: str | Path | None, cfg: ModelConfig, model: nn.M
     np_dtype = np.dtype(dtype)
     quant = quantized_leaves(expected)
     model_quant = model.config.weight_quant
+    stacked_axes = _stacked_axes(model) if quant else {}
 
     def task(path: Path_, sds: Any) -> ParamTask:
         if path in computed:
@@ -345,7 +346,8 @@ def checkpoint_tasks(model_dir: str | Path | None, cfg: ModelConfig, model: nn.M
                          open=partial(_open_param, path, sds.shape, names, where, cfg, leaf_dtype,
                                       *repeat_axes.get(path, (None, 1)), role=role,
                                       kernel_path=kernel_path, kernel_inner=kernel_inner,
-                                      scale_inner=scale_inner, model_quant=model_quant))
+                                      scale_inner=scale_inner, model_quant=model_quant,
+                                      lead=stacked_axes.get(kernel_path, 0) - names.ndim))
 
     return [task(path, sds) for path, sds in expected.items()]
 
@@ -354,11 +356,11 @@ def _open_param(path: Path_, shape: tuple[int, ...], names: np.ndarray, where: d
                 cfg: ModelConfig, np_dtype: np.dtype, repeat_axis: int | None,
                 kv_head_repeat: int, *, role: str = "param", kernel_path: Path_ = (),
                 kernel_inner: tuple[int, ...] = (), scale_inner: tuple[int, ...] | None = None,
-                model_quant: WeightQuant | None = None) -> Reader:
+                model_quant: WeightQuant | None = None, lead: int = 0) -> Reader:
     """Prepares one param on the host (in a loading thread); returns its slice reader.
     names: hf_names(path), one tensor per entry of the param's stacked leading axes.
     role: "param" (a plain one), or a quantized "kernel" / its "scale"
-    (models/quant_weights.py)."""
+    (models/quant_weights.py). lead: stacked kernels inside one tensor (Gemma 4's experts)."""
     stacked = names.ndim
     inner = shape[stacked:]
 
@@ -386,7 +388,7 @@ def _open_param(path: Path_, shape: tuple[int, ...], names: np.ndarray, where: d
         w = _to_param_layout(checkpoint_float(name), kernel_path, k_at, name, cfg)
         q, scale = quantize_layout(w, k_at, s_at, model_quant,
                                    np.dtype(np_dtype if role == "kernel" else
-                                            storage_dtype(model_quant)))
+                                            storage_dtype(model_quant)), lead)
         return q if role == "kernel" else scale
 
     def element(name: str) -> np.ndarray:

@@ -74,3 +74,57 @@ def test_prefix_cache_hit_gives_the_same_tokens(checkpoint, expected):
     assert second.num_cached_tokens == 64
     assert second.outputs[0].token_ids == expected[kind][2]
     assert_no_leaks(llm.engine)
+
+
+def test_fp8_weights_and_kv_as_the_vllm_guide(checkpoint):
+    """--quantization fp8 --kv-cache-dtype fp8 --enable-prefix-caching: both KV groups
+    stored in fp8 (a scale per group's layer and KV head), every linear layer and expert
+    in fp8; a prefix hit reads the fp8 pages another request wrote and gives the tokens
+    of the cold run. (Logits against dequantized weights: tests/models/
+    test_parity_gemma4.py; agreement with the float engine is not tested here: the
+    tiny random Gemma's attention, scale 1 on unit-RMS q and k, is so sharp that even a
+    bfloat16 cache changes a quarter of its top-1 tokens.) int8 KV is refused."""
+    path = checkpoint("gemma4_moe")
+    llm = LLM(path, dtype="float32", max_model_len=160, max_num_seqs=4,
+              max_num_batched_tokens=64, quantization="fp8", kv_cache_dtype="fp8",
+              enable_prefix_caching=True)
+    caches = llm.engine.runner.kv_caches
+    assert {c.dtype.name for c in caches.values()} == {"float8_e4m3fn"} and len(caches) == 2
+    prompt = {"prompt_token_ids": _prompts()[2]}
+    cold = llm.generate(prompt, GREEDY, use_tqdm=False)[0]
+    warm = llm.generate(prompt, GREEDY, use_tqdm=False)[0]
+    assert warm.num_cached_tokens == 64
+    assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
+    assert_no_leaks(llm.engine)
+    with pytest.raises(ValueError, match="int8 KV caches"):
+        LLM(path, dtype="float32", max_model_len=128, kv_cache_dtype="int8")
+
+
+def test_pages_leaving_the_window_go_back_to_the_pool(checkpoint, expected):
+    """A long generation holds at most the window's sliding pages (window 8 over pages of
+    16: the page being written and the one before), while the global layers keep every
+    page; the tokens are still transformers'."""
+    from jaxserve.core.kv_cache_manager import SLIDING, window_pages
+    kind = "gemma4"
+    engine = LLM(checkpoint(kind), dtype="float32", max_model_len=160, max_num_seqs=4,
+                 max_num_batched_tokens=16).engine
+    kv = engine.scheduler.kv
+    sliding_total = kv.get_num_free_pages(SLIDING)
+    prompt = _prompts()[2]                                   # 70 tokens
+    params = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True)
+    add(engine, "long", prompt, params)
+    most_held = most_global = 0
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                tokens = o.outputs[0].token_ids
+        if engine.has_unfinished_requests():
+            held = [p for p in kv.get_block_ids("long", SLIDING) if p != 0]
+            most_held = max(most_held, len(held))
+            most_global = max(most_global, len(kv.get_block_ids("long")))
+            assert kv.get_num_free_pages(SLIDING) == sliding_total - len(held)
+    assert tokens[:NUM_NEW] == expected[kind][2]
+    assert most_global == -(-(70 + 80 - 1) // 16)           # every page of the sequence
+    assert most_held <= window_pages(8, 16) + 1 < most_global  # + the step's next page
+    assert kv.get_num_free_pages(SLIDING) == sliding_total
+    assert_no_leaks(engine)

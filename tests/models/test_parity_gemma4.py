@@ -87,3 +87,51 @@ def test_mixed_ragged_step_matches_transformers(gemma):
     assert_close(gc, gemma.torch_logits(c))
     assert_close(ga, gemma.torch_logits(a)[19:])
     assert_close(gb[0], gemma.torch_logits(list(b) + [b_next])[-1])
+
+
+_QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "mlp.gate_proj", "mlp.up_proj",
+              "mlp.down_proj", "experts.gate_up_proj", "experts.down_proj")
+
+
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+def test_quantized_weights_match_transformers_on_dequantized_weights(method, tmp_path):
+    """--quantization on Gemma 4 (attention, dense MLP and the experts, one scale per
+    output channel; router, per-layer-embedding projections and embeddings kept): the
+    logits equal transformers' on the same weights quantized and dequantized."""
+    import shutil
+    from dataclasses import replace
+
+    from safetensors.numpy import load_file, save_file
+
+    from models.config import WeightQuant
+    from models.quantization import dequantize, quantize, storage_dtype
+    kind = "gemma4_moe"
+    src = make_tiny_checkpoint(kind, tmp_path / "src")
+    quant = WeightQuant(method)
+    deq = tmp_path / "deq"
+    shutil.copytree(src, deq)
+    tensors = load_file(f"{src}/model.safetensors")
+    for name, w in tensors.items():
+        if any(f".{p}" in name for p in _QUANTIZED):
+            rows = w.reshape(-1, *w.shape[-2:])              # [experts or 1, out, in]
+            rows = np.stack([dequantize(*quantize(r.T, storage_dtype(quant), 1, None), 1, None,
+                                        np.float32).T for r in rows])
+            tensors[name] = rows.reshape(w.shape).astype(w.dtype)
+    save_file(tensors, f"{deq}/model.safetensors", metadata={"format": "pt"})
+
+    cfg = replace(ModelConfig.from_pretrained(src), weight_quant=quant)
+    model = build_model(cfg, jnp.float32)
+    params = load_params(src, cfg, model, jnp.float32)
+    assert params["layers_0"]["experts"]["gate_proj"].dtype == storage_dtype(quant)
+    shapes = cache_shapes(cfg, num_pages=NUM_PAGES, page_size=PAGE, kv_dtype=jnp.float32,
+                          num_state_slots=0, conv_state_dtype=jnp.float32)
+    caches = {k: jnp.zeros(s.shape, s.dtype) for k, s in shapes.items()}
+    toks = prompt(45, seed=6)
+    inputs, _ = make_inputs([(toks, 0, [1, 2, 3])], page_size=PAGE, num_tokens=T_PAD,
+                            num_rows=R_PAD, pages_per_row=P_PAD)
+    hidden, _ = jax.jit(model.apply)({"params": params}, caches, inputs)
+    got = np.asarray(model.apply({"params": params}, hidden, method="compute_logits"))[:len(toks)]
+    ref = model_class(kind).from_pretrained(str(deq), dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = ref(input_ids=torch.tensor(toks, dtype=torch.long)[None]).logits[0].numpy()
+    assert_close(got, want)
