@@ -78,7 +78,7 @@ def engine_layout(config: EngineConfig, mc: ModelConfig, mesh: Mesh) -> EngineLa
         raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r}: int8 KV caches need "
                          f"calibrated scales, not implemented for Gemma 4's two KV groups; "
                          f"use fp8 (scale 1)")
-    for layer in _attention_shapes(stored):
+    for layer in attention_shapes(stored):
         if is_quantized(kv_dtype):   # a kernel that cannot read it is an error
             why = kv_cache_dtype_error(kv_dtype, platform=platform, backend=backend,
                                        head_dim=stored.layer_head_dim(layer),
@@ -101,7 +101,7 @@ def engine_layout(config: EngineConfig, mc: ModelConfig, mesh: Mesh) -> EngineLa
                         config.scan_layers)
 
 
-def _attention_shapes(mc: ModelConfig) -> list[int]:
+def attention_shapes(mc: ModelConfig) -> list[int]:
     """One KV layer of each distinct (head dim, KV heads): what the start-up checks of
     the attention kernels need to see."""
     seen: dict[tuple[int, int], int] = {}

@@ -93,10 +93,10 @@ def weight_figures(mc, m: int, dtype: str, weight_quant=None,
 
     from models.registry import build_model
     from models.weights import abstract_params, param_logical_axes
-    from sharding import MODEL, kv_head_layout, logical_to_mesh, mesh_rules
+    from sharding import MODEL, kv_head_repeats, logical_to_mesh, mesh_rules, with_stored_kv_heads
 
-    kv_heads = kv_head_layout(mc.num_heads, mc.num_kv_heads, m)
-    module = build_model(replace(mc, num_kv_heads=kv_heads, weight_quant=weight_quant,
+    repeats = kv_head_repeats(mc, m)
+    module = build_model(replace(with_stored_kv_heads(mc, m), weight_quant=weight_quant,
                                  kv_cache_quantized=kv_cache_quantized), dtype, "reference")
     shapes = flatten_dict(abstract_params(module))
     axes = flatten_dict(param_logical_axes(module))
@@ -107,8 +107,8 @@ def weight_figures(mc, m: int, dtype: str, weight_quant=None,
         nbytes = sds.size * itemsize
         split = m if MODEL in tuple(logical_to_mesh(axes[path], rules)) else 1
         # Replicated KV heads are the same parameters again: count them once.
-        unique = sds.size * mc.num_kv_heads // kv_heads if "kv_heads" in tuple(axes[path]) \
-            else sds.size
+        repeat = next((r for axis, r in repeats.items() if axis in tuple(axes[path])), 1)
+        unique = sds.size // repeat
         num_params += unique
         total += unique * itemsize
         per_device += nbytes // split
@@ -147,6 +147,9 @@ class Plan:
     # device memory is unknown and no cache size was given.
     cache: CachePlan | None = None
     compiler_limit: str | None = None  # TPU: why the largest step would not compile
+    # Gemma 4's global layers' own KV heads (0: as kv_heads), and as stored on the mesh.
+    global_kv_heads: int = 0
+    global_kv_heads_stored: int = 0
     # Sliding-window layers (Gemma 4) with a KV cache of their own, and their window.
     sliding_attention_layers: int = 0
     sliding_kv_bytes_per_token_per_device: int = 0
@@ -255,7 +258,7 @@ def make_plan(mc, *, model: str, mesh: str, dtype: str = "auto", kv_cache_dtype:
     from models.config import SERVING_DTYPES, resolve_weight_quant
     from models.registry import resolve_dtype, resolve_kv_dtype
     from pallas_kernels.ragged_paged_attention import is_quantized
-    from sharding import check_model_axis, kv_head_layout
+    from sharding import check_model_axis, with_stored_kv_heads
     from sharding.mesh import parse_mesh
 
     d, m = parse_mesh(mesh)
@@ -265,12 +268,12 @@ def make_plan(mc, *, model: str, mesh: str, dtype: str = "auto", kv_cache_dtype:
     dt = resolve_dtype(dtype, mc)
     kv_dt = resolve_kv_dtype(kv_cache_dtype, dt)
     weight_quant = resolve_weight_quant(quantization, mc.weight_quant)
-    kv_heads = kv_head_layout(mc.num_heads, mc.num_kv_heads, m)
+    stored = with_stored_kv_heads(mc, m)
+    kv_heads = stored.num_kv_heads
     w = weights or weight_figures(mc, m, dt.name, weight_quant, is_quantized(kv_dt))
     max_model_len = max_model_len or mc.max_position_embeddings
     tokens = max_num_batched_tokens or max(2048, max_num_seqs)
-    specs = layer_cache_specs(replace(mc, num_kv_heads=kv_heads), kv_dtype=kv_dt,
-                              conv_state_dtype=dt)
+    specs = layer_cache_specs(stored, kv_dtype=kv_dt, conv_state_dtype=dt)
     kv_tok = sum(s.bytes_per_token() for s in specs
                  if isinstance(s, PagedKVSpec) and s.sliding_window is None) // m
     sliding = [s for s in specs if isinstance(s, PagedKVSpec) and s.sliding_window is not None]
@@ -278,9 +281,11 @@ def make_plan(mc, *, model: str, mesh: str, dtype: str = "auto", kv_cache_dtype:
     act = activation_bytes(mc, m, tokens, max_num_seqs, dt.itemsize, max_model_len)
     limit = None
     if platform == "tpu":
-        from jaxserve.engine.layout import tpu_kernel_limit_error
-        limit = tpu_kernel_limit_error(mc, kv_heads, num_tokens=tokens, rows=max_num_seqs,
-                                       max_model_len=max_model_len, page_size=page_size)
+        from jaxserve.engine.layout import attention_shapes, tpu_kernel_limit_error
+        limit = next(filter(None, (tpu_kernel_limit_error(
+            mc, stored.layer_num_kv_heads(i), num_tokens=tokens, rows=max_num_seqs,
+            max_model_len=max_model_len, page_size=page_size) for i in attention_shapes(stored))),
+            None)
     if cache is None and (num_pages or kv_cache_memory_bytes or hbm_bytes):
         budget = None if num_pages else kv_cache_memory_bytes or kv_budget_bytes(
             max(0, hbm_bytes - w.bytes_per_device), hbm_utilization, act)
@@ -294,6 +299,7 @@ def make_plan(mc, *, model: str, mesh: str, dtype: str = "auto", kv_cache_dtype:
         quantization=weight_quant.method if weight_quant else None, num_params=w.num_params, weight_bytes=w.weight_bytes,
         weight_bytes_per_device=w.bytes_per_device, replicated_param_bytes=w.replicated_bytes,
         kv_heads=mc.num_kv_heads, kv_heads_stored=kv_heads, kv_bytes_per_token_per_device=kv_tok,
+        global_kv_heads=mc.full_num_kv_heads, global_kv_heads_stored=stored.full_num_kv_heads,
         num_layers=mc.num_layers, full_attention_layers=len(mc.full_attention_layers),
         state_bytes_per_seq=state, state_bytes_per_seq_per_device=state // m,
         state_layout=_state_layout(mc, dt.name), hidden_size=mc.hidden_size,

@@ -43,6 +43,11 @@ def format_plan(p: Plan) -> str:
                      f"{p.kv_heads_stored // m} per device")
     else:
         lines.append(f"  KV heads                   {p.kv_heads}, {p.kv_heads // m} per device")
+    if p.global_kv_heads:
+        repeat = p.global_kv_heads_stored // p.global_kv_heads
+        lines.append(f"  global layers' KV heads    {p.global_kv_heads}"
+                     + (f", each replicated {repeat}x" if repeat > 1 else "")
+                     + f", {p.global_kv_heads_stored // m} per device")
     kind = "full-attention layers" if p.is_hybrid else \
         "global layers" if p.sliding_attention_layers else "layers"
     lines.append(f"  KV cache per token/device  {p.kv_bytes_per_token_per_device / 2**10:.1f} KiB "
