@@ -35,3 +35,20 @@ def assert_no_leaks(engine) -> None:
 def add(engine, request_id: str, prompt, params, **kwargs) -> None:
     """Adds a request as LLM and the server do: through the engine's front door."""
     engine.add_request(engine.inputs.process(request_id, prompt, params, **kwargs))
+
+
+def run_staggered(engine, prompts, params, every: int) -> dict[str, list[int]]:
+    """Adds prompt i (request id str(i)) every `every` steps and steps until all finish;
+    -> each request's output token ids."""
+    pending = list(enumerate(prompts))
+    results: dict[str, list[int]] = {}
+    step = 0
+    while pending or engine.has_unfinished_requests():
+        if pending and step % every == 0:
+            i, p = pending.pop(0)
+            add(engine, str(i), p, params)
+        for o in engine.step():
+            if o.finished:
+                results[o.request_id] = o.outputs[0].token_ids
+        step += 1
+    return results

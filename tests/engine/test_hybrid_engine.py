@@ -10,7 +10,7 @@ import pytest
 
 from jaxserve import LLM, SamplingParams
 from tests.checkpoints import HYBRID_KINDS, reference_greedy
-from tests.engine.conftest import add, assert_no_leaks
+from tests.engine.conftest import add, assert_no_leaks, run_staggered
 
 NUM_NEW = 32
 PROMPT_LENS = (5, 33, 70, 130)   # 70 and 130 tokens: several DeltaNet chunks of 64
@@ -29,21 +29,6 @@ def expected(checkpoint):
     return {kind: reference_greedy(checkpoint(kind), _prompts(), NUM_NEW, kind) for kind in HYBRID_KINDS}
 
 
-def _run_staggered(engine, prompts, params=GREEDY, every: int = 3) -> dict[str, list[int]]:
-    pending = list(enumerate(prompts))
-    results: dict[str, list[int]] = {}
-    step = 0
-    while pending or engine.has_unfinished_requests():
-        if pending and step % every == 0:
-            i, p = pending.pop(0)
-            add(engine, str(i), p, params)
-        for o in engine.step():
-            if o.finished:
-                results[o.request_id] = o.outputs[0].token_ids
-        step += 1
-    return results
-
-
 @pytest.mark.parametrize("kind", HYBRID_KINDS)
 def test_greedy_matches_transformers(kind, checkpoint, expected):
     path, prompts, want = checkpoint(kind), _prompts(), expected[kind]
@@ -57,7 +42,7 @@ def test_greedy_matches_transformers(kind, checkpoint, expected):
     # across steps from the slot's state and share steps with other requests' decodes.
     engine = LLM(path, dtype="float32", max_model_len=256, max_num_seqs=4,
                  max_num_batched_tokens=32).engine
-    results = _run_staggered(engine, prompts)
+    results = run_staggered(engine, prompts, GREEDY, every=3)
     assert [results[str(i)] for i in range(len(prompts))] == want
     assert_no_leaks(engine)
 
@@ -68,7 +53,7 @@ def test_preemption_resumes_to_the_same_tokens(checkpoint, expected):
     # 14 pages of 16 tokens: the four requests need 24 at their longest.
     engine = LLM(path, dtype="float32", max_model_len=176, max_num_seqs=4,
                  max_num_batched_tokens=64, num_pages=15).engine
-    results = _run_staggered(engine, prompts, every=1)
+    results = run_staggered(engine, prompts, GREEDY, every=1)
     assert engine.scheduler.num_preemptions > 0
     assert [results[str(i)] for i in range(len(prompts))] == want
     assert_no_leaks(engine)
