@@ -31,12 +31,14 @@ f16 (exact; fp8 -> bf16 needs a newer ptxas), int8 to q's 16-bit dtype.
 
 Masking is positional: row m is token t = m // G of the block, position
 Q_POS + min(t, Q_COUNT - 1) (padding rows copy the last real row so they
-stay finite); column c of step s is position (STEP_LO + s) * KV_STEP + c; a
+stay finite); column c of step s is position KV_LO + s * KV_STEP + c; a
 score is kept when kv <= q (and kv > q - window). Pages past the request's
 NUM_PAGES are never fetched: such page slots re-read the request's last page
-and are masked. On the last step, V rows at or past KV_LEN are zeroed in
-shared memory first, because stale slot contents may be NaN and 0 * NaN is
-NaN in the P V product.
+and are masked; with a window, pages entirely before the window of the item's
+first query are never fetched either (KV_LO, blocks.py). On the last step (and,
+with a window, the first), V rows at or past KV_LEN (before the window start)
+are zeroed in shared memory first, because stale slot contents may be NaN and
+0 * NaN is NaN in the P V product.
 
 Verified on CPU: the logic in GPU interpret mode (same kernel, except that the
 two matmuls are plain dots there and layout casts are skipped: the interpreter
@@ -206,7 +208,8 @@ def _kernel(meta_ref, pages_ref, q_ref, cache_ref, o_ref, q_smem, k_smem, v_smem
             q_pos = meta_ref[item, blocks.Q_POS]
             q_count = meta_ref[item, blocks.Q_COUNT]
             kv_len = meta_ref[item, blocks.KV_LEN]
-            step_lo = meta_ref[item, blocks.STEP_LO]
+            kv_lo = meta_ref[item, blocks.KV_LO]
+            win_lo = None if sliding_window is None else blocks.window_start(q_pos, sliding_window)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)     # the last unit's output left q_smem
             plgpu.copy_gmem_to_smem(q_ref.at[item, head], q_smem, q_bar)
             plgpu.barrier_wait(q_bar)
@@ -221,7 +224,7 @@ def _kernel(meta_ref, pages_ref, q_ref, cache_ref, o_ref, q_smem, k_smem, v_smem
             def step(s, carry):
                 acc, m_i, l_i = carry
                 slot = lax.rem(done + s, stages)
-                base = (step_lo + s) * kv_step
+                base = kv_lo + s * kv_step
                 plgpu.barrier_wait(k_full.at[slot])
                 k_tile, v_tile = k_smem.at[slot], v_smem.at[slot]
                 if cast_smem:
@@ -254,11 +257,18 @@ def _kernel(meta_ref, pages_ref, q_ref, cache_ref, o_ref, q_smem, k_smem, v_smem
                     _cast_tile(v_smem.at[slot], v_tile, interpreted=interpreted)
                     plgpu.barrier_arrive(v_free.at[slot])
 
-                @pl.when(base + kv_step > kv_len)
+                stale = base + kv_step > kv_len
+                if sliding_window is not None:
+                    stale |= base < win_lo
+
+                @pl.when(stale)
                 def _zero_stale_v():
                     v = v_tile
-                    vrow = iota((kv_step, head_dim), 0)
-                    v[...] = jnp.where(base + vrow < kv_len, v[...], jnp.zeros_like(v[...]))
+                    vpos = base + iota((kv_step, head_dim), 0)
+                    live = vpos < kv_len
+                    if sliding_window is not None:
+                        live &= vpos >= win_lo
+                    v[...] = jnp.where(live, v[...], jnp.zeros_like(v[...]))
                     plgpu.commit_smem()
 
                 acc = _accumulate_pv(acc, p.astype(dtype), v_tile, interpreted=interpreted)
@@ -281,7 +291,7 @@ def _kernel(meta_ref, pages_ref, q_ref, cache_ref, o_ref, q_smem, k_smem, v_smem
         def unit(item, head, done):
             num_steps = meta_ref[item, blocks.NUM_STEPS]
             req = meta_ref[item, blocks.REQ]
-            step_lo = meta_ref[item, blocks.STEP_LO]
+            kv_lo = meta_ref[item, blocks.KV_LO]
             last_page = meta_ref[item, blocks.NUM_PAGES] - 1
 
             def fetch(s, which, buf, full, free):
@@ -292,7 +302,7 @@ def _kernel(meta_ref, pages_ref, q_ref, cache_ref, o_ref, q_smem, k_smem, v_smem
                 def _wait_free():
                     plgpu.barrier_wait(free.at[slot])
 
-                base = (step_lo + s) * kv_step
+                base = kv_lo + s * kv_step
                 for j in range(kv_step // piece):
                     start = base + j * piece
                     # Past the request's pages: re-read its last page (masked later).
