@@ -292,6 +292,33 @@ def test_kv_steps_never_start_before_the_window():
             assert (m[:, blocks.KV_LO] + steps * kv_step > last).all()
 
 
+def test_window_cost_bounds_the_pages_a_step_reads():
+    """cost.pages_read with a window: no batch of T tokens over at most R rows covers
+    more pages (brute force over random batches), and a decode batch whose windows
+    start on the last slot of a page reaches it."""
+    from pallas_kernels.ragged_paged_attention import cost
+    rng = np.random.default_rng(1)
+    for _ in range(300):
+        S, W = int(rng.choice([1, 4, 16])), int(rng.integers(1, 70))
+        R, T, P = int(rng.integers(1, 9)), int(rng.integers(1, 80)), 200
+        n = int(rng.integers(1, min(R, T) + 1))
+        cuts = np.sort(rng.choice(np.arange(1, T), n - 1, replace=False)) if n > 1 else []
+        q = np.diff(np.concatenate([[0], cuts, [T]])).astype(int)
+        pages = 0
+        for q_r in q:
+            kv = int(q_r + rng.integers(0, 100))          # <= P * S
+            lo = max(kv - q_r - W + 1, 0)
+            pages += (kv - 1) // S - lo // S + 1
+        bound = cost.pages_read(num_tokens=T, num_rows=R, pages_per_req=P, page_size=S,
+                                num_pages=10 ** 6, sliding_window=W)
+        assert pages <= bound, (S, W, R, T, q)
+    # Decodes whose window starts on a page's last slot: cdiv(W - 1, S) + 1 pages each.
+    assert cost.pages_read(num_tokens=8, num_rows=8, pages_per_req=4096, page_size=16,
+                           num_pages=10 ** 6, sliding_window=1024) == 8 * 65
+    assert cost.pages_read(num_tokens=8, num_rows=8, pages_per_req=4096, page_size=16,
+                           num_pages=100, sliding_window=1024) == 100
+
+
 # On a machine with an accelerator: the compiled kernel (not interpret mode) against the
 # oracle. Skipped on CPU; a GPU or TPU session runs them with the rest of this file.
 _ON = jax.default_backend()
