@@ -58,6 +58,8 @@ GPU_CONFIGS = [
          soft_cap=5.0),
     _cfg("bf16-g8-h64-s32", jnp.bfloat16, 2, 8, 64, 32,
          gpu_config=gpu.GpuConfig(block_q=8, kv_step=32, piece=32, stages=2, num_ctas=2)),
+    # head_dim 512: two column-block units per (item, kv head); 32-token steps, two per page
+    _cfg("bf16-g2-h512-s64", jnp.bfloat16, 2, 2, 512, 64),
 ]
 
 
@@ -273,15 +275,17 @@ def test_kv_steps_never_start_before_the_window():
     start of the item's first query, and no step is past its last query."""
     from pallas_kernels.ragged_paged_attention import blocks
     rng = np.random.default_rng(0)
-    for page_size, kv_step in ((16, 64), (16, 16), (128, 64), (32, 256)):
-        for window in (1, 5, 16, 24, 1024):
+    for page_size, kv_step, window in ((16, 64, 1), (16, 64, 24), (16, 16, 5), (128, 64, 1024),
+                                       (128, 64, 100), (32, 256, 16)):
+        plan = jax.jit(functools.partial(blocks.plan_items, num_tokens=256, block_q=8,
+                                         kv_step=kv_step, page_size=page_size,
+                                         sliding_window=window))
+        for _ in range(4):
             q_len = rng.integers(1, 40, 6)
             kv_len = q_len + rng.integers(0, 3000, 6)
             qsl = np.concatenate([[0], np.cumsum(q_len)]).astype(np.int32)
-            meta, *_ = blocks.plan_items(
-                jnp.asarray(qsl), jnp.asarray(kv_len, jnp.int32), jnp.array([6], jnp.int32),
-                num_tokens=int(qsl[-1]), block_q=8, kv_step=kv_step, page_size=page_size,
-                sliding_window=window)
+            meta, *_ = plan(jnp.asarray(qsl), jnp.asarray(kv_len, jnp.int32),
+                            jnp.array([6], jnp.int32))
             m = np.asarray(meta)[:int(np.asarray(meta)[0, blocks.NUM_ITEMS])]
             lo = np.maximum(m[:, blocks.Q_POS] - window + 1, 0)
             grain = min(page_size, kv_step)
