@@ -7,6 +7,9 @@ S-1, S, S+1 and long, padded rows and tokens, pages in random order, everything
 unlisted NaN. Small block sizes are forced where the defaults would fit a whole
 request in one block, so multi-step and multi-item paths run, and small page-index
 windows (idx_window) so the TPU kernel's window crossings run too.
+Sliding windows (Gemma 4) have their own scenarios (rpa_cases.window_scenarios),
+with everything before each request's window poisoned, for every impl, head dims
+128 / 256 / 512, G 2 / 4 / 8, and an fp8 cache.
 """
 from __future__ import annotations
 
