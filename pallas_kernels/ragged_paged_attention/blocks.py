@@ -14,6 +14,19 @@ to M rows, so the kernels never see ragged shapes; gather_queries builds the
 
 Per-item metadata (int32[I, NUM_FIELDS]) is computed here in XLA, once per
 call, so the kernels only read scalars.
+
+KV steps. Step s of an item covers the KV positions KV_LO + s * kv_step ..
+KV_LO + (s + 1) * kv_step - 1. KV_LO is the first position any query of the
+item may attend to (0, or with a sliding window W the first query's window
+start q_pos - W + 1) rounded down to the fetch granularity min(page_size,
+kv_step) -- a whole page when steps hold whole pages -- and NOT to a multiple
+of kv_step: so no step fetches a page that lies entirely before the item's
+window. Such pages may have been freed and reused by another request (the
+page-table row still holds their stale ids) or be the null page after a
+prefix-cache hit; their contents may be anything, and another request may be
+writing them in the same step. The slots of the first page before the window
+start belong to the request but are never needed: the kernels select them
+away like slots past KV_LEN (window_start below).
 """
 from __future__ import annotations
 
@@ -21,7 +34,7 @@ import jax
 import jax.numpy as jnp
 
 # Fields of the per-item metadata.
-REQ, Q_START, Q_COUNT, Q_POS, KV_LEN, STEP_LO, NUM_STEPS, NUM_PAGES, NUM_ITEMS = range(9)
+REQ, Q_START, Q_COUNT, Q_POS, KV_LEN, KV_LO, NUM_STEPS, NUM_PAGES, NUM_ITEMS = range(9)
 NUM_FIELDS = 9     # NUM_ITEMS (the real item count) is the same in every row
 
 
@@ -35,9 +48,10 @@ def plan_items(query_start_loc: jax.Array, kv_lens: jax.Array, num_seqs: jax.Arr
                num_items: int | None = None):
     """-> (meta int32[I, NUM_FIELDS], token_item int32[T], token_row int32[T], token_valid bool[T]).
 
-    kv_step is the kernel's KV block in tokens: items loop over the steps
-    STEP_LO .. STEP_LO + NUM_STEPS - 1, the ones that hold a position some
-    query of the item may attend to (causal, and the window when given).
+    kv_step is the kernel's KV block in tokens: an item loops over NUM_STEPS
+    steps from position KV_LO (see the module doc), up to the step holding its
+    last query's position (causal, and the window when given). kv_step and
+    page_size must be multiples of one another.
     row_mask (bool[R]) plans only those rows: the others get no items and their
     tokens are invalid. num_items overrides the static item count I when the
     caller knows a smaller bound (e.g. R for one-token rows with block_q = 1).
@@ -64,12 +78,14 @@ def plan_items(query_start_loc: jax.Array, kv_lens: jax.Array, num_seqs: jax.Arr
     kv_len = kv_len_row[req]
     q_pos = kv_len - q_len[req] + j * block_q                    # position of the block's first token
     last_pos = q_pos + q_count - 1
-    lo = jnp.zeros_like(q_pos) if sliding_window is None else \
-        jnp.maximum(q_pos - sliding_window + 1, 0)
-    step_lo = lo // kv_step
-    num_steps = jnp.where(valid & (q_count > 0), last_pos // kv_step + 1 - step_lo, 0)
+    if kv_step % page_size and page_size % kv_step:
+        raise ValueError(f"kv_step {kv_step} and page_size {page_size}: one must divide the other")
+    grain = min(kv_step, page_size)
+    kv_lo = jnp.zeros_like(q_pos) if sliding_window is None else \
+        jnp.maximum(window_start(q_pos, sliding_window), 0) // grain * grain
+    num_steps = jnp.where(valid & (q_count > 0), (last_pos - kv_lo) // kv_step + 1, 0)
     num_pages = -(-kv_len // page_size)
-    meta = jnp.stack([req, q_start, q_count, q_pos, kv_len, step_lo, num_steps, num_pages], axis=1)
+    meta = jnp.stack([req, q_start, q_count, q_pos, kv_len, kv_lo, num_steps, num_pages], axis=1)
     meta = jnp.where(valid[:, None], meta, 0)
     meta = jnp.concatenate([meta, jnp.broadcast_to(ends[-1], (n_items, 1))], axis=1).astype(jnp.int32)
 
@@ -82,6 +98,11 @@ def plan_items(query_start_loc: jax.Array, kv_lens: jax.Array, num_seqs: jax.Arr
     token_item = jnp.where(t_valid, firsts[t_req] + within // block_q, 0)
     token_row = jnp.where(t_valid, within % block_q, 0)
     return meta, token_item.astype(jnp.int32), token_row.astype(jnp.int32), t_valid
+
+
+def window_start(q_pos, sliding_window: int):
+    """The first KV position the query at q_pos sees with a sliding window (may be < 0)."""
+    return q_pos - (sliding_window - 1)
 
 
 def gather_queries(q: jax.Array, meta: jax.Array, *, num_kv_heads: int, block_q: int,

@@ -6,9 +6,9 @@ impl="xla": a page-by-page online-softmax loop in plain XLA (paged_loop.py), the
 impl="pallas": the kernel for the platform the computation is *lowered* for,
   chosen with lax.platform_dependent, so jax.export(..., platforms=["cuda"])
   and platforms=["tpu"] both work from a CPU-only machine:
-    cuda -> gpu.py (Mosaic GPU) when gpu.supports(...) (bf16/f16/fp8/int8,
-            head_dim 64/128/256), else the reference (kv_cache_dtype_error says
-            so, for the engine's start-up);
+    cuda -> gpu.py (Mosaic GPU) when gpu.supports(...) (bf16/f16 at head_dim
+            64/128/256/512, fp8/int8 at 64/128/256), else the reference
+            (kv_cache_dtype_error says so, for the engine's start-up);
     tpu  -> tpu.py (Mosaic TPU);
     anything else (cpu, rocm) -> the reference.
   interpret=True (or "tpu") runs the TPU kernel body in Pallas TPU interpret
@@ -179,8 +179,12 @@ def kv_cache_dtype_error(kv_dtype, *, platform: str, backend: str, head_dim: int
     group = num_heads // num_kv_heads
     if dtype == jnp.float32:
         why = "float32 (WGMMA would run it as TF32)"
-    elif head_dim not in (64, 128, 256):
-        why = f"head_dim {head_dim} (64, 128 or 256 only)"
+    elif head_dim not in gpu.HEAD_DIMS:
+        why = f"head_dim {head_dim} (64, 128, 256 or 512 only)"
+    elif is_quantized(dtype) and head_dim > gpu.MAX_COLS:
+        why = (f"head_dim {head_dim} with a {dtype} cache (its KV steps of 32 tokens are "
+               f"shorter than the {gpu.ROWS}-row tiles the quantized cast needs; bfloat16 "
+               f"or float16 only)")
     elif group > gpu.ROWS:
         why = f"{group} query heads per kv head (at most {gpu.ROWS})"
     else:
@@ -188,5 +192,5 @@ def kv_cache_dtype_error(kv_dtype, *, platform: str, backend: str, head_dim: int
                f"of {gpu.ROWS} tokens: page sizes that divide or are multiples of 128)")
     return (f"the Mosaic GPU attention kernel cannot read this cache: {why}; "
             f"impl='pallas' would fall back to the slow XLA reference. Use "
-            f"attention_backend='xla' (the page loop) or a cache it reads (bfloat16, float16, "
-            f"fp8, int8 at head_dim 64/128/256)")
+            f"attention_backend='xla' (the page loop) or a cache it reads (bfloat16 or "
+            f"float16 at head_dim 64/128/256/512, fp8 or int8 at 64/128/256)")

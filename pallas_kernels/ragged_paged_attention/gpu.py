@@ -31,12 +31,14 @@ f16 (exact; fp8 -> bf16 needs a newer ptxas), int8 to q's 16-bit dtype.
 
 Masking is positional: row m is token t = m // G of the block, position
 Q_POS + min(t, Q_COUNT - 1) (padding rows copy the last real row so they
-stay finite); column c of step s is position (STEP_LO + s) * KV_STEP + c; a
+stay finite); column c of step s is position KV_LO + s * KV_STEP + c; a
 score is kept when kv <= q (and kv > q - window). Pages past the request's
 NUM_PAGES are never fetched: such page slots re-read the request's last page
-and are masked. On the last step, V rows at or past KV_LEN are zeroed in
-shared memory first, because stale slot contents may be NaN and 0 * NaN is
-NaN in the P V product.
+and are masked; with a window, pages entirely before the window of the item's
+first query are never fetched either (KV_LO, blocks.py). On the last step (and,
+with a window, the first), V rows at or past KV_LEN (before the window start)
+are zeroed in shared memory first, because stale slot contents may be NaN and
+0 * NaN is NaN in the P V product.
 
 Verified on CPU: the logic in GPU interpret mode (same kernel, except that the
 two matmuls are plain dots there and layout casts are skipped: the interpreter
@@ -44,11 +46,21 @@ in jax 0.10.2 has neither WGMMA on transposed/register operands nor
 layout_cast), and the hardware form by exporting for "cuda" (the Pallas ->
 Mosaic GPU lowering checks WGMMA shapes, layouts, TMA boxes and the
 shared-memory budget). Unverified without a GPU: PTX compilation, numerics on
-hardware (approx exp2/tanh), register pressure at H = 256, and performance
+hardware (approx exp2/tanh), register pressure at H = 256 and 512, and performance
 (the quantized casts run on the compute warpgroup, serially with its math).
+head_dim 512 (Gemma 4's global layers): a [64, 512] f32 accumulator would take
+256 registers per thread, more than a thread has, so each (item, kv head) is
+two units, one per 256-column block of the output: each runs all of Q K^T
+(Q and K in shared memory as two column blocks, two WGMMAs into one
+accumulator) and P V for its block (the V ring holds only that block). K is
+read twice, V once: 1.5x the KV traffic of one pass, and Q K^T twice. KV steps
+are 32 tokens (two stages of K and half of V, the Q tile and an output tile fit
+shared memory), so the V tile, the WGMMA's contraction operand, takes a 64-byte
+swizzle and stale V rows are zeroed in a 32-row register layout.
 Not supported (the dispatcher falls back to the XLA reference): float32 (WGMMA
-would run it as TF32), head_dim outside {64, 128, 256}, G > 64, and for a
-quantized cache KV steps that are not a multiple of 64 tokens (odd page sizes).
+would run it as TF32), head_dim outside {64, 128, 256, 512}, G > 64, and for a
+quantized cache KV steps that are not a multiple of 64 tokens (odd page sizes,
+and head_dim 512).
 """
 from __future__ import annotations
 
@@ -60,6 +72,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic.gpu import fragmented_array
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.ragged_paged_attention import blocks
@@ -67,6 +80,7 @@ from pallas_kernels.ragged_paged_attention.cache import cache_dims
 from pallas_kernels.ragged_paged_attention.quant import is_quantized
 
 ROWS = 64                     # one warpgroup's WGMMA M
+MAX_COLS = 256                # head-dim columns one unit accumulates (see _cols)
 _SMEM_BUDGET = 220 * 1024     # of the 227 KiB a Hopper CTA may use (barriers and reduction scratch take the rest)
 _MASK_M = -1e30               # running-max floor: fully masked rows stay finite
 LOG2E = math.log2(math.e)
@@ -81,12 +95,23 @@ class GpuConfig:
     num_ctas: int     # persistent CTAs (one per SM on hardware)
 
 
+HEAD_DIMS = (64, 128, 256, 512)
+
+
 def supports(dtype, head_dim: int, num_heads: int, num_kv_heads: int, page_size: int) -> bool:
     group = num_heads // num_kv_heads
     # A quantized tile is cast ROWS rows at a time (the 8-bit WGMMA register layout).
     ok_dtype = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) or (
         is_quantized(dtype) and _kv_step(head_dim, page_size) % ROWS == 0)
-    return ok_dtype and head_dim in (64, 128, 256) and 1 <= group <= ROWS and page_size % 8 == 0
+    return ok_dtype and head_dim in HEAD_DIMS and 1 <= group <= ROWS and page_size % 8 == 0
+
+
+def _cols(head_dim: int) -> int:
+    """Output columns per unit: the f32 accumulator of [ROWS, cols] takes cols / 2
+    registers per thread of the warpgroup, so 256 (128 registers) is the most that
+    leaves room for the scores and the softmax; head_dim 512 runs as two units per
+    (item, kv head), each with all of Q K^T and half of P V."""
+    return min(head_dim, MAX_COLS)
 
 
 def compute_dtype(cache_dtype, q_dtype):
@@ -102,7 +127,9 @@ def compute_dtype(cache_dtype, q_dtype):
 
 
 def _kv_step(head_dim: int, page_size: int) -> int:
-    kv_step = 128 if head_dim <= 128 else 64
+    # head_dim 512: a stage holds all of K and half of V (48 KiB at 32 tokens); two
+    # stages, the [64, 512] Q tile and the [64, 256] output tile fill shared memory.
+    kv_step = 128 if head_dim <= 128 else 64 if head_dim <= 256 else 32
     if page_size % kv_step and kv_step % page_size:
         kv_step = page_size                # odd page sizes: one page per step
     return kv_step
@@ -115,10 +142,14 @@ def choose_config(head_dim: int, group: int, page_size: int, itemsize: int,
     kv_step = _kv_step(head_dim, page_size)
     piece = min(page_size, kv_step)
     compute_itemsize = compute_itemsize or itemsize
-    fixed = ROWS * head_dim * compute_itemsize
+    cols = _cols(head_dim)
+    fixed = ROWS * head_dim * compute_itemsize                  # the Q tile
+    if cols < head_dim:
+        fixed += ROWS * cols * compute_itemsize                 # the output tile
+    tile = (head_dim + cols) * kv_step                          # K and a V column block
     if compute_itemsize != itemsize:
-        fixed += 2 * kv_step * head_dim * compute_itemsize      # the cast K and V tiles
-    stage_bytes = 2 * kv_step * head_dim * itemsize
+        fixed += tile * compute_itemsize                        # the cast K and V tiles
+    stage_bytes = tile * itemsize
     stages = max(2, min(4, (_SMEM_BUDGET - fixed) // stage_bytes))
     return GpuConfig(block_q=ROWS // group, kv_step=kv_step, piece=piece, stages=stages,
                      num_ctas=num_ctas)
@@ -132,23 +163,45 @@ def default_num_ctas() -> int:
     return 132
 
 
-def _swizzle_transforms(head_dim: int, itemsize: int):
-    swizzle = min(128, head_dim * itemsize)
+def _swizzle_transforms(head_dim: int, itemsize: int, rows: int | None = None):
+    """rows: for a P V operand (V, [rows, head_dim]), whose rows are the WGMMA's
+    contraction dim: that must be a multiple of the swizzle (in elements), so 32-token
+    steps (head_dim 512) take a 64-byte swizzle."""
+    swizzle = min(128, head_dim * itemsize, (rows or 128) * itemsize)
     return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
-def _qk(q_smem, k_ref, shape, *, interpreted: bool):
+def _rows32_layout():
+    """A warpgroup register layout for [32k, 8n] tiles (WGMMA's needs 64k rows): tiles
+    of 32 x 8, a warp per 8 rows, lanes over 8 rows x 4 column pairs, 2-vectors. For
+    zeroing the stale rows of 32-token V tiles (head_dim 512)."""
+    return plgpu.Layout.TILED(fragmented_array.Tiling(((32, 8), (8, 8), (2,))),
+                              warp_dims=(-5,), lane_dims=(-3, -2), vector_dim=-1)
+
+
+def _parts(ref, splits: int, *lead):
+    """The column blocks of ref.at[*lead]: itself when there is one, else the
+    [..., rows, cols] entries of its (next) leading axis."""
+    if splits == 1:
+        return [ref.at[lead] if lead else ref]
+    return [ref.at[(*lead, c)] for c in range(splits)]
+
+
+def _qk(q_parts, k_parts, shape, *, interpreted: bool):
     """Q K^T with an f32 result. GPU interpret mode (jax 0.10.2) cannot run a
     WGMMA on a transposed ref or with a register operand, so when interpreted
     the two products are plain dots on the loaded tiles; everything around them
     (TMA, barriers, masks, softmax) is the same code. The WGMMA forms are
-    checked by the cuda lowering test."""
+    checked by the cuda lowering test.
+    Q and K come as lists of column blocks (_parts): the product sums over them."""
     if interpreted:
-        return lax.dot_general(q_smem[...], k_ref[...], (((1,), (1,)), ((), ())),
-                               preferred_element_type=jnp.float32)
+        return sum(lax.dot_general(q[...], k[...], (((1,), (1,)), ((), ())),
+                                   preferred_element_type=jnp.float32)
+                   for q, k in zip(q_parts, k_parts, strict=True))
 
     def qk(acc_ref):
-        plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_ref, (1, 0)))
+        for q, k in zip(q_parts, k_parts, strict=True):
+            plgpu.wgmma(acc_ref, q, plgpu.transpose_ref(k, (1, 0)))
         return acc_ref[...]
     return pl.run_scoped(qk, plgpu.ACC(shape, jnp.float32))
 
@@ -163,36 +216,54 @@ def _accumulate_pv(acc, p, v_ref, *, interpreted: bool):
     return pl.run_state(pv)(plgpu.ACC.init(acc))
 
 
-def _cast_tile(src, dst, *, interpreted: bool):
-    """dst[...] = src[...] as dst's dtype (a quantized K or V tile into the 16-bit copy
-    the WGMMA reads), ROWS rows at a time to bound the registers it takes."""
-    rows = min(ROWS, src.shape[0])
-    for r in range(0, src.shape[0], rows):
-        part = src.at[pl.ds(r, rows)]
-        x = part[...] if interpreted else plgpu.load(part, (), layout=plgpu.Layout.WGMMA_8BIT)
-        dst[pl.ds(r, rows)] = x.astype(dst.dtype)
+def _cast_tile(srcs, dsts, *, interpreted: bool):
+    """dst[...] = src[...] as dst's dtype for each pair (a quantized K or V tile, in
+    column blocks, into the 16-bit copy the WGMMA reads), ROWS rows at a time to
+    bound the registers it takes."""
+    for src, dst in zip(srcs, dsts, strict=True):
+        rows = min(ROWS, src.shape[0])
+        for r in range(0, src.shape[0], rows):
+            part = src.at[pl.ds(r, rows)]
+            x = part[...] if interpreted else plgpu.load(part, (), layout=plgpu.Layout.WGMMA_8BIT)
+            dst[pl.ds(r, rows)] = x.astype(dst.dtype)
     plgpu.commit_smem()
 
 
 def _kernel(meta_ref, pages_ref, q_ref, cache_ref, o_ref, q_smem, k_smem, v_smem,
-            q_bar, k_full, v_full, k_free, v_free, *cast_smem, cfg: GpuConfig, group: int,
+            q_bar, k_full, v_full, k_free, v_free, *extra, cfg: GpuConfig, group: int,
             num_kv_heads: int, page_size: int, sm_scale: float, soft_cap: float | None,
-            sliding_window: int | None, interpreted: bool):
-    """cast_smem: (K, V) 16-bit tiles for a quantized cache, none otherwise."""
+            sliding_window: int | None, interpreted: bool, splits: int):
+    """splits: column blocks of the head dim (_cols). With one, q_smem [ROWS, H] and
+    the K and V rings [stages, kv_step, H] hold whole rows and q_smem stages the
+    output. With more, q_smem [splits, ROWS, cols] and the K ring [stages, splits,
+    kv_step, cols] hold all head_dim = splits * cols columns in column blocks, the V
+    ring [stages, kv_step, cols] only the unit's output columns, and extra[0] is
+    the [ROWS, cols] output tile (GPU interpret mode cannot TMA from a block of
+    q_smem). The rest of extra: the (K, V) 16-bit tiles of a quantized cache (K in
+    column blocks like its ring), none for a 16-bit cache."""
     cta = lax.axis_index("cta")
     wg = lax.axis_index("wg")
     kv_step, piece, stages = cfg.kv_step, cfg.piece, cfg.stages
-    head_dim = q_smem.shape[-1]
+    cols = q_smem.shape[-1]
     dtype = q_smem.dtype
-    # Persistent CTAs: unit u = (item u // K, kv head u % K), dealt round-robin.
-    num_units = meta_ref[0, blocks.NUM_ITEMS] * num_kv_heads
+    o_smem, cast_smem = (q_smem, extra) if splits == 1 else (extra[0], extra[1:])
+    # Persistent CTAs: unit u = (item, kv head, column block) in that order of
+    # significance, dealt round-robin.
+    per_item = num_kv_heads * splits
+    num_units = meta_ref[0, blocks.NUM_ITEMS] * per_item
     my_units = lax.div(jnp.maximum(num_units - cta, 0) + cfg.num_ctas - 1, cfg.num_ctas)
 
     def unit_loop(body, init):
         def run(n, carry):
             u = cta + n * cfg.num_ctas
-            return body(lax.div(u, num_kv_heads), lax.rem(u, num_kv_heads), carry)
+            rest = lax.rem(u, per_item)
+            return body(lax.div(u, per_item), lax.div(rest, splits), lax.rem(rest, splits),
+                        carry)
         return lax.fori_loop(0, my_units, run, init)
+
+    def columns(ref, c: int):
+        """ref[:, column block c] of a 2-D ref."""
+        return ref.at[pl.ds(0, ref.shape[0]), pl.ds(c * cols, cols)]
 
     @pl.when(wg == 0)
     def _compute():
@@ -201,14 +272,18 @@ def _kernel(meta_ref, pages_ref, q_ref, cache_ref, o_ref, q_smem, k_smem, v_smem
         cast = (lambda x, _: x) if interpreted else plgpu.layout_cast
         iota = lambda shape, dim: cast(lax.broadcasted_iota(jnp.int32, shape, dim), wgmma_layout)
 
-        def unit(item, head, done):            # done: KV steps consumed by earlier units
+        def unit(item, head, cblk, done):      # done: KV steps consumed by earlier units
             num_steps = meta_ref[item, blocks.NUM_STEPS]
             q_pos = meta_ref[item, blocks.Q_POS]
             q_count = meta_ref[item, blocks.Q_COUNT]
             kv_len = meta_ref[item, blocks.KV_LEN]
-            step_lo = meta_ref[item, blocks.STEP_LO]
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)     # the last unit's output left q_smem
-            plgpu.copy_gmem_to_smem(q_ref.at[item, head], q_smem, q_bar)
+            kv_lo = meta_ref[item, blocks.KV_LO]
+            win_lo = None if sliding_window is None else blocks.window_start(q_pos, sliding_window)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)     # the last unit's output left o_smem
+            q_parts = _parts(q_smem, splits)
+            for c, q_part in enumerate(q_parts):
+                src = q_ref.at[item, head] if splits == 1 else q_ref.at[item, head, c]
+                plgpu.copy_gmem_to_smem(src, q_part, q_bar)
             plgpu.barrier_wait(q_bar)
 
             row = iota((ROWS, kv_step), 0)
@@ -216,22 +291,23 @@ def _kernel(meta_ref, pages_ref, q_ref, cache_ref, o_ref, q_smem, k_smem, v_smem
             q_of_row = q_pos + jnp.minimum(lax.div(row, group), q_count - 1)
             m_i = cast(jnp.full((ROWS,), _MASK_M, jnp.float32), wgmma_layout.reduce(1))
             l_i = cast(jnp.full((ROWS,), 0.0, jnp.float32), wgmma_layout.reduce(1))
-            acc = cast(jnp.full((ROWS, head_dim), 0.0, jnp.float32), wgmma_layout)
+            acc = cast(jnp.full((ROWS, cols), 0.0, jnp.float32), wgmma_layout)
 
             def step(s, carry):
                 acc, m_i, l_i = carry
                 slot = lax.rem(done + s, stages)
-                base = (step_lo + s) * kv_step
+                base = kv_lo + s * kv_step
                 plgpu.barrier_wait(k_full.at[slot])
-                k_tile, v_tile = k_smem.at[slot], v_smem.at[slot]
+                k_parts, v_tile = _parts(k_smem, splits, slot), v_smem.at[slot]
                 if cast_smem:
                     # A quantized slot is cast once and freed at once; the WGMMAs of the
                     # previous step, which read the cast tiles, were waited for (their
                     # results are used before this point).
-                    _cast_tile(k_tile, cast_smem[0], interpreted=interpreted)
+                    cast_k = _parts(cast_smem[0], splits)
+                    _cast_tile(k_parts, cast_k, interpreted=interpreted)
                     plgpu.barrier_arrive(k_free.at[slot])
-                    k_tile, v_tile = cast_smem
-                scores = _qk(q_smem, k_tile, (ROWS, kv_step), interpreted=interpreted)
+                    k_parts, v_tile = cast_k, cast_smem[1]
+                scores = _qk(q_parts, k_parts, (ROWS, kv_step), interpreted=interpreted)
                 if not cast_smem:
                     plgpu.barrier_arrive(k_free.at[slot])
 
@@ -251,14 +327,28 @@ def _kernel(meta_ref, pages_ref, q_ref, cache_ref, o_ref, q_smem, k_smem, v_smem
 
                 plgpu.barrier_wait(v_full.at[slot])
                 if cast_smem:
-                    _cast_tile(v_smem.at[slot], v_tile, interpreted=interpreted)
+                    _cast_tile([v_smem.at[slot]], [v_tile], interpreted=interpreted)
                     plgpu.barrier_arrive(v_free.at[slot])
 
-                @pl.when(base + kv_step > kv_len)
+                stale = base + kv_step > kv_len
+                if sliding_window is not None:
+                    stale |= base < win_lo
+
+                @pl.when(stale)
                 def _zero_stale_v():
                     v = v_tile
-                    vrow = iota((kv_step, head_dim), 0)
-                    v[...] = jnp.where(base + vrow < kv_len, v[...], jnp.zeros_like(v[...]))
+                    if interpreted or kv_step % ROWS == 0:
+                        vpos = base + iota((kv_step, cols), 0)
+                        x = v[...]
+                    else:
+                        lay = _rows32_layout()
+                        vpos = base + plgpu.layout_cast(
+                            lax.broadcasted_iota(jnp.int32, (kv_step, cols), 0), lay)
+                        x = plgpu.load(v, (), layout=lay)
+                    live = vpos < kv_len
+                    if sliding_window is not None:
+                        live &= vpos >= win_lo
+                    v[...] = jnp.where(live, x, jnp.zeros_like(x))
                     plgpu.commit_smem()
 
                 acc = _accumulate_pv(acc, p.astype(dtype), v_tile, interpreted=interpreted)
@@ -268,9 +358,10 @@ def _kernel(meta_ref, pages_ref, q_ref, cache_ref, o_ref, q_smem, k_smem, v_smem
 
             acc, m_i, l_i = lax.fori_loop(0, num_steps, step, (acc, m_i, l_i))
             out = acc / lax.broadcast_in_dim(l_i, acc.shape, [0])
-            q_smem[...] = out.astype(dtype)
+            o_smem[...] = out.astype(dtype)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(q_smem, o_ref.at[item, head])
+            plgpu.copy_smem_to_gmem(o_smem, o_ref.at[item, head] if splits == 1
+                                    else o_ref.at[item, head, cblk])
             return done + num_steps
 
         unit_loop(unit, jnp.int32(0))
@@ -278,10 +369,10 @@ def _kernel(meta_ref, pages_ref, q_ref, cache_ref, o_ref, q_smem, k_smem, v_smem
 
     @pl.when(wg == 1)
     def _memory():
-        def unit(item, head, done):
+        def unit(item, head, cblk, done):
             num_steps = meta_ref[item, blocks.NUM_STEPS]
             req = meta_ref[item, blocks.REQ]
-            step_lo = meta_ref[item, blocks.STEP_LO]
+            kv_lo = meta_ref[item, blocks.KV_LO]
             last_page = meta_ref[item, blocks.NUM_PAGES] - 1
 
             def fetch(s, which, buf, full, free):
@@ -292,14 +383,25 @@ def _kernel(meta_ref, pages_ref, q_ref, cache_ref, o_ref, q_smem, k_smem, v_smem
                 def _wait_free():
                     plgpu.barrier_wait(free.at[slot])
 
-                base = (step_lo + s) * kv_step
+                base = kv_lo + s * kv_step
                 for j in range(kv_step // piece):
                     start = base + j * piece
                     # Past the request's pages: re-read its last page (masked later).
                     page = pages_ref[req, jnp.minimum(start // page_size, last_page)]
                     src = cache_ref.at[page, 2 * head + which, pl.ds(start % page_size, piece)]
-                    plgpu.copy_gmem_to_smem(src, buf.at[slot, pl.ds(j * piece, piece)],
-                                            full.at[slot])
+                    dst = pl.ds(j * piece, piece)
+                    if splits == 1:
+                        plgpu.copy_gmem_to_smem(src, buf.at[slot, dst], full.at[slot])
+                    elif which == 0:    # K: every column block
+                        for c in range(splits):
+                            plgpu.copy_gmem_to_smem(columns(src, c), buf.at[slot, c, dst],
+                                                    full.at[slot])
+                    else:               # V: the unit's output columns (static slices)
+                        for c in range(splits):
+                            @pl.when(cblk == c)
+                            def _v():
+                                plgpu.copy_gmem_to_smem(columns(src, c), buf.at[slot, dst],
+                                                        full.at[slot])
 
             @pl.loop(0, num_steps)
             def _steps(s):
@@ -337,29 +439,43 @@ def ragged_paged_attention_gpu(q, cache, kv_lens, page_table, query_start_loc, n
     meta, token_item, token_row, token_valid = blocks.plan_items(
         query_start_loc, kv_lens, num_seqs, num_tokens=num_tokens, block_q=cfg.block_q,
         kv_step=cfg.kv_step, page_size=page_size, sliding_window=sliding_window)
+    cols = _cols(head_dim)
+    splits = head_dim // cols
     q_blocks = blocks.gather_queries(q.astype(compute), meta, num_kv_heads=num_kv,
                                      block_q=cfg.block_q, rows=ROWS)
-    transforms = _swizzle_transforms(head_dim, compute.itemsize)
-    kv_transforms = _swizzle_transforms(head_dim, itemsize)
-    cast_tiles = [plgpu.SMEM((cfg.kv_step, head_dim), compute, transforms=transforms)
-                  for _ in range(2 if compute != cache.dtype else 0)]
+    transforms = _swizzle_transforms(cols, compute.itemsize)
+    kv_transforms = _swizzle_transforms(cols, itemsize)
+    v_transforms = _swizzle_transforms(cols, compute.itemsize, cfg.kv_step)   # WGMMA's V tile
+    blk = () if splits == 1 else (splits,)          # a column-block axis, when split
+    extra = [] if splits == 1 else [plgpu.SMEM((ROWS, cols), compute, transforms=transforms)]
+    if compute != cache.dtype:                      # the cast K and V tiles
+        extra += [plgpu.SMEM((*blk, cfg.kv_step, cols), compute, transforms=transforms),
+                  plgpu.SMEM((cfg.kv_step, cols), compute, transforms=v_transforms)]
     pieces = cfg.kv_step // cfg.piece
     kernel = functools.partial(
         _kernel, cfg=cfg, group=group, num_kv_heads=num_kv, page_size=page_size, sm_scale=sm_scale,
-        soft_cap=soft_cap, sliding_window=sliding_window, interpreted=bool(interpret))
+        soft_cap=soft_cap, sliding_window=sliding_window, interpreted=bool(interpret),
+        splits=splits)
+    # Split: Q and the output as column blocks [I, K, splits, ROWS, cols], so the kernel
+    # moves a block with one TMA copy at a leading-axis index.
+    n_items = q_blocks.shape[0]
+    q_in = q_blocks if splits == 1 else \
+        q_blocks.reshape(n_items, num_kv, ROWS, splits, cols).transpose(0, 1, 3, 2, 4)
     out_blocks = plgpu.kernel(
         kernel,
-        out_type=jax.ShapeDtypeStruct(q_blocks.shape, compute),
+        out_type=jax.ShapeDtypeStruct(q_in.shape, compute),
         scratch_types=[
-            plgpu.SMEM((ROWS, head_dim), compute, transforms=transforms),
-            plgpu.SMEM((cfg.stages, cfg.kv_step, head_dim), cache.dtype, transforms=kv_transforms),
-            plgpu.SMEM((cfg.stages, cfg.kv_step, head_dim), cache.dtype, transforms=kv_transforms),
-            plgpu.Barrier(num_barriers=1),
-            plgpu.Barrier(num_arrivals=pieces, num_barriers=cfg.stages),
+            plgpu.SMEM((*blk, ROWS, cols), compute, transforms=transforms),
+            plgpu.SMEM((cfg.stages, *blk, cfg.kv_step, cols), cache.dtype,
+                       transforms=kv_transforms),
+            plgpu.SMEM((cfg.stages, cfg.kv_step, cols), cache.dtype,
+                       transforms=kv_transforms if compute != cache.dtype else v_transforms),
+            plgpu.Barrier(num_arrivals=splits, num_barriers=1),
+            plgpu.Barrier(num_arrivals=pieces * splits, num_barriers=cfg.stages),
             plgpu.Barrier(num_arrivals=pieces, num_barriers=cfg.stages),
             plgpu.Barrier(num_barriers=cfg.stages),
             plgpu.Barrier(num_barriers=cfg.stages),
-            *cast_tiles,
+            *extra,
         ],
         grid=(cfg.num_ctas,),
         grid_names=("cta",),
@@ -367,7 +483,9 @@ def ragged_paged_attention_gpu(q, cache, kv_lens, page_table, query_start_loc, n
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret,
-    )(meta, page_table.astype(jnp.int32), q_blocks, cache)
+    )(meta, page_table.astype(jnp.int32), q_in, cache)
+    if splits > 1:
+        out_blocks = out_blocks.transpose(0, 1, 3, 2, 4).reshape(q_blocks.shape)
     out = blocks.scatter_outputs(out_blocks, token_item, token_row, token_valid,
                                  num_heads=num_heads, block_q=cfg.block_q)
     return out.astype(q.dtype)

@@ -32,9 +32,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.ragged_paged_attention.blocks import (KV_LEN, NUM_STEPS, Q_COUNT, Q_POS,
-                                                          REQ, STEP_LO, gather_queries,
-                                                          plan_items, scatter_outputs)
+from pallas_kernels.ragged_paged_attention.blocks import (KV_LEN, KV_LO, NUM_STEPS, Q_COUNT,
+                                                          Q_POS, REQ, gather_queries, plan_items,
+                                                          scatter_outputs, window_start)
 from pallas_kernels.ragged_paged_attention.cache import cache_dims
 
 BLOCK_Q = 16
@@ -128,11 +128,15 @@ def _attend(q, cache, kv_lens, page_table, query_start_loc, num_seqs, *, block, 
         item = queue[fi, lanes]                                  # [L]
         mt = meta[item]
         active = f < fold                                        # t is one of its steps
-        first = (mt[:, STEP_LO] + t - starts[fi, lanes]) * per_step   # first page of the step
+        first = mt[:, KV_LO] // page_size + (t - starts[fi, lanes]) * per_step   # first page
         idx = jnp.clip(first[:, None] + jnp.arange(per_step)[None, :], 0, pages_per_req - 1)
         page = jnp.where(active[:, None], page_table[mt[:, REQ, None], idx], 0)   # [L, P]
         slot = first[:, None] * page_size + offsets[None, :]                  # [L, C]
         slot_ok = active[:, None] & (slot < mt[:, KV_LEN, None])              # [L, C]
+        if sliding_window is not None:
+            # Slots before the window of the item's first query: never needed, and
+            # selected away like those past KV_LEN (the first page's may be garbage).
+            slot_ok &= slot >= window_start(mt[:, Q_POS, None], sliding_window)
         row_pos = mt[:, Q_POS, None] + tok[None, :]                           # [L, M]
         mask = (slot_ok[:, None, :] & (tok[None, :] < mt[:, Q_COUNT, None])[:, :, None]
                 & (slot[:, None, :] <= row_pos[:, :, None]))                  # [L, M, C]

@@ -11,7 +11,12 @@ query_start_loc[num_seqs] are padding and give zeros.
 Only the first cdiv(kv_lens[r], S) entries of page_table[r] are request r's
 pages; anything past them (and any slot past kv_lens[r]) may hold garbage or
 NaN and must not reach the output, so masked scores and masked V rows are
-selected away (a select, never a multiply by zero).
+selected away (a select, never a multiply by zero). With a sliding window the
+same holds before the window: the entries of pages that lie entirely before
+the window of the request's first new token may be stale ids (pages freed and
+reused by other requests, possibly written in the same step) or the null page,
+and slots before that window start may hold anything. No impl fetches such a
+page (here: page 0 is gathered in its place).
 
 Glossary: T tokens, R request rows, N query heads, K kv heads, G = N // K,
 H head dim, P pages per request, S page size, L = P * S context slots.
@@ -69,7 +74,12 @@ def ragged_paged_attention(
         qb, rb, pb, vb = args                                   # [B,N,H], [B], [B], [B]
         kv_len = kv_lens[rb]                                    # [B]
         # Unlisted page slots point at page 0; whatever they hold is selected away below.
-        listed = jnp.arange(num_pages_per_req)[None, :] * page_size < kv_len[:, None]
+        page_no = jnp.arange(num_pages_per_req)[None, :]
+        listed = page_no * page_size < kv_len[:, None]
+        if sliding_window is not None:
+            # Pages entirely before the token's window may be stale (freed, reused by
+            # another request): never gather them (page 0 instead, masked like the rest).
+            listed &= (page_no + 1) * page_size > (pb - (sliding_window - 1))[:, None]
         pages = jnp.where(listed, page_table[rb], 0)           # [B, P]
         kv = cache[pages]                                       # [B, P, K, 2, S, H]
         kv = kv.transpose(0, 3, 2, 1, 4, 5).reshape(block, 2, num_kv, ctx, head_dim)

@@ -144,7 +144,8 @@ def _kernel(meta_ref, q_ref, cache_hbm, pages_hbm, o_ref, kv_buf, sems, idx_buf,
     field = lambda f: meta_ref[item * blocks.NUM_FIELDS + f]
     num_steps = field(blocks.NUM_STEPS)
     req, q_pos, q_count = field(blocks.REQ), field(blocks.Q_POS), field(blocks.Q_COUNT)
-    kv_len, step_lo, last_page = field(blocks.KV_LEN), field(blocks.STEP_LO), field(blocks.NUM_PAGES) - 1
+    kv_len, kv_lo, last_page = field(blocks.KV_LEN), field(blocks.KV_LO), field(blocks.NUM_PAGES) - 1
+    page_lo = lax.div(kv_lo, page_size)          # KV_LO is page-aligned (kv_step >= page_size)
     pps, kv_step, rows = cfg.pages_per_step, cfg.kv_step, cfg.rows
 
     def window_start(w):
@@ -152,7 +153,7 @@ def _kernel(meta_ref, q_ref, cache_hbm, pages_hbm, o_ref, kv_buf, sems, idx_buf,
         of // queries the local chip, which fails in deviceless compiles)."""
         if win.steps is None:
             return 0
-        first = lax.div((step_lo + w * win.steps) * pps, win.align) * win.align
+        first = lax.div(page_lo + w * win.steps * pps, win.align) * win.align
         return pl.multiple_of(jnp.minimum(first, win.row - win.size), win.align)
 
     def window_copy(w, slot):
@@ -162,7 +163,7 @@ def _kernel(meta_ref, q_ref, cache_hbm, pages_hbm, o_ref, kv_buf, sems, idx_buf,
     def copies(s, slot):
         w = 0 if win.steps is None else lax.div(s, win.steps)
         w_slot, w_first = (0 if win.steps is None else lax.rem(w, 2)), window_start(w)
-        first = (step_lo + s) * pps
+        first = page_lo + s * pps
         out = []
         for j in range(pps):
             page = idx_buf[w_slot, jnp.minimum(first + j, last_page) - w_first]
@@ -213,7 +214,7 @@ def _kernel(meta_ref, q_ref, cache_hbm, pages_hbm, o_ref, kv_buf, sems, idx_buf,
                 for c in copies(nxt, 1 - slot):
                     c.start()
 
-            base = (step_lo + s) * kv_step
+            base = kv_lo + s * kv_step
             # Token of each query row (row = t * G + g; padding rows copy the last real
             # token). t = floor((row + 0.5) / G) in f32 is exact here and avoids a
             # vector integer division.
@@ -224,7 +225,10 @@ def _kernel(meta_ref, q_ref, cache_hbm, pages_hbm, o_ref, kv_buf, sems, idx_buf,
             keep = kv_pos <= q_of_row
             if sliding_window is not None:
                 keep &= kv_pos > q_of_row - sliding_window
-            v_live = base + lax.broadcasted_iota(jnp.int32, (kv_step, kv_buf.shape[-1]), 0) < kv_len
+            v_pos = base + lax.broadcasted_iota(jnp.int32, (kv_step, kv_buf.shape[-1]), 0)
+            v_live = v_pos < kv_len
+            if sliding_window is not None:     # before the first query's window: not needed
+                v_live &= v_pos >= blocks.window_start(q_pos, sliding_window)
             for h in range(num_kv_heads):
                 # [PPS, S, H] -> [L, H]; a quantized page is cast here, in VMEM (the DMA
                 # moved its narrow bytes); the cast is a no-op for a float cache.

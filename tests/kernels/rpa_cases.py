@@ -6,6 +6,19 @@ several scenarios. Everything a request must not read is NaN: every page not
 in its table (page 0 included), the slots of its last page past kv_len, the
 unlisted entries of its page-table row (which point at NaN pages), and the
 padding rows' pages.
+
+With a sliding window W (make_batch(..., sliding_window=W)) a request's first new
+token at position p0 sees positions p0 - W + 1 .. p0, and no token of this step
+sees anything before p0 - W + 1 (its "window start"). The engine frees a sliding
+layer's pages once they lie entirely before the window and does not rewrite the
+page-table row, so such a row holds stale ids there (pages another request may be
+writing in this very step), or the null page 0 after a prefix-cache hit. The
+batches poison all of it: the page-table entries of pages entirely before the
+window start point, at random, at page 0, at a NaN page, at another request's live
+page (finite data: reading it unmasked gives a wrong answer, not a NaN), or past
+the end of the cache (an out-of-bounds DMA, which TPU interpret mode refuses: so a
+kernel that fetches such a page fails outright), and the slots of the first page
+before the window start are NaN.
 """
 from __future__ import annotations
 
@@ -38,15 +51,25 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def window_start(q_len: int, kv_len: int, sliding_window: int | None) -> int:
+    """The first position any new token of a request sees (0 without a window)."""
+    if sliding_window is None:
+        return 0
+    return max(kv_len - q_len - sliding_window + 1, 0)
+
+
 def make_batch(reqs, *, page_size: int, num_kv_heads: int, group: int, head_dim: int,
                dtype=jnp.float32, num_tokens: int, num_rows: int, pages_per_req: int,
-               seed: int = 0) -> Batch:
+               seed: int = 0, sliding_window: int | None = None) -> Batch:
     rng = np.random.default_rng(seed)
     for q_len, kv_len in reqs:
         assert 1 <= q_len <= kv_len, (q_len, kv_len)
     assert sum(q for q, _ in reqs) <= num_tokens and len(reqs) <= num_rows
     needed = [cdiv(kv, page_size) for _, kv in reqs]
     assert max(needed) < pages_per_req            # leave an unlisted entry in every row
+    # Pages entirely before the window start are not the request's any more.
+    lost = [window_start(q, kv, sliding_window) // page_size for q, kv in reqs]
+    needed = [n - d for n, d in zip(needed, lost)]
     num_pages = 1 + sum(needed) + 4               # page 0 and a few spare pages stay NaN
     shape = make_kv_cache(num_pages, page_size, num_kv_heads, head_dim, dtype).shape
     cache = np.full((num_pages, num_kv_heads, 2, page_size, head_dim), np.nan, np.float32)
@@ -59,12 +82,18 @@ def make_batch(reqs, *, page_size: int, num_kv_heads: int, group: int, head_dim:
     for r, (q_len, kv_len) in enumerate(reqs):
         pages = order[used:used + needed[r]]
         used += needed[r]
-        page_table[r, :needed[r]] = pages
+        page_table[r, lost[r]:lost[r] + needed[r]] = pages
         kv_lens[r] = kv_len
         qsl[r + 1] = qsl[r] + q_len
-        for pos in range(kv_len):
-            cache[pages[pos // page_size], :, :, pos % page_size] = \
+        for pos in range(window_start(q_len, kv_len, sliding_window), kv_len):
+            cache[page_table[r, pos // page_size], :, :, pos % page_size] = \
                 rng.standard_normal((num_kv_heads, 2, head_dim))
+    live = order[:used]
+    for r in range(len(reqs)):                    # stale entries before the window
+        if not lost[r]:
+            continue
+        stale = [0, num_pages + int(rng.integers(0, 1000)), spare[0], live[(r + 1) % len(live)]]
+        page_table[r, :lost[r]] = rng.choice(stale, size=lost[r])
     qsl[len(reqs) + 1:] = qsl[len(reqs)]
     q = rng.standard_normal((num_tokens, num_kv_heads * group, head_dim)).astype(np.float32)
     # Round to the storage dtype so the oracle sees exactly the kernel's inputs.
@@ -83,7 +112,7 @@ def oracle(b: Batch, *, sm_scale: float, sliding_window=None, soft_cap=None) -> 
     out = np.zeros((num_tokens, num_heads, head_dim))
     for r in range(int(b.num_seqs[0])):
         lo, hi, kv_len = b.query_start_loc[r], b.query_start_loc[r + 1], b.kv_lens[r]
-        pos = np.arange(kv_len)
+        pos = np.arange(window_start(hi - lo, kv_len, sliding_window), kv_len)
         kv = cache[b.page_table[r, pos // page_size], :, :, pos % page_size].astype(np.float64)
         for t in range(lo, hi):
             qpos = kv_len - (hi - lo) + (t - lo)
@@ -115,4 +144,28 @@ def scenarios(page_size: int, long: int = 300) -> dict[str, list[tuple[int, int]
                     else [(1, 1), (31, 31), (40, 40), (50, 50)]),
         # decodes, a fresh prefill and prefix-cached chunks (q_len < kv_len) together
         "mixed": [(1, S + 1), (7, 7), (5, long), (1, 1), (20, S + 20), (1, S), (3, S - 1)],
+    }
+
+
+# Scenarios for a sliding window W over pages of S tokens: window starts 0, 1, on a
+# page boundary and either side of it, decodes far past the window, fresh prefills
+# longer than the window and chunks whose queries straddle the window's edge; each
+# fits 8 rows and 128 tokens.
+def window_scenarios(page_size: int, window: int) -> dict[str, list[tuple[int, int]]]:
+    S, W = page_size, window
+    far = max(10 * W, 8 * S) + 3
+    edge = W + 2 * S                       # a decode there starts its window at 2S
+    decode_lens = sorted({max(1, n) for n in (1, W - 1, W, W + 1, edge - 1, edge, edge + 1, far)})
+    return {
+        "decode": [(1, n) for n in decode_lens],
+        "prefill": [
+            (40, 40),                      # fresh: later queries' windows start past 0
+            (20, edge + 25),               # first query's window starts at 2S + 6
+            (13, far),
+            (30, W + 25),                  # queries W - 5 .. W + 24: windows start 0 .. 25
+            (9, W + S + 9),                # window start S + 1: page 0 stale, slot S NaN
+            (1, W + 1),
+        ],
+        "mixed": [(1, far), (7, 7), (16, W + 3 * S + 16), (1, W), (25, W + 25 + S // 2),
+                  (1, 1), (3, 2 * W + 5)],
     }

@@ -272,6 +272,11 @@ def test_kv_cache_dtype_error_names_the_gpu_fallbacks():
     assert "float32" in kv_cache_dtype_error(jnp.float32, **gpu, **SHAPE)
     assert "head_dim 512" in kv_cache_dtype_error(jnp.float8_e4m3fn, **gpu,
                                                   **{**SHAPE, "head_dim": 512})
+    assert "head_dim 512" in kv_cache_dtype_error(jnp.int8, **gpu, **{**SHAPE, "head_dim": 512})
+    # Gemma 4's global layers: the kernel reads a 16-bit cache at head_dim 512.
+    assert kv_cache_dtype_error(jnp.bfloat16, **gpu, **{**SHAPE, "head_dim": 512}) is None
+    assert "head_dim 96 (64, 128, 256 or 512 only)" in kv_cache_dtype_error(
+        jnp.bfloat16, **gpu, **{**SHAPE, "head_dim": 96})
     assert kv_cache_dtype_error(jnp.float32, platform="gpu", backend="xla", **SHAPE) is None
     assert "expected float32" in kv_cache_dtype_error("int4", platform="tpu", backend="auto",
                                                       **SHAPE)

@@ -44,6 +44,8 @@ SHAPES = [  # (kv_heads, group, head_dim, page_size)
     (1, 8, 128, 128),
     (2, 2, 256, 256),
     (4, 2, 128, 64),
+    (1, 4, 512, 16),      # Gemma 4 31B global layers on a 1x8 mesh
+    (2, 8, 512, 64),
 ]
 
 
@@ -61,13 +63,30 @@ def test_pallas_exports_window_and_soft_cap(platform):
     assert MARKER[platform] in text
 
 
-def test_float32_and_head_dim_512():
-    """f32 and head_dim 512 lower the TPU kernel; on cuda they take the XLA reference
-    (WGMMA would run f32 as TF32; 512 does not fit a warpgroup's registers)."""
-    for dtype, head_dim in ((jnp.float32, 128), (jnp.bfloat16, 512)):
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+@pytest.mark.parametrize("shape", [(2, 2, 256, 16), (1, 4, 512, 16)], ids=["sliding", "global"])
+def test_pallas_exports_gemma4_windows(platform, shape):
+    """Gemma 4 31B per-device (1x8) shapes with its windows (sliding layers: 1024)."""
+    text = _export(platform, _specs(jnp.bfloat16, *shape), sliding_window=1024)
+    assert MARKER[platform] in text
+
+
+def test_float32_and_quantized_head_dim_512():
+    """f32, and fp8 at head_dim 512, lower the TPU kernel; on cuda they take the XLA
+    reference (WGMMA would run f32 as TF32; a quantized cache's cast needs 64-token KV
+    steps, head_dim 512 has 32) -- and kv_cache_dtype_error says so."""
+    from pallas_kernels.ragged_paged_attention import kv_cache_dtype_error
+    for dtype, head_dim in ((jnp.float32, 128), (jnp.float8_e4m3fn, 512)):
         specs = _specs(dtype, 2, 2, head_dim, 16)
-        assert "tpu_custom_call" in _export("tpu", specs)
-        assert "mosaic_gpu" not in _export("cuda", specs)
+        if dtype != jnp.float32:      # a quantized cache takes its scales
+            specs = specs + (jax.ShapeDtypeStruct((2, 2), jnp.float32),)
+        fn = jax.jit(lambda *a: ragged_paged_attention(
+            *a[:6], kv_scale=a[6] if len(a) > 6 else None, impl="pallas", sm_scale=0.1))
+        assert "tpu_custom_call" in export.export(fn, platforms=["tpu"])(*specs).mlir_module()
+        assert "mosaic_gpu" not in export.export(fn, platforms=["cuda"])(*specs).mlir_module()
+        why = kv_cache_dtype_error(dtype, platform="gpu", backend="auto", head_dim=head_dim,
+                                   num_heads=4, num_kv_heads=2, page_size=16)
+        assert f"head_dim {head_dim}" in why or "float32" in why
 
 
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])

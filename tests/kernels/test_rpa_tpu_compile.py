@@ -10,6 +10,7 @@ and the largest page table the engine builds: 256 rows at 262,144 tokens.
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -50,6 +51,69 @@ def test_compiles_for_tpu(target, shape):
     cost = compiled.cost_analysis()
     assert cost["flops"] >= 4 * h * k * g * t * p * s
     assert cost["bytes accessed"] > 0
+
+
+# Gemma 4 per-device shapes (max_model_len 32,767, pages of 16): sliding layers (window
+# 1024, head_dim 256) and global ones (head_dim 512). 31B: 32 query heads, 16 sliding /
+# 4 global kv heads; on a 1x8 mesh a device has 4 query heads with 2 sliding kv heads,
+# or 1 global kv head (4 replicated to 8). name: (target, cache dtype, T, R, K, G, H, W)
+GEMMA4_P = -(-32_767 // 16)
+GEMMA4 = {
+    "31b-1x8-sliding-decode": ("tpu-v6e", jnp.bfloat16, 256, 256, 2, 2, 256, 1024),
+    "31b-1x8-sliding-prefill-fp8": ("tpu-v6e", jnp.float8_e4m3fn, 8192, 16, 2, 2, 256, 1024),
+    "31b-1x8-global-prefill": ("tpu-v6e", jnp.bfloat16, 8192, 16, 1, 4, 512, None),
+    "31b-1x8-global-decode-fp8": ("tpu-v5e", jnp.float8_e4m3fn, 256, 256, 1, 4, 512, None),
+    "31b-1x1-sliding-decode": ("tpu-v5e", jnp.bfloat16, 256, 256, 16, 2, 256, 1024),
+    "31b-1x1-global-mixed-fp8": ("tpu-v6e", jnp.float8_e4m3fn, 2048, 64, 4, 8, 512, None),
+}
+# Mosaic's default scoped VMEM limit per chip (the kernel asks for no more).
+SCOPED_VMEM = {"tpu-v5e": 16 << 20, "tpu-v6e": 32 << 20}
+
+
+def kernel_vmem_bytes(hlo: str) -> int:
+    """The scoped VMEM the compiled attention kernel (the one tpu_custom_call) uses."""
+    [line] = [ln for ln in hlo.splitlines() if 'custom_call_target="tpu_custom_call"' in ln]
+    return int(re.search(r'"used_scoped_memory_configs":\[\{"memory_space":"1","offset":"0",'
+                         r'"size":"(\d+)"', line).group(1))
+
+
+@pytest.mark.parametrize("name", list(GEMMA4))
+def test_gemma4_shapes_compile(name):
+    """Compiles within the chip's scoped VMEM; the cache goes to the kernel as stored (no
+    convert or copy of it); the cost estimate counts W positions per query on sliding
+    layers (flops) and only the pages the windows cover (bytes)."""
+    from pallas_kernels.ragged_paged_attention import cost
+
+    target, dtype, t, r, k, g, h, w = GEMMA4[name]
+    n = 32_768                                   # pages: more than the rows' windows cover
+    q, cache, *rest = _args(t, r, GEMMA4_P, k, g, h, 16, n)
+    cache = jax.ShapeDtypeStruct(cache.shape, dtype)
+    quantized = dtype != jnp.bfloat16
+    scale = jax.ShapeDtypeStruct((k, 2), jnp.float32) if quantized else None
+
+    def fn(q, cache, *a):
+        *a, kv_scale = a if quantized else (*a, None)
+        return ragged_paged_attention(q, cache, *a, kv_scale=kv_scale, impl="pallas",
+                                      sm_scale=1.0, sliding_window=w)
+
+    compiled = compile_on_tpu(fn, q, cache, *rest, *([scale] if quantized else []),
+                              target=target)
+    hlo = compiled.as_text()
+    assert 0 < kernel_vmem_bytes(hlo) <= SCOPED_VMEM[target]
+    dims = ",".join(map(str, cache.shape))
+    made = [ln for ln in hlo.splitlines() if re.search(r"= \w+\[{}\]\{{".format(dims), ln)
+            and " parameter(" not in ln]
+    assert not made, made
+    context = GEMMA4_P * 16 if w is None else w
+    kernel_flops = 4 * h * k * g * t * context
+    got = compiled.cost_analysis()
+    assert kernel_flops <= got["flops"] <= 1.05 * kernel_flops
+    page_bytes = 2 * k * 16 * h * jnp.dtype(dtype).itemsize
+    pages = cost.pages_read(num_tokens=t, num_rows=r, pages_per_req=GEMMA4_P, page_size=16,
+                            num_pages=n, sliding_window=w)
+    assert got["bytes accessed"] >= pages * page_bytes
+    if w is not None:            # far below what the whole page-table rows would be
+        assert pages * page_bytes * 4 < min(r, t) * GEMMA4_P * page_bytes
 
 
 def test_sliding_window_and_soft_cap_compile():
