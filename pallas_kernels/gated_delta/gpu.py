@@ -34,6 +34,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.mosaic_gpu_params import compiler_params
+
 COL_BLOCK = 32          # [Dk, 32] f32 tile: 32 registers per thread at Dk = 128
 # Persistent CTAs per SM (one warpgroup each, few registers and little shared
 # memory, so several fit): untuned, no GPU has run this kernel yet.
@@ -103,7 +105,7 @@ def decode_step_gpu(states, slots, write, qd, kd, vd, gd, bd, has_initial_state,
         kernel,
         out_type=jax.ShapeDtypeStruct((num_rows, num_heads, head_v), jnp.float32),
         mesh=plgpu.Mesh(grid=(num_ctas,), grid_names=("cta",)),
-        compiler_params=plgpu.CompilerParams(),
+        compiler_params=compiler_params(),
         interpret=interpret,
     )(n, order, slots.astype(jnp.int32), has_initial_state.astype(jnp.int32),
       jnp.exp(gd).reshape(-1), bd.reshape(-1), qd, kd, vd, states_ref)

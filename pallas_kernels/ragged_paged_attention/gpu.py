@@ -75,6 +75,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.mosaic.gpu import fragmented_array
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.mosaic_gpu_params import compiler_params
 from pallas_kernels.ragged_paged_attention import blocks
 from pallas_kernels.ragged_paged_attention.cache import cache_dims
 from pallas_kernels.ragged_paged_attention.quant import is_quantized
@@ -481,7 +482,7 @@ def ragged_paged_attention_gpu(q, cache, kv_lens, page_table, query_start_loc, n
         grid_names=("cta",),
         num_threads=2,
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        compiler_params=compiler_params(approx_math=True),
         interpret=interpret,
     )(meta, page_table.astype(jnp.int32), q_in, cache)
     if splits > 1:

@@ -71,6 +71,23 @@ def test_pallas_decode_step_interpret(interpret, shape):
     np.testing.assert_array_equal(got_s.view(np.uint32), states.view(np.uint32))
 
 
+@pytest.mark.skipif(jax.default_backend() not in ("gpu", "tpu"), reason="needs a GPU or TPU")
+@pytest.mark.parametrize("shape", [(1, 2, 64, 64), (2, 6, 128, 128)],
+                         ids=["small", "qwen3.6-27b-per-device"])
+def test_compiled_decode_step_on_device(shape):
+    """The compiled kernel (not interpret mode) against the reference on the device."""
+    for rows, seed in ((MIXED, 0), (PREFILL_ONLY, 1)):
+        batch, inputs, states = _case(rows, seed, *shape)
+        want_o, want_s = _call(batch, inputs, states, impl="reference")
+        got_o, got_s = _call(batch, inputs, states, impl="pallas")
+        np.testing.assert_allclose(got_o, want_o, rtol=1e-4, atol=1e-5, err_msg=str(rows))
+        live = [slot for _, _, slot, _ in batch.spans()]
+        np.testing.assert_allclose(got_s[live], want_s[live], rtol=1e-4, atol=1e-5)
+        others = [s for s in range(S) if s not in live]
+        np.testing.assert_array_equal(got_s[others].view(np.uint32),
+                                      states[others].view(np.uint32))
+
+
 def test_tpu_kernel_head_blocks():
     """Several head blocks (grid axis 0) with decode rows scattered among other rows."""
     rng = np.random.default_rng(5)

@@ -340,3 +340,14 @@ def test_compiled_kernel_on_device(c):
         batch, want = _case(_key(c), name)
         got = np.asarray(jax.jit(fn)(*batch.args()).astype(jnp.float32))
         np.testing.assert_allclose(got, want, **tol, err_msg=name)
+
+
+@pytest.mark.skipif(_ON not in ("gpu", "tpu"), reason="needs a GPU or TPU")
+def test_compiled_kernel_on_device_fp8_cache():
+    """The fp8 window batches through the compiled kernel (GPU: tiles cast to f16)."""
+    fn = jax.jit(functools.partial(ragged_paged_attention, sm_scale=FP8_WINDOW["head_dim"] ** -0.5,
+                                   sliding_window=FP8_WINDOW["window"], impl="pallas"))
+    for name in ("decode", "prefill", "mixed"):
+        (q, *args), kv_scale, want = _fp8_case(name)
+        got = np.asarray(fn(q.astype(jnp.bfloat16), *args, kv_scale=kv_scale).astype(jnp.float32))
+        np.testing.assert_allclose(got, want, atol=3e-2, rtol=3e-2, err_msg=name)
