@@ -22,6 +22,9 @@ def test_accounting_and_table():
     bench = _load()
     # Qwen3-8B decode, batch 8 at 1k: K and V of 8 kv heads x 128 dims x 2 bytes per token.
     assert bench.decode_bytes(8, 1024, 32, 8, 128, 2) == 8 * 1024 * 8 * 2 * 128 * 2 + 2 * 8 * 32 * 128 * 2
+    # A sliding-window decode moves only the window's KV (Gemma 4's 1024 of an 8k context).
+    assert bench.decode_bytes(2, 8192, 32, 16, 256, 2, window=1024) == \
+        2 * 1024 * 16 * 2 * 256 * 2 + 2 * 2 * 32 * 256 * 2
     # causal prefill of one 4-token sequence: 4 * N * H * (1 + 2 + 3 + 4)
     assert bench.prefill_flops(1, 4, 2, 8) == 4 * 2 * 8 * 10
     q, cache, kv_lens, table, qsl, num_seqs = bench.paged_batch(
