@@ -46,23 +46,28 @@ def _call(batch, inputs, states, impl, interpret=False):
     return np.asarray(o), np.asarray(out)
 
 
+def _check_against_reference(shape, interpret, tol: dict):
+    """impl="pallas" equals the reference on the mixed and prefill-only batches; every
+    slot no live row owns, the null slot included, is bitwise untouched."""
+    for rows, seed in ((MIXED, 0), (PREFILL_ONLY, 1)):
+        batch, inputs, states = _case(rows, seed, *shape)
+        want_o, want_s = _call(batch, inputs, states, impl="reference")
+        got_o, got_s = _call(batch, inputs, states, impl="pallas", interpret=interpret)
+        np.testing.assert_allclose(got_o, want_o, **tol, err_msg=str(rows))
+        live = [slot for _, _, slot, _ in batch.spans()]
+        np.testing.assert_allclose(got_s[live], want_s[live], **tol)
+        others = [s for s in range(S) if s not in live]
+        np.testing.assert_array_equal(got_s[others].view(np.uint32),
+                                      states[others].view(np.uint32))
+
+
 @pytest.mark.parametrize("interpret,shape", [
     (True, (2, 4, 16, 16)),          # TPU body
     (True, (1, 3, 32, 128)),
     ("gpu", (1, 2, 64, 64)),         # Mosaic GPU body (needs Dk % 64 == 0)
 ], ids=["tpu-small", "tpu-dk32-dv128", "gpu-dk64"])
 def test_pallas_decode_step_interpret(interpret, shape):
-    for rows, seed in ((MIXED, 0), (PREFILL_ONLY, 1)):
-        batch, inputs, states = _case(rows, seed, *shape)
-        want_o, want_s = _call(batch, inputs, states, impl="reference")
-        got_o, got_s = _call(batch, inputs, states, impl="pallas", interpret=interpret)
-        np.testing.assert_allclose(got_o, want_o, rtol=1e-5, atol=1e-6, err_msg=str(rows))
-        live = [slot for _, _, slot, _ in batch.spans()]
-        np.testing.assert_allclose(got_s[live], want_s[live], rtol=1e-5, atol=1e-6)
-        # Every other slot, the null slot included, is bitwise untouched.
-        others = [s for s in range(S) if s not in live]
-        np.testing.assert_array_equal(got_s[others].view(np.uint32),
-                                      states[others].view(np.uint32))
+    _check_against_reference(shape, interpret, dict(rtol=1e-5, atol=1e-6))
     # No live rows at all: the kernel runs zero units and changes nothing.
     batch, inputs, states = _case(MIXED, 2, *shape)
     batch.num_seqs = np.array([0], np.int32)
@@ -75,17 +80,9 @@ def test_pallas_decode_step_interpret(interpret, shape):
 @pytest.mark.parametrize("shape", [(1, 2, 64, 64), (2, 6, 128, 128)],
                          ids=["small", "qwen3.6-27b-per-device"])
 def test_compiled_decode_step_on_device(shape):
-    """The compiled kernel (not interpret mode) against the reference on the device."""
-    for rows, seed in ((MIXED, 0), (PREFILL_ONLY, 1)):
-        batch, inputs, states = _case(rows, seed, *shape)
-        want_o, want_s = _call(batch, inputs, states, impl="reference")
-        got_o, got_s = _call(batch, inputs, states, impl="pallas")
-        np.testing.assert_allclose(got_o, want_o, rtol=1e-4, atol=1e-5, err_msg=str(rows))
-        live = [slot for _, _, slot, _ in batch.spans()]
-        np.testing.assert_allclose(got_s[live], want_s[live], rtol=1e-4, atol=1e-5)
-        others = [s for s in range(S) if s not in live]
-        np.testing.assert_array_equal(got_s[others].view(np.uint32),
-                                      states[others].view(np.uint32))
+    """The compiled kernel (not interpret mode) against the reference on the device
+    (passed on an H200 with jax 0.11.2)."""
+    _check_against_reference(shape, False, dict(rtol=1e-4, atol=1e-5))
 
 
 def test_tpu_kernel_head_blocks():
