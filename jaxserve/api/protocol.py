@@ -1,7 +1,9 @@
 """OpenAI request bodies (pydantic) and their translation into SamplingParams.
 
-Unknown fields are ignored, as OpenAI-compatible servers do; vLLM's extra
-sampling fields (top_k, min_p, repetition_penalty, ignore_eos, ...) are accepted.
+vLLM's extra sampling fields (top_k, min_p, repetition_penalty, ignore_eos, ...) are
+accepted. A field jaxserve knows of but does not implement (tools, response_format,
+logit_bias, ...) is refused by name unless its value changes nothing; other unknown
+fields are ignored, as OpenAI-compatible servers do, and logged (api/unsupported.py).
 The static limits (SamplingParams' own) are part of the schema, so /openapi.json
 says what the server accepts; the limits that depend on the model (vocabulary,
 max_model_len) are the input processor's.
@@ -13,6 +15,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
+from jaxserve.api.unsupported import refused_field
 from jaxserve.sampling_params import (INT32_MAX, INT64_MAX, INT64_MIN, MAX_LOGPROBS, MAX_N,
                                       SamplingParams)
 
@@ -81,6 +84,15 @@ class _SamplingFields(_Body):
     stream_options: StreamOptions | None = None
     priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)
     user: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unimplemented(cls, data: Any) -> Any:
+        refused = refused_field(data, set(cls.model_fields))
+        if refused:
+            raise PydanticCustomError("unsupported_field", "{message}",
+                                      {"field": refused[0], "message": refused[1]})
+        return data
 
 
 class CompletionRequest(_SamplingFields):

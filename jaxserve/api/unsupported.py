@@ -1,0 +1,134 @@
+"""Request fields jaxserve knows of but does not implement: refused by name, never
+silently dropped.
+
+A field in REFUSED with a value that would change the answer is a 400 naming it; the
+same field with a value that changes nothing (an empty tool list, `response_format`
+of type "text", `logit_bias: {}`) is accepted. A field in IGNORED is one vLLM also
+accepts without effect on generation (bookkeeping for the OpenAI platform); any other
+unknown field is ignored as OpenAI-compatible servers do. Both are logged once per
+field name, so an operator can see what clients send.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Callable
+
+logger = logging.getLogger("jaxserve")
+
+
+def _absent(v: Any) -> bool:
+    return v is None
+
+
+def _empty(v: Any) -> bool:
+    return v is None or v == [] or v == {} or v == ""
+
+
+def _false(v: Any) -> bool:
+    return v is None or v is False
+
+
+def _text_format(v: Any) -> bool:
+    return v is None or (isinstance(v, dict) and v.get("type") == "text")
+
+
+_STRUCTURED = "constrained decoding (structured outputs) is not implemented yet"
+_TOOLS = "tool calling is not implemented yet"
+
+# field: (value that changes nothing, why it is refused otherwise)
+REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "response_format": (_text_format, f"only {{'type': 'text'}}: {_STRUCTURED}"),
+    "structured_outputs": (_absent, _STRUCTURED),
+    "guided_json": (_absent, _STRUCTURED),
+    "guided_regex": (_absent, _STRUCTURED),
+    "guided_choice": (_absent, _STRUCTURED),
+    "guided_grammar": (_absent, _STRUCTURED),
+    "guided_decoding_backend": (_absent, _STRUCTURED),
+    "guided_whitespace_pattern": (_absent, _STRUCTURED),
+    "tools": (_empty, _TOOLS),
+    "functions": (_empty, _TOOLS),
+    "function_call": (lambda v: v is None or v == "none", _TOOLS),
+    "tool_choice": (lambda v: v is None or v in ("none", "auto"), _TOOLS),
+    "logit_bias": (_empty, "token biases are not implemented yet"),
+    "allowed_token_ids": (_absent, "token masks are not implemented yet"),
+    "bad_words": (_empty, "token masks are not implemented yet"),
+    "prompt_logprobs": (_absent, "not served by the HTTP API yet (offline "
+                                 "SamplingParams(prompt_logprobs=...) has it; on "
+                                 "/v1/completions use echo with logprobs)"),
+    "best_of": (lambda v: v is None or v == 1, "only 1: jaxserve does not rank candidates"),
+    "use_beam_search": (_false, "beam search is not implemented"),
+    "length_penalty": (lambda v: v is None or v == 1, "beam search is not implemented"),
+    "suffix": (_empty, "insertion (a suffix after the completion) is not implemented"),
+    "truncate_prompt_tokens": (_absent, "prompt truncation is not implemented yet"),
+    "return_tokens_as_token_ids": (_false, "not implemented"),
+    "chat_template": (_absent, "a per-request template is not implemented; the server's "
+                               "--chat-template applies"),
+    "continue_final_message": (_false, "not implemented"),
+    "documents": (_empty, "not implemented"),
+    "mm_processor_kwargs": (_empty, "jaxserve serves text only"),
+    "audio": (_absent, "jaxserve serves text only"),
+    "modalities": (lambda v: v is None or v == ["text"], "jaxserve serves text only"),
+    "prediction": (_absent, "predicted outputs are not implemented"),
+    "reasoning_effort": (_absent, "not implemented (for Qwen3 use chat_template_kwargs "
+                                  "{'enable_thinking': ...})"),
+    "web_search_options": (_absent, "not implemented"),
+}
+# Accepted without effect, as vLLM does: the OpenAI platform's bookkeeping.
+IGNORED = frozenset({"store", "metadata", "service_tier", "request_id",
+                     "parallel_tool_calls"})
+# A chat message's own fields: an assistant turn's tool calls cannot reach the template
+# yet (they would be dropped and the model would see a history without them).
+MESSAGE_REFUSED = {"tool_calls": (_empty, _TOOLS), "function_call": (_absent, _TOOLS)}
+# Nested: stream_options' own fields.
+STREAM_REFUSED = {"continuous_usage_stats": (_false, "usage in every chunk is not "
+                                                     "implemented; include_usage is")}
+
+def _first_refused(data: dict, known: set[str], refused: dict, ignored: frozenset,
+                   what: str) -> tuple[str, str] | None:
+    for name, value in data.items():
+        if name in known:
+            continue
+        if name in refused:
+            is_noop, why = refused[name]
+            if not is_noop(value):
+                return name, f"{name} is not supported by jaxserve: {why}"
+        elif name in ignored:
+            _log_once(f"{what} {name}", f"{what} {name!r} is accepted and has no effect")
+        else:
+            _log_once(f"{what} {name}", f"{what} {name!r} is not one jaxserve knows; ignored")
+    return None
+
+
+_logged: set[str] = set()
+_lock = threading.Lock()
+
+
+def _log_once(name: str, message: str) -> None:
+    with _lock:
+        if name in _logged:
+            return
+        _logged.add(name)
+    logger.warning(message)
+
+
+def refused_field(data: Any, known: set[str]) -> tuple[str, str] | None:
+    """(field, message) for the first field of the raw body that asks for something
+    jaxserve does not do, else None; logs (once per name) the fields it ignores."""
+    if not isinstance(data, dict):
+        return None
+    refused = _first_refused(data, known, REFUSED, IGNORED, "request field")
+    if refused:
+        return refused
+    for i, message in enumerate(data.get("messages") or ()):
+        if isinstance(message, dict):
+            refused = _first_refused(message, {"role", "content"}, MESSAGE_REFUSED,
+                                     frozenset(), "chat message field")
+            if refused:
+                return f"messages.{i}.{refused[0]}", f"messages[{i}]: {refused[1]}"
+    stream_options = data.get("stream_options")
+    if isinstance(stream_options, dict):
+        for name, (is_noop, why) in STREAM_REFUSED.items():
+            if not is_noop(stream_options.get(name)):
+                return f"stream_options.{name}", f"stream_options.{name}: {why}"
+    return None

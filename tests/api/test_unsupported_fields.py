@@ -1,0 +1,113 @@
+"""Fields jaxserve knows of but does not implement are refused by name (400), never
+accepted and ignored; the same fields with values that change nothing are accepted;
+unknown fields are ignored and logged once (jaxserve/api/unsupported.py)."""
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+from pydantic import ValidationError
+
+from jaxserve.api.protocol import ChatCompletionRequest, CompletionRequest
+from jaxserve.api.unsupported import IGNORED, REFUSED
+from tests.api.conftest import API_KEY
+
+CHAT = [{"role": "user", "content": "hi"}]
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
+# A value of each refused field that would change the answer, and one that would not.
+USED = {
+    "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}},
+    "structured_outputs": {"json": SCHEMA}, "guided_json": SCHEMA, "guided_regex": "[a-z]+",
+    "guided_choice": ["yes", "no"], "guided_grammar": 'root ::= "a"',
+    "guided_decoding_backend": "xgrammar", "guided_whitespace_pattern": " ",
+    "tools": [TOOL], "functions": [TOOL["function"]], "function_call": "auto",
+    "tool_choice": "required", "logit_bias": {"5": 10}, "allowed_token_ids": [5, 6],
+    "bad_words": ["hello"], "prompt_logprobs": 1, "best_of": 2, "use_beam_search": True,
+    "length_penalty": 0.5, "suffix": "!", "truncate_prompt_tokens": 8,
+    "return_tokens_as_token_ids": True, "chat_template": "{{ messages }}",
+    "continue_final_message": True, "documents": [{"text": "x"}],
+    "mm_processor_kwargs": {"a": 1}, "audio": {"voice": "x"}, "modalities": ["text", "audio"],
+    "prediction": {"type": "content", "content": "x"}, "reasoning_effort": "low",
+    "web_search_options": {},
+}
+NOOP = {"response_format": {"type": "text"}, "tools": [], "tool_choice": "none",
+        "function_call": "none", "logit_bias": {}, "bad_words": [], "best_of": 1,
+        "use_beam_search": False, "length_penalty": 1.0, "suffix": "", "modalities": ["text"],
+        "return_tokens_as_token_ids": False, "continue_final_message": False}
+
+
+def test_every_refused_field_has_a_case():
+    assert set(USED) == set(REFUSED)
+
+
+@pytest.mark.parametrize("field", sorted(REFUSED))
+@pytest.mark.parametrize("cls, base", [(ChatCompletionRequest, {"messages": CHAT}),
+                                       (CompletionRequest, {"prompt": "hi"})],
+                         ids=["chat", "completions"])
+def test_refused_by_name_unless_it_changes_nothing(field, cls, base):
+    with pytest.raises(ValidationError) as e:
+        cls.model_validate({**base, field: USED[field]})
+    err = e.value.errors()[0]
+    assert err["ctx"]["field"] == field and field in err["msg"] and "not supported" in err["msg"]
+    cls.model_validate({**base, field: None})
+    if field in NOOP:
+        cls.model_validate({**base, field: NOOP[field]})
+
+
+def test_tool_calls_in_the_history_are_refused_and_plain_turns_pass():
+    history = [*CHAT, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function",
+         "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris"})}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    with pytest.raises(ValidationError) as e:
+        ChatCompletionRequest.model_validate({"messages": history})
+    assert e.value.errors()[0]["ctx"]["field"] == "messages.1.tool_calls"
+    ChatCompletionRequest.model_validate({"messages": [*CHAT, {"role": "assistant",
+                                                               "content": "hello"}]})
+
+
+def test_stream_option_not_implemented_is_refused():
+    with pytest.raises(ValidationError, match="continuous_usage_stats"):
+        CompletionRequest.model_validate({"prompt": "hi", "stream": True, "stream_options": {
+            "include_usage": True, "continuous_usage_stats": True}})
+
+
+def test_ignored_fields_are_not_refused():
+    for field in IGNORED:
+        ChatCompletionRequest.model_validate({"messages": CHAT, field: {"x": 1}})
+
+
+def test_through_the_openai_client(server):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY)
+    model = client.models.list().data[0].id
+    refused = [
+        ("tools", dict(tools=[TOOL])),
+        ("tool_choice tools", dict(tools=[TOOL], tool_choice={"type": "function",
+                                                  "function": {"name": "get_weather"}})),
+        ("response_format", dict(response_format={"type": "json_object"})),
+        ("logit_bias", dict(logit_bias={"5": 100})),
+        ("guided_json", dict(extra_body={"guided_json": SCHEMA})),
+        ("structured_outputs", dict(extra_body={"structured_outputs": {"choice": ["a"]}})),
+    ]
+    for field, kwargs in refused:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=model, messages=CHAT, max_tokens=2, **kwargs)
+        assert e.value.status_code == 400
+        param = e.value.body["param"]       # the first refused field the client sent
+        assert param in field.split() and param in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model, prompt="hi", max_tokens=2, logit_bias={"5": 1})
+    assert e.value.body["param"] == "logit_bias"
+    # Values that change nothing, and unknown fields, are served.
+    out = client.chat.completions.create(
+        model=model, messages=CHAT, max_tokens=2, response_format={"type": "text"},
+        extra_body={"tools": [], "some_new_field": 1, "store": True})
+    assert out.choices[0].finish_reason == "length"
+    log = server.output()
+    assert log.count("'some_new_field' is not one jaxserve knows; ignored") == 1
+    client.chat.completions.create(model=model, messages=CHAT, max_tokens=2,
+                                   extra_body={"some_new_field": 2})
+    assert server.output().count("'some_new_field' is not one jaxserve knows") == 1
