@@ -9,9 +9,11 @@ import dataclasses
 import enum
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 # The engine's exceptions module imports nothing (no jax), so this stays host-only.
 from jaxserve.engine.errors import InputError
+from jaxserve.structured_outputs import StructuredOutputsParams
 
 # Most logprobs a request may ask for (per sampled token and per prompt token). The
 # sampler always computes this many top entries, so it is a compile-time constant.
@@ -20,6 +22,12 @@ MAX_LOGPROBS = 20
 # Stop tokens (eos + stop_token_ids) a row can hold back while below min_tokens: the
 # width of the sampler's banned-token array, so a compile-time constant.
 MAX_BANNED_TOKENS = 16
+
+# Most entries of logit_bias: the width of the sampler's bias arrays (a compile-time
+# constant, shipped every step). Larger exclusions belong in allowed_token_ids.
+MAX_LOGIT_BIAS = 128
+# Bias values are clamped to this range, as OpenAI documents and vLLM does.
+LOGIT_BIAS_LIMIT = 100.0
 
 # Temperatures below this are greedy (as vLLM): dividing by ~0 would overflow.
 SAMPLING_EPS = 1e-5
@@ -81,8 +89,21 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
+    # Token constraints (vLLM's names), applied on device by one bitmask per row:
+    # logit_bias adds to the logits of its tokens (values clamped to +-100);
+    # allowed_token_ids: only these may be sampled; bad_words: strings that may never be
+    # completed (the last token of a word is banned where the output ends with the rest).
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    # Constrained decoding: the output must match a JSON schema, regex, choice or grammar.
+    structured_outputs: StructuredOutputsParams | None = None
     # As in vLLM: a free-form slot for extensions; not validated, not compared.
     extra_args: dict | None = field(default=None, compare=False)
+    # Set by the front door (engine/input_processor.py), never by users: bad_words as
+    # token-id sequences, and the compiled grammar of structured_outputs.
+    bad_words_token_ids: tuple[tuple[int, ...], ...] | None = field(default=None, repr=False)
+    grammar: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
@@ -96,7 +117,12 @@ class SamplingParams:
         set_("stop_token_ids", [] if self.stop_token_ids is None else list(self.stop_token_ids))
         if _is_int(self.top_k) and self.top_k == -1:
             set_("top_k", 0)
+        if self.structured_outputs is not None and isinstance(self.structured_outputs, dict):
+            set_("structured_outputs", StructuredOutputsParams(**self.structured_outputs))
         self._validate()
+        if self.logit_bias:   # int keys (JSON gives strings), values clamped
+            set_("logit_bias", {int(k): max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, float(v)))
+                                for k, v in self.logit_bias.items()})
         if self.temperature < SAMPLING_EPS:
             set_("top_p", 1.0)
             set_("top_k", 0)
@@ -144,6 +170,35 @@ class SamplingParams:
             if not _is_int(t) or not 0 <= t <= INT32_MAX:
                 raise bad("stop_token_ids", self.stop_token_ids,
                           f"a list of ints in [0, {INT32_MAX}]")
+        self._validate_constraints(bad)
+
+    def _validate_constraints(self, bad) -> None:
+        token = lambda t: (_is_int(t) or (isinstance(t, str) and t.isdigit())) and \
+            0 <= int(t) <= INT32_MAX  # noqa: E731
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or len(self.logit_bias) > MAX_LOGIT_BIAS \
+                    or not all(token(k) and _is_number(v) for k, v in self.logit_bias.items()):
+                raise bad("logit_bias", self.logit_bias,
+                          f"a map of at most {MAX_LOGIT_BIAS} token ids to finite numbers "
+                          f"(to exclude many tokens use allowed_token_ids)")
+        if self.allowed_token_ids is not None and (
+                not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids
+                or not all(_is_int(t) and 0 <= t <= INT32_MAX for t in self.allowed_token_ids)):
+            raise bad("allowed_token_ids", self.allowed_token_ids,
+                      "a non-empty list of token ids")
+        if self.bad_words is not None and (
+                not isinstance(self.bad_words, (list, tuple))
+                or not all(isinstance(w, str) and w for w in self.bad_words)):
+            raise bad("bad_words", self.bad_words, "a list of non-empty strings")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise bad("structured_outputs", self.structured_outputs,
+                          "a StructuredOutputsParams")
+            if self.ignore_eos or self.min_tokens:
+                raise InputError("structured_outputs cannot be combined with ignore_eos or "
+                                 "min_tokens: the grammar ends the output with an "
+                                 "end-of-sequence token they would hold back",
+                                 "structured_outputs")
 
     # --- derived views ---
 

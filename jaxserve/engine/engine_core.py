@@ -120,10 +120,10 @@ class EngineCore:
         progress.set_phase(COMPILING, "listing the programs to compile")
         self.runner.warmup(partial(_report_compiling, progress))
         self.tokenizer = tokenizer_loaded.result()
-        self.inputs = InputProcessor(tokenizer=self.tokenizer, vocab_size=mc.vocab_size,
-                                     max_model_len=layout.max_model_len)
         # The runner reads it when it builds a step's inputs (stop tokens before min_tokens).
         eos_ids = _eos_token_ids(self.tokenizer, mc, config.model)
+        self.inputs = InputProcessor(tokenizer=self.tokenizer, vocab_size=mc.vocab_size,
+                                     max_model_len=layout.max_model_len, eos_token_ids=eos_ids)
         self.runner.eos_token_ids = eos_ids
         eos = eos_ids[0] if eos_ids else None
         self.scheduler = Scheduler(

@@ -66,10 +66,14 @@ class InputProcessor:
     EngineRequest. Stateless but for its counters, so any thread may call it (the
     server calls it from worker threads, never through the engine)."""
 
-    def __init__(self, *, tokenizer, vocab_size: int, max_model_len: int):
+    def __init__(self, *, tokenizer, vocab_size: int, max_model_len: int,
+                 eos_token_ids: tuple[int, ...] = ()):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+        self._grammars = None     # GrammarCompiler, made by the first structured request
+        self._grammars_lock = threading.Lock()
         # A text longer than this cannot fit in max_model_len tokens (no token covers
         # more characters than the longest vocabulary entry), so it is refused before
         # the tokenizer spends time on it.
@@ -174,6 +178,7 @@ class InputProcessor:
             raise InputError(f"stop_token_ids: at most {MAX_BANNED_TOKENS - 1} with "
                              f"min_tokens > 0, got {len(params.stop_token_ids)}",
                              "stop_token_ids")
+        params = self._checked_constraints(params)
         room = self.max_model_len - n
         if params.max_tokens is None:
             return replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
@@ -182,6 +187,50 @@ class InputProcessor:
                              f"tokens and max_model_len={self.max_model_len} leaves {room}",
                              "max_tokens")
         return params
+
+
+    def _checked_constraints(self, params: SamplingParams) -> SamplingParams:
+        """Token constraints against the vocabulary; bad_words tokenized and the
+        structured-output grammar compiled (here, in the caller's thread: never on the
+        engine loop)."""
+        vocab = self.vocab_size
+        for name, ids in (("logit_bias", params.logit_bias or ()),
+                          ("allowed_token_ids", params.allowed_token_ids or ())):
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise InputError(f"{name}: token id {bad[0]} is outside the vocabulary "
+                                 f"[0, {vocab})", name)
+        changes: dict[str, Any] = {}
+        if params.bad_words:
+            changes["bad_words_token_ids"] = self._bad_words_ids(params.bad_words)
+        if params.structured_outputs is not None:
+            changes["grammar"] = self.grammar_compiler().compile(params.structured_outputs)
+        return replace(params, **changes) if changes else params
+
+    def _bad_words_ids(self, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
+        """Each word as the tokenizer writes it at the start of a text and after a space
+        (its two usual spellings inside an output)."""
+        if self.tokenizer is None:
+            raise InputError("bad_words needs a tokenizer; this model has none", "bad_words")
+        seqs: dict[tuple[int, ...], None] = {}
+        for word in words:
+            check_unicode(word, "bad_words")
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = tuple(self.tokenizer(text, add_special_tokens=False).input_ids)
+                if ids and all(0 <= t < self.vocab_size for t in ids):
+                    seqs[ids] = None
+        return tuple(seqs)
+
+    def grammar_compiler(self):
+        with self._grammars_lock:
+            if self._grammars is None:
+                if self.tokenizer is None:
+                    raise InputError("structured outputs need a tokenizer; this model has none",
+                                     "structured_outputs")
+                from jaxserve.engine.grammar import GrammarCompiler
+                self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size,
+                                                 self.eos_token_ids)
+            return self._grammars
 
 
 def _check_strings(value: Any, field: str) -> None:

@@ -24,8 +24,10 @@ import numpy as np
 
 from jaxserve.core.sched_output import NewRequestData, SchedulerOutput
 from jaxserve.runner.buckets import pick_bucket
-from jaxserve.runner.sampler import SamplingTensors, only_greedy, seed_to_key_data
-from jaxserve.sampling_params import MAX_BANNED_TOKENS
+from jaxserve.runner.sampler import SamplingTensors, mask_words, only_greedy, seed_to_key_data
+from jaxserve.runner.token_constraints import (ALL_ALLOWED, DynamicConstraints, bias_row,
+                                               static_mask)
+from jaxserve.sampling_params import MAX_BANNED_TOKENS, MAX_LOGIT_BIAS
 from models.inputs import ModelInputs
 
 
@@ -107,12 +109,22 @@ class InputBatch:
         self.has_penalties = np.zeros(r, np.bool_)
         self.greedy_only = np.zeros(r, np.bool_)  # greedy, no logprobs, no penalties
         self.want_prompt_logprobs = np.zeros(r, np.bool_)
+        # Token constraints (runner/token_constraints.py): the fixed mask and logit bias of
+        # each row, and the host objects of rows whose mask changes every step.
+        self.token_mask = np.full((r, mask_words(vocab_size)), ALL_ALLOWED, np.uint32)
+        self.has_mask = np.zeros(r, np.bool_)
+        self.bias_ids = np.full((r, MAX_LOGIT_BIAS), vocab_size, np.int32)
+        self.bias = np.zeros((r, MAX_LOGIT_BIAS), np.float32)
+        self.has_bias = np.zeros(r, np.bool_)
+        self.dynamic: list[DynamicConstraints | None] = [None] * r
         # Every per-row array but the two wide ones: what moving a row copies.
         self._row_arrays = [self.num_pages, self.num_tokens, self.num_prompt, self.state_slots,
                             self.want_logprobs, self.keys, self.seeded, self.min_tokens,
                             self.banned, self.has_penalties, self.greedy_only,
-                            self.want_prompt_logprobs,
+                            self.want_prompt_logprobs, self.has_mask, self.has_bias,
                             *(getattr(self, name) for name, _, _ in _FROM_PARAMS)]
+        # The unconstrained mask and bias of each padded row count a step may use.
+        self._free_mask: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         self._rng = np.random.default_rng()
         # Step buffers, reused (the device call gets copies).
         t_max = token_buckets[-1]
@@ -167,6 +179,7 @@ class InputBatch:
             row = self.row_of.pop(rid, None)
             if row is not None:
                 self.req_ids[row] = None
+                self.dynamic[row] = None
                 for pt in self._page_tables:
                     pt[row, :self.num_pages[row]] = 0
                 self.num_pages[row] = 0
@@ -190,6 +203,11 @@ class InputBatch:
         self.tokens[dst, :self.num_tokens[src]] = self.tokens[src, :self.num_tokens[src]]
         for a in self._row_arrays:
             a[dst] = a[src]
+        if self.has_mask[src]:
+            self.token_mask[dst] = self.token_mask[src]
+        if self.has_bias[src]:
+            self.bias_ids[dst], self.bias[dst] = self.bias_ids[src], self.bias[src]
+        self.dynamic[dst], self.dynamic[src] = self.dynamic[src], None
         self.num_pages[src] = 0
 
     def _add(self, r: NewRequestData, eos_token_ids: tuple[int, ...]) -> int:
@@ -231,6 +249,10 @@ class InputBatch:
                              f"by min_tokens, got {len(stops)}")
         self.banned[row] = self.vocab_size
         self.banned[row, :len(stops)] = stops
+        self.has_mask[row] = static_mask(sp, self.token_mask[row])
+        self.has_bias[row] = bias_row(sp, self.vocab_size, self.bias_ids[row], self.bias[row])
+        self.dynamic[row] = (DynamicConstraints(sp, r.output_token_ids)
+                             if DynamicConstraints.wanted(sp) else None)
         return row
 
     def append_sampled(self, step: ScheduledRows, token_ids: np.ndarray) -> None:
@@ -238,8 +260,12 @@ class InputBatch:
         not sample are skipped): they are the next step's input and the history."""
         rows = step.rows[step.sample]
         at = self.num_tokens[rows]
-        self.tokens[rows, at] = token_ids[:step.num_reqs][step.sample]
+        sampled = token_ids[:step.num_reqs][step.sample]
+        self.tokens[rows, at] = sampled
         self.num_tokens[rows] = at + 1
+        for row, token in zip(rows, sampled):
+            if self.dynamic[row] is not None:
+                self.dynamic[row].accept(int(token))
 
     # ---- one step's arrays -------------------------------------------------------------
     def build(self, step: ScheduledRows) -> HostBatch:
@@ -320,6 +346,7 @@ class InputBatch:
                                                 dtype=np.uint64)
         banned = col(self.banned, self.vocab_size)
         banned[:n][num_out >= self.min_tokens[rows]] = self.vocab_size
+        t.update(self._constraint_tensors(step, num_rows_padded))
         if penalties:
             # Each row's prompt then outputs, padded with V (dropped by the sampler).
             ids = np.full((num_rows_padded, penalty_len), self.vocab_size, np.int32)
@@ -329,6 +356,32 @@ class InputBatch:
             t["penalty_token_ids"] = ids
             t["num_prompt_tokens"] = col(self.num_prompt, 0)
         return SamplingTensors(keys=keys, steps=steps, banned_token_ids=banned, **t)
+
+    def _constraint_tensors(self, step: ScheduledRows, num_rows_padded: int) -> dict:
+        """token_mask and logit bias of the step's rows: shared all-allowed / no-bias
+        arrays when no row has a constraint (the common case costs no copying)."""
+        rows, n = step.rows, step.num_reqs
+        free = self._free_mask.get(num_rows_padded)
+        if free is None:
+            free = self._free_mask[num_rows_padded] = (
+                np.full((num_rows_padded, self.token_mask.shape[1]), ALL_ALLOWED, np.uint32),
+                np.full((num_rows_padded, MAX_LOGIT_BIAS), self.vocab_size, np.int32),
+                np.zeros((num_rows_padded, MAX_LOGIT_BIAS), np.float32))
+        mask, bias_ids, bias = free
+        dynamic = [i for i in range(n) if step.sample[i] and self.dynamic[rows[i]] is not None]
+        if self.has_mask[rows].any() or dynamic:
+            mask = mask.copy()
+            masked = np.flatnonzero(self.has_mask[rows])
+            mask[masked] = self.token_mask[rows[masked]]
+            for i in dynamic:
+                row = rows[i]
+                self.dynamic[row].fill(mask[i], self.tokens[row, self.num_prompt[row]:
+                                                            self.num_tokens[row]])
+        if self.has_bias[rows].any():
+            bias_ids, bias = bias_ids.copy(), bias.copy()
+            biased = np.flatnonzero(self.has_bias[rows])
+            bias_ids[biased], bias[biased] = self.bias_ids[rows[biased]], self.bias[rows[biased]]
+        return dict(token_mask=mask, logit_bias_ids=bias_ids, logit_bias=bias)
 
     def prompt_logprob_targets(self, step: ScheduledRows, cu: np.ndarray,
                                size: int) -> tuple[np.ndarray, list]:

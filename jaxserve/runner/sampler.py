@@ -44,8 +44,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.runner.buckets import power_of_two_at_least
-from jaxserve.sampling_params import (MAX_BANNED_TOKENS, MAX_LOGPROBS, SAMPLING_EPS,
-                                      SamplingParams)
+from jaxserve.runner.token_constraints import bias_row, static_mask
+from jaxserve.sampling_params import (MAX_BANNED_TOKENS, MAX_LOGIT_BIAS, MAX_LOGPROBS,
+                                      SAMPLING_EPS, SamplingParams)
 
 _MIN_PENALTY_LEN = 16
 # Most likely tokens per row that top-k / top-p are decided on (without sorting the
@@ -70,6 +71,12 @@ class SamplingTensors:
     want_logprobs: jax.Array  # bool[R]; the row asked for logprobs
     penalty_token_ids: jax.Array | None = None  # int32[R, L]: prompt ids, output ids, V pad
     num_prompt_tokens: jax.Array | None = None  # int32[R]
+    # Which tokens each row may sample: bit b of word w allows token 32 w + b (as the
+    # grammar libraries lay their bitmasks out); all ones = unconstrained. The runner
+    # always passes it (one program whatever the rows ask), None only in direct calls.
+    token_mask: jax.Array | None = None  # uint32[R, mask_words(V)]
+    logit_bias_ids: jax.Array | None = None  # int32[R, MAX_LOGIT_BIAS]; V = none
+    logit_bias: jax.Array | None = None  # f32[R, MAX_LOGIT_BIAS]
 
 
 @flax.struct.dataclass
@@ -99,6 +106,18 @@ class SamplingRow:
     prompt_token_ids: Sequence[int] = ()
     output_token_ids: Sequence[int] = ()
     banned_token_ids: Sequence[int] = ()  # may not be sampled now (stop tokens < min_tokens)
+
+
+def mask_words(vocab_size: int) -> int:
+    """32-bit words of a row of the token mask."""
+    return -(-vocab_size // 32)
+
+
+def allowed_tokens(token_mask: jax.Array, vocab_size: int) -> jax.Array:
+    """uint32[R, W] bitmask -> bool[R, V]: shifts and a reshape (no gather), so XLA fuses
+    it into the select that applies it."""
+    bits = (token_mask[:, :, None] >> jnp.arange(32, dtype=jnp.uint32)) & jnp.uint32(1)
+    return bits.reshape(token_mask.shape[0], -1)[:, :vocab_size].astype(jnp.bool_)
 
 
 def only_greedy(params: Sequence[SamplingParams]) -> bool:
@@ -163,7 +182,13 @@ def make_sampling_tensors(
         frequency_penalty=col([p.frequency_penalty for p in ps], 0.0, f32),
         repetition_penalty=col([p.repetition_penalty for p in ps], 1.0, f32),
         want_logprobs=col([p.logprobs is not None for p in ps], False, np.bool_),
+        token_mask=np.full((num_rows_padded, mask_words(vocab_size)), _U32, np.uint32),
+        logit_bias_ids=np.full((num_rows_padded, MAX_LOGIT_BIAS), vocab_size, np.int32),
+        logit_bias=np.zeros((num_rows_padded, MAX_LOGIT_BIAS), np.float32),
     )
+    for i, p in enumerate(ps):   # the fixed constraints (no grammar: the runner's job)
+        static_mask(p, tensors["token_mask"][i])
+        bias_row(p, vocab_size, tensors["logit_bias_ids"][i], tensors["logit_bias"][i])
     if penalties:
         lengths = [len(row.prompt_token_ids) + len(row.output_token_ids) for row in rows]
         need = max(lengths, default=0)
@@ -347,6 +372,10 @@ def sample(logits: jax.Array, tensors: SamplingTensors, *, penalties: bool = Fal
     num_rows, width = logits.shape[0], MAX_LOGPROBS + 1
     rows = jnp.arange(num_rows)[:, None]
     masked = logits.at[rows, t.banned_token_ids].set(-jnp.inf, mode="drop")
+    if t.logit_bias_ids is not None:
+        masked = masked.at[rows, t.logit_bias_ids].add(t.logit_bias, mode="drop")
+    if t.token_mask is not None:
+        masked = jnp.where(allowed_tokens(t.token_mask, logits.shape[-1]), masked, -jnp.inf)
     if penalties:
         masked = apply_penalties(masked, t)
     greedy_ids = first_argmax(masked)

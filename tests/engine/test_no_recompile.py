@@ -1,4 +1,5 @@
-"""After warmup, nothing compiles: random requests with every sampling feature."""
+"""After warmup, nothing compiles: random requests with every sampling feature, token
+constraints and structured outputs included."""
 from __future__ import annotations
 
 import random
@@ -6,6 +7,7 @@ import random
 import pytest
 
 from jaxserve import LLM, SamplingParams
+from jaxserve.structured_outputs import StructuredOutputsParams as SO
 from tests.engine.conftest import assert_no_leaks
 
 
@@ -45,6 +47,12 @@ def test_random_requests_compile_nothing_new(checkpoint, kind, num_requests):
             kw.update(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=-0.5)
         if rng.random() < 0.1:
             kw.update(stop_token_ids=[rng.randrange(3, 256)], min_tokens=min(2, kw["max_tokens"]))
+        if rng.random() < 0.1:    # a grammar's mask and the fixed token constraints
+            kw.update(ignore_eos=False, min_tokens=0, structured_outputs=rng.choice(
+                [SO(choice=["ab", "e"]), SO(regex="[a-f]{1,9}"), SO(json_object=True)]))
+        if rng.random() < 0.1:
+            kw.update(logit_bias={rng.randrange(3, 256): rng.uniform(-5, 5)},
+                      allowed_token_ids=rng.sample(range(3, 256), 30))
         params.append(SamplingParams(**kw))
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert len(outs) == num_requests and all(o.finished for o in outs)

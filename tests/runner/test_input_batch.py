@@ -73,7 +73,21 @@ def random_params(rng: random.Random) -> SamplingParams:
         presence_penalty=0.5 if kind == 3 else 0.0,
         min_tokens=rng.randrange(0, min(4, max_tokens + 1)),
         stop_token_ids=[5] if kind == 4 else None,
-        logprobs=2 if kind == 2 else None, prompt_logprobs=1 if kind == 4 else None)
+        logprobs=2 if kind == 2 else None, prompt_logprobs=1 if kind == 4 else None,
+        **random_constraints(rng))
+
+
+def random_constraints(rng: random.Random) -> dict:
+    """Fixed token constraints on some requests (a mask row, bias entries): rows moved
+    by aborts and preemption must carry them."""
+    which = rng.randrange(4)
+    if which == 1:
+        return dict(allowed_token_ids=rng.sample(range(V), rng.randrange(1, 20)))
+    if which == 2:
+        return dict(logit_bias={t: rng.uniform(-5, 5) for t in rng.sample(range(V), 3)})
+    if which == 3:   # as the input processor sets them from bad_words
+        return dict(bad_words=["x"], bad_words_token_ids=((rng.randrange(V),),))
+    return {}
 
 
 def check_sliding(sched: Scheduler, out, inputs, num_reqs: int) -> int:

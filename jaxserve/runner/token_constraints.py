@@ -1,0 +1,82 @@
+"""Host side of the sampler's token constraints: the per-row bitmask (sampler.token_mask)
+and logit-bias arrays, built from a request's SamplingParams.
+
+Static constraints (allowed_token_ids, one-token bad words) are fixed for a request and
+written once, when its row is added. Dynamic ones are recomputed before each step that
+samples: bad words of several tokens (banned only where the output ends with the
+word's other tokens) and a structured-output grammar (jaxserve/engine/grammar.py), which
+also advances by every sampled token.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from jaxserve.sampling_params import MAX_LOGIT_BIAS
+
+ALL_ALLOWED = np.uint32(0xFFFFFFFF)
+
+
+def set_tokens(mask_row: np.ndarray, token_ids: Sequence[int], allowed: bool) -> None:
+    """Sets (allowed) or clears the bits of token_ids in a uint32 mask row."""
+    ids = np.asarray(token_ids, np.int64)
+    bits = np.left_shift(np.uint32(1), (ids % 32).astype(np.uint32))
+    if allowed:
+        np.bitwise_or.at(mask_row, ids // 32, bits)
+    else:
+        np.bitwise_and.at(mask_row, ids // 32, ~bits)
+
+
+def static_mask(params: Any, mask_row: np.ndarray) -> bool:
+    """Writes the request's fixed constraints into mask_row; whether it has any."""
+    mask_row[:] = ALL_ALLOWED
+    if params.allowed_token_ids:
+        mask_row[:] = 0
+        set_tokens(mask_row, params.allowed_token_ids, True)
+    singles = [w[0] for w in params.bad_words_token_ids or () if len(w) == 1]
+    if singles:
+        set_tokens(mask_row, singles, False)
+    return bool(params.allowed_token_ids or singles)
+
+
+def bias_row(params: Any, vocab_size: int, ids_row: np.ndarray, values_row: np.ndarray) -> bool:
+    """Writes logit_bias into a row of the sampler's bias arrays (unused entries point at
+    vocab_size, which the sampler drops); whether it has any."""
+    ids_row[:] = vocab_size
+    values_row[:] = 0.0
+    bias = params.logit_bias or {}
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise ValueError(f"at most {MAX_LOGIT_BIAS} logit_bias entries, got {len(bias)}")
+    ids_row[:len(bias)] = list(bias)
+    values_row[:len(bias)] = list(bias.values())
+    return bool(bias)
+
+
+class DynamicConstraints:
+    """The constraints of one sequence that change as it generates."""
+
+    def __init__(self, params: Any, output_token_ids: Sequence[int]):
+        self.bad_sequences = [w for w in params.bad_words_token_ids or () if len(w) > 1]
+        self.grammar = params.grammar.matcher() if params.grammar is not None else None
+        for t in output_token_ids:          # a request resumed after preemption
+            self.accept(t)
+
+    @staticmethod
+    def wanted(params: Any) -> bool:
+        return params.grammar is not None or any(
+            len(w) > 1 for w in params.bad_words_token_ids or ())
+
+    def fill(self, mask_row: np.ndarray, output_token_ids: np.ndarray) -> None:
+        """mask_row &= what may come next after output_token_ids."""
+        banned = [w[-1] for w in self.bad_sequences
+                  if len(output_token_ids) >= len(w) - 1
+                  and tuple(output_token_ids[len(output_token_ids) - len(w) + 1:]) == w[:-1]]
+        if banned:
+            set_tokens(mask_row, banned, False)
+        if self.grammar is not None:
+            self.grammar.fill(mask_row)
+
+    def accept(self, token_id: int) -> None:
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
