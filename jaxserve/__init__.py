@@ -12,6 +12,7 @@ _EXPORTS = {
     "RequestOutput": "jaxserve.core.outputs",
     "CompletionOutput": "jaxserve.core.outputs",
     "EngineConfig": "jaxserve.config",
+    "StructuredOutputsParams": "jaxserve.structured_outputs",
 }
 
 __all__ = list(_EXPORTS)

@@ -16,8 +16,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
 from jaxserve.api.unsupported import refused_field
+from jaxserve.engine.errors import InputError
 from jaxserve.sampling_params import (INT32_MAX, INT64_MAX, INT64_MIN, MAX_LOGPROBS, MAX_N,
                                       SamplingParams)
+from jaxserve.structured_outputs import StructuredOutputsParams
 
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 Logprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
@@ -84,6 +86,17 @@ class _SamplingFields(_Body):
     stream_options: StreamOptions | None = None
     priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)
     user: str | None = None
+    # Token constraints and structured outputs (vLLM's fields; OpenAI's logit_bias).
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[TokenId] | None = None
+    bad_words: list[str] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    response_format: dict[str, Any] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -144,6 +157,8 @@ def sampling_params(req: _SamplingFields, defaults: dict[str, Any], *, max_token
         return defaults.get(name, fallback)
 
     return SamplingParams(
+        logit_bias=req.logit_bias, allowed_token_ids=req.allowed_token_ids,
+        bad_words=req.bad_words, structured_outputs=structured_outputs(req),
         n=req.n, temperature=pick("temperature", 1.0), top_p=pick("top_p", 1.0),
         top_k=pick("top_k", 0), min_p=pick("min_p", 0.0),
         presence_penalty=pick("presence_penalty", 0.0),
@@ -154,3 +169,59 @@ def sampling_params(req: _SamplingFields, defaults: dict[str, Any], *, max_token
         include_stop_str_in_output=req.include_stop_str_in_output,
         skip_special_tokens=req.skip_special_tokens,
         spaces_between_special_tokens=req.spaces_between_special_tokens)
+
+
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+           "guided_grammar": "grammar"}
+# Grammar backends a request may name: llguidance is the one jaxserve has.
+_BACKENDS = ("auto", "guidance", "llguidance")
+
+
+def constraint_field(req: _SamplingFields) -> str:
+    """The request field that carried its structured-output constraint (the front door
+    names "structured_outputs" in its errors; the client should see its own field)."""
+    if req.response_format is not None and req.response_format.get("type") != "text":
+        return "response_format"
+    return next((n for n in _GUIDED if getattr(req, n) is not None), "structured_outputs")
+
+
+def structured_outputs(req: _SamplingFields) -> StructuredOutputsParams | None:
+    """The one constraint a request asks for, from any of its spellings: OpenAI's
+    response_format (chat), vLLM's structured_outputs and its older guided_* fields."""
+    if req.guided_decoding_backend not in (None, *_BACKENDS):
+        raise InputError(f"guided_decoding_backend={req.guided_decoding_backend!r}: jaxserve "
+                         f"has llguidance ({', '.join(_BACKENDS)})", "guided_decoding_backend")
+    asked: list[tuple[str, dict]] = []
+    fmt = req.response_format
+    if fmt is not None:
+        kind = fmt.get("type")
+        if kind == "json_object":
+            asked.append(("response_format", {"json_object": True}))
+        elif kind == "json_schema":
+            spec = fmt.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise InputError("response_format.json_schema.schema must be a JSON schema "
+                                 "object", "response_format")
+            asked.append(("response_format", {"json": schema}))
+        elif kind != "text":
+            raise InputError(f"response_format type {kind!r}: expected text, json_object or "
+                             f"json_schema", "response_format")
+    if req.structured_outputs is not None:
+        asked.append(("structured_outputs", dict(req.structured_outputs)))
+    for name, kind in _GUIDED.items():
+        value = getattr(req, name)
+        if value is not None:
+            asked.append((name, {kind: value}))
+    if not asked:
+        return None
+    if len(asked) > 1:
+        raise InputError(f"{' and '.join(n for n, _ in asked)}: ask for one constraint",
+                         asked[1][0])
+    name, spec = asked[0]
+    try:
+        return StructuredOutputsParams(**spec)
+    except TypeError as e:      # an unknown key inside structured_outputs
+        raise InputError(f"{name}: {e}", name) from None
+    except InputError as e:
+        raise InputError(str(e), name) from None

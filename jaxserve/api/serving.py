@@ -25,7 +25,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from jaxserve.api.errors import APIError, bad_request, error_body
 from jaxserve.api.metrics import Metrics
-from jaxserve.api.protocol import ChatCompletionRequest, CompletionRequest, sampling_params
+from jaxserve.api.protocol import (ChatCompletionRequest, CompletionRequest, constraint_field,
+                                   sampling_params)
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.engine.async_engine import AsyncEngine, EngineDeadError
 from jaxserve.engine.input_processor import EngineRequest
@@ -146,11 +147,14 @@ class OpenAIServing:
         for answer in self.answers:
             answer.queue.put_nowait((-1, _ShuttingDown()))
 
-    async def _in_worker(self, fn, *args, **kwargs):
-        """Runs the input processor off the event loop; its InputErrors become 400s."""
+    async def _in_worker(self, req, fn, *args, **kwargs):
+        """Runs the input processor off the event loop; its InputErrors become 400s (a
+        constraint's error names the field the request used)."""
         try:
             return await asyncio.to_thread(fn, *args, **kwargs)
         except ValueError as e:
+            if getattr(e, "param", None) == "structured_outputs":
+                e.param = constraint_field(req)
             raise bad_request(e) from None
 
     # ---- /v1/completions ----------------------------------------------------------------
@@ -173,7 +177,7 @@ class OpenAIServing:
         except ValueError as e:
             raise bad_request(e)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        prompts = await self._in_worker(self._completion_prompts, rid, req.prompt, params,
+        prompts = await self._in_worker(req, self._completion_prompts, rid, req.prompt, params,
                                         req.priority)
         answer = self.admit(len(prompts), params.n)
         stream = self._merged(rid, prompts, params, answer)
@@ -266,7 +270,7 @@ class OpenAIServing:
         except ValueError as e:
             raise bad_request(e)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        prompts = await self._in_worker(self._chat_prompts, rid, req, params)
+        prompts = await self._in_worker(req, self._chat_prompts, rid, req, params)
         answer = self.admit(1, params.n)
         stream = self._merged(rid, prompts, params, answer)
         if req.stream:

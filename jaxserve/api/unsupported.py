@@ -33,26 +33,17 @@ def _text_format(v: Any) -> bool:
     return v is None or (isinstance(v, dict) and v.get("type") == "text")
 
 
-_STRUCTURED = "constrained decoding (structured outputs) is not implemented yet"
 _TOOLS = "tool calling is not implemented yet"
 
 # field: (value that changes nothing, why it is refused otherwise)
 REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "response_format": (_text_format, f"only {{'type': 'text'}}: {_STRUCTURED}"),
-    "structured_outputs": (_absent, _STRUCTURED),
-    "guided_json": (_absent, _STRUCTURED),
-    "guided_regex": (_absent, _STRUCTURED),
-    "guided_choice": (_absent, _STRUCTURED),
-    "guided_grammar": (_absent, _STRUCTURED),
-    "guided_decoding_backend": (_absent, _STRUCTURED),
-    "guided_whitespace_pattern": (_absent, _STRUCTURED),
+    "guided_whitespace_pattern": (_absent, "a whitespace pattern is not implemented (no "
+                                           "whitespace: structured_outputs."
+                                           "disable_any_whitespace)"),
     "tools": (_empty, _TOOLS),
     "functions": (_empty, _TOOLS),
     "function_call": (lambda v: v is None or v == "none", _TOOLS),
     "tool_choice": (lambda v: v is None or v in ("none", "auto"), _TOOLS),
-    "logit_bias": (_empty, "token biases are not implemented yet"),
-    "allowed_token_ids": (_absent, "token masks are not implemented yet"),
-    "bad_words": (_empty, "token masks are not implemented yet"),
     "prompt_logprobs": (_absent, "not served by the HTTP API yet (offline "
                                  "SamplingParams(prompt_logprobs=...) has it; on "
                                  "/v1/completions use echo with logprobs)"),
@@ -83,6 +74,7 @@ MESSAGE_REFUSED = {"tool_calls": (_empty, _TOOLS), "function_call": (_absent, _T
 # Nested: stream_options' own fields.
 STREAM_REFUSED = {"continuous_usage_stats": (_false, "usage in every chunk is not "
                                                      "implemented; include_usage is")}
+
 
 def _first_refused(data: dict, known: set[str], refused: dict, ignored: frozenset,
                    what: str) -> tuple[str, str] | None:

@@ -1,0 +1,106 @@
+"""Structured outputs and token constraints through the openai client against a real
+server, on a random-weight model at temperature 1 (only the constraint makes its output
+valid): OpenAI's response_format, vLLM's structured_outputs and guided_* fields, streamed
+and not; logit_bias, allowed_token_ids, bad_words; refusals name their field."""
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+from tests.api.conftest import API_KEY
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", "days"],
+          "properties": {"city": {"type": "string", "maxLength": 10},
+                         "days": {"type": "integer", "minimum": 1, "maximum": 14}}}
+CHAT = [{"role": "user", "content": "Plan a trip as JSON."}]
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY)
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    return client.models.list().data[0].id
+
+
+def streamed_chat(client, model, **kw) -> str:
+    chunks = client.chat.completions.create(model=model, messages=CHAT, stream=True, **kw)
+    return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+
+def test_response_format_json_schema_and_object(client, model):
+    fmt = {"type": "json_schema", "json_schema": {"name": "trip", "schema": SCHEMA}}
+    out = client.chat.completions.create(model=model, messages=CHAT, temperature=1.0, seed=1,
+                                         n=3, max_tokens=90, response_format=fmt)
+    for choice in out.choices:
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+    text = streamed_chat(client, model, temperature=1.0, seed=2, max_tokens=90,
+                         response_format=fmt)
+    jsonschema.validate(json.loads(text), SCHEMA)
+    out = client.chat.completions.create(model=model, messages=CHAT, temperature=1.0, seed=3,
+                                         max_tokens=90, response_format={"type": "json_object"},
+                                         extra_body={"structured_outputs": None})
+    if out.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(out.choices[0].message.content), dict)
+
+
+@pytest.mark.parametrize("body, check", [
+    ({"structured_outputs": {"regex": "[0-9]{2}:[0-9]{2}"}},
+     lambda t: re.fullmatch(r"[0-9]{2}:[0-9]{2}", t)),
+    ({"structured_outputs": {"choice": ["alpha", "beta"]}}, lambda t: t in ("alpha", "beta")),
+    ({"guided_choice": ["up", "down"]}, lambda t: t in ("up", "down")),
+    ({"guided_regex": "(yes|no)!"}, lambda t: t in ("yes!", "no!")),
+    ({"guided_json": SCHEMA}, lambda t: jsonschema.validate(json.loads(t), SCHEMA) is None),
+    ({"guided_grammar": 'root ::= "a" "b"* "c"'}, lambda t: re.fullmatch("ab*c", t)),
+])
+@pytest.mark.parametrize("stream", [False, True])
+def test_vllm_fields_on_completions(client, model, body, check, stream):
+    kw = dict(model=model, prompt="Answer:", temperature=1.0, seed=5, max_tokens=60,
+              extra_body=body)
+    if stream:
+        text = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kw)
+                       if c.choices)
+    else:
+        text = client.completions.create(**kw).choices[0].text
+    assert check(text), text
+
+
+def test_token_constraints(client, model, api_checkpoint):
+    tok = AutoTokenizer.from_pretrained(api_checkpoint)
+    x = tok("x", add_special_tokens=False).input_ids[0]
+    out = client.completions.create(model=model, prompt="hi", temperature=0.0, max_tokens=4,
+                                    logit_bias={str(x): 100})
+    assert out.choices[0].text == tok.decode([x] * 4)
+    ids = [tok(c, add_special_tokens=False).input_ids[0] for c in "abc"]
+    out = client.completions.create(model=model, prompt="hi", temperature=1.0, seed=0,
+                                    max_tokens=40, extra_body={"allowed_token_ids": ids,
+                                                               "bad_words": ["c"]})
+    assert set(out.choices[0].text) <= {"a", "b"} and out.choices[0].text
+
+
+@pytest.mark.parametrize("kw, param", [
+    (dict(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "nope"}}}}}),
+     "response_format"),
+    (dict(extra_body={"structured_outputs": {"regex": "[a-"}}), "structured_outputs"),
+    (dict(extra_body={"structured_outputs": {"regex": "a", "choice": ["b"]}}),
+     "structured_outputs"),
+    (dict(extra_body={"guided_regex": "a", "guided_choice": ["b"]}), "guided_choice"),
+    (dict(extra_body={"structured_outputs": {"jsn": {}}}), "structured_outputs"),
+    (dict(response_format={"type": "structural_tag"}), "response_format"),
+    (dict(extra_body={"guided_decoding_backend": "xgrammar"}), "guided_decoding_backend"),
+    (dict(extra_body={"allowed_token_ids": [10**6]}), "allowed_token_ids"),
+    (dict(logit_bias={"5": 1.0, "x": 2.0}), "logit_bias"),
+])
+def test_bad_constraints_are_refused_by_name(client, model, kw, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, messages=CHAT, max_tokens=5, **kw)
+    assert e.value.body["param"] == param, e.value.body
