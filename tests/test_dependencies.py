@@ -60,11 +60,17 @@ def test_base_dependencies_cover_the_engine():
 
 
 def test_test_extra_covers_tests_and_benchmarks():
-    assert undeclared(("tests", "benchmarks"), declared("test")) == {}
+    # `compare`: a benchmark's optional other side (measured only where installed)
+    assert undeclared(("tests",), declared("test")) == {}
+    assert undeclared(("benchmarks",), declared("test", "compare")) == {}
 
 
 def test_bench_extra_covers_benchmarks():
-    assert undeclared(("benchmarks",), declared("bench")) == {}
+    assert undeclared(("benchmarks",), declared("bench", "compare")) == {}
+
+
+def test_tests_never_need_the_compare_extra():
+    assert "xgrammar" not in third_party_imports("tests")
 
 
 def test_test_extra_holds_bench():
