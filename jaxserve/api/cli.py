@@ -15,6 +15,8 @@ import uvicorn
 
 import jaxserve
 from jaxserve.api.loading import LoadingGate
+from jaxserve.api.reasoning_parsers import REASONING_PARSERS
+from jaxserve.api.tool_parsers import TOOL_PARSERS
 from jaxserve.api.metrics import Metrics
 from jaxserve.config import ConfigError, EngineConfig
 from jaxserve.engine_args import add_engine_args, config_error, engine_kwargs
@@ -62,6 +64,14 @@ def parser() -> argparse.ArgumentParser:
            "completions of k prompts is n*k sequences)")
     a("--max-request-body-bytes", type=int, default=32 * 2**20,
       help="answer 413 to request bodies larger than this (default 32 MiB)")
+    a("--enable-auto-tool-choice", action="store_true",
+      help='let the model decide when to call tools (tool_choice "auto"): its output is '
+           "read by --tool-call-parser")
+    a("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+      help="the model's tool-call format, for --enable-auto-tool-choice (hermes: Qwen2.5/"
+           "Qwen3, qwen3_coder: Qwen3-Coder/Qwen3.5/Qwen3.6, llama3_json, gemma4)")
+    a("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+      help="split the model's <think> block into reasoning_content (qwen3, deepseek_r1)")
     a("--disable-log-requests", action="store_true", help="do not log each request")
     a("--timeout-graceful-shutdown", type=float, default=5.0,
       help="seconds in-flight requests get to finish on SIGTERM/SIGINT")
@@ -111,6 +121,9 @@ def generation_defaults(setting: str, model_dir: str) -> dict:
 def main(argv: list[str] | None = None) -> None:
     ap = parser()
     args = ap.parse_args(argv)
+    if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
+        ap.error("--enable-auto-tool-choice and --tool-call-parser go together: the parser "
+                 "reads the tool calls that auto tool choice lets the model make")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     if _multihost(args):
         from jaxserve.engine import multihost
@@ -200,7 +213,8 @@ def _build_engine(args: argparse.Namespace, config: EngineConfig, served: str,
         disable_log_requests=args.disable_log_requests,
         chat_template=chat_template(args.chat_template),
         generation_defaults=generation_defaults(args.generation_config, config.model),
-        max_request_body_bytes=args.max_request_body_bytes)
+        max_request_body_bytes=args.max_request_body_bytes,
+        auto_tool_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
     gate.open(create_app(engine, settings, gate.metrics), engine)
     logger.info(
         "serving %s (%s) | mesh %s | dtype %s | weights %.1f MiB | KV cache %d pages = %d tokens "

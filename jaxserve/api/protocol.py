@@ -118,6 +118,11 @@ class CompletionRequest(_SamplingFields):
 class ChatMessage(_Fields):
     role: str
     content: str | list[dict[str, Any]] | None = None
+    # Tool calling and earlier turns' reasoning, passed on to the chat template.
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -128,6 +133,9 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: Logprobs | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
 
 
 class TokenizeRequest(_Body):
@@ -136,6 +144,7 @@ class TokenizeRequest(_Body):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    tools: list[dict[str, Any]] | None = None
 
 
 class DetokenizeRequest(_Body):
@@ -182,6 +191,9 @@ def constraint_field(req: _SamplingFields) -> str:
     names "structured_outputs" in its errors; the client should see its own field)."""
     if req.response_format is not None and req.response_format.get("type") != "text":
         return "response_format"
+    if getattr(req, "tools", None) and getattr(req, "tool_choice", None) not in (
+            None, "none", "auto"):
+        return "tools"           # the grammar of a forced call, built from the tools
     return next((n for n in _GUIDED if getattr(req, n) is not None), "structured_outputs")
 
 

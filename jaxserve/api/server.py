@@ -130,7 +130,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings,
                 ids = await asyncio.to_thread(
                     inputs.render_chat, [m.model_dump() for m in req.messages],
                     chat_template=settings.chat_template,
-                    add_generation_prompt=req.add_generation_prompt)
+                    add_generation_prompt=req.add_generation_prompt, tools=req.tools)
         except ValueError as e:
             raise bad_request(e)
         return {"tokens": ids, "count": len(ids), "max_model_len": settings.max_model_len}

@@ -17,18 +17,22 @@ import json
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from jaxserve.api.errors import APIError, bad_request, error_body
+from jaxserve.api.chat_output import ChoiceReader, prompt_ends_in_reasoning
 from jaxserve.api.metrics import Metrics
 from jaxserve.api.protocol import (ChatCompletionRequest, CompletionRequest, constraint_field,
                                    sampling_params)
+from jaxserve.api.reasoning_parsers import get_reasoning_parser
+from jaxserve.api.tools import ToolSetup, tool_setup
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.engine.async_engine import AsyncEngine, EngineDeadError
+from jaxserve.engine.errors import InputError
 from jaxserve.engine.input_processor import EngineRequest
 from jaxserve.sampling_params import SamplingParams
 
@@ -47,6 +51,8 @@ class ServerSettings:
     chat_template: str | None = None
     generation_defaults: dict = field(default_factory=dict)
     max_request_body_bytes: int = 32 * 2**20
+    auto_tool_parser: str | None = None     # --tool-call-parser, with --enable-auto-tool-choice
+    reasoning_parser: str | None = None     # --reasoning-parser
 
 
 @dataclass
@@ -245,14 +251,15 @@ class OpenAIServing:
                          "usage": _usage(prompts, list(choices.values()))})
 
     # ---- /v1/chat/completions -------------------------------------------------------------
-    def _chat_prompts(self, rid: str, req: ChatCompletionRequest, params: SamplingParams
-                      ) -> list[EngineRequest]:
+    def _chat_prompts(self, rid: str, req: ChatCompletionRequest, params: SamplingParams,
+                      tools: ToolSetup) -> list[EngineRequest]:
         """Worker thread: the conversation rendered by the chat template, as one engine
         request ("{rid}-0")."""
         ids = self.inputs.render_chat([m.model_dump() for m in req.messages],
                                       chat_template=self.settings.chat_template,
                                       add_generation_prompt=req.add_generation_prompt,
-                                      template_kwargs=req.chat_template_kwargs)
+                                      template_kwargs=req.chat_template_kwargs,
+                                      tools=tools.tools)
         return [self.inputs.process(f"{rid}-0", ids, params, priority=req.priority)]
 
     async def chat(self, req: ChatCompletionRequest, raw: Request):
@@ -267,38 +274,55 @@ class OpenAIServing:
             params = sampling_params(req, self.settings.generation_defaults,
                                      max_tokens=max_tokens,
                                      logprobs=(top or 0) if req.logprobs else None)
+            tools = tool_setup(req.tools, req.tool_choice,
+                               auto_parser=self.settings.auto_tool_parser)
+            params = _with_tool_constraint(params, tools, req.parallel_tool_calls)
         except ValueError as e:
             raise bad_request(e)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        prompts = await self._in_worker(req, self._chat_prompts, rid, req, params)
+        prompts = await self._in_worker(req, self._chat_prompts, rid, req, params, tools)
+        reader = self._chat_reader(tools, prompts[0])
         answer = self.admit(1, params.n)
         stream = self._merged(rid, prompts, params, answer)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return _sse(self._chat_chunks(rid, prompts, req, stream, include_usage), answer)
+            return _sse(self._chat_chunks(rid, prompts, req, stream, include_usage, reader),
+                        answer)
         try:
             choices = await self._collect(stream, raw, params.n)
         finally:
             answer.close()
+        readers = [reader() for _ in choices]
         return JSONResponse({
             "id": rid, "object": "chat.completion", "created": int(time.time()),
             "model": self.settings.served_model_name,
-            "choices": [{"index": c.index,
-                         "message": {"role": "assistant", "content": c.text},
+            "choices": [{"index": c.index, "message": r.message(c.text),
                          "logprobs": _chat_logprobs(c.logprobs, top or 0)
                          if req.logprobs else None,
-                         "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-                        for c in choices],
+                         "finish_reason": r.finish_reason(c.finish_reason),
+                         "stop_reason": c.stop_reason}
+                        for c, r in zip(choices, readers)],
             "usage": _usage(prompts, choices)})
 
-    async def _chat_chunks(self, rid, prompts, req, stream, include_usage) -> AsyncIterator[str]:
+    def _chat_reader(self, tools: ToolSetup, prompt: EngineRequest):
+        """A factory of ChoiceReaders (one per choice) for this request's answer."""
+        name = self.settings.reasoning_parser
+        parser = get_reasoning_parser(name) if name else None
+        in_reasoning = bool(parser) and prompt_ends_in_reasoning(
+            self.inputs.tokenizer.decode(prompt.prompt_token_ids[-16:]))
+        return lambda: ChoiceReader(tools, parser, in_reasoning)
+
+    async def _chat_chunks(self, rid, prompts, req, stream, include_usage,
+                           reader) -> AsyncIterator[str]:
         created, model = int(time.time()), self.settings.served_model_name
         base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
         choices: dict[int, _Choice] = {}
+        readers: dict[int, ChoiceReader] = {}
         async for _, out in stream:
             for c in out.outputs:
                 first = c.index not in choices
                 acc = choices.setdefault(c.index, _Choice(c.index))
+                r = readers.setdefault(c.index, reader())
                 _accumulate(acc, c)
                 if first:
                     yield _data({**base, "choices": [{
@@ -306,10 +330,13 @@ class OpenAIServing:
                         "logprobs": None, "finish_reason": None}]})
                 logprobs = (_chat_logprobs(c.logprobs, req.top_logprobs or 0)
                             if req.logprobs and c.logprobs else None)
-                delta_msg = {"content": c.text} if c.text else {}
+                delta_msg = r.delta(c.text, final=c.finish_reason is not None)
+                if not delta_msg and not logprobs and c.finish_reason is None:
+                    continue        # held back by a parser: nothing to send yet
                 yield _data({**base, "choices": [{
                     "index": c.index, "delta": delta_msg, "logprobs": logprobs,
-                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]})
+                    "finish_reason": r.finish_reason(c.finish_reason),
+                    "stop_reason": c.stop_reason}]})
         if include_usage:
             yield _data({**base, "choices": [], "usage": _usage(prompts, list(choices.values()))})
 
@@ -385,6 +412,21 @@ class OpenAIServing:
                 await asyncio.gather(task, return_exceptions=True)
             await stream.aclose()
         return [choices[k] for k in sorted(choices)]
+
+
+def _with_tool_constraint(params: SamplingParams, tools: ToolSetup,
+                          parallel: bool) -> SamplingParams:
+    """params with the grammar that forces a "required" or named tool call."""
+    forced = tools.constraint(parallel)
+    if forced is None:
+        return params
+    if params.structured_outputs is not None:
+        raise InputError("tool_choice forces a tool call; it cannot be combined with "
+                         "response_format or structured outputs", "tool_choice")
+    try:
+        return replace(params, structured_outputs=forced)
+    except InputError as e:
+        raise InputError(str(e), "tool_choice") from None
 
 
 def _api_error(e: BaseException) -> APIError:

@@ -33,7 +33,8 @@ def _text_format(v: Any) -> bool:
     return v is None or (isinstance(v, dict) and v.get("type") == "text")
 
 
-_TOOLS = "tool calling is not implemented yet"
+_TOOLS = "tools are for /v1/chat/completions"
+_LEGACY = "the deprecated functions API is not implemented; use tools and tool_choice"
 
 # field: (value that changes nothing, why it is refused otherwise)
 REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
@@ -41,9 +42,9 @@ REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
                                            "whitespace: structured_outputs."
                                            "disable_any_whitespace)"),
     "tools": (_empty, _TOOLS),
-    "functions": (_empty, _TOOLS),
-    "function_call": (lambda v: v is None or v == "none", _TOOLS),
     "tool_choice": (lambda v: v is None or v in ("none", "auto"), _TOOLS),
+    "functions": (_empty, _LEGACY),
+    "function_call": (lambda v: v is None or v == "none", _LEGACY),
     "prompt_logprobs": (_absent, "not served by the HTTP API yet (offline "
                                  "SamplingParams(prompt_logprobs=...) has it; on "
                                  "/v1/completions use echo with logprobs)"),
@@ -66,11 +67,9 @@ REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "web_search_options": (_absent, "not implemented"),
 }
 # Accepted without effect, as vLLM does: the OpenAI platform's bookkeeping.
-IGNORED = frozenset({"store", "metadata", "service_tier", "request_id",
-                     "parallel_tool_calls"})
-# A chat message's own fields: an assistant turn's tool calls cannot reach the template
-# yet (they would be dropped and the model would see a history without them).
-MESSAGE_REFUSED = {"tool_calls": (_empty, _TOOLS), "function_call": (_absent, _TOOLS)}
+IGNORED = frozenset({"store", "metadata", "service_tier", "request_id"})
+# A chat message's own fields beyond those the template gets (api/protocol.ChatMessage).
+MESSAGE_REFUSED = {"function_call": (_absent, _LEGACY)}
 # Nested: stream_options' own fields.
 STREAM_REFUSED = {"continuous_usage_stats": (_false, "usage in every chunk is not "
                                                      "implemented; include_usage is")}
@@ -92,6 +91,8 @@ def _first_refused(data: dict, known: set[str], refused: dict, ignored: frozense
     return None
 
 
+_MESSAGE_FIELDS = {"role", "content", "tool_calls", "tool_call_id", "name",
+                   "reasoning_content"}
 _logged: set[str] = set()
 _lock = threading.Lock()
 
@@ -114,7 +115,7 @@ def refused_field(data: Any, known: set[str]) -> tuple[str, str] | None:
         return refused
     for i, message in enumerate(data.get("messages") or ()):
         if isinstance(message, dict):
-            refused = _first_refused(message, {"role", "content"}, MESSAGE_REFUSED,
+            refused = _first_refused(message, _MESSAGE_FIELDS, MESSAGE_REFUSED,
                                      frozenset(), "chat message field")
             if refused:
                 return f"messages.{i}.{refused[0]}", f"messages[{i}]: {refused[1]}"

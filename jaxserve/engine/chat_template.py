@@ -7,6 +7,7 @@ InputError (a ValueError) naming the field at fault, with a message for the clie
 from __future__ import annotations
 
 import inspect
+import json
 from typing import Any
 
 from jaxserve.engine.errors import InputError
@@ -41,11 +42,45 @@ def _renderer_arguments(tokenizer) -> set[str]:
             if p.kind is not inspect.Parameter.VAR_KEYWORD} | _TEMPLATE_VARIABLES
 
 
+# Message fields besides role and content that templates read (tool calling, names,
+# earlier turns' reasoning).
+_PASSED_FIELDS = ("tool_calls", "tool_call_id", "name", "reasoning_content")
+
+
+def _tool_call_for_template(call: Any) -> Any:
+    """An OpenAI tool call with its arguments as an object when they are JSON text:
+    templates iterate them (Qwen3.5's `arguments|items`) or dump them (`tojson`)."""
+    if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+        return call
+    fn = dict(call["function"])
+    if isinstance(fn.get("arguments"), str):
+        try:
+            args = json.loads(fn["arguments"])
+        except ValueError:
+            raise InputError(f"tool call arguments are not valid JSON: "
+                             f"{fn['arguments'][:80]!r}", "messages") from None
+        if isinstance(args, dict):
+            fn["arguments"] = args
+    return {**call, "function": fn}
+
+
+def _template_message(m: dict) -> dict:
+    out = {"role": m["role"], "content": message_text(m.get("content"))}
+    for name in _PASSED_FIELDS:
+        if m.get(name) is not None:
+            out[name] = m[name]
+    if isinstance(out.get("tool_calls"), list):
+        out["tool_calls"] = [_tool_call_for_template(c) for c in out["tool_calls"]]
+    return out
+
+
 def render_chat(tokenizer, messages: list[dict], *, chat_template: str | None = None,
                 add_generation_prompt: bool = True, max_chars: int | None = None,
-                template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                template_kwargs: dict[str, Any] | None = None,
+                tools: list[dict] | None = None) -> list[int]:
     """max_chars: refuse conversations whose text is longer, before rendering.
-    template_kwargs: extra template variables (a client's chat_template_kwargs)."""
+    template_kwargs: extra template variables (a client's chat_template_kwargs).
+    tools: the request's OpenAI tool definitions, for templates that describe them."""
     template_kwargs = template_kwargs or {}
     if tokenizer is None:
         raise InputError("chat needs a tokenizer; this model has none", "messages")
@@ -55,7 +90,7 @@ def render_chat(tokenizer, messages: list[dict], *, chat_template: str | None = 
     for m in messages:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise InputError("each message needs a string 'role'", "messages")
-        conv.append({"role": m["role"], "content": message_text(m.get("content"))})
+        conv.append(_template_message(m))
     chars = sum(len(m["role"]) + len(m["content"]) for m in conv)
     if max_chars is not None and chars > max_chars:
         raise InputError(f"messages have {chars} characters, more than the {max_chars} "
@@ -69,7 +104,7 @@ def render_chat(tokenizer, messages: list[dict], *, chat_template: str | None = 
                          f"sets {'it' if len(clash) == 1 else 'them'} itself",
                          "chat_template_kwargs")
     try:
-        ids = tokenizer.apply_chat_template(conv, chat_template=chat_template,
+        ids = tokenizer.apply_chat_template(conv, chat_template=chat_template, tools=tools,
                                             add_generation_prompt=add_generation_prompt,
                                             tokenize=True, return_dict=False, **template_kwargs)
     except Exception as e:  # noqa: BLE001 - the template runs on the request's data

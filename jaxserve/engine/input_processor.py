@@ -105,13 +105,16 @@ class InputProcessor:
 
     def render_chat(self, messages: list[dict], *, chat_template: str | None = None,
                     add_generation_prompt: bool = True,
-                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                    template_kwargs: dict[str, Any] | None = None,
+                    tools: list[dict] | None = None) -> list[int]:
         """Chat messages -> prompt ids; every failure is the request's (InputError)."""
         _check_strings(messages, "messages")
         _check_strings(template_kwargs, "chat_template_kwargs")
+        _check_strings(tools, "tools")
         return render_chat(self.tokenizer, messages, chat_template=chat_template,
                            add_generation_prompt=add_generation_prompt,
-                           max_chars=self.max_prompt_chars, template_kwargs=template_kwargs)
+                           max_chars=self.max_prompt_chars, template_kwargs=template_kwargs,
+                           tools=tools)
 
     # ---- the front door --------------------------------------------------------------
     def process(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
