@@ -85,3 +85,25 @@ def server(api_checkpoint):
     srv = Server(api_checkpoint)
     yield srv
     srv.stop()
+
+
+# Prints the tools, every message's tool calls and tool-call ids: what the template got.
+TEMPLATE = (
+    "{%- if tools %}TOOLS:{% for t in tools %}{{ t.function.name }};{% endfor %}\n{% endif %}"
+    "{%- for m in messages %}<{{ m.role }}>{{ m.content }}"
+    "{%- for c in m.tool_calls or [] %}[call {{ c.function.name }} "
+    "{{ c.function.arguments.city }}]{% endfor %}"
+    "{%- if m.tool_call_id %}(id {{ m.tool_call_id }}){% endif %}</{{ m.role }}>{% endfor %}"
+    "{%- if add_generation_prompt %}<assistant>{% endif %}")
+
+
+@pytest.fixture(scope="session")
+def tool_server(api_checkpoint, tmp_path_factory):
+    """A server started as vLLM users start one for agents, with TEMPLATE."""
+    template = tmp_path_factory.mktemp("tmpl") / "chat.jinja"
+    template.write_text(TEMPLATE)
+    srv = Server(api_checkpoint, "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                 "--reasoning-parser", "qwen3", "--chat-template", str(template),
+                 "--max-model-len", "384")
+    yield srv
+    srv.stop()

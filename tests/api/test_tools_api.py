@@ -17,7 +17,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.api.conftest import API_KEY, Server
+from tests.api.conftest import API_KEY
 
 WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "days"],
            "properties": {"city": {"type": "string", "maxLength": 8},
@@ -28,27 +28,6 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
          {"type": "function", "function": {"name": "get_time", "parameters": TIME}}]
 SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 CHAT = [{"role": "user", "content": "What is the weather in Paris?"}]
-# Prints the tools, every message's tool calls and tool-call ids: what the template got.
-TEMPLATE = (
-    "{%- if tools %}TOOLS:{% for t in tools %}{{ t.function.name }};{% endfor %}\n{% endif %}"
-    "{%- for m in messages %}<{{ m.role }}>{{ m.content }}"
-    "{%- for c in m.tool_calls or [] %}[call {{ c.function.name }} "
-    "{{ c.function.arguments.city }}]{% endfor %}"
-    "{%- if m.tool_call_id %}(id {{ m.tool_call_id }}){% endif %}</{{ m.role }}>{% endfor %}"
-    "{%- if add_generation_prompt %}<assistant>{% endif %}")
-
-
-@pytest.fixture(scope="module")
-def tool_server(api_checkpoint, tmp_path_factory):
-    template = tmp_path_factory.mktemp("tmpl") / "chat.jinja"
-    template.write_text(TEMPLATE)
-    srv = Server(api_checkpoint, "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-                 "--reasoning-parser", "qwen3", "--chat-template", str(template),
-                 "--max-model-len", "384")
-    yield srv
-    srv.stop()
-
-
 @pytest.fixture(scope="module")
 def client(tool_server):
     return openai.OpenAI(base_url=tool_server.url + "/v1", api_key=API_KEY)
