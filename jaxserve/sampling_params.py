@@ -104,6 +104,9 @@ class SamplingParams:
     # token-id sequences, and the compiled grammar of structured_outputs.
     bad_words_token_ids: tuple[tuple[int, ...], ...] | None = field(default=None, repr=False)
     grammar: Any = field(default=None, compare=False, repr=False)
+    # Set by the server's reasoning parser: the grammar applies from the token after these
+    # (the end of the think block the chat template opened), not from the first.
+    grammar_after_ids: tuple[int, ...] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731

@@ -16,13 +16,14 @@ from jaxserve.api.tool_parsers import DeltaToolCall, ToolCall
 from jaxserve.api.tool_parsers.base import new_call_id
 from jaxserve.api.tools import ToolSetup
 
-_THINK, _END_THINK = "<think>", "</think>"
+_THINK = "<think>"
+REASONING_END = "</think>"
 
 
 def prompt_ends_in_reasoning(prompt_tail: str) -> bool:
     """Whether the chat template opened a think block the model is to close (Qwen3.5/3.6
     and DeepSeek-R1 templates end the prompt with "<think>\\n")."""
-    return prompt_tail.rfind(_THINK) > prompt_tail.rfind(_END_THINK)
+    return prompt_tail.rfind(_THINK) > prompt_tail.rfind(REASONING_END)
 
 
 def _call_json(call: ToolCall) -> dict:

@@ -24,7 +24,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from jaxserve.api.errors import APIError, bad_request, error_body
-from jaxserve.api.chat_output import ChoiceReader, prompt_ends_in_reasoning
+from jaxserve.api.chat_output import REASONING_END, ChoiceReader, prompt_ends_in_reasoning
 from jaxserve.api.metrics import Metrics
 from jaxserve.api.protocol import (ChatCompletionRequest, CompletionRequest, constraint_field,
                                    sampling_params)
@@ -252,15 +252,22 @@ class OpenAIServing:
 
     # ---- /v1/chat/completions -------------------------------------------------------------
     def _chat_prompts(self, rid: str, req: ChatCompletionRequest, params: SamplingParams,
-                      tools: ToolSetup) -> list[EngineRequest]:
+                      tools: ToolSetup) -> tuple[list[EngineRequest], bool]:
         """Worker thread: the conversation rendered by the chat template, as one engine
-        request ("{rid}-0")."""
+        request ("{rid}-0"), and whether the template opened a think block. Then (with
+        --reasoning-parser) a structured output applies after the model closes it."""
         ids = self.inputs.render_chat([m.model_dump() for m in req.messages],
                                       chat_template=self.settings.chat_template,
                                       add_generation_prompt=req.add_generation_prompt,
                                       template_kwargs=req.chat_template_kwargs,
                                       tools=tools.tools)
-        return [self.inputs.process(f"{rid}-0", ids, params, priority=req.priority)]
+        in_reasoning = bool(self.settings.reasoning_parser) and prompt_ends_in_reasoning(
+            self.inputs.tokenizer.decode(ids[-16:]))
+        if in_reasoning and params.structured_outputs is not None:
+            end = self.inputs.tokenize(REASONING_END, add_special_tokens=False)
+            params = replace(params, grammar_after_ids=tuple(end))
+        return [self.inputs.process(f"{rid}-0", ids, params, priority=req.priority)], \
+            in_reasoning
 
     async def chat(self, req: ChatCompletionRequest, raw: Request):
         self.check_open()
@@ -280,8 +287,9 @@ class OpenAIServing:
         except ValueError as e:
             raise bad_request(e)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        prompts = await self._in_worker(req, self._chat_prompts, rid, req, params, tools)
-        reader = self._chat_reader(tools, prompts[0])
+        prompts, in_reasoning = await self._in_worker(req, self._chat_prompts, rid, req,
+                                                      params, tools)
+        reader = self._chat_reader(tools, in_reasoning)
         answer = self.admit(1, params.n)
         stream = self._merged(rid, prompts, params, answer)
         if req.stream:
@@ -304,12 +312,10 @@ class OpenAIServing:
                         for c, r in zip(choices, readers)],
             "usage": _usage(prompts, choices)})
 
-    def _chat_reader(self, tools: ToolSetup, prompt: EngineRequest):
+    def _chat_reader(self, tools: ToolSetup, in_reasoning: bool):
         """A factory of ChoiceReaders (one per choice) for this request's answer."""
         name = self.settings.reasoning_parser
         parser = get_reasoning_parser(name) if name else None
-        in_reasoning = bool(parser) and prompt_ends_in_reasoning(
-            self.inputs.tokenizer.decode(prompt.prompt_token_ids[-16:]))
         return lambda: ChoiceReader(tools, parser, in_reasoning)
 
     async def _chat_chunks(self, rid, prompts, req, stream, include_usage,

@@ -59,6 +59,9 @@ class DynamicConstraints:
     def __init__(self, params: Any, output_token_ids: Sequence[int]):
         self.bad_sequences = [w for w in params.bad_words_token_ids or () if len(w) > 1]
         self.grammar = params.grammar.matcher() if params.grammar is not None else None
+        # Reasoning first: the grammar waits until the output ends with these tokens.
+        self._after = tuple(params.grammar_after_ids or ())
+        self._recent: tuple[int, ...] = ()
         for t in output_token_ids:          # a request resumed after preemption
             self.accept(t)
 
@@ -74,9 +77,13 @@ class DynamicConstraints:
                   and tuple(output_token_ids[len(output_token_ids) - len(w) + 1:]) == w[:-1]]
         if banned:
             set_tokens(mask_row, banned, False)
-        if self.grammar is not None:
+        if self.grammar is not None and not self._after:
             self.grammar.fill(mask_row)
 
     def accept(self, token_id: int) -> None:
-        if self.grammar is not None:
+        if self._after:       # still reasoning: watch for its end
+            self._recent = (self._recent + (int(token_id),))[-len(self._after):]
+            if self._recent == self._after:
+                self._after = ()
+        elif self.grammar is not None:
             self.grammar.accept(token_id)

@@ -87,14 +87,15 @@ def server(api_checkpoint):
     srv.stop()
 
 
-# Prints the tools, every message's tool calls and tool-call ids: what the template got.
+# Prints the tools, every message's tool calls and tool-call ids: what the template got;
+# chat_template_kwargs {"think": true} opens a think block, as Qwen3.5's template does.
 TEMPLATE = (
     "{%- if tools %}TOOLS:{% for t in tools %}{{ t.function.name }};{% endfor %}\n{% endif %}"
     "{%- for m in messages %}<{{ m.role }}>{{ m.content }}"
     "{%- for c in m.tool_calls or [] %}[call {{ c.function.name }} "
     "{{ c.function.arguments.city }}]{% endfor %}"
     "{%- if m.tool_call_id %}(id {{ m.tool_call_id }}){% endif %}</{{ m.role }}>{% endfor %}"
-    "{%- if add_generation_prompt %}<assistant>{% endif %}")
+    "{%- if add_generation_prompt %}<assistant>{% if think %}<think>\n{% endif %}{% endif %}")
 
 
 @pytest.fixture(scope="session")

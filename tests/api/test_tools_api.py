@@ -17,6 +17,7 @@ import jsonschema
 import openai
 import pytest
 
+from jaxserve.api.tool_parsers.json_call import JsonScanner
 from tests.api.conftest import API_KEY
 
 WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "days"],
@@ -176,3 +177,20 @@ def test_auto_needs_the_server_flag(server):
         client.completions.create(model=client.models.list().data[0].id, prompt="hi",
                                   max_tokens=2, extra_body={"tools": TOOLS})
     assert e.value.body["param"] == "tools"
+
+
+def test_structured_output_waits_for_the_think_block(client, model):
+    """With --reasoning-parser, when the template opened a think block the grammar waits
+    for its end: the first tokens are free reasoning (here never closed: all of it is
+    reasoning_content); without the block the answer is JSON from its first token."""
+    kw = dict(model=model, messages=CHAT, temperature=1.0, seed=9, max_tokens=12,
+              response_format={"type": "json_object"})
+    thinking = client.chat.completions.create(
+        extra_body={"chat_template_kwargs": {"think": True}}, **kw).choices[0].message
+    assert thinking.reasoning_content and thinking.content is None
+    scanner = JsonScanner()                 # not the grammar's: not even a JSON prefix
+    scanner.feed(thinking.reasoning_content.lstrip())
+    assert scanner.error, thinking.reasoning_content
+    plain = client.chat.completions.create(**kw).choices[0].message
+    assert plain.content.lstrip().startswith("{")
+    assert getattr(plain, "reasoning_content", None) is None

@@ -134,3 +134,24 @@ def test_token_ids_outside_the_vocabulary_are_refused(llm):
         assert e.value.param == param
     with pytest.raises(ValueError, match="ignore_eos"):
         SamplingParams(ignore_eos=True, structured_outputs=SO(regex="a"))
+
+
+def test_grammar_applies_after_the_reasoning_ends(llm):
+    """grammar_after_ids (set by the server's reasoning parser): tokens are free until the
+    output ends with the marker, and from the next one on they follow the grammar. Here the
+    marker is the one token of "x", made likely by a logit bias."""
+    tok = llm.get_tokenizer()
+    x = tok("x", add_special_tokens=False).input_ids
+    assert len(x) == 1
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=150, logit_bias={x[0]: 4.0},
+                             structured_outputs=SO(json=SCHEMA, disable_any_whitespace=True),
+                             grammar_after_ids=tuple(x)) for i in range(4)]
+    outs = llm.generate(["think first"] * 4, params, use_tqdm=False)
+    free = 0
+    for o in outs:
+        c = o.outputs[0]
+        reasoning, _, answer = c.text.partition("x")
+        free += len(reasoning)
+        assert c.finish_reason == "stop", c.text
+        jsonschema.validate(json.loads(answer), SCHEMA)
+    assert free > 0      # some reasoning came before the marker, unconstrained
