@@ -74,13 +74,15 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, chat_template: str | None = None,
              add_generation_prompt: bool = True,
-             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict[str, Any] | None = None,
+             tools: list[dict] | None = None) -> list[RequestOutput]:
         """chat_template_kwargs: extra template variables (vLLM's name), e.g.
-        {"enable_thinking": False}."""
+        {"enable_thinking": False}; tools: OpenAI tool definitions for the template (the
+        output is the model's text: parse it, or force a call with structured_outputs)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [{"prompt_token_ids": self.engine.inputs.render_chat(
             conv, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
-            template_kwargs=chat_template_kwargs)} for conv in conversations]
+            template_kwargs=chat_template_kwargs, tools=tools)} for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _process(self, request_id: str, prompt: PromptType, params: SamplingParams,

@@ -236,3 +236,22 @@ def test_preemption_gives_identical_output(checkpoint):
     assert got == want
     assert_no_leaks(tight.engine)
     assert_no_leaks(roomy.engine)
+
+
+def test_chat_gives_the_template_tools_and_tool_calls(llm):
+    """LLM.chat(tools=...) as vLLM's; an assistant's tool call reaches the template with
+    its JSON arguments as an object (templates iterate or dump them)."""
+    template = ("{% for t in tools %}{{ t.function.name }};{% endfor %}"
+                "{% for m in messages %}{{ m.role }}:{{ m.content }}"
+                "{% for c in m.tool_calls or [] %}[{{ c.function.arguments.city }}]"
+                "{% endfor %}{% endfor %}")
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+    history = [{"role": "user", "content": "weather?"},
+               {"role": "assistant", "content": "", "tool_calls": [
+                   {"id": "c1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+               {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    out = llm.chat(history, SamplingParams(max_tokens=1), chat_template=template, tools=tools,
+                   add_generation_prompt=False, use_tqdm=False)[0]
+    text = llm.get_tokenizer().decode(out.prompt_token_ids)
+    assert "get_weather;" in text and "assistant:[Paris]" in text and "tool:sunny" in text
