@@ -180,6 +180,19 @@ class ToolParser:
         if s:
             self._sink.add(s)
 
+    def _text_until(self, tag: str, final: bool) -> bool:
+        """Hands out the text before `tag` and consumes the tag: True once it is found;
+        else hands out all that cannot be its start and returns False (more must come)."""
+        i = self._buf.find(tag)
+        if i < 0:
+            cut = len(self._buf) - (0 if final else partial_suffix(self._buf, tag))
+            self._text(self._buf[:cut])
+            self._buf = self._buf[cut:]
+            return False
+        self._text(self._buf[:i])
+        self._buf = self._buf[i + len(tag):]
+        return True
+
     def _begin_call(self, name: str) -> None:
         self._open = self._n_calls
         self._n_calls += 1

@@ -75,14 +75,8 @@ class Gemma4ToolParser(ToolParser):
         while True:
             st = self._state
             if st == "text":
-                i = self._buf.find(START)
-                if i < 0:
-                    cut = len(self._buf) - (0 if final else partial_suffix(self._buf, START))
-                    self._text(self._buf[:cut])
-                    self._buf = self._buf[cut:]
+                if not self._text_until(START, final):
                     return
-                self._text(self._buf[:i])
-                self._buf = self._buf[i + len(START):]
                 self._raw, self._state = START, "kw"
                 continue
             if st == "kw":

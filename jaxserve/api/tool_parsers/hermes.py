@@ -20,7 +20,6 @@ content and parsing goes on as plain text from the first character that did not 
 """
 from __future__ import annotations
 
-from jaxserve.api.tool_parsers.base import partial_suffix
 from jaxserve.api.tool_parsers.json_call import JsonCallReader, JsonObjectCalls
 
 START, END = "<tool_call>", "</tool_call>"
@@ -36,14 +35,8 @@ class HermesToolParser(JsonObjectCalls):
     def _advance(self, final: bool) -> None:
         while True:
             if self._state == "text":
-                i = self._buf.find(START)
-                if i < 0:
-                    cut = len(self._buf) - (0 if final else partial_suffix(self._buf, START))
-                    self._text(self._buf[:cut])
-                    self._buf = self._buf[cut:]
+                if not self._text_until(START, final):
                     return
-                self._text(self._buf[:i])
-                self._buf = self._buf[i + len(START):]
                 self._raw, self._state = START, "open"
             elif self._state == "open":             # whitespace, then the object
                 body = self._buf.lstrip()

@@ -29,7 +29,7 @@ from __future__ import annotations
 import ast
 import json
 
-from jaxserve.api.tool_parsers.base import ToolParser, partial_suffix, schema_types
+from jaxserve.api.tool_parsers.base import ToolParser, schema_types
 
 START, END = "<tool_call>", "</tool_call>"
 FN, FN_END = "<function=", "</function>"
@@ -135,14 +135,8 @@ class Qwen3CoderToolParser(ToolParser):
         while True:
             st, buf = self._state, self._buf
             if st == "text":
-                i = buf.find(START)
-                if i < 0:
-                    cut = len(buf) - (0 if final else partial_suffix(buf, START))
-                    self._text(buf[:cut])
-                    self._buf = buf[cut:]
+                if not self._text_until(START, final):
                     return
-                self._text(buf[:i])
-                self._buf = buf[i + len(START):]
                 self._tag = self._raw = START
                 self._state = "open"
             elif st in ("open", "after_fn"):       # <function=, or after one: more / end
