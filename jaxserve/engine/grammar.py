@@ -1,6 +1,6 @@
 """Grammars for structured outputs, with llguidance.
 
-Why llguidance (benchmarks/README.md "Grammar backends" has the comparison): it has no
+Why llguidance (benchmarks/README.md "Structured outputs" has the comparison): it has no
 dependencies (xgrammar needs torch and triton), compiles JSON schemas, regexes, Lark and
 GBNF lazily (a schema costs little until a token needs it) and fills the same bitmask
 layout the sampler reads (bit b of word w = token 32 w + b).
