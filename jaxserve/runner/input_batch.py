@@ -117,11 +117,13 @@ class InputBatch:
         self.bias = np.zeros((r, MAX_LOGIT_BIAS), np.float32)
         self.has_bias = np.zeros(r, np.bool_)
         self.dynamic: list[DynamicConstraints | None] = [None] * r
+        self.has_dynamic = np.zeros(r, np.bool_)
         # Every per-row array but the two wide ones: what moving a row copies.
         self._row_arrays = [self.num_pages, self.num_tokens, self.num_prompt, self.state_slots,
                             self.want_logprobs, self.keys, self.seeded, self.min_tokens,
                             self.banned, self.has_penalties, self.greedy_only,
                             self.want_prompt_logprobs, self.has_mask, self.has_bias,
+                            self.has_dynamic,
                             *(getattr(self, name) for name, _, _ in _FROM_PARAMS)]
         # The unconstrained mask and bias of each padded row count a step may use.
         self._free_mask: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
@@ -251,8 +253,9 @@ class InputBatch:
         self.banned[row, :len(stops)] = stops
         self.has_mask[row] = static_mask(sp, self.token_mask[row])
         self.has_bias[row] = bias_row(sp, self.vocab_size, self.bias_ids[row], self.bias[row])
+        self.has_dynamic[row] = DynamicConstraints.wanted(sp)
         self.dynamic[row] = (DynamicConstraints(sp, r.output_token_ids)
-                             if DynamicConstraints.wanted(sp) else None)
+                             if self.has_dynamic[row] else None)
         return row
 
     def append_sampled(self, step: ScheduledRows, token_ids: np.ndarray) -> None:
@@ -263,9 +266,8 @@ class InputBatch:
         sampled = token_ids[:step.num_reqs][step.sample]
         self.tokens[rows, at] = sampled
         self.num_tokens[rows] = at + 1
-        for row, token in zip(rows, sampled):
-            if self.dynamic[row] is not None:
-                self.dynamic[row].accept(int(token))
+        for i in np.flatnonzero(self.has_dynamic[rows]):
+            self.dynamic[rows[i]].accept(int(sampled[i]))
 
     # ---- one step's arrays -------------------------------------------------------------
     def build(self, step: ScheduledRows) -> HostBatch:
@@ -368,8 +370,8 @@ class InputBatch:
                 np.full((num_rows_padded, MAX_LOGIT_BIAS), self.vocab_size, np.int32),
                 np.zeros((num_rows_padded, MAX_LOGIT_BIAS), np.float32))
         mask, bias_ids, bias = free
-        dynamic = [i for i in range(n) if step.sample[i] and self.dynamic[rows[i]] is not None]
-        if self.has_mask[rows].any() or dynamic:
+        dynamic = np.flatnonzero(self.has_dynamic[rows] & step.sample[:n])
+        if self.has_mask[rows].any() or dynamic.size:
             mask = mask.copy()
             masked = np.flatnonzero(self.has_mask[rows])
             mask[masked] = self.token_mask[rows[masked]]
