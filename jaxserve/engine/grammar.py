@@ -105,7 +105,9 @@ class GrammarCompiler:
     def __init__(self, hf_tokenizer: Any, vocab_size: int,
                  eos_token_ids: tuple[int, ...] = ()):
         self._hf = hf_tokenizer
-        self.vocab_size = vocab_size
+        # llguidance needs every id the tokenizer has; ids past the model's vocabulary
+        # (added tokens of some checkpoints) are cut from the mask rows (never sampled).
+        self.vocab_size = max(vocab_size, len(hf_tokenizer))
         self._eos = [t for t in eos_token_ids if 0 <= t < vocab_size]
         self._tokenizer = None
         self._lock = threading.Lock()
