@@ -120,7 +120,7 @@ class SamplingParams:
         set_("stop_token_ids", [] if self.stop_token_ids is None else list(self.stop_token_ids))
         if _is_int(self.top_k) and self.top_k == -1:
             set_("top_k", 0)
-        if self.structured_outputs is not None and isinstance(self.structured_outputs, dict):
+        if isinstance(self.structured_outputs, dict):
             set_("structured_outputs", StructuredOutputsParams(**self.structured_outputs))
         self._validate()
         if self.logit_bias:   # int keys (JSON gives strings), values clamped

@@ -11,19 +11,18 @@ from __future__ import annotations
 
 from typing import Any
 
+from jaxserve.api.reasoning_parsers import END as REASONING_END
+from jaxserve.api.reasoning_parsers import START as REASONING_START
 from jaxserve.api.reasoning_parsers import ReasoningParser
 from jaxserve.api.tool_parsers import DeltaToolCall, ToolCall
 from jaxserve.api.tool_parsers.base import new_call_id
 from jaxserve.api.tools import ToolSetup
 
-_THINK = "<think>"
-REASONING_END = "</think>"
-
 
 def prompt_ends_in_reasoning(prompt_tail: str) -> bool:
     """Whether the chat template opened a think block the model is to close (Qwen3.5/3.6
     and DeepSeek-R1 templates end the prompt with "<think>\\n")."""
-    return prompt_tail.rfind(_THINK) > prompt_tail.rfind(REASONING_END)
+    return prompt_tail.rfind(REASONING_START) > prompt_tail.rfind(REASONING_END)
 
 
 def _call_json(call: ToolCall) -> dict:

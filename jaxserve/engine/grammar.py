@@ -70,32 +70,27 @@ class GrammarMatcher:
     """One sequence's position in its grammar."""
 
     def __init__(self, matcher: Any, vocab_size: int):
+        from llguidance.numpy import allocate_token_bitmask
         self._m = matcher
-        self.vocab_size = vocab_size
-        self._words = -(-vocab_size // 32)
+        self._bits = allocate_token_bitmask(1, vocab_size)   # reused every step
 
     def fill(self, mask_row: np.ndarray) -> None:
         """mask_row (uint32[W] of the sampler's mask) &= the tokens the grammar allows
         next; ids past the tokenizer's vocabulary are never allowed."""
-        from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
-        bits = allocate_token_bitmask(1, self.vocab_size)
-        fill_next_token_bitmask(self._m, bits, 0)
-        words = bits[0].view(np.uint32)
+        from llguidance.numpy import fill_next_token_bitmask
+        fill_next_token_bitmask(self._m, self._bits, 0)
+        words = self._bits[0].view(np.uint32)
         n = min(len(words), len(mask_row))
         mask_row[:n] &= words[:n]
         mask_row[n:] = 0
 
-    def accept(self, token_id: int) -> bool:
-        """Advances by a sampled token; False if the grammar does not allow it (the
-        matcher is then in error: it allows nothing but the end from here)."""
-        ok = self._m.consume_token(int(token_id))
-        if not ok:
+    def accept(self, token_id: int) -> None:
+        """Advances by a sampled token. One the grammar does not allow (it cannot be
+        sampled, so only a bug gets here) leaves the matcher in error, allowing only the
+        end from then on; logged."""
+        if not self._m.consume_token(int(token_id)):
             logger.warning("structured output: token %d was not allowed by its grammar: %s",
                            token_id, self._m.get_error())
-        return ok
-
-    def is_finished(self) -> bool:
-        return self._m.is_stopped()
 
 
 class GrammarCompiler:

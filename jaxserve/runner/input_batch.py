@@ -117,7 +117,7 @@ class InputBatch:
         self.bias = np.zeros((r, MAX_LOGIT_BIAS), np.float32)
         self.has_bias = np.zeros(r, np.bool_)
         self.dynamic: list[DynamicConstraints | None] = [None] * r
-        self.has_dynamic = np.zeros(r, np.bool_)
+        self.has_dynamic = np.zeros(r, np.bool_)   # dynamic[row] is set: a numpy test per step
         # Every per-row array but the two wide ones: what moving a row copies.
         self._row_arrays = [self.num_pages, self.num_tokens, self.num_prompt, self.state_slots,
                             self.want_logprobs, self.keys, self.seeded, self.min_tokens,

@@ -13,8 +13,6 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from jaxserve.sampling_params import MAX_LOGIT_BIAS
-
 ALL_ALLOWED = np.uint32(0xFFFFFFFF)
 
 
@@ -45,9 +43,7 @@ def bias_row(params: Any, vocab_size: int, ids_row: np.ndarray, values_row: np.n
     vocab_size, which the sampler drops); whether it has any."""
     ids_row[:] = vocab_size
     values_row[:] = 0.0
-    bias = params.logit_bias or {}
-    if len(bias) > MAX_LOGIT_BIAS:
-        raise ValueError(f"at most {MAX_LOGIT_BIAS} logit_bias entries, got {len(bias)}")
+    bias = params.logit_bias or {}     # at most MAX_LOGIT_BIAS entries (SamplingParams)
     ids_row[:len(bias)] = list(bias)
     values_row[:len(bias)] = list(bias.values())
     return bool(bias)

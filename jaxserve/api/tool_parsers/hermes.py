@@ -20,7 +20,7 @@ content and parsing goes on as plain text from the first character that did not 
 """
 from __future__ import annotations
 
-from jaxserve.api.tool_parsers.json_call import JsonCallReader, JsonObjectCalls
+from jaxserve.api.tool_parsers.json_call import JsonObjectCalls
 
 START, END = "<tool_call>", "</tool_call>"
 
@@ -39,15 +39,13 @@ class HermesToolParser(JsonObjectCalls):
                     return
                 self._raw, self._state = START, "open"
             elif self._state == "open":             # whitespace, then the object
-                body = self._buf.lstrip()
-                if not body and not final:
+                started = self._start_object(final)
+                if started == "wait":
                     return
-                if not body.startswith("{"):
+                if started == "reject":
                     self._reject()
                     continue
-                self._raw += self._buf[:len(self._buf) - len(body)]
-                self._buf = body
-                self._reader, self._state = JsonCallReader(), "object"
+                self._state = "object"
             elif self._state == "object":
                 result = self._read_object(final)
                 if result == "wait":

@@ -252,6 +252,18 @@ class JsonObjectCalls(ToolParser):
         self._reader = JsonCallReader()
         self._raw = ""
 
+    def _start_object(self, final: bool) -> str:
+        """Whitespace, then the call's '{': 'wait' (nothing yet), 'reject' (something
+        else comes) or 'started' (the whitespace joins the held text, a reader begins)."""
+        body = self._buf.lstrip()
+        if not body and not final:
+            return "wait"
+        if not body.startswith("{"):
+            return "reject"
+        self._raw += self._buf[:len(self._buf) - len(body)]
+        self._buf, self._reader = body, JsonCallReader()
+        return "started"
+
     def _read_object(self, final: bool) -> str:
         """'wait' (need more text), 'reject' (not a call; nothing was announced), 'done'
         (call complete) or 'failed' (announced, then broke: see the parser docstrings)."""

@@ -16,7 +16,7 @@ stays, and its raw text that was not streamed plus everything after it become co
 """
 from __future__ import annotations
 
-from jaxserve.api.tool_parsers.json_call import JsonCallReader, JsonObjectCalls
+from jaxserve.api.tool_parsers.json_call import JsonObjectCalls
 
 TAG = "<|python_tag|>"
 
@@ -48,14 +48,13 @@ class Llama3JsonToolParser(JsonObjectCalls):
                 else:
                     self._reject()
             elif st == "expect":                    # an object must come next
-                if not head and not final:
+                started = self._start_object(final)
+                if started == "wait":
                     return
-                if not head.startswith("{"):
+                if started == "reject":
                     self._reject()
                     continue
-                self._raw += ws
-                self._buf = head
-                self._reader, self._state = JsonCallReader(), "object"
+                self._state = "object"
             elif st == "object":
                 result = self._read_object(final)
                 if result == "wait":
