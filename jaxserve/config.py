@@ -14,8 +14,12 @@ from typing import Any
 # (no jax: plain modules of model and cache-dtype facts)
 from models.config import SERVING_DTYPES, WEIGHT_QUANT_DTYPES
 from pallas_kernels.kv_cache_dtypes import KV_QUANT_DTYPE_NAMES
+from jaxserve.sampling_params import MAX_LOGPROBS
 
+# vLLM's other spellings of --dtype, taken as the dtype they name.
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 _DTYPES = ("auto", *SERVING_DTYPES)
+_DTYPE_CHOICES = (*_DTYPES, *DTYPE_ALIASES)
 _KV_CACHE_DTYPES = (*_DTYPES, *KV_QUANT_DTYPE_NAMES)
 _QUANTIZATIONS = tuple(WEIGHT_QUANT_DTYPES)
 _LOAD_FORMATS = ("auto", "safetensors", "dummy")
@@ -24,6 +28,10 @@ _POLICIES = ("fcfs", "priority")
 # simple jnp oracle; "pallas_interpret": the Pallas kernel body in interpret mode on CPU
 # (tests; slow).
 _ATTENTION_BACKENDS = ("auto", "xla", "reference", "pallas", "pallas_interpret")
+
+
+# The accelerators' KV cache share of the memory the weights leave (--gpu-memory-utilization).
+DEFAULT_HBM_UTILIZATION = 0.9
 
 
 def default_max_num_seqs(platform: str) -> int:
@@ -63,9 +71,21 @@ def _compilation_cache_default() -> str:
 @dataclass(frozen=True)
 class EngineConfig:
     model: str
-    tokenizer: str | None = None          # defaults to the model directory
-    dtype: str = _knob("auto", choices=_DTYPES,
-                       help="weights and activations; auto = the checkpoint's dtype")
+    tokenizer: str | None = _knob(None, help="tokenizer directory or Hugging Face repo id",
+                                  default_help="the model's")
+    revision: str | None = _knob(
+        None, help="the model's branch, tag or commit on the Hugging Face hub (downloads and "
+                   "the local HF cache)", default_help="main")
+    download_dir: str | None = _knob(
+        None, help="where a model downloaded from the Hugging Face hub is kept",
+        default_help="the HF cache: HF_HUB_CACHE, else HF_HOME/hub")
+    trust_remote_code: bool = _knob(
+        False, help="accepted as vLLM does; jaxserve runs only its own model code, so a "
+                    "checkpoint that needs its own Python code (config.json auto_map) is "
+                    "refused with or without it")
+    dtype: str = _knob("auto", choices=_DTYPE_CHOICES,
+                       help="weights and activations; auto = the checkpoint's dtype, half = "
+                            "float16, float = float32")
     kv_cache_dtype: str = _knob(
         "auto", choices=_KV_CACHE_DTYPES,
         help="KV cache dtype; auto = the model dtype. fp8 (= fp8_e4m3), fp8_e5m2 and int8 "
@@ -98,13 +118,48 @@ class EngineConfig:
     scheduling_policy: str = _knob("fcfs", choices=_POLICIES, help="order of the waiting "
                                                                    "requests")
     num_pages: int | None = None          # explicit KV page count (includes the null page)
-    hbm_utilization: float = _knob(
-        0.9, aliases=("--gpu-memory-utilization",),
-        help="accelerators: share of the device memory the weights leave that the KV cache "
-             "gets; the rest is the reserve for activations")
-    kv_cache_memory_bytes: int | None = None  # explicit KV cache budget in bytes
+    # None: DEFAULT_HBM_UTILIZATION on accelerators (for_platform); on CPU a quarter of
+    # the free RAM, taken only as far as max_num_seqs sequences need.
+    hbm_utilization: float | None = _knob(
+        None, aliases=("--gpu-memory-utilization",),
+        help="share of the memory the weights leave that the KV cache gets (on CPU: of the "
+             "free RAM); the rest is the reserve for activations",
+        default_help=f"{DEFAULT_HBM_UTILIZATION} on GPU/TPU; on CPU a quarter of the free "
+                     f"RAM, only as much as max_num_seqs sequences need")
+    kv_cache_memory_bytes: int | None = _knob(
+        None, help="the KV cache's bytes per device, in place of --gpu-memory-utilization",
+        default_help="sized by --gpu-memory-utilization")
     mesh: str | None = _knob(None, help="device mesh 'DxM': D data-parallel replicas, each "
                                         "tensor parallel over M devices", default_help="1x1")
+    tensor_parallel_size: int | None = _knob(
+        None, aliases=("-tp",), help="devices each replica is tensor parallel over: the M of "
+                                     "--mesh DxM", default_help="--mesh's M, else 1")
+    data_parallel_size: int | None = _knob(
+        None, aliases=("-dp",), help="data-parallel replicas: the D of --mesh DxM",
+        default_help="--mesh's D, else 1")
+    pipeline_parallel_size: int = _knob(
+        1, aliases=("-pp",), help="pipeline stages; only 1: jaxserve has no pipeline "
+                                  "parallelism (use -tp, or --mesh, across hosts)")
+    max_logprobs: int = _knob(
+        MAX_LOGPROBS, help="most logprobs (and prompt_logprobs) a request may ask for; more is refused "
+                 "(400); -1: the vocabulary size")
+    enforce_eager: bool = _knob(
+        False, help="skip warmup and compile each program when a step first needs it: a "
+                    "faster start, slow first requests (XLA always compiles: there is no "
+                    "eager mode)")
+    enable_chunked_prefill: bool = _knob(
+        True, help="split long prompts over steps of --max-num-batched-tokens; always on "
+                   "(--no-enable-chunked-prefill is refused)")
+    async_scheduling: bool = _knob(
+        False, help="overlap scheduling with the device step: not implemented (refused); "
+                    "jaxserve schedules each step after the last one's tokens are back")
+    preemption_mode: str = _knob(
+        "recompute", choices=("recompute", "swap"),
+        help="what a preempted request loses: recompute (its KV pages, computed again when "
+             "it resumes); swap (to host memory) is refused, jaxserve never swaps")
+    swap_space: float = _knob(
+        0.0, help="GiB of host memory for swapped-out KV: only 0, jaxserve preempts by "
+                  "recomputation and never swaps")
     attention_backend: str = _knob("auto", choices=_ATTENTION_BACKENDS,
                                    help="auto: Pallas kernels on GPU/TPU, XLA on CPU")
     # Layers under jax.lax.scan (one compiled layer body whatever the depth) or a Python
@@ -122,8 +177,10 @@ class EngineConfig:
 
         if not self.model:
             raise ConfigError("model", "model must name a checkpoint directory")
+        if self.dtype in DTYPE_ALIASES:
+            object.__setattr__(self, "dtype", DTYPE_ALIASES[self.dtype])
         if self.dtype not in _DTYPES:
-            raise bad("dtype", f"must be one of {_DTYPES}")
+            raise bad("dtype", f"must be one of {_DTYPE_CHOICES}")
         if self.kv_cache_dtype not in _KV_CACHE_DTYPES:
             raise bad("kv_cache_dtype", f"must be one of {_KV_CACHE_DTYPES}")
         if self.quantization is not None and self.quantization not in _QUANTIZATIONS:
@@ -146,20 +203,59 @@ class EngineConfig:
             raise bad("max_num_batched_tokens", "must be >= 16")
         if self.num_pages is not None and self.num_pages < 2:
             raise bad("num_pages", "must be >= 2 (page 0 is the reserved null page)")
-        if not 0.0 < self.hbm_utilization <= 1.0:
+        if self.hbm_utilization is not None and not 0.0 < self.hbm_utilization <= 1.0:
             raise bad("hbm_utilization", "must be in (0, 1]")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise bad("kv_cache_memory_bytes", "must be > 0")
         if self.max_num_seqs is not None and self.num_batched_tokens < self.max_num_seqs:
             raise bad("max_num_batched_tokens", f"must be >= max_num_seqs ({self.max_num_seqs})")
+        if self.max_logprobs < -1:
+            raise bad("max_logprobs", "must be >= 0, or -1 for the vocabulary size")
+        self._check_refused(bad)
+        self._resolve_mesh(bad)
+
+    def _check_refused(self, bad) -> None:
+        """vLLM's settings that have no jaxserve meaning: their one value that does."""
+        if self.pipeline_parallel_size != 1:
+            raise bad("pipeline_parallel_size", "jaxserve has no pipeline parallelism; split "
+                      "the model with --tensor-parallel-size (or --mesh 1xM), across hosts too")
+        if not self.enable_chunked_prefill:
+            raise bad("enable_chunked_prefill", "chunked prefill is always on in jaxserve "
+                      "(a prompt longer than --max-num-batched-tokens runs over several steps)")
+        if self.async_scheduling:
+            raise bad("async_scheduling", "not implemented: jaxserve schedules each step after "
+                      "the previous step's tokens are back on the host")
+        if self.preemption_mode != "recompute":
+            raise bad("preemption_mode", "jaxserve preempts by recomputation only (a preempted "
+                      "request's KV pages are freed and computed again when it resumes)")
+        if self.swap_space != 0:
+            raise bad("swap_space", "jaxserve never swaps KV pages to host memory (it preempts "
+                      "by recomputation): leave --swap-space out, or give 0")
+
+    def _resolve_mesh(self, bad) -> None:
+        """mesh "DxM" and -dp D / -tp M are one setting: given both, they must agree;
+        -tp/-dp alone make the mesh (the engine reads only `mesh`)."""
+        d = m = 1
         if self.mesh is not None:
             # sharding owns the "DxM" format; imported here so that importing this
             # module needs no jax.
             from sharding.mesh import parse_mesh
             try:
-                parse_mesh(self.mesh)
+                d, m = parse_mesh(self.mesh)
             except ValueError as e:
                 raise ConfigError("mesh", str(e)) from e
+        for name, size, from_mesh in (("tensor_parallel_size", self.tensor_parallel_size, m),
+                                      ("data_parallel_size", self.data_parallel_size, d)):
+            if size is None:
+                continue
+            if size < 1:
+                raise bad(name, "must be >= 1")
+            if self.mesh is not None and size != from_mesh:
+                raise bad(name, f"disagrees with mesh={self.mesh!r} (D x M = data x tensor "
+                                f"parallel); give one of them")
+        if self.mesh is None and (self.tensor_parallel_size or self.data_parallel_size):
+            object.__setattr__(self, "mesh", f"{self.data_parallel_size or 1}x"
+                                             f"{self.tensor_parallel_size or 1}")
 
     @property
     def num_batched_tokens(self) -> int:
@@ -169,7 +265,11 @@ class EngineConfig:
     def for_platform(self, platform: str) -> EngineConfig:
         """This config with the defaults that depend on the platform ("cpu", "gpu",
         "tpu") filled in: what an engine on that platform runs (validated again)."""
+        utilization = self.hbm_utilization
+        if utilization is None and platform != "cpu":
+            utilization = DEFAULT_HBM_UTILIZATION
         return dataclasses.replace(
             self, max_num_seqs=self.max_num_seqs or default_max_num_seqs(platform),
+            hbm_utilization=utilization,
             # XLA:CPU copies scanned weights out of their stack: loop there.
             scan_layers=platform != "cpu" if self.scan_layers is None else self.scan_layers)

@@ -42,7 +42,8 @@ logger = logging.getLogger("jaxserve")
 
 # The engine flags that change the converted tree (kv_cache_dtype: a quantized cache
 # adds its scales) or its weights.
-CONVERT_ENGINE_FLAGS = ("mesh", "dtype", "quantization", "kv_cache_dtype", "load_format", "seed")
+CONVERT_ENGINE_FLAGS = ("mesh", "dtype", "quantization", "kv_cache_dtype", "load_format", "seed",
+                        "revision", "download_dir")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -80,7 +81,8 @@ def convert(config: EngineConfig, output: str | Path) -> Manifest:
     out = Path(output)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"--output {str(out)!r} exists and is not an empty directory")
-    src = resolve_model(config.model, load_format=config.load_format)
+    src = resolve_model(config.model, load_format=config.load_format, revision=config.revision,
+                        download_dir=config.download_dir)
     if is_converted(src):
         raise ValueError(f"{src!r} is already a converted checkpoint: convert the original "
                          f"model")

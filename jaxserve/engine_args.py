@@ -13,7 +13,7 @@ import typing
 from collections.abc import Iterable
 from typing import Any, NoReturn
 
-from jaxserve.config import ConfigError, EngineConfig
+from jaxserve.config import DTYPE_ALIASES, ConfigError, EngineConfig
 
 _FIELDS = {f.name: f for f in dataclasses.fields(EngineConfig)}
 
@@ -24,11 +24,8 @@ FLAGS: tuple[str, ...] = tuple(name for name, f in _FIELDS.items() if "help" in 
 NOT_FLAGS: dict[str, str] = {
     "model": "each command spells its own: the server's defaults to the built-in tiny model, "
              "the planner's is required and also takes a config.json",
-    "tokenizer": "LLM only: the commands serve the model directory's tokenizer",
     "num_pages": "LLM only (tests, benchmarks): on the command line --hbm-utilization sizes "
                  "the KV cache",
-    "kv_cache_memory_bytes": "LLM only: on the command line --hbm-utilization sizes the KV "
-                             "cache",
     "scan_layers": "LLM only (a debugging switch): the platform picks, scan on accelerators "
                    "(python -m jaxserve.convert has its own --scan-layers: the layout it "
                    "writes)",
@@ -41,7 +38,9 @@ def _cache_dir(value: str) -> str | None:
 
 
 # Fields whose flag parses its text with more than the field's type.
-_PARSERS: dict[str, typing.Callable[[str], Any]] = {"compilation_cache_dir": _cache_dir}
+_PARSERS: dict[str, typing.Callable[[str], Any]] = {
+    "compilation_cache_dir": _cache_dir,
+    "dtype": lambda value: DTYPE_ALIASES.get(value, value)}   # half -> float16
 
 
 def flag_name(field: str) -> str:

@@ -18,14 +18,15 @@ logger = logging.getLogger("jaxserve")
 
 # The engine flags this command takes: made from EngineConfig's fields.
 GENERATE_ENGINE_FLAGS = ("seed", "dtype", "quantization", "kv_cache_dtype", "max_model_len",
-                         "max_num_seqs", "load_format")
+                         "max_num_seqs", "load_format", "tokenizer", "revision",
+                         "download_dir", "tensor_parallel_size", "enforce_eager")
 
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m jaxserve.generate", description=__doc__)
     ap.add_argument("--model", default=None,
                     help="checkpoint directory (config.json, *.safetensors, tokenizer), Hugging "
-                         "Face repo id (Org/Name, from the local HF cache; never downloaded) or "
+                         "Face repo id (Org/Name: from the local HF cache, else downloaded) or "
                          "alias (" + ", ".join(ALIASES) + "); default: the built-in tiny "
                          "random model")
     ap.add_argument("--prompt", action="append", help="a prompt (repeat for several)")

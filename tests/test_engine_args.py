@@ -42,7 +42,7 @@ def test_server_flags_are_engine_config_fields():
                           if t is not type(None))
         if value_type is bool:
             assert isinstance(action, argparse.BooleanOptionalAction), name
-        elif name != "compilation_cache_dir":   # (parses '' / 'none' as off)
+        elif name not in ("compilation_cache_dir", "dtype"):   # ('' / 'none' = off; half)
             assert action.type is value_type, name
     # No flags at all: EngineConfig's own defaults (max_num_seqs: the platform's).
     args = cli.parser().parse_args(["--model", "/m"])

@@ -12,8 +12,10 @@ import time
 from dataclasses import replace
 
 import uvicorn
+from starlette.middleware.cors import CORSMiddleware
 
 import jaxserve
+from jaxserve.api.config_file import expand_config_file
 from jaxserve.api.loading import LoadingGate
 from jaxserve.api.reasoning_parsers import REASONING_PARSERS
 from jaxserve.api.tool_parsers import TOOL_PARSERS
@@ -29,18 +31,29 @@ logger = logging.getLogger("jaxserve")
 
 # generation_config.json fields that become default sampling values (as vLLM does).
 _GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+# What --override-generation-config may set: the request fields a default can stand in for.
+_OVERRIDABLE = (*_GENERATION_DEFAULTS, "presence_penalty", "frequency_penalty")
+_UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+_MODEL_HELP = ("checkpoint directory, Hugging Face repo id (Org/Name: from the local HF "
+               "cache, else downloaded) or alias (" + ", ".join(ALIASES) + "); with "
+               "--load-format dummy an alias needs no files. Default: a built-in tiny random "
+               "model (random text)")
 
 
-def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m jaxserve.api",
-                                 description="OpenAI-compatible server for jaxserve.")
+def parser(prog: str = "python -m jaxserve.api") -> argparse.ArgumentParser:
+    """The server's flags; prog "jaxserve serve" also takes the model as its first
+    argument, as `vllm serve MODEL` does."""
+    ap = argparse.ArgumentParser(prog=prog, description="OpenAI-compatible server for jaxserve.")
     a = ap.add_argument
-    a("--model", default=None,
-      help="checkpoint directory, Hugging Face repo id (Org/Name, from the local HF cache; "
-           "never downloaded) or alias (" + ", ".join(ALIASES) + "); with --load-format dummy "
-           "an alias needs no files. Default: a built-in tiny random model (random text)")
-    a("--served-model-name", default=None,
-      help="model name clients use (default: --model as given)")
+    if prog.endswith(" serve"):
+        a("model_tag", nargs="?", default=None, metavar="MODEL", help=_MODEL_HELP)
+    a("--model", default=None, help=_MODEL_HELP)
+    a("--config", default=None, metavar="FILE",
+      help="a YAML file of flags (keys: flag names without the dashes); flags on the command "
+           "line win")
+    a("--served-model-name", nargs="+", default=None, metavar="NAME",
+      help="the model names clients may use; answers carry the first (default: the model as "
+           "given)")
     a("--host", default="127.0.0.1", help="address to listen on")
     a("--port", type=int, default=8000, help="port to listen on")
     a("--api-key", default=os.environ.get("JAXSERVE_API_KEY"),
@@ -59,6 +72,31 @@ def parser() -> argparse.ArgumentParser:
     a("--generation-config", default="auto",
       help="'auto': default sampling values from the model's generation_config.json; "
            "'vllm': none; or a directory holding one")
+    a("--override-generation-config", type=_json_object, default=None, metavar="JSON",
+      help="default sampling values over --generation-config's, e.g. '{\"temperature\": 0.5}' "
+           "(" + ", ".join(_OVERRIDABLE) + ")")
+    a("--enable-tokenizer-info-endpoint", action="store_true",
+      help="answer GET /tokenizer_info (the tokenizer's configuration and chat template), "
+           "off by default as in vLLM")
+    a("--disable-log-stats", action="store_true",
+      help="do not log the engine's throughput, queue and KV cache usage every 10 s")
+    a("--uvicorn-log-level", default="info", choices=_UVICORN_LOG_LEVELS,
+      help="log level of uvicorn (the HTTP server)")
+    a("--root-path", default=None,
+      help="the path prefix a proxy serves this server under (ASGI root_path)")
+    a("--allowed-origins", type=_json_list, default=["*"], metavar="JSON",
+      help="CORS: origins allowed, a JSON list (default: [\"*\"])")
+    a("--allowed-methods", type=_json_list, default=["*"], metavar="JSON",
+      help="CORS: methods allowed, a JSON list (default: [\"*\"])")
+    a("--allowed-headers", type=_json_list, default=["*"], metavar="JSON",
+      help="CORS: headers allowed, a JSON list (default: [\"*\"])")
+    a("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    a("--ssl-keyfile", default=None, help="serve HTTPS: the private key file")
+    a("--ssl-certfile", default=None, help="serve HTTPS: the certificate file")
+    a("--ssl-ca-certs", default=None, help="HTTPS: CA certificates to check clients against")
+    a("--ssl-cert-reqs", type=int, default=0,
+      help="HTTPS: whether client certificates are required (ssl.CERT_NONE=0, "
+           "CERT_OPTIONAL=1, CERT_REQUIRED=2)")
     a("--max-waiting-requests", type=int, default=1024,
       help="answer 503 when more sequences than this are waiting (a request with n "
            "completions of k prompts is n*k sequences)")
@@ -83,6 +121,53 @@ def _env_int(name: str) -> int | None:
     return int(value) if value else None
 
 
+def _json_list(text: str) -> list[str]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        raise argparse.ArgumentTypeError(f"not JSON: {text!r} (e.g. '[\"*\"]')") from None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f"must be a JSON list of strings, got {text!r}")
+    return value
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        raise argparse.ArgumentTypeError(f"not JSON: {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
+
+
+def parse_args(ap: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """argv (default sys.argv[1:]) with its --config file's flags, checked: exits 2 naming
+    the flag for a bad combination."""
+    argv = expand_config_file(ap, sys.argv[1:] if argv is None else list(argv))
+    args = ap.parse_args(argv)
+    tag = getattr(args, "model_tag", None)
+    if tag is not None:
+        if args.model is not None and args.model != tag:
+            ap.error(f"the model is given twice: {tag!r} and --model {args.model!r}")
+        args.model = tag
+    if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
+        ap.error("--enable-auto-tool-choice and --tool-call-parser go together: the parser "
+                 "reads the tool calls that auto tool choice lets the model make")
+    if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
+        ap.error("--ssl-keyfile and --ssl-certfile go together")
+    if args.override_generation_config:
+        unknown = sorted(set(args.override_generation_config) - set(_OVERRIDABLE))
+        if unknown:
+            ap.error(f"argument --override-generation-config: {unknown[0]!r} cannot be "
+                     f"overridden; the keys it takes: {', '.join(_OVERRIDABLE)}")
+    try:
+        args.chat_template = chat_template(args.chat_template)
+    except ValueError as e:
+        ap.error(f"argument --chat-template: {e}")
+    return args
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """ConfigError (a ValueError naming the field) for a bad value."""
     kwargs = engine_kwargs(args)
@@ -96,13 +181,31 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def chat_template(value: str | None) -> str | None:
-    if value is not None and os.path.isfile(value):
-        with open(value) as f:
+    """The template: a file's text, or `value` itself when it is a Jinja template. Text
+    with no Jinja in it is a path that does not exist: ValueError (a misspelt path must
+    not become the template)."""
+    if value is None:
+        return None
+    if os.path.isfile(os.path.expanduser(value)):
+        with open(os.path.expanduser(value)) as f:
             return f.read()
-    return value
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"{value!r} is neither a file nor a Jinja template ({{{{ ... }}}} or "
+                     f"{{% ... %}})")
 
 
-def generation_defaults(setting: str, model_dir: str) -> dict:
+def generation_defaults(setting: str, model_dir: str, override: dict | None = None) -> dict:
+    """Default sampling values: the model's generation_config.json ("auto"), none
+    ("vllm"), or a directory's; `override` (--override-generation-config) on top."""
+    defaults = _generation_config(setting, model_dir)
+    if override:
+        defaults = {**defaults, **override}
+        logger.info("default sampling values with --override-generation-config: %s", defaults)
+    return defaults
+
+
+def _generation_config(setting: str, model_dir: str) -> dict:
     if setting == "vllm":
         return {}
     path = os.path.join(model_dir if setting == "auto" else setting, "generation_config.json")
@@ -118,12 +221,9 @@ def generation_defaults(setting: str, model_dir: str) -> dict:
     return defaults
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = parser()
-    args = ap.parse_args(argv)
-    if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
-        ap.error("--enable-auto-tool-choice and --tool-call-parser go together: the parser "
-                 "reads the tool calls that auto tool choice lets the model make")
+def main(argv: list[str] | None = None, prog: str = "python -m jaxserve.api") -> None:
+    ap = parser(prog)
+    args = parse_args(ap, argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     if _multihost(args):
         from jaxserve.engine import multihost
@@ -132,16 +232,18 @@ def main(argv: list[str] | None = None) -> None:
             # Hosts other than process 0 serve no HTTP: they run the steps process 0
             # publishes.
             from jaxserve.engine.data_parallel import make_engine
-            make_engine(_checked_config(ap, args)).follow()
+            make_engine(checked_config(ap, args)).follow()
             return
     t0 = time.perf_counter()
-    config = _checked_config(ap, args)
+    config = checked_config(ap, args)
     try:   # alias / repo id -> directory here too: generation_config.json is read from it
-        config = replace(config, model=resolve_model(config.model, load_format=config.load_format))
+        config = replace(config, model=resolve_model(
+            config.model, load_format=config.load_format, revision=config.revision,
+            download_dir=config.download_dir))
     except ValueError as e:
         parser().exit(2, f"error: {e}\n")
-    served = args.served_model_name or (args.model or DEFAULT_MODEL_NAME)
-    gate = LoadingGate(StartupProgress(), Metrics(served), jaxserve.__version__)
+    served = tuple(args.served_model_name or [args.model or DEFAULT_MODEL_NAME])
+    gate = LoadingGate(StartupProgress(), Metrics(served[0]), jaxserve.__version__)
     fatal: list[BaseException] = []
 
     def stop(error: BaseException, what: str, traceback: bool) -> None:
@@ -164,9 +266,7 @@ def main(argv: list[str] | None = None) -> None:
             stop(e, "the engine failed to start", True)
 
     builder = threading.Thread(target=build, name="jaxserve-startup", daemon=True)
-    server = _Server(uvicorn.Config(gate, host=args.host, port=args.port, log_level="info",
-                                    timeout_graceful_shutdown=args.timeout_graceful_shutdown),
-                     gate, on_listening=builder.start)
+    server = _Server(_uvicorn_config(args, gate), gate, on_listening=builder.start)
     server.run()
     if builder.is_alive():
         # Stopped while the engine was still loading: an XLA compilation or a weight read
@@ -181,7 +281,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(1)
 
 
-def _checked_config(ap: argparse.ArgumentParser, args: argparse.Namespace) -> EngineConfig:
+def checked_config(ap: argparse.ArgumentParser, args: argparse.Namespace) -> EngineConfig:
     """engine_config, or exit 2 naming the flag whose value EngineConfig refuses."""
     try:
         return engine_config(args)
@@ -195,7 +295,20 @@ def _multihost(args: argparse.Namespace) -> bool:
                                        args.process_id))
 
 
-def _build_engine(args: argparse.Namespace, config: EngineConfig, served: str,
+def _uvicorn_config(args: argparse.Namespace, gate: LoadingGate) -> uvicorn.Config:
+    """HTTP(S) on the gate, which answers while the engine loads, behind CORS (vLLM's
+    defaults: any origin, method and header)."""
+    app = CORSMiddleware(gate, allow_origins=args.allowed_origins,
+                         allow_methods=args.allowed_methods, allow_headers=args.allowed_headers,
+                         allow_credentials=args.allow_credentials)
+    return uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                          timeout_graceful_shutdown=args.timeout_graceful_shutdown,
+                          root_path=args.root_path or "", ssl_keyfile=args.ssl_keyfile,
+                          ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs,
+                          ssl_cert_reqs=args.ssl_cert_reqs)
+
+
+def _build_engine(args: argparse.Namespace, config: EngineConfig, served: tuple[str, ...],
                   gate: LoadingGate, t0: float, on_fatal) -> None:
     """The startup thread: the engine, then the app, then the gate opens."""
     gate.progress.set_phase(STARTING, "importing the engine")
@@ -208,23 +321,27 @@ def _build_engine(args: argparse.Namespace, config: EngineConfig, served: str,
     info = engine.info
     logger.info("%s", plan_for_engine(info))
     settings = ServerSettings(
-        served_model_name=served, max_model_len=info.max_model_len, api_key=args.api_key,
+        served_model_names=served, max_model_len=info.max_model_len, api_key=args.api_key,
         max_waiting_requests=args.max_waiting_requests,
         disable_log_requests=args.disable_log_requests,
-        chat_template=chat_template(args.chat_template),
-        generation_defaults=generation_defaults(args.generation_config, config.model),
+        chat_template=args.chat_template, disable_log_stats=args.disable_log_stats,
+        enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
+        generation_defaults=generation_defaults(args.generation_config, config.model,
+                                                args.override_generation_config),
         max_request_body_bytes=args.max_request_body_bytes,
         auto_tool_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
     gate.open(create_app(engine, settings, gate.metrics), engine)
     logger.info(
         "serving %s (%s) | mesh %s | dtype %s | weights %.1f MiB | KV cache %d pages = %d tokens "
         "| max concurrency at %d tokens: %.1f | warmup %d compilations (%d fresh, %d from the "
-        "persistent compilation cache) in %.1f s | ready in %.1f s at http://%s:%d/v1", served,
+        "persistent compilation cache) in %.1f s | ready in %.1f s at %s://%s:%d%s/v1",
+        ", ".join(served),
         info.model_config.architecture, config.mesh or "1x1", info.dtype,
         info.weight_bytes / 2**20, info.num_pages - 1, info.kv_tokens, info.max_model_len,
         info.kv_tokens / info.max_model_len, info.warmup_compilations,
         info.warmup_fresh_compilations, info.warmup_cache_hits, info.warmup_seconds,
-        time.perf_counter() - t0, args.host, args.port)
+        time.perf_counter() - t0, "https" if args.ssl_certfile else "http", args.host,
+        args.port, args.root_path or "")
 
 
 class _Server(uvicorn.Server):

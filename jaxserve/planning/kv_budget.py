@@ -52,18 +52,24 @@ def available_host_bytes() -> int:
         return 8 << 30
 
 
-def cache_budget_bytes(*, kv_cache_memory_bytes: int | None, hbm_utilization: float,
+def cache_budget_bytes(*, kv_cache_memory_bytes: int | None, hbm_utilization: float | None,
                        activation_bytes: int, device: jax.Device | None,
                        free_bytes: int | None = None) -> tuple[int, bool]:
     """(bytes per device the caches may take, whether to stop at what max_num_seqs
     sequences need) for planning.cache_plan.plan_caches: kv_cache_memory_bytes when
-    given; on a CPU device a share of the host's free RAM, taken only as far as needed;
-    else hbm_utilization of the memory the weights leave (free_bytes, or read from
-    `device`), never eating into the estimated activation peak."""
+    given; on a CPU device hbm_utilization of the host's free RAM (None: a quarter, taken
+    only as far as needed); else hbm_utilization of the memory the weights leave
+    (free_bytes, or read from `device`), never eating into the estimated activation
+    peak."""
     if kv_cache_memory_bytes is not None:
         return kv_cache_memory_bytes, False
     if free_bytes is None and device.platform == "cpu":
-        return int(available_host_bytes() * _CPU_RAM_FRACTION), True
+        if hbm_utilization is None:
+            return int(available_host_bytes() * _CPU_RAM_FRACTION), True
+        return int(available_host_bytes() * hbm_utilization), False
+    if hbm_utilization is None:
+        raise ValueError("hbm_utilization: None is the CPU's default; EngineConfig."
+                         "for_platform gives accelerators theirs")
     if free_bytes is None:
         stats = device.memory_stats() or {}
         free_bytes = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)

@@ -244,7 +244,7 @@ def make_plan(mc, *, model: str, mesh: str, dtype: str = "auto", kv_cache_dtype:
               quantization: str | None = None,
               max_model_len: int | None = None, max_num_seqs: int = 256,
               max_num_batched_tokens: int | None = None, hbm_bytes: int | None = None,
-              hbm_utilization: float = 0.9, link_gbps: float = DEFAULT_LINK_GBPS,
+              hbm_utilization: float | None = None, link_gbps: float = DEFAULT_LINK_GBPS,
               weights: WeightFigures | None = None, platform: str | None = None,
               page_size: int = 16, kv_cache_memory_bytes: int | None = None,
               num_pages: int | None = None, cache: CachePlan | None = None) -> Plan:
@@ -252,7 +252,9 @@ def make_plan(mc, *, model: str, mesh: str, dtype: str = "auto", kv_cache_dtype:
     needs the model class of mc.architecture). platform "tpu": also check the limits
     of the TPU compiler that the kernels cannot stream around (compiler_limit).
     The cache plan: `cache` when given (a running engine's), else made by the engine's
-    rule from num_pages, kv_cache_memory_bytes or hbm_bytes (none of them: unknown)."""
+    rule from num_pages, kv_cache_memory_bytes or hbm_bytes (none of them: unknown).
+    hbm_utilization None: the accelerators' default."""
+    from jaxserve.config import DEFAULT_HBM_UTILIZATION
     from models.cache_spec import (PagedKVSpec, RecurrentStateSpec, SharedKVSpec,
                                    layer_cache_specs)
     from models.config import SERVING_DTYPES, resolve_weight_quant
@@ -286,6 +288,7 @@ def make_plan(mc, *, model: str, mesh: str, dtype: str = "auto", kv_cache_dtype:
             mc, stored.layer_num_kv_heads(i), num_tokens=tokens, rows=max_num_seqs,
             max_model_len=max_model_len, page_size=page_size) for i in attention_shapes(stored))),
             None)
+    hbm_utilization = hbm_utilization or DEFAULT_HBM_UTILIZATION
     if cache is None and (num_pages or kv_cache_memory_bytes or hbm_bytes):
         budget = None if num_pages else kv_cache_memory_bytes or kv_budget_bytes(
             max(0, hbm_bytes - w.bytes_per_device), hbm_utilization, act)

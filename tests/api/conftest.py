@@ -30,9 +30,10 @@ class Server:
 
     def __init__(self, model: str | None, *extra: str, api_key: str | None = API_KEY,
                  launcher: tuple[str, ...] = (sys.executable, "-m", "jaxserve.api"),
-                 wait: bool = True, log_dir: str | None = None):
+                 wait: bool = True, log_dir: str | None = None, https: bool = False):
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"{'https' if https else 'http'}://127.0.0.1:{self.port}"
+        self.verify = not https   # (a test's certificate is self-signed)
         model_args = ["--model", model] if model is not None else []
         args = [*launcher, *model_args, "--port", str(self.port), *SERVER_ARGS, *extra]
         if api_key:
@@ -51,7 +52,8 @@ class Server:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.output()}")
             try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                if httpx.get(self.url + "/health", timeout=1,
+                             verify=self.verify).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
