@@ -1,9 +1,49 @@
-"""Prometheus metrics (prometheus-client), one registry per server."""
+"""Prometheus metrics (prometheus-client), one registry per server, under vLLM's names.
+
+A dashboard made for vLLM reads jaxserve as it reads vLLM: the `vllm:` metrics have
+vLLM V1's names, types, units and `model_name` label (a Counter named "vllm:x" is
+exposed as "vllm:x_total", as vLLM's are). What only jaxserve has is under `jaxserve:`.
+
+Where the numbers come from:
+- gauges and engine totals: the engine's stats snapshot (EngineStats), read at each
+  scrape. A total (tokens, prefix-cache queries and hits, preemptions) moves its
+  counter by its growth since the previous scrape, so the counter never goes down.
+- request histograms and request_success: each engine request's outputs as they
+  stream by, with the timeline the engine stamps on them (RequestMetrics); see
+  RequestTracker. Timing histograms take one observation per engine request (one
+  prompt, its n completions timed together, as the engine times them); the
+  request_success counter and the token-count histograms one per completion, as vLLM
+  counts its n child requests.
+"""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+from jaxserve.core.outputs import RequestOutput
+from jaxserve.core.request_metrics import RequestMetrics
+
+# Bucket choices follow vLLM's (a finer low end for ITL: a fast accelerator decodes a
+# token in well under 10 ms).
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+                1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                    50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+# 1, 2, 5, 10, 20, 50, ... 1M tokens.
+_TOKEN_BUCKETS = tuple(m * 10**e for e in range(7) for m in (1, 2, 5) if m * 10**e <= 10**6)
+
+FINISH_REASONS = ("stop", "length", "abort")
+
+# EngineStats field -> (counter name, help): engine totals exposed as counters.
+_ENGINE_TOTALS = {
+    "num_prompt_tokens": ("vllm:prompt_tokens", "Prompt tokens of the prefills that completed."),
+    "num_generation_tokens": ("vllm:generation_tokens", "Tokens generated."),
+    "prefix_cache_queries": ("vllm:prefix_cache_queries", "Tokens looked up in the prefix cache."),
+    "prefix_cache_hits": ("vllm:prefix_cache_hits", "Tokens the prefix cache had."),
+    "num_preemptions": ("vllm:num_preemptions",
+                        "Requests preempted (pages taken back, to be recomputed)."),
+}
 
 
 class Metrics:
@@ -17,19 +57,55 @@ class Metrics:
         def counter(name: str, doc: str) -> Counter:
             return Counter(name, doc, ["model_name"], registry=r).labels(**label)
 
-        def histogram(name: str, doc: str) -> Histogram:
-            return Histogram(name, doc, ["model_name"], buckets=_LATENCY_BUCKETS,
+        def histogram(name: str, doc: str, buckets: tuple) -> Histogram:
+            return Histogram(name, doc, ["model_name"], buckets=buckets,
                              registry=r).labels(**label)
 
-        self.running = gauge("jaxserve:num_requests_running", "Requests in the running batch.")
-        self.waiting = gauge("jaxserve:num_requests_waiting", "Requests waiting to be scheduled.")
-        self.kv_usage = gauge("jaxserve:kv_cache_usage_perc",
-                              "Fraction of KV cache pages in use (0-1).")
-        self.prefix_hit_rate = gauge("jaxserve:prefix_cache_hit_rate",
-                                     "Prefix-cache hits / queries, in tokens (0-1).")
+        # ---- vLLM's: the engine's state ----
+        self.running = gauge("vllm:num_requests_running",
+                             "Number of requests (sequences) in the running batch.")
+        self.waiting = gauge("vllm:num_requests_waiting",
+                             "Number of requests (sequences) waiting to be scheduled.")
+        self.kv_usage = gauge("vllm:kv_cache_usage_perc",
+                              "Fraction of KV-cache pages in use (0-1).")
+        self._totals = {field: counter(name, doc)
+                        for field, (name, doc) in _ENGINE_TOTALS.items()}
+        self._seen = dict.fromkeys(_ENGINE_TOTALS, 0)
+
+        # ---- vLLM's: per request ----
+        self._success = Counter("vllm:request_success",
+                                "Requests (completions) finished, by why they finished.",
+                                ["model_name", "finished_reason"], registry=r)
+        self._model_name = model_name
+        for reason in FINISH_REASONS:   # present at 0 before the first request
+            self._success.labels(model_name=model_name, finished_reason=reason)
+        self.prompt_tokens_hist = histogram("vllm:request_prompt_tokens",
+                                            "Prompt length of finished requests, in tokens.",
+                                            _TOKEN_BUCKETS)
+        self.generation_tokens_hist = histogram("vllm:request_generation_tokens",
+                                                "Tokens each finished request generated.",
+                                                _TOKEN_BUCKETS)
+        self.ttft = histogram("vllm:time_to_first_token_seconds",
+                              "Arrival to first generated token, seconds.", _TTFT_BUCKETS)
+        self.itl = histogram("vllm:inter_token_latency_seconds",
+                             "Time between two steps that gave a request tokens, seconds.",
+                             _ITL_BUCKETS)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds",
+                             "Arrival to finish, seconds.", _REQUEST_BUCKETS)
+        self.queue_time = histogram("vllm:request_queue_time_seconds",
+                                    "Arrival to first scheduled, seconds.", _REQUEST_BUCKETS)
+        self.prefill_time = histogram("vllm:request_prefill_time_seconds",
+                                      "First scheduled to first token, seconds.",
+                                      _REQUEST_BUCKETS)
+        self.decode_time = histogram("vllm:request_decode_time_seconds",
+                                     "First token to last token, seconds.", _REQUEST_BUCKETS)
+        self.inference_time = histogram("vllm:request_inference_time_seconds",
+                                        "First scheduled to last token, seconds.",
+                                        _REQUEST_BUCKETS)
+
+        # ---- jaxserve's own ----
         self.compilations = gauge("jaxserve:num_compilations",
                                   "XLA compilations in this process (flat after warmup).")
-        self.preemptions = gauge("jaxserve:num_preemptions", "Requests preempted so far.")
         self.admitted = gauge("jaxserve:num_sequences_admitted",
                               "Sequences (n per prompt) the server admitted that the engine "
                               "has not finished; less the running ones, what "
@@ -40,21 +116,14 @@ class Metrics:
                                "Engine requests (one per prompt) the input processor accepted.")
         self.refused = gauge("jaxserve:num_requests_refused",
                              "Engine requests the input processor refused (400s).")
-        self.prompt_tokens = counter("jaxserve:prompt_tokens", "Prompt tokens processed.")
-        self.generation_tokens = counter("jaxserve:generation_tokens", "Tokens generated.")
-        self.requests_finished = counter("jaxserve:request_success", "Requests finished.")
-        self.ttft = histogram("jaxserve:time_to_first_token_seconds", "Time to first token.")
-        self.tpot = histogram("jaxserve:time_per_output_token_seconds",
-                              "Time per output token after the first.")
-        self.e2e = histogram("jaxserve:e2e_request_latency_seconds", "End-to-end latency.")
 
     def render(self, stats, *, admitted: int, processed: int = 0, refused: int = 0) -> bytes:
+        """stats: the engine's EngineStats snapshot."""
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_cache_usage)
-        self.prefix_hit_rate.set(stats.prefix_cache_hit_rate)
+        self._add_totals(stats)
         self.compilations.set(stats.num_compilations)
-        self.preemptions.set(stats.num_preemptions)
         self.admitted.set(admitted)
         self.processed.set(processed)
         self.refused.set(refused)
@@ -64,13 +133,75 @@ class Metrics:
         """Before the engine exists: every gauge and counter at zero."""
         return generate_latest(self.registry)
 
-    def observe_request(self, *, arrival: float, first_token: float | None, end: float,
-                        num_prompt: int, num_output: int) -> None:
-        self.prompt_tokens.inc(num_prompt)
-        self.generation_tokens.inc(num_output)
-        self.requests_finished.inc()
-        self.e2e.observe(end - arrival)
-        if first_token is not None:
-            self.ttft.observe(first_token - arrival)
-            if num_output > 1:
-                self.tpot.observe((end - first_token) / (num_output - 1))
+    def _add_totals(self, stats) -> None:
+        for field, counter in self._totals.items():
+            value = getattr(stats, field)
+            if value > self._seen[field]:
+                counter.inc(value - self._seen[field])
+            # A total that went down (counts restarted) is a new baseline, never a drop.
+            self._seen[field] = value
+
+    # ---- per request ---------------------------------------------------------------
+    def track(self, num_prompt_tokens: int, n: int) -> RequestTracker:
+        """A tracker for one engine request (a prompt with n completions)."""
+        return RequestTracker(self, num_prompt_tokens, n)
+
+    def observe_sequence(self, finished_reason: str, num_prompt: int, num_generated: int) -> None:
+        """One completion finished."""
+        self._success.labels(model_name=self._model_name, finished_reason=finished_reason).inc()
+        self.prompt_tokens_hist.observe(num_prompt)
+        self.generation_tokens_hist.observe(num_generated)
+
+    def observe_finished(self, m: RequestMetrics) -> None:
+        """An engine request finished: its intervals (those that happened)."""
+        for hist, value in ((self.e2e, m.e2e_latency), (self.queue_time, m.time_in_queue),
+                            (self.prefill_time, m.prefill_time),
+                            (self.decode_time, m.decode_time),
+                            (self.inference_time, m.inference_time)):
+            if value is not None:
+                hist.observe(value)
+
+
+class RequestTracker:
+    """What the metrics take from one engine request's stream of delta outputs: TTFT
+    when its first token comes, one inter-token latency per later step that gave it
+    tokens (as vLLM observes each iteration's gap), its intervals when it finishes, and
+    one request_success per completion."""
+
+    def __init__(self, metrics: Metrics, num_prompt_tokens: int, n: int):
+        self._metrics = metrics
+        self._num_prompt = num_prompt_tokens
+        self._n = n
+        self._tokens: dict[int, int] = {}   # completion index -> tokens so far
+        self._done: set[int] = set()        # completions whose finish was counted
+        self._last_token_time: float | None = None
+
+    def update(self, out: RequestOutput) -> None:
+        metrics = self._metrics
+        for c in out.outputs:
+            self._tokens[c.index] = self._tokens.get(c.index, 0) + len(c.token_ids)
+            if c.finish_reason is not None and c.index not in self._done:
+                self._done.add(c.index)
+                metrics.observe_sequence(c.finish_reason, self._num_prompt,
+                                         self._tokens[c.index])
+        m = out.metrics
+        if m is None:
+            return
+        # Every step that gave this request tokens moved its last_token_time.
+        if m.last_token_time is not None and m.last_token_time != self._last_token_time:
+            if self._last_token_time is None:
+                metrics.ttft.observe(m.time_to_first_token)
+            else:
+                metrics.itl.observe(m.last_token_time - self._last_token_time)
+            self._last_token_time = m.last_token_time
+        if out.finished:
+            metrics.observe_finished(m)
+
+    def close(self) -> None:
+        """The stream ended. Completions whose finish never came (the client left, the
+        engine failed the request, the server shut down) count as aborted."""
+        for i in range(self._n):
+            if i not in self._done:
+                self._done.add(i)
+                self._metrics.observe_sequence("abort", self._num_prompt,
+                                               self._tokens.get(i, 0))

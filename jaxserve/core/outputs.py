@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from jaxserve.core.request_metrics import RequestMetrics
+
 
 @dataclass
 class Logprob:
@@ -53,6 +55,8 @@ class RequestOutput:
     request's last (finished=True; unfinished completions have finish_reason
     "abort"); the engine goes on with its other requests. LLM.generate and
     AsyncEngine.generate raise RequestFailedError for it instead of returning it.
+    metrics: the request's timeline as of this output (a copy: later steps do not
+    change it), filled by the engine.
     """
 
     request_id: str
@@ -62,5 +66,5 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int | None = None
-    metrics: dict | None = field(default=None, repr=False)
+    metrics: RequestMetrics | None = field(default=None, repr=False)
     error: str | None = None
