@@ -1,7 +1,7 @@
 """LoadingGate: the ASGI app uvicorn serves from its first second, while the engine is
 still being built in another thread.
 
-Until `open` hands it the real app (create_app's), /health answers 503 with the
+Until `open` hands it the real app (create_app's), /health (and /ping) answers 503 with the
 engine's StartupProgress (phase, detail, seconds), /metrics and /version answer as
 usual, and everything else 503 in OpenAI's error shape. From then on every request
 goes to the real app. The gate, not the real app, owns the lifespan: it stops the
@@ -89,7 +89,7 @@ class LoadingGate:
 
     def _while_loading(self, path: str) -> Response:
         snap = self.progress.snapshot()
-        if path == "/health":
+        if path in ("/health", "/ping"):   # /ping: SageMaker's /health
             status = "failed" if snap.phase == FAILED else "loading"
             return JSONResponse({"status": status, **snap.as_dict()}, status_code=503,
                                 headers={"Retry-After": _RETRY_AFTER_S})
