@@ -1,0 +1,64 @@
+"""Offline prompts with vLLM's names: TextPrompt and TokensPrompt, the dicts that
+`LLM.generate` takes beside plain strings. Host only: no jax.
+
+A key jaxserve does not implement (multi-modal data, prompt embeddings, ...) is
+refused by name, and so is any key neither type has: never dropped unread.
+"""
+from __future__ import annotations
+
+from typing import Any, NotRequired, Sequence, TypedDict
+
+from jaxserve.engine.errors import InputError
+
+
+class TextPrompt(TypedDict):
+    """A text prompt; the engine tokenizes it."""
+    prompt: str
+
+
+class TokensPrompt(TypedDict):
+    """A prompt already tokenized; `prompt`, if given, is the text the ids came from
+    (outputs carry it, nothing re-tokenizes it)."""
+    prompt_token_ids: list[int]
+    prompt: NotRequired[str]
+
+
+# vLLM's prompt keys that jaxserve knows of and does not implement, and why.
+REFUSED_KEYS: dict[str, str] = {
+    "multi_modal_data": "jaxserve serves text only",
+    "mm_processor_kwargs": "jaxserve serves text only",
+    "multi_modal_uuids": "jaxserve serves text only",
+    "prompt_embeds": "prompts as embeddings are not implemented; give text or token ids",
+    "token_type_ids": "token type ids (cross-encoder scoring) are not implemented",
+    "cache_salt": "per-request prefix-cache salts are not implemented",
+}
+_KNOWN_KEYS = ("prompt", "prompt_token_ids")
+
+
+def parse_prompt(prompt: str | dict[str, Any]) -> tuple[str | Sequence[int], str | None]:
+    """A str, TextPrompt or TokensPrompt -> (text or token ids, the text the ids came
+    from or None). Raises InputError naming the key it cannot take."""
+    if isinstance(prompt, str):
+        return prompt, None
+    if not isinstance(prompt, dict):
+        raise InputError(f"a prompt must be a str, a TextPrompt or a TokensPrompt, got "
+                         f"{type(prompt).__name__}", "prompt")
+    for key in prompt:
+        if key in REFUSED_KEYS:
+            raise InputError(f"prompt key {key!r} is not supported by jaxserve: "
+                             f"{REFUSED_KEYS[key]}", key if isinstance(key, str) else "prompt")
+        if key not in _KNOWN_KEYS:
+            raise InputError(f"prompt key {key!r} is not one jaxserve knows (TextPrompt: "
+                             f"'prompt'; TokensPrompt: 'prompt_token_ids' and optionally "
+                             f"'prompt')", "prompt")
+    text = prompt.get("prompt")
+    if text is not None and not isinstance(text, str):
+        raise InputError(f"'prompt' must be a str, got {type(text).__name__}", "prompt")
+    if "prompt_token_ids" in prompt:
+        ids = prompt["prompt_token_ids"]
+        # Token ids are never text to tokenize: a str is refused as ids are.
+        return ([ids] if isinstance(ids, str) else ids), text
+    if text is not None:
+        return text, None
+    raise InputError("a prompt dict needs 'prompt' (TextPrompt) or 'prompt_token_ids' "
+                     "(TokensPrompt)", "prompt")
