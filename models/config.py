@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+logger = logging.getLogger("jaxserve")
 
 # HF model_type -> architecture, for config.json files without `architectures`.
 _MODEL_TYPE_TO_ARCH = {
@@ -334,7 +337,13 @@ class ModelConfig:
         if not cfg_file.is_file():
             raise ValueError(f"no config.json in model directory {str(model_dir)!r}")
         with open(cfg_file) as f:
-            return cls.from_hf_dict(json.load(f))
+            d = json.load(f)
+        config = cls.from_hf_dict(d)
+        if d.get("auto_map"):   # as vLLM: a known architecture runs jaxserve's code
+            logger.warning("%s: config.json's auto_map names the checkpoint's own Python code; "
+                           "jaxserve ignores it and runs its own %s", model_dir,
+                           config.architecture)
+        return config
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
@@ -344,11 +353,12 @@ class ModelConfig:
             architecture = archs[0]
         elif model_type in _MODEL_TYPE_TO_ARCH:
             architecture = _MODEL_TYPE_TO_ARCH[model_type]
+        elif d.get("auto_map"):
+            raise ValueError(_unsupported(str(model_type), d))
         else:
             raise ValueError(f"config has no 'architectures' and unknown model_type {model_type!r}")
         if architecture not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"Architecture {architecture!r} is not supported; "
-                             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+            raise ValueError(_unsupported(architecture, d))
         t = d.get("text_config") or d  # multimodal wrappers keep the text model here
         if architecture in GEMMA4_ARCHS:
             from models.gemma4_config import gemma4_fields
@@ -486,3 +496,13 @@ def _parse_rope(t: dict[str, Any], max_pos: int, allow_partial: bool = False
         except KeyError as e:
             raise ValueError(f"llama3 rope scaling is missing {e.args[0]!r}") from None
     raise ValueError(f"unsupported rope type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+
+
+def _unsupported(architecture: str, d: dict[str, Any]) -> str:
+    """Why `architecture` is refused; a config.json with auto_map asks for its own code."""
+    supported = ", ".join(SUPPORTED_ARCHITECTURES)
+    if d.get("auto_map"):
+        return (f"architecture {architecture!r} needs the checkpoint's own Python code "
+                f"(config.json auto_map), and jaxserve runs only its own implementations of "
+                f"{supported}; --trust-remote-code does not change that")
+    return f"Architecture {architecture!r} is not supported; supported: {supported}"

@@ -4,4 +4,7 @@ import sys
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# No test may reach the real Hugging Face hub (before huggingface_hub reads it at import);
+# the download tests turn this off and point HF_ENDPOINT at tests/fake_hub.py.
+os.environ["HF_HUB_OFFLINE"] = "1"
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -18,7 +18,8 @@ MIB = 2**20
 
 @pytest.fixture(autouse=True)
 def offline(tmp_path, monkeypatch):
-    """An empty HF cache and jaxserve cache per test, and no network at all."""
+    """An empty HF cache and jaxserve cache per test, offline mode, and no network at all."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))
     monkeypatch.setenv("JAXSERVE_CACHE", str(tmp_path / "jaxserve"))
 
@@ -89,16 +90,18 @@ def test_sharded_checkpoint_needs_every_shard(offline):
 
 
 def test_missing_weights_say_how_to_get_them(offline):
+    """Offline (tests/conftest.py sets HF_HUB_OFFLINE=1; test_model_download.py downloads)."""
     with pytest.raises(ValueError) as e:
         resolve_model("qwen3.6-27b")
     msg = str(e.value)
-    for part in ("'qwen3.6-27b' (Qwen/Qwen3.6-27B)", "not on this machine", str(offline / "hf"),
-                 "huggingface-cli download Qwen/Qwen3.6-27B", "local checkpoint directory",
+    for part in ("'qwen3.6-27b' (Qwen/Qwen3.6-27B)", "HF_HUB_OFFLINE is on", str(offline / "hf"),
+                 "hf download Qwen/Qwen3.6-27B", "local checkpoint directory",
                  "--load-format dummy"):
         assert part in msg, part
     # Config and tokenizer cached, weights not: still an error unless dummy.
     fake_snapshot(offline / "hf", "org/config-only", {"config.json": "{}"})
-    with pytest.raises(ValueError, match="huggingface-cli download org/config-only"):
+    with pytest.raises(ValueError, match="has no \\(complete\\) safetensors weights.*"
+                                         "hf download org/config-only"):
         resolve_model("org/config-only", load_format="safetensors")
 
 
@@ -185,7 +188,7 @@ def test_dummy_upgrades_a_tiny_tokenizer_once_the_real_one_is_cached(offline):
 
 
 def test_dummy_needs_a_config(offline):
-    with pytest.raises(ValueError, match="needs the model's config.json"):
+    with pytest.raises(ValueError, match="HF_HUB_OFFLINE is on.*dummy needs its config.json"):
         resolve_model("org/unknown", load_format="dummy")
 
 

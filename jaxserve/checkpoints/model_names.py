@@ -1,10 +1,19 @@
-"""Model names -> a local checkpoint directory, offline.
+"""Model and tokenizer names -> a local directory, downloading what is missing.
 
-`--model` may be a directory, a Hugging Face repo id (`Org/Name`) already in the local
-Hugging Face cache, or a short alias (`qwen3.6-27b` -> `Qwen/Qwen3.6-27B`). Nothing is
-ever downloaded. With `load_format="dummy"` an alias needs no download at all: its
-built-in config.json (jaxserve/model_configs.py) is written under the jaxserve cache
-with a tokenizer, so the model runs with random weights at its real shape.
+`--model` may be a directory, a Hugging Face repo id (`Org/Name`) or a short alias
+(`qwen3.6-27b` -> `Qwen/Qwen3.6-27B`). A repo id is looked up first in the Hugging Face
+cache (`download_dir`, else HF_HUB_CACHE / HF_HOME/hub) at `revision`; what is not there is
+downloaded into that cache with huggingface_hub (hub_download.py: HF_TOKEN, HF_ENDPOINT,
+HF_HUB_OFFLINE=1 forbids it). Only the files jaxserve reads are fetched: config.json,
+generation_config.json, the tokenizer and chat template (TOKENIZER_FILES) and the
+safetensors weights with their index; never .bin, .pt, GGUF or ONNX files, and a repo
+with no safetensors is refused. The config is fetched and checked first, so a model
+jaxserve cannot run is refused before its weights are downloaded.
+
+With `load_format="dummy"` an alias needs no download at all: its built-in config.json
+(jaxserve/model_configs.py) is written under the jaxserve cache with a tokenizer, so the
+model runs with random weights at its real shape. Any other repo id fetches its config
+and tokenizer only. `--tokenizer` resolves the same way, fetching tokenizer files only.
 """
 from __future__ import annotations
 
@@ -17,6 +26,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from jaxserve.checkpoints import hub_download
 from jaxserve.checkpoints.default_model import cache_root
 from jaxserve.checkpoints.model_configs import ALIASES, BUILTIN_CONFIGS
 
@@ -29,6 +39,14 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "mer
                     "tokenizer.model", "special_tokens_map.json", "added_tokens.json",
                     "chat_template.jinja", "chat_template.json", "generation_config.json")
 _TINY_MARK = ".jaxserve-tiny-tokenizer"   # the dummy directory holds the tiny tokenizer
+_WEIGHT_INDEX = "model.safetensors.index.json"
+# Fetched before the weights: the config (checked first), tokenizer, chat template and
+# the index naming the shards (a repo may also hold consolidated.safetensors: not fetched).
+_META_FILES = ["config.json", *TOKENIZER_FILES, _WEIGHT_INDEX]
+# A dummy model's and a --tokenizer's files (AutoTokenizer may read config.json to pick
+# the tokenizer's class).
+_CONFIG_AND_TOKENIZER = ["config.json", *TOKENIZER_FILES]
+_COMMIT = re.compile(r"[0-9a-f]{40}")
 
 
 def _alias_of(name: str) -> str | None:
@@ -56,13 +74,21 @@ def hf_hub_cache() -> Path:
     return Path(home).expanduser() / "hub"
 
 
-def cached_snapshot(repo_id: str, cache: Path | None = None) -> Path | None:
-    """The snapshot directory of `repo_id` in the HF cache (refs/main first), or None."""
+def cached_snapshot(repo_id: str, cache: Path | None = None,
+                    revision: str | None = None) -> Path | None:
+    """The snapshot directory of `repo_id` in the HF cache, or None: that of `revision`
+    (a branch or tag through refs/, or a commit), else refs/main's, else the newest."""
     from huggingface_hub import try_to_load_from_cache
     cache = cache or hf_hub_cache()
-    hit = try_to_load_from_cache(repo_id, "config.json", cache_dir=cache)
+    hit = try_to_load_from_cache(repo_id, "config.json", cache_dir=cache, revision=revision)
     if isinstance(hit, str):
         return Path(hit).parent
+    if revision is not None:   # that snapshot even without config.json (tokenizer only)
+        repo = cache / ("models--" + repo_id.replace("/", "--"))
+        ref = repo / "refs" / revision
+        commit = ref.read_text().strip() if ref.is_file() else revision
+        snap = repo / "snapshots" / commit
+        return snap if _COMMIT.fullmatch(commit) and snap.is_dir() else None
     # No refs/main (fetched at a pinned revision) or no config.json there: the newest
     # snapshot, preferring one with a config.json.
     snapshots = cache / ("models--" + repo_id.replace("/", "--")) / "snapshots"
@@ -93,59 +119,156 @@ def _aliases() -> str:
     return ", ".join(ALIASES)
 
 
-def resolve_model(name: str, *, load_format: str = "auto") -> str:
+def resolve_model(name: str, *, load_format: str = "auto", revision: str | None = None,
+                  download_dir: str | None = None) -> str:
     """A local directory holding config.json (and the tokenizer when there is one) for
-    `name`: a directory, a Hugging Face repo id in the local HF cache, or an alias.
+    `name`: a directory, a Hugging Face repo id or an alias.
 
-    Raises ValueError when the weights are not on this machine (unless load_format is
-    "dummy"), saying how to get them, and for a name that is none of the above.
+    A repo id not complete in the HF cache (`download_dir`, else the default one) at
+    `revision` (None: main, or any cached snapshot) is downloaded there: its config and
+    tokenizer, then, unless load_format is "dummy", its safetensors weights. Raises
+    ValueError for a name that is none of the above, a model jaxserve cannot run, a repo
+    without safetensors, the hub's refusals and offline mode (HF_HUB_OFFLINE) when
+    something is missing, each saying what to do.
     """
-    if os.path.isdir(name):
-        return name
-    if os.path.isdir(os.path.expanduser(name)):
-        return os.path.expanduser(name)
-    repo_id = ALIASES.get(name.lower()) or (name if _REPO_ID.fullmatch(name) else None)
-    if repo_id is None:
-        raise ValueError(f"model {name!r} does not exist: it is not a local directory, a "
-                         f"Hugging Face repo id (Org/Name) or a known alias ({_aliases()})")
-    cache = hf_hub_cache()
-    try:
-        snap = cached_snapshot(repo_id, cache)
-    except ValueError as e:   # huggingface_hub rejects the id (e.g. "a/b..c")
-        raise ValueError(f"model {name!r} does not exist: not a local directory nor a valid "
-                         f"Hugging Face repo id ({e}); known aliases: {_aliases()}") from None
+    local = _local_dir(name)
+    if local is not None:
+        return local
+    repo_id = _repo_id(name, "model")
+    cache = _cache(download_dir)
+    snap = _cached(name, repo_id, cache, revision)
     has_config = snap is not None and (snap / "config.json").is_file()
     if load_format != "dummy":
         if has_config and has_weights(snap):
             return str(snap)
-        raise ValueError(_missing_weights(name, repo_id, cache, snap, has_config))
+        if hub_download.offline():
+            raise ValueError(_offline(name, repo_id, revision, cache,
+                                      _missing_weights(cache, snap, has_config)))
+        return str(_download_checkpoint(repo_id, revision, cache))
     if has_config and _has_tokenizer(snap):
         return str(snap)
     config = builtin_config(repo_id)
-    if config is not None:
+    if config is not None:   # the built-in config: nothing to download
         return _materialise_dummy(_alias_of(repo_id), repo_id, config,
                                   snap if _has_tokenizer(snap) else None)
-    if has_config:
+    if hub_download.offline():
+        if has_config:
+            return str(snap)
+        raise ValueError(_offline(name, repo_id, revision, cache,
+                                  f"--load-format dummy needs its config.json, which is not "
+                                  f"in the Hugging Face cache at {cache}, and it is not a "
+                                  f"built-in ({_aliases()})", suggest_dummy=False))
+    meta = hub_download.download(repo_id, _CONFIG_AND_TOKENIZER, revision=revision,
+                                 cache=cache, what="config and tokenizer")
+    _check_runnable(repo_id, meta)
+    return str(meta)
+
+
+def resolve_tokenizer(name: str, *, revision: str | None = None,
+                      download_dir: str | None = None) -> str:
+    """A local directory holding the tokenizer `name` names (a directory, a repo id or an
+    alias), its tokenizer files downloaded into the HF cache when not cached there."""
+    local = _local_dir(name)
+    if local is not None:
+        return local
+    repo_id = _repo_id(name, "tokenizer")
+    cache = _cache(download_dir)
+    snap = _cached(name, repo_id, cache, revision)
+    if _has_tokenizer(snap):
         return str(snap)
-    raise ValueError(f"{name!r}: --load-format dummy needs the model's config.json, and "
-                     f"{repo_id} is neither in the Hugging Face cache at {cache} nor a "
-                     f"built-in ({_aliases()})")
+    if hub_download.offline():
+        raise ValueError(_offline(name, repo_id, revision, cache,
+                                  f"its tokenizer is not in the Hugging Face cache at {cache}",
+                                  suggest_dummy=False))
+    snap = hub_download.download(repo_id, _CONFIG_AND_TOKENIZER, revision=revision, cache=cache,
+                                 what="tokenizer")
+    if not _has_tokenizer(snap):
+        raise ValueError(f"{repo_id} (revision {revision or 'main'}) has no tokenizer files "
+                         f"(tokenizer.json, tokenizer_config.json or tokenizer.model)")
+    return str(snap)
 
 
-def _missing_weights(name: str, repo_id: str, cache: Path, snap: Path | None,
-                     has_config: bool) -> str:
-    label = repo_id if name == repo_id else f"{name!r} ({repo_id})"
-    if snap is None:
-        where = f"{repo_id} is not in the Hugging Face cache at {cache}"
-    elif not has_config:
-        where = f"the cached snapshot {snap} has no config.json"
+def _local_dir(name: str) -> str | None:
+    if os.path.isdir(name):
+        return name
+    expanded = os.path.expanduser(name)
+    return expanded if os.path.isdir(expanded) else None
+
+
+def _repo_id(name: str, what: str) -> str:
+    repo_id = ALIASES.get(name.lower()) or (name if _REPO_ID.fullmatch(name) else None)
+    if repo_id is None:
+        raise ValueError(f"{what} {name!r} does not exist: it is not a local directory, a "
+                         f"Hugging Face repo id (Org/Name) or a known alias ({_aliases()})")
+    return repo_id
+
+
+def _cache(download_dir: str | None) -> Path:
+    return Path(download_dir).expanduser() if download_dir else hf_hub_cache()
+
+
+def _cached(name: str, repo_id: str, cache: Path, revision: str | None) -> Path | None:
+    try:
+        return cached_snapshot(repo_id, cache, revision)
+    except ValueError as e:   # huggingface_hub rejects the id (e.g. "a/b..c")
+        raise ValueError(f"{name!r} does not exist: not a local directory nor a valid "
+                         f"Hugging Face repo id ({e}); known aliases: {_aliases()}") from None
+
+
+def _download_checkpoint(repo_id: str, revision: str | None, cache: Path) -> Path:
+    """Config and tokenizer first (refusing a model jaxserve cannot run before its
+    weights come), then the safetensors the index names, else every top-level one."""
+    meta = hub_download.download(repo_id, _META_FILES, revision=revision, cache=cache,
+                                 what="config and tokenizer")
+    _check_runnable(repo_id, meta)
+    index = meta / _WEIGHT_INDEX
+    if index.is_file():
+        with open(index) as f:
+            weights = sorted(set(json.load(f).get("weight_map", {}).values()))
     else:
-        where = f"the cached snapshot {snap} has no (complete) safetensors weights"
-    return (f"{label}: the weights are not on this machine ({where}; HF_HUB_CACHE or HF_HOME "
-            f"choose the cache) and jaxserve never downloads. Get them on a machine with "
-            f"network with `huggingface-cli download {repo_id}` and copy that cache here, "
-            f"pass a local checkpoint directory as the model, or use --load-format dummy "
-            f"for random weights at the real shape")
+        weights = ["*.safetensors"]
+    # The snapshot's commit pins the weights to the config's revision.
+    snap = hub_download.download(repo_id, weights, revision=meta.name, cache=cache,
+                                 what="safetensors weights")
+    if not has_weights(snap):
+        raise ValueError(f"{repo_id} (revision {revision or 'main'}) has no safetensors "
+                         f"weights, and jaxserve reads only safetensors (not PyTorch .bin or "
+                         f".pt, GGUF or ONNX files): pick a repo that publishes "
+                         f"*.safetensors, or convert the weights and pass the directory")
+    return snap
+
+
+def _check_runnable(repo_id: str, snap: Path) -> None:
+    """Refuses a config.json jaxserve has no implementation for (ModelConfig's reasons)."""
+    from models.config import ModelConfig
+    if not (snap / "config.json").is_file():
+        raise ValueError(f"{repo_id} has no config.json on the Hugging Face hub: it is not "
+                         f"a transformers checkpoint jaxserve can run")
+    try:
+        ModelConfig.from_pretrained(snap)
+    except ValueError as e:
+        raise ValueError(f"{repo_id}: {e}") from None
+
+
+def _missing_weights(cache: Path, snap: Path | None, has_config: bool) -> str:
+    if snap is None:
+        return f"it is not in the Hugging Face cache at {cache}"
+    if not has_config:
+        return f"the cached snapshot {snap} has no config.json"
+    return f"the cached snapshot {snap} has no (complete) safetensors weights"
+
+
+def _offline(name: str, repo_id: str, revision: str | None, cache: Path, missing: str,
+             *, suggest_dummy: bool = True) -> str:
+    """Offline mode forbids the download `missing` calls for: the ways out."""
+    label = repo_id if name == repo_id else f"{name!r} ({repo_id})"
+    rev = f" at revision {revision}" if revision else ""
+    local = ("pass a local checkpoint directory, or use --load-format dummy for random "
+             "weights at the real shape") if suggest_dummy else "or pass a local directory"
+    return (f"{label}{rev}: HF_HUB_OFFLINE is on (offline mode), so jaxserve does not "
+            f"download, and {missing}. Unset HF_HUB_OFFLINE to download it, fetch it on a "
+            f"machine with network (`hf download {repo_id}`) and copy that cache here "
+            f"(--download-dir, HF_HUB_CACHE or HF_HOME choose the cache), {local}")
 
 
 def _materialise_dummy(alias: str, repo_id: str, config: dict, tokenizer_src: Path | None
