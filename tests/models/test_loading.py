@@ -212,15 +212,22 @@ def test_safetensors_reader_matches_library(tmp_path):
         "u8": torch.tensor([0, 255], dtype=torch.uint8),
         "empty": torch.zeros(0, 4),
         "scalar": torch.tensor(2.5),
+        "f8": torch.randn(4, 3, generator=g).to(torch.float8_e4m3fn),
+        "f8_e5m2": torch.randn(5, generator=g).to(torch.float8_e5m2),
     }
     save_file(tensors, str(tmp_path / "t.safetensors"), metadata={"format": "pt"})
     st = SafeTensorsFile(tmp_path / "t.safetensors")
     assert sorted(st.keys()) == sorted(tensors)
+    assert st.metadata() == {"format": "pt"}
     assert st.get("bf16").dtype == ml_dtypes.bfloat16
+    assert st.get("f8").dtype == ml_dtypes.float8_e4m3fn
     for name, t in tensors.items():
         got = st.get(name)
-        assert got.shape == tuple(t.shape), name
+        assert got.shape == tuple(t.shape) == st.shape(name), name
+        assert st.nbytes(name) == t.numel() * t.element_size(), name
         np.testing.assert_array_equal(got.astype(np.float64), t.double().numpy(), err_msg=name)
+    # Views of the file, not copies: a slice reads only its pages.
+    assert not st.get("f32").flags.owndata and not st.get("f32").flags.writeable
 
 
 def test_safetensors_reader_rejects_garbage(tmp_path):
@@ -229,5 +236,14 @@ def test_safetensors_reader_rejects_garbage(tmp_path):
         SafeTensorsFile(tmp_path / "bad.safetensors")
     header = json.dumps({"x": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}).encode()
     (tmp_path / "short.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + b"\0" * 8)
-    with pytest.raises(ValueError, match="bad data_offsets"):
+    with pytest.raises(ValueError, match="short.safetensors' is not a safetensors file"):
         SafeTensorsFile(tmp_path / "short.safetensors")
+    # A gap before a tensor: the reader derives offsets from the tiling, so it must refuse it.
+    header = json.dumps({"x": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}).encode()
+    (tmp_path / "hole.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + b"\0" * 8)
+    with pytest.raises(ValueError, match="hole.safetensors' is not a safetensors file"):
+        SafeTensorsFile(tmp_path / "hole.safetensors")
+    header = json.dumps({"x": {"dtype": "C64", "shape": [1], "data_offsets": [0, 8]}}).encode()
+    (tmp_path / "c64.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + b"\0" * 8)
+    with pytest.raises(ValueError, match="tensor 'x' has unsupported dtype 'C64'"):
+        SafeTensorsFile(tmp_path / "c64.safetensors")
