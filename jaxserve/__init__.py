@@ -13,6 +13,9 @@ _EXPORTS = {
     "CompletionOutput": "jaxserve.core.outputs",
     "EngineConfig": "jaxserve.config",
     "StructuredOutputsParams": "jaxserve.structured_outputs",
+    "RequestOutputKind": "jaxserve.sampling_params",
+    "TextPrompt": "jaxserve.inputs",
+    "TokensPrompt": "jaxserve.inputs",
 }
 
 __all__ = list(_EXPORTS)

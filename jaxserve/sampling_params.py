@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import numbers
+import typing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,8 +17,10 @@ from typing import Any
 from jaxserve.engine.errors import InputError
 from jaxserve.structured_outputs import StructuredOutputsParams
 
-# Most logprobs a request may ask for (per sampled token and per prompt token). The
-# sampler always computes this many top entries, so it is a compile-time constant.
+# The default of EngineConfig.max_logprobs (vLLM's): the most logprobs a request may ask
+# for (per sampled token and per prompt token), and so the number of top entries the
+# sampler computes. The engine's own limit is checked at the front door
+# (engine/input_processor.py); SamplingParams alone checks only the int32 range.
 MAX_LOGPROBS = 20
 
 # Stop tokens (eos + stop_token_ids) a row can hold back while below min_tokens: the
@@ -48,8 +52,24 @@ class SamplingType(enum.IntEnum):
     RANDOM_SEED = 2
 
 
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+class RequestOutputKind(enum.IntEnum):
+    """What a streaming engine (AsyncEngine.generate) yields for a request, as vLLM's:
+    CUMULATIVE, every output so far after each step; DELTA, only what is new since
+    the last; FINAL_ONLY, one output when the request is done. LLM.generate returns
+    final outputs whatever the kind."""
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
+def is_int(x: object) -> bool:
+    """An int, numpy integer scalars included (token ids often come out of numpy)."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def logprobs_limit(max_logprobs: int, vocab_size: int) -> int:
+    """EngineConfig.max_logprobs resolved for a model: -1 is the whole vocabulary."""
+    return vocab_size if max_logprobs == -1 else max_logprobs
 
 
 def _is_number(x: object) -> bool:
@@ -98,6 +118,12 @@ class SamplingParams:
     bad_words: list[str] | None = None
     # Constrained decoding: the output must match a JSON schema, regex, choice or grammar.
     structured_outputs: StructuredOutputsParams | None = None
+    # Sample best_of completions and return the n with the highest cumulative logprob (as
+    # vLLM V0 did); None = n. With best_of > n a stream carries only the final output.
+    best_of: int | None = None
+    # Keep only the last k prompt tokens (-1: max_model_len), before the length checks.
+    truncate_prompt_tokens: int | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # As in vLLM: a free-form slot for extensions; not validated, not compared.
     extra_args: dict | None = field(default=None, compare=False)
     # Set by the front door (engine/input_processor.py), never by users: bad_words as
@@ -118,11 +144,18 @@ class SamplingParams:
         else:
             set_("stop", list(self.stop))
         set_("stop_token_ids", [] if self.stop_token_ids is None else list(self.stop_token_ids))
-        if _is_int(self.top_k) and self.top_k == -1:
+        if is_int(self.top_k) and self.top_k == -1:
             set_("top_k", 0)
         if isinstance(self.structured_outputs, dict):
             set_("structured_outputs", StructuredOutputsParams(**self.structured_outputs))
         self._validate()
+        # Plain ints from here on, whatever integer type (numpy's) came in.
+        for name in _INT_FIELDS:
+            if getattr(self, name) is not None:
+                set_(name, int(getattr(self, name)))
+        set_("stop_token_ids", [int(t) for t in self.stop_token_ids])
+        if self.allowed_token_ids is not None:
+            set_("allowed_token_ids", [int(t) for t in self.allowed_token_ids])
         if self.logit_bias:   # int keys (JSON gives strings), values clamped
             set_("logit_bias", {int(k): max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, float(v)))
                                 for k, v in self.logit_bias.items()})
@@ -135,13 +168,13 @@ class SamplingParams:
         def bad(name: str, value: object, want: str) -> InputError:
             return InputError(f"{name} must be {want}, got {value!r}", name)
 
-        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+        if not is_int(self.n) or not 1 <= self.n <= MAX_N:
             raise bad("n", self.n, f"an int in [1, {MAX_N}]")
         if not _is_number(self.temperature) or self.temperature < 0.0:
             raise bad("temperature", self.temperature, "a finite number >= 0")
         if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", self.top_p, "in (0, 1]")
-        if not _is_int(self.top_k) or not -1 <= self.top_k <= INT32_MAX:
+        if not is_int(self.top_k) or not -1 <= self.top_k <= INT32_MAX:
             raise bad("top_k", self.top_k, f"an int in [-1, {INT32_MAX}] (0 or -1 disables it)")
         if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", self.min_p, "in [0, 1]")
@@ -151,9 +184,10 @@ class SamplingParams:
             value = getattr(self, name)
             if not _is_number(value) or not -2.0 <= value <= 2.0:
                 raise bad(name, value, "in [-2, 2]")
-        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
-            raise bad("max_tokens", self.max_tokens, "None or an int >= 1")
-        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+        # 0: score the prompt only (prompt_logprobs; lm-eval's loglikelihood), no sampling.
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 0):
+            raise bad("max_tokens", self.max_tokens, "None or an int >= 0")
+        if not is_int(self.min_tokens) or self.min_tokens < 0:
             raise bad("min_tokens", self.min_tokens, "an int >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise InputError(
@@ -161,22 +195,31 @@ class SamplingParams:
                 "min_tokens")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
-                raise bad(name, value, f"None or an int in [0, {MAX_LOGPROBS}]")
-        if self.seed is not None and (not _is_int(self.seed)
+            if value is not None and (not is_int(value) or not 0 <= value <= INT32_MAX):
+                raise bad(name, value, "None or an int >= 0 (at most the engine's "
+                                       "max_logprobs)")
+        if self.best_of is not None and (not is_int(self.best_of)
+                                         or not self.n <= self.best_of <= MAX_N):
+            raise bad("best_of", self.best_of, f"None or an int in [n={self.n}, {MAX_N}]")
+        k = self.truncate_prompt_tokens
+        if k is not None and (not is_int(k) or not (k == -1 or 1 <= k <= INT32_MAX)):
+            raise bad("truncate_prompt_tokens", k, "None, -1 (max_model_len) or an int >= 1")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise bad("output_kind", self.output_kind, "a RequestOutputKind")
+        if self.seed is not None and (not is_int(self.seed)
                                       or not INT64_MIN <= self.seed <= INT64_MAX):
             raise bad("seed", self.seed, "None or a 64-bit int")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise bad("stop", self.stop, "a list of non-empty strings")
         for t in self.stop_token_ids:
-            if not _is_int(t) or not 0 <= t <= INT32_MAX:
+            if not is_int(t) or not 0 <= t <= INT32_MAX:
                 raise bad("stop_token_ids", self.stop_token_ids,
                           f"a list of ints in [0, {INT32_MAX}]")
         self._validate_constraints(bad)
 
     def _validate_constraints(self, bad) -> None:
-        token = lambda t: (_is_int(t) or (isinstance(t, str) and t.isdigit())) and \
+        token = lambda t: (is_int(t) or (isinstance(t, str) and t.isdigit())) and \
             0 <= int(t) <= INT32_MAX  # noqa: E731
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict) or len(self.logit_bias) > MAX_LOGIT_BIAS \
@@ -186,7 +229,7 @@ class SamplingParams:
                           f"(to exclude many tokens use allowed_token_ids)")
         if self.allowed_token_ids is not None and (
                 not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids
-                or not all(_is_int(t) and 0 <= t <= INT32_MAX for t in self.allowed_token_ids)):
+                or not all(is_int(t) and 0 <= t <= INT32_MAX for t in self.allowed_token_ids)):
             raise bad("allowed_token_ids", self.allowed_token_ids,
                       "a non-empty list of token ids")
         if self.bad_words is not None and (
@@ -228,16 +271,45 @@ class SamplingParams:
     def max_stop_len(self) -> int:
         return max((len(s) for s in self.stop), default=0)
 
+    @property
+    def num_samples(self) -> int:
+        """Completions the engine samples: best_of, else n."""
+        return self.n if self.best_of is None else self.best_of
+
+    @property
+    def ranks_samples(self) -> bool:
+        """Whether the n returned are chosen among more samples (best_of > n)."""
+        return self.num_samples > self.n
+
+    @classmethod
+    def from_optional(cls, **kwargs: Any) -> SamplingParams:
+        """As vLLM's: an argument given as None takes the field's default, except where
+        None is itself a value of the field (seed, max_tokens, stop, logprobs, ...)."""
+        hints = typing.get_type_hints(cls)
+        # (a name that is no field is passed on, for the constructor to refuse)
+        return cls(**{k: v for k, v in kwargs.items() if v is not None or k not in hints
+                      or type(None) in typing.get_args(hints[k])})
+
     def clone(self) -> SamplingParams:
         """An independent copy (list fields copied too)."""
         return dataclasses.replace(self)
 
     def child(self, index: int) -> SamplingParams:
-        """Parameters of the `index`-th of the n parallel samples: n=1, seed+index."""
-        if not _is_int(index) or not 0 <= index < self.n:
-            raise ValueError(f"child index must be in [0, n={self.n}), got {index!r}")
+        """Parameters of the `index`-th of the num_samples parallel samples: n=1,
+        seed+index. When they are ranked (best_of > n) each child asks for its sampled
+        token's logprob (logprobs=0 at least): the ranking sums them."""
+        if not is_int(index) or not 0 <= index < self.num_samples:
+            raise ValueError(f"child index must be in [0, {self.num_samples}), got {index!r}")
         seed = None if self.seed is None else _wrap_int64(self.seed + index)
-        return dataclasses.replace(self, n=1, seed=seed)
+        logprobs = self.logprobs
+        if self.ranks_samples and logprobs is None:
+            logprobs = 0
+        return dataclasses.replace(self, n=1, best_of=None, seed=seed, logprobs=logprobs)
+
+
+# Integer fields made plain ints once validated.
+_INT_FIELDS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs",
+               "best_of", "truncate_prompt_tokens")
 
 
 def _wrap_int64(x: int) -> int:

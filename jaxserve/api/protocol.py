@@ -17,12 +17,14 @@ from pydantic_core import PydanticCustomError
 
 from jaxserve.api.unsupported import refused_field
 from jaxserve.engine.errors import InputError
-from jaxserve.sampling_params import (INT32_MAX, INT64_MAX, INT64_MIN, MAX_LOGPROBS, MAX_N,
-                                      SamplingParams)
+from jaxserve.sampling_params import (INT32_MAX, INT64_MAX, INT64_MIN, MAX_N,
+                                      RequestOutputKind, SamplingParams)
 from jaxserve.structured_outputs import StructuredOutputsParams
 
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
-Logprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
+# The upper limit is the engine's --max-logprobs, checked at the front door (a 400 naming
+# the field and the limit).
+Logprobs = Annotated[int, Field(ge=0, le=INT32_MAX)]
 
 
 class _Fields(BaseModel):
@@ -85,6 +87,8 @@ class _SamplingFields(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)
+    # vLLM's: keep the prompt's last k tokens (-1: max_model_len).
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT32_MAX)
     user: str | None = None
     # Token constraints and structured outputs (vLLM's fields; OpenAI's logit_bias).
     logit_bias: dict[str, float] | None = None
@@ -110,7 +114,8 @@ class _SamplingFields(_Body):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[TokenId] | list[str | list[TokenId]]
-    max_tokens: int | None = Field(16, ge=1)
+    # 0 with echo scores the prompt (lm-eval's loglikelihood): nothing is generated.
+    max_tokens: int | None = Field(16, ge=0)
     logprobs: Logprobs | None = None
     echo: bool = False
 
@@ -177,7 +182,10 @@ def sampling_params(req: _SamplingFields, defaults: dict[str, Any], *, max_token
         min_tokens=req.min_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
         include_stop_str_in_output=req.include_stop_str_in_output,
         skip_special_tokens=req.skip_special_tokens,
-        spaces_between_special_tokens=req.spaces_between_special_tokens)
+        spaces_between_special_tokens=req.spaces_between_special_tokens,
+        truncate_prompt_tokens=req.truncate_prompt_tokens,
+        # The server merges each step's new tokens into its answer (streamed or not).
+        output_kind=RequestOutputKind.DELTA)
 
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",

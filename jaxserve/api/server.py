@@ -22,7 +22,9 @@ from jaxserve.api.openapi import error_responses
 from jaxserve.api.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                    TokenizeRequest)
 from jaxserve.api.serving import OpenAIServing, ServerSettings
-from jaxserve.engine.async_engine import AsyncEngine
+from jaxserve.api.stats_logger import StatsLogger
+from jaxserve.api.tokenizer_info import tokenizer_info
+from jaxserve.engine.async_engine import AsyncEngine, EngineDeadError
 
 _bearer = HTTPBearer(auto_error=False, description="--api-key, as 'Authorization: Bearer KEY'")
 
@@ -38,6 +40,12 @@ def create_app(engine: AsyncEngine, settings: ServerSettings,
 
     app = FastAPI(title="jaxserve", version=jaxserve.__version__)
     app.state.serving = serving
+    # Started here, not in a lifespan: the LoadingGate owns the lifespan and this app
+    # never sees one (loading.py). The thread ends with the engine.
+    app.state.stats_logger = None
+    if not settings.disable_log_stats:
+        app.state.stats_logger = StatsLogger(engine, settings.log_stats_interval)
+        app.state.stats_logger.start()
     app.add_middleware(BodyLimit, max_bytes=settings.max_request_body_bytes)
     app.add_middleware(InternalErrors)   # outermost: whatever goes wrong below is one 500
     openapi.install(app)
@@ -49,7 +57,8 @@ def create_app(engine: AsyncEngine, settings: ServerSettings,
         if not secrets.compare_digest(given.encode(), settings.api_key.encode()):
             raise APIError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')")
 
-    # /health, /metrics and /version stay open; everything under `api` needs the key.
+    # /health, /ping, /load, /metrics and /version stay open (probes and load balancers
+    # call them, as vLLM keeps them); everything under `api` needs the key.
     api = APIRouter(dependencies=[Security(require_api_key)] if settings.api_key else [],
                     responses=error_responses(400, 401) if settings.api_key
                     else error_responses(400))
@@ -88,6 +97,18 @@ def create_app(engine: AsyncEngine, settings: ServerSettings,
             return JSONResponse(error_body(503, "the engine stopped"), status_code=503)
         return Response(status_code=200)
 
+    # SageMaker's health check, by GET or POST: /health's answer.
+    for method in ("GET", "POST"):
+        app.add_api_route("/ping", health, methods=[method], name=f"ping_{method.lower()}",
+                          response_class=Response, responses={
+                              200: {"description": "the engine is running (no body)"},
+                              **error_responses(503)})
+
+    @app.get("/load")
+    async def load() -> dict:
+        """Generation requests in flight (admitted, not yet answered), for load balancers."""
+        return {"server_load": serving.num_requests}
+
     @app.get("/metrics", response_class=Response, responses={200: {
         "description": "Prometheus text format", "content": {CONTENT_TYPE_LATEST: {}}}})
     async def prometheus() -> Response:
@@ -104,9 +125,30 @@ def create_app(engine: AsyncEngine, settings: ServerSettings,
     @api.get("/v1/models")
     async def models() -> dict:
         return {"object": "list", "data": [{
-            "id": settings.served_model_name, "object": "model", "created": created,
+            "id": name, "object": "model", "created": created,
             "owned_by": "jaxserve", "root": engine.config.model,
-            "max_model_len": settings.max_model_len}]}
+            "max_model_len": settings.max_model_len} for name in settings.served_model_names]}
+
+    @api.post("/reset_prefix_cache", response_class=Response,
+              responses={200: {"description": "the prefix cache is empty (no body)"},
+                         **error_responses(503)})
+    async def reset_prefix_cache() -> Response:
+        """Forgets every cached prompt page (e.g. between benchmark runs); requests in
+        flight go on, their pages no longer shared."""
+        try:
+            await engine.reset_prefix_cache()
+        except EngineDeadError as e:
+            raise APIError(503, f"the engine stopped: {e}") from None
+        return Response(status_code=200)
+
+    if settings.enable_tokenizer_info_endpoint:
+        @api.get("/tokenizer_info")
+        async def get_tokenizer_info() -> dict:
+            """The tokenizer's configuration (vLLM's shape), the chat template included."""
+            if engine.tokenizer is None:
+                raise APIError(400, "this model has no tokenizer")
+            return tokenizer_info(engine.tokenizer, chat_template=settings.chat_template,
+                                  max_model_len=settings.max_model_len)
 
     @api.post("/v1/completions", responses={**streamed, **generation})
     async def completions(req: CompletionRequest, raw: Request):

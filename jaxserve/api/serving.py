@@ -43,7 +43,8 @@ _DISCONNECT_POLL_S = 0.2
 
 @dataclass(frozen=True)
 class ServerSettings:
-    served_model_name: str
+    # --served-model-name: requests may name any; answers and metrics carry the first.
+    served_model_names: tuple[str, ...]
     max_model_len: int
     api_key: str | None = None
     max_waiting_requests: int = 1024
@@ -53,6 +54,23 @@ class ServerSettings:
     max_request_body_bytes: int = 32 * 2**20
     auto_tool_parser: str | None = None     # --tool-call-parser, with --enable-auto-tool-choice
     reasoning_parser: str | None = None     # --reasoning-parser
+    disable_log_stats: bool = False         # no periodic stats line (api/stats_logger.py)
+    log_stats_interval: float = 10.0        # seconds between two stats lines
+    enable_tokenizer_info_endpoint: bool = False   # GET /tokenizer_info (off, as vLLM)
+
+    def __post_init__(self) -> None:
+        names = self.served_model_names
+        # One name as a bare string would otherwise become a tuple of its characters.
+        names = (names,) if isinstance(names, str) else tuple(names)
+        if not names or not all(isinstance(n, str) and n for n in names):
+            raise ValueError(f"served_model_names must be one or more non-empty names, "
+                             f"got {self.served_model_names!r}")
+        object.__setattr__(self, "served_model_names", names)
+
+    @property
+    def served_model_name(self) -> str:
+        """The name answers carry (the first served name)."""
+        return self.served_model_names[0]
 
 
 @dataclass
@@ -99,14 +117,6 @@ class _Answer:
             t.cancel()
 
 
-@dataclass
-class _Tracker:
-    """Per prompt: timing for the metrics."""
-    arrival: float
-    first_token: float | None = None
-    num_output: int = 0
-
-
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, settings: ServerSettings, metrics: Metrics):
         self.engine = engine
@@ -119,11 +129,18 @@ class OpenAIServing:
         self.shutting_down = False
         self.answers: set[_Answer] = set()
 
+    @property
+    def num_requests(self) -> int:
+        """Generation requests admitted and not yet answered (GET /load)."""
+        return len(self.answers)
+
     # ---- checks ----------------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.settings.served_model_name:
+        names = self.settings.served_model_names
+        if name is not None and name not in names:
+            served = ", ".join(f"`{n}`" for n in names)
             raise APIError(404, f"The model `{name}` does not exist; this server serves "
-                                f"`{self.settings.served_model_name}`.", "model")
+                                f"{served}.", "model")
 
     def check_open(self) -> None:
         if self.shutting_down:
@@ -176,6 +193,11 @@ class OpenAIServing:
     async def completions(self, req: CompletionRequest, raw: Request):
         self.check_open()
         self.check_model(req.model)
+        if req.max_tokens == 0 and not req.echo:
+            # (vLLM refuses it too) an answer of nothing is surely not what was meant
+            raise APIError(400, "max_tokens=0 generates nothing: it is for scoring the prompt, "
+                                "with echo=true (and logprobs for its token logprobs)",
+                           "max_tokens")
         try:
             params = sampling_params(req, self.settings.generation_defaults,
                                      max_tokens=req.max_tokens, logprobs=req.logprobs,
@@ -228,18 +250,30 @@ class OpenAIServing:
         created, model, n = int(time.time()), self.settings.served_model_name, params.n
         choices: dict[int, _Choice] = {}
         echoed: set[int] = set()
+        prompt_lps: dict[int, list] = {}   # per prompt, once the engine sent them
+        offsets: dict[int, int] = {}       # per choice: the text_offset of its next token
         async for i, out in stream:
+            if out.prompt_logprobs is not None:   # (with or before the first tokens)
+                prompt_lps[i] = out.prompt_logprobs
             for c in out.outputs:
                 idx = i * n + c.index
                 acc = choices.setdefault(idx, _Choice(idx))
                 _accumulate(acc, c)
                 text = c.text
-                if req.echo and idx not in echoed:
+                echo = req.echo and idx not in echoed
+                if echo:
                     echoed.add(idx)
                     text = self._prompt_text(prompts[i]) + text
                 logprobs = None
-                if req.logprobs is not None and c.logprobs:
-                    logprobs = _completion_logprobs(c.logprobs, req.logprobs, self)
+                if req.logprobs is not None and (c.logprobs or echo):
+                    # text_offset runs on from the choice's earlier chunks, as in the
+                    # whole answer.
+                    start = offsets.get(idx, 0)
+                    logprobs = _completion_logprobs(
+                        c.logprobs or [], req.logprobs, self,
+                        prompts[i].prompt_token_ids if echo else None, prompt_lps.get(i),
+                        offset=start)
+                    offsets[idx] = _end_offset(logprobs, start)
                 yield _data({"id": rid, "object": "text_completion", "created": created,
                              "model": model, "choices": [{
                                  "index": idx, "text": text, "logprobs": logprobs,
@@ -352,7 +386,8 @@ class OpenAIServing:
         """Runs every prompt; yields (prompt index, its delta output). params: the
         request's, as the client gave them (for the log)."""
         queue = answer.queue
-        trackers = [_Tracker(time.monotonic()) for _ in prompts]
+        trackers = [self.metrics.track(p.num_prompt_tokens, p.sampling_params.n)
+                    for p in prompts]
         if not self.settings.disable_log_requests:
             logger.info("request %s: %d prompt(s) of %s tokens, %s", rid, len(prompts),
                         [p.num_prompt_tokens for p in prompts], params)
@@ -375,18 +410,13 @@ class OpenAIServing:
                 i, out = await queue.get()
                 if isinstance(out, BaseException):
                     raise _api_error(out)
-                tr = trackers[i]
-                new = sum(len(c.token_ids) for c in out.outputs)
-                if new and tr.first_token is None:
-                    tr.first_token = time.monotonic()
-                tr.num_output += new
+                trackers[i].update(out)
                 if out.finished:
                     remaining -= 1
-                    self.metrics.observe_request(
-                        arrival=tr.arrival, first_token=tr.first_token, end=time.monotonic(),
-                        num_prompt=prompts[i].num_prompt_tokens, num_output=tr.num_output)
                 yield i, out
         finally:
+            for tracker in trackers:   # what never finished counts as aborted
+                tracker.close()
             answer.close()
 
     async def _collect(self, stream, raw: Request, n: int,
@@ -478,8 +508,9 @@ def _token_str(serving: OpenAIServing, tid: int, lp) -> str:
 
 def _completion_logprobs(entries: list[dict], k: int, serving: OpenAIServing,
                          prompt_ids: list[int] | None = None,
-                         prompt_entries: list | None = None) -> dict:
-    """OpenAI completions logprobs: tokens, token_logprobs, top_logprobs, text_offset.
+                         prompt_entries: list | None = None, *, offset: int = 0) -> dict:
+    """OpenAI completions logprobs: tokens, token_logprobs, top_logprobs, text_offset
+    (each token's, from `offset`: where a streamed chunk starts in the whole answer).
 
     With echo, the prompt's tokens come first (the first has no logprob)."""
     rows: list[tuple[int, dict | None]] = []
@@ -488,7 +519,6 @@ def _completion_logprobs(entries: list[dict], k: int, serving: OpenAIServing,
                  for pos, tid in enumerate(prompt_ids)]
     rows += [(next(iter(entry)), entry) for entry in entries]   # the sampled token is first
     tokens, token_lps, tops, offsets = [], [], [], []
-    offset = 0
     for tid, entry in rows:
         lp = entry[tid] if entry is not None else None
         s = _token_str(serving, tid, lp)
@@ -500,6 +530,13 @@ def _completion_logprobs(entries: list[dict], k: int, serving: OpenAIServing,
         offset += len(s)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
             "text_offset": offsets}
+
+
+def _end_offset(logprobs: dict, start: int) -> int:
+    """The text_offset after the last token of `logprobs` (start when it has none)."""
+    if not logprobs["tokens"]:
+        return start
+    return logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
 
 
 def _chat_logprobs(entries: list[dict], k: int) -> dict:

@@ -52,7 +52,6 @@ REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "use_beam_search": (_false, "beam search is not implemented"),
     "length_penalty": (lambda v: v is None or v == 1, "beam search is not implemented"),
     "suffix": (_empty, "insertion (a suffix after the completion) is not implemented"),
-    "truncate_prompt_tokens": (_absent, "prompt truncation is not implemented yet"),
     "return_tokens_as_token_ids": (_false, "not implemented"),
     "chat_template": (_absent, "a per-request template is not implemented; the server's "
                                "--chat-template applies"),

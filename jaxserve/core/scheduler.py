@@ -25,6 +25,11 @@ class SchedulerStats:
     prefix_cache_queries: int = 0   # tokens looked up
     prefix_cache_hits: int = 0      # tokens found
     num_preemptions: int = 0
+    # Totals since start (monotonic, for counters): prompt tokens of prefills that
+    # completed (a prompt counts once per completion, again if preempted before its
+    # first token) and tokens generated.
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -41,7 +46,9 @@ class SchedulerStats:
             kv_cache_usage=sum(p.kv_cache_usage for p in parts) / len(parts),
             prefix_cache_queries=sum(p.prefix_cache_queries for p in parts),
             prefix_cache_hits=sum(p.prefix_cache_hits for p in parts),
-            num_preemptions=sum(p.num_preemptions for p in parts))
+            num_preemptions=sum(p.num_preemptions for p in parts),
+            num_prompt_tokens=sum(p.num_prompt_tokens for p in parts),
+            num_generation_tokens=sum(p.num_generation_tokens for p in parts))
 
 
 class _PriorityQueue:
@@ -126,6 +133,8 @@ class Scheduler:
         )
         self._finished_ids: list[str] = []
         self.num_preemptions = 0
+        self.num_prompt_tokens = 0       # see SchedulerStats
+        self.num_generation_tokens = 0
 
     # ---- requests in and out -------------------------------------------
 
@@ -325,10 +334,21 @@ class Scheduler:
                 continue  # aborted or preempted since it was scheduled
             if req.num_computed_tokens < req.num_tokens:
                 continue  # a prefill chunk short of the end: nothing sampled
+            if not req.output_token_ids:   # its prompt is done
+                self.num_prompt_tokens += req.num_prompt_tokens
+            if req.sampling_params.max_tokens == 0:
+                # Prompt scoring: done once the prompt is computed (its logprobs came
+                # with this step); the token the runner sampled anyway is not kept.
+                req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+                self._release(req)
+                finished_any = True
+                out.append(req)
+                continue
             tok = sampled.get(rid)
             if tok is None:  # it would never be scheduled again
                 raise ValueError(f"no sampled token for running request {rid!r}")
             req.append_output_token_ids(tok)
+            self.num_generation_tokens += 1
             if self._check_stop(req, tok):
                 self._release(req)
                 finished_any = True
@@ -397,4 +417,6 @@ class Scheduler:
             num_running=len(self.running), num_waiting=len(self.waiting),
             kv_cache_usage=self.kv.usage, prefix_cache_queries=pc.queries,
             prefix_cache_hits=pc.hits, num_preemptions=self.num_preemptions,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_generation_tokens=self.num_generation_tokens,
         )

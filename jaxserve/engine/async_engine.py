@@ -21,7 +21,8 @@ import asyncio
 import logging
 import queue
 import threading
-from dataclasses import dataclass, fields
+import time
+from dataclasses import dataclass, fields, replace
 from typing import AsyncIterator, Callable
 
 from jaxserve.config import EngineConfig
@@ -68,6 +69,9 @@ class AsyncEngine:
         self.stats = EngineStats()
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        # Callers awaiting an engine-thread operation (reset_prefix_cache): failed with
+        # the engine, so none waits for ever.
+        self._waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = set()
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._error: BaseException | None = None
@@ -88,8 +92,12 @@ class AsyncEngine:
         return len(self._streams)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
-        """Streams the delta outputs of a request from `inputs.process`; the last one
-        has finished=True."""
+        """Streams the outputs of a request from `inputs.process` as its
+        SamplingParams.output_kind asks (CUMULATIVE: all so far after each step; DELTA:
+        what is new; FINAL_ONLY: the last alone; an engine made without stream_outputs,
+        LLM's, sends final outputs only); the last one has finished=True."""
+        if request.arrival_time is None:   # it arrives now, not when the busy engine thread
+            request = replace(request, arrival_time=time.monotonic())   # gets to it
         request_id = request.request_id
         loop = asyncio.get_running_loop()
         stream: asyncio.Queue = asyncio.Queue()
@@ -114,6 +122,19 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
+
+    async def reset_prefix_cache(self) -> None:
+        """Forgets every cached prompt page (as LLM.reset_prefix_cache), in the engine
+        thread between two steps: the scheduler is that thread's alone. Returns once done;
+        EngineDeadError when the engine is not running."""
+        loop = asyncio.get_running_loop()
+        waiter = (loop, loop.create_future())
+        with self._lock:
+            if self.dead or self._stopping.is_set():
+                raise self._dead_error()
+            self._waiters.add(waiter)
+        self._commands.put(("reset_prefix_cache", waiter))
+        await waiter[1]
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Abort everything in flight and stop the engine thread."""
@@ -153,12 +174,38 @@ class AsyncEngine:
             out = core.abort_request(cmd[1])
             if out is not None:
                 self._deliver(cmd[1], out)
+        elif cmd[0] == "reset_prefix_cache":
+            core.reset_prefix_cache()   # a failure here is the engine's: fatal
+            self._resolve(cmd[1], None)
+
+    def _resolve(self, waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future],
+                 error: BaseException | None) -> None:
+        """Wakes a caller of an engine-thread operation (done, or failed with `error`)."""
+        with self._lock:
+            if waiter not in self._waiters:
+                return
+            self._waiters.discard(waiter)
+        loop, fut = waiter
+
+        def wake() -> None:
+            if fut.done():   # the caller was cancelled
+                return
+            if error is None:
+                fut.set_result(None)
+            else:
+                fut.set_exception(error)
+        try:
+            loop.call_soon_threadsafe(wake)
+        except RuntimeError:   # the caller's loop is closed
+            pass
 
     def _run(self) -> None:
         try:
             self._loop()
         except BaseException as e:   # whatever stops the loop must not leave a zombie
             self._die(e)
+        else:   # stopped: operations still queued will never run
+            self._fail_waiters()
 
     def _loop(self) -> None:
         core = self.core
@@ -219,7 +266,14 @@ class AsyncEngine:
             self._deliver(rid, out if out is not None else EngineDeadError("engine stopped"))
         self._publish_stats()
 
+    def _fail_waiters(self) -> None:
+        with self._lock:
+            waiters = list(self._waiters)
+        for waiter in waiters:
+            self._resolve(waiter, self._dead_error())
+
     def _fail_all(self) -> None:
+        self._fail_waiters()
         with self._lock:
             entries = list(self._streams.items())
             self._streams.clear()

@@ -6,6 +6,7 @@ import itertools
 import json
 import logging
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from functools import partial
@@ -28,7 +29,7 @@ from jaxserve.engine.protocol import EngineInfo
 from jaxserve.engine.startup import (ALLOCATING_KV_CACHE, COMPILING, LOADING_WEIGHTS,
                                      STARTING, StartupProgress)
 from jaxserve.checkpoints.converted import resolve_converted
-from jaxserve.checkpoints.model_names import resolve_model
+from jaxserve.checkpoints.model_names import resolve_model, resolve_tokenizer
 from jaxserve.runner import compile_counter
 from models.config import ModelConfig
 from sharding import DATA, make_mesh
@@ -69,8 +70,14 @@ class EngineCore:
                  progress: StartupProgress | None = None):
         progress = progress or StartupProgress()
         progress.set_phase(STARTING, "reading the model's config and tokenizer")
-        # An alias or HF repo id becomes a local directory before anything reads it.
-        config = replace(config, model=resolve_model(config.model, load_format=config.load_format))
+        # An alias or HF repo id becomes a local directory (downloaded when missing)
+        # before anything reads it; so does a --tokenizer that names one.
+        config = replace(
+            config, model=resolve_model(config.model, load_format=config.load_format,
+                                        revision=config.revision,
+                                        download_dir=config.download_dir),
+            tokenizer=config.tokenizer and resolve_tokenizer(config.tokenizer,
+                                                             download_dir=config.download_dir))
         # A converted checkpoint (python -m jaxserve.convert) brings its dtype (and
         # quantization); settings it cannot serve are refused here, before any work.
         config = resolve_converted(config)
@@ -117,13 +124,17 @@ class EngineCore:
 
         self.runner = make_runner(config, layout, plan, model=self.model, params=self.params,
                                   mesh=self.mesh)
-        progress.set_phase(COMPILING, "listing the programs to compile")
-        self.runner.warmup(partial(_report_compiling, progress))
+        if config.enforce_eager:   # each program compiles when a step first needs it
+            logger.info("enforce_eager: no warmup; programs compile on first use")
+        else:
+            progress.set_phase(COMPILING, "listing the programs to compile")
+            self.runner.warmup(partial(_report_compiling, progress))
         self.tokenizer = tokenizer_loaded.result()
         # The runner reads it when it builds a step's inputs (stop tokens before min_tokens).
         eos_ids = _eos_token_ids(self.tokenizer, mc, config.model)
         self.inputs = InputProcessor(tokenizer=self.tokenizer, vocab_size=mc.vocab_size,
-                                     max_model_len=layout.max_model_len, eos_token_ids=eos_ids)
+                                     max_model_len=layout.max_model_len, eos_token_ids=eos_ids,
+                                     max_logprobs=config.max_logprobs)
         self.runner.eos_token_ids = eos_ids
         eos = eos_ids[0] if eos_ids else None
         self.scheduler = Scheduler(
@@ -157,29 +168,33 @@ class EngineCore:
         prompt_token_ids = list(request.prompt_token_ids)
         if self.outputs.has(request_id):
             raise InputError(f"request id {request_id!r} is already in use")
-        child_ids = [request_id] if params.n == 1 else [f"{i}_{request_id}"
-                                                        for i in range(params.n)]
+        # best_of > n: best_of samples run, the output processor returns the best n.
+        num_samples = params.num_samples
+        child_ids = [request_id] if num_samples == 1 else [f"{i}_{request_id}"
+                                                           for i in range(num_samples)]
         # A completion id ("0_x") may equal another request's id: refuse it up front,
         # or undoing this add would touch the other request.
         taken = [c for c in child_ids if self.scheduler.get_request(c) is not None]
         if taken:
             raise InputError(f"request id {taken[0]!r} is already in use")
         added: list[str] = []
+        arrival = request.arrival_time if request.arrival_time is not None else time.monotonic()
         try:
-            self.outputs.add(request_id, request.prompt, prompt_token_ids, params, child_ids)
+            self.outputs.add(request_id, request.prompt, prompt_token_ids, params, child_ids,
+                             arrival_time=arrival)
             # A request-private salt keeps the prefix cache among the request's own n
             # completions: when caching is off, and when prompt logprobs are wanted (a
             # cached position would not be computed, so it would have no logprob).
             private = (params.prompt_logprobs is not None
-                       or (not self.prefix_caching and params.n > 1))
+                       or (not self.prefix_caching and num_samples > 1))
             salt = request_id if private else None
             for i, cid in enumerate(child_ids):
-                child = params if params.n == 1 else params.child(i)
+                child = params if num_samples == 1 else params.child(i)
                 if child.seed is None:
                     child = replace(child, seed=next(self._seed_counter))
                 self.scheduler.add_request(Request(
                     cid, prompt_token_ids, child, eos_token_id=self.info.eos_token_ids,
-                    arrival_time=request.arrival_time, priority=request.priority,
+                    arrival_time=arrival, priority=request.priority,
                     cache_salt=salt,
                     page_size=self.config.page_size))
                 added.append(cid)
@@ -220,6 +235,8 @@ class EngineCore:
             raise EngineDeadError(f"scheduling failed: {type(e).__name__}: {e}") from e
         self.num_steps += 1
         self.num_scheduled_tokens += sched_out.num_scheduled_tokens
+        if sched_out.new_reqs:
+            self.outputs.mark_scheduled([r.req_id for r in sched_out.new_reqs])
         try:
             return _Step(sched_out, self.runner.dispatch(sched_out))
         except Exception as e:   # reported by finish_step, so other replicas still collect

@@ -12,9 +12,12 @@ import threading
 from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
+import numpy as np
+
 from jaxserve.engine.chat_template import render_chat
 from jaxserve.engine.errors import InputError
-from jaxserve.sampling_params import MAX_BANNED_TOKENS, SamplingParams
+from jaxserve.sampling_params import (MAX_BANNED_TOKENS, MAX_LOGPROBS, SamplingParams, is_int,
+                                      logprobs_limit)
 
 __all__ = ["EngineRequest", "InputError", "InputProcessor", "check_unicode"]
 
@@ -57,20 +60,18 @@ def _check_not_empty(prompt: str | Sequence[int], field: str) -> None:
         raise InputError(f"{field} must not be empty", field)
 
 
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 class InputProcessor:
     """Tokenizes, renders chats, and turns a prompt and its SamplingParams into an
     EngineRequest. Stateless but for its counters, so any thread may call it (the
     server calls it from worker threads, never through the engine)."""
 
     def __init__(self, *, tokenizer, vocab_size: int, max_model_len: int,
-                 eos_token_ids: tuple[int, ...] = ()):
+                 eos_token_ids: tuple[int, ...] = (), max_logprobs: int = MAX_LOGPROBS):
+        """max_logprobs: EngineConfig.max_logprobs (-1: the vocabulary size)."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        self.max_logprobs = logprobs_limit(max_logprobs, vocab_size)
         self.eos_token_ids = eos_token_ids
         self._grammars = None     # GrammarCompiler, made by the first structured request
         self._grammars_lock = threading.Lock()
@@ -143,19 +144,25 @@ class InputProcessor:
         if not isinstance(params, SamplingParams):
             raise InputError(f"sampling params must be a SamplingParams, got "
                              f"{type(params).__name__}")
-        if not _is_int(priority):
+        if not is_int(priority):
             raise InputError(f"priority must be an int, got {priority!r}", "priority")
         if isinstance(prompt, str):
             text, prompt = prompt, self.tokenize(prompt)
         # A tokenizer's ids are checked too: its added tokens may lie past the vocabulary.
         ids = self._checked_ids(prompt)
+        keep = params.truncate_prompt_tokens
+        if keep is not None:    # before the length checks: what is kept must fit
+            ids = ids[-(self.max_model_len if keep == -1 else keep):]
         params = self._checked_params(len(ids), params)
         return EngineRequest(request_id, tuple(ids), params, prompt=text, priority=priority,
                              arrival_time=arrival_time)
 
     def _checked_ids(self, prompt_token_ids: Sequence[int]) -> list[int]:
+        if isinstance(prompt_token_ids, np.ndarray) and prompt_token_ids.ndim == 1 \
+                and np.issubdtype(prompt_token_ids.dtype, np.integer):
+            prompt_token_ids = prompt_token_ids.tolist()
         if not isinstance(prompt_token_ids, (list, tuple)) or not all(
-                _is_int(t) for t in prompt_token_ids):
+                is_int(t) for t in prompt_token_ids):
             raise InputError("prompt_token_ids must be a list of ints", "prompt")
         _check_not_empty(prompt_token_ids, "prompt")
         vocab = self.vocab_size
@@ -163,7 +170,7 @@ class InputProcessor:
         if bad:
             raise InputError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})",
                              "prompt")
-        return list(prompt_token_ids)
+        return [int(t) for t in prompt_token_ids]   # numpy integers become ints
 
     def _checked_params(self, n: int, params: SamplingParams) -> SamplingParams:
         """params with max_tokens resolved against the room an n-token prompt leaves
@@ -173,6 +180,13 @@ class InputProcessor:
         if bad:
             raise InputError(f"stop_token_ids: {bad[0]} is outside the vocabulary "
                              f"[0, {vocab})", "stop_token_ids")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > self.max_logprobs:
+                raise InputError(f"{name}={k} is more than this engine's max_logprobs="
+                                 f"{self.max_logprobs} (the server's --max-logprobs, "
+                                 f"LLM(max_logprobs=...); -1 allows the whole vocabulary)",
+                                 name)
         if n >= self.max_model_len:
             raise InputError(f"the prompt has {n} tokens; max_model_len={self.max_model_len} "
                              f"leaves no room to generate (prompt must be < max_model_len)",

@@ -19,6 +19,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.planning.cache_plan import CachePlan, plan_caches, require_one_sequence
 from jaxserve.planning.kv_budget import activation_bytes, cache_budget_bytes
 from jaxserve.runner.model_runner import ModelRunner
+from jaxserve.sampling_params import logprobs_limit
 from models.cache_spec import CacheSpec, layer_cache_specs
 from models.config import ModelConfig, WeightQuant, resolve_weight_quant
 from models.registry import build_model, resolve_dtype, resolve_kv_dtype
@@ -163,4 +164,5 @@ def make_runner(config: EngineConfig, layout: EngineLayout, cache_plan: CachePla
         kv_dtype=layout.kv_dtype,
         # Only the reference reads whole page-table rows; the others stop at kv_len.
         context_buckets=layout.attention_backend == "reference", mesh=mesh,
-        vocab_axis=layout.rules["vocab"], abstract=abstract)
+        vocab_axis=layout.rules["vocab"], abstract=abstract,
+        max_logprobs=logprobs_limit(config.max_logprobs, mc.vocab_size))

@@ -1,34 +1,40 @@
 """LLM: offline batch generation with vLLM's names and behaviour."""
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from tqdm.auto import tqdm
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.engine.data_parallel import make_engine
-from jaxserve.engine.errors import InputError, RequestFailedError
+from jaxserve.engine.errors import RequestFailedError
 from jaxserve.engine.input_processor import EngineRequest
+from jaxserve.engine.llm_kwargs import engine_kwargs
 from jaxserve.engine.protocol import Engine
+from jaxserve.inputs import TextPrompt, TokensPrompt, parse_prompt
 from jaxserve.sampling_params import SamplingParams
 
-PromptType = str | dict[str, Any]
+PromptType = str | TextPrompt | TokensPrompt
+# use_tqdm: on/off, or a tqdm-like class to make the bar with (as vLLM's).
+UseTqdm = bool | Callable[..., tqdm]
 
 
 class LLM:
     """`LLM(model=...)`, then `generate(prompts, sampling_params)` or `chat(messages)`.
 
-    Engine arguments are EngineConfig's fields; `block_size` is an alias of `page_size`.
-    `mesh="DxM"` runs D data-parallel replicas, each tensor-parallel over M devices.
+    Engine arguments are EngineConfig's fields or the keyword form of their vLLM flag
+    aliases (block_size=, gpu_memory_utilization=); a few vLLM-only arguments are taken
+    where their value is true of jaxserve (engine/llm_kwargs.py); any other is a
+    TypeError. `mesh="DxM"` (or data_parallel_size=D, tensor_parallel_size=M) runs D
+    data-parallel replicas, each tensor-parallel over M devices.
     A request the engine fails (its step raised) makes `generate` raise
     RequestFailedError (a RuntimeError) after aborting the others; the LLM stays usable.
     """
 
     def __init__(self, model: str, **engine_args: Any):
-        if "block_size" in engine_args:
-            engine_args["page_size"] = engine_args.pop("block_size")
-        self.engine: Engine = make_engine(EngineConfig(model=model, **engine_args))
+        self.engine: Engine = make_engine(EngineConfig(model=model,
+                                                       **engine_kwargs(engine_args)))
         self.tokenizer = self.engine.tokenizer
         self._next_id = 0   # request ids "0", "1", ...: one per prompt the engine ran
 
@@ -44,8 +50,12 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: Sequence[int] | None = None
+                 use_tqdm: UseTqdm = True, priority: Sequence[int] | None = None
                  ) -> list[RequestOutput]:
+        """Runs every prompt to the end; outputs in the prompts' order, final whatever
+        each SamplingParams.output_kind (that is for streams). use_tqdm: a progress bar
+        ("Processed prompts", with the input and output tokens per second), or the tqdm
+        class to make it with."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -72,7 +82,7 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True, chat_template: str | None = None,
+             use_tqdm: UseTqdm = True, chat_template: str | None = None,
              add_generation_prompt: bool = True,
              chat_template_kwargs: dict[str, Any] | None = None,
              tools: list[dict] | None = None) -> list[RequestOutput]:
@@ -87,25 +97,15 @@ class LLM:
 
     def _process(self, request_id: str, prompt: PromptType, params: SamplingParams,
                  priority: int) -> EngineRequest:
-        """Text, {'prompt': text} or {'prompt_token_ids': [...]} (with the text they came
-        from under 'prompt', if any), through the engine's input processor."""
-        inputs = self.engine.inputs
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            ids = prompt["prompt_token_ids"]
-            # Token ids are never text to tokenize: a str is refused as ids are.
-            ids = [ids] if isinstance(ids, str) else ids
-            return inputs.process(request_id, ids, params, text=prompt.get("prompt"),
-                                  priority=priority)
-        if isinstance(prompt, dict) and "prompt" in prompt:
-            prompt = prompt["prompt"]
-        if isinstance(prompt, str):
-            return inputs.process(request_id, prompt, params, priority=priority)
-        raise InputError(f"a prompt must be a str or a dict with 'prompt_token_ids', got "
-                         f"{type(prompt).__name__}", "prompt")
+        """Text, a TextPrompt or a TokensPrompt (jaxserve/inputs.py), through the
+        engine's input processor."""
+        prompt, text = parse_prompt(prompt)
+        return self.engine.inputs.process(request_id, prompt, params, text=text,
+                                          priority=priority)
 
-    def _run(self, order: dict[str, int], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, order: dict[str, int], use_tqdm: UseTqdm) -> list[RequestOutput]:
         results: list[RequestOutput | None] = [None] * len(order)
-        bar = tqdm(total=len(order), desc="Processed prompts", disable=not use_tqdm)
+        bar = _ProgressBar(len(order), use_tqdm)
         try:
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
@@ -117,7 +117,7 @@ class LLM:
                         raise e
                     if out.finished and out.request_id in order:
                         results[order[out.request_id]] = out
-                        bar.update(1)
+                        bar.finished(out)
         except BaseException:
             for rid in order:
                 self.engine.abort_request(rid)
@@ -125,3 +125,28 @@ class LLM:
         finally:
             bar.close()
         return results
+
+
+class _ProgressBar:
+    """vLLM's bar: prompts done, and as a postfix the input and output tokens per second
+    so far (the finished requests' tokens over the elapsed time)."""
+
+    def __init__(self, total: int, use_tqdm: UseTqdm):
+        make = use_tqdm if callable(use_tqdm) else tqdm
+        self.bar = make(total=total, desc="Processed prompts", dynamic_ncols=True,
+                        disable=not use_tqdm,
+                        postfix="est. speed input: 0.00 toks/s, output: 0.00 toks/s")
+        self.input_tokens = 0
+        self.output_tokens = 0
+
+    def finished(self, out: RequestOutput) -> None:
+        self.input_tokens += len(out.prompt_token_ids or ())
+        self.output_tokens += sum(len(c.token_ids) for c in out.outputs)
+        elapsed = self.bar.format_dict.get("elapsed") or 0.0
+        if elapsed > 0:
+            self.bar.postfix = (f"est. speed input: {self.input_tokens / elapsed:.2f} toks/s, "
+                                f"output: {self.output_tokens / elapsed:.2f} toks/s")
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()

@@ -3,18 +3,24 @@
 Owns, per completion, the incremental detokenizer (stop strings), the sampled
 logprobs and the prompt logprobs; groups the n completions of a request.
 
-Two output kinds: final-only (offline `LLM.generate`: one RequestOutput per
-request, when all its completions are done) and delta streaming (the server:
-after every step, each changed request's new text, token ids and logprobs).
+Each request has an output kind (SamplingParams.output_kind, vLLM's): final-only
+(one RequestOutput when all its completions are done; offline `LLM.generate` and a
+non-streaming engine always), cumulative (after every step that changed it, all of
+it so far) or delta (after every such step, only the new text, token ids and
+logprobs: what the server streams). best_of > n makes it final-only: the n returned
+are known only once every sample is done.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from jaxserve.core import request_metrics
 from jaxserve.core.outputs import CompletionOutput, RequestOutput
 from jaxserve.core.request import Request, RequestStatus
+from jaxserve.core.request_metrics import RequestMetrics
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.logprobs import make_logprob_dict
+from jaxserve.sampling_params import RequestOutputKind
 
 
 @dataclass
@@ -39,9 +45,11 @@ class _Group:
     completions: list[_Completion]
     child_ids: list[str]
     prompt_logprobs: list | None
+    metrics: RequestMetrics
     num_cached_tokens: int = 0
     num_unfinished: int = 0
     prompt_logprobs_sent: bool = False
+    kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY
 
 
 class OutputProcessor:
@@ -52,7 +60,11 @@ class OutputProcessor:
         self._child: dict[str, tuple[_Group, _Completion]] = {}
 
     def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params,
-            child_ids: list[str]) -> None:
+            child_ids: list[str], arrival_time: float | None = None) -> None:
+        """arrival_time: when the request arrived, a time.monotonic() reading (None: now)."""
+        kind = RequestOutputKind.FINAL_ONLY
+        if self.stream and not params.ranks_samples:
+            kind = params.output_kind
         comps = []
         for i in range(len(child_ids)):
             detok = None
@@ -62,12 +74,17 @@ class OutputProcessor:
                     skip_special_tokens=params.skip_special_tokens,
                     spaces_between_special_tokens=params.spaces_between_special_tokens,
                     stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output,
-                    min_tokens=params.min_tokens, incremental=self.stream)
+                    min_tokens=params.min_tokens,
+                    incremental=kind != RequestOutputKind.FINAL_ONLY)
             want_lp = params.logprobs is not None
-            comps.append(_Completion(i, detok, [] if want_lp else None, 0.0 if want_lp else None))
+            # Ranking best_of samples needs each one's cumulative logprob.
+            comps.append(_Completion(i, detok, [] if want_lp else None,
+                                     0.0 if want_lp or params.ranks_samples else None))
         prompt_lps = [None] * len(prompt_token_ids) if params.prompt_logprobs is not None else None
+        arrival = (request_metrics.now() if arrival_time is None
+                   else request_metrics.from_monotonic(arrival_time))
         group = _Group(request_id, prompt, prompt_token_ids, params, comps, list(child_ids),
-                       prompt_lps, num_unfinished=len(comps))
+                       prompt_lps, RequestMetrics(arrival), num_unfinished=len(comps), kind=kind)
         self._groups[request_id] = group
         for cid, comp in zip(child_ids, comps):
             self._child[cid] = (group, comp)
@@ -85,10 +102,20 @@ class OutputProcessor:
     def has(self, request_id: str) -> bool:
         return request_id in self._groups
 
+    def mark_scheduled(self, child_ids: list[str]) -> None:
+        """A step is about to compute these completions (new, or resumed after a
+        preemption): the first time for a request is its first_scheduled_time."""
+        t = request_metrics.now()
+        for cid in child_ids:
+            entry = self._child.get(cid)
+            if entry is not None and entry[0].metrics.first_scheduled_time is None:
+                entry[0].metrics.first_scheduled_time = t
+
     def process(self, updated: list[Request], runner_out) -> tuple[list[RequestOutput], list[str]]:
         """Returns the outputs of changed groups and child ids stopped by a stop string."""
         changed: dict[str, _Group] = {}
         stopped: list[str] = []
+        t = request_metrics.now()   # one time for the whole step: its tokens came together
         for req_id, plp in runner_out.prompt_logprobs.items():
             entry = self._child.get(req_id)
             if entry is not None:
@@ -101,7 +128,7 @@ class OutputProcessor:
             group, comp = entry
             new_ids = req.output_token_ids[len(comp.token_ids):]
             if new_ids:
-                self._add_tokens(group, comp, req.request_id, new_ids, runner_out)
+                self._add_tokens(group, comp, req.request_id, new_ids, runner_out, t)
                 if comp.detok is not None and comp.detok.stop_reason is not None:
                     comp.finish_reason, comp.stop_reason = "stop", comp.detok.stop_reason
                     stopped.append(req.request_id)
@@ -109,12 +136,12 @@ class OutputProcessor:
                 comp.finish_reason = req.get_finish_reason()
                 comp.stop_reason = req.stop_reason
             if comp.finish_reason is not None:
-                self._finish(group, comp, req.request_id)
+                self._finish(group, comp, req.request_id, t)
             if group.num_cached_tokens == 0 and req.num_cached_tokens > 0:
                 group.num_cached_tokens = req.num_cached_tokens
             changed[group.request_id] = group
         outs = [self._output(g) for g in changed.values()
-                if self.stream or g.num_unfinished == 0]
+                if g.kind != RequestOutputKind.FINAL_ONLY or g.num_unfinished == 0]
         for g in changed.values():
             if g.num_unfinished == 0:
                 self._groups.pop(g.request_id, None)
@@ -128,21 +155,28 @@ class OutputProcessor:
             if self._child.pop(cid, None) is not None and comp.finish_reason is None:
                 comp.finish_reason = RequestStatus.finish_reason(RequestStatus.FINISHED_ABORTED)
         group.num_unfinished = 0
+        group.metrics.finished_time = request_metrics.now()
         return self._output(group)
 
     # ---- internals ------------------------------------------------------------------
     def _add_tokens(self, group: _Group, comp: _Completion, child_id: str, new_ids: list[int],
-                    runner_out) -> None:
+                    runner_out, t: float) -> None:
         if comp.finish_reason is not None:
             return   # tokens after a stop string (same step) are dropped
         comp.token_ids.extend(new_ids)
+        m = group.metrics
+        if m.first_token_time is None:
+            m.first_token_time = t
+        m.last_token_time = t
+        m.num_generation_tokens += len(new_ids)
         if comp.detok is not None:
             comp.detok.update(new_ids)
         k = group.params.logprobs
-        if k is not None and child_id in runner_out.logprobs:
+        if comp.cumulative_logprob is not None and child_id in runner_out.logprobs:
             ids, lps, rank = runner_out.logprobs[child_id]
-            comp.logprobs.append(make_logprob_dict(
-                int(ids[0]), float(lps[0]), rank, ids[1:], lps[1:], k, self._decoder(comp)))
+            if k is not None:
+                comp.logprobs.append(make_logprob_dict(
+                    int(ids[0]), float(lps[0]), rank, ids[1:], lps[1:], k, self._decoder(comp)))
             comp.cumulative_logprob += float(lps[0])
 
     def _decoder(self, comp: _Completion):
@@ -160,33 +194,45 @@ class OutputProcessor:
                 group.prompt_token_ids[pos], float(lp[j]), int(rank[j]), top_ids[j], top_lp[j],
                 k, decode)
 
-    def _finish(self, group: _Group, comp: _Completion, child_id: str) -> None:
+    def _finish(self, group: _Group, comp: _Completion, child_id: str, t: float) -> None:
         if self._child.pop(child_id, None) is None:
             return
         if comp.detok is not None:
             comp.detok.finalize()
         group.num_unfinished -= 1
+        if group.num_unfinished == 0:
+            group.metrics.finished_time = t
 
     def _output(self, group: _Group) -> RequestOutput:
-        outs = [self._delta(c) if self.stream else self._full(c) for c in group.completions]
+        delta = group.kind == RequestOutputKind.DELTA
+        comps = group.completions
+        if group.params.ranks_samples:
+            comps = _best(comps, group.params.n)
+        outs = [self._delta(c) if delta else self._full(c) for c in comps]
         prompt_lps = None
-        if group.prompt_logprobs is not None and not (self.stream and group.prompt_logprobs_sent):
-            # Streams carry prompt logprobs once, when all of them are known.
-            if not self.stream or all(e is not None for e in group.prompt_logprobs[1:]):
+        if group.prompt_logprobs is not None and not (delta and group.prompt_logprobs_sent):
+            # Streams carry prompt logprobs once all of them are known (deltas: only once).
+            if group.kind == RequestOutputKind.FINAL_ONLY or \
+                    all(e is not None for e in group.prompt_logprobs[1:]):
                 prompt_lps = group.prompt_logprobs
                 group.prompt_logprobs_sent = True
         return RequestOutput(
             request_id=group.request_id, prompt=group.prompt,
             prompt_token_ids=group.prompt_token_ids, prompt_logprobs=prompt_lps,
             outputs=[o for o in outs if o is not None], finished=group.num_unfinished == 0,
-            num_cached_tokens=group.num_cached_tokens)
+            num_cached_tokens=group.num_cached_tokens, metrics=replace(group.metrics))
 
     @staticmethod
     def _full(c: _Completion) -> CompletionOutput:
+        """All of the completion so far (less text that may still start a stop string)."""
+        text = "" if c.detok is None else \
+            c.detok.get_next_output_text(c.finish_reason is not None, delta=False)
         return CompletionOutput(
-            index=c.index, text=c.detok.output_text if c.detok is not None else "",
+            index=c.index, text=text,
             token_ids=list(c.token_ids), cumulative_logprob=c.cumulative_logprob,
-            logprobs=c.logprobs, finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+            # a copy: a cumulative stream's earlier outputs must not grow with later ones
+            logprobs=None if c.logprobs is None else list(c.logprobs),
+            finish_reason=c.finish_reason, stop_reason=c.stop_reason)
 
     @staticmethod
     def _delta(c: _Completion) -> CompletionOutput | None:
@@ -202,3 +248,10 @@ class OutputProcessor:
         return CompletionOutput(
             index=c.index, text=text, token_ids=new_ids, cumulative_logprob=c.cumulative_logprob,
             logprobs=lps, finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+
+
+def _best(completions: list[_Completion], n: int) -> list[_Completion]:
+    """The n completions of highest cumulative logprob, best first and indexed 0..n-1
+    in that order (vLLM V0's best_of; the sum favours shorter completions, as there)."""
+    ranked = sorted(completions, key=lambda c: c.cumulative_logprob, reverse=True)[:n]
+    return [replace(c, index=i) for i, c in enumerate(ranked)]

@@ -50,9 +50,10 @@ logger = logging.getLogger("jaxserve")
 @dataclass
 class ModelRunnerOutput:
     sampled: dict[str, int] = field(default_factory=dict)
-    # req_id -> (token ids [1+MAX], logprobs [1+MAX], rank of the sampled token)
+    # req_id -> (token ids [1+K], logprobs [1+K], rank of the sampled token); K = the
+    # runner's max_logprobs
     logprobs: dict[str, tuple[np.ndarray, np.ndarray, int]] = field(default_factory=dict)
-    # req_id -> (first position, target logprob [n], rank [n], top ids [n, MAX], top lps [n, MAX])
+    # req_id -> (first position, target logprob [n], rank [n], top ids [n, K], top lps [n, K])
     prompt_logprobs: dict[str, tuple] = field(default_factory=dict)
 
 
@@ -75,14 +76,16 @@ class ModelRunner:
                  max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int, kv_dtype,
                  num_state_slots: int = 0, num_sliding_pages: int = 0,
                  context_buckets: bool = True, mesh=None, vocab_axis: str | None = None,
-                 abstract: bool = False):
+                 abstract: bool = False, max_logprobs: int = MAX_LOGPROBS):
         """model.config: the model as it runs on this mesh (KV heads as stored);
         num_pages / num_state_slots: per layer, the null page / null slot 0 included
         (planning/cache_plan.py; 0 slots: no recurrent layers);
         num_sliding_pages: the sliding-window layers' KV group, pages per layer (0: no such
         group; the step's inputs then carry no sliding slots or page table);
         abstract: params are ShapeDtypeStructs with shardings and the caches are only
-        described (nothing allocated): the programs can be lowered, not run."""
+        described (nothing allocated): the programs can be lowered, not run;
+        max_logprobs: the top entries the sampler and prompt logprobs compute (the
+        engine's limit, resolved: no -1), a static width of their programs."""
         self.model = model
         self.params = params
         self.abstract = abstract
@@ -93,6 +96,7 @@ class ModelRunner:
         # mesh axis for "vocab"), or whole.
         self._vocab_parallel = NamedSharding(self.mesh, PartitionSpec(None, vocab_axis))
         self.vocab_size = vocab_size
+        self.max_logprobs = max_logprobs
         # Set by the engine once its tokenizer is loaded (after warmup: no program reads it).
         self.eos_token_ids: tuple[int, ...] = ()   # held back by min_tokens
         self.max_model_len = max_model_len
@@ -151,6 +155,7 @@ class ModelRunner:
         # wants logprobs: a greedy batch's argmax reduces the per-shard maxima.
         logits = jax.lax.with_sharding_constraint(logits, self._vocab_parallel)
         return sample(logits, tensors, penalties=mode == PENALTIES, greedy=mode == GREEDY,
+                      num_logprobs=self.max_logprobs,
                       gather=partial(jax.lax.with_sharding_constraint, shardings=self._rep))
 
     def _prompt_logprobs_fn(self, params, hidden, targets):
@@ -165,12 +170,12 @@ class ModelRunner:
 
         def compute(h, tg):
             logits = self.model.apply({"params": params}, h, method="compute_logits")
-            return compute_prompt_logprobs(logits, jnp.maximum(tg, 0))
+            return compute_prompt_logprobs(logits, jnp.maximum(tg, 0), self.max_logprobs)
 
         def skip(h, tg):
             f, i = jnp.zeros((c,), jnp.float32), jnp.zeros((c,), jnp.int32)
-            return f, i, jnp.zeros((c, MAX_LOGPROBS), jnp.float32), \
-                jnp.zeros((c, MAX_LOGPROBS), jnp.int32)
+            k = self.max_logprobs
+            return f, i, jnp.zeros((c, k), jnp.float32), jnp.zeros((c, k), jnp.int32)
 
         def chunk(args):
             return jax.lax.cond(jnp.any(args[1] >= 0), compute, skip, *args)

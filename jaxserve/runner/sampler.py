@@ -83,9 +83,10 @@ class SamplingTensors:
 class SamplerOutput:
     token_ids: jax.Array  # int32[R]
     # Column 0 is the sampled token, 1.. the top tokens (ids -1 / logprob -inf past the
-    # vocabulary when V < MAX_LOGPROBS); zeros when no row of the batch wants logprobs.
-    logprobs: jax.Array  # f32[R, MAX_LOGPROBS + 1]
-    logprob_token_ids: jax.Array  # int32[R, MAX_LOGPROBS + 1]
+    # vocabulary when V < K); zeros when no row of the batch wants logprobs.
+    # K = sample's num_logprobs (the engine's max_logprobs).
+    logprobs: jax.Array  # f32[R, K + 1]
+    logprob_token_ids: jax.Array  # int32[R, K + 1]
     sampled_rank: jax.Array  # int32[R]; 1 = most likely
 
 
@@ -349,19 +350,22 @@ def _token_logprob_and_rank(logprobs: jax.Array, ids: jax.Array) -> tuple[jax.Ar
     return chosen[:, 0], rank
 
 
-def _logprobs_out(logits: jax.Array, token_ids: jax.Array) -> tuple[jax.Array, ...]:
+def _logprobs_out(logits: jax.Array, token_ids: jax.Array,
+                  num_logprobs: int) -> tuple[jax.Array, ...]:
     """(logprobs, their ids, sampled rank) of SamplerOutput from the raw logits."""
     raw = jax.nn.log_softmax(logits, axis=-1)
     chosen, rank = _token_logprob_and_rank(raw, token_ids)
-    top_values, top_ids = _top_logprobs(raw, MAX_LOGPROBS)
+    top_values, top_ids = _top_logprobs(raw, num_logprobs)
     return (jnp.concatenate([chosen[:, None], top_values], axis=-1),
             jnp.concatenate([token_ids[:, None], top_ids], axis=-1), rank)
 
 
 def sample(logits: jax.Array, tensors: SamplingTensors, *, penalties: bool = False,
-           greedy: bool = False,
+           greedy: bool = False, num_logprobs: int = MAX_LOGPROBS,
            gather: Callable[[jax.Array], jax.Array] = lambda x: x) -> SamplerOutput:
     """Pick one token per row. logits: [R, V] (any float dtype; computed in f32).
+    num_logprobs: the top entries computed for rows that want logprobs (static: the
+    engine's max_logprobs, so that one program serves every request).
     Static flags: penalties, whether `tensors` carries the token history; greedy, every
     row is greedy and none wants logprobs (the argmax alone: XLA:CPU charges a step for
     the sampling branches even when they do not run). gather: makes a [R, V] array
@@ -369,7 +373,7 @@ def sample(logits: jax.Array, tensors: SamplingTensors, *, penalties: bool = Fal
     vocab-parallel; the greedy argmax reduces the shards as they are)."""
     t = tensors
     logits = logits.astype(jnp.float32)
-    num_rows, width = logits.shape[0], MAX_LOGPROBS + 1
+    num_rows, width = logits.shape[0], num_logprobs + 1
     rows = jnp.arange(num_rows)[:, None]
     masked = logits.at[rows, t.banned_token_ids].set(-jnp.inf, mode="drop")
     if t.logit_bias_ids is not None:
@@ -388,22 +392,23 @@ def sample(logits: jax.Array, tensors: SamplingTensors, *, penalties: bool = Fal
         jnp.all(greedy_row), lambda: greedy_ids,
         lambda: jnp.where(greedy_row, greedy_ids, _random_sample(gather(masked), t)))
     logprobs, logprob_ids, rank = jax.lax.cond(
-        jnp.any(t.want_logprobs), lambda: _logprobs_out(gather(logits), token_ids),
+        jnp.any(t.want_logprobs),
+        lambda: _logprobs_out(gather(logits), token_ids, num_logprobs),
         lambda: no_logprobs)
     return SamplerOutput(token_ids=token_ids, logprobs=logprobs, logprob_token_ids=logprob_ids,
                          sampled_rank=rank)
 
 
 def compute_prompt_logprobs(
-    logits: jax.Array, target_ids: jax.Array
+    logits: jax.Array, target_ids: jax.Array, num_logprobs: int = MAX_LOGPROBS
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """Logprobs of the next prompt tokens under the model's raw logits.
 
     logits f32[T, V] (row t predicts target_ids[t]), target_ids int32[T] ->
-    (target logprob f32[T], target rank int32[T], top logprobs f32[T, MAX_LOGPROBS],
-    top ids int32[T, MAX_LOGPROBS]).
+    (target logprob f32[T], target rank int32[T], top logprobs f32[T, K],
+    top ids int32[T, K]), K = num_logprobs (static).
     """
     logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     chosen, rank = _token_logprob_and_rank(logprobs, target_ids.astype(jnp.int32))
-    top_values, top_ids = _top_logprobs(logprobs, MAX_LOGPROBS)
+    top_values, top_ids = _top_logprobs(logprobs, num_logprobs)
     return chosen, rank, top_values, top_ids

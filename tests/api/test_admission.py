@@ -4,19 +4,21 @@ from __future__ import annotations
 
 import asyncio
 import json
-from types import SimpleNamespace
 
 import pytest
 
 from jaxserve.api.server import create_app
 from jaxserve.api.serving import ServerSettings
+from jaxserve.engine.async_engine import EngineStats
 from jaxserve.engine.input_processor import InputProcessor
 
 
 class StubEngine:
-    """What the serving layer asks of the engine before a request reaches it."""
+    """What the serving layer (and its stats line) asks of the engine before a request
+    reaches it."""
     tokenizer = None
-    stats = SimpleNamespace(num_running=0)
+    stats = EngineStats()
+    dead = False
 
     def __init__(self):
         self.generated = 0
@@ -65,7 +67,7 @@ def test_admission_is_released_however_the_client_leaves(stream, hang_up):
     # hang_up: the client is gone before the first byte of the answer (a stream's body
     # generator may never be pulled by the socket; the count must come back anyway).
     engine = StubEngine()
-    app = create_app(engine, ServerSettings(served_model_name="stub", max_model_len=64,
+    app = create_app(engine, ServerSettings(served_model_names=("stub",), max_model_len=64,
                                             max_waiting_requests=2))
     serving = app.state.serving
     for _ in range(3):   # more than max_waiting_requests: a leak would show as a 503
@@ -80,7 +82,7 @@ def test_an_unexpected_error_is_one_500_and_is_not_raised_to_the_server(caplog):
     # The stub has no `config`, so /v1/models fails with an AttributeError: the answer
     # is an OpenAI-shaped 500, logged once, and nothing is re-raised to uvicorn (which
     # would log it again and drop the keep-alive connection).
-    app = create_app(StubEngine(), ServerSettings(served_model_name="stub", max_model_len=64))
+    app = create_app(StubEngine(), ServerSettings(served_model_names=("stub",), max_model_len=64))
     sent = call(app, {}, hang_up=False, method="GET", path="/v1/models")
     assert sent[0]["status"] == 500
     error = json.loads(sent[1]["body"])["error"]

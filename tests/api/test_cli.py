@@ -91,4 +91,5 @@ def test_missing_model_is_a_clean_error(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:
         main(["--model", "qwen3.6-27b"])
     assert e.value.code == 2
-    assert "huggingface-cli download Qwen/Qwen3.6-27B" in capsys.readouterr().err
+    err = capsys.readouterr().err   # offline: tests/conftest.py sets HF_HUB_OFFLINE=1
+    assert "HF_HUB_OFFLINE is on" in err and "hf download Qwen/Qwen3.6-27B" in err

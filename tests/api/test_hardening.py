@@ -76,9 +76,9 @@ def wait_for(cond, timeout: float) -> float:
 
 
 def idle(srv: Server) -> bool:
-    return all(metric(srv, f"jaxserve:{m}") == 0 for m in (
-        "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
-        "num_sequences_admitted"))
+    return all(metric(srv, m) == 0 for m in (
+        "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+        "jaxserve:num_sequences_admitted"))
 
 
 def assert_serves(srv: Server) -> None:
@@ -143,7 +143,7 @@ def test_admission_counts_sequences_not_requests(hard):
     long = {"prompt": [5, 6, 7], "max_tokens": 3000, "ignore_eos": True, "stream": True}
     runners = [raw_request(hard, long) for _ in range(MAX_NUM_SEQS)]
     try:
-        wait_for(lambda: metric(hard, "jaxserve:num_requests_running") == MAX_NUM_SEQS, 30)
+        wait_for(lambda: metric(hard, "vllm:num_requests_running") == MAX_NUM_SEQS, 30)
         group = {"prompt": [9, 8, 7], "n": MAX_WAITING // 2, "max_tokens": 2000,
                  "ignore_eos": True, "temperature": 1.0, "stream": True}
         waiting = [raw_request(hard, group) for _ in range(2)]
@@ -162,7 +162,7 @@ def test_admission_counts_sequences_not_requests(hard):
 # ---- 3. a non-streaming client that hangs up is aborted -----------------------------------
 def test_non_streaming_client_that_hangs_up_is_aborted(hard):
     s = raw_request(hard, {"prompt": [5, 6, 7], "max_tokens": 4000, "ignore_eos": True})
-    wait_for(lambda: metric(hard, "jaxserve:num_requests_running") == 1, 30)
+    wait_for(lambda: metric(hard, "vllm:num_requests_running") == 1, 30)
     s.close()
     # 4000 tokens take far longer than this; the abort lands within the poll interval.
     print(f"\nnon-streaming hang-up: idle {wait_for(lambda: idle(hard), 3):.2f} s later")

@@ -77,7 +77,7 @@ def test_while_loading():
         assert "still loading" in err["message"] and "program 12 of 19" in err["message"]
     assert get(gate, "GET", "/version").json() == {"version": "1.2.3"}
     metrics = get(gate, "GET", "/metrics")
-    assert metrics.status_code == 200 and "jaxserve:num_requests_running" in metrics.text
+    assert metrics.status_code == 200 and "vllm:num_requests_running" in metrics.text
     assert gate.serving is None
 
 

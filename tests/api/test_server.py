@@ -167,7 +167,7 @@ def test_64_concurrent_streams(server, model):
     assert len(results) == 64
     for i, usage in results:
         assert usage.completion_tokens == 4 + i % 9 and usage.prompt_tokens == 3
-    assert _metric(server, "jaxserve:generation_tokens_total") > 0
+    assert _metric(server, "vllm:generation_tokens_total") > 0
 
 
 def test_clients_hanging_up_free_everything(server, model):
@@ -189,13 +189,13 @@ def test_clients_hanging_up_free_everything(server, model):
     asyncio.run(run())
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
-        if (_metric(server, "jaxserve:num_requests_running") == 0
-                and _metric(server, "jaxserve:kv_cache_usage_perc") == 0):
+        if (_metric(server, "vllm:num_requests_running") == 0
+                and _metric(server, "vllm:kv_cache_usage_perc") == 0):
             break
         time.sleep(0.2)
-    assert _metric(server, "jaxserve:num_requests_running") == 0
-    assert _metric(server, "jaxserve:num_requests_waiting") == 0
-    assert _metric(server, "jaxserve:kv_cache_usage_perc") == 0
+    assert _metric(server, "vllm:num_requests_running") == 0
+    assert _metric(server, "vllm:num_requests_waiting") == 0
+    assert _metric(server, "vllm:kv_cache_usage_perc") == 0
     ok = httpx.post(server.url + "/v1/completions", headers={"Authorization":
                     f"Bearer {API_KEY}"}, json={"model": model, "prompt": "hi", "max_tokens": 2})
     assert ok.status_code == 200

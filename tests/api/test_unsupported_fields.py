@@ -21,7 +21,7 @@ USED = {
     "guided_whitespace_pattern": " ",
     "tools": [TOOL], "functions": [TOOL["function"]], "function_call": "auto",
     "tool_choice": "required", "prompt_logprobs": 1, "best_of": 2, "use_beam_search": True,
-    "length_penalty": 0.5, "suffix": "!", "truncate_prompt_tokens": 8,
+    "length_penalty": 0.5, "suffix": "!",
     "return_tokens_as_token_ids": True, "chat_template": "{{ messages }}",
     "continue_final_message": True, "documents": [{"text": "x"}],
     "mm_processor_kwargs": {"a": 1}, "audio": {"voice": "x"}, "modalities": ["text", "audio"],

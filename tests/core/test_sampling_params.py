@@ -7,8 +7,10 @@ from pathlib import Path
 
 import pytest
 
+import numpy as np
+
 from jaxserve.sampling_params import (INT32_MAX, INT64_MAX, INT64_MIN, MAX_LOGPROBS, MAX_N,
-                                      SamplingParams, SamplingType)
+                                      RequestOutputKind, SamplingParams, SamplingType)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -51,13 +53,24 @@ def test_normalisation():
         (dict(presence_penalty=-2.5), "presence_penalty"),
         (dict(frequency_penalty=2.01), "frequency_penalty"),
         (dict(frequency_penalty=-3.0), "frequency_penalty"),
-        (dict(max_tokens=0), "max_tokens"),
+        (dict(max_tokens=-1), "max_tokens"),
         (dict(min_tokens=-1), "min_tokens"),
         (dict(min_tokens=5, max_tokens=4), "min_tokens"),
         (dict(logprobs=-1), "logprobs"),
-        (dict(logprobs=MAX_LOGPROBS + 1), "logprobs"),
+        # (the engine's max_logprobs is the front door's: tests/engine/test_llm_vllm_names.py)
+        (dict(logprobs=INT32_MAX + 1), "logprobs"),
         (dict(prompt_logprobs=-1), "prompt_logprobs"),
-        (dict(prompt_logprobs=MAX_LOGPROBS + 1), "prompt_logprobs"),
+        (dict(prompt_logprobs=2.0), "prompt_logprobs"),
+        (dict(n=3, best_of=2), "best_of"),
+        (dict(best_of=MAX_N + 1), "best_of"),
+        (dict(best_of=2.0), "best_of"),
+        (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
+        (dict(truncate_prompt_tokens=-2), "truncate_prompt_tokens"),
+        (dict(truncate_prompt_tokens=1.5), "truncate_prompt_tokens"),
+        (dict(output_kind=1), "output_kind"),
+        (dict(output_kind="delta"), "output_kind"),
+        (dict(stop_token_ids=[np.float32(3)]), "stop_token_ids"),
+        (dict(seed=np.bool_(True)), "seed"),
         (dict(stop=""), "stop"),
         (dict(stop=["ok", ""]), "stop"),
         (dict(stop=[3]), "stop"),
@@ -150,3 +163,58 @@ def test_core_modules_do_not_import_jax():
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
+
+
+def test_new_vllm_fields_default_and_accept():
+    p = SamplingParams()
+    assert p.best_of is None and p.truncate_prompt_tokens is None
+    assert p.output_kind is RequestOutputKind.CUMULATIVE
+    assert (p.num_samples, p.ranks_samples) == (1, False)
+    q = SamplingParams(n=2, best_of=5, truncate_prompt_tokens=-1,
+                       output_kind=RequestOutputKind.DELTA, logprobs=MAX_LOGPROBS + 5)
+    assert (q.num_samples, q.ranks_samples, q.truncate_prompt_tokens) == (5, True, -1)
+    assert SamplingParams(n=3, best_of=3).ranks_samples is False
+    assert [o.value for o in RequestOutputKind] == [0, 1, 2]
+
+
+def test_best_of_children():
+    p = SamplingParams(n=2, best_of=4, seed=7, temperature=0.8)
+    kids = [p.child(i) for i in range(4)]
+    assert [k.seed for k in kids] == [7, 8, 9, 10]
+    # Ranking needs every sample's logprob: the children ask for it.
+    assert all(k.n == 1 and k.best_of is None and k.logprobs == 0 for k in kids)
+    assert SamplingParams(n=2, best_of=4, logprobs=3).child(0).logprobs == 3
+    assert SamplingParams(n=2, best_of=2).child(1).logprobs is None
+    with pytest.raises(ValueError, match="child index"):
+        p.child(4)
+
+
+def test_from_optional_takes_defaults_for_none():
+    p = SamplingParams.from_optional(n=None, temperature=None, top_p=None, top_k=None,
+                                     presence_penalty=None, min_tokens=None, seed=None,
+                                     stop=None, logprobs=None, max_tokens=None, best_of=None)
+    d = SamplingParams()
+    assert (p.n, p.temperature, p.top_p, p.top_k, p.presence_penalty, p.min_tokens) == \
+        (d.n, d.temperature, d.top_p, d.top_k, d.presence_penalty, d.min_tokens)
+    # As vLLM's: where None is a value of the field it stays (max_tokens None: no limit).
+    assert p.seed is None and p.stop == [] and p.logprobs is None and p.max_tokens is None
+    assert SamplingParams.from_optional(temperature=0.5, n=2).temperature == 0.5
+    with pytest.raises(TypeError, match="no_such_field"):
+        SamplingParams.from_optional(no_such_field=None)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams.from_optional(top_p=2.0)
+
+
+def test_numpy_integers_are_ints():
+    i64, i32 = np.int64, np.int32
+    p = SamplingParams(n=i64(2), top_k=i32(5), seed=i64(3), max_tokens=i64(8),
+                       logprobs=i32(2), stop_token_ids=[i64(7), i32(9)],
+                       logit_bias={i64(4): 1.0}, allowed_token_ids=list(np.arange(3, 6)),
+                       best_of=i64(3), truncate_prompt_tokens=i32(4))
+    assert p.stop_token_ids == [7, 9] and p.allowed_token_ids == [3, 4, 5]
+    assert list(p.logit_bias) == [4]
+    values = [p.n, p.top_k, p.seed, p.max_tokens, p.logprobs, p.best_of,
+              p.truncate_prompt_tokens, *p.stop_token_ids, *p.allowed_token_ids,
+              *p.logit_bias]
+    assert all(type(v) is int for v in values), [type(v) for v in values]
+    assert [c.seed for c in (p.child(0), p.child(2))] == [3, 5]

@@ -24,7 +24,12 @@ OK = {"prompt_token_ids": [5, 6, 7]}
     ({"prompt_token_ids": [5, 256]}, SamplingParams(), "token id 256 is outside"),
     ({"prompt_token_ids": [5, -1]}, SamplingParams(), "token id -1 is outside"),
     ({"prompt_token_ids": ["a"]}, SamplingParams(), "list of ints"),
-    (42, SamplingParams(), "must be a str or a dict"),
+    (42, SamplingParams(), "must be a str, a TextPrompt or a TokensPrompt"),
+    ({"prompt_token_ids": [5], "multi_modal_data": {}}, SamplingParams(), "'multi_modal_data'"),
+    ({"prompt_token_ids": [5], "promt": "x"}, SamplingParams(), "'promt' is not one"),
+    ({"prompt": ["a"]}, SamplingParams(), "'prompt' must be a str"),
+    (OK, SamplingParams(logprobs=21), "logprobs=21 is more than .* max_logprobs=20"),
+    (OK, SamplingParams(prompt_logprobs=30), "prompt_logprobs=30 is more than"),
     ({"prompt_token_ids": [5, 2**40]}, SamplingParams(), "outside the vocabulary"),
     ({"prompt_token_ids": [5, True]}, SamplingParams(), "list of ints"),
     (OK, SamplingParams(stop_token_ids=[256]), "stop_token_ids: 256 is outside"),
@@ -47,9 +52,9 @@ def test_bad_request_raises_and_harms_nothing(llm, prompt, params, message):
     (dict(top_k=-2), "top_k"),
     (dict(n=0), "n must be"),
     (dict(min_p=2.0), "min_p"),
-    (dict(max_tokens=0), "max_tokens"),
+    (dict(max_tokens=-1), "max_tokens"),
     (dict(repetition_penalty=0.0), "repetition_penalty"),
-    (dict(logprobs=100), "logprobs"),
+    (dict(logprobs=-1), "logprobs"),
 ])
 def test_invalid_sampling_values(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -61,7 +61,7 @@ def test_refusals_name_their_field_and_are_counted(inputs, prompt, params, kwarg
 
 @pytest.mark.parametrize("kwargs, param", [
     (dict(temperature=-1.0), "temperature"), (dict(top_p=0.0), "top_p"),
-    (dict(n=0), "n"), (dict(max_tokens=0), "max_tokens"), (dict(seed=2**64), "seed"),
+    (dict(n=0), "n"), (dict(max_tokens=-1), "max_tokens"), (dict(seed=2**64), "seed"),
     (dict(min_tokens=5, max_tokens=2), "min_tokens"), (dict(stop=[""]), "stop"),
 ])
 def test_sampling_params_refusals_carry_their_field(kwargs, param):
