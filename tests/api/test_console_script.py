@@ -2,6 +2,7 @@
 file, several served names, CORS, HTTPS and a root path, in one real server."""
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -12,7 +13,9 @@ import pytest
 import jaxserve
 from tests.api.conftest import API_KEY, Server
 
-JAXSERVE = shutil.which("jaxserve")
+# pip puts the script beside the interpreter (a venv's bin/, on PATH or not).
+_BESIDE = os.path.join(os.path.dirname(sys.executable), "jaxserve")
+JAXSERVE = _BESIDE if os.path.isfile(_BESIDE) else shutil.which("jaxserve")
 
 
 def test_console_script_is_installed_and_has_a_version():
