@@ -16,6 +16,15 @@ class ModelInputs:
     num_seqs: jax.Array         # int32[1]   live requests (rows past it are padding)
     # Hybrid models only: recurrent-state slot of each row (0 = the null slot of padding rows).
     state_slots: jax.Array | None = None   # int32[R]
+    # Hybrid models only (None otherwise): recurrent-state slot copies around the forward
+    # (models/state_copies.py), K = max_num_seqs rows of (src slot, dst slot), the first
+    # num_* real and the rest padding. Restores run before the layers (a prefix hit: a
+    # snapshot into the request's slot), saves after them (a slot's state at the end of
+    # this step's chunk, into a snapshot). The model never reads them: the runner applies them.
+    state_restores: jax.Array | None = None       # int32[K, 2]
+    num_state_restores: jax.Array | None = None   # int32[1]
+    state_saves: jax.Array | None = None          # int32[K, 2]
+    num_state_saves: jax.Array | None = None      # int32[1]
     # Models with sliding-window layers (Gemma 4): those layers' pages are a KV group of
     # their own (pages out of the window are freed), so they have their own slots and
     # page table, as above. None: they use slot_mapping / page_table.

@@ -18,7 +18,7 @@ values). A new request's sliding list has the null page 0 before its window.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any, Iterator
 
@@ -59,6 +59,12 @@ class SchedulerOutput:
     num_scheduled_tokens: int       # all requests' tokens this step
     preempted_req_ids: list[str]    # rows to drop: the requests come back as new ones
     finished_req_ids: list[str]     # finished (incl. aborted, failed) since the last schedule()
+    # Hybrid prefix caching: (src, dst) recurrent-state slot copies, applied in order in
+    # every linear-attention layer. Restores before this step's forward (a snapshot into
+    # a request's slot), saves after it (a request's slot, at the end of its chunk, into
+    # a snapshot). At most max_num_seqs of each, and only in a step that computes a row.
+    state_restores: list[tuple[int, int]] = field(default_factory=list)
+    state_saves: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def req_ids(self) -> list[str]:

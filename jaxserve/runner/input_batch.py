@@ -15,10 +15,14 @@ A model whose sliding-window layers have a KV group of their own (sliding=True) 
 second page-table row per request, for those layers' pages: it keeps the ids of pages
 the scheduler gave back as they left the window (jaxserve/core/sched_output.py says
 why that is safe).
+
+A hybrid runner (num_state_slots > 0) also carries the step's recurrent-state slot
+copies (prefix caching: SchedulerOutput.state_restores / state_saves) into the inputs,
+padded to max_num_seqs pairs with a count (ModelInputs.state_restores ...).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -40,6 +44,9 @@ class ScheduledRows:
     lens: np.ndarray      # int32[n] tokens each row computes
     sample: np.ndarray    # bool[n]  the row reaches the end of its known tokens: sample one
     num_tokens: int
+    # (src, dst) state-slot copies before / after the forward (SchedulerOutput's, checked).
+    state_restores: list[tuple[int, int]] = field(default_factory=list)
+    state_saves: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_reqs(self) -> int:
@@ -52,6 +59,19 @@ class HostBatch:
     logits_indices: np.ndarray   # int32[R] last scheduled token of each row
     num_tokens: int              # real tokens (the rest of T is padding)
     num_reqs: int
+
+
+def state_copy_inputs(restores: list[tuple[int, int]], saves: list[tuple[int, int]],
+                      k: int) -> dict[str, np.ndarray]:
+    """A hybrid step's ModelInputs state-copy fields: each list of (src, dst) pairs as
+    int32[k, 2] (padding rows 0) and its count int32[1]. Warmup passes empty lists."""
+    out = {}
+    for name, pairs in (("state_restores", restores), ("state_saves", saves)):
+        a = np.zeros((k, 2), np.int32)
+        if pairs:
+            a[:len(pairs)] = pairs
+        out[name], out["num_" + name] = a, np.array([len(pairs)], np.int32)
+    return out
 
 
 # SamplingParams fields kept per row as SamplingTensors takes them: (name, dtype, value
@@ -67,12 +87,16 @@ class InputBatch:
     holds the longest request is passed, so attention that reads whole page-table
     rows (the jnp reference) reads no more context than the batch needs.
     sliding: the sliding-window layers' KV group has its own pages (the scheduler sends
-    two page lists per request); the step's inputs then carry their slots and table."""
+    two page lists per request); the step's inputs then carry their slots and table.
+    num_state_slots: recurrent-state slots per layer, null slot included (0: not a
+    hybrid); the step's inputs then carry its state-slot copies."""
 
     def __init__(self, *, max_num_seqs: int, max_model_len: int, page_size: int,
                  token_buckets: tuple[int, ...], vocab_size: int,
-                 page_buckets: tuple[int, ...] | None = None, sliding: bool = False):
+                 page_buckets: tuple[int, ...] | None = None, sliding: bool = False,
+                 num_state_slots: int = 0):
         self.max_num_seqs = r = max_num_seqs
+        self.num_state_slots = num_state_slots
         self.max_model_len = max_model_len
         self.page_size = page_size
         self.vocab_size = vocab_size
@@ -140,8 +164,10 @@ class InputBatch:
     def update(self, sched_out: SchedulerOutput, eos_token_ids: tuple[int, ...]) -> ScheduledRows:
         """Applies one step's diff: drops finished and preempted rows, extends running
         ones, adds new ones. -> the rows this step computes."""
-        self.remove(sched_out.finished_req_ids + sched_out.preempted_req_ids)
         c = sched_out.cached_reqs
+        # Checked before the batch changes: a refused step leaves it as it was.
+        self._check_state_copies(sched_out, len(c.req_ids) + len(sched_out.new_reqs))
+        self.remove(sched_out.finished_req_ids + sched_out.preempted_req_ids)
         row_of = self.row_of
         try:
             rows = [row_of[rid] for rid in c.req_ids]
@@ -171,7 +197,27 @@ class InputBatch:
             raise ValueError(f"request {req_ids[i]!r}: asked to compute up to token "
                              f"{ends[i]}, the runner knows {known[i]}")
         return ScheduledRows(req_ids, rows_a, starts_a, lens_a, ends == known,
-                             int(lens_a.sum()))
+                             int(lens_a.sum()), sched_out.state_restores, sched_out.state_saves)
+
+    def _check_state_copies(self, sched_out: SchedulerOutput, num_scheduled: int) -> None:
+        """ValueError unless every slot copy fits the step's fixed-shape arrays and names
+        real slots: an out-of-range slot would be clamped on device into another layer's
+        rows, and the null slot 0 holds only padding rows' garbage."""
+        for what, pairs in (("state_restores", sched_out.state_restores),
+                            ("state_saves", sched_out.state_saves)):
+            if not pairs:
+                continue
+            if not self.num_state_slots:
+                raise ValueError(f"{what}: the model has no recurrent state")
+            if not num_scheduled:
+                raise ValueError(f"{what} in a step that computes no rows (no forward runs)")
+            if len(pairs) > self.max_num_seqs:
+                raise ValueError(f"{len(pairs)} {what} in one step, at most "
+                                 f"max_num_seqs={self.max_num_seqs}")
+            for src, dst in pairs:
+                if not (0 < src < self.num_state_slots and 0 < dst < self.num_state_slots):
+                    raise ValueError(f"{what}: slot pair {(src, dst)} outside 1.."
+                                     f"{self.num_state_slots - 1}")
 
     def remove(self, req_ids: list[str]) -> None:
         """Frees the rows of these requests (unknown ids are ignored) and moves the last
@@ -317,12 +363,14 @@ class InputBatch:
         state_slots[:num_reqs] = self.state_slots[rows]
         logits_idx = np.zeros(r_max, np.int32)
         logits_idx[:num_reqs] = cu[1:num_reqs + 1] - 1
+        copies = (state_copy_inputs(step.state_restores, step.state_saves, r_max)
+                  if self.num_state_slots else {})
         inputs = ModelInputs(
             token_ids=token_ids.copy(), positions=positions.copy(), slot_mapping=slots.copy(),
             query_start_loc=cu.copy(), seq_lens=seq_lens, page_table=page_table,
             num_seqs=np.array([num_reqs], np.int32), state_slots=state_slots,
             sliding_slot_mapping=sliding_slots.copy() if sliding else None,
-            sliding_page_table=sliding_table if sliding else None)
+            sliding_page_table=sliding_table if sliding else None, **copies)
         return HostBatch(inputs, logits_idx, num_tokens, num_reqs)
 
     def sampling_tensors(self, step: ScheduledRows, num_rows_padded: int, *,

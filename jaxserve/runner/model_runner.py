@@ -33,7 +33,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxserve.runner.buckets import (page_buckets, pick_bucket, row_buckets,
                                      sampling_row_buckets, token_buckets)
-from jaxserve.runner.input_batch import InputBatch, ScheduledRows
+from jaxserve.runner.input_batch import InputBatch, ScheduledRows, state_copy_inputs
 from jaxserve.runner.layer_caches import layer_cache_specs, make_layer_caches
 from jaxserve.runner.parallel_compile import compile_all, default_compile_workers
 from jaxserve.runner.programs import (FORWARD, GREEDY, PENALTIES, PROMPT_LOGPROBS, RANDOM,
@@ -42,6 +42,7 @@ from jaxserve.runner.sampler import compute_prompt_logprobs, make_sampling_tenso
 from jaxserve.runner.warmup_report import OnProgram, WarmupReport
 from jaxserve.sampling_params import MAX_LOGPROBS
 from models.inputs import ModelInputs
+from models.state_copies import copy_state_slots
 from sharding import make_mesh, replicated
 
 logger = logging.getLogger("jaxserve")
@@ -110,7 +111,8 @@ class ModelRunner:
         self.batch = InputBatch(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                                 page_size=page_size, token_buckets=self.token_buckets,
                                 vocab_size=vocab_size, page_buckets=widths,
-                                sliding=num_sliding_pages > 0)
+                                sliding=num_sliding_pages > 0, num_state_slots=num_state_slots)
+        self.num_state_slots = num_state_slots
         # The stacked caches (models/layer_stack.py): KV heads as stored on this mesh.
         cache_kw = dict(num_pages=num_pages, page_size=page_size, kv_dtype=kv_dtype,
                         num_state_slots=num_state_slots, num_sliding_pages=num_sliding_pages,
@@ -142,8 +144,16 @@ class ModelRunner:
     def _forward_fn(self, params, kv_caches, inputs: ModelInputs, logits_indices):
         """-> (every token's hidden state padded to the largest token bucket, the rows at
         logits_indices, the caches). The padding (a [T_max, E] write, ~13 us of a v6e's
-        HBM bandwidth at E=5120) lets one prompt-logprobs program serve every bucket."""
+        HBM bandwidth at E=5120) lets one prompt-logprobs program serve every bucket.
+        A hybrid's state-slot copies (prefix caching) run here, in the same donated
+        program: restores before the layers read the slots, saves after they wrote them."""
+        if inputs.state_restores is not None:
+            kv_caches = copy_state_slots(kv_caches, inputs.state_restores,
+                                         inputs.num_state_restores, self.num_state_slots)
         hidden, kv_caches = self.model.apply({"params": params}, kv_caches, inputs)
+        if inputs.state_saves is not None:
+            kv_caches = copy_state_slots(kv_caches, inputs.state_saves, inputs.num_state_saves,
+                                         self.num_state_slots)
         padded = jnp.pad(hidden, ((0, self._max_tokens - hidden.shape[0]), (0, 0)))
         return padded, hidden[logits_indices], kv_caches
 
@@ -288,13 +298,16 @@ class ModelRunner:
 
         def forward_args(t: int, p: int) -> tuple:
             z = np.zeros(t, np.int32)
+            # A hybrid's slot copies, as InputBatch.build pads them (no pair, count 0).
+            copies = state_copy_inputs([], [], r_max) if self.num_state_slots else {}
             inputs = ModelInputs(
                 token_ids=z, positions=z, slot_mapping=z,
                 query_start_loc=np.zeros(r_max + 1, np.int32), seq_lens=np.zeros(r_max, np.int32),
                 page_table=np.zeros((r_max, p), np.int32), num_seqs=np.zeros(1, np.int32),
                 state_slots=np.zeros(r_max, np.int32),
                 sliding_slot_mapping=z if sliding else None,
-                sliding_page_table=np.zeros((r_max, p), np.int32) if sliding else None)
+                sliding_page_table=np.zeros((r_max, p), np.int32) if sliding else None,
+                **copies)
             return self.params, self.kv_caches, inputs, np.zeros(r_max, np.int32)
 
         def hidden(rows: int) -> Any:
