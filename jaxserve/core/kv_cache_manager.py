@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from jaxserve.core.block_pool import BlockPool, KVCacheBlock
 from jaxserve.core.request import Request
 from jaxserve.core.state_slots import StateSlotPool
+from jaxserve.core.state_snapshots import SnapshotCache
 
 GLOBAL, SLIDING = 0, 1   # KV group indices
 
@@ -63,8 +64,9 @@ class KVCacheManager:
 
     Hybrid models (num_state_slots > 0: the cache plan's count, the null slot 0
     included) also give each request one recurrent-state slot (a StateSlotPool) with
-    its first pages, returned with them. Their requests never share pages: a prefix
-    hit would skip the tokens that build the recurrent state.
+    its first pages, returned with them. Their requests share pages only with
+    num_snapshot_slots > 0 (core/state_snapshots.py): a hit must also restore the
+    recurrent state at its end, so it stops at the last page that has a snapshot.
 
     num_sliding_pages > 0 (with sliding_window): the sliding-window layers' KV group,
     a second pool of that many pages (the null page included). Both groups register
@@ -73,7 +75,7 @@ class KVCacheManager:
 
     def __init__(self, num_pages: int, page_size: int, enable_caching: bool = True,
                  num_state_slots: int = 0, *, num_sliding_pages: int = 0,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None, num_snapshot_slots: int = 0) -> None:
         if page_size <= 0:
             raise ValueError(f"page_size must be positive, got {page_size}")
         if num_state_slots < 0:
@@ -87,6 +89,11 @@ class KVCacheManager:
         self.page_size = page_size
         self.enable_caching = enable_caching
         self.state_slots = StateSlotPool(num_state_slots) if num_state_slots else None
+        # Hybrid prefix caching: snapshot slots follow the running requests' slots.
+        self.snapshots = SnapshotCache(num_state_slots, num_snapshot_slots) \
+            if num_state_slots and num_snapshot_slots else None
+        self._branch: dict[str, int] = {}   # request id -> where to keep a branch snapshot
+        self._restores: list[tuple[int, int]] = []   # the coming step's (snapshot, slot)
         # The pools always cache; this manager decides which requests take part.
         self.pool = BlockPool(num_pages, enable_caching=True)
         self.sliding_pool = BlockPool(num_sliding_pages) if num_sliding_pages else None
@@ -105,9 +112,10 @@ class KVCacheManager:
         return ([],) if self.sliding_pool is None else ([], [])
 
     def _shares_pages(self, request: Request) -> bool:
-        """Whether the request takes part in the prefix cache (never on hybrid models)."""
-        return self.state_slots is None and (self.enable_caching
-                                             or request.cache_salt is not None)
+        """Whether the request takes part in the prefix cache (hybrid models: only with
+        snapshot slots)."""
+        return (self.state_slots is None or self.snapshots is not None) and (
+            self.enable_caching or request.cache_salt is not None)
 
     def get_computed_blocks(self, request: Request) -> tuple[GroupBlocks, int]:
         """Longest cached prefix of the request, in whole pages: (its pages per KV group,
@@ -125,11 +133,70 @@ class KVCacheManager:
             if b is None:
                 break
             hit.append(b)
+        if self.snapshots is not None:
+            hit = self._snapshot_hit(request, hashes, hit)
         blocks = (hit,) if self.sliding_pool is None else self._sliding_hit(hashes, hit)
         num_tokens = len(blocks[GLOBAL]) * self.page_size
         self._queries += request.num_tokens
         self._hits += num_tokens
         return blocks, num_tokens
+
+    def _snapshot_hit(self, request: Request, hashes: list[int], hit: list[KVCacheBlock]
+                      ) -> list[KVCacheBlock]:
+        """A hybrid's hit: the longest prefix of the cached pages with a snapshot of the
+        state at its end. Cached pages past it mark a branch point: the request keeps a
+        snapshot there while it computes them again, for the next request that shares
+        them (a shared system prompt hits from the third request on)."""
+        ps = self.page_size
+        n = len(hit)
+        while n and self.snapshots.lookup(hashes[n - 1], n * ps) is None:
+            n -= 1
+        if len(hit) > n:
+            self._branch[request.request_id] = len(hit) * ps
+        else:
+            self._branch.pop(request.request_id, None)
+        return hit[:n]
+
+    def state_cut(self, request: Request, start: int) -> int | None:
+        """Hybrid prefix caching: the first position past `start` where the request's
+        chunk must end so that its state there can be kept -- its branch point, or the
+        end of its prompt's last full page (its rolling snapshot: the next turn of a
+        chat restarts there) -- or None."""
+        if self.snapshots is None or not self._shares_pages(request):
+            return None
+        ps = self.page_size
+        cuts = [c for c in (self._branch.get(request.request_id),
+                            request.num_prompt_tokens // ps * ps) if c and c > start]
+        return min(cuts, default=None)
+
+    def plan_state_saves(self, scheduled: list[tuple[Request, int]]) -> None:
+        """The coming step's snapshots, for each (request, position its chunk ends at):
+        at its branch point or its prompt's last full page a kept snapshot, at another
+        page boundary its rolling one."""
+        snaps, ps = self.snapshots, self.page_size
+        for req, end in scheduled:
+            if end % ps or not self._shares_pages(req):
+                continue
+            rid = req.request_id
+            rp = self.req_pages.get(rid)
+            page_hash = req.block_hashes[end // ps - 1]
+            if self._branch.get(rid) == end:
+                del self._branch[rid]
+                snaps.save_branch(rp.state_slot, page_hash, end)
+            elif end == req.num_prompt_tokens // ps * ps:
+                # Kept apart from the rolling one: a thinking model's next turn drops
+                # this turn's reasoning, so it diverges right after this prompt.
+                snaps.save_branch(rp.state_slot, page_hash, end)
+            else:
+                snaps.save_rolling(rid, rp.state_slot, page_hash, end)
+
+    def take_state_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """(restores before the coming step's forward, saves after it), as (src slot,
+        dst slot) pairs; the saves become usable once the step has run (commit)."""
+        if self.snapshots is None:
+            return [], []
+        restores, self._restores = self._restores, []
+        return restores, self.snapshots.pending_copies()
 
     def _sliding_hit(self, hashes: list[int], hit: list[KVCacheBlock]) -> GroupBlocks:
         """The longest prefix of the global hit whose window the sliding group has cached:
@@ -227,6 +294,11 @@ class KVCacheManager:
         if hit:
             if rp.blocks[GLOBAL]:
                 raise ValueError(f"request {rid!r} already has pages; prefix hits only apply to new requests")
+            if self.snapshots is not None:   # its state at the hit's end, restored first
+                end = len(hit[GLOBAL]) * ps
+                snap = self.snapshots.lookup(request.block_hashes[len(hit[GLOBAL]) - 1], end)
+                self.snapshots.use(snap)
+                self._restores.append((snap.slot, rp.state_slot))
             for g, pool in enumerate(self.pools):
                 pool.touch(hit[g])
                 rp.blocks[g].extend(hit[g])
@@ -282,6 +354,9 @@ class KVCacheManager:
                 pool.free_blocks(reversed(blocks))
             if rp.state_slot:
                 self.state_slots.free(rp.state_slot)
+        if self.snapshots is not None:
+            self.snapshots.release(request.request_id)
+            self._branch.pop(request.request_id, None)
 
     def get_block_ids(self, request_id: str, group: int = GLOBAL) -> list[int]:
         """A copy of the request's page ids in one KV group, in order."""
@@ -313,3 +388,5 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> None:
         for pool in self.pools:
             pool.reset_prefix_cache()
+        if self.snapshots is not None:
+            self.snapshots.reset()

@@ -90,6 +90,7 @@ class Scheduler:
         num_state_slots: int = 0,
         num_sliding_pages: int = 0,
         sliding_window: int | None = None,
+        num_snapshot_slots: int = 0,
     ) -> None:
         """num_sliding_pages / sliding_window: the sliding-window layers' KV group
         (planning/cache_plan.py; 0 / None: the model has none, or they share the global
@@ -116,7 +117,8 @@ class Scheduler:
                              f"of a hybrid model needs a state slot")
         self.kv = KVCacheManager(num_pages, page_size, enable_prefix_caching, num_state_slots,
                                  num_sliding_pages=num_sliding_pages,
-                                 sliding_window=sliding_window)
+                                 sliding_window=sliding_window,
+                                 num_snapshot_slots=num_snapshot_slots)
         if sliding_window is not None:
             # A request alone must always fit in the sliding pool too: its window, one
             # step's tokens and the page they may straddle (or its whole length, if less).
@@ -199,6 +201,8 @@ class Scheduler:
             req = self.requests.get(rid)
             if req is not None:
                 self.kv.uncache_unwritten(req, start, shared_too=True)
+        if self.kv.snapshots is not None:
+            self.kv.snapshots.discard_pending()
         done = self.abort_requests(req_ids)
         # update_from_output may have stopped (and released) some before it failed,
         # leaving finished requests in `running`.
@@ -251,6 +255,8 @@ class Scheduler:
         pages: list[tuple[list[int], ...]] = []
         new_reqs: list[NewRequestData] = []
         preempted: list[str] = []
+        # Hybrid prefix caching: chunks end where a state snapshot is to be kept.
+        cuts = kv.snapshots is not None
 
         # 1. Running requests, in order: decodes and unfinished prefill chunks.
         i = 0
@@ -261,6 +267,8 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
+            if cuts and (cut := kv.state_cut(req, start)) is not None:
+                num_new = min(num_new, cut - start)
             while (new_blocks := kv.allocate_slots(req, num_new)) is None:
                 victim = self._pick_victim()
                 vi = running.index(victim)
@@ -294,6 +302,8 @@ class Scheduler:
                 req = self._peek_waiting()
                 hit, num_hit = kv.get_computed_blocks(req)
                 num_new = min(req.num_tokens - num_hit, budget)
+                if cuts and (cut := kv.state_cut(req, num_hit)) is not None:
+                    num_new = min(num_new, cut - num_hit)
                 if kv.allocate_slots(req, num_new, hit, num_hit) is None:
                     break
                 self._pop_waiting()
@@ -311,7 +321,16 @@ class Scheduler:
 
         finished = self._finished_ids
         self._finished_ids = []
+        restores, saves = [], []
+        if cuts:
+            requests = self.requests
+            ends = [(requests[r], s + n) for r, s, n in zip(ids, starts, lens)]
+            ends += [(requests[r.req_id], r.num_computed_tokens + r.num_new_tokens)
+                     for r in new_reqs]
+            kv.plan_state_saves(ends)
+            restores, saves = kv.take_state_copies()
         return SchedulerOutput(
+            state_restores=restores, state_saves=saves,
             new_reqs=new_reqs,
             cached_reqs=CachedRequestData(ids, starts, lens, pages),
             num_scheduled_tokens=self.max_num_batched_tokens - budget,
@@ -327,6 +346,8 @@ class Scheduler:
         out: list[Request] = []
         finished_any = False
         running_status = RequestStatus.RUNNING
+        if self.kv.snapshots is not None:   # the step ran: its snapshots are taken
+            self.kv.snapshots.commit()
         requests = self.requests
         for rid in scheduler_output.req_ids:
             req = requests.get(rid)
