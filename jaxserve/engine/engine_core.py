@@ -109,12 +109,14 @@ class EngineCore:
                             on_progress=partial(_report_loading, progress))
         self.model, self.params = loaded.model, loaded.params
 
-        self.prefix_caching = config.enable_prefix_caching and not mc.is_hybrid
+        self.prefix_caching = config.enable_prefix_caching
         if mc.is_hybrid:
             logger.info("hybrid model: %d of %d layers are linear attention with recurrent "
-                        "state, the other %d keep KV pages; prefix caching is off",
+                        "state, the other %d keep KV pages; prefix caching %s",
                         len(mc.linear_attention_layers), mc.num_layers,
-                        len(mc.full_attention_layers))
+                        len(mc.full_attention_layers),
+                        "keeps state snapshots at page boundaries"
+                        if self.prefix_caching else "is off")
         progress.set_phase(ALLOCATING_KV_CACHE, "sizing and allocating the KV cache")
         # Sized per device: each device holds kv_heads / M heads of every page.
         plan = layout_cache_plan(config, layout, self.mesh.devices.flat[0])
@@ -142,6 +144,7 @@ class EngineCore:
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.num_batched_tokens,
             max_model_len=layout.max_model_len, enable_prefix_caching=self.prefix_caching,
             policy=config.scheduling_policy, num_state_slots=plan.num_state_slots,
+            num_snapshot_slots=plan.num_snapshot_slots,
             num_sliding_pages=plan.num_sliding_pages, sliding_window=plan.sliding_window)
         self.outputs = OutputProcessor(self.tokenizer, stream=stream_outputs)
         self.num_steps = 0

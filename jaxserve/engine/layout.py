@@ -149,7 +149,7 @@ def layout_cache_plan(config: EngineConfig, layout: EngineLayout, device: Any,
         layout.cache_specs, model_axis=layout.model_axis, page_size=config.page_size,
         max_num_seqs=config.max_num_seqs, max_model_len=layout.max_model_len,
         max_num_batched_tokens=config.num_batched_tokens, num_pages=config.num_pages,
-        budget_bytes=budget, cap_at_demand=cap))
+        budget_bytes=budget, cap_at_demand=cap, prefix_caching=config.enable_prefix_caching))
 
 
 def make_runner(config: EngineConfig, layout: EngineLayout, cache_plan: CachePlan, *, model,
@@ -157,7 +157,9 @@ def make_runner(config: EngineConfig, layout: EngineLayout, cache_plan: CachePla
     mc = layout.model_config
     return ModelRunner(
         model=model, params=params, vocab_size=mc.vocab_size,
-        num_state_slots=cache_plan.num_state_slots, num_pages=cache_plan.num_pages,
+        # The snapshot slots follow the running requests' in the same state arrays.
+        num_state_slots=cache_plan.num_state_slots + cache_plan.num_snapshot_slots,
+        num_pages=cache_plan.num_pages,
         num_sliding_pages=cache_plan.num_sliding_pages,
         page_size=cache_plan.page_size, max_num_seqs=config.max_num_seqs,
         max_model_len=layout.max_model_len, max_num_batched_tokens=config.num_batched_tokens,

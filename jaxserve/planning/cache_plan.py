@@ -38,6 +38,9 @@ class CachePlan:
     bytes_per_sliding_page: int = 0   # one page of every sliding layer
     num_sliding_layers: int = 0
     sliding_window: int | None = None
+    # Hybrid prefix caching: slots for state snapshots (core/state_snapshots.py), in the
+    # state arrays after the num_state_slots running ones.
+    num_snapshot_slots: int = 0
 
     @property
     def kv_tokens(self) -> int:
@@ -82,7 +85,11 @@ class CachePlan:
 
     @property
     def state_bytes(self) -> int:
-        return self.num_state_slots * self.bytes_per_state_slot
+        return (self.num_state_slots + self.num_snapshot_slots) * self.bytes_per_state_slot
+
+    @property
+    def snapshot_bytes(self) -> int:
+        return self.num_snapshot_slots * self.bytes_per_state_slot
 
     @property
     def total_bytes(self) -> int:
@@ -129,18 +136,35 @@ class CachePlan:
                    f"per token there: {self.full_history_kv_tokens} tokens in this memory)")
         if not self.has_state:
             return kv
-        return (f"{kv}; recurrent state: {self.max_running} slots (+ the null slot) x "
-                f"{self.num_state_layers} layers ({self.state_bytes / 2**30:.2f} GiB per device)")
+        snapshots = (f", + {self.num_snapshot_slots} prefix-cache snapshot slots "
+                     f"({self.snapshot_bytes / 2**30:.2f} GiB per device)"
+                     if self.num_snapshot_slots else "")
+        return (f"{kv}; recurrent state: {self.max_running} slots (+ the null slot){snapshots}"
+                f" x {self.num_state_layers} layers ({self.state_bytes / 2**30:.2f} GiB per "
+                f"device)")
+
+
+# Hybrid prefix caching: the snapshots' share of the cache budget, and what a running
+# sequence may use (its rolling snapshot and the one at its prompt's end; a shared
+# prefix's branch snapshot is one among many sequences).
+SNAPSHOT_BUDGET_SHARE = 0.1
+SNAPSHOTS_PER_SEQ = 2
+# Most snapshots per running sequence whatever the budget: a small model's states are
+# so small that its share would make tens of thousands of slots, more than the
+# distinct prefixes its pages could ever hold with them.
+MAX_SNAPSHOTS_PER_SEQ = 8
 
 
 def plan_caches(specs: Sequence[CacheSpec], *, model_axis: int, page_size: int,
                 max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int,
                 num_pages: int | None = None, budget_bytes: int | None = None,
-                cap_at_demand: bool = False) -> CachePlan:
+                cap_at_demand: bool = False, prefix_caching: bool = False) -> CachePlan:
     """Exactly one of num_pages (given: the global group's) and budget_bytes (the memory
     per device the caches may take: state slots first, then the sliding group's pages,
     then the global group's). Every recurrent layer gets a slot per running sequence
-    (max_num_seqs) plus the null slot. cap_at_demand: no more global pages than
+    (max_num_seqs) plus the null slot; with prefix_caching, snapshot slots too:
+    SNAPSHOT_BUDGET_SHARE of the budget, at most MAX_SNAPSHOTS_PER_SEQ per running
+    sequence (given num_pages, or cap_at_demand: SNAPSHOTS_PER_SEQ). cap_at_demand: no more global pages than
     max_num_seqs sequences of max_model_len need (CPU: memory is shared with the host).
     The plan may not fit one sequence (fits_one_sequence): the planner prints that, the
     engine refuses it (require_one_sequence)."""
@@ -166,8 +190,16 @@ def plan_caches(specs: Sequence[CacheSpec], *, model_axis: int, page_size: int,
         num_sliding = min(max_num_seqs * window_pages(window, page_size)
                           + -(-max_num_batched_tokens // page_size) + max_num_seqs + 1,
                           full_length)
+    snapshots = 0
+    if state and prefix_caching:
+        demand = SNAPSHOTS_PER_SEQ * max_num_seqs
+        snapshots = demand if budget_bytes is None else min(
+            int(budget_bytes * SNAPSHOT_BUDGET_SHARE) // per_slot,
+            MAX_SNAPSHOTS_PER_SEQ * max_num_seqs)
+        if cap_at_demand:
+            snapshots = min(snapshots, demand)
     if num_pages is None:
-        left = budget_bytes - slots * per_slot - num_sliding * per_sliding_page
+        left = budget_bytes - (slots + snapshots) * per_slot - num_sliding * per_sliding_page
         num_pages = max(0, left) // per_page if per_page else 0
         if cap_at_demand:
             num_pages = min(num_pages, full_length)
@@ -176,7 +208,8 @@ def plan_caches(specs: Sequence[CacheSpec], *, model_axis: int, page_size: int,
                      num_kv_layers=len(kv), num_state_layers=len(state),
                      max_model_len=max_model_len, num_sliding_pages=num_sliding,
                      bytes_per_sliding_page=per_sliding_page,
-                     num_sliding_layers=len(sliding), sliding_window=window)
+                     num_sliding_layers=len(sliding), sliding_window=window,
+                     num_snapshot_slots=snapshots)
 
 
 def require_one_sequence(plan: CachePlan) -> CachePlan:

@@ -247,7 +247,8 @@ def make_plan(mc, *, model: str, mesh: str, dtype: str = "auto", kv_cache_dtype:
               hbm_utilization: float | None = None, link_gbps: float = DEFAULT_LINK_GBPS,
               weights: WeightFigures | None = None, platform: str | None = None,
               page_size: int = 16, kv_cache_memory_bytes: int | None = None,
-              num_pages: int | None = None, cache: CachePlan | None = None) -> Plan:
+              num_pages: int | None = None, cache: CachePlan | None = None,
+              prefix_caching: bool = True) -> Plan:
     """weights: the parameter figures if known; by default from the flax model (which
     needs the model class of mc.architecture). platform "tpu": also check the limits
     of the TPU compiler that the kernels cannot stream around (compiler_limit).
@@ -295,7 +296,7 @@ def make_plan(mc, *, model: str, mesh: str, dtype: str = "auto", kv_cache_dtype:
         cache = plan_caches(specs, model_axis=m, page_size=page_size,
                             max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                             max_num_batched_tokens=tokens, num_pages=num_pages,
-                            budget_bytes=budget)
+                            budget_bytes=budget, prefix_caching=prefix_caching)
     return Plan(
         model=f"{model} ({mc.architecture})", mesh=(d, m), dtype=dt.name,
         kv_dtype=jnp.dtype(kv_dt).name,
@@ -346,7 +347,8 @@ def plan_for_engine(info) -> str:
 
 # The engine flags a plan takes: made from EngineConfig's fields, as the server's are.
 PLAN_ENGINE_FLAGS = ("mesh", "hbm_utilization", "max_model_len", "max_num_seqs",
-                     "max_num_batched_tokens", "dtype", "kv_cache_dtype", "quantization")
+                     "max_num_batched_tokens", "dtype", "kv_cache_dtype", "quantization",
+                     "enable_prefix_caching")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -397,6 +399,7 @@ def main(argv: list[str] | None = None) -> None:
                          max_model_len=args.max_model_len,
                          max_num_seqs=args.max_num_seqs,
                          max_num_batched_tokens=args.max_num_batched_tokens,
+                         prefix_caching=args.enable_prefix_caching,
                          hbm_bytes=hbm, hbm_utilization=args.hbm_utilization,
                          link_gbps=args.interconnect_gbps,
                          platform="tpu" if args.target else None)

@@ -84,7 +84,10 @@ def _cache_lines(p: Plan) -> list[str]:
     seqs = p.kv_tokens // p.max_model_len
     lines = []
     if p.is_hybrid:
-        lines.append(f"  state slots                {p.state_slots} (max_num_seqs + 1) x "
+        snaps = c.num_snapshot_slots
+        held = (f" + {snaps} prefix-cache snapshots (their share of the caches: "
+                f"{_gib(c.snapshot_bytes)})" if snaps else "")
+        lines.append(f"  state slots                {p.state_slots} (max_num_seqs + 1){held} x "
                      f"{_gib(p.state_bytes_per_seq_per_device)} = {_gib(p.state_budget_bytes)}, "
                      f"allocated first; the KV pages get the remaining "
                      f"{_gib(p.page_budget_bytes)}")

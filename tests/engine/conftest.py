@@ -30,6 +30,10 @@ def assert_no_leaks(engine) -> None:
     slots = sched.kv.state_slots
     if slots is not None:
         assert sorted(slots.free_slots) == list(range(1, slots.num_slots))
+    # Hybrid prefix caching: every snapshot slot is free or a cached snapshot.
+    snaps = sched.kv.snapshots
+    if snaps is not None:
+        assert snaps.num_free + snaps.num_cached == snaps.num_slots
 
 
 def add(engine, request_id: str, prompt, params, **kwargs) -> None:

@@ -51,7 +51,9 @@ def test_the_printed_plan_is_what_the_engine_allocates(checkpoint, kind, mesh, c
     assert plan.has_state == hybrid == ("recurrent" in caches)
     if hybrid:
         for kind_ in ("conv", "recurrent"):
-            assert caches[kind_].shape[0] == plan.num_state_layers * plan.num_state_slots
+            # The prefix cache's snapshot slots follow the running requests' slots.
+            assert caches[kind_].shape[0] == plan.num_state_layers * (
+                plan.num_state_slots + plan.num_snapshot_slots)
         assert bytes_per_device([caches["conv"], caches["recurrent"]]) == plan.state_bytes
         assert plan.num_state_slots == ENGINE["max_num_seqs"] + 1
     assert plan.total_bytes <= BUDGET < plan.total_bytes + plan.bytes_per_page
@@ -59,6 +61,7 @@ def test_the_printed_plan_is_what_the_engine_allocates(checkpoint, kind, mesh, c
     kv = core.scheduler.kv
     assert kv.num_pages == plan.num_pages and kv.get_num_free_pages() == plan.num_pages - 1
     assert (kv.state_slots.num_slots if kv.state_slots else 0) == plan.num_state_slots
+    assert (kv.snapshots.num_slots if kv.snapshots else 0) == plan.num_snapshot_slots
     assert core.scheduler.max_len == min(64, plan.kv_tokens)
     # The printed plan shows that capacity ...
     text = plan_for_engine(core.info)

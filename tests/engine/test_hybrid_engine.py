@@ -33,8 +33,8 @@ def expected(checkpoint):
 def test_greedy_matches_transformers(kind, checkpoint, expected):
     path, prompts, want = checkpoint(kind), _prompts(), expected[kind]
     # One at a time, each prompt in a single prefill.
-    llm = LLM(path, dtype="float32", max_model_len=256, max_num_seqs=4, max_num_batched_tokens=256)
-    assert not llm.engine.prefix_caching      # hybrid: off, whatever was asked
+    llm = LLM(path, dtype="float32", max_model_len=256, max_num_seqs=4, max_num_batched_tokens=256,
+              enable_prefix_caching=False)
     for p, w in zip(prompts, want):
         assert llm.generate({"prompt_token_ids": p}, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == w
     assert_no_leaks(llm.engine)
