@@ -74,6 +74,8 @@ def test_multi_turn_chat_reuses_the_previous_turn(pair):
     cached, plain = pair
     rng = random.Random(7)
     history: list[int] = toks(rng, 37)
+    stats0 = cached.engine.scheduler.stats()
+    all_hits = 0
     for turn in range(4):
         want, _ = run(plain, [history])
         got, hits = run(cached, [history])
@@ -81,8 +83,12 @@ def test_multi_turn_chat_reuses_the_previous_turn(pair):
         if turn:
             # All of the previous turn (its prompt and its answer) to within a page.
             assert hits[0] >= previous - PS, (turn, hits, previous)
+        all_hits += hits[0]
         previous = len(history) + len(got[0][0]) - 1   # (the last token was not computed)
         history = history + got[0][0] + toks(rng, rng.randrange(5, 20))
+    # The prefix-cache metrics count the hybrid's hits as they are.
+    stats = cached.engine.scheduler.stats()
+    assert stats.prefix_cache_hits - stats0.prefix_cache_hits == all_hits > 0
     assert_no_leaks(cached.engine)
 
 
@@ -125,3 +131,20 @@ def test_preemption_in_the_middle(checkpoint):
     assert cached.engine.scheduler.num_preemptions > 0
     assert got == want
     assert_no_leaks(cached.engine)
+
+
+def test_data_parallel_replicas(long_checkpoint):
+    """Two replicas (mesh 2x1), each with its own snapshots: a shared system prompt."""
+    path = long_checkpoint("qwen3_5")
+    rng = random.Random(13)
+    system = toks(rng, 70)
+    prompts = [system + toks(rng, rng.randrange(3, 20)) for _ in range(8)]
+    want, _ = run(engine(path, False), prompts)
+    dp = engine(path, True, mesh="2x1")
+    got, hits = [], []
+    for p in prompts:
+        g, h = run(dp, [p])
+        got += g
+        hits += h
+    assert got == want
+    assert max(hits) >= 64
