@@ -124,6 +124,12 @@ def test_qwen36_27b_analytic_count():
     assert qwen36_27b_params() == pytest.approx(26.9e9, rel=0.005)
 
 
+def snapshot_slots(budget: int, per_slot: int, max_num_seqs: int) -> int:
+    """The prefix cache's state snapshots: their share of the budget, capped per sequence."""
+    from jaxserve.planning.cache_plan import MAX_SNAPSHOTS_PER_SEQ, SNAPSHOT_BUDGET_SHARE
+    return min(int(budget * SNAPSHOT_BUDGET_SHARE) // per_slot, MAX_SNAPSHOTS_PER_SEQ * max_num_seqs)
+
+
 @pytest.mark.parametrize("mesh, kv_heads_per_device, split", [("1x1", 4, 1), ("1x8", 1, 8)])
 def test_qwen36_27b_plan_figures(mesh, kv_heads_per_device, split):
     mc = load_model_config("qwen3.6-27b")
@@ -140,10 +146,13 @@ def test_qwen36_27b_plan_figures(mesh, kv_heads_per_device, split):
     state = 48 * (3 * 10240 * 2 + 48 * 128 * 128 * 4)
     assert p.state_bytes_per_seq == state and 146 * MIB < state < 148 * MIB
     assert p.state_bytes_per_seq_per_device == state // split
-    # The engine: KV budget = 0.9 x (HBM - weights); 17 state slots first, pages the rest.
+    # The engine: KV budget = 0.9 x (HBM - weights); 17 state slots and the prefix cache's
+    # snapshots first, pages the rest.
     budget = int((80 * GIB - w.bytes_per_device) * 0.9)
     assert p.state_slots == 17
-    assert p.kv_tokens == paged_tokens(budget - 17 * state // split,
+    snaps = snapshot_slots(budget, state // split, 16)
+    assert p.cache.num_snapshot_slots == snaps > 0
+    assert p.kv_tokens == paged_tokens(budget - (17 + snaps) * (state // split),
                                        p.kv_bytes_per_token_per_device)
     assert p.max_sequences == min(16, p.kv_tokens // 16384)
     assert p.fits == (16 * 16384 <= p.kv_tokens) and p.fits
@@ -163,14 +172,15 @@ def test_qwen36_27b_plan_that_does_not_fit():
                   weights=w)
     assert p.max_model_len == 262144 and not p.fits
     budget = int((80 * GIB - w.weight_bytes) * 0.9)
-    assert p.kv_tokens == paged_tokens(budget - 17 * state, 64 * 2**10)
+    snaps = snapshot_slots(budget, state, 16)
+    assert p.kv_tokens == paged_tokens(budget - (17 + snaps) * state, 64 * 2**10)
     assert p.max_sequences == p.kv_tokens // 262144 == 1
     out = format_plan(p)
     assert "WARNING: the plan does not fit: 16 sequences of 262,144 tokens" in out
     # 257 state slots alone (~36.8 GiB) exceed the cache budget.
     p = make_plan(mc, model="qwen3.6-27b", mesh="1x1", hbm_bytes=80 * GIB, max_num_seqs=256,
                   weights=w)
-    assert p.state_budget_bytes == 257 * state > p.kv_budget_bytes
+    assert p.state_budget_bytes == (257 + p.cache.num_snapshot_slots) * state > p.kv_budget_bytes
     assert p.kv_tokens == 0 and p.max_sequences == 0 and not p.fits
     assert "WARNING: the recurrent state of 257 sequences" in format_plan(p)
     # Weights larger than the device.
