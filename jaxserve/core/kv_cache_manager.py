@@ -170,12 +170,12 @@ class KVCacheManager:
         return min(cuts, default=None)
 
     def plan_state_saves(self, scheduled: list[tuple[Request, int]]) -> None:
-        """The coming step's snapshots, for each (request, position its chunk ends at):
-        at its branch point or its prompt's last full page a kept snapshot, at another
-        page boundary its rolling one."""
+        """The coming step's snapshots, for each (request, the page boundary its chunk
+        ends at): at its branch point or its prompt's last full page a kept snapshot,
+        elsewhere its rolling one."""
         snaps, ps = self.snapshots, self.page_size
         for req, end in scheduled:
-            if end % ps or not self._shares_pages(req):
+            if not self._shares_pages(req):
                 continue
             rid = req.request_id
             rp = self.req_pages.get(rid)

@@ -323,10 +323,13 @@ class Scheduler:
         self._finished_ids = []
         restores, saves = [], []
         if cuts:
-            requests = self.requests
-            ends = [(requests[r], s + n) for r, s, n in zip(ids, starts, lens)]
-            ends += [(requests[r.req_id], r.num_computed_tokens + r.num_new_tokens)
-                     for r in new_reqs]
+            # Snapshots are only taken where a chunk ends on a page boundary: most decode
+            # rows do not, and are not looked at further.
+            requests, ps = self.requests, self.page_size
+            ends = [(requests[r], s + n) for r, s, n in zip(ids, starts, lens)
+                    if (s + n) % ps == 0]
+            ends += [(requests[r.req_id], e) for r in new_reqs
+                     if (e := r.num_computed_tokens + r.num_new_tokens) % ps == 0]
             kv.plan_state_saves(ends)
             restores, saves = kv.take_state_copies()
         return SchedulerOutput(
