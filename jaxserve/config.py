@@ -15,6 +15,7 @@ from typing import Any
 from models.config import SERVING_DTYPES, WEIGHT_QUANT_DTYPES
 from pallas_kernels.kv_cache_dtypes import KV_QUANT_DTYPE_NAMES
 from jaxserve.sampling_params import MAX_LOGPROBS
+from jaxserve.speculative import SpeculativeConfig
 
 # vLLM's other spellings of --dtype, taken as the dtype they name.
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}
@@ -160,6 +161,12 @@ class EngineConfig:
     swap_space: float = _knob(
         0.0, help="GiB of host memory for swapped-out KV: only 0, jaxserve preempts by "
                   "recomputation and never swaps")
+    speculative_config: SpeculativeConfig | None = _knob(
+        None, help="speculative decoding, as vLLM's JSON: {\"method\": \"ngram\", "
+                   "\"num_speculative_tokens\": 3, \"prompt_lookup_max\": 5, "
+                   "\"prompt_lookup_min\": 2}; outputs are the same as without it (greedy: "
+                   "identical; sampled: the same distribution, and identical for a seed)",
+        default_help="off")
     attention_backend: str = _knob("auto", choices=_ATTENTION_BACKENDS,
                                    help="auto: Pallas kernels on GPU/TPU, XLA on CPU")
     # Layers under jax.lax.scan (one compiled layer body whatever the depth) or a Python
@@ -211,6 +218,11 @@ class EngineConfig:
             raise bad("max_num_batched_tokens", f"must be >= max_num_seqs ({self.max_num_seqs})")
         if self.max_logprobs < -1:
             raise bad("max_logprobs", "must be >= 0, or -1 for the vocabulary size")
+        try:
+            object.__setattr__(self, "speculative_config",
+                               SpeculativeConfig.parse(self.speculative_config))
+        except (ValueError, TypeError) as e:
+            raise ConfigError("speculative_config", str(e)) from None
         self._check_refused(bad)
         self._resolve_mesh(bad)
 

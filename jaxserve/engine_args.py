@@ -40,7 +40,8 @@ def _cache_dir(value: str) -> str | None:
 # Fields whose flag parses its text with more than the field's type.
 _PARSERS: dict[str, typing.Callable[[str], Any]] = {
     "compilation_cache_dir": _cache_dir,
-    "dtype": lambda value: DTYPE_ALIASES.get(value, value)}   # half -> float16
+    "dtype": lambda value: DTYPE_ALIASES.get(value, value),   # half -> float16
+    "speculative_config": str}   # JSON, parsed (and checked) by EngineConfig
 
 
 def flag_name(field: str) -> str:

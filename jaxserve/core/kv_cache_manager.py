@@ -35,14 +35,15 @@ class _ReqPages:
     of its leading pages have been offered to the prefix cache and, in a sliding group,
     how many leading entries are the null page."""
 
-    __slots__ = ("blocks", "ids", "num_cached", "state_slot", "num_dropped")
+    __slots__ = ("blocks", "ids", "num_cached", "state_slot", "num_dropped", "backup_slot")
 
-    def __init__(self, num_groups: int, state_slot: int = 0) -> None:
+    def __init__(self, num_groups: int, state_slot: int = 0, backup_slot: int = 0) -> None:
         self.blocks: list[list[KVCacheBlock]] = [[] for _ in range(num_groups)]
         self.ids: list[list[int]] = [[] for _ in range(num_groups)]
         self.num_cached = 0
         self.state_slot = state_slot
         self.num_dropped = 0
+        self.backup_slot = backup_slot   # speculative decoding: its state before a step
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,11 +72,17 @@ class KVCacheManager:
     num_sliding_pages > 0 (with sliding_window): the sliding-window layers' KV group,
     a second pool of that many pages (the null page included). Both groups register
     full pages under the same chained hashes (Request.block_hashes).
+
+    spec_backups (hybrid models with speculative decoding): each request holds a second
+    state slot, where its state is copied before a step that verifies drafts; when some
+    are rejected it is copied back and the accepted tokens are computed again
+    (backup_state / rollback_state).
     """
 
     def __init__(self, num_pages: int, page_size: int, enable_caching: bool = True,
                  num_state_slots: int = 0, *, num_sliding_pages: int = 0,
-                 sliding_window: int | None = None, num_snapshot_slots: int = 0) -> None:
+                 sliding_window: int | None = None, num_snapshot_slots: int = 0,
+                 spec_backups: bool = False) -> None:
         if page_size <= 0:
             raise ValueError(f"page_size must be positive, got {page_size}")
         if num_state_slots < 0:
@@ -89,11 +96,14 @@ class KVCacheManager:
         self.page_size = page_size
         self.enable_caching = enable_caching
         self.state_slots = StateSlotPool(num_state_slots) if num_state_slots else None
+        self.spec_backups = spec_backups and num_state_slots > 0
         # Hybrid prefix caching: snapshot slots follow the running requests' slots.
         self.snapshots = SnapshotCache(num_state_slots, num_snapshot_slots) \
             if num_state_slots and num_snapshot_slots else None
         self._branch: dict[str, int] = {}   # request id -> where to keep a branch snapshot
-        self._restores: list[tuple[int, int]] = []   # the coming step's (snapshot, slot)
+        # The coming step's copies before its forward: (snapshot, slot) of prefix hits,
+        # (backup, slot) and (slot, backup) of speculative decoding.
+        self._restores: list[tuple[int, int]] = []
         # The pools always cache; this manager decides which requests take part.
         self.pool = BlockPool(num_pages, enable_caching=True)
         self.sliding_pool = BlockPool(num_sliding_pages) if num_sliding_pages else None
@@ -193,10 +203,19 @@ class KVCacheManager:
     def take_state_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """(restores before the coming step's forward, saves after it), as (src slot,
         dst slot) pairs; the saves become usable once the step has run (commit)."""
-        if self.snapshots is None:
-            return [], []
         restores, self._restores = self._restores, []
-        return restores, self.snapshots.pending_copies()
+        return restores, [] if self.snapshots is None else self.snapshots.pending_copies()
+
+    def backup_state(self, request: Request) -> None:
+        """Before a step that verifies drafts: keep the request's state in its backup."""
+        rp = self.req_pages[request.request_id]
+        self._restores.append((rp.state_slot, rp.backup_slot))
+
+    def rollback_state(self, request: Request) -> None:
+        """After that step rejected drafts: its state is the backup again (the accepted
+        tokens are computed once more)."""
+        rp = self.req_pages[request.request_id]
+        self._restores.append((rp.backup_slot, rp.state_slot))
 
     def _sliding_hit(self, hashes: list[int], hit: list[KVCacheBlock]) -> GroupBlocks:
         """The longest prefix of the global hit whose window the sliding group has cached:
@@ -263,7 +282,8 @@ class KVCacheManager:
         caches = self._shares_pages(request)
         if rp is not None and not new_computed_blocks:
             # Fast path (most decodes): no new page and no page becomes full.
-            if total <= len(rp.ids[GLOBAL]) * ps and (not caches or total // ps <= rp.num_cached):
+            if total <= len(rp.ids[GLOBAL]) * ps and (
+                    not caches or min(total, request.num_tokens) // ps <= rp.num_cached):
                 if self.sliding_pool is None:
                     return ([],)
                 self._drop_out_of_window(request, rp)
@@ -285,12 +305,14 @@ class KVCacheManager:
                 if num_new_blocks > supply:
                     return None
         if rp is None:
-            state_slot = 0
+            state_slot = backup_slot = 0
             if self.state_slots is not None:
-                state_slot = self.state_slots.allocate()
-                if state_slot is None:
+                if self.state_slots.num_free < 1 + self.spec_backups:
                     return None
-            rp = self.req_pages[rid] = _ReqPages(len(self.pools), state_slot)
+                state_slot = self.state_slots.allocate()
+                if self.spec_backups:
+                    backup_slot = self.state_slots.allocate()
+            rp = self.req_pages[rid] = _ReqPages(len(self.pools), state_slot, backup_slot)
         if hit:
             if rp.blocks[GLOBAL]:
                 raise ValueError(f"request {rid!r} already has pages; prefix hits only apply to new requests")
@@ -314,9 +336,10 @@ class KVCacheManager:
                 rp.blocks[g].extend(blocks)
                 rp.ids[g].extend(b.block_id for b in blocks)
         # Register pages that become full with this step's tokens now, so a
-        # request scheduled later in the same step can already share them.
+        # request scheduled later in the same step can already share them (drafts are
+        # not known tokens: a page is full once its known tokens fill it).
         if caches:
-            num_full = total // ps
+            num_full = min(total, request.num_tokens) // ps
             if num_full > rp.num_cached:
                 for g, pool in enumerate(self.pools):
                     pool.cache_full_blocks(request, rp.blocks[g], rp.num_cached, num_full)
@@ -354,6 +377,11 @@ class KVCacheManager:
                 pool.free_blocks(reversed(blocks))
             if rp.state_slot:
                 self.state_slots.free(rp.state_slot)
+                # Copies into its slots would land in another request's after reuse.
+                mine = (rp.state_slot, rp.backup_slot)
+                self._restores = [p for p in self._restores if p[1] not in mine]
+            if rp.backup_slot:
+                self.state_slots.free(rp.backup_slot)
         if self.snapshots is not None:
             self.snapshots.release(request.request_id)
             self._branch.pop(request.request_id, None)

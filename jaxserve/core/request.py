@@ -66,7 +66,7 @@ class Request:
         "arrival_time", "priority", "cache_salt", "page_size",
         "output_token_ids", "all_token_ids", "num_computed_tokens",
         "num_cached_tokens", "num_preemptions", "status", "stop_reason",
-        "block_hashes",
+        "block_hashes", "spec_token_ids",
     )
 
     def __init__(
@@ -104,6 +104,9 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.block_hashes: list[int] = []
+        # Speculative decoding: tokens proposed to follow the last one, verified by the
+        # next step that computes it (the runner's proposal; [] when none).
+        self.spec_token_ids: list[int] = []
         self._extend_block_hashes()
 
     @property

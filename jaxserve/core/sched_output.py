@@ -65,6 +65,9 @@ class SchedulerOutput:
     # a snapshot). At most max_num_seqs of each, and only in a step that computes a row.
     state_restores: list[tuple[int, int]] = field(default_factory=list)
     state_saves: list[tuple[int, int]] = field(default_factory=list)
+    # Speculative decoding: req_id -> the draft tokens its row computes after its known
+    # tokens (running requests only; their count is in num_new_tokens).
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def req_ids(self) -> list[str]:

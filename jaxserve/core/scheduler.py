@@ -30,6 +30,12 @@ class SchedulerStats:
     # first token) and tokens generated.
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
+    # Speculative decoding totals (vLLM's spec_decode counters): rows that verified
+    # drafts, drafts verified, drafts accepted, and drafts accepted at each position.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -48,7 +54,12 @@ class SchedulerStats:
             prefix_cache_hits=sum(p.prefix_cache_hits for p in parts),
             num_preemptions=sum(p.num_preemptions for p in parts),
             num_prompt_tokens=sum(p.num_prompt_tokens for p in parts),
-            num_generation_tokens=sum(p.num_generation_tokens for p in parts))
+            num_generation_tokens=sum(p.num_generation_tokens for p in parts),
+            spec_num_drafts=sum(p.spec_num_drafts for p in parts),
+            spec_num_draft_tokens=sum(p.spec_num_draft_tokens for p in parts),
+            spec_num_accepted_tokens=sum(p.spec_num_accepted_tokens for p in parts),
+            spec_accepted_per_pos=tuple(map(sum, zip(*(p.spec_accepted_per_pos
+                                                       for p in parts)))))
 
 
 class _PriorityQueue:
@@ -91,10 +102,12 @@ class Scheduler:
         num_sliding_pages: int = 0,
         sliding_window: int | None = None,
         num_snapshot_slots: int = 0,
+        num_speculative_tokens: int = 0,
     ) -> None:
         """num_sliding_pages / sliding_window: the sliding-window layers' KV group
         (planning/cache_plan.py; 0 / None: the model has none, or they share the global
-        pages)."""
+        pages). num_speculative_tokens: most drafts a decoding request verifies in a step
+        (0: no speculative decoding); a hybrid then holds two state slots per request."""
         for name, v in (("num_pages", num_pages), ("page_size", page_size),
                         ("max_num_seqs", max_num_seqs),
                         ("max_num_batched_tokens", max_num_batched_tokens),
@@ -111,14 +124,18 @@ class Scheduler:
         # loop forever: a pool smaller than max_model_len caps lengths too.
         self.max_len = min(max_model_len, (num_pages - 1) * page_size)
         self.policy = policy
-        if num_state_slots and num_state_slots - 1 < max_num_seqs:
+        per_seq = 2 if num_speculative_tokens else 1
+        if num_state_slots and num_state_slots - 1 < per_seq * max_num_seqs:
             raise ValueError(f"num_state_slots={num_state_slots} (the null slot included) < "
-                             f"max_num_seqs + 1 = {max_num_seqs + 1}: every running request "
-                             f"of a hybrid model needs a state slot")
+                             f"{per_seq} x max_num_seqs + 1 = {per_seq * max_num_seqs + 1}: "
+                             f"every running request of a hybrid model needs {per_seq} "
+                             f"state slot(s)")
+        self.num_speculative_tokens = num_speculative_tokens
         self.kv = KVCacheManager(num_pages, page_size, enable_prefix_caching, num_state_slots,
                                  num_sliding_pages=num_sliding_pages,
                                  sliding_window=sliding_window,
-                                 num_snapshot_slots=num_snapshot_slots)
+                                 num_snapshot_slots=num_snapshot_slots,
+                                 spec_backups=num_speculative_tokens > 0)
         if sliding_window is not None:
             # A request alone must always fit in the sliding pool too: its window, one
             # step's tokens and the page they may straddle (or its whole length, if less).
@@ -137,6 +154,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_prompt_tokens = 0       # see SchedulerStats
         self.num_generation_tokens = 0
+        self.spec_num_drafts = 0
+        self.spec_num_draft_tokens = 0
+        self.spec_accepted_per_pos = [0] * num_speculative_tokens
 
     # ---- requests in and out -------------------------------------------
 
@@ -240,6 +260,7 @@ class Scheduler:
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
         req.num_preemptions += 1
         self.num_preemptions += 1
         self._push_waiting(req, front=True)
@@ -257,6 +278,7 @@ class Scheduler:
         preempted: list[str] = []
         # Hybrid prefix caching: chunks end where a state snapshot is to be kept.
         cuts = kv.snapshots is not None
+        spec: dict[str, list[int]] = {}   # drafts of the rows that verify some
 
         # 1. Running requests, in order: decodes and unfinished prefill chunks.
         i = 0
@@ -267,6 +289,8 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
+            if req.spec_token_ids and num_new == req.num_tokens - start:
+                num_new += self._num_drafts(req, budget - num_new)
             if cuts and (cut := kv.state_cut(req, start)) is not None:
                 num_new = min(num_new, cut - start)
             while (new_blocks := kv.allocate_slots(req, num_new)) is None:
@@ -280,12 +304,17 @@ class Scheduler:
                         budget += lens[k]
                         kv.uncache_unwritten(victim, starts[k])
                         del ids[k], starts[k], lens[k], pages[k]
+                        spec.pop(victim.request_id, None)
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is req:
                     break
             else:
                 req.num_computed_tokens = start + num_new
+                if (num_drafts := start + num_new - req.num_tokens) > 0:
+                    spec[req.request_id] = req.spec_token_ids[:num_drafts]
+                    if kv.spec_backups:
+                        kv.backup_state(req)
                 ids.append(req.request_id)
                 starts.append(start)
                 lens.append(num_new)
@@ -324,16 +353,18 @@ class Scheduler:
         restores, saves = [], []
         if cuts:
             # Snapshots are only taken where a chunk ends on a page boundary: most decode
-            # rows do not, and are not looked at further.
+            # rows do not, and are not looked at further (nor rows with drafts, whose
+            # state at the end is known good only once they are all accepted).
             requests, ps = self.requests, self.page_size
             ends = [(requests[r], s + n) for r, s, n in zip(ids, starts, lens)
-                    if (s + n) % ps == 0]
+                    if (s + n) % ps == 0 and r not in spec]
             ends += [(requests[r.req_id], e) for r in new_reqs
                      if (e := r.num_computed_tokens + r.num_new_tokens) % ps == 0]
             kv.plan_state_saves(ends)
+        if cuts or kv.spec_backups:
             restores, saves = kv.take_state_copies()
         return SchedulerOutput(
-            state_restores=restores, state_saves=saves,
+            state_restores=restores, state_saves=saves, spec_token_ids=spec,
             new_reqs=new_reqs,
             cached_reqs=CachedRequestData(ids, starts, lens, pages),
             num_scheduled_tokens=self.max_num_batched_tokens - budget,
@@ -341,11 +372,23 @@ class Scheduler:
             finished_req_ids=finished,
         )
 
+    def _num_drafts(self, req: Request, budget: int) -> int:
+        """How many of the request's drafts a step can verify: within the step's budget,
+        the model length and its max_tokens (the token sampled after them counts too)."""
+        n = min(len(req.spec_token_ids), budget, self.max_len - 1 - req.num_tokens)
+        max_tokens = req.sampling_params.max_tokens
+        if max_tokens is not None:
+            n = min(n, max_tokens - req.num_output_tokens - 1)
+        return max(n, 0)
+
     def update_from_output(
-        self, scheduler_output: SchedulerOutput, sampled: dict[str, int]
+        self, scheduler_output: SchedulerOutput, sampled: dict[str, int | list[int]],
+        proposals: dict[str, list[int]] | None = None,
     ) -> list[Request]:
         """Append sampled tokens, apply stop conditions, free finished
-        requests. Returns the requests that got a token (finished or not)."""
+        requests. Returns the requests that got a token (finished or not).
+        A row that verified drafts gets a list: the drafts accepted, then the token
+        sampled after them. proposals: the drafts each request is to verify next."""
         out: list[Request] = []
         finished_any = False
         running_status = RequestStatus.RUNNING
@@ -371,15 +414,52 @@ class Scheduler:
             tok = sampled.get(rid)
             if tok is None:  # it would never be scheduled again
                 raise ValueError(f"no sampled token for running request {rid!r}")
-            req.append_output_token_ids(tok)
-            self.num_generation_tokens += 1
-            if self._check_stop(req, tok):
+            if type(tok) is not int:
+                stopped = self._append_verified(req, tok, scheduler_output)
+            else:
+                req.append_output_token_ids(tok)
+                self.num_generation_tokens += 1
+                stopped = self._check_stop(req, tok)
+            if stopped:
                 self._release(req)
                 finished_any = True
+            elif proposals is not None:
+                req.spec_token_ids = proposals.get(rid, [])
             out.append(req)
         if finished_any:
             self.running = [r for r in self.running if r.status == running_status]
         return out
+
+    def _append_verified(self, req: Request, tokens: list[int],
+                         scheduler_output: SchedulerOutput) -> bool:
+        """A row that verified drafts: its accepted drafts and the token after them, each
+        checked for a stop (what follows a stop is dropped). The rejected drafts' KV
+        positions count as not computed (they are written over); a hybrid's state goes
+        back to its backup and the accepted tokens are computed again. -> stopped."""
+        drafts = scheduler_output.spec_token_ids.get(req.request_id, ())
+        accepted = len(tokens) - 1
+        if accepted > len(drafts) or tokens[:accepted] != drafts[:accepted]:
+            raise ValueError(f"request {req.request_id!r}: the runner accepted {tokens} "
+                             f"for drafts {drafts}")
+        if drafts:
+            self.spec_num_drafts += 1
+            self.spec_num_draft_tokens += len(drafts)
+            per_pos = self.spec_accepted_per_pos
+            for j in range(accepted):
+                per_pos[j] += 1
+        rejected = len(drafts) - accepted
+        if rejected and self.kv.spec_backups:
+            c = scheduler_output.cached_reqs
+            req.num_computed_tokens = c.num_computed_tokens[c.req_ids.index(req.request_id)]
+            self.kv.rollback_state(req)
+        else:
+            req.num_computed_tokens -= rejected
+        for tok in tokens:
+            req.append_output_token_ids(tok)
+            self.num_generation_tokens += 1
+            if self._check_stop(req, tok):
+                return True
+        return False
 
     def _check_stop(self, req: Request, tok: int) -> bool:
         sp = req.sampling_params
@@ -443,4 +523,8 @@ class Scheduler:
             prefix_cache_hits=pc.hits, num_preemptions=self.num_preemptions,
             num_prompt_tokens=self.num_prompt_tokens,
             num_generation_tokens=self.num_generation_tokens,
+            spec_num_drafts=self.spec_num_drafts,
+            spec_num_draft_tokens=self.spec_num_draft_tokens,
+            spec_num_accepted_tokens=sum(self.spec_accepted_per_pos),
+            spec_accepted_per_pos=tuple(self.spec_accepted_per_pos),
         )

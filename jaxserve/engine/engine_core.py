@@ -123,6 +123,8 @@ class EngineCore:
         if self.channel is not None:   # every process must build the same cache shape
             plan = plan.with_num_pages(multihost.agree_on_min(plan.num_pages))
         logger.info("%s", plan.describe())
+        if config.speculative_config is not None:
+            logger.info("%s", config.speculative_config.describe())
 
         self.runner = make_runner(config, layout, plan, model=self.model, params=self.params,
                                   mesh=self.mesh)
@@ -145,7 +147,9 @@ class EngineCore:
             max_model_len=layout.max_model_len, enable_prefix_caching=self.prefix_caching,
             policy=config.scheduling_policy, num_state_slots=plan.num_state_slots,
             num_snapshot_slots=plan.num_snapshot_slots,
-            num_sliding_pages=plan.num_sliding_pages, sliding_window=plan.sliding_window)
+            num_sliding_pages=plan.num_sliding_pages, sliding_window=plan.sliding_window,
+            num_speculative_tokens=config.speculative_config.num_speculative_tokens
+            if config.speculative_config else 0)
         self.outputs = OutputProcessor(self.tokenizer, stream=stream_outputs)
         self.num_steps = 0
         self.num_scheduled_tokens = 0   # tokens computed on device, all steps
@@ -253,7 +257,8 @@ class EngineCore:
         outs: list[RequestOutput] = []
         try:
             runner_out = self.runner.collect(step.in_flight)
-            updated = self.scheduler.update_from_output(sched_out, runner_out.sampled)
+            updated = self.scheduler.update_from_output(sched_out, runner_out.sampled,
+                                                        runner_out.spec_token_ids)
             outs, stopped = self.outputs.process(updated, runner_out)
             if stopped:
                 self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)

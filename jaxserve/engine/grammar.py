@@ -84,6 +84,10 @@ class GrammarMatcher:
         mask_row[:n] &= words[:n]
         mask_row[n:] = 0
 
+    def rollback(self, num_tokens: int) -> None:
+        """Undoes the last num_tokens accepted (drafts looked ahead through)."""
+        self._m.rollback(num_tokens)
+
     def accept(self, token_id: int) -> None:
         """Advances by a sampled token. One the grammar does not allow (it cannot be
         sampled, so only a bug gets here) leaves the matcher in error, allowing only the

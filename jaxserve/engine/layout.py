@@ -149,7 +149,8 @@ def layout_cache_plan(config: EngineConfig, layout: EngineLayout, device: Any,
         layout.cache_specs, model_axis=layout.model_axis, page_size=config.page_size,
         max_num_seqs=config.max_num_seqs, max_model_len=layout.max_model_len,
         max_num_batched_tokens=config.num_batched_tokens, num_pages=config.num_pages,
-        budget_bytes=budget, cap_at_demand=cap, prefix_caching=config.enable_prefix_caching))
+        budget_bytes=budget, cap_at_demand=cap, prefix_caching=config.enable_prefix_caching,
+        spec_backups=config.speculative_config is not None))
 
 
 def make_runner(config: EngineConfig, layout: EngineLayout, cache_plan: CachePlan, *, model,
@@ -167,4 +168,5 @@ def make_runner(config: EngineConfig, layout: EngineLayout, cache_plan: CachePla
         # Only the reference reads whole page-table rows; the others stop at kv_len.
         context_buckets=layout.attention_backend == "reference", mesh=mesh,
         vocab_axis=layout.rules["vocab"], abstract=abstract,
-        max_logprobs=logprobs_limit(config.max_logprobs, mc.vocab_size))
+        max_logprobs=logprobs_limit(config.max_logprobs, mc.vocab_size),
+        speculative_config=config.speculative_config)

@@ -163,21 +163,31 @@ class OutputProcessor:
                     runner_out, t: float) -> None:
         if comp.finish_reason is not None:
             return   # tokens after a stop string (same step) are dropped
+        detok = comp.detok
+        if detok is not None and detok.stop and len(new_ids) > 1:
+            # Several tokens at once (accepted drafts): those after a stop string are
+            # dropped, as they would never have been sampled one at a time.
+            for i, tok in enumerate(new_ids):
+                if detok.update([tok]) is not None:
+                    new_ids = new_ids[:i + 1]
+                    break
+        elif detok is not None:
+            detok.update(new_ids)
         comp.token_ids.extend(new_ids)
         m = group.metrics
         if m.first_token_time is None:
             m.first_token_time = t
         m.last_token_time = t
         m.num_generation_tokens += len(new_ids)
-        if comp.detok is not None:
-            comp.detok.update(new_ids)
         k = group.params.logprobs
         if comp.cumulative_logprob is not None and child_id in runner_out.logprobs:
-            ids, lps, rank = runner_out.logprobs[child_id]
-            if k is not None:
-                comp.logprobs.append(make_logprob_dict(
-                    int(ids[0]), float(lps[0]), rank, ids[1:], lps[1:], k, self._decoder(comp)))
-            comp.cumulative_logprob += float(lps[0])
+            # One entry per token the step gave (several when drafts were accepted).
+            for ids, lps, rank in runner_out.logprobs[child_id][:len(new_ids)]:
+                if k is not None:
+                    comp.logprobs.append(make_logprob_dict(
+                        int(ids[0]), float(lps[0]), rank, ids[1:], lps[1:], k,
+                        self._decoder(comp)))
+                comp.cumulative_logprob += float(lps[0])
 
     def _decoder(self, comp: _Completion):
         return comp.detok.decode_token if comp.detok is not None else None

@@ -41,6 +41,8 @@ class CachePlan:
     # Hybrid prefix caching: slots for state snapshots (core/state_snapshots.py), in the
     # state arrays after the num_state_slots running ones.
     num_snapshot_slots: int = 0
+    # Speculative decoding on a hybrid: each running sequence also holds a backup slot.
+    state_slots_per_seq: int = 1
 
     @property
     def kv_tokens(self) -> int:
@@ -102,7 +104,8 @@ class CachePlan:
     @property
     def max_running(self) -> int | None:
         """Sequences the state slots let run at once (None: no recurrent layers)."""
-        return self.num_state_slots - 1 if self.has_state else None
+        return (self.num_state_slots - 1) // self.state_slots_per_seq if self.has_state \
+            else None
 
     @property
     def max_concurrency(self) -> float:
@@ -139,7 +142,10 @@ class CachePlan:
         snapshots = (f", + {self.num_snapshot_slots} prefix-cache snapshot slots "
                      f"({self.snapshot_bytes / 2**30:.2f} GiB per device)"
                      if self.num_snapshot_slots else "")
-        return (f"{kv}; recurrent state: {self.max_running} slots (+ the null slot){snapshots}"
+        backups = " (and as many backups, for speculative decoding)" \
+            if self.state_slots_per_seq == 2 else ""
+        return (f"{kv}; recurrent state: {self.max_running} slots{backups} (+ the null slot)"
+                f"{snapshots}"
                 f" x {self.num_state_layers} layers ({self.state_bytes / 2**30:.2f} GiB per "
                 f"device)")
 
@@ -158,7 +164,8 @@ MAX_SNAPSHOTS_PER_SEQ = 8
 def plan_caches(specs: Sequence[CacheSpec], *, model_axis: int, page_size: int,
                 max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int,
                 num_pages: int | None = None, budget_bytes: int | None = None,
-                cap_at_demand: bool = False, prefix_caching: bool = False) -> CachePlan:
+                cap_at_demand: bool = False, prefix_caching: bool = False,
+                spec_backups: bool = False) -> CachePlan:
     """Exactly one of num_pages (given: the global group's) and budget_bytes (the memory
     per device the caches may take: state slots first, then the sliding group's pages,
     then the global group's). Every recurrent layer gets a slot per running sequence
@@ -166,6 +173,8 @@ def plan_caches(specs: Sequence[CacheSpec], *, model_axis: int, page_size: int,
     SNAPSHOT_BUDGET_SHARE of the budget, at most MAX_SNAPSHOTS_PER_SEQ per running
     sequence (given num_pages, or cap_at_demand: SNAPSHOTS_PER_SEQ). cap_at_demand: no more global pages than
     max_num_seqs sequences of max_model_len need (CPU: memory is shared with the host).
+    spec_backups: speculative decoding, where a hybrid's running sequence also holds a
+    backup of its state (two slots each).
     The plan may not fit one sequence (fits_one_sequence): the planner prints that, the
     engine refuses it (require_one_sequence)."""
     if (num_pages is None) == (budget_bytes is None):
@@ -177,7 +186,8 @@ def plan_caches(specs: Sequence[CacheSpec], *, model_axis: int, page_size: int,
     per_page = sum(s.bytes_per_token() for s in kv) * page_size // model_axis
     per_sliding_page = sum(s.bytes_per_token() for s in sliding) * page_size // model_axis
     per_slot = sum(s.bytes_per_slot() for s in state) // model_axis
-    slots = max_num_seqs + 1 if state else 0
+    per_seq = 2 if spec_backups and state else 1
+    slots = per_seq * max_num_seqs + 1 if state else 0
     full_length = max_num_seqs * -(-max_model_len // page_size) + 1
     # One group for every sliding layer: the widest window decides when pages leave it.
     window = max((s.sliding_window for s in sliding), default=None)
@@ -209,7 +219,7 @@ def plan_caches(specs: Sequence[CacheSpec], *, model_axis: int, page_size: int,
                      max_model_len=max_model_len, num_sliding_pages=num_sliding,
                      bytes_per_sliding_page=per_sliding_page,
                      num_sliding_layers=len(sliding), sliding_window=window,
-                     num_snapshot_slots=snapshots)
+                     num_snapshot_slots=snapshots, state_slots_per_seq=per_seq)
 
 
 def require_one_sequence(plan: CachePlan) -> CachePlan:

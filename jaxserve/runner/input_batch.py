@@ -47,16 +47,34 @@ class ScheduledRows:
     # (src, dst) state-slot copies before / after the forward (SchedulerOutput's, checked).
     state_restores: list[tuple[int, int]] = field(default_factory=list)
     state_saves: list[tuple[int, int]] = field(default_factory=list)
+    # Speculative decoding: int32[n] drafts each row computes after its known tokens (they
+    # end its chunk); None when no row has any. A row with k drafts samples k + 1 tokens.
+    num_drafts: np.ndarray | None = None
 
     @property
     def num_reqs(self) -> int:
         return len(self.req_ids)
 
+    def sample_rows(self) -> tuple[np.ndarray, np.ndarray]:
+        """The sampler's rows: (batch row, position in the row's verified window: 0 at its
+        last known token, j at its j-th draft) of each, int32[S]; rows that do not sample
+        have none. Without drafts, one row per sampling batch row."""
+        picked = np.flatnonzero(self.sample).astype(np.int32)
+        if self.num_drafts is None:
+            return picked, np.zeros(len(picked), np.int32)
+        counts = self.num_drafts[picked] + 1
+        batch_row = np.repeat(picked, counts)
+        first = np.cumsum(counts) - counts
+        offset = np.arange(len(batch_row), dtype=np.int32) - np.repeat(first, counts)
+        return batch_row, offset.astype(np.int32)
+
 
 @dataclass(frozen=True)
 class HostBatch:
     inputs: ModelInputs          # numpy arrays, token bucket T, R = max_num_seqs rows
-    logits_indices: np.ndarray   # int32[R] last scheduled token of each row
+    # int32[max_sample_rows]: last scheduled token of each row (with drafts: of each
+    # sampler row, ScheduledRows.sample_rows)
+    logits_indices: np.ndarray
     num_tokens: int              # real tokens (the rest of T is padding)
     num_reqs: int
 
@@ -89,13 +107,17 @@ class InputBatch:
     sliding: the sliding-window layers' KV group has its own pages (the scheduler sends
     two page lists per request); the step's inputs then carry their slots and table.
     num_state_slots: recurrent-state slots per layer, null slot included (0: not a
-    hybrid); the step's inputs then carry its state-slot copies."""
+    hybrid); the step's inputs then carry its state-slot copies.
+    num_speculative_tokens: most drafts a row verifies (spec_decode.py); each is one more
+    sampler row, so logits_indices has max_num_seqs * (1 + it) entries."""
 
     def __init__(self, *, max_num_seqs: int, max_model_len: int, page_size: int,
                  token_buckets: tuple[int, ...], vocab_size: int,
                  page_buckets: tuple[int, ...] | None = None, sliding: bool = False,
-                 num_state_slots: int = 0):
+                 num_state_slots: int = 0, num_speculative_tokens: int = 0):
         self.max_num_seqs = r = max_num_seqs
+        # The sampler's rows at most: every row with all its drafts.
+        self.max_sample_rows = max_num_seqs * (1 + num_speculative_tokens)
         self.num_state_slots = num_state_slots
         self.max_model_len = max_model_len
         self.page_size = page_size
@@ -192,12 +214,35 @@ class InputBatch:
         starts_a = np.fromiter(starts, np.int32, n)
         lens_a = np.fromiter(lens, np.int32, n)
         ends, known = starts_a + lens_a, self.num_tokens[rows_a]
+        drafts = self._put_drafts(sched_out.spec_token_ids, c.req_ids, rows_a) \
+            if sched_out.spec_token_ids else None
+        if drafts is not None:
+            known = known + drafts
         if (ends > known).any():
             i = int(np.argmax(ends > known))
             raise ValueError(f"request {req_ids[i]!r}: asked to compute up to token "
                              f"{ends[i]}, the runner knows {known[i]}")
         return ScheduledRows(req_ids, rows_a, starts_a, lens_a, ends == known,
-                             int(lens_a.sum()), sched_out.state_restores, sched_out.state_saves)
+                             int(lens_a.sum()), sched_out.state_restores, sched_out.state_saves,
+                             drafts)
+
+    def _put_drafts(self, spec: dict[str, list[int]], cached_ids: list[str],
+                    rows: np.ndarray) -> np.ndarray:
+        """Writes each row's drafts after its known tokens (where the step reads its
+        tokens; the tokens accepted are written there again) -> int32[n] their counts."""
+        counts = np.zeros(len(rows), np.int32)
+        for i, rid in enumerate(cached_ids):
+            d = spec.get(rid)
+            if d:
+                row = rows[i]
+                at = self.num_tokens[row]
+                if at + len(d) > self.tokens.shape[1]:
+                    raise ValueError(f"request {rid!r}: {len(d)} drafts past max_model_len")
+                self.tokens[row, at:at + len(d)] = d
+                counts[i] = len(d)
+        if counts.sum() != sum(len(d) for d in spec.values()):
+            raise ValueError("drafts for a request that is not a running row of this step")
+        return counts
 
     def _check_state_copies(self, sched_out: SchedulerOutput, num_scheduled: int) -> None:
         """ValueError unless every slot copy fits the step's fixed-shape arrays and names
@@ -315,6 +360,15 @@ class InputBatch:
         for i in np.flatnonzero(self.has_dynamic[rows]):
             self.dynamic[rows[i]].accept(int(sampled[i]))
 
+    def append_verified(self, row: int, tokens: list[int]) -> None:
+        """Stores a row's accepted drafts and the token sampled after them."""
+        at = self.num_tokens[row]
+        self.tokens[row, at:at + len(tokens)] = tokens
+        self.num_tokens[row] = at + len(tokens)
+        if self.has_dynamic[row]:
+            for t in tokens:
+                self.dynamic[row].accept(t)
+
     # ---- one step's arrays -------------------------------------------------------------
     def build(self, step: ScheduledRows) -> HostBatch:
         """The padded device inputs of a step."""
@@ -361,8 +415,13 @@ class InputBatch:
             sliding_table[:num_reqs] = self.sliding_page_table[rows, :width]
         state_slots = np.zeros(r_max, np.int32)
         state_slots[:num_reqs] = self.state_slots[rows]
-        logits_idx = np.zeros(r_max, np.int32)
-        logits_idx[:num_reqs] = cu[1:num_reqs + 1] - 1
+        logits_idx = np.zeros(self.max_sample_rows, np.int32)
+        if step.num_drafts is None:
+            logits_idx[:num_reqs] = cu[1:num_reqs + 1] - 1
+        else:   # each sampling row's last 1 + k tokens: its known one and its k drafts
+            batch_row, offset = step.sample_rows()
+            logits_idx[:len(batch_row)] = (cu[batch_row + 1] - 1 - step.num_drafts[batch_row]
+                                           + offset)
         copies = (state_copy_inputs(step.state_restores, step.state_saves, r_max)
                   if self.num_state_slots else {})
         inputs = ModelInputs(
@@ -375,9 +434,17 @@ class InputBatch:
 
     def sampling_tensors(self, step: ScheduledRows, num_rows_padded: int, *,
                          penalties: bool, penalty_len: int) -> SamplingTensors:
-        """The sampler's per-row settings for the step's rows (rows past them are
-        padding), as sampler.make_sampling_tensors builds them from SamplingRows."""
-        rows, n = step.rows, step.num_reqs
+        """The sampler's per-row settings for the step's sampler rows (rows past them are
+        padding), as sampler.make_sampling_tensors builds them from SamplingRows. Without
+        drafts a sampler row is a batch row; with them, ScheduledRows.sample_rows: the
+        j-th position of a row's window samples output index (outputs so far) + j, after
+        the drafts before it."""
+        if step.num_drafts is None:
+            rows, offsets, samples = step.rows, 0, step.sample
+        else:
+            batch_row, offsets = step.sample_rows()
+            rows, samples = step.rows[batch_row], None
+        n = len(rows)
 
         def col(a: np.ndarray, fill) -> np.ndarray:
             out = np.full((num_rows_padded, *a.shape[1:]), fill, a.dtype)
@@ -386,7 +453,8 @@ class InputBatch:
 
         t = {name: col(getattr(self, name), fill) for name, _, fill in _FROM_PARAMS}
         t["want_logprobs"] = col(self.want_logprobs, False)
-        num_out = self.num_tokens[rows] - self.num_prompt[rows]
+        known = self.num_tokens[rows] + offsets   # the tokens before each position
+        num_out = known - self.num_prompt[rows]
         steps = np.zeros(num_rows_padded, np.int32)
         steps[:n] = num_out
         keys = col(self.keys, 0)
@@ -396,21 +464,21 @@ class InputBatch:
                                                 dtype=np.uint64)
         banned = col(self.banned, self.vocab_size)
         banned[:n][num_out >= self.min_tokens[rows]] = self.vocab_size
-        t.update(self._constraint_tensors(step, num_rows_padded))
+        t.update(self._constraint_tensors(step, rows, samples, num_rows_padded))
         if penalties:
             # Each row's prompt then outputs, padded with V (dropped by the sampler).
             ids = np.full((num_rows_padded, penalty_len), self.vocab_size, np.int32)
             ids[:n] = self.tokens[rows, :penalty_len]
-            ids[:n][np.arange(penalty_len)[None, :] >= self.num_tokens[rows][:, None]] = \
-                self.vocab_size
+            ids[:n][np.arange(penalty_len)[None, :] >= known[:, None]] = self.vocab_size
             t["penalty_token_ids"] = ids
             t["num_prompt_tokens"] = col(self.num_prompt, 0)
         return SamplingTensors(keys=keys, steps=steps, banned_token_ids=banned, **t)
 
-    def _constraint_tensors(self, step: ScheduledRows, num_rows_padded: int) -> dict:
-        """token_mask and logit bias of the step's rows: shared all-allowed / no-bias
-        arrays when no row has a constraint (the common case costs no copying)."""
-        rows, n = step.rows, step.num_reqs
+    def _constraint_tensors(self, step: ScheduledRows, rows: np.ndarray,
+                            samples: np.ndarray | None, num_rows_padded: int) -> dict:
+        """token_mask and logit bias of the sampler rows (persistent `rows`; samples: which
+        of them sample, None: all, each row's drafts after it): shared all-allowed /
+        no-bias arrays when no row has a constraint (the common case costs no copying)."""
         free = self._free_mask.get(num_rows_padded)
         if free is None:
             free = self._free_mask[num_rows_padded] = (
@@ -418,20 +486,35 @@ class InputBatch:
                 np.full((num_rows_padded, MAX_LOGIT_BIAS), self.vocab_size, np.int32),
                 np.zeros((num_rows_padded, MAX_LOGIT_BIAS), np.float32))
         mask, bias_ids, bias = free
-        dynamic = np.flatnonzero(self.has_dynamic[rows] & step.sample[:n])
-        if self.has_mask[rows].any() or dynamic.size:
+        dynamic = self.has_dynamic[rows] if samples is None else \
+            self.has_dynamic[rows] & samples
+        if self.has_mask[rows].any() or dynamic.any():
             mask = mask.copy()
             masked = np.flatnonzero(self.has_mask[rows])
             mask[masked] = self.token_mask[rows[masked]]
-            for i in dynamic:
-                row = rows[i]
-                self.dynamic[row].fill(mask[i], self.tokens[row, self.num_prompt[row]:
-                                                            self.num_tokens[row]])
+            if samples is not None:
+                for i in np.flatnonzero(dynamic):
+                    row = rows[i]
+                    self.dynamic[row].fill(mask[i], self.tokens[row, self.num_prompt[row]:
+                                                                self.num_tokens[row]])
+            else:
+                self._fill_windows(step, mask)
         if self.has_bias[rows].any():
             bias_ids, bias = bias_ids.copy(), bias.copy()
             biased = np.flatnonzero(self.has_bias[rows])
             bias_ids[biased], bias[biased] = self.bias_ids[rows[biased]], self.bias[rows[biased]]
         return dict(token_mask=mask, logit_bias_ids=bias_ids, logit_bias=bias)
+
+    def _fill_windows(self, step: ScheduledRows, mask: np.ndarray) -> None:
+        """The dynamic masks of each sampling row's window of 1 + k sampler rows."""
+        first = 0
+        for i in np.flatnonzero(step.sample):
+            row, k = step.rows[i], int(step.num_drafts[i])
+            if self.has_dynamic[row]:
+                self.dynamic[row].fill_window(
+                    mask[first:first + k + 1],
+                    self.tokens[row, self.num_prompt[row]:self.num_tokens[row] + k], k)
+            first += k + 1
 
     def prompt_logprob_targets(self, step: ScheduledRows, cu: np.ndarray,
                                size: int) -> tuple[np.ndarray, list]:

@@ -39,8 +39,10 @@ from jaxserve.runner.parallel_compile import compile_all, default_compile_worker
 from jaxserve.runner.programs import (FORWARD, GREEDY, PENALTIES, PROMPT_LOGPROBS, RANDOM,
                                       SAMPLE, Program)
 from jaxserve.runner.sampler import compute_prompt_logprobs, make_sampling_tensors, sample
+from jaxserve.runner.spec_decode import ngram_propose, num_accepted
 from jaxserve.runner.warmup_report import OnProgram, WarmupReport
 from jaxserve.sampling_params import MAX_LOGPROBS
+from jaxserve.speculative import SpeculativeConfig
 from models.inputs import ModelInputs
 from models.state_copies import copy_state_slots
 from sharding import make_mesh, replicated
@@ -50,10 +52,14 @@ logger = logging.getLogger("jaxserve")
 
 @dataclass
 class ModelRunnerOutput:
-    sampled: dict[str, int] = field(default_factory=dict)
-    # req_id -> (token ids [1+K], logprobs [1+K], rank of the sampled token); K = the
-    # runner's max_logprobs
-    logprobs: dict[str, tuple[np.ndarray, np.ndarray, int]] = field(default_factory=dict)
+    # req_id -> its token; a row that verified drafts: the drafts accepted, then the token
+    # sampled after them (a list)
+    sampled: dict[str, int | list[int]] = field(default_factory=dict)
+    # req_id -> per new token, (token ids [1+K], logprobs [1+K], rank of the sampled
+    # token); K = the runner's max_logprobs
+    logprobs: dict[str, list[tuple[np.ndarray, np.ndarray, int]]] = field(default_factory=dict)
+    # Speculative decoding: req_id -> the drafts its next step is to verify
+    spec_token_ids: dict[str, list[int]] | None = None
     # req_id -> (first position, target logprob [n], rank [n], top ids [n, K], top lps [n, K])
     prompt_logprobs: dict[str, tuple] = field(default_factory=dict)
 
@@ -77,7 +83,8 @@ class ModelRunner:
                  max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int, kv_dtype,
                  num_state_slots: int = 0, num_sliding_pages: int = 0,
                  context_buckets: bool = True, mesh=None, vocab_axis: str | None = None,
-                 abstract: bool = False, max_logprobs: int = MAX_LOGPROBS):
+                 abstract: bool = False, max_logprobs: int = MAX_LOGPROBS,
+                 speculative_config: SpeculativeConfig | None = None):
         """model.config: the model as it runs on this mesh (KV heads as stored);
         num_pages / num_state_slots: per layer, the null page / null slot 0 included
         (planning/cache_plan.py; 0 slots: no recurrent layers);
@@ -86,7 +93,9 @@ class ModelRunner:
         abstract: params are ShapeDtypeStructs with shardings and the caches are only
         described (nothing allocated): the programs can be lowered, not run;
         max_logprobs: the top entries the sampler and prompt logprobs compute (the
-        engine's limit, resolved: no -1), a static width of their programs."""
+        engine's limit, resolved: no -1), a static width of their programs;
+        speculative_config: rows verify drafts it proposes (runner/spec_decode.py); the
+        sampler's row buckets then reach max_num_seqs * (1 + num_speculative_tokens)."""
         self.model = model
         self.params = params
         self.abstract = abstract
@@ -102,8 +111,11 @@ class ModelRunner:
         self.eos_token_ids: tuple[int, ...] = ()   # held back by min_tokens
         self.max_model_len = max_model_len
         self.token_buckets = token_buckets(max_num_batched_tokens)
-        self.row_buckets = row_buckets(max_num_seqs)
-        self.sampling_row_buckets = sampling_row_buckets(max_num_seqs)
+        self.spec = speculative_config
+        num_spec = speculative_config.num_speculative_tokens if speculative_config else 0
+        max_sample_rows = max_num_seqs * (1 + num_spec)
+        self.row_buckets = row_buckets(max_sample_rows)
+        self.sampling_row_buckets = sampling_row_buckets(max_sample_rows)
         pages_per_req = -(-max_model_len // page_size)
         # The jnp reference attention reads whole page-table rows: bucket their width.
         widths = page_buckets(pages_per_req) if context_buckets else None
@@ -111,7 +123,8 @@ class ModelRunner:
         self.batch = InputBatch(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                                 page_size=page_size, token_buckets=self.token_buckets,
                                 vocab_size=vocab_size, page_buckets=widths,
-                                sliding=num_sliding_pages > 0, num_state_slots=num_state_slots)
+                                sliding=num_sliding_pages > 0, num_state_slots=num_state_slots,
+                                num_speculative_tokens=num_spec)
         self.num_state_slots = num_state_slots
         # The stacked caches (models/layer_stack.py): KV heads as stored on this mesh.
         cache_kw = dict(num_pages=num_pages, page_size=page_size, kv_dtype=kv_dtype,
@@ -222,15 +235,56 @@ class ModelRunner:
                                 step.sampled.replace(logprobs=None, logprob_token_ids=None,
                                                      sampled_rank=None))
         rows = step.rows
-        self.batch.append_sampled(rows, result.token_ids)
-        picked = np.flatnonzero(rows.sample)
-        ids = [rows.req_ids[i] for i in picked]
-        out.sampled = dict(zip(ids, result.token_ids[picked].tolist()))
-        if step.logprobs:
-            for i, rid in zip(picked, ids):
-                if self.batch.want_logprobs[rows.rows[i]]:
-                    out.logprobs[rid] = (result.logprob_token_ids[i], result.logprobs[i],
-                                         int(result.sampled_rank[i]))
+        if rows.num_drafts is not None:
+            self._collect_verified(rows, result, step.logprobs, out)
+        else:
+            self.batch.append_sampled(rows, result.token_ids)
+            picked = np.flatnonzero(rows.sample)
+            ids = [rows.req_ids[i] for i in picked]
+            out.sampled = dict(zip(ids, result.token_ids[picked].tolist()))
+            if step.logprobs:
+                for i, rid in zip(picked, ids):
+                    if self.batch.want_logprobs[rows.rows[i]]:
+                        out.logprobs[rid] = [(result.logprob_token_ids[i], result.logprobs[i],
+                                              int(result.sampled_rank[i]))]
+        if self.spec is not None:
+            out.spec_token_ids = self._propose(rows)
+        return out
+
+    def _collect_verified(self, rows: ScheduledRows, result, logprobs: bool,
+                          out: ModelRunnerOutput) -> None:
+        """A step whose rows verified drafts: each sampling row's window of sampler rows
+        (ScheduledRows.sample_rows) -> the drafts accepted and the token after them."""
+        batch, tokens = self.batch, result.token_ids
+        first = 0
+        for i in np.flatnonzero(rows.sample):
+            row, k = rows.rows[i], int(rows.num_drafts[i])
+            drawn = tokens[first:first + k + 1]
+            known = batch.num_tokens[row]
+            a = num_accepted(drawn, batch.tokens[row, known:known + k]) if k else 0
+            new = drawn[:a + 1].tolist()
+            batch.append_verified(row, new)
+            rid = rows.req_ids[i]
+            out.sampled[rid] = new if k else new[0]
+            if logprobs and batch.want_logprobs[row]:
+                out.logprobs[rid] = [(result.logprob_token_ids[j], result.logprobs[j],
+                                      int(result.sampled_rank[j]))
+                                     for j in range(first, first + a + 1)]
+            first += k + 1
+
+    def _propose(self, rows: ScheduledRows) -> dict[str, list[int]]:
+        """Drafts for the rows that sampled, from their tokens (ngram prompt lookup); none
+        once more rows are held than disable_by_batch_size."""
+        spec, batch = self.spec, self.batch
+        if spec.disable_by_batch_size is not None and batch.num_rows > spec.disable_by_batch_size:
+            return {}
+        out = {}
+        for i in np.flatnonzero(rows.sample):
+            row = rows.rows[i]
+            d = ngram_propose(batch.tokens[row, :batch.num_tokens[row]], spec.prompt_lookup_min,
+                              spec.prompt_lookup_max, spec.num_speculative_tokens)
+            if d:
+                out[rows.req_ids[i]] = d
         return out
 
     def device_state_ok(self) -> bool:
@@ -267,9 +321,11 @@ class ModelRunner:
         # them, at the largest row bucket, rather than one per bucket.
         mode = (PENALTIES if batch.has_penalties[r].any() else
                 GREEDY if batch.greedy_only[r].all() else RANDOM)
+        num_sampled = hb.num_reqs if rows.num_drafts is None else \
+            int(rows.sample.sum() + rows.num_drafts[rows.sample].sum())
         num_rows = (self.row_buckets[-1] if mode == PENALTIES else
                     pick_bucket(self.row_buckets if mode == GREEDY else
-                                self.sampling_row_buckets, hb.num_reqs))
+                                self.sampling_row_buckets, num_sampled))
         tensors = batch.sampling_tensors(rows, num_rows, penalties=mode == PENALTIES,
                                          penalty_len=self.max_model_len)
         step.sampled = self._sample(self.params, hidden_rows, tensors, num_rows, mode)
@@ -308,7 +364,8 @@ class ModelRunner:
                 sliding_slot_mapping=z if sliding else None,
                 sliding_page_table=np.zeros((r_max, p), np.int32) if sliding else None,
                 **copies)
-            return self.params, self.kv_caches, inputs, np.zeros(r_max, np.int32)
+            return (self.params, self.kv_caches, inputs,
+                    np.zeros(self.batch.max_sample_rows, np.int32))
 
         def hidden(rows: int) -> Any:
             """Hidden states [rows, E] as the forward returns them."""
@@ -325,7 +382,7 @@ class ModelRunner:
             tensors = make_sampling_tensors([], rows, self.vocab_size,
                                             penalties=mode == PENALTIES,
                                             penalty_len=self.max_model_len)
-            return self.params, hidden(r_max), tensors, rows, mode
+            return self.params, hidden(self.batch.max_sample_rows), tensors, rows, mode
 
         progs = [Program(FORWARD, self._forward, partial(forward_args, t, p), tokens=t, pages=p)
                  for t, p in itertools.product(self.token_buckets, self.batch.page_buckets)]

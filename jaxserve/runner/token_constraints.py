@@ -76,6 +76,27 @@ class DynamicConstraints:
         if self.grammar is not None and not self._after:
             self.grammar.fill(mask_row)
 
+    def fill_window(self, masks: np.ndarray, output_token_ids: np.ndarray,
+                    num_drafts: int) -> None:
+        """Speculative decoding: masks[j] &= what may come next after the outputs up to
+        the j-th draft (the last num_drafts outputs are drafts, j = 0..num_drafts). Past a
+        draft its mask forbids, the masks are left as they are: no draft after it can be
+        accepted. The constraints end where they began."""
+        base = len(output_token_ids) - num_drafts
+        saved, consumed = (self._after, self._recent), 0
+        for j in range(num_drafts + 1):
+            self.fill(masks[j], output_token_ids[:base + j])
+            if j == num_drafts:
+                break
+            d = int(output_token_ids[base + j])
+            if not (int(masks[j][d >> 5]) >> (d & 31)) & 1:
+                break
+            consumed += self.grammar is not None and not self._after
+            self.accept(d)
+        if consumed:
+            self.grammar.rollback(consumed)
+        self._after, self._recent = saved
+
     def accept(self, token_id: int) -> None:
         if self._after:       # still reasoning: watch for its end
             self._recent = (self._recent + (int(token_id),))[-len(self._after):]
