@@ -8,8 +8,11 @@ was drawn (jaxserve/runner/spec_decode.py says why that is exact). Proposers:
 - ngram: prompt lookup. The last n tokens (prompt_lookup_max down to prompt_lookup_min)
   are looked up earlier in the request's own tokens; the tokens that followed their most
   recent earlier occurrence are the drafts.
+- mtp: Qwen3.5/3.6's multi-token-prediction layer (the checkpoint's mtp.* tensors,
+  models/mtp.py), k greedy steps of it (jaxserve/runner/drafter.py).
+- draft_model: a smaller model with the target's vocabulary (`model`), k greedy steps.
 
-The other methods vLLM names (mtp, draft_model, eagle, medusa, ...) are refused by name.
+The other methods vLLM names (eagle, medusa, ...) are refused by name.
 """
 from __future__ import annotations
 
@@ -17,12 +20,12 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any
 
-METHODS = ("ngram",)
+NGRAM, MTP, DRAFT_MODEL = "ngram", "mtp", "draft_model"
+METHODS = (NGRAM, MTP, DRAFT_MODEL)
+# vLLM's names for the MTP of Qwen's hybrids.
+METHOD_ALIASES = {"qwen3_next_mtp": MTP, "qwen3_5_mtp": MTP}
 # vLLM's other methods, refused with what jaxserve does instead.
 NOT_IMPLEMENTED = {
-    "mtp": "Qwen3.5/3.6's MTP head is not implemented yet; use method 'ngram'",
-    "qwen3_next_mtp": "MTP heads are not implemented yet; use method 'ngram'",
-    "draft_model": "draft models are not implemented yet; use method 'ngram'",
     "eagle": "EAGLE heads are not implemented; use method 'ngram'",
     "eagle3": "EAGLE-3 heads are not implemented; use method 'ngram'",
     "medusa": "Medusa heads are not implemented; use method 'ngram'",
@@ -35,8 +38,12 @@ MAX_SPECULATIVE_TOKENS = 16
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    method: str = "ngram"
+    method: str = NGRAM
     num_speculative_tokens: int = 3
+    # draft_model: the draft's checkpoint (a directory, a hub id or a jaxserve alias).
+    model: str | None = None
+    # vLLM's: the draft runs on the target's mesh here (None, or the target's M).
+    draft_tensor_parallel_size: int | None = None
     # ngram: the longest and shortest suffix looked up.
     prompt_lookup_max: int = 5
     prompt_lookup_min: int = 2
@@ -44,14 +51,21 @@ class SpeculativeConfig:
     disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "method", METHOD_ALIASES.get(self.method, self.method))
         if self.method in NOT_IMPLEMENTED:
             raise ValueError(f"speculative_config method {self.method!r}: "
                              f"{NOT_IMPLEMENTED[self.method]}")
         if self.method not in METHODS:
             raise ValueError(f"speculative_config method {self.method!r}: must be one of "
                              f"{METHODS}")
+        if self.method == DRAFT_MODEL and not self.model:
+            raise ValueError("speculative_config method 'draft_model' needs 'model': the "
+                             "draft's checkpoint")
+        if self.method == NGRAM and self.model:
+            raise ValueError(f"speculative_config model={self.model!r}: method 'ngram' takes "
+                             f"no model (give method 'draft_model' to draft with one)")
         for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
-                     "disable_by_batch_size"):
+                     "disable_by_batch_size", "draft_tensor_parallel_size"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise ValueError(f"speculative_config {name}={v!r}: must be an int >= 1")
@@ -79,7 +93,9 @@ class SpeculativeConfig:
         value = dict(value)
         if value.get("model") in ("[ngram]", "ngram") and "method" not in value:
             value.pop("model")   # vLLM's older spelling of the method
-            value["method"] = "ngram"
+            value["method"] = NGRAM
+        elif value.get("model") and "method" not in value:
+            value["method"] = DRAFT_MODEL   # vLLM: a model without a method drafts with it
         unknown = sorted(set(value) - known)
         if unknown:
             raise ValueError(f"speculative_config: {', '.join(map(repr, unknown))} not "
@@ -90,6 +106,14 @@ class SpeculativeConfig:
             value["prompt_lookup_max"] = max(5, value["prompt_lookup_min"])
         return SpeculativeConfig(**value)
 
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """Positions past a step's tokens a drafter writes KV at (the scheduler allocates
+        their pages ahead): the model drafters' k steps; ngram writes none."""
+        return 0 if self.method == NGRAM else self.num_speculative_tokens
+
     def describe(self) -> str:
+        how = {NGRAM: f"n-grams of {self.prompt_lookup_min}..{self.prompt_lookup_max} tokens",
+               MTP: "the checkpoint's MTP layer", DRAFT_MODEL: f"draft model {self.model}"}
         return (f"speculative decoding: {self.method}, {self.num_speculative_tokens} tokens "
-                f"(n-grams of {self.prompt_lookup_min}..{self.prompt_lookup_max})")
+                f"per step ({how[self.method]})")

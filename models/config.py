@@ -172,6 +172,11 @@ class ModelConfig:
     use_double_wide_mlp: bool = False
     hidden_size_per_layer_input: int = 0             # per-layer embeddings (0: none)
     vocab_size_per_layer_input: int = 0
+    # Qwen3.5/3.6: multi-token-prediction layers the checkpoint ships (tensors mtp.*,
+    # models/mtp.py; served for speculative decoding), and whether they bring their own
+    # embedding (not supported).
+    num_mtp_layers: int = 0
+    mtp_dedicated_embeddings: bool = False
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
@@ -430,6 +435,8 @@ class ModelConfig:
             partial_rotary_factor=rotary_factor,
             attn_output_gate=hybrid,
             norm_plus_one=hybrid,
+            num_mtp_layers=int(t.get("mtp_num_hidden_layers") or 0) if hybrid else 0,
+            mtp_dedicated_embeddings=bool(t.get("mtp_use_dedicated_embeddings", False)),
             weight_quant=_parse_quantization(d.get("quantization_config")
                                              or t.get("quantization_config")),
         )

@@ -253,7 +253,7 @@ def _kv_repeat_axes(model: nn.Module, kv_head_repeat: KVHeadRepeat) -> dict[Path
 def load_params(model_dir: str | Path | None, cfg: ModelConfig, model: nn.Module, dtype: Any = "auto", *,
                 load_format: str = "auto", seed: int = 0, shardings: Any = None,
                 kv_head_repeat: KVHeadRepeat = 1, workers: int | None = None,
-                progress: Progress | None = None) -> dict:
+                progress: Progress | None = None, prefix: str | None = None) -> dict:
     """Params for `model` from `model_dir`, cast to `dtype` ("auto" = checkpoint dtype).
 
     shardings: optional tree (same structure as the params) of jax.sharding.Sharding
@@ -267,6 +267,8 @@ def load_params(model_dir: str | Path | None, cfg: ModelConfig, model: nn.Module
     bytes to read, called from the calling thread: (0, total) before the first read,
     then after each param, the last call with bytes_done == bytes_total (for a
     loading-progress report, e.g. on /health). Not called for dummy weights.
+    prefix: load a part of the checkpoint (the MTP layer: "mtp.") whose tensors are named
+    under it; the checkpoint's other tensors are left alone.
     """
     if load_format not in ("auto", "safetensors", "dummy"):
         raise ValueError(f"load_format must be 'auto', 'safetensors' or 'dummy', got {load_format!r}")
@@ -277,13 +279,14 @@ def load_params(model_dir: str | Path | None, cfg: ModelConfig, model: nn.Module
         return _dummy_params(expected, dtype, seed, shard_flat, _kv_repeat_axes(model, kv_head_repeat),
                              model.config.weight_quant, _stacked_axes(model))
     tasks = checkpoint_tasks(model_dir, cfg, model, dtype, shardings=shardings,
-                             kv_head_repeat=kv_head_repeat)
+                             kv_head_repeat=kv_head_repeat, prefix=prefix)
     return unflatten_dict(place_params(tasks, workers=workers, progress=progress,
                                        what=Path(str(model_dir)).name))
 
 
 def checkpoint_tasks(model_dir: str | Path | None, cfg: ModelConfig, model: nn.Module, dtype: Any, *,
-                     shardings: Any = None, kv_head_repeat: KVHeadRepeat = 1) -> list[ParamTask]:
+                     shardings: Any = None, kv_head_repeat: KVHeadRepeat = 1,
+                     prefix: str | None = None) -> list[ParamTask]:
     """One ParamTask per param of `model` (see load_params), after checking that the
     checkpoint holds exactly the tensors the model needs. Nothing is read yet."""
     if model_dir is None or not Path(model_dir).is_dir():
@@ -293,7 +296,10 @@ def checkpoint_tasks(model_dir: str | Path | None, cfg: ModelConfig, model: nn.M
     repeat_axes = _kv_repeat_axes(model, kv_head_repeat)
     where = _open_checkpoint(Path(model_dir))
 
-    prefix = _VL_TEXT_PREFIX if any(n.startswith(_VL_TEXT_PREFIX) for n in where) else "model."
+    part = prefix is not None   # a part of the checkpoint (load_params' prefix)
+    if not part:
+        prefix = _VL_TEXT_PREFIX if any(n.startswith(_VL_TEXT_PREFIX) for n in where) \
+            else "model."
     computed = {path for path in expected if path[-1] in _COMPUTED_LEAVES}
     sources = {path: hf_names(path, cfg, prefix) for path in expected if path not in computed}
     wanted = {n for names in sources.values() for n in names.flat}
@@ -303,12 +309,13 @@ def checkpoint_tasks(model_dir: str | Path | None, cfg: ModelConfig, model: nn.M
                          f"({_describe(block_scales)}) but its config.json has no "
                          f"quantization_config saying their block size")
     missing = wanted - where.keys()
-    skipped = {n for n in where if n.startswith(_SKIPPED_PREFIXES)}
-    if skipped:
+    skipped = {n for n in where if not n.startswith(prefix)} if part else \
+        {n for n in where if n.startswith(_SKIPPED_PREFIXES)}
+    if skipped and not part:
         logger.info("serving the text model: skipping %d vision / MTP tensors (%s)", len(skipped),
                     ", ".join(sorted({p for n in skipped for p in _SKIPPED_PREFIXES if n.startswith(p)})))
     ignored = skipped | {n for n in where if n.endswith(_IGNORED_SUFFIXES)}
-    if cfg.tie_word_embeddings:
+    if cfg.tie_word_embeddings and not part:
         ignored.add("lm_head.weight")   # some tied checkpoints still store a copy
         ignored.add(block_scale_name("lm_head.weight"))
     unexpected = where.keys() - wanted - block_scales - ignored

@@ -14,6 +14,12 @@ Where the numbers come from:
   prompt, its n completions timed together, as the engine times them); the
   request_success counter and the token-count histograms one per completion, as vLLM
   counts its n child requests.
+- speculative decoding (vLLM's spec_decode counters): the engine's totals of drafts
+  (rows that verified some), draft tokens, accepted tokens and accepted tokens at each
+  draft position, moved as the other totals are. As vLLM, they exist only when
+  speculative decoding is on: registered when the Metrics is made with
+  num_speculative_tokens, else at the first stats snapshot that has per-position
+  counts (the scheduler keeps one per draft position only when it drafts).
 """
 from __future__ import annotations
 
@@ -45,9 +51,27 @@ _ENGINE_TOTALS = {
                         "Requests preempted (pages taken back, to be recomputed)."),
 }
 
+# Speculative decoding totals, under vLLM V1's names and help (vllm/v1/spec_decode/
+# metrics.py, SpecDecodingProm). From these:
+#   acceptance rate: rate(..._accepted_tokens_total) / rate(..._draft_tokens_total)
+#   mean acceptance length (with the bonus token):
+#     1 + rate(..._accepted_tokens_total) / rate(vllm:spec_decode_num_drafts_total)
+#   per-position acceptance rate:
+#     rate(..._accepted_tokens_per_pos_total) / rate(vllm:spec_decode_num_drafts_total)
+_SPEC_TOTALS = {
+    "spec_num_drafts": ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts."),
+    "spec_num_draft_tokens": ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens."),
+    "spec_num_accepted_tokens": ("vllm:spec_decode_num_accepted_tokens",
+                                 "Number of accepted tokens."),
+}
+_SPEC_PER_POS = ("vllm:spec_decode_num_accepted_tokens_per_pos",
+                 "Accepted tokens per draft position.")
+
 
 class Metrics:
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, num_speculative_tokens: int = 0):
+        """num_speculative_tokens: the speculative config's (0: off, or not known yet;
+        the spec_decode counters then appear with the first snapshot that has them)."""
         self.registry = r = CollectorRegistry()
         label = {"model_name": model_name}
 
@@ -56,6 +80,8 @@ class Metrics:
 
         def counter(name: str, doc: str) -> Counter:
             return Counter(name, doc, ["model_name"], registry=r).labels(**label)
+
+        self._counter = counter
 
         def histogram(name: str, doc: str, buckets: tuple) -> Histogram:
             return Histogram(name, doc, ["model_name"], buckets=buckets,
@@ -117,11 +143,35 @@ class Metrics:
         self.refused = gauge("jaxserve:num_requests_refused",
                              "Engine requests the input processor refused (400s).")
 
+        # ---- vLLM's: speculative decoding (only when it is on) ----
+        self._spec_per_pos: list = []   # one counter per draft position
+        self._spec_per_pos_seen: list[int] = []
+        self.num_speculative_tokens = 0
+        if num_speculative_tokens:
+            self.enable_spec_decode(num_speculative_tokens)
+
+    def enable_spec_decode(self, num_speculative_tokens: int) -> None:
+        """Registers the spec_decode counters (at zero), with one `position` per draft
+        position (0 .. num_speculative_tokens - 1). Once: later calls change nothing."""
+        if self.num_speculative_tokens or num_speculative_tokens < 1:
+            return
+        self.num_speculative_tokens = num_speculative_tokens
+        for field, (name, doc) in _SPEC_TOTALS.items():
+            self._totals[field] = self._counter(name, doc)
+            self._seen[field] = 0
+        per_pos = Counter(_SPEC_PER_POS[0], _SPEC_PER_POS[1], ["model_name", "position"],
+                          registry=self.registry)
+        self._spec_per_pos = [per_pos.labels(model_name=self._model_name, position=str(i))
+                              for i in range(num_speculative_tokens)]
+        self._spec_per_pos_seen = [0] * num_speculative_tokens
+
     def render(self, stats, *, admitted: int, processed: int = 0, refused: int = 0) -> bytes:
         """stats: the engine's EngineStats snapshot."""
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_cache_usage)
+        if stats.spec_accepted_per_pos and not self.num_speculative_tokens:
+            self.enable_spec_decode(len(stats.spec_accepted_per_pos))
         self._add_totals(stats)
         self.compilations.set(stats.num_compilations)
         self.admitted.set(admitted)
@@ -135,11 +185,11 @@ class Metrics:
 
     def _add_totals(self, stats) -> None:
         for field, counter in self._totals.items():
-            value = getattr(stats, field)
-            if value > self._seen[field]:
-                counter.inc(value - self._seen[field])
-            # A total that went down (counts restarted) is a new baseline, never a drop.
-            self._seen[field] = value
+            self._seen[field] = _advance(counter, self._seen[field], getattr(stats, field))
+        seen = self._spec_per_pos_seen
+        for i, (counter, value) in enumerate(zip(self._spec_per_pos,
+                                                 stats.spec_accepted_per_pos)):
+            seen[i] = _advance(counter, seen[i], value)
 
     # ---- per request ---------------------------------------------------------------
     def track(self, num_prompt_tokens: int, n: int) -> RequestTracker:
@@ -160,6 +210,14 @@ class Metrics:
                             (self.inference_time, m.inference_time)):
             if value is not None:
                 hist.observe(value)
+
+
+def _advance(counter, seen: int, value: int) -> int:
+    """Moves `counter` by the total's growth since `seen`; -> the new baseline. A total
+    that went down (counts restarted) is a new baseline, never a drop."""
+    if value > seen:
+        counter.inc(value - seen)
+    return value
 
 
 class RequestTracker:

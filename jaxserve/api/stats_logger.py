@@ -12,6 +12,19 @@ after that, so the log shows the throughput falling to zero.
 Throughputs are over the interval since the previous tick; the hit rate is over
 every prefix-cache look-up since start (in tokens). Running and waiting count
 sequences (n per prompt), as vLLM counts its child requests.
+
+With speculative decoding, a second line under it, as vLLM's (SpecDecodingLogging),
+over the same interval, when drafts were verified in it:
+
+    SpecDecoding metrics: Mean acceptance length: 2.40, Accepted throughput: 3.50
+    tokens/s, Drafted throughput: 7.50 tokens/s, Accepted: 35 tokens, Drafted: 75
+    tokens, Per-position acceptance rate: 0.720, 0.440, 0.240, Avg Draft acceptance
+    rate: 46.7%
+
+Mean acceptance length is 1 + accepted / drafts (with the token the verifying step
+samples after the accepted drafts, as vLLM counts it); a draft is one request's
+proposal in one step, of up to num_speculative_tokens tokens. Per-position rates are
+the drafts whose token at that position was accepted, over all drafts.
 """
 from __future__ import annotations
 
@@ -34,6 +47,31 @@ def stats_line(stats: SchedulerStats, prompt_tps: float, generation_tps: float,
             f"Prefix cache hit rate: {stats.prefix_cache_hit_rate * 100:.1f}%")
 
 
+def spec_decoding_line(last: SchedulerStats, stats: SchedulerStats,
+                       elapsed: float) -> str | None:
+    """vLLM's SpecDecoding line over the interval from `last` to `stats` (elapsed
+    seconds); None without speculative decoding or without drafts in the interval."""
+    num_spec = len(stats.spec_accepted_per_pos)
+    num_drafts = stats.spec_num_drafts - last.spec_num_drafts
+    if not num_spec or num_drafts <= 0:
+        return None
+    drafted = stats.spec_num_draft_tokens - last.spec_num_draft_tokens
+    accepted = stats.spec_num_accepted_tokens - last.spec_num_accepted_tokens
+    before = tuple(last.spec_accepted_per_pos)[:num_spec]
+    before += (0,) * (num_spec - len(before))
+    per_pos = [(now - then) / num_drafts
+               for now, then in zip(stats.spec_accepted_per_pos, before)]
+    accepted_tps = accepted / elapsed if elapsed > 0 else 0.0
+    drafted_tps = drafted / elapsed if elapsed > 0 else 0.0
+    rate = accepted / drafted * 100 if drafted > 0 else float("nan")
+    return (f"SpecDecoding metrics: Mean acceptance length: {1 + accepted / num_drafts:.2f}, "
+            f"Accepted throughput: {accepted_tps:.2f} tokens/s, "
+            f"Drafted throughput: {drafted_tps:.2f} tokens/s, "
+            f"Accepted: {accepted} tokens, Drafted: {drafted} tokens, "
+            f"Per-position acceptance rate: {', '.join(f'{p:.3f}' for p in per_pos)}, "
+            f"Avg Draft acceptance rate: {rate:.1f}%")
+
+
 class StatsLogger:
     """engine: anything with `stats` (a SchedulerStats snapshot, e.g. AsyncEngine's
     EngineStats) and `dead`. Held weakly: the thread ends with the engine, when it
@@ -54,7 +92,9 @@ class StatsLogger:
         self._thread: threading.Thread | None = None
 
     def tick(self, now: float | None = None) -> str | None:
-        """Reads the engine's stats; logs and returns the line, or None when idle."""
+        """Reads the engine's stats; logs and returns the line (and the SpecDecoding line,
+        when there is one, as a second log record: returned after a newline), or None
+        when idle."""
         engine = self._engine()
         if engine is None:
             return None
@@ -73,6 +113,10 @@ class StatsLogger:
             return None
         line = stats_line(stats, prompt_tps, generation_tps, self.engine_index)
         logger.info("%s", line)
+        spec = spec_decoding_line(last, stats, elapsed)
+        if spec is not None:
+            logger.info("%s", spec)
+            line = f"{line}\n{spec}"
         return line
 
     # ---- the thread --------------------------------------------------------------------

@@ -103,11 +103,14 @@ class Scheduler:
         sliding_window: int | None = None,
         num_snapshot_slots: int = 0,
         num_speculative_tokens: int = 0,
+        num_lookahead_tokens: int = 0,
     ) -> None:
         """num_sliding_pages / sliding_window: the sliding-window layers' KV group
         (planning/cache_plan.py; 0 / None: the model has none, or they share the global
         pages). num_speculative_tokens: most drafts a decoding request verifies in a step
-        (0: no speculative decoding); a hybrid then holds two state slots per request."""
+        (0: no speculative decoding); a hybrid then holds two state slots per request.
+        num_lookahead_tokens: a request whose chunk reaches its last token also gets pages
+        for this many positions past the chunk (a model drafter writes its KV there)."""
         for name, v in (("num_pages", num_pages), ("page_size", page_size),
                         ("max_num_seqs", max_num_seqs),
                         ("max_num_batched_tokens", max_num_batched_tokens),
@@ -131,6 +134,7 @@ class Scheduler:
                              f"every running request of a hybrid model needs {per_seq} "
                              f"state slot(s)")
         self.num_speculative_tokens = num_speculative_tokens
+        self.num_lookahead_tokens = num_lookahead_tokens
         self.kv = KVCacheManager(num_pages, page_size, enable_prefix_caching, num_state_slots,
                                  num_sliding_pages=num_sliding_pages,
                                  sliding_window=sliding_window,
@@ -293,7 +297,8 @@ class Scheduler:
                 num_new += self._num_drafts(req, budget - num_new)
             if cuts and (cut := kv.state_cut(req, start)) is not None:
                 num_new = min(num_new, cut - start)
-            while (new_blocks := kv.allocate_slots(req, num_new)) is None:
+            while (new_blocks := kv.allocate_slots(
+                    req, num_new + self._lookahead(req, start + num_new))) is None:
                 victim = self._pick_victim()
                 vi = running.index(victim)
                 del running[vi]
@@ -333,7 +338,8 @@ class Scheduler:
                 num_new = min(req.num_tokens - num_hit, budget)
                 if cuts and (cut := kv.state_cut(req, num_hit)) is not None:
                     num_new = min(num_new, cut - num_hit)
-                if kv.allocate_slots(req, num_new, hit, num_hit) is None:
+                if kv.allocate_slots(req, num_new + self._lookahead(req, num_hit + num_new),
+                                     hit, num_hit) is None:
                     break
                 self._pop_waiting()
                 if req.num_cached_tokens < 0:
@@ -371,6 +377,12 @@ class Scheduler:
             preempted_req_ids=preempted,
             finished_req_ids=finished,
         )
+
+    def _lookahead(self, req: Request, end: int) -> int:
+        """Positions past `end` (where the request's chunk ends) to allocate pages for."""
+        if not self.num_lookahead_tokens or end < req.num_tokens:
+            return 0
+        return max(min(self.num_lookahead_tokens, self.max_len - end), 0)
 
     def _num_drafts(self, req: Request, budget: int) -> int:
         """How many of the request's drafts a step can verify: within the step's budget,

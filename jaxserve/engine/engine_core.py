@@ -20,6 +20,7 @@ from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.scheduler import Scheduler, SchedulerOutput, SchedulerStats
 from jaxserve.engine import multihost
+from jaxserve.engine.drafter_loader import load_drafter
 from jaxserve.engine.errors import EngineDeadError, InputError
 from jaxserve.engine.input_processor import EngineRequest, InputProcessor
 from jaxserve.engine.layout import engine_layout, layout_cache_plan, make_runner
@@ -108,6 +109,7 @@ class EngineCore:
         loaded = load_model(config, layout, self.mesh,
                             on_progress=partial(_report_loading, progress))
         self.model, self.params = loaded.model, loaded.params
+        drafter = load_drafter(config, layout, self.mesh, self.model)
 
         self.prefix_caching = config.enable_prefix_caching
         if mc.is_hybrid:
@@ -119,15 +121,18 @@ class EngineCore:
                         if self.prefix_caching else "is off")
         progress.set_phase(ALLOCATING_KV_CACHE, "sizing and allocating the KV cache")
         # Sized per device: each device holds kv_heads / M heads of every page.
-        plan = layout_cache_plan(config, layout, self.mesh.devices.flat[0])
+        plan = layout_cache_plan(config, layout, self.mesh.devices.flat[0],
+                                 drafter_specs=drafter.cache_specs if drafter else ())
         if self.channel is not None:   # every process must build the same cache shape
             plan = plan.with_num_pages(multihost.agree_on_min(plan.num_pages))
         logger.info("%s", plan.describe())
         if config.speculative_config is not None:
             logger.info("%s", config.speculative_config.describe())
 
-        self.runner = make_runner(config, layout, plan, model=self.model, params=self.params,
-                                  mesh=self.mesh)
+        self.runner = make_runner(
+            config, layout, plan, model=self.model, params=self.params, mesh=self.mesh,
+            drafter=drafter and drafter.build(plan, config, layout, target_model=self.model,
+                                              mesh=self.mesh))
         if config.enforce_eager:   # each program compiles when a step first needs it
             logger.info("enforce_eager: no warmup; programs compile on first use")
         else:
@@ -149,6 +154,8 @@ class EngineCore:
             num_snapshot_slots=plan.num_snapshot_slots,
             num_sliding_pages=plan.num_sliding_pages, sliding_window=plan.sliding_window,
             num_speculative_tokens=config.speculative_config.num_speculative_tokens
+            if config.speculative_config else 0,
+            num_lookahead_tokens=config.speculative_config.num_lookahead_tokens
             if config.speculative_config else 0)
         self.outputs = OutputProcessor(self.tokenizer, stream=stream_outputs)
         self.num_steps = 0

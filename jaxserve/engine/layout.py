@@ -134,10 +134,12 @@ def layout_param_shardings(model, mesh: Mesh, layout: EngineLayout) -> Any:
 
 
 def layout_cache_plan(config: EngineConfig, layout: EngineLayout, device: Any,
-                      free_bytes: int | None = None) -> CachePlan:
+                      free_bytes: int | None = None,
+                      drafter_specs: tuple[CacheSpec, ...] = ()) -> CachePlan:
     """The replica's cache plan (planning/cache_plan.py); ValueError when one sequence of
     max_model_len does not fit. free_bytes: memory left on each device after the
-    weights; None asks `device`."""
+    weights; None asks `device`. drafter_specs: a speculative model drafter's KV layers,
+    which keep KV on the same pages (engine/drafter_loader.py)."""
     if config.num_pages is not None:
         budget, cap = None, False
     else:
@@ -146,7 +148,7 @@ def layout_cache_plan(config: EngineConfig, layout: EngineLayout, device: Any,
             hbm_utilization=config.hbm_utilization, activation_bytes=layout.activation_bytes,
             device=device, free_bytes=free_bytes)
     return require_one_sequence(plan_caches(
-        layout.cache_specs, model_axis=layout.model_axis, page_size=config.page_size,
+        layout.cache_specs + tuple(drafter_specs), model_axis=layout.model_axis, page_size=config.page_size,
         max_num_seqs=config.max_num_seqs, max_model_len=layout.max_model_len,
         max_num_batched_tokens=config.num_batched_tokens, num_pages=config.num_pages,
         budget_bytes=budget, cap_at_demand=cap, prefix_caching=config.enable_prefix_caching,
@@ -154,7 +156,7 @@ def layout_cache_plan(config: EngineConfig, layout: EngineLayout, device: Any,
 
 
 def make_runner(config: EngineConfig, layout: EngineLayout, cache_plan: CachePlan, *, model,
-                params, mesh: Mesh, abstract: bool = False) -> ModelRunner:
+                params, mesh: Mesh, abstract: bool = False, drafter=None) -> ModelRunner:
     mc = layout.model_config
     return ModelRunner(
         model=model, params=params, vocab_size=mc.vocab_size,
@@ -169,4 +171,4 @@ def make_runner(config: EngineConfig, layout: EngineLayout, cache_plan: CachePla
         context_buckets=layout.attention_backend == "reference", mesh=mesh,
         vocab_axis=layout.rules["vocab"], abstract=abstract,
         max_logprobs=logprobs_limit(config.max_logprobs, mc.vocab_size),
-        speculative_config=config.speculative_config)
+        speculative_config=config.speculative_config, drafter=drafter)

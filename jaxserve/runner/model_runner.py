@@ -33,11 +33,12 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxserve.runner.buckets import (page_buckets, pick_bucket, row_buckets,
                                      sampling_row_buckets, token_buckets)
-from jaxserve.runner.input_batch import InputBatch, ScheduledRows, state_copy_inputs
+from jaxserve.runner.drafter import ModelDrafter
+from jaxserve.runner.input_batch import HostBatch, InputBatch, ScheduledRows, state_copy_inputs
 from jaxserve.runner.layer_caches import layer_cache_specs, make_layer_caches
 from jaxserve.runner.parallel_compile import compile_all, default_compile_workers
-from jaxserve.runner.programs import (FORWARD, GREEDY, PENALTIES, PROMPT_LOGPROBS, RANDOM,
-                                      SAMPLE, Program)
+from jaxserve.runner.programs import (DRAFT, FORWARD, GREEDY, PENALTIES, PROMPT_LOGPROBS,
+                                      RANDOM, SAMPLE, Program)
 from jaxserve.runner.sampler import compute_prompt_logprobs, make_sampling_tensors, sample
 from jaxserve.runner.spec_decode import ngram_propose, num_accepted
 from jaxserve.runner.warmup_report import OnProgram, WarmupReport
@@ -68,6 +69,8 @@ class ModelRunnerOutput:
 class _InFlight:
     """A dispatched step: device results not yet read back (see ModelRunner.dispatch)."""
     rows: ScheduledRows | None
+    hb: HostBatch | None = None  # its inputs (a model drafter computes them too)
+    hidden: Any = None           # the forward's padded hidden states (the MTP reads them)
     sampled: Any = None          # SamplerOutput on device, or None
     logprobs: bool = False       # whether a request wants the sampler's logprobs
     prompt_lps: Any = None       # (device arrays, spans), or None
@@ -84,7 +87,8 @@ class ModelRunner:
                  num_state_slots: int = 0, num_sliding_pages: int = 0,
                  context_buckets: bool = True, mesh=None, vocab_axis: str | None = None,
                  abstract: bool = False, max_logprobs: int = MAX_LOGPROBS,
-                 speculative_config: SpeculativeConfig | None = None):
+                 speculative_config: SpeculativeConfig | None = None,
+                 drafter: ModelDrafter | None = None):
         """model.config: the model as it runs on this mesh (KV heads as stored);
         num_pages / num_state_slots: per layer, the null page / null slot 0 included
         (planning/cache_plan.py; 0 slots: no recurrent layers);
@@ -95,7 +99,8 @@ class ModelRunner:
         max_logprobs: the top entries the sampler and prompt logprobs compute (the
         engine's limit, resolved: no -1), a static width of their programs;
         speculative_config: rows verify drafts it proposes (runner/spec_decode.py); the
-        sampler's row buckets then reach max_num_seqs * (1 + num_speculative_tokens)."""
+        sampler's row buckets then reach max_num_seqs * (1 + num_speculative_tokens);
+        drafter: its model drafter (methods mtp and draft_model; ngram needs none)."""
         self.model = model
         self.params = params
         self.abstract = abstract
@@ -112,6 +117,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.token_buckets = token_buckets(max_num_batched_tokens)
         self.spec = speculative_config
+        self.drafter = drafter
         num_spec = speculative_config.num_speculative_tokens if speculative_config else 0
         max_sample_rows = max_num_seqs * (1 + num_spec)
         self.row_buckets = row_buckets(max_sample_rows)
@@ -145,6 +151,8 @@ class ModelRunner:
                                in_shardings=(p_sh, rep, rep), out_shardings=rep)
         self._prompt_logprobs = jax.jit(self._prompt_logprobs_fn, in_shardings=(p_sh, rep, rep),
                                         out_shardings=rep)
+        if drafter is not None:
+            drafter.jit(p_sh)
         # What the forward pads its hidden states to, for the one prompt-logprobs program.
         self._max_tokens = self.token_buckets[-1]
         self.warmup_seconds = 0.0
@@ -228,8 +236,18 @@ class ModelRunner:
             for req_id, a, n, first in spans:
                 out.prompt_logprobs[req_id] = (first, lp[a:a + n], rank[a:a + n],
                                                top_ids[a:a + n], top_lp[a:a + n])
-        if step.sampled is None:
-            return out
+        rows = step.rows
+        if step.sampled is not None:
+            self._collect_sampled(step, out)
+        if self.drafter is not None and step.hb is not None:
+            # Every step that ran a forward: the drafter's KV catches up with it.
+            with jax.set_mesh(self.mesh):
+                out.spec_token_ids = self._model_proposals(step)
+        elif self.spec is not None and step.sampled is not None:
+            out.spec_token_ids = self._propose(rows)
+        return out
+
+    def _collect_sampled(self, step: _InFlight, out: ModelRunnerOutput) -> None:
         # The logprob arrays come back only when a request wants them.
         result = jax.device_get(step.sampled if step.logprobs else
                                 step.sampled.replace(logprobs=None, logprob_token_ids=None,
@@ -237,19 +255,37 @@ class ModelRunner:
         rows = step.rows
         if rows.num_drafts is not None:
             self._collect_verified(rows, result, step.logprobs, out)
-        else:
-            self.batch.append_sampled(rows, result.token_ids)
-            picked = np.flatnonzero(rows.sample)
-            ids = [rows.req_ids[i] for i in picked]
-            out.sampled = dict(zip(ids, result.token_ids[picked].tolist()))
-            if step.logprobs:
-                for i, rid in zip(picked, ids):
-                    if self.batch.want_logprobs[rows.rows[i]]:
-                        out.logprobs[rid] = [(result.logprob_token_ids[i], result.logprobs[i],
-                                              int(result.sampled_rank[i]))]
-        if self.spec is not None:
-            out.spec_token_ids = self._propose(rows)
-        return out
+            return
+        self.batch.append_sampled(rows, result.token_ids)
+        picked = np.flatnonzero(rows.sample)
+        ids = [rows.req_ids[i] for i in picked]
+        out.sampled = dict(zip(ids, result.token_ids[picked].tolist()))
+        if step.logprobs:
+            for i, rid in zip(picked, ids):
+                if self.batch.want_logprobs[rows.rows[i]]:
+                    out.logprobs[rid] = [(result.logprob_token_ids[i], result.logprobs[i],
+                                          int(result.sampled_rank[i]))]
+
+    def _model_proposals(self, step: _InFlight) -> dict[str, list[int]]:
+        """The model drafter's catch-up on this step, and the drafts of the rows that
+        sampled (ModelDrafter: none once more rows are held than disable_by_batch_size)."""
+        rows, hb, batch = step.rows, step.hb, self.batch
+        n = rows.num_tokens
+        prow = rows.rows[np.repeat(np.arange(rows.num_reqs), rows.lens)]
+        # Each token's next token, now that the accepted ones and the bonus are known.
+        next_ids = np.zeros(len(hb.inputs.token_ids), np.int32)
+        next_ids[:n] = batch.tokens[prow, hb.inputs.positions[:n] + 1]
+        spec, cu = self.spec, hb.inputs.query_start_loc
+        picked = np.flatnonzero(rows.sample) if spec.disable_by_batch_size is None or \
+            batch.num_rows <= spec.disable_by_batch_size else np.zeros(0, np.int64)
+        proposing = []
+        for i in picked:
+            v = int(batch.num_tokens[rows.rows[i]]) - 1     # the bonus's position
+            proposing.append((int(cu[i]) + v - 1 - int(rows.starts[i]),
+                              int(batch.tokens[rows.rows[i], v]), v))
+        drafts = self.drafter.propose(self.params, step.hidden, hb.inputs, next_ids, proposing,
+                                      batch.page_table[rows.rows[picked]])
+        return {rows.req_ids[i]: d.tolist() for i, d in zip(picked, drafts)}
 
     def _collect_verified(self, rows: ScheduledRows, result, logprobs: bool,
                           out: ModelRunnerOutput) -> None:
@@ -311,6 +347,8 @@ class ModelRunner:
         # separate jax.device_put of the pytree (~0.1 vs ~0.5 ms a step on CPU).
         hidden, hidden_rows, self.kv_caches = self._forward(
             self.params, self.kv_caches, hb.inputs, hb.logits_indices)
+        if self.drafter is not None:
+            step.hb, step.hidden = hb, hidden
 
         r = rows.rows
         if batch.want_prompt_logprobs[r].any():
@@ -388,6 +426,13 @@ class ModelRunner:
                  for t, p in itertools.product(self.token_buckets, self.batch.page_buckets)]
         progs.append(Program(PROMPT_LOGPROBS, self._prompt_logprobs,
                              partial(logprobs_args, self._max_tokens), tokens=self._max_tokens))
+        if self.drafter is not None:
+            def draft_args(t: int, p: int) -> tuple:
+                return self.drafter.warmup_args(self.params, hidden(self._max_tokens),
+                                                forward_args(t, p)[2])
+            progs += [Program(DRAFT, self.drafter.program, partial(draft_args, t, p), tokens=t,
+                              pages=p)
+                      for t, p in itertools.product(self.token_buckets, self.batch.page_buckets)]
         modes = [(GREEDY, rows) for rows in self.row_buckets] + \
             [(RANDOM, rows) for rows in self.sampling_row_buckets] + \
             [(PENALTIES, self.row_buckets[-1])]
@@ -427,6 +472,8 @@ class ModelRunner:
             out = prog.fn(*prog.args())
             if prog.kind == FORWARD:
                 self.kv_caches = out[2]     # the old ones were donated
+            elif prog.kind == DRAFT:
+                self.drafter.caches = out[1]
             jax.block_until_ready(out)
         summary = report.finish()
         self.warmup_seconds = summary.seconds

@@ -11,13 +11,15 @@ from dataclasses import dataclass
 from typing import Any
 
 FORWARD, PROMPT_LOGPROBS, SAMPLE = "forward", "prompt_logprobs", "sample"
+# Speculative decoding's model drafter: its catch-up and k draft steps (runner/drafter.py).
+DRAFT = "draft"
 # The sampler's programs: greedy rows only; any rows; any rows with penalties.
 GREEDY, RANDOM, PENALTIES = "greedy", "random", "penalties"
 
 
 @dataclass(frozen=True)
 class Program:
-    kind: str                             # FORWARD, PROMPT_LOGPROBS or SAMPLE
+    kind: str                             # FORWARD, PROMPT_LOGPROBS, SAMPLE or DRAFT
     fn: Any                               # the jitted function (jax.jit(...))
     args: Callable[[], tuple]             # its arguments, built when called: the forward
                                           # takes the KV caches of that moment (donated)

@@ -1,0 +1,489 @@
+"""The scheduler's side of speculative decoding, model-free: a real Scheduler with the
+runner's answers written by hand (a row that verified drafts answers with a list: the
+drafts accepted, then the token sampled after them). Drafts go only to rows that reach
+the end of their known tokens, capped by the budget, max_model_len and max_tokens; a
+partial acceptance leaves num_computed_tokens = num_tokens - 1; a stop inside the
+accepted run truncates; hybrids hold a backup state slot and restore it after a
+rejection; preemption drops drafts and pending copies; the prefix cache never registers
+a page holding draft positions; the spec counters add up."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from jaxserve.core.request import Request, RequestStatus, hash_block_tokens
+from jaxserve.core.scheduler import Scheduler
+
+PS = 4
+EOS = 2
+
+
+def sp(max_tokens=32, min_tokens=0, ignore_eos=False, stop_token_ids=None):
+    return SimpleNamespace(max_tokens=max_tokens, min_tokens=min_tokens,
+                           ignore_eos=ignore_eos, stop_token_ids=stop_token_ids)
+
+
+def req(rid, prompt, t=0.0, priority=0, **kw):
+    if isinstance(prompt, int):   # distinct per request
+        base = 100 * (ord(rid[0]) - ord("a") + 1)
+        prompt = list(range(base, base + prompt))
+    return Request(rid, prompt, sp(**kw), eos_token_id=EOS, arrival_time=t,
+                   priority=priority, page_size=PS)
+
+
+def sched(num_pages=65, max_num_seqs=4, budget=64, max_model_len=64, k=3, **kw):
+    return Scheduler(num_pages=num_pages, page_size=PS, max_num_seqs=max_num_seqs,
+                     max_num_batched_tokens=budget, max_model_len=max_model_len,
+                     num_speculative_tokens=k, **kw)
+
+
+def cols(out):
+    """{req_id: (start, num_new)} of every scheduled request."""
+    return {rid: (start, n) for rid, start, n in out.scheduled()}
+
+
+def start(s, *reqs, first=None, proposals=None):
+    """Adds the requests, runs their prefill step (its sampled tokens: `first`, default
+    50 + i) and hands the proposals. -> that step's output."""
+    for r in reqs:
+        s.add_request(r)
+    out = s.schedule()
+    assert out.spec_token_ids == {}          # new requests never verify drafts
+    first = first or {r.request_id: 50 + i for i, r in enumerate(reqs)}
+    s.update_from_output(out, first, proposals or {})
+    return out
+
+
+# ---- which rows verify drafts, and how many ------------------------------------------
+
+def test_drafts_follow_the_last_known_token():
+    s = sched()
+    a = req("a", 6)
+    start(s, a, proposals={"a": [51, 52, 53]})
+    assert a.spec_token_ids == [51, 52, 53] and a.num_computed_tokens == 6
+    out = s.schedule()
+    # The last known token (position 6) and its 3 drafts: 1 + k tokens.
+    assert cols(out) == {"a": (6, 4)} and out.num_scheduled_tokens == 4
+    assert out.spec_token_ids == {"a": [51, 52, 53]}
+    assert a.num_computed_tokens == 10 and a.num_tokens == 7
+    # Its pages cover the drafts' positions too (0..9: 3 pages).
+    assert len(s.kv.get_block_ids("a")) == 3
+    assert out.cached_reqs.new_block_ids[0] == ([3],)
+
+
+def test_rows_short_of_their_last_token_get_no_drafts():
+    # A chunk that does not reach the request's last known token verifies nothing, even
+    # with drafts pending; the chunk that does reach it takes them (within the budget).
+    s = sched(budget=4)
+    a = req("a", 10)
+    s.add_request(a)
+    out = s.schedule()
+    assert cols(out) == {"a": (0, 4)}
+    a.spec_token_ids = [7, 8, 9]   # (white-box: drafts pending while a prefills)
+    s.update_from_output(out, {}, {})
+    out = s.schedule()
+    assert cols(out) == {"a": (4, 4)} and out.spec_token_ids == {}
+    s.update_from_output(out, {}, {})
+    out = s.schedule()
+    # The last 2 prompt tokens and 2 of the drafts (budget 4).
+    assert cols(out) == {"a": (8, 4)} and out.spec_token_ids == {"a": [7, 8]}
+    # Exactly the budget to the end: no room for a draft.
+    s2 = sched(budget=2)
+    b = req("b", 2)
+    s2.add_request(b)
+    b.spec_token_ids = [7]
+    out = s2.schedule()
+    assert [r.num_new_tokens for r in out.new_reqs] == [2] and out.spec_token_ids == {}
+
+
+def test_num_new_is_one_plus_k_per_decoding_row():
+    s = sched(k=4)
+    a, b, c = req("a", 5), req("b", 3), req("c", 7)
+    start(s, a, b, c, proposals={"a": [1, 1, 1, 1], "b": [3, 4], "c": []})
+    out = s.schedule()
+    assert cols(out) == {"a": (5, 5), "b": (3, 3), "c": (7, 1)}
+    assert out.spec_token_ids == {"a": [1, 1, 1, 1], "b": [3, 4]}
+    assert out.num_scheduled_tokens == 9
+
+
+def test_budget_caps_the_drafts():
+    s = sched(budget=7, k=3)
+    a, b, c = req("a", 3), req("b", 2), req("c", 2)
+    start(s, a, b, c, proposals={"a": [1, 1, 1], "b": [3, 3, 3], "c": [4, 4, 4]})
+    out = s.schedule()
+    # a takes 1 + 3; b the 3 left (1 + 2 drafts); c gets nothing this step.
+    assert cols(out) == {"a": (3, 4), "b": (2, 3)}
+    assert out.spec_token_ids == {"a": [1, 1, 1], "b": [3, 3]}
+    assert out.num_scheduled_tokens == 7
+    # b's third draft is not verified; its answer may accept only the two sent.
+    s.update_from_output(out, {"a": [1, 1, 1, 9], "b": [3, 3, 8]}, {})
+    assert b.output_token_ids == [51, 3, 3, 8] and b.num_computed_tokens == b.num_tokens - 1
+    assert c.spec_token_ids == [4, 4, 4] and c.num_computed_tokens == 2   # still pending
+
+
+def test_max_model_len_caps_the_drafts():
+    s = sched(max_model_len=12)
+    a = req("a", 8, max_tokens=None)
+    start(s, a, proposals={"a": [11, 12, 13]})
+    out = s.schedule()
+    # 9 tokens known: 2 drafts and the token after them reach the limit of 12.
+    assert out.spec_token_ids == {"a": [11, 12]} and cols(out) == {"a": (8, 3)}
+    s.update_from_output(out, {"a": [11, 12, 7]}, {"a": [5, 5, 5]})
+    assert a.num_tokens == 12 and a.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    # One token short of the limit: no draft at all.
+    s = sched(max_model_len=12)
+    b = req("b", 10, max_tokens=None)
+    start(s, b, proposals={"b": [11, 12, 13]})
+    out = s.schedule()
+    assert out.spec_token_ids == {} and cols(out) == {"b": (10, 1)}
+
+
+def test_max_tokens_caps_the_drafts():
+    s = sched()
+    a = req("a", 4, max_tokens=4)
+    start(s, a, proposals={"a": [51, 52, 53]})
+    out = s.schedule()
+    # 1 output so far: 2 drafts and the token after them make the 4.
+    assert out.spec_token_ids == {"a": [51, 52]} and cols(out) == {"a": (4, 3)}
+    done = s.update_from_output(out, {"a": [51, 52, 54]}, {"a": [9]})
+    assert done == [a] and a.output_token_ids == [50, 51, 52, 54]
+    assert a.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    assert s.kv.get_num_free_pages() == 64
+    # A single token left: no draft.
+    s = sched()
+    b = req("b", 4, max_tokens=2)
+    start(s, b, proposals={"b": [51, 52, 53]})
+    out = s.schedule()
+    assert out.spec_token_ids == {} and cols(out) == {"b": (4, 1)}
+
+
+# ---- the runner's answer ---------------------------------------------------------------
+
+@pytest.mark.parametrize("answer,accepted", [
+    ([60], 0), ([51, 60], 1), ([51, 52, 60], 2), ([51, 52, 53, 60], 3)])
+def test_partial_acceptance(answer, accepted):
+    s = sched()
+    a = req("a", 6)
+    start(s, a, proposals={"a": [51, 52, 53]})
+    out = s.schedule()
+    got = s.update_from_output(out, {"a": answer}, {"a": [70, 71]})
+    assert got == [a]
+    assert a.output_token_ids == [50] + answer
+    assert a.all_token_ids == list(range(100, 106)) + [50] + answer
+    # The rejected drafts' positions count as not computed: only the last token is left.
+    assert a.num_computed_tokens == a.num_tokens - 1 == 6 + accepted + 1
+    assert a.spec_token_ids == [70, 71]
+    out = s.schedule()
+    assert cols(out) == {"a": (a.num_tokens - 1, 3)} and out.spec_token_ids == {"a": [70, 71]}
+
+
+def test_rejected_draft_positions_keep_their_pages():
+    # The pages allocated for drafts stay with the request (written over later).
+    s = sched()
+    a = req("a", 4)
+    start(s, a, proposals={"a": [1, 1, 1]})
+    out = s.schedule()   # positions 4..7: page 2
+    assert s.kv.get_block_ids("a") == [1, 2]
+    s.update_from_output(out, {"a": [9]}, {"a": [1, 1, 1]})
+    out = s.schedule()   # positions 5..8: page 3
+    assert cols(out) == {"a": (5, 4)} and s.kv.get_block_ids("a") == [1, 2, 3]
+
+
+def test_stop_inside_the_accepted_run_truncates():
+    s = sched()
+    a = req("a", 6)
+    b = req("b", 6, stop_token_ids=[77])
+    start(s, a, b, proposals={"a": [51, EOS, 53], "b": [61, 77, 63]})
+    out = s.schedule()
+    done = s.update_from_output(out, {"a": [51, EOS, 53, 54], "b": [61, 77, 63, 64]},
+                                {"a": [1], "b": [1]})
+    assert done == [a, b]
+    assert a.output_token_ids == [50, 51, EOS] and a.status == RequestStatus.FINISHED_STOPPED
+    assert b.output_token_ids == [51, 61, 77] and b.stop_reason == 77
+    assert b.all_token_ids[-1] == 77
+    assert s.running == [] and s.kv.get_num_free_pages() == 64
+    assert s.num_generation_tokens == 2 + 2 + 2   # prefill tokens, then 2 kept each
+    out = s.schedule()
+    assert sorted(out.finished_req_ids) == ["a", "b"] and out.num_scheduled_tokens == 0
+
+
+def test_min_tokens_hold_a_stop_in_the_accepted_run():
+    s = sched()
+    a = req("a", 6, min_tokens=3)
+    start(s, a, proposals={"a": [EOS, 52, 53]})
+    out = s.schedule()
+    # EOS is the 2nd output: within min_tokens = 3, so it does not stop the request.
+    s.update_from_output(out, {"a": [EOS, 52, 53, 54]}, {})
+    assert a.output_token_ids == [50, EOS, 52, 53, 54] and not a.is_finished()
+
+
+def test_answer_that_is_not_the_drafts_is_refused():
+    for answer in ([51, 99, 60],          # "accepted" 99 for draft 52
+                   [52, 60],              # first token differs from the first draft
+                   [51, 52, 53, 54, 55]):  # more accepted than drafted
+        s = sched()
+        a = req("a", 6)
+        start(s, a, proposals={"a": [51, 52, 53]})
+        out = s.schedule()
+        with pytest.raises(ValueError, match="accepted"):
+            s.update_from_output(out, {"a": answer}, {})
+    # A list for a row that verified no drafts may hold only the token after them.
+    s = sched()
+    a = req("a", 6)
+    start(s, a)
+    out = s.schedule()
+    assert out.spec_token_ids == {}
+    with pytest.raises(ValueError, match="accepted"):
+        s.update_from_output(out, {"a": [5, 6]}, {})
+
+
+def test_a_plain_token_for_a_row_without_drafts_and_proposals_replace_drafts():
+    s = sched()
+    a = req("a", 6)
+    start(s, a, proposals={"a": [51, 52, 53]})
+    out = s.schedule()
+    s.update_from_output(out, {"a": [51, 60]}, {})   # no new proposal: no drafts
+    assert a.spec_token_ids == []
+    out = s.schedule()
+    assert out.spec_token_ids == {} and cols(out) == {"a": (8, 1)}
+    s.update_from_output(out, {"a": 61}, {"a": [4, 4]})
+    assert a.output_token_ids == [50, 51, 60, 61] and a.spec_token_ids == [4, 4]
+
+
+# ---- hybrids: a backup state slot ---------------------------------------------------------
+
+def hybrid(**kw):
+    kw.setdefault("max_num_seqs", 4)
+    return sched(num_state_slots=2 * kw["max_num_seqs"] + 1, **kw)
+
+
+def slots(s, rid):
+    rp = s.kv.req_pages[rid]
+    return rp.state_slot, rp.backup_slot
+
+
+def test_hybrid_needs_two_slots_per_request():
+    with pytest.raises(ValueError, match="2 state slot"):
+        sched(num_state_slots=8, max_num_seqs=4)
+    sched(num_state_slots=5, max_num_seqs=4, k=0)   # one each without speculation
+
+
+def test_hybrid_backup_and_rollback_pairs():
+    s = hybrid()
+    a, b = req("a", 6), req("b", 5)
+    out = start(s, a, b, proposals={"a": [51, 52, 53], "b": [61]})
+    assert out.state_restores == []
+    sa, ba = slots(s, "a")
+    sb, bb = slots(s, "b")
+    assert len({sa, ba, sb, bb}) == 4 and 0 not in (sa, ba, sb, bb)
+    assert [r.state_slot for r in out.new_reqs] == [sa, sb]
+    assert s.kv.state_slots.num_free == 8 - 4
+    # A step with drafts keeps each verifying row's state in its backup first.
+    out = s.schedule()
+    assert out.state_restores == [(sa, ba), (sb, bb)]
+    assert cols(out) == {"a": (6, 4), "b": (5, 2)}
+    # a rejects 2 of 3: its state goes back to the backup and it restarts at the step's
+    # start (the accepted token is computed again); b accepts all: nothing to undo.
+    s.update_from_output(out, {"a": [51, 60], "b": [61, 62]}, {"a": [70, 71], "b": [72]})
+    assert a.num_computed_tokens == 6 and a.num_tokens == 9
+    assert b.num_computed_tokens == b.num_tokens - 1 == 7
+    out = s.schedule()
+    # The rollback comes before this step's new backup of the same request.
+    assert out.state_restores == [(ba, sa), (sa, ba), (sb, bb)]
+    assert cols(out) == {"a": (6, 3 + 2), "b": (7, 2)}
+    assert out.spec_token_ids == {"a": [70, 71], "b": [72]}
+    # All accepted now: no rollback; no drafts next: no backup.
+    s.update_from_output(out, {"a": [70, 71, 80], "b": [81]}, {})
+    assert a.num_computed_tokens == a.num_tokens - 1 == 11
+    assert b.num_computed_tokens == 7 and b.num_tokens == 9
+    out = s.schedule()
+    assert out.state_restores == [(bb, sb)] and out.spec_token_ids == {}
+    assert cols(out) == {"a": (11, 1), "b": (7, 2)}
+
+
+def test_hybrid_rollback_past_the_budget_recomputes_in_chunks():
+    # After a rollback a request has several known tokens to compute again; a chunk
+    # that does not reach its last one verifies no drafts (and keeps no backup), the
+    # one that does takes them.
+    s = hybrid(budget=4, k=2)
+    b, a = req("b", 2), req("a", 2)
+    start(s, b, a, first={"b": 40, "a": 50}, proposals={"a": [51, 52]})
+    sa, ba = slots(s, "a")
+    sb, bb = slots(s, "b")
+    out = s.schedule()
+    assert cols(out) == {"b": (2, 1), "a": (2, 3)} and out.state_restores == [(sa, ba)]
+    s.update_from_output(out, {"b": 41, "a": [51, 60]}, {"b": [42, 43], "a": [61, 62]})
+    assert a.num_computed_tokens == 2 and a.num_tokens == 5   # 2..4 to compute again
+    out = s.schedule()
+    # b takes 1 + 2; the one token left for a is short of its last known token.
+    assert cols(out) == {"b": (3, 3), "a": (2, 1)}
+    assert out.spec_token_ids == {"b": [42, 43]}
+    assert out.state_restores == [(ba, sa), (sb, bb)]
+    s.update_from_output(out, {"b": [42, 43, 44]}, {"b": []})   # a sampled nothing
+    assert a.output_token_ids == [50, 51, 60] and a.spec_token_ids == [61, 62]
+    out = s.schedule()
+    # a's last 2 known tokens and 1 draft (the budget); a backup again, b none.
+    assert cols(out) == {"b": (6, 1), "a": (3, 3)}
+    assert out.spec_token_ids == {"a": [61]} and out.state_restores == [(sa, ba)]
+    s.update_from_output(out, {"b": 45, "a": [61, 63]}, {})
+    assert a.output_token_ids == [50, 51, 60, 61, 63]
+    assert a.num_computed_tokens == a.num_tokens - 1
+
+
+def test_hybrid_stop_or_abort_drops_the_pending_rollback():
+    s = hybrid()
+    a, b = req("a", 6), req("b", 6)
+    start(s, a, b, proposals={"a": [51, EOS, 53], "b": [61, 62]})
+    out = s.schedule()
+    # a: rejects its third draft but stops at EOS (accepted): released, no rollback left.
+    # b: rejects, then is aborted before the next step.
+    s.update_from_output(out, {"a": [51, EOS, 9], "b": [60]}, {"b": [1]})
+    assert a.status == RequestStatus.FINISHED_STOPPED
+    s.abort_requests("b")
+    assert s.kv.state_slots.num_free == 8
+    out = s.schedule()
+    assert out.state_restores == [] and out.num_scheduled_tokens == 0
+
+
+def test_preemption_drops_drafts_and_pending_copies_fcfs():
+    # b (last running) is the victim when a's drafts need a page: its drafts go, and
+    # so does the rollback pair its rejection left for this step.
+    s = hybrid(num_pages=5)   # 4 usable pages
+    a, b = req("a", 3), req("b", 3)
+    start(s, a, b, proposals={"a": [51, 52, 53], "b": [61, 62, 63]})
+    sa, ba = slots(s, "a")
+    sb, bb = slots(s, "b")
+    out = s.schedule()
+    assert cols(out) == {"a": (3, 4), "b": (3, 4)} and s.kv.get_num_free_pages() == 0
+    s.update_from_output(out, {"a": [51, 52, 53, 54], "b": [70]},
+                         {"a": [55, 56, 57], "b": [71]})
+    assert b.num_computed_tokens == 3   # hybrid: back to the step's start
+    out = s.schedule()   # a's positions 7..10 need a third page
+    assert out.preempted_req_ids == ["b"]
+    assert cols(out) == {"a": (7, 4)} and out.spec_token_ids == {"a": [55, 56, 57]}
+    assert out.state_restores == [(sa, ba)]          # no (bb, sb) left for b's freed slots
+    assert b.spec_token_ids == [] and b.num_computed_tokens == 0
+    assert b.status == RequestStatus.PREEMPTED
+    assert s.kv.state_slots.num_free == 8 - 2
+
+
+def test_preemption_undoes_a_victim_scheduled_with_drafts_priority():
+    # x (lowest priority, running first) is scheduled with drafts -- its rollback and
+    # backup pairs queued -- then y needs a page: x is undone, its drafts and pairs too.
+    s = hybrid(num_pages=4, policy="priority")   # 3 usable pages
+    x = req("x", 3, t=0.0, priority=5)
+    y = req("y", 4, t=1.0, priority=0)
+    start(s, x, proposals={"x": [51, 52, 53]})   # admitted before y arrives
+    sx, bx = slots(s, "x")
+    s.add_request(y)
+    out = s.schedule()
+    assert cols(out) == {"x": (3, 4), "y": (0, 4)} and s.kv.get_num_free_pages() == 0
+    sy, by = slots(s, "y")
+    s.update_from_output(out, {"x": [54], "y": 60}, {"x": [55, 56], "y": [61, 62, 63]})
+    assert x.num_computed_tokens == 3   # rolled back: (bx, sx) pending
+    out = s.schedule()
+    assert [r.request_id for r in s.running] == ["y"] and out.preempted_req_ids == ["x"]
+    assert cols(out) == {"y": (4, 4)} and out.num_scheduled_tokens == 4
+    assert out.spec_token_ids == {"y": [61, 62, 63]}
+    assert out.state_restores == [(sy, by)]
+    assert x.spec_token_ids == [] and x.status == RequestStatus.PREEMPTED
+    assert "x" not in s.kv.req_pages and s.kv.state_slots.num_free == 8 - 2
+
+
+def test_preemption_drops_drafts_non_hybrid():
+    s = sched(num_pages=5, policy="priority")   # 4 usable pages
+    x = req("x", 3, t=0.0, priority=5)
+    y = req("y", 8, t=1.0, priority=0)
+    start(s, x, y, first={"x": 50, "y": 60}, proposals={"x": [51, 52, 53], "y": [61, 62, 63]})
+    out = s.schedule()   # x: 3..6 (a 2nd page); y: 8..11 (a 3rd): 5 pages > 4
+    assert out.preempted_req_ids == ["x"] and out.spec_token_ids == {"y": [61, 62, 63]}
+    assert x.spec_token_ids == [] and x.num_computed_tokens == 0
+    s.update_from_output(out, {"y": [64]}, {"y": []})
+    # x resumes whole (prompt + its output) and verifies nothing until it proposes again.
+    out = s.schedule()
+    assert [(r.req_id, r.output_token_ids) for r in out.new_reqs] == [("x", [50])]
+    assert out.spec_token_ids == {}
+
+
+# ---- the prefix cache ------------------------------------------------------------------
+
+def cached_hashes(s):
+    return set(s.kv.pool.cached_blocks)
+
+
+def test_prefix_cache_never_registers_draft_positions():
+    s = sched()
+    p = list(range(100, 106))
+    a = req("a", p)
+    start(s, a, proposals={"a": [51, 52, 53]})
+    assert cached_hashes(s) == set(a.block_hashes[:1])
+    out = s.schedule()   # positions 6..9; 7..9 are drafts: page 1 (4..7) is not full of
+    assert cols(out) == {"a": (6, 4)}     # known tokens
+    assert cached_hashes(s) == set(a.block_hashes[:1])
+    # A request whose prompt continues with a's drafts finds only the first page.
+    b = req("b", p + [50, 51, 52, 53, 54])
+    s.add_request(b)
+    out_b = s.schedule()
+    assert [(r.req_id, r.num_computed_tokens) for r in out_b.new_reqs] == [("b", 4)]
+    # a rejects: its page 1 will hold 50, 60 at 6..7 (not the draft 51).
+    s.update_from_output(out, {"a": [60]}, {"a": [61, 62, 63]})
+    s.update_from_output(out_b, {"b": 70}, {})
+    out = s.schedule()
+    assert cols(out) == {"a": (7, 4), "b": (11, 1)}
+    want = hash_block_tokens(a.block_hashes[0], (104, 105, 50, 60))
+    assert a.block_hashes[1] == want
+    assert want in cached_hashes(s)
+    assert hash_block_tokens(a.block_hashes[0], (104, 105, 50, 51)) == b.block_hashes[1]
+    # Every registered page is full of some request's known tokens.
+    known = set(a.block_hashes) | set(b.block_hashes)
+    assert cached_hashes(s) <= known
+    assert s.kv.req_pages["a"].num_cached == 2 == a.num_tokens // PS
+
+
+def test_prefix_cache_registers_accepted_drafts_as_known_tokens():
+    s = sched()
+    a = req("a", 6)
+    start(s, a, proposals={"a": [51, 52, 53]})
+    out = s.schedule()
+    s.update_from_output(out, {"a": [51, 52, 53, 54]}, {})
+    assert a.num_tokens == 11 and a.num_computed_tokens == 10
+    # Pages 1 (4..7) and 2 (8..11): page 1 is full of known tokens now, registered
+    # when the next step is scheduled (its KV was written by the verifying step).
+    assert cached_hashes(s) == set(a.block_hashes[:1])
+    s.schedule()
+    assert cached_hashes(s) == set(a.block_hashes[:2])
+
+
+# ---- statistics ------------------------------------------------------------------------
+
+def test_spec_stats():
+    s = sched(k=3)
+    a, b, c = req("a", 6), req("b", 6), req("c", 6)
+    start(s, a, b, c, proposals={"a": [51, 52, 53], "b": [61, 62], "c": []})
+    out = s.schedule()
+    s.update_from_output(out, {"a": [51, 52, 9], "b": [8], "c": 7},
+                         {"a": [11, 12, 13], "b": [4]})
+    st = s.stats()
+    assert (st.spec_num_drafts, st.spec_num_draft_tokens, st.spec_num_accepted_tokens) == \
+        (2, 5, 2)
+    assert st.spec_accepted_per_pos == (1, 1, 0)
+    out = s.schedule()
+    s.update_from_output(out, {"a": [11, 12, 13, 5], "b": [4, 6], "c": 8}, {})
+    st = s.stats()
+    assert (st.spec_num_drafts, st.spec_num_draft_tokens, st.spec_num_accepted_tokens) == \
+        (4, 9, 6)
+    assert st.spec_accepted_per_pos == (3, 2, 1)
+    # Generation tokens count every token kept: 3 prefills, then 3+1+1, then 4+2+1.
+    assert st.num_generation_tokens == 3 + 5 + 7
+    out = s.schedule()   # no drafts now: nothing more counted
+    s.update_from_output(out, {"a": 1, "b": 1, "c": 1}, {})
+    assert s.stats().spec_num_drafts == 4 and s.stats().spec_accepted_per_pos == (3, 2, 1)
+
+
+def test_spec_stats_without_speculation():
+    s = sched(k=0)
+    a = req("a", 6)
+    start(s, a)
+    st = s.stats()
+    assert st.spec_accepted_per_pos == () and st.spec_num_drafts == 0
