@@ -19,7 +19,8 @@ logger = logging.getLogger("jaxserve")
 # The engine flags this command takes: made from EngineConfig's fields.
 GENERATE_ENGINE_FLAGS = ("seed", "dtype", "quantization", "kv_cache_dtype", "max_model_len",
                          "max_num_seqs", "load_format", "tokenizer", "revision",
-                         "download_dir", "tensor_parallel_size", "enforce_eager")
+                         "download_dir", "tensor_parallel_size", "enforce_eager",
+                         "speculative_config")
 
 
 def parser() -> argparse.ArgumentParser:

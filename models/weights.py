@@ -45,8 +45,8 @@ _EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
 # Present in some checkpoints, never needed.
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 # Vision-language checkpoints: the text model lives here; the vision (and Gemma 4's audio)
-# towers and the multi-token-prediction head are not served (MTP returns with
-# speculative decoding).
+# towers are not served, and the multi-token-prediction layer is loaded on its own for
+# speculative decoding (load_params' prefix, models/mtp.py).
 _VL_TEXT_PREFIX = "model.language_model."
 _SKIPPED_PREFIXES = ("model.visual.", "mtp.", "model.vision_tower.", "model.embed_vision.",
                      "model.audio_tower.", "model.embed_audio.")

@@ -146,6 +146,39 @@ def make_tiny_checkpoint(kind: str, path: str | Path, *, dtype: torch.dtype = to
     return str(path)
 
 
+def add_mtp_layer(path: str | Path, *, seed: int = 0) -> str:
+    """Adds a random multi-token-prediction layer to a tiny Qwen3.5 checkpoint (as the
+    published ones ship it, transformers writes none): the `mtp.*` tensors (fc over
+    [embedding; hidden], its two norms, one decoder layer shaped as the model's first
+    full-attention layer, a final norm) and mtp_num_hidden_layers=1 in config.json."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    path = Path(path)
+    config = json.loads((path / "config.json").read_text())
+    text = config.get("text_config", config)
+    layer = text["layer_types"].index("full_attention")
+    tensors = load_file(str(path / "model.safetensors"))
+    prefix = next(p for p in ("model.language_model.", "model.") if any(
+        k.startswith(p + "layers.") for k in tensors))
+    gen = torch.Generator().manual_seed(seed + 7)
+    hidden = text["hidden_size"]
+
+    def rand(shape, norm: bool) -> torch.Tensor:
+        return (0.3 if norm else 0.05) * torch.randn(shape, generator=gen)
+
+    src = f"{prefix}layers.{layer}."
+    mtp = {"mtp.layers.0." + k[len(src):]: rand(v.shape, "norm" in k)
+           for k, v in tensors.items() if k.startswith(src)}
+    mtp["mtp.fc.weight"] = rand((hidden, 2 * hidden), False)
+    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        mtp[f"mtp.{name}.weight"] = rand((hidden,), True)
+    save_file({**tensors, **mtp}, str(path / "model.safetensors"), metadata={"format": "pt"})
+    text["mtp_num_hidden_layers"] = 1
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return str(path)
+
+
 def reference_greedy(path: str | Path, prompts: list[list[int]], num_new: int,
                      kind: str | None = None) -> list[list[int]]:
     """transformers' greedy continuation of each prompt, run alone, never stopping at

@@ -42,7 +42,8 @@ def test_server_flags_are_engine_config_fields():
                           if t is not type(None))
         if value_type is bool:
             assert isinstance(action, argparse.BooleanOptionalAction), name
-        elif name not in ("compilation_cache_dir", "dtype"):   # ('' / 'none' = off; half)
+        elif name not in ("compilation_cache_dir", "dtype", "speculative_config"):
+            # ('' / 'none' = off; half; JSON text, parsed by EngineConfig)
             assert action.type is value_type, name
     # No flags at all: EngineConfig's own defaults (max_num_seqs: the platform's).
     args = cli.parser().parse_args(["--model", "/m"])

@@ -243,7 +243,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m jaxserve.api") ->
     except ValueError as e:
         parser().exit(2, f"error: {e}\n")
     served = tuple(args.served_model_name or [args.model or DEFAULT_MODEL_NAME])
-    gate = LoadingGate(StartupProgress(), Metrics(served[0]), jaxserve.__version__)
+    spec = config.speculative_config   # its counters are there from the start, as vLLM's
+    gate = LoadingGate(StartupProgress(), Metrics(
+        served[0], num_speculative_tokens=spec.num_speculative_tokens if spec else 0),
+        jaxserve.__version__)
     fatal: list[BaseException] = []
 
     def stop(error: BaseException, what: str, traceback: bool) -> None:

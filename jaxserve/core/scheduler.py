@@ -161,6 +161,8 @@ class Scheduler:
         self.spec_num_drafts = 0
         self.spec_num_draft_tokens = 0
         self.spec_accepted_per_pos = [0] * num_speculative_tokens
+        # Hybrids: accepted tokens computed again after a rejection rolled the state back.
+        self.spec_num_recomputed_tokens = 0
 
     # ---- requests in and out -------------------------------------------
 
@@ -294,11 +296,17 @@ class Scheduler:
                 i += 1
                 continue
             if req.spec_token_ids and num_new == req.num_tokens - start:
-                num_new += self._num_drafts(req, budget - num_new)
+                # Drafts take only the budget the running rows after this one do not need
+                # for a token each.
+                num_new += self._num_drafts(req, budget - num_new - (len(running) - i - 1))
             if cuts and (cut := kv.state_cut(req, start)) is not None:
                 num_new = min(num_new, cut - start)
-            while (new_blocks := kv.allocate_slots(
-                    req, num_new + self._lookahead(req, start + num_new))) is None:
+            ahead = self._lookahead(req, start + num_new)
+            while (new_blocks := kv.allocate_slots(req, num_new + ahead)) is None:
+                if ahead or start + num_new > req.num_tokens:
+                    # Drafts and the drafter's pages ahead go before anyone is preempted.
+                    num_new, ahead = min(num_new, req.num_tokens - start), 0
+                    continue
                 victim = self._pick_victim()
                 vi = running.index(victim)
                 del running[vi]
@@ -428,6 +436,9 @@ class Scheduler:
                 raise ValueError(f"no sampled token for running request {rid!r}")
             if type(tok) is not int:
                 stopped = self._append_verified(req, tok, scheduler_output)
+            elif rid in scheduler_output.spec_token_ids:
+                raise ValueError(f"request {rid!r} verified drafts: the runner must answer "
+                                 f"with a list of tokens, got {tok!r}")
             else:
                 req.append_output_token_ids(tok)
                 self.num_generation_tokens += 1
@@ -464,6 +475,9 @@ class Scheduler:
             c = scheduler_output.cached_reqs
             req.num_computed_tokens = c.num_computed_tokens[c.req_ids.index(req.request_id)]
             self.kv.rollback_state(req)
+            # All but the token sampled last are computed again.
+            self.spec_num_recomputed_tokens += \
+                req.num_tokens + accepted - req.num_computed_tokens
         else:
             req.num_computed_tokens -= rejected
         for tok in tokens:

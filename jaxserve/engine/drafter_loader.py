@@ -16,16 +16,17 @@ from typing import Any
 from jax.sharding import Mesh
 
 from jaxserve.checkpoints.model_names import resolve_model
+from jaxserve.planning.plan import load_model_config
 from jaxserve.config import EngineConfig
-from jaxserve.engine.layout import EngineLayout, engine_layout, layout_param_shardings
+from jaxserve.engine.layout import (EngineLayout, build_layout_model, engine_layout,
+                                    layout_param_shardings)
 from jaxserve.engine.loader import load_model
 from jaxserve.planning.cache_plan import CachePlan
 from jaxserve.runner.drafter import ModelDrafter
 from jaxserve.speculative import MTP, NGRAM
 from models.cache_spec import CacheSpec, layer_cache_specs
-from models.config import ModelConfig
 from models.mtp import MTP_PREFIX, MTPHead, mtp_config
-from models.weights import load_params, param_bytes
+from models.weights import load_params, param_bytes, placed_abstract_params
 from pallas_kernels.ragged_paged_attention import is_quantized
 from sharding import kv_head_repeats
 
@@ -53,9 +54,10 @@ class DrafterParts:
 
 
 def load_drafter(config: EngineConfig, layout: EngineLayout, mesh: Mesh,
-                 target_model) -> DrafterParts | None:
+                 target_model, *, abstract: bool = False) -> DrafterParts | None:
     """The drafter's parts, or None (no speculation, or ngram). ValueError for a drafter
-    that cannot serve this target, naming why."""
+    that cannot serve this target, naming why. abstract: its params as placed
+    ShapeDtypeStructs (nothing read; `python -m jaxserve.plan --compile`)."""
     spec = config.speculative_config
     if spec is None or spec.method == NGRAM:
         return None
@@ -63,12 +65,12 @@ def load_drafter(config: EngineConfig, layout: EngineLayout, mesh: Mesh,
         raise ValueError(f"speculative_config draft_tensor_parallel_size="
                          f"{spec.draft_tensor_parallel_size}: the drafter runs on the target's "
                          f"mesh, tensor parallel over {layout.model_axis} (leave it out)")
-    return _load_mtp(config, layout, mesh, target_model) if spec.method == MTP else \
-        _load_draft_model(config, layout, mesh)
+    return _load_mtp(config, layout, mesh, target_model, abstract) if spec.method == MTP \
+        else _load_draft_model(config, layout, mesh, abstract)
 
 
-def _load_mtp(config: EngineConfig, layout: EngineLayout, mesh: Mesh, target_model
-              ) -> DrafterParts:
+def _load_mtp(config: EngineConfig, layout: EngineLayout, mesh: Mesh, target_model,
+              abstract: bool) -> DrafterParts:
     mc = layout.model_config
     spec = config.speculative_config
     if spec.model not in (None, config.model):
@@ -82,23 +84,25 @@ def _load_mtp(config: EngineConfig, layout: EngineLayout, mesh: Mesh, target_mod
     kv_dtype = layout.dtype if is_quantized(layout.kv_dtype) else layout.kv_dtype
     run = replace(mtp_config(layout.run_config), kv_cache_quantized=False)
     model = MTPHead(run, type(target_model), layout.dtype, layout.attention_backend)
-    params = load_params(config.model, published, model, layout.dtype,
-                         load_format=config.load_format, seed=config.seed + 1,
-                         shardings=layout_param_shardings(model, mesh, layout),
-                         kv_head_repeat=kv_head_repeats(mc, layout.model_axis),
-                         prefix=MTP_PREFIX)
-    logger.info("speculative decoding: the MTP layer, %.1f MiB of weights",
-                param_bytes(params) / 2**20)
+    shardings = layout_param_shardings(model, mesh, layout)
+    params = placed_abstract_params(model, layout.dtype, shardings) if abstract else \
+        load_params(config.model, published, model, layout.dtype,
+                    load_format=config.load_format, seed=config.seed + 1, shardings=shardings,
+                    kv_head_repeat=kv_head_repeats(mc, layout.model_axis), prefix=MTP_PREFIX)
+    if not abstract:
+        logger.info("speculative decoding: the MTP layer, %.1f MiB of weights",
+                    param_bytes(params) / 2**20)
     return DrafterParts(MTP, model, params, run,
                         layer_cache_specs(run, kv_dtype=kv_dtype, conv_state_dtype=layout.dtype),
                         kv_dtype)
 
 
-def _load_draft_model(config: EngineConfig, layout: EngineLayout, mesh: Mesh) -> DrafterParts:
+def _load_draft_model(config: EngineConfig, layout: EngineLayout, mesh: Mesh,
+                      abstract: bool) -> DrafterParts:
     spec = config.speculative_config
     path = resolve_model(spec.model, load_format=config.load_format,
                          download_dir=config.download_dir)
-    draft = ModelConfig.from_pretrained(path)
+    draft = load_model_config(path)
     target = layout.model_config
     what = f"speculative_config model={spec.model!r}"
     if draft.vocab_size != target.vocab_size:
@@ -115,9 +119,15 @@ def _load_draft_model(config: EngineConfig, layout: EngineLayout, mesh: Mesh) ->
     dconfig = replace(config, model=path, tokenizer=None, speculative_config=None,
                       max_model_len=layout.max_model_len)
     dlayout = engine_layout(dconfig, draft, mesh)
-    loaded = load_model(dconfig, dlayout, mesh)
-    logger.info("speculative decoding: draft model %s, %.2f GiB of weights", path,
-                loaded.weight_bytes / 2**30)
-    return DrafterParts("draft_model", loaded.model, loaded.params, dlayout.run_config,
+    if abstract:
+        model = build_layout_model(dlayout)
+        params = placed_abstract_params(model, dlayout.dtype,
+                                        layout_param_shardings(model, mesh, dlayout))
+    else:
+        loaded = load_model(dconfig, dlayout, mesh)
+        model, params = loaded.model, loaded.params
+        logger.info("speculative decoding: draft model %s, %.2f GiB of weights", path,
+                    loaded.weight_bytes / 2**30)
+    return DrafterParts("draft_model", model, params, dlayout.run_config,
                         dlayout.cache_specs, dlayout.kv_dtype)
 

@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.config import EngineConfig
+from jaxserve.engine.drafter_loader import load_drafter
 from jaxserve.engine.layout import (EngineLayout, build_layout_model, engine_layout,
                                     layout_cache_plan, layout_param_shardings, make_runner)
 from jaxserve.planning.cache_plan import CachePlan
@@ -39,7 +40,7 @@ from jaxserve.planning.plan import load_model_config, make_plan
 from jaxserve.planning.plan_format import _gib
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.runner.parallel_compile import compile_all, default_compile_workers
-from jaxserve.runner.programs import FORWARD, PENALTIES, SAMPLE, Program
+from jaxserve.runner.programs import DRAFT, FORWARD, PENALTIES, SAMPLE, Program
 from models.weights import placed_abstract_params
 from sharding import bytes_per_device, replica_meshes
 from sharding.mesh import parse_mesh
@@ -105,8 +106,9 @@ class CompileReport:
 
 
 def default_selection(programs: list[Program]) -> list[Program]:
-    """The smallest and the largest forward token bucket (at the widest page table) and
-    the costliest sampler (the penalties one) at the largest row bucket."""
+    """The smallest and the largest forward token bucket (at the widest page table), the
+    costliest sampler (the penalties one) at the largest row bucket, and a model
+    drafter's program at those two token buckets."""
     forwards = [p for p in programs if p.kind == FORWARD]
     widest = max(p.pages for p in forwards)
     tokens = sorted({p.tokens for p in forwards})
@@ -114,6 +116,9 @@ def default_selection(programs: list[Program]) -> list[Program]:
     samplers = [p for p in programs if p.kind == SAMPLE]
     rows = max(p.rows for p in samplers)
     picked += [p for p in samplers if p.rows == rows and p.mode == PENALTIES]
+    # A model drafter's program (speculative decoding), as the forward.
+    picked += [p for p in programs if p.kind == DRAFT and p.pages == widest
+               and p.tokens in (tokens[0], tokens[-1])]
     return picked
 
 
@@ -202,10 +207,16 @@ def build_abstract_engine(config: EngineConfig, mc, mesh, hbm_bytes: int) -> Abs
     model = build_layout_model(layout)
     params = placed_abstract_params(model, layout.dtype,
                                     layout_param_shardings(model, mesh, layout))
-    weights = bytes_per_device(params)
-    plan = layout_cache_plan(config, layout, None, free_bytes=max(0, hbm_bytes - weights))
+    # Speculative decoding's model drafter (mtp, draft_model): its weights and KV too.
+    drafter = load_drafter(config, layout, mesh, model, abstract=True)
+    weights = bytes_per_device(params) + (bytes_per_device(drafter.params) if drafter else 0)
+    plan = layout_cache_plan(config, layout, None, free_bytes=max(0, hbm_bytes - weights),
+                             drafter_specs=drafter.cache_specs if drafter else ())
     runner = make_runner(config, layout, plan, model=model, params=params, mesh=mesh,
-                         abstract=True)
+                         abstract=True,
+                         drafter=drafter and drafter.build(plan, config, layout,
+                                                           target_model=model, mesh=mesh,
+                                                           abstract=True))
     return AbstractEngine(runner, layout, plan, weights, runner.warmup_programs())
 
 

@@ -18,7 +18,8 @@ why that is safe).
 
 A hybrid runner (num_state_slots > 0) also carries the step's recurrent-state slot
 copies (prefix caching: SchedulerOutput.state_restores / state_saves) into the inputs,
-padded to max_num_seqs pairs with a count (ModelInputs.state_restores ...).
+padded to max_state_copies pairs with a count (ModelInputs.state_restores ...): one per
+row, two with speculative decoding (a rejection's rollback and the next backup).
 """
 from __future__ import annotations
 
@@ -118,6 +119,9 @@ class InputBatch:
         self.max_num_seqs = r = max_num_seqs
         # The sampler's rows at most: every row with all its drafts.
         self.max_sample_rows = max_num_seqs * (1 + num_speculative_tokens)
+        # State-slot copies of one step, each list: a prefix hit's restore per new row; with
+        # speculative decoding also a rollback and a backup per running row.
+        self.max_state_copies = max_num_seqs * (2 if num_speculative_tokens else 1)
         self.num_state_slots = num_state_slots
         self.max_model_len = max_model_len
         self.page_size = page_size
@@ -256,9 +260,9 @@ class InputBatch:
                 raise ValueError(f"{what}: the model has no recurrent state")
             if not num_scheduled:
                 raise ValueError(f"{what} in a step that computes no rows (no forward runs)")
-            if len(pairs) > self.max_num_seqs:
+            if len(pairs) > self.max_state_copies:
                 raise ValueError(f"{len(pairs)} {what} in one step, at most "
-                                 f"max_num_seqs={self.max_num_seqs}")
+                                 f"{self.max_state_copies}")
             for src, dst in pairs:
                 if not (0 < src < self.num_state_slots and 0 < dst < self.num_state_slots):
                     raise ValueError(f"{what}: slot pair {(src, dst)} outside 1.."
@@ -422,7 +426,8 @@ class InputBatch:
             batch_row, offset = step.sample_rows()
             logits_idx[:len(batch_row)] = (cu[batch_row + 1] - 1 - step.num_drafts[batch_row]
                                            + offset)
-        copies = (state_copy_inputs(step.state_restores, step.state_saves, r_max)
+        copies = (state_copy_inputs(step.state_restores, step.state_saves,
+                                    self.max_state_copies)
                   if self.num_state_slots else {})
         inputs = ModelInputs(
             token_ids=token_ids.copy(), positions=positions.copy(), slot_mapping=slots.copy(),

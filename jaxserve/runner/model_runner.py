@@ -393,7 +393,8 @@ class ModelRunner:
         def forward_args(t: int, p: int) -> tuple:
             z = np.zeros(t, np.int32)
             # A hybrid's slot copies, as InputBatch.build pads them (no pair, count 0).
-            copies = state_copy_inputs([], [], r_max) if self.num_state_slots else {}
+            copies = state_copy_inputs([], [], self.batch.max_state_copies) \
+                if self.num_state_slots else {}
             inputs = ModelInputs(
                 token_ids=z, positions=z, slot_mapping=z,
                 query_start_loc=np.zeros(r_max + 1, np.int32), seq_lens=np.zeros(r_max, np.int32),

@@ -24,8 +24,10 @@ import numpy as np
 
 def ngram_propose(tokens: np.ndarray, n_min: int, n_max: int, k: int) -> list[int]:
     """Prompt lookup: the longest suffix of `tokens` (at most n_max, at least n_min long)
-    that also occurs earlier, at its most recent earlier occurrence -> up to k tokens
-    that followed it there ([] when no suffix of n_min tokens recurs)."""
+    that also occurs earlier -> up to k tokens that followed it there ([] when no suffix
+    of n_min tokens recurs). Among its earlier occurrences the most recent one that k
+    tokens follow, else the earliest (the most follow it: in a run or a repeated
+    pattern the most recent one overlaps the suffix itself)."""
     n = len(tokens)
     if n < n_min + 1 or k < 1:
         return []
@@ -46,7 +48,9 @@ def ngram_propose(tokens: np.ndarray, n_min: int, n_max: int, k: int) -> list[in
     best = min(int(length.max()), n_max)
     if best < n_min:
         return []
-    end = int(ends[np.flatnonzero(length >= best)[-1]])
+    found = ends[length >= best]
+    full = found[found + k <= last]
+    end = int(full[-1] if full.size else found[0])
     return tokens[end + 1:end + 1 + k].tolist()
 
 

@@ -7,6 +7,7 @@ import json
 import logging
 import re
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -89,6 +90,14 @@ def test_configured_registry_takes_the_engine_totals():
     snap = samples(metrics.render(spec(4, 12, (4, 3, 1)), admitted=0).decode())
     assert (value(snap, DRAFTS), value(snap, ACCEPTED), per_pos(snap)) == \
         (4, 8, {0: 4, 1: 3, 2: 1})
+
+
+def test_the_documented_queries_name_exported_metrics():
+    readme = (Path(__file__).parents[2] / "docs" / "grafana" / "README.md").read_text()
+    queried = set(re.findall(r"vllm:spec_decode_[a-z_]+", readme))
+    registry = Metrics("m", num_speculative_tokens=K).registry
+    exported = {s.name for family in registry.collect() for s in family.samples}
+    assert queried and queried <= exported, queried - exported
 
 
 # ---- the stats line --------------------------------------------------------------------

@@ -18,16 +18,20 @@ def propose(tokens, n_min=2, n_max=5, k=3):
 
 
 def reference(tokens, n_min, n_max, k):
-    """Brute force: for each suffix length from the longest allowed down, the most recent
-    earlier position where that suffix ends (it may overlap the suffix itself)."""
+    """Brute force: for each suffix length from the longest allowed down, the earlier
+    positions where that suffix ends (they may overlap the suffix itself): the most
+    recent one that k tokens follow, else the earliest."""
     n = len(tokens)
     if k < 1:
         return []
     for length in range(min(n_max, n - 1), n_min - 1, -1):
         suffix = tokens[n - length:]
-        for end in range(n - 2, length - 2, -1):
-            if tokens[end - length + 1:end + 1] == suffix:
-                return tokens[end + 1:end + 1 + k]
+        ends = [end for end in range(length - 1, n - 1)
+                if tokens[end - length + 1:end + 1] == suffix]
+        if ends:
+            full = [end for end in ends if end + k <= n - 1]
+            end = full[-1] if full else ends[0]
+            return tokens[end + 1:end + 1 + k]
     return []
 
 
@@ -95,14 +99,15 @@ def test_k_truncates_and_the_sequence_end_shortens():
 
 
 def test_overlap_with_the_suffix():
-    # A run: the suffix [1, 1] recurs overlapping itself, most recently ending one
-    # position before the end, so only the last token follows it.
+    # A run: the longest recurring suffix [1, 1, 1] occurs only overlapping itself,
+    # ending one position before the end, so only the last token follows it.
     assert propose([1, 1, 1, 1], n_min=2, n_max=5, k=3) == [1]
     # A period-2 pattern: the suffix [2, 1, 2, 1] (n_max = 4) recurs at 1..4, overlapping
     # it, followed by the last two tokens.
     assert propose([1, 2, 1, 2, 1, 2, 1], n_min=2, n_max=4, k=3) == [2, 1]
-    # With n_max = 2 the most recent occurrence of [2, 1] (3..4) is followed by the same.
-    assert propose([1, 2, 1, 2, 1, 2, 1], n_min=2, n_max=2, k=3) == [2, 1]
+    # With n_max = 2, [2, 1] occurs at 1..2 and 3..4: only the first has k = 3 tokens
+    # after it, so it is taken over the more recent one.
+    assert propose([1, 2, 1, 2, 1, 2, 1], n_min=2, n_max=2, k=3) == [2, 1, 2]
     # Period 3, n_max = 3: [3, 1, 2] recurs at 2..4 (then 3, 1, 2).
     assert propose([1, 2, 3, 1, 2, 3, 1, 2], n_min=2, n_max=3, k=4) == [3, 1, 2]
 

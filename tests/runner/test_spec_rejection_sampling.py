@@ -4,18 +4,21 @@ A toy "model" over a tiny vocabulary: the logits of the j-th output token are a 
 random table indexed by the outputs before it. Thousands of seeded requests run through
 the real host-side path -- Scheduler (num_speculative_tokens), InputBatch (drafts written
 after the known tokens, the sampler's window rows and their steps), the jitted sampler,
-ModelRunner._collect_verified (num_accepted) and ModelRunner._propose (ngram prompt
-lookup, whose drafts are deliberately unrelated to the toy's distribution) -- and the
-empirical joint distribution of the 4 output tokens is compared with the exact one
-(softmax(logits / T), top_k / top_p applied) by a chi-square test. Negative controls
-(wrong verifications) run through the same harness and must be rejected by the same
-statistic, so the test is known to have the power to see a wrong implementation.
+ModelRunner._collect_verified (num_accepted) -- with two proposers: the runner's own
+ModelRunner._propose (ngram prompt lookup, drafts unrelated to the toy's distribution)
+and a "close" one (greedy under perturbed tables: often right, so deep acceptance is
+common). The empirical joint distribution of the 4 output tokens is compared with the
+exact one (softmax(logits / T), top_k / top_p applied) by a chi-square test. Negative
+controls (wrong verifications) run through the same harness and must be rejected by the
+same statistic, so the test is known to have the power to see a wrong implementation.
 
 Exactness is also checked directly: a seeded request draws, with speculation, the very
-tokens it draws without (each token's key is fold_in(seed, its output index)).
+tokens (and logprobs) it draws without -- each token's key is fold_in(seed, its output
+index), and penalties / min_tokens see the history up to each window position.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from types import SimpleNamespace
 
@@ -40,12 +43,17 @@ PS, MML = 8, 32
 # Every token occurs in the prompt, so a 1-gram lookup always proposes something.
 PROMPT = [0, 1, 2, 3, 4, 0, 2, 4, 1, 3, 0, 3]
 N = 8192         # requests (seeds) per run
+# One padded sampler batch for every run (one compile): the most rows a step may have.
+NUM_ROWS = N * (1 + K)
 
-SAMPLE = jax.jit(sample)
+SAMPLE = jax.jit(sample, static_argnames=("penalties",))
 
 rng = np.random.default_rng(1234)
 # TABLES[j][index of the j previous outputs] -> logits of output j.
 TABLES = [rng.normal(size=(V ** j, V)).astype(np.float32) * 1.5 for j in range(L)]
+# A second proposer, close to the target but not it: the greedy continuation under
+# perturbed tables (so drafts are often right, and deep acceptance is exercised too).
+CLOSE = [t + rng.normal(size=t.shape).astype(np.float32) * 0.5 for t in TABLES]
 
 
 def prefix_index(outputs: np.ndarray, depth: np.ndarray) -> np.ndarray:
@@ -133,7 +141,7 @@ def collect_verified_variant(variant: str):
             drawn = tokens[first:first + k + 1]
             known = batch.num_tokens[row]
             drafts = batch.tokens[row, known:known + k].tolist()
-            probs = runner.probs[first:first + k + 1]
+            probs = None if runner.probs is None else runner.probs[first:first + k + 1]
             a = 0
             while a < k:
                 d = drafts[a]
@@ -154,10 +162,28 @@ def collect_verified_variant(variant: str):
     return collect
 
 
+def propose_close(batch: InputBatch, rows, k: int) -> dict[str, list[int]]:
+    """The CLOSE proposer: for each row that sampled, k greedy tokens under CLOSE."""
+    out = {}
+    for i in np.flatnonzero(rows.sample):
+        row = rows.rows[i]
+        outputs = batch.tokens[row, len(PROMPT):batch.num_tokens[row]].tolist()
+        drafts = []
+        while len(drafts) < k and len(outputs) + len(drafts) < L:
+            seq = outputs + drafts
+            idx = prefix_index(np.array([seq + [0] * (L - len(seq))]), np.array([len(seq)]))
+            drafts.append(int(np.argmax(CLOSE[len(seq)][idx[0]])))
+        if drafts:
+            out[rows.req_ids[i]] = drafts
+    return out
+
+
 def run(params: SamplingParams, k: int, n: int = N, seed0: int = 0,
-        variant: str | None = None) -> tuple[np.ndarray, Scheduler]:
-    """n requests with seeds seed0.. generate L tokens each; k drafts a step (0: no
-    speculation). -> (outputs [n, L], the scheduler)."""
+        variant: str | None = None, proposer: str = "ngram", full: bool = False):
+    """n requests (params with seeds seed0..) generate up to L tokens each; k drafts a
+    step (0: no speculation) from `proposer` (ngram: the runner's own,
+    ModelRunner._propose; close: propose_close). -> (outputs [n, L], the scheduler), or
+    with full=True (outputs as lists, the scheduler, {req_id: per-token logprob entries})."""
     sched = Scheduler(num_pages=n * (-(-MML // PS)) + 1, page_size=PS, max_num_seqs=n,
                       max_num_batched_tokens=n * MML, max_model_len=MML,
                       num_speculative_tokens=k)
@@ -168,17 +194,18 @@ def run(params: SamplingParams, k: int, n: int = N, seed0: int = 0,
     runner = SimpleNamespace(batch=batch, spec=spec, probs=None)
     reqs = []
     for i in range(n):
-        r = Request(f"r{i}", PROMPT, SamplingParams(**_fields(params), seed=seed0 + i),
+        r = Request(f"r{i}", PROMPT, dataclasses.replace(params, seed=seed0 + i),
                     eos_token_id=None, page_size=PS)
         sched.add_request(r)
         reqs.append(r)
-    num_rows = batch.max_sample_rows
+    penalties, want_lps = params.has_penalties, params.logprobs is not None
+    logprobs: dict[str, list] = {r.request_id: [] for r in reqs}
     collect = ModelRunner._collect_verified if variant in (None, "same_key") else \
         collect_verified_variant(variant)
     while sched.has_unfinished_requests():
         out = sched.schedule()
         rows = batch.update(out, ())
-        tensors = batch.sampling_tensors(rows, num_rows, penalties=False, penalty_len=MML)
+        tensors = batch.sampling_tensors(rows, NUM_ROWS, penalties=penalties, penalty_len=MML)
         if rows.num_drafts is None:
             batch_row, offset = np.arange(rows.num_reqs), np.zeros(rows.num_reqs, np.int64)
         else:
@@ -191,27 +218,33 @@ def run(params: SamplingParams, k: int, n: int = N, seed0: int = 0,
         known = batch.num_tokens[prow] + offset
         depth = known - batch.num_prompt[prow]
         outputs = batch.tokens[prow, len(PROMPT):len(PROMPT) + L]
-        logits = np.zeros((num_rows, V), np.float32)
+        logits = np.zeros((NUM_ROWS, V), np.float32)
         logits[:len(prow)] = toy_logits(outputs, np.minimum(depth, L - 1))
-        runner.probs = target_probs(logits[:len(prow)], params)
-        result = jax.device_get(SAMPLE(logits, tensors))
+        if variant in ("coin", "argmax"):
+            runner.probs = target_probs(logits[:len(prow)], params)
+        result = jax.device_get(SAMPLE(logits, tensors, penalties=penalties))
         mro = ModelRunnerOutput()
         if rows.num_drafts is not None:
-            collect(runner, rows, result, False, mro)
+            collect(runner, rows, result, want_lps, mro)
         else:   # as ModelRunner.collect
             batch.append_sampled(rows, result.token_ids)
             picked = np.flatnonzero(rows.sample)
             mro.sampled = {rows.req_ids[i]: int(result.token_ids[i]) for i in picked}
-        proposals = ModelRunner._propose(runner, rows) if spec else None
+            if want_lps:
+                for i in picked:
+                    mro.logprobs[rows.req_ids[i]] = [
+                        (result.logprob_token_ids[i], result.logprobs[i],
+                         int(result.sampled_rank[i]))]
+        for rid, entries in mro.logprobs.items():
+            logprobs[rid] += entries
+        proposals = None if not spec else ModelRunner._propose(runner, rows) \
+            if proposer == "ngram" else propose_close(batch, rows, k)
         sched.update_from_output(out, mro.sampled, proposals)
+    if full:
+        return [r.output_token_ids for r in reqs], sched, logprobs
     outputs = np.array([r.output_token_ids for r in reqs], np.int64)
     assert outputs.shape == (n, L)
     return outputs, sched
-
-
-def _fields(params: SamplingParams) -> dict:
-    return dict(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-                max_tokens=L, ignore_eos=True)
 
 
 PLAIN = SamplingParams(temperature=0.9, max_tokens=L)
@@ -220,21 +253,25 @@ FILTERED = SamplingParams(temperature=0.7, top_k=4, top_p=0.85, max_tokens=L)
 
 @pytest.fixture(scope="module")
 def plain_runs():
-    spec_out, sched = run(PLAIN, K)
+    """{proposer: (outputs, scheduler)} with speculation, and the outputs without, for
+    the same seeds."""
+    spec = {p: run(PLAIN, K, proposer=p) for p in ("ngram", "close")}
     base_out, _ = run(PLAIN, 0)
-    return spec_out, base_out, sched
+    return spec, base_out
 
 
 def test_the_harness_exercises_acceptance(plain_runs):
-    _, _, sched = plain_runs
-    st = sched.stats()
-    # Most requests verified drafts, and a fair share of them were accepted (both paths
-    # -- accepted and rejected -- at both positions).
-    assert st.spec_num_drafts > N
-    rate = st.spec_num_accepted_tokens / st.spec_num_draft_tokens
-    assert 0.1 < rate < 0.9, rate
-    assert st.spec_accepted_per_pos[1] > N // 50
-    assert st.num_generation_tokens == N * L
+    spec, _ = plain_runs
+    for proposer, lo, hi in (("ngram", 0.05, 0.5), ("close", 0.2, 0.9)):
+        st = spec[proposer][1].stats()
+        # Most requests verified drafts, and both outcomes -- accepted and rejected -- are
+        # common at both draft positions.
+        assert st.spec_num_drafts > N, proposer
+        rate = st.spec_num_accepted_tokens / st.spec_num_draft_tokens
+        assert lo < rate < hi, (proposer, rate)
+        assert st.spec_accepted_per_pos[1] > 20, proposer
+        assert st.num_generation_tokens == N * L
+    assert spec["close"][1].stats().spec_accepted_per_pos[1] > N // 20
 
 
 def test_exact_joint_is_a_distribution():
@@ -245,21 +282,24 @@ def test_exact_joint_is_a_distribution():
     assert (target_probs(TABLES[0], FILTERED) == 0).sum() >= 1
 
 
-def test_speculative_output_has_the_target_distribution(plain_runs):
-    spec_out, base_out, _ = plain_runs
-    assert chi_square_p(spec_out, PLAIN) > 1e-3
+@pytest.mark.parametrize("proposer", ["ngram", "close"])
+def test_speculative_output_has_the_target_distribution(plain_runs, proposer):
+    spec, base_out = plain_runs
+    assert chi_square_p(spec[proposer][0], PLAIN) > 1e-3
     assert chi_square_p(base_out, PLAIN) > 1e-3
 
 
-def test_speculative_draws_the_tokens_of_the_plain_path(plain_runs):
-    # Same seed, same tokens: each draw uses the key of its output index.
-    spec_out, base_out, _ = plain_runs
-    np.testing.assert_array_equal(spec_out, base_out)
+@pytest.mark.parametrize("proposer", ["ngram", "close"])
+def test_speculative_draws_the_tokens_of_the_plain_path(plain_runs, proposer):
+    # Same seed, same tokens: each draw uses the key of its output index, whatever was
+    # drafted and accepted.
+    spec, base_out = plain_runs
+    np.testing.assert_array_equal(spec[proposer][0], base_out)
 
 
 def test_filtered_sampling_keeps_its_distribution_too():
-    spec_out, sched = run(FILTERED, K, seed0=10 ** 6)
-    assert sched.stats().spec_num_accepted_tokens > N // 10
+    spec_out, sched = run(FILTERED, K, seed0=10 ** 6, proposer="close")
+    assert sched.stats().spec_accepted_per_pos[1] > N // 40
     assert chi_square_p(spec_out, FILTERED) > 1e-3
     base_out, _ = run(FILTERED, 0, n=2048, seed0=10 ** 6)
     np.testing.assert_array_equal(spec_out[:2048], base_out)
@@ -277,19 +317,56 @@ def test_greedy_speculation_is_the_greedy_output():
     assert (spec_out == tok).all()
 
 
+def test_per_position_settings_match_the_plain_path():
+    # Settings that depend on the token index or the history -- penalties (the history
+    # up to each window position), min_tokens' held-back stop tokens, logprobs of each
+    # kept token -- give, with speculation, exactly what they give without.
+    params = SamplingParams(temperature=0.8, max_tokens=L, seed=0, repetition_penalty=1.4,
+                            presence_penalty=0.6, frequency_penalty=0.3, min_tokens=2,
+                            stop_token_ids=[4], logprobs=2)
+    n = 1024
+    spec_out, sched, spec_lps = run(params, K, n=n, seed0=5 * 10 ** 6, proposer="close",
+                                    full=True)
+    base_out, _, base_lps = run(params, 0, n=n, seed0=5 * 10 ** 6, full=True)
+    assert sched.stats().spec_accepted_per_pos[1] > 20
+    assert spec_out == base_out
+    lengths = [len(o) for o in spec_out]
+    assert min(lengths) >= 2 and min(lengths) < L   # some stopped at 4, after min_tokens
+    assert all(4 not in o[:2] for o in spec_out)
+    for rid, entries in base_lps.items():
+        # A verified row's entries run to the token after its accepted drafts; the output
+        # processor keeps as many as the scheduler kept tokens (a stop may cut the run).
+        n_kept = len(spec_out[int(rid[1:])])
+        got = spec_lps[rid][:n_kept]
+        assert len(got) == len(entries) == n_kept
+        for (ids, lps, rank), (ids2, lps2, rank2) in zip(got, entries):
+            np.testing.assert_array_equal(ids, ids2)
+            np.testing.assert_array_equal(lps, lps2)
+            assert rank == rank2
+
+
 @pytest.mark.parametrize("variant", ["accept_all", "coin", "argmax", "same_key"])
 def test_wrong_verifications_are_detected(variant):
     # The same statistic rejects each wrong verification (so the passing tests above
     # are not passing for lack of power).
-    out, _ = run(PLAIN, K, variant=variant, seed0=2 * 10 ** 6)
+    out, _ = run(PLAIN, K, n=N // 2, variant=variant, seed0=2 * 10 ** 6)
     assert chi_square_p(out, PLAIN) < 1e-6
 
 
-def test_num_accepted_is_the_verification_used():
-    # Sanity link: the harness's verification is _collect_verified, which calls
-    # spec_decode.num_accepted on the window's draws and the row's drafts.
-    assert num_accepted(np.array([3, 1, 4]), np.array([3, 1])) == 2
-    assert ModelRunner._collect_verified.__module__ == "jaxserve.runner.model_runner"
+def test_the_harness_verifies_with_num_accepted(monkeypatch):
+    # The verification measured above is spec_decode.num_accepted, as
+    # ModelRunner._collect_verified calls it.
+    import jaxserve.runner.model_runner as mr
+    calls = []
+
+    def counting(sampled, drafts):
+        calls.append(len(drafts))
+        return num_accepted(sampled, drafts)
+
+    monkeypatch.setattr(mr, "num_accepted", counting)
+    _, sched = run(PLAIN, K, n=64, proposer="close")
+    assert len(calls) == sched.stats().spec_num_drafts > 0
+    assert sum(calls) == sched.stats().spec_num_draft_tokens
 
 
 def test_chi_square_sees_every_cell():

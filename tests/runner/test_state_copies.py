@@ -144,7 +144,7 @@ def test_batch_pads_the_pairs_to_max_num_seqs():
 
 
 @pytest.mark.parametrize("num_slots,kw,match", [
-    (6, dict(saves=[(1, 2)] * (K + 1)), "at most max_num_seqs"),
+    (6, dict(saves=[(1, 2)] * (K + 1)), f"at most {K}"),
     (6, dict(restores=[(6, 1)]), "outside"),
     (6, dict(saves=[(1, 0)]), "outside"),        # the null slot
     (0, dict(saves=[(1, 2)]), "no recurrent state"),
