@@ -346,9 +346,10 @@ class Scheduler:
                 num_new = min(req.num_tokens - num_hit, budget)
                 if cuts and (cut := kv.state_cut(req, num_hit)) is not None:
                     num_new = min(num_new, cut - num_hit)
-                if kv.allocate_slots(req, num_new + self._lookahead(req, num_hit + num_new),
-                                     hit, num_hit) is None:
-                    break
+                ahead = self._lookahead(req, num_hit + num_new)
+                if kv.allocate_slots(req, num_new + ahead, hit, num_hit) is None and (
+                        not ahead or kv.allocate_slots(req, num_new, hit, num_hit) is None):
+                    break   # (the drafter's pages ahead are dropped first)
                 self._pop_waiting()
                 if req.num_cached_tokens < 0:
                     req.num_cached_tokens = num_hit
@@ -475,9 +476,6 @@ class Scheduler:
             c = scheduler_output.cached_reqs
             req.num_computed_tokens = c.num_computed_tokens[c.req_ids.index(req.request_id)]
             self.kv.rollback_state(req)
-            # All but the token sampled last are computed again.
-            self.spec_num_recomputed_tokens += \
-                req.num_tokens + accepted - req.num_computed_tokens
         else:
             req.num_computed_tokens -= rejected
         for tok in tokens:
@@ -485,6 +483,8 @@ class Scheduler:
             self.num_generation_tokens += 1
             if self._check_stop(req, tok):
                 return True
+        if rejected and self.kv.spec_backups:   # all but the token sampled last, again
+            self.spec_num_recomputed_tokens += req.num_tokens - 1 - req.num_computed_tokens
         return False
 
     def _check_stop(self, req: Request, tok: int) -> bool:

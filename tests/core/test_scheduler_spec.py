@@ -1,11 +1,15 @@
 """The scheduler's side of speculative decoding, model-free: a real Scheduler with the
 runner's answers written by hand (a row that verified drafts answers with a list: the
-drafts accepted, then the token sampled after them). Drafts go only to rows that reach
-the end of their known tokens, capped by the budget, max_model_len and max_tokens; a
+drafts accepted, then the token sampled after them; an int there is refused). Drafts go
+only to rows that reach the end of their known tokens, capped by max_model_len,
+max_tokens and the budget the running rows after them do not need for a token each; a
 partial acceptance leaves num_computed_tokens = num_tokens - 1; a stop inside the
-accepted run truncates; hybrids hold a backup state slot and restore it after a
-rejection; preemption drops drafts and pending copies; the prefix cache never registers
-a page holding draft positions; the spec counters add up."""
+accepted run truncates; hybrids hold a backup state slot, restore it after a rejection
+and count the tokens computed again; a row whose pages do not fit first drops its drafts
+and its lookahead pages, and only then preempts (dropping the victim's drafts and
+pending copies); lookahead pages follow a chunk that reaches the last known token; the
+prefix cache never registers a page holding draft positions; the spec counters add
+up."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -33,6 +37,7 @@ def req(rid, prompt, t=0.0, priority=0, **kw):
 
 
 def sched(num_pages=65, max_num_seqs=4, budget=64, max_model_len=64, k=3, **kw):
+    """num_pages includes the null page: num_pages - 1 usable."""
     return Scheduler(num_pages=num_pages, page_size=PS, max_num_seqs=max_num_seqs,
                      max_num_batched_tokens=budget, max_model_len=max_model_len,
                      num_speculative_tokens=k, **kw)
@@ -108,18 +113,86 @@ def test_num_new_is_one_plus_k_per_decoding_row():
 
 
 def test_budget_caps_the_drafts():
+    # The last running row's drafts take whatever budget is left.
     s = sched(budget=7, k=3)
-    a, b, c = req("a", 3), req("b", 2), req("c", 2)
-    start(s, a, b, c, proposals={"a": [1, 1, 1], "b": [3, 3, 3], "c": [4, 4, 4]})
+    a, b = req("a", 3), req("b", 2)
+    start(s, a, b, proposals={"a": [1, 1, 1], "b": [3, 3, 3]})
     out = s.schedule()
-    # a takes 1 + 3; b the 3 left (1 + 2 drafts); c gets nothing this step.
+    # a takes 1 + 3 (one token kept back for b); b the 3 left: 1 + 2 drafts.
     assert cols(out) == {"a": (3, 4), "b": (2, 3)}
     assert out.spec_token_ids == {"a": [1, 1, 1], "b": [3, 3]}
     assert out.num_scheduled_tokens == 7
     # b's third draft is not verified; its answer may accept only the two sent.
     s.update_from_output(out, {"a": [1, 1, 1, 9], "b": [3, 3, 8]}, {})
     assert b.output_token_ids == [51, 3, 3, 8] and b.num_computed_tokens == b.num_tokens - 1
-    assert c.spec_token_ids == [4, 4, 4] and c.num_computed_tokens == 2   # still pending
+    s = sched(budget=7, k=3)
+    a, b = req("a", 3), req("b", 2)
+    start(s, a, b, proposals={"a": [1, 1, 1], "b": [3, 3, 3]})
+    out = s.schedule()
+    with pytest.raises(ValueError, match="accepted"):
+        s.update_from_output(out, {"a": [1, 1, 1, 9], "b": [3, 3, 3, 8]}, {})
+
+
+def test_drafts_leave_a_token_for_each_running_row_after_them():
+    # Drafts only take the budget the rows after them do not need for one token each:
+    # a row that comes later is never starved by the drafts of those before it.
+    s = sched(budget=7, k=3)
+    a, b, c = req("a", 3), req("b", 2), req("c", 2)
+    start(s, a, b, c, proposals={"a": [1, 1, 1], "b": [3, 3, 3], "c": [4, 4, 4]})
+    out = s.schedule()
+    # a: 7 - 1 - 2 rows after = 4 spare, 3 drafts; b: 3 - 1 - 1 = 1 draft; c: 1 - 1 = 0.
+    assert cols(out) == {"a": (3, 4), "b": (2, 2), "c": (2, 1)}
+    assert out.spec_token_ids == {"a": [1, 1, 1], "b": [3]}
+    assert out.num_scheduled_tokens == 7
+    s.update_from_output(out, {"a": [1, 1, 1, 9], "b": [3, 8], "c": 7},
+                         {"a": [5], "b": [6], "c": [7, 7, 7]})
+    assert b.output_token_ids == [51, 3, 8] and b.num_computed_tokens == b.num_tokens - 1
+    assert c.output_token_ids == [52, 7] and c.num_computed_tokens == c.num_tokens - 1
+    # Fewer drafts before it: c's take the rest. a: 1 + 1, b: 1 + 1, c: 1 + 2 (7 - 4 - 1).
+    out = s.schedule()
+    assert cols(out) == {"a": (7, 2), "b": (4, 2), "c": (3, 3)}
+    assert out.spec_token_ids == {"a": [5], "b": [6], "c": [7, 7]}
+
+
+@pytest.mark.parametrize("budget,want", [
+    (16, [4, 4, 4, 4]), (10, [4, 4, 1, 1]), (7, [4, 1, 1, 1]), (5, [2, 1, 1, 1]),
+    (4, [1, 1, 1, 1]), (3, [1, 1, 1])])   # 3: fewer tokens than rows, d waits
+def test_four_drafting_rows_each_get_a_token(budget, want):
+    s = sched(max_num_seqs=4, budget=16, k=3)
+    rs = [req(r, 2) for r in "abcd"]
+    start(s, *rs, proposals={r: [7, 7, 7] for r in "abcd"})
+    s.max_num_batched_tokens = budget   # (white-box: the prefill step had more)
+    out = s.schedule()
+    assert [n for _, _, n in out.scheduled()] == want
+    assert out.num_scheduled_tokens == sum(want) == min(budget, 16)
+    assert out.spec_token_ids == {r: [7] * (n - 1) for r, n in zip("abcd", want) if n > 1}
+
+
+@pytest.mark.parametrize("budget,want", [(16, [4, 4, 4, 4]), (10, [4, 4, 1, 1]),
+                                         (6, [3, 1, 1, 1])])
+def test_no_running_row_starves_while_the_others_draft(budget, want):
+    # Every step all 4 rows propose 3 drafts; whatever they accept, each row gets at
+    # least its one token every step (before, with a budget of 10 d got none: a and b
+    # took 4 each and c the 2 left).
+    s = Scheduler(num_pages=65, page_size=PS, max_num_seqs=4, max_num_batched_tokens=budget,
+                  max_model_len=64, num_speculative_tokens=3)
+    rs = [req(r, 1) for r in "abcd"]
+    drafts = [70, 71, 72]
+    start(s, *rs, proposals={r: drafts for r in "abcd"})
+    for step in range(6):
+        before = [r.num_output_tokens for r in rs]
+        out = s.schedule()
+        assert [rid for rid, _, _ in out.scheduled()] == list("abcd")
+        assert [n for _, _, n in out.scheduled()] == want
+        assert out.num_scheduled_tokens == sum(want) <= budget
+        # Row j accepts (step + j) % 4 of its drafts (all it got, at most).
+        answer = {}
+        for j, (rid, _, n) in enumerate(out.scheduled()):
+            acc = min((step + j) % 4, n - 1)
+            answer[rid] = drafts[:acc] + [80 + step] if n > 1 else 80 + step
+        s.update_from_output(out, answer, {r: drafts for r in "abcd"})
+        for r, b in zip(rs, before):
+            assert r.num_output_tokens > b and r.num_computed_tokens == r.num_tokens - 1
 
 
 def test_max_model_len_caps_the_drafts():
@@ -238,6 +311,21 @@ def test_answer_that_is_not_the_drafts_is_refused():
         s.update_from_output(out, {"a": [5, 6]}, {})
 
 
+def test_an_int_answer_for_a_row_that_verified_drafts_is_refused():
+    # Even a rejection of every draft comes as a list ([token]), never as a bare int.
+    s = sched()
+    a = req("a", 6)
+    start(s, a, proposals={"a": [51, 52, 53]})
+    out = s.schedule()
+    assert out.spec_token_ids == {"a": [51, 52, 53]}
+    with pytest.raises(ValueError, match="verified drafts.*list"):
+        s.update_from_output(out, {"a": 60}, {})
+    assert a.output_token_ids == [50] and a.num_computed_tokens == 10
+    assert s.spec_num_drafts == 0 and s.num_generation_tokens == 1
+    s.update_from_output(out, {"a": [60]}, {})   # the list is taken
+    assert a.output_token_ids == [50, 60] and a.num_computed_tokens == 7
+
+
 def test_a_plain_token_for_a_row_without_drafts_and_proposals_replace_drafts():
     s = sched()
     a = req("a", 6)
@@ -287,6 +375,7 @@ def test_hybrid_backup_and_rollback_pairs():
     # start (the accepted token is computed again); b accepts all: nothing to undo.
     s.update_from_output(out, {"a": [51, 60], "b": [61, 62]}, {"a": [70, 71], "b": [72]})
     assert a.num_computed_tokens == 6 and a.num_tokens == 9
+    assert s.spec_num_recomputed_tokens == 2   # a's 50 and 51 (positions 6, 7)
     assert b.num_computed_tokens == b.num_tokens - 1 == 7
     out = s.schedule()
     # The rollback comes before this step's new backup of the same request.
@@ -296,10 +385,50 @@ def test_hybrid_backup_and_rollback_pairs():
     # All accepted now: no rollback; no drafts next: no backup.
     s.update_from_output(out, {"a": [70, 71, 80], "b": [81]}, {})
     assert a.num_computed_tokens == a.num_tokens - 1 == 11
+    assert s.spec_num_recomputed_tokens == 2 + 1   # b rejected its draft: its 7 again
     assert b.num_computed_tokens == 7 and b.num_tokens == 9
     out = s.schedule()
     assert out.state_restores == [(bb, sb)] and out.spec_token_ids == {}
     assert cols(out) == {"a": (11, 1), "b": (7, 2)}
+
+
+@pytest.mark.parametrize("answer,recomputed", [
+    ([60], 1), ([51, 60], 2), ([51, 52, 60], 3), ([51, 52, 53, 60], 0)])
+def test_hybrid_counts_the_recomputed_tokens(answer, recomputed):
+    # After a rejection the state goes back to the step's start (6): every token known
+    # after the step but the one sampled last is computed again.
+    s = hybrid()
+    a = req("a", 6)
+    start(s, a, proposals={"a": [51, 52, 53]})
+    out = s.schedule()
+    assert cols(out) == {"a": (6, 4)}
+    s.update_from_output(out, {"a": answer}, {"a": [70, 71, 72]})
+    assert s.spec_num_recomputed_tokens == recomputed
+    assert a.num_tokens - 1 - a.num_computed_tokens == recomputed
+    out = s.schedule()
+    # They, the token sampled last and the new drafts (all accepted: no rollback).
+    assert cols(out) == {"a": (6 if recomputed else 10, recomputed + 1 + 3)}
+    # Non-hybrids roll nothing back: they compute nothing again.
+    n = sched()
+    b = req("b", 6)
+    start(n, b, proposals={"b": [51, 52, 53]})
+    n.update_from_output(n.schedule(), {"b": answer}, {})
+    assert n.spec_num_recomputed_tokens == 0 and b.num_computed_tokens == b.num_tokens - 1
+
+
+def test_hybrid_recomputed_tokens_add_up_over_rows_and_steps():
+    s = hybrid(k=2)
+    a, b = req("a", 3), req("b", 5)
+    start(s, a, b, proposals={"a": [51, 52], "b": [61, 62]})
+    out = s.schedule()   # a from 3, b from 5
+    s.update_from_output(out, {"a": [51, 60], "b": [70]}, {"a": [61, 62], "b": [71, 72]})
+    assert s.spec_num_recomputed_tokens == 2 + 1
+    out = s.schedule()   # a from 3 again (3 known + 2 drafts), b from 5 (2 + 2)
+    assert cols(out) == {"a": (3, 5), "b": (5, 4)}
+    s.update_from_output(out, {"a": [61, 9], "b": [71, 72, 73]}, {})
+    # a: 50, 51, 60, 61 at 3..6 again (not 9, sampled last): 4; b: nothing.
+    assert s.spec_num_recomputed_tokens == 3 + 4
+    assert a.num_computed_tokens == 3 and a.num_tokens == 8
 
 
 def test_hybrid_rollback_past_the_budget_recomputes_in_chunks():
@@ -346,31 +475,62 @@ def test_hybrid_stop_or_abort_drops_the_pending_rollback():
     assert out.state_restores == [] and out.num_scheduled_tokens == 0
 
 
-def test_preemption_drops_drafts_and_pending_copies_fcfs():
-    # b (last running) is the victim when a's drafts need a page: its drafts go, and
-    # so does the rollback pair its rejection left for this step.
+def test_dropping_drafts_avoids_preemption_fcfs():
+    # a's drafts would need a third page and none is free: a drops them (not b), verifies
+    # nothing this step and keeps them pending; b keeps its row and its drafts.
     s = hybrid(num_pages=5)   # 4 usable pages
     a, b = req("a", 3), req("b", 3)
     start(s, a, b, proposals={"a": [51, 52, 53], "b": [61, 62, 63]})
-    sa, ba = slots(s, "a")
     sb, bb = slots(s, "b")
     out = s.schedule()
     assert cols(out) == {"a": (3, 4), "b": (3, 4)} and s.kv.get_num_free_pages() == 0
     s.update_from_output(out, {"a": [51, 52, 53, 54], "b": [70]},
                          {"a": [55, 56, 57], "b": [71]})
     assert b.num_computed_tokens == 3   # hybrid: back to the step's start
-    out = s.schedule()   # a's positions 7..10 need a third page
+    out = s.schedule()   # a's positions 7..10 would need a third page; 7 alone does not
+    assert out.preempted_req_ids == [] and s.num_preemptions == 0
+    assert cols(out) == {"a": (7, 1), "b": (3, 3)}
+    assert out.spec_token_ids == {"b": [71]}
+    # b's rollback, then its backup; a verifies no drafts: no backup.
+    assert out.state_restores == [(bb, sb), (sb, bb)]
+    assert a.spec_token_ids == [55, 56, 57] and a.num_computed_tokens == 8
+    assert len(s.kv.get_block_ids("a")) == 2 and s.kv.get_num_free_pages() == 0
+    # a verified nothing: it answers with a plain token.
+    s.update_from_output(out, {"a": 58, "b": [71, 72]}, {"a": [59], "b": []})
+    assert a.output_token_ids == [50, 51, 52, 53, 54, 58] and a.spec_token_ids == [59]
+    assert b.output_token_ids == [51, 70, 71, 72]
+
+
+def test_preemption_drops_drafts_and_pending_copies_fcfs():
+    # a's last known token (position 8) needs a third page even without its drafts: they
+    # go first, then b (last running) is the victim -- its drafts too, and the rollback
+    # pair its rejection left for this step. a does not get its drafts back.
+    s = hybrid(num_pages=5)   # 4 usable pages
+    a, b = req("a", 4), req("b", 3)
+    start(s, a, b, proposals={"a": [51, 52, 53], "b": [61, 62, 63]})
+    sb, bb = slots(s, "b")
+    out = s.schedule()
+    assert cols(out) == {"a": (4, 4), "b": (3, 4)} and s.kv.get_num_free_pages() == 0
+    s.update_from_output(out, {"a": [51, 52, 53, 54], "b": [70]},
+                         {"a": [55, 56, 57], "b": [71]})
+    assert b.num_computed_tokens == 3   # hybrid: back to the step's start
+    assert s.kv._restores == [(bb, sb)]   # (white-box: b's rollback is pending)
+    out = s.schedule()
     assert out.preempted_req_ids == ["b"]
-    assert cols(out) == {"a": (7, 4)} and out.spec_token_ids == {"a": [55, 56, 57]}
-    assert out.state_restores == [(sa, ba)]          # no (bb, sb) left for b's freed slots
+    assert cols(out) == {"a": (8, 1)} and out.spec_token_ids == {}
+    assert out.num_scheduled_tokens == 1
+    assert out.state_restores == []   # no (bb, sb) for b's freed slots; a: no backup
+    assert a.spec_token_ids == [55, 56, 57]
     assert b.spec_token_ids == [] and b.num_computed_tokens == 0
     assert b.status == RequestStatus.PREEMPTED
     assert s.kv.state_slots.num_free == 8 - 2
+    assert len(s.kv.get_block_ids("a")) == 3 and s.kv.get_num_free_pages() == 1
 
 
 def test_preemption_undoes_a_victim_scheduled_with_drafts_priority():
     # x (lowest priority, running first) is scheduled with drafts -- its rollback and
-    # backup pairs queued -- then y needs a page: x is undone, its drafts and pairs too.
+    # backup pairs queued -- then y needs a page even without its drafts: y drops them,
+    # then x is undone, its drafts, budget and pairs too.
     s = hybrid(num_pages=4, policy="priority")   # 3 usable pages
     x = req("x", 3, t=0.0, priority=5)
     y = req("y", 4, t=1.0, priority=0)
@@ -384,26 +544,140 @@ def test_preemption_undoes_a_victim_scheduled_with_drafts_priority():
     assert x.num_computed_tokens == 3   # rolled back: (bx, sx) pending
     out = s.schedule()
     assert [r.request_id for r in s.running] == ["y"] and out.preempted_req_ids == ["x"]
-    assert cols(out) == {"y": (4, 4)} and out.num_scheduled_tokens == 4
-    assert out.spec_token_ids == {"y": [61, 62, 63]}
-    assert out.state_restores == [(sy, by)]
+    assert cols(out) == {"y": (4, 1)} and out.num_scheduled_tokens == 1
+    assert out.spec_token_ids == {}
+    assert out.state_restores == []   # none of x's pairs; y verifies nothing: no backup
+    assert y.spec_token_ids == [61, 62, 63]   # pending, verified in a later step
     assert x.spec_token_ids == [] and x.status == RequestStatus.PREEMPTED
     assert "x" not in s.kv.req_pages and s.kv.state_slots.num_free == 8 - 2
+    assert len(s.kv.get_block_ids("y")) == 2 and s.kv.get_num_free_pages() == 1
+    s.update_from_output(out, {"y": 64}, {"y": [65, 66, 67]})
+    out = s.schedule()   # y: 5..8 would need a 3rd page, the free one: its drafts fit
+    assert cols(out) == {"y": (5, 4)} and out.spec_token_ids == {"y": [65, 66, 67]}
+    assert out.state_restores == [(sy, by)]
 
 
-def test_preemption_drops_drafts_non_hybrid():
+def test_dropping_drafts_avoids_preemption_non_hybrid():
     s = sched(num_pages=5, policy="priority")   # 4 usable pages
     x = req("x", 3, t=0.0, priority=5)
     y = req("y", 8, t=1.0, priority=0)
     start(s, x, y, first={"x": 50, "y": 60}, proposals={"x": [51, 52, 53], "y": [61, 62, 63]})
-    out = s.schedule()   # x: 3..6 (a 2nd page); y: 8..11 (a 3rd): 5 pages > 4
-    assert out.preempted_req_ids == ["x"] and out.spec_token_ids == {"y": [61, 62, 63]}
+    assert [r.request_id for r in s.running] == ["y", "x"]
+    # y: 8..11 takes the last free page (a 3rd); x: 3..6 would need a 2nd, 3 alone not.
+    out = s.schedule()
+    assert out.preempted_req_ids == [] and s.num_preemptions == 0
+    assert cols(out) == {"y": (8, 4), "x": (3, 1)}
+    assert out.spec_token_ids == {"y": [61, 62, 63]}
+    assert x.spec_token_ids == [51, 52, 53] and len(s.kv.get_block_ids("x")) == 1
+    s.update_from_output(out, {"y": [64], "x": 51}, {"y": [], "x": [52]})
+    assert x.output_token_ids == [50, 51] and y.output_token_ids == [60, 64]
+
+
+def test_preemption_drops_drafts_non_hybrid():
+    # x's last known token (position 4) needs a 2nd page even without its drafts, and
+    # none is free: x, the lowest priority, is its own victim.
+    s = sched(num_pages=5, policy="priority")   # 4 usable pages
+    x = req("x", 4, t=0.0, priority=5)
+    y = req("y", 7, t=1.0, priority=0)
+    start(s, x, y, first={"x": 50, "y": 60}, proposals={"x": [51, 52, 53], "y": [61, 62, 63]})
+    out = s.schedule()   # y: 7..10 (a 3rd page, the last free one); x: 4 (a 2nd)
+    assert out.preempted_req_ids == ["x"] and [r.request_id for r in s.running] == ["y"]
+    assert cols(out) == {"y": (7, 4)} and out.spec_token_ids == {"y": [61, 62, 63]}
     assert x.spec_token_ids == [] and x.num_computed_tokens == 0
-    s.update_from_output(out, {"y": [64]}, {"y": []})
+    assert x.status == RequestStatus.PREEMPTED and "x" not in s.kv.req_pages
+    s.update_from_output(out, {"y": [61, EOS]}, {"y": [1]})   # y stops: its pages free
+    assert y.status == RequestStatus.FINISHED_STOPPED
     # x resumes whole (prompt + its output) and verifies nothing until it proposes again.
     out = s.schedule()
     assert [(r.req_id, r.output_token_ids) for r in out.new_reqs] == [("x", [50])]
     assert out.spec_token_ids == {}
+
+
+# ---- lookahead pages (a model drafter writes its KV past the step's tokens) ---------------
+
+def pages(s, rid):
+    return len(s.kv.get_block_ids(rid))
+
+
+def test_lookahead_pages_past_a_chunk_that_reaches_the_last_token():
+    s = sched(num_lookahead_tokens=3)
+    a = req("a", 6)
+    start(s, a, proposals={"a": [51, 52, 53]})
+    # The prompt (0..5) reaches its end: pages for 3 positions more (6..8), 3 pages.
+    assert pages(s, "a") == 3
+    out = s.schedule()   # 6..9 (the drafts' positions too) and 10..12 ahead: 4 pages
+    assert cols(out) == {"a": (6, 4)} and out.cached_reqs.new_block_ids[0] == ([4],)
+    assert pages(s, "a") == 4
+    s.update_from_output(out, {"a": [51, 52, 53, 54]}, {})
+    out = s.schedule()   # no drafts: 10 and 11..13 ahead, still 4 pages
+    assert cols(out) == {"a": (10, 1)} and pages(s, "a") == 4
+    s.update_from_output(out, {"a": 55}, {})
+    s.update_from_output(s.schedule(), {"a": 56}, {})   # 11, 12..14
+    assert pages(s, "a") == 4
+    s.update_from_output(s.schedule(), {"a": 57}, {})   # 12, 13..15
+    assert pages(s, "a") == 4
+    out = s.schedule()   # 13, 14..16: a 5th page, 3 positions before the chunk needs it
+    assert cols(out) == {"a": (13, 1)} and pages(s, "a") == 5
+    # Without lookahead: the prompt's 2 pages, then the drafts' 3.
+    s = sched()
+    a = req("a", 6)
+    start(s, a, proposals={"a": [51, 52, 53]})
+    assert pages(s, "a") == 2
+    s.schedule()
+    assert pages(s, "a") == 3
+
+
+def test_no_lookahead_pages_for_a_chunk_short_of_the_end():
+    s = sched(budget=4, num_lookahead_tokens=3)
+    a = req("a", 10)
+    s.add_request(a)
+    out = s.schedule()   # 0..3 stops short of 9: no page ahead
+    assert [r.num_new_tokens for r in out.new_reqs] == [4] and pages(s, "a") == 1
+    s.update_from_output(out, {}, {})
+    out = s.schedule()   # 4..7: still none
+    assert cols(out) == {"a": (4, 4)} and pages(s, "a") == 2
+    s.update_from_output(out, {}, {})
+    out = s.schedule()   # 8..9 reaches the end: 10..12 ahead
+    assert cols(out) == {"a": (8, 2)} and pages(s, "a") == 4
+
+
+def test_lookahead_is_capped_by_max_len():
+    s = sched(max_model_len=12, num_lookahead_tokens=3)
+    a = req("a", 10, max_tokens=None)
+    start(s, a)
+    assert pages(s, "a") == 3   # 0..9 and 2 ahead (10, 11): max_len 12, not 13
+    out = s.schedule()   # 10 and 1 ahead
+    assert cols(out) == {"a": (10, 1)} and pages(s, "a") == 3
+    # The pool's limit too: 3 usable pages make max_len 12; without the cap this
+    # request could never be admitted.
+    s = sched(num_pages=4, num_lookahead_tokens=3)
+    assert s.max_len == 12
+    a = req("a", 10)
+    start(s, a)
+    assert pages(s, "a") == 3 and s.kv.get_num_free_pages() == 0
+
+
+def test_lookahead_pages_go_before_anyone_is_preempted():
+    s = sched(num_pages=5, num_lookahead_tokens=3)   # 4 usable pages
+    a, b = req("a", 4), req("b", 4)
+    start(s, a, b)
+    assert pages(s, "a") == pages(s, "b") == 2 and s.kv.get_num_free_pages() == 0
+    out = s.schedule()   # 4 and 5..7 ahead: the 2 pages hold it
+    s.update_from_output(out, {"a": 60, "b": 70}, {"a": [61], "b": [71, 72, 73]})
+    out = s.schedule()
+    # a: 5..6 and 7..9 ahead, b: 5..8 and 9..11 would need a 3rd page each; without
+    # their drafts and pages ahead (both go, though a's draft alone would fit) 5 fits.
+    assert out.preempted_req_ids == [] and s.num_preemptions == 0
+    assert cols(out) == {"a": (5, 1), "b": (5, 1)} and out.spec_token_ids == {}
+    assert pages(s, "a") == pages(s, "b") == 2
+    assert a.spec_token_ids == [61] and b.spec_token_ids == [71, 72, 73]
+    s.update_from_output(out, {"a": 62, "b": 74}, {})
+    assert a.output_token_ids == [50, 60, 62] and b.output_token_ids == [51, 70, 74]
+    # No drafts at all: 6 and 7..9 ahead would need a 3rd page; the pages ahead go.
+    out = s.schedule()
+    assert out.preempted_req_ids == [] and s.num_preemptions == 0
+    assert cols(out) == {"a": (6, 1), "b": (6, 1)}
+    assert pages(s, "a") == pages(s, "b") == 2
 
 
 # ---- the prefix cache ------------------------------------------------------------------
