@@ -77,12 +77,16 @@ class KVCacheManager:
     state slot, where its state is copied before a step that verifies drafts; when some
     are rejected it is copied back and the accepted tokens are computed again
     (backup_state / rollback_state).
+
+    drop_last_hit_page (speculative decoding with an MTP layer): a prefix hit leaves out
+    its last page, whose last position's MTP KV was computed from the token after the
+    page, which the page's hash does not cover (another request's continuation).
     """
 
     def __init__(self, num_pages: int, page_size: int, enable_caching: bool = True,
                  num_state_slots: int = 0, *, num_sliding_pages: int = 0,
                  sliding_window: int | None = None, num_snapshot_slots: int = 0,
-                 spec_backups: bool = False) -> None:
+                 spec_backups: bool = False, drop_last_hit_page: bool = False) -> None:
         if page_size <= 0:
             raise ValueError(f"page_size must be positive, got {page_size}")
         if num_state_slots < 0:
@@ -97,6 +101,7 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.state_slots = StateSlotPool(num_state_slots) if num_state_slots else None
         self.spec_backups = spec_backups and num_state_slots > 0
+        self.drop_last_hit_page = drop_last_hit_page
         # Hybrid prefix caching: snapshot slots follow the running requests' slots.
         self.snapshots = SnapshotCache(num_state_slots, num_snapshot_slots) \
             if num_state_slots and num_snapshot_slots else None
@@ -143,6 +148,8 @@ class KVCacheManager:
             if b is None:
                 break
             hit.append(b)
+        if self.drop_last_hit_page and hit:
+            hit.pop()
         if self.snapshots is not None:
             hit = self._snapshot_hit(request, hashes, hit)
         blocks = (hit,) if self.sliding_pool is None else self._sliding_hit(hashes, hit)

@@ -104,13 +104,15 @@ class Scheduler:
         num_snapshot_slots: int = 0,
         num_speculative_tokens: int = 0,
         num_lookahead_tokens: int = 0,
+        drop_last_hit_page: bool = False,
     ) -> None:
         """num_sliding_pages / sliding_window: the sliding-window layers' KV group
         (planning/cache_plan.py; 0 / None: the model has none, or they share the global
         pages). num_speculative_tokens: most drafts a decoding request verifies in a step
         (0: no speculative decoding); a hybrid then holds two state slots per request.
         num_lookahead_tokens: a request whose chunk reaches its last token also gets pages
-        for this many positions past the chunk (a model drafter writes its KV there)."""
+        for this many positions past the chunk (a model drafter writes its KV there);
+        drop_last_hit_page: see KVCacheManager (an MTP drafter)."""
         for name, v in (("num_pages", num_pages), ("page_size", page_size),
                         ("max_num_seqs", max_num_seqs),
                         ("max_num_batched_tokens", max_num_batched_tokens),
@@ -139,7 +141,8 @@ class Scheduler:
                                  num_sliding_pages=num_sliding_pages,
                                  sliding_window=sliding_window,
                                  num_snapshot_slots=num_snapshot_slots,
-                                 spec_backups=num_speculative_tokens > 0)
+                                 spec_backups=num_speculative_tokens > 0,
+                                 drop_last_hit_page=drop_last_hit_page)
         if sliding_window is not None:
             # A request alone must always fit in the sliding pool too: its window, one
             # step's tokens and the page they may straddle (or its whole length, if less).

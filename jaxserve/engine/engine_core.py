@@ -32,6 +32,7 @@ from jaxserve.engine.startup import (ALLOCATING_KV_CACHE, COMPILING, LOADING_WEI
 from jaxserve.checkpoints.converted import resolve_converted
 from jaxserve.checkpoints.model_names import resolve_model, resolve_tokenizer
 from jaxserve.runner import compile_counter
+from jaxserve.speculative import MTP
 from models.config import ModelConfig
 from sharding import DATA, make_mesh
 
@@ -156,7 +157,9 @@ class EngineCore:
             num_speculative_tokens=config.speculative_config.num_speculative_tokens
             if config.speculative_config else 0,
             num_lookahead_tokens=config.speculative_config.num_lookahead_tokens
-            if config.speculative_config else 0)
+            if config.speculative_config else 0,
+            drop_last_hit_page=config.speculative_config is not None
+            and config.speculative_config.method == MTP)
         self.outputs = OutputProcessor(self.tokenizer, stream=stream_outputs)
         self.num_steps = 0
         self.num_scheduled_tokens = 0   # tokens computed on device, all steps
