@@ -219,3 +219,16 @@ def test_state_slots_follow_the_pages_and_hybrids_never_share():
     kv.free(b)
     kv.free(c)
     assert sorted(kv.state_slots.free_slots) == [1, 2]
+
+
+def test_drop_last_hit_page_leaves_out_the_hits_last_page():
+    """An MTP drafter's KV at a page's last position depends on the token after the
+    page, which the hash does not cover: its hits stop one page short."""
+    for drop, want in ((False, 3), (True, 2)):
+        kv = KVCacheManager(num_pages=9, page_size=PS, drop_last_hit_page=drop)
+        run_prefill(kv, make("a", range(13)))
+        hit, n = kv.get_computed_blocks(make("b", list(range(12)) + [99, 98]))
+        assert n == want * PS and len(hit[0]) == want, drop
+    kv = KVCacheManager(num_pages=9, page_size=PS, drop_last_hit_page=True)
+    run_prefill(kv, make("a", range(5)))
+    assert kv.get_computed_blocks(make("b", range(5)))[1] == 0   # one page: none left
