@@ -177,6 +177,9 @@ class ModelConfig:
     # embedding (not supported).
     num_mtp_layers: int = 0
     mtp_dedicated_embeddings: bool = False
+    # Run config only: rows of up to this many tokens take the linear-attention layers'
+    # recurrent step token by token (speculative decoding: 1 + the drafts of a row).
+    max_decode_tokens: int = 1
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):

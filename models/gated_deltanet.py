@@ -56,9 +56,10 @@ def has_initial_state(inputs: ModelInputs) -> jax.Array:
     return inputs.seq_lens > q_lens
 
 
-@partial(jax.jit, static_argnames=("dk", "dv", "eps", "impl", "interpret"))
+@partial(jax.jit, static_argnames=("dk", "dv", "eps", "impl", "interpret", "decode_tokens"))
 def _mix_local(qkv, z, b, a, conv_w, a_log, dt_bias, norm_w, conv_state, rec_state, slots, qsl,
-               num_seqs, has_init, *, dk: int, dv: int, eps: float, impl: str, interpret: Any):
+               num_seqs, has_init, *, dk: int, dv: int, eps: float, impl: str, interpret: Any,
+               decode_tokens: int = 1):
     """One device's part of GatedDeltaNet._mix (its key-head groups only). A jit of its
     own: traced once per shape, not once per layer (XLA inlines it)."""
     t, hk, g_width = qkv.shape
@@ -74,7 +75,7 @@ def _mix_local(qkv, z, b, a, conv_w, a_log, dt_bias, norm_w, conv_state, rec_sta
         a.astype(jnp.float32) + dt_bias.astype(jnp.float32))
     o, rec_state = ragged_gated_delta_rule(
         q, k, v, g, beta, rec_state, slots, qsl, num_seqs, has_init, impl=impl,
-        interpret=interpret)
+        interpret=interpret, decode_tokens=decode_tokens)
     # Gated RMSNorm per value head: plain w, then * silu(z), in float32.
     o32 = o.astype(jnp.float32)
     o32 = o32 * jax.lax.rsqrt(jnp.mean(o32 * o32, axis=-1, keepdims=True) + eps)
@@ -146,7 +147,8 @@ class GatedDeltaNet(nn.Module):
         eps = cfg.rms_norm_eps
         has_init = has_initial_state(inputs)
         impl = "pallas" if self.use_pallas else "reference"
-        local = partial(_mix_local, dk=dk, dv=dv, eps=eps, impl=impl, interpret=self.interpret)
+        local = partial(_mix_local, dk=dk, dv=dv, eps=eps, impl=impl, interpret=self.interpret,
+                        decode_tokens=cfg.max_decode_tokens)
 
         rep = PartitionSpec()
         # Axis 1 of the [T, heads, ...] activations and of the conv kernel, axis 0 of the

@@ -34,7 +34,8 @@ def create_app(engine: AsyncEngine, settings: ServerSettings,
     """The app serving `engine`; whoever made the engine stops it (see loading.py).
     metrics: the server's registry when it already has one (it answered /metrics while
     the engine loaded)."""
-    spec = engine.config.speculative_config
+    # (stand-in engines of tests have no config: no speculative decoding there)
+    spec = getattr(getattr(engine, "config", None), "speculative_config", None)
     metrics = metrics or Metrics(settings.served_model_name, num_speculative_tokens=
                                  spec.num_speculative_tokens if spec else 0)
     serving = OpenAIServing(engine, settings, metrics)

@@ -47,6 +47,7 @@ class EngineLayout:
     cache_specs: tuple[CacheSpec, ...]  # one per layer (models/cache_spec.py)
     activation_bytes: int         # estimated peak temporaries of a program (kv_budget)
     scan_layers: bool             # EngineConfig.scan_layers (for_platform resolved it)
+    num_speculative_tokens: int = 0   # drafts a row verifies in a step (0: none)
 
     @property
     def run_config(self) -> ModelConfig:
@@ -54,7 +55,8 @@ class EngineLayout:
         per-head KV scales when the cache is quantized."""
         return replace(self.model_config, num_kv_heads=self.kv_heads,
                        full_num_kv_heads=self.global_kv_heads, weight_quant=self.weight_quant,
-                       kv_cache_quantized=is_quantized(self.kv_dtype))
+                       kv_cache_quantized=is_quantized(self.kv_dtype),
+                       max_decode_tokens=1 + self.num_speculative_tokens)
 
 
 def engine_layout(config: EngineConfig, mc: ModelConfig, mesh: Mesh) -> EngineLayout:
@@ -97,9 +99,10 @@ def engine_layout(config: EngineConfig, mc: ModelConfig, mesh: Mesh) -> EngineLa
                 raise ValueError(why)
     act = activation_bytes(mc, m, config.num_batched_tokens, config.max_num_seqs,
                            jnp.dtype(dtype).itemsize, max_model_len)
+    spec = config.speculative_config
     return EngineLayout(mc, dtype, kv_dtype, weight_quant, max_model_len, m, stored.num_kv_heads,
                         stored.full_num_kv_heads, backend, mesh_rules(mc, m), specs, act,
-                        config.scan_layers)
+                        config.scan_layers, spec.num_speculative_tokens if spec else 0)
 
 
 def attention_shapes(mc: ModelConfig) -> list[int]:

@@ -10,8 +10,9 @@ impl="pallas": the single-token (decode) rows go through a Pallas kernel chosen
     anything else (cpu, rocm) -> the reference.
   interpret=True (or "tpu") runs the TPU kernel in TPU interpret mode,
   interpret="gpu" the GPU kernel in GPU interpret mode, both on CPU.
-  Rows with several tokens (prefill chunks) still take the reference chunked
-  while loop in every case: a Pallas chunk kernel is future work.
+  Rows of up to decode_tokens tokens take it once per token (speculative decoding);
+  longer rows (prefill chunks) still take the reference chunked while loop in every
+  case: a Pallas chunk kernel is future work.
 """
 from __future__ import annotations
 
@@ -85,6 +86,7 @@ def ragged_gated_delta_rule(
     has_initial_state: jax.Array,   # bool[R]
     *,
     chunk_size: int = 64,
+    decode_tokens: int = 1,
     impl: str = "reference",
     interpret: bool | str = False,
     return_loop_trips: bool = False,
@@ -92,7 +94,9 @@ def ragged_gated_delta_rule(
     """The gated delta rule for every live row of a ragged batch, from states[slot]
     (zeros where not has_initial_state), writing each row's final state back to
     its slot. Returns (o [T, Hv, Dv] in v.dtype, zero on padding tokens; states),
-    plus, with return_loop_trips, the multi-token while loop's trip count (tests)."""
+    plus, with return_loop_trips, the multi-token while loop's trip count (tests).
+    decode_tokens: rows of up to this many tokens take the recurrent (decode) step once
+    per token instead of the chunked loop (speculative decoding's verify rows; static)."""
     _validate(q, k, v, g, beta, states, state_slots, query_start_loc, num_seqs,
               has_initial_state, chunk_size)
     if impl == "reference":
@@ -103,5 +107,5 @@ def ragged_gated_delta_rule(
         raise ValueError(f"impl={impl!r}: expected one of {IMPLS}")
     o, states, trips = ragged.ragged_gated_delta(
         q, k, v, g, beta, states, state_slots, query_start_loc, num_seqs, has_initial_state,
-        chunk_size=chunk_size, decode_step=step)
+        chunk_size=chunk_size, decode_step=step, decode_tokens=decode_tokens)
     return (o, states, trips) if return_loop_trips else (o, states)

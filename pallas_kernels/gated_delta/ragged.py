@@ -5,7 +5,11 @@ Rows are split by their token count in this step:
     vectorised recurrent step (gather their states, update, scatter). This is
     the serving hot path; `decode_step` is pluggable so impl="pallas" can put
     a kernel here;
-  - more than one token (prefill chunks): a lax.while_loop over the batch's
+  - up to `decode_tokens` tokens (speculative decoding's rows verifying drafts):
+    the same step once per token position, every row that has a token there
+    together (skipped on device when none has), each reading the state the
+    previous one wrote to the slot;
+  - more tokens (prefill chunks): a lax.while_loop over the batch's
     request-aligned chunks (up to chunk_size tokens of one row each). The trip
     count is computed on device, so a pure-decode batch runs zero iterations
     and one compiled program serves every batch composition. Each iteration
@@ -41,14 +45,17 @@ class ChunkPlan(NamedTuple):
     total: jax.Array         # int32[] while-loop trip count
 
 
-def plan_chunks(query_start_loc: jax.Array, num_seqs: jax.Array, chunk_size: int) -> ChunkPlan:
+def plan_chunks(query_start_loc: jax.Array, num_seqs: jax.Array, chunk_size: int,
+                decode_tokens: int = 1) -> ChunkPlan:
+    """decode: the rows of 1..decode_tokens tokens (the recurrent steps take them)."""
     qsl = query_start_loc.astype(jnp.int32)
     num_rows = qsl.shape[0] - 1
     live = jnp.arange(num_rows) < num_seqs.astype(jnp.int32)[0]
     lens = jnp.where(live, qsl[1:] - qsl[:-1], 0)
-    num_chunks = jnp.where(lens > 1, -(-lens // chunk_size), 0)
+    decode = (lens >= 1) & (lens <= decode_tokens)
+    num_chunks = jnp.where(lens > decode_tokens, -(-lens // chunk_size), 0)
     chunk_end = jnp.cumsum(num_chunks, dtype=jnp.int32)
-    return ChunkPlan(lens, lens == 1, num_chunks, chunk_end, chunk_end[-1])
+    return ChunkPlan(lens, decode, num_chunks, chunk_end, chunk_end[-1])
 
 
 def decode_step_reference(states, slots, write, qd, kd, vd, gd, bd, has_initial_state):
@@ -60,25 +67,35 @@ def decode_step_reference(states, slots, write, qd, kd, vd, gd, bd, has_initial_
 
 
 def ragged_gated_delta(q, k, v, g, beta, states, state_slots, query_start_loc, num_seqs,
-                       has_initial_state, *, chunk_size: int, decode_step: DecodeStep
-                       ) -> tuple[jax.Array, jax.Array, jax.Array]:
+                       has_initial_state, *, chunk_size: int, decode_step: DecodeStep,
+                       decode_tokens: int = 1) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(o, states, while-loop trip count); argument conventions in dispatch.py."""
     num_tokens = q.shape[0]
     _, num_v, head_v = v.shape
     qsl = query_start_loc.astype(jnp.int32)
     slots = state_slots.astype(jnp.int32)
     has_init = has_initial_state.astype(bool)
-    plan = plan_chunks(qsl, num_seqs, chunk_size)
-
-    # Single-token rows: one vectorised step. A row's token sits at qsl[r] (clipped
-    # for padding rows, whose results are dropped).
-    tok = jnp.minimum(qsl[:-1], num_tokens - 1)
-    qd, kd = reference.prepare_qk(q[tok], k[tok], num_v)
+    plan = plan_chunks(qsl, num_seqs, chunk_size, decode_tokens)
     f32 = lambda x: x.astype(jnp.float32)
-    od, states = decode_step(states, slots, plan.decode, qd, kd, f32(v[tok]), f32(g[tok]),
-                             f32(beta[tok]), has_init)
     o = jnp.zeros((num_tokens, num_v, head_v), v.dtype)
-    o = o.at[jnp.where(plan.decode, tok, num_tokens)].set(od.astype(v.dtype), mode="drop")
+
+    def recurrent_step(j: int, o, states):
+        """Token j of every short row that has one, in one vectorised step (clipped for
+        padding rows, whose results are dropped)."""
+        tok = jnp.minimum(qsl[:-1] + j, num_tokens - 1)
+        write = plan.decode & (plan.lens > j)
+        qd, kd = reference.prepare_qk(q[tok], k[tok], num_v)
+        # From the second token on, the state is the one the step before wrote.
+        od, states = decode_step(states, slots, write, qd, kd, f32(v[tok]), f32(g[tok]),
+                                 f32(beta[tok]), has_init if j == 0 else write)
+        return o.at[jnp.where(write, tok, num_tokens)].set(od.astype(v.dtype),
+                                                           mode="drop"), states
+
+    o, states = recurrent_step(0, o, states)
+    for j in range(1, decode_tokens):
+        o, states = lax.cond(jnp.any(plan.decode & (plan.lens > j)),
+                             lambda o, states, j=j: recurrent_step(j, o, states),
+                             lambda o, states: (o, states), o, states)
 
     # Multi-token rows: chunk i belongs to the first row whose chunk_end exceeds i.
     offs = jnp.arange(chunk_size, dtype=jnp.int32)

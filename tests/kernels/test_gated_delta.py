@@ -141,13 +141,14 @@ def _with_live_states(states, batch, rng):
     return states
 
 
-def _ragged_fn(chunk_size=64, impl="reference", interpret=False):
+def _ragged_fn(chunk_size=64, impl="reference", interpret=False, decode_tokens=1):
     traces = []
 
     def fn(*args):
         traces.append(1)            # runs once per trace, i.e. per compilation
         return ragged_gated_delta_rule(*args, chunk_size=chunk_size, impl=impl,
-                                       interpret=interpret, return_loop_trips=True)
+                                       interpret=interpret, return_loop_trips=True,
+                                       decode_tokens=decode_tokens)
     return jax.jit(fn, donate_argnums=(5,)), traces
 
 
@@ -216,6 +217,35 @@ def test_ragged_mixed_then_decode_compiles_once():
     _check_against_oracle(batch, inputs, states, o, out)
     assert int(trips) == 0, "a pure-decode batch must not enter the chunk loop"
     assert len(traces) == 1, "a new batch composition must not recompile"
+
+
+# Speculative decoding's verify rows (1 + k tokens) beside decodes and prefill chunks.
+VERIFY = [(4, True), (1, True), (2, True), (3, False), (5, True), (1, False), (4, True),
+          (17, False)]
+
+
+def test_ragged_short_rows_take_the_recurrent_step():
+    """decode_tokens=4: rows of up to 4 tokens go through the recurrent step token by
+    token (no chunk-loop trip), longer ones through the loop; every row equals the
+    oracle, and a batch of single tokens skips the later steps."""
+    fn, traces = _ragged_fn(decode_tokens=4)
+    batch, inputs, states = _batch(VERIFY, 3)
+    o, out, trips = _run(fn, batch, inputs, states)
+    _check_against_oracle(batch, inputs, states, o, out)
+    assert int(trips) == 2 == int(plan_chunks(batch.qsl, batch.num_seqs, 64, 4).total)
+    batch, inputs, states = _batch(DECODE, 4)
+    o, out, trips = _run(fn, batch, inputs, states)
+    _check_against_oracle(batch, inputs, states, o, out)
+    assert int(trips) == 0 and len(traces) == 1
+
+
+def test_ragged_short_rows_with_the_tpu_kernel():
+    """The same through the Pallas TPU decode-step kernel (interpret mode): it is called
+    once per token position, the later ones reading the state the first wrote."""
+    fn, _ = _ragged_fn(impl="pallas", interpret="tpu", decode_tokens=4)
+    batch, inputs, states = _batch(VERIFY[:4], 5)
+    o, out, _ = _run(fn, batch, inputs, states)
+    _check_against_oracle(batch, inputs, states, o, out, tol=1e-4)
 
 
 def test_ragged_updates_states_in_place():
