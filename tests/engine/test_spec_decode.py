@@ -57,10 +57,7 @@ def engines(tmp_path_factory):
     def get(kind: str) -> tuple[LLM, LLM]:
         if kind not in made:
             path = peaked_checkpoint(kind, tmp_path_factory.mktemp(kind))
-            # The plain engine compiles on first use (its warmup would only cost time);
-            # the speculative one warms up, so that nothing may compile after.
-            made[kind] = (LLM(path, enforce_eager=True, **ENGINE),
-                          LLM(path, speculative_config=SPEC, **ENGINE))
+            made[kind] = LLM(path, **ENGINE), LLM(path, speculative_config=SPEC, **ENGINE)
             for llm in made[kind]:
                 fail_if_stuck(llm.engine)
         return made[kind]
