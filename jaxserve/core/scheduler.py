@@ -298,9 +298,12 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
-            if req.spec_token_ids and num_new == req.num_tokens - start:
+            if req.spec_token_ids and num_new == req.num_tokens - start == 1:
                 # Drafts take only the budget the running rows after this one do not need
-                # for a token each.
+                # for a token each. Only a row computing its last token alone drafts: a
+                # hybrid's row recomputing after a rollback does not (its backup would be
+                # its state before the tokens it recomputes, and a rejection would roll it
+                # back further each time).
                 num_new += self._num_drafts(req, budget - num_new - (len(running) - i - 1))
             if cuts and (cut := kv.state_cut(req, start)) is not None:
                 num_new = min(num_new, cut - start)

@@ -1,14 +1,16 @@
 """The scheduler's side of speculative decoding, model-free: a real Scheduler with the
 runner's answers written by hand (a row that verified drafts answers with a list: the
 drafts accepted, then the token sampled after them; an int there is refused). Drafts go
-only to rows that reach the end of their known tokens, capped by max_model_len,
+only to rows that compute their last known token alone (not a prefill chunk, nor a
+hybrid's row computing tokens again after a rollback), capped by max_model_len,
 max_tokens and the budget the running rows after them do not need for a token each; a
 partial acceptance leaves num_computed_tokens = num_tokens - 1; a stop inside the
 accepted run truncates; hybrids hold a backup state slot, restore it after a rejection
-and count the tokens computed again; a row whose pages do not fit first drops its drafts
-and its lookahead pages, and only then preempts (dropping the victim's drafts and
-pending copies); lookahead pages follow a chunk that reaches the last known token; the
-prefix cache never registers a page holding draft positions; the spec counters add
+and count the tokens computed again (in a step without drafts: a rejection never rolls
+a request back past the step before it); a row whose pages do not fit first drops its
+drafts and its lookahead pages, and only then preempts (dropping the victim's drafts
+and pending copies); lookahead pages follow a chunk that reaches the last known token;
+the prefix cache never registers a page holding draft positions; the spec counters add
 up."""
 from __future__ import annotations
 
@@ -78,8 +80,9 @@ def test_drafts_follow_the_last_known_token():
 
 
 def test_rows_short_of_their_last_token_get_no_drafts():
-    # A chunk that does not reach the request's last known token verifies nothing, even
-    # with drafts pending; the chunk that does reach it takes them (within the budget).
+    # Only a row that computes its last known token alone verifies drafts: no prefill
+    # chunk does, short of the end or reaching it, even with drafts pending; the step
+    # after the prompt's last chunk takes them (within the budget).
     s = sched(budget=4)
     a = req("a", 10)
     s.add_request(a)
@@ -91,8 +94,13 @@ def test_rows_short_of_their_last_token_get_no_drafts():
     assert cols(out) == {"a": (4, 4)} and out.spec_token_ids == {}
     s.update_from_output(out, {}, {})
     out = s.schedule()
-    # The last 2 prompt tokens and 2 of the drafts (budget 4).
-    assert cols(out) == {"a": (8, 4)} and out.spec_token_ids == {"a": [7, 8]}
+    # The last 2 prompt tokens, no drafts (though the budget has room for 2 of them).
+    assert cols(out) == {"a": (8, 2)} and out.spec_token_ids == {}
+    assert a.spec_token_ids == [7, 8, 9]   # still pending
+    s.update_from_output(out, {"a": 50}, {"a": [51, 52, 53]})
+    out = s.schedule()
+    # Its last known token alone, and 3 drafts (budget 4).
+    assert cols(out) == {"a": (10, 4)} and out.spec_token_ids == {"a": [51, 52, 53]}
     # Exactly the budget to the end: no room for a draft.
     s2 = sched(budget=2)
     b = req("b", 2)
@@ -377,19 +385,31 @@ def test_hybrid_backup_and_rollback_pairs():
     assert a.num_computed_tokens == 6 and a.num_tokens == 9
     assert s.spec_num_recomputed_tokens == 2   # a's 50 and 51 (positions 6, 7)
     assert b.num_computed_tokens == b.num_tokens - 1 == 7
+    assert a.spec_token_ids == [70, 71]
     out = s.schedule()
-    # The rollback comes before this step's new backup of the same request.
-    assert out.state_restores == [(ba, sa), (sa, ba), (sb, bb)]
-    assert cols(out) == {"a": (6, 3 + 2), "b": (7, 2)}
-    assert out.spec_token_ids == {"a": [70, 71], "b": [72]}
-    # All accepted now: no rollback; no drafts next: no backup.
-    s.update_from_output(out, {"a": [70, 71, 80], "b": [81]}, {})
-    assert a.num_computed_tokens == a.num_tokens - 1 == 11
-    assert s.spec_num_recomputed_tokens == 2 + 1   # b rejected its draft: its 7 again
+    # a's rollback; a computes its 3 known tokens again without its drafts (so no
+    # backup of it): only b keeps its state first.
+    assert out.state_restores == [(ba, sa), (sb, bb)]
+    assert cols(out) == {"a": (6, 3), "b": (7, 2)}
+    assert out.spec_token_ids == {"b": [72]}
+    # a verified nothing: a plain token. b rejects its draft: its rollback is pending.
+    s.update_from_output(out, {"a": 80, "b": [81]}, {"a": [82, 83], "b": [84]})
+    assert a.num_computed_tokens == a.num_tokens - 1 == 9
+    assert s.spec_num_recomputed_tokens == 2 + 1   # b rejected its draft: its 62 again
     assert b.num_computed_tokens == 7 and b.num_tokens == 9
     out = s.schedule()
-    assert out.state_restores == [(bb, sb)] and out.spec_token_ids == {}
-    assert cols(out) == {"a": (11, 1), "b": (7, 2)}
+    # The rollback comes before this step's backups; a drafts again, b does not.
+    assert out.state_restores == [(bb, sb), (sa, ba)]
+    assert cols(out) == {"a": (9, 3), "b": (7, 2)}
+    assert out.spec_token_ids == {"a": [82, 83]}
+    # All accepted now: no rollback; no drafts next: no backup.
+    s.update_from_output(out, {"a": [82, 83, 85], "b": 86}, {})
+    assert a.num_computed_tokens == a.num_tokens - 1 == 12
+    assert b.num_computed_tokens == b.num_tokens - 1 == 9
+    assert s.spec_num_recomputed_tokens == 2 + 1
+    out = s.schedule()
+    assert out.state_restores == [] and out.spec_token_ids == {}
+    assert cols(out) == {"a": (12, 1), "b": (9, 1)}
 
 
 @pytest.mark.parametrize("answer,recomputed", [
@@ -400,14 +420,27 @@ def test_hybrid_counts_the_recomputed_tokens(answer, recomputed):
     s = hybrid()
     a = req("a", 6)
     start(s, a, proposals={"a": [51, 52, 53]})
+    sa, ba = slots(s, "a")
     out = s.schedule()
     assert cols(out) == {"a": (6, 4)}
     s.update_from_output(out, {"a": answer}, {"a": [70, 71, 72]})
     assert s.spec_num_recomputed_tokens == recomputed
     assert a.num_tokens - 1 - a.num_computed_tokens == recomputed
     out = s.schedule()
-    # They, the token sampled last and the new drafts (all accepted: no rollback).
-    assert cols(out) == {"a": (6 if recomputed else 10, recomputed + 1 + 3)}
+    if recomputed:
+        # They and the token sampled last, from the backup, without the new drafts.
+        assert cols(out) == {"a": (6, recomputed + 1)} and out.spec_token_ids == {}
+        assert out.state_restores == [(ba, sa)]
+        s.update_from_output(out, {"a": 80}, {"a": [81, 82, 83]})
+        assert a.num_computed_tokens == a.num_tokens - 1 == 6 + recomputed + 1
+        assert s.spec_num_recomputed_tokens == recomputed   # nothing more
+        out = s.schedule()
+        # Its last known token alone: it drafts again, its state kept first.
+        assert cols(out) == {"a": (a.num_tokens - 1, 1 + 3)}
+        assert out.spec_token_ids == {"a": [81, 82, 83]}
+    else:   # all accepted: no rollback, the new drafts at once
+        assert cols(out) == {"a": (10, 1 + 3)} and out.spec_token_ids == {"a": [70, 71, 72]}
+    assert out.state_restores == [(sa, ba)]
     # Non-hybrids roll nothing back: they compute nothing again.
     n = sched()
     b = req("b", 6)
@@ -421,20 +454,26 @@ def test_hybrid_recomputed_tokens_add_up_over_rows_and_steps():
     a, b = req("a", 3), req("b", 5)
     start(s, a, b, proposals={"a": [51, 52], "b": [61, 62]})
     out = s.schedule()   # a from 3, b from 5
+    assert cols(out) == {"a": (3, 3), "b": (5, 3)}
     s.update_from_output(out, {"a": [51, 60], "b": [70]}, {"a": [61, 62], "b": [71, 72]})
     assert s.spec_num_recomputed_tokens == 2 + 1
-    out = s.schedule()   # a from 3 again (3 known + 2 drafts), b from 5 (2 + 2)
-    assert cols(out) == {"a": (3, 5), "b": (5, 4)}
-    s.update_from_output(out, {"a": [61, 9], "b": [71, 72, 73]}, {})
-    # a: 50, 51, 60, 61 at 3..6 again (not 9, sampled last): 4; b: nothing.
-    assert s.spec_num_recomputed_tokens == 3 + 4
-    assert a.num_computed_tokens == 3 and a.num_tokens == 8
+    out = s.schedule()   # a from 3 again (3 known), b from 5 (2): no drafts
+    assert cols(out) == {"a": (3, 3), "b": (5, 2)} and out.spec_token_ids == {}
+    s.update_from_output(out, {"a": 61, "b": 71}, {"a": [62, 63], "b": [72, 73]})
+    assert s.spec_num_recomputed_tokens == 2 + 1   # computing them again adds nothing
+    out = s.schedule()   # each from its last known token, with its drafts
+    assert cols(out) == {"a": (6, 3), "b": (7, 3)}
+    s.update_from_output(out, {"a": [62, 9], "b": [72, 73, 74]}, {})
+    # a: 61, 62 at 6..7 again (not 9, sampled last): 2; b: nothing.
+    assert s.spec_num_recomputed_tokens == 3 + 2
+    assert a.num_computed_tokens == 6 and a.num_tokens == 9
+    assert b.num_computed_tokens == b.num_tokens - 1 == 10
 
 
 def test_hybrid_rollback_past_the_budget_recomputes_in_chunks():
-    # After a rollback a request has several known tokens to compute again; a chunk
-    # that does not reach its last one verifies no drafts (and keeps no backup), the
-    # one that does takes them.
+    # After a rollback a request has several known tokens to compute again; no chunk of
+    # them verifies drafts (nor keeps a backup), short of its last one or reaching it:
+    # the step after, from its last known token alone, takes them.
     s = hybrid(budget=4, k=2)
     b, a = req("b", 2), req("a", 2)
     start(s, b, a, first={"b": 40, "a": 50}, proposals={"a": [51, 52]})
@@ -452,12 +491,67 @@ def test_hybrid_rollback_past_the_budget_recomputes_in_chunks():
     s.update_from_output(out, {"b": [42, 43, 44]}, {"b": []})   # a sampled nothing
     assert a.output_token_ids == [50, 51, 60] and a.spec_token_ids == [61, 62]
     out = s.schedule()
-    # a's last 2 known tokens and 1 draft (the budget); a backup again, b none.
-    assert cols(out) == {"b": (6, 1), "a": (3, 3)}
-    assert out.spec_token_ids == {"a": [61]} and out.state_restores == [(sa, ba)]
-    s.update_from_output(out, {"b": 45, "a": [61, 63]}, {})
-    assert a.output_token_ids == [50, 51, 60, 61, 63]
+    # a's last 2 known tokens, its drafts still pending (room for 1 of them): no backup.
+    assert cols(out) == {"b": (6, 1), "a": (3, 2)}
+    assert out.spec_token_ids == {} and out.state_restores == []
+    s.update_from_output(out, {"b": 45, "a": 63}, {"b": [], "a": [64, 65]})
+    assert a.output_token_ids == [50, 51, 60, 63]
+    assert a.num_computed_tokens == a.num_tokens - 1 == 5
+    out = s.schedule()
+    # a's last known token and 2 drafts (the budget b leaves); a backup again, b none.
+    assert cols(out) == {"b": (7, 1), "a": (5, 3)}
+    assert out.spec_token_ids == {"a": [64, 65]} and out.state_restores == [(sa, ba)]
+    s.update_from_output(out, {"b": 46, "a": [64, 65, 66]}, {})
+    assert a.output_token_ids == [50, 51, 60, 63, 64, 65, 66]
     assert a.num_computed_tokens == a.num_tokens - 1
+
+
+@pytest.mark.parametrize("accepted", [0, 2])
+def test_hybrid_rejections_never_run_away(accepted):
+    # Drafts rejected at every try (all of them, or all but `accepted`): each rejection
+    # costs one step that computes from the rolled-back start to the last known token
+    # (accepted + 2 tokens, at most 1 + k) without drafts, and the step after drafts
+    # again from the last known token. Were the recomputing row to draft, its backup
+    # would be its state before the tokens it recomputes, and each rejection would roll
+    # it back there again, over a range growing by a token or more every time.
+    k = 3
+    s = hybrid(k=k)
+    a = req("a", 6, max_tokens=None)
+    drafts = [7, 8, 9]
+    start(s, a, proposals={"a": drafts})
+    sa, ba = slots(s, "a")
+    scheduled = []
+    for step in range(10):
+        known, recomputed = a.num_tokens, s.spec_num_recomputed_tokens
+        out = s.schedule()
+        (rid, begin, n), = out.scheduled()
+        scheduled.append((begin, n))
+        assert a.num_computed_tokens == begin + n and n <= 1 + k
+        if step % 2 == 0:   # its last known token alone, and its drafts
+            assert (begin, n) == (known - 1, 1 + k)
+            assert out.spec_token_ids == {"a": drafts}
+            assert out.state_restores == [(sa, ba)]
+            s.update_from_output(out, {"a": drafts[:accepted] + [60 + step]},
+                                 {"a": drafts})
+            # Back to this step's start: the accepted drafts and the token sampled
+            # after them to compute again, with the last known token (counted).
+            assert a.num_computed_tokens == begin
+            assert a.num_tokens - begin == accepted + 2 <= 1 + k
+            assert s.spec_num_recomputed_tokens == recomputed + accepted + 1
+        else:   # from where the rollback left it, to its last known token, no drafts
+            assert begin == scheduled[-2][0] and n == known - begin == accepted + 2
+            assert out.spec_token_ids == {} and out.state_restores == [(ba, sa)]
+            s.update_from_output(out, {"a": 60 + step}, {"a": drafts})
+            assert a.num_computed_tokens == a.num_tokens - 1
+            assert s.spec_num_recomputed_tokens == recomputed
+    # Every two steps it moves on by accepted + 2 tokens, whatever it rejects.
+    step = accepted + 2
+    assert scheduled == [(6 + step * (i // 2), 1 + k if i % 2 == 0 else step)
+                         for i in range(10)]
+    assert a.num_computed_tokens == 6 + 5 * step and a.num_tokens == 6 + 5 * step + 1
+    assert s.spec_num_recomputed_tokens == 5 * (accepted + 1)
+    assert s.spec_num_drafts == 5
+    assert s.stats().spec_accepted_per_pos == (5,) * accepted + (0,) * (k - accepted)
 
 
 def test_hybrid_stop_or_abort_drops_the_pending_rollback():
@@ -477,7 +571,8 @@ def test_hybrid_stop_or_abort_drops_the_pending_rollback():
 
 def test_dropping_drafts_avoids_preemption_fcfs():
     # a's drafts would need a third page and none is free: a drops them (not b), verifies
-    # nothing this step and keeps them pending; b keeps its row and its drafts.
+    # nothing this step and keeps them pending; b keeps its row (it computes again what
+    # its rollback undid, without drafts).
     s = hybrid(num_pages=5)   # 4 usable pages
     a, b = req("a", 3), req("b", 3)
     start(s, a, b, proposals={"a": [51, 52, 53], "b": [61, 62, 63]})
@@ -489,16 +584,16 @@ def test_dropping_drafts_avoids_preemption_fcfs():
     assert b.num_computed_tokens == 3   # hybrid: back to the step's start
     out = s.schedule()   # a's positions 7..10 would need a third page; 7 alone does not
     assert out.preempted_req_ids == [] and s.num_preemptions == 0
-    assert cols(out) == {"a": (7, 1), "b": (3, 3)}
-    assert out.spec_token_ids == {"b": [71]}
-    # b's rollback, then its backup; a verifies no drafts: no backup.
-    assert out.state_restores == [(bb, sb), (sb, bb)]
+    assert cols(out) == {"a": (7, 1), "b": (3, 2)} and out.spec_token_ids == {}
+    # b's rollback only: neither verifies drafts, so no backup.
+    assert out.state_restores == [(bb, sb)]
     assert a.spec_token_ids == [55, 56, 57] and a.num_computed_tokens == 8
+    assert b.spec_token_ids == [71] and b.num_computed_tokens == 5
     assert len(s.kv.get_block_ids("a")) == 2 and s.kv.get_num_free_pages() == 0
-    # a verified nothing: it answers with a plain token.
-    s.update_from_output(out, {"a": 58, "b": [71, 72]}, {"a": [59], "b": []})
+    # Neither verified drafts: each answers with a plain token.
+    s.update_from_output(out, {"a": 58, "b": 72}, {"a": [59], "b": []})
     assert a.output_token_ids == [50, 51, 52, 53, 54, 58] and a.spec_token_ids == [59]
-    assert b.output_token_ids == [51, 70, 71, 72]
+    assert b.output_token_ids == [51, 70, 72] and b.num_computed_tokens == b.num_tokens - 1
 
 
 def test_preemption_drops_drafts_and_pending_copies_fcfs():
