@@ -61,9 +61,8 @@ class ModelDrafter:
             kv_sh = jax.tree_util.tree_map(lambda s: s.sharding, self.caches)
         else:
             self.caches, kv_sh = make_layer_caches(cache_config, mesh, **kw)
-        self.cache_shardings = kv_sh
-        self._rep = rep = replicated(mesh)
-        self.program = None
+        self._rep = replicated(mesh)
+        self.program = None   # jitted by jit(), once the target's shardings are known
         self._kv_sh = kv_sh
 
     def jit(self, target_param_shardings: Any) -> None:
@@ -91,14 +90,14 @@ class ModelDrafter:
             if self.method == MTP else \
             partial(model.apply, {"params": dparams}, method="compute_logits")
 
-        def embed(ids):
-            return target.apply({"params": tparams}, inputs.replace(token_ids=ids),
-                                method="embed")[0]
+        def embed(batch: ModelInputs) -> jax.Array:
+            """The target's embedding of the batch's tokens [T, E]."""
+            return target.apply({"params": tparams}, batch, method="embed")[0]
 
         drafts = jnp.zeros((self.max_num_seqs, self.k), jnp.int32)
         if self.method == MTP:
-            h, caches = model.apply({"params": dparams}, caches, inputs, embed(next_ids),
-                                    hidden[:t])
+            h, caches = model.apply({"params": dparams}, caches, inputs,
+                                    embed(inputs.replace(token_ids=next_ids)), hidden[:t])
             prev = h[last_index]
             tok = first_argmax(logits(prev))
             drafts = drafts.at[:, 0].set(tok)
@@ -113,16 +112,11 @@ class ModelDrafter:
             step_inputs = self._decode_inputs(tok, start + j + offset, page_table, num_rows)
             if self.method == MTP:
                 h, caches = model.apply({"params": dparams}, caches, step_inputs,
-                                        embed_rows(tok), prev)
+                                        embed(step_inputs), prev)
             else:
                 h, caches = model.apply({"params": dparams}, caches, step_inputs)
             tok = first_argmax(logits(h))
             return caches, tok, h if prev is not None else None, drafts.at[:, j].set(tok)
-
-        def embed_rows(ids):
-            return target.apply({"params": tparams},
-                                self._decode_inputs(ids, start, page_table, num_rows),
-                                method="embed")[0]
 
         if first < self.k:
             caches, _, _, drafts = jax.lax.fori_loop(first, self.k, step,
