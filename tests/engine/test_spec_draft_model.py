@@ -80,3 +80,22 @@ def test_draft_models_it_cannot_serve_are_refused(paths, tmp_path):
         LLM(target, speculative_config={"method": "draft_model"}, **ENGINE)
     with pytest.raises(ValueError, match="no MTP layer"):
         LLM(hybrid, speculative_config={"method": "mtp"}, enforce_eager=True, **ENGINE)
+
+
+def test_draft_model_under_preemption_and_prefix_hits(paths, plain):
+    """A pool too small for every request: the drafter's pages ahead are dropped first,
+    then requests are preempted and resumed; shared prompts hit the prefix cache (the
+    drafter's KV on those pages is the one the first request computed)."""
+    spec = LLM(paths[0], speculative_config={"method": "draft_model", "model": paths[0],
+                                             "num_speculative_tokens": 3},
+               enforce_eager=True, **{**ENGINE, "num_pages": 17})
+    rng = random.Random(3)
+    shared = [rng.randrange(3, 250) for _ in range(40)]
+    ps = [{"prompt_token_ids": shared + [rng.randrange(3, 250) for _ in range(rng.randrange(3, 30))]}
+          for _ in range(6)]
+    params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+    assert run(spec, ps, params) == run(plain, ps, params)
+    s = spec.engine.scheduler.stats()
+    assert s.num_preemptions > 0 and s.prefix_cache_hits > 0, s
+    assert s.spec_num_accepted_tokens == s.spec_num_draft_tokens > 0, s
+    assert_no_leaks(spec.engine)
