@@ -34,10 +34,9 @@ def create_app(engine: AsyncEngine, settings: ServerSettings,
     """The app serving `engine`; whoever made the engine stops it (see loading.py).
     metrics: the server's registry when it already has one (it answered /metrics while
     the engine loaded)."""
-    # (stand-in engines of tests have no config: no speculative decoding there)
-    spec = getattr(getattr(engine, "config", None), "speculative_config", None)
-    metrics = metrics or Metrics(settings.served_model_name, num_speculative_tokens=
-                                 spec.num_speculative_tokens if spec else 0)
+    # (the CLI's registry has the speculative counters from the start; this one adds them
+    # at the first statistics that carry any)
+    metrics = metrics or Metrics(settings.served_model_name)
     serving = OpenAIServing(engine, settings, metrics)
     created = int(time.time())
 

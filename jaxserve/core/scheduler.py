@@ -307,7 +307,7 @@ class Scheduler:
                 num_new += self._num_drafts(req, budget - num_new - (len(running) - i - 1))
             if cuts and (cut := kv.state_cut(req, start)) is not None:
                 num_new = min(num_new, cut - start)
-            ahead = self._lookahead(req, start + num_new)
+            ahead = self._lookahead(req, start + num_new) if self.num_lookahead_tokens else 0
             while (new_blocks := kv.allocate_slots(req, num_new + ahead)) is None:
                 if ahead or start + num_new > req.num_tokens:
                     # Drafts and the drafter's pages ahead go before anyone is preempted.

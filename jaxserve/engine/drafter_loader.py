@@ -23,7 +23,7 @@ from jaxserve.engine.layout import (EngineLayout, build_layout_model, engine_lay
 from jaxserve.engine.loader import load_model
 from jaxserve.planning.cache_plan import CachePlan
 from jaxserve.runner.drafter import ModelDrafter
-from jaxserve.speculative import MTP, NGRAM
+from jaxserve.speculative import DRAFT_MODEL, MTP, NGRAM
 from models.cache_spec import CacheSpec, layer_cache_specs
 from models.mtp import MTP_PREFIX, MTPHead, mtp_config
 from models.weights import load_params, param_bytes, placed_abstract_params
@@ -128,6 +128,6 @@ def _load_draft_model(config: EngineConfig, layout: EngineLayout, mesh: Mesh,
         model, params = loaded.model, loaded.params
         logger.info("speculative decoding: draft model %s, %.2f GiB of weights", path,
                     loaded.weight_bytes / 2**30)
-    return DrafterParts("draft_model", model, params, dlayout.run_config,
+    return DrafterParts(DRAFT_MODEL, model, params, dlayout.run_config,
                         dlayout.cache_specs, dlayout.kv_dtype)
 
