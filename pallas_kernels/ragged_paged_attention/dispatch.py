@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.ragged_paged_attention import gpu, paged_loop, reference, tpu
-from pallas_kernels.ragged_paged_attention.cache import cache_dims, check_kv_scale
+from pallas_kernels.ragged_paged_attention.cache import as_values, cache_dims, check_kv_scale
 from pallas_kernels.ragged_paged_attention.quant import is_quantized
 
 IMPLS = ("pallas", "xla", "reference")
@@ -127,6 +127,11 @@ def _attend(q, cache, kv_lens, page_table, query_start_loc, num_seqs, *, sm_scal
         return paged_loop.ragged_paged_attention(*args, **kw)
     if impl != "pallas":
         raise ValueError(f"impl={impl!r}: expected one of {IMPLS}")
+    # The kernels read float caches as they are: one held as bits (a CPU engine's,
+    # cache.storage_dtype) is turned back whole, which only the CPU's interpret-mode
+    # runs of the kernels meet.
+    cache = as_values(cache)
+    args = (q, cache, *args[2:])
 
     _, page_size, num_kv, head_dim = cache_dims(cache)
     gpu_ok = gpu.supports(cache.dtype, head_dim, q.shape[1], num_kv, page_size)

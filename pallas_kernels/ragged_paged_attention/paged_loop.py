@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from pallas_kernels.ragged_paged_attention.blocks import (KV_LEN, KV_LO, NUM_STEPS, Q_COUNT,
                                                           Q_POS, REQ, gather_queries, plan_items,
                                                           scatter_outputs, window_start)
-from pallas_kernels.ragged_paged_attention.cache import cache_dims
+from pallas_kernels.ragged_paged_attention.cache import as_values, cache_dims
 
 BLOCK_Q = 16
 # KV tokens per loop iteration (whole pages): fewer, larger iterations amortise the
@@ -161,7 +161,8 @@ def _attend(q, cache, kv_lens, page_table, query_start_loc, num_seqs, *, block, 
     def step(t, carry):
         m, l, acc, out = retire(t, *carry)
         item, page, slot_ok, mask = schedule(t)
-        kv = page_rows[page.reshape(-1)].reshape(n_lanes, per_step, num_kv, 2, page_size, head_dim)
+        kv = as_values(page_rows[page.reshape(-1)]).reshape(
+            n_lanes, per_step, num_kv, 2, page_size, head_dim)
         # K as [L, K, H, C] so that q @ K is a plain matmul (XLA CPU's dot is several times
         # slower on the transposed form); the select after the transpose keeps XLA from
         # folding the transpose back into the dot. Both selects zero every KV slot that

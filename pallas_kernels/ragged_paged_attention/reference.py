@@ -26,7 +26,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.ragged_paged_attention.cache import cache_dims
+from pallas_kernels.ragged_paged_attention.cache import as_values, cache_dims
 
 # Per-block gather budget: a block of B tokens gathers [B, K, 2, L, H] of K and V.
 _GATHER_BUDGET_BYTES = 64 * 1024 * 1024
@@ -81,7 +81,7 @@ def ragged_paged_attention(
             # another request): never gather them (page 0 instead, masked like the rest).
             listed &= (page_no + 1) * page_size > (pb - (sliding_window - 1))[:, None]
         pages = jnp.where(listed, page_table[rb], 0)           # [B, P]
-        kv = cache[pages]                                       # [B, P, K, 2, S, H]
+        kv = as_values(cache[pages])                            # [B, P, K, 2, S, H]
         kv = kv.transpose(0, 3, 2, 1, 4, 5).reshape(block, 2, num_kv, ctx, head_dim)
         slot = jnp.arange(ctx, dtype=jnp.int32)[None, :]
         mask = (slot <= pb[:, None]) & (slot < kv_len[:, None]) & vb[:, None]   # [B, L]
