@@ -7,7 +7,6 @@ OpenAI's shape, and the connection lives on.
 """
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import traceback
@@ -45,13 +44,16 @@ class InternalErrors:
 
         try:
             await self.app(scope, receive, tracking_send)
-        except (asyncio.CancelledError, KeyboardInterrupt, SystemExit, GeneratorExit):
-            raise
         except BaseException as e:   # noqa: BLE001 - a Rust panic is a BaseException
-            if started:   # too late for a status: let the server close the connection
+            # (pyo3's PanicException; each extension has its own class, so by name).
+            # Too late for a status once started: let the server close the connection.
+            panic = type(e).__name__ == "PanicException"
+            if started or not (isinstance(e, Exception) or panic):
                 raise
             log_unexpected(f"unhandled error on {scope.get('path')}", e)
-            body = json.dumps(error_body(500, f"internal error: {type(e).__name__}: {e}"))
+            what = "a library panicked (the server log has it)" if panic \
+                else f"{type(e).__name__}: {e}"
+            body = json.dumps(error_body(500, f"internal error: {what}"))
             await send({"type": "http.response.start", "status": 500,
                         "headers": [(b"content-type", b"application/json"),
                                     (b"content-length", str(len(body)).encode())]})

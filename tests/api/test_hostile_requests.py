@@ -5,6 +5,7 @@ bounded, and token ids are ASCII digits. The shared `server` (tests/api/conftest
 for what needs a real process; the in-process app with a stub engine for the logs."""
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import socket
@@ -17,6 +18,7 @@ import pytest
 from jaxserve.api import unsupported
 from jaxserve.api.body_limit import MAX_BODY_JSON_FIELDS, MAX_BODY_JSON_VALUES
 from jaxserve.api.errors import MAX_ERROR_MESSAGE_CHARS, error_body
+from jaxserve.api.internal_errors import InternalErrors
 from jaxserve.api.server import create_app
 from jaxserve.api.serving import ServerSettings
 from jaxserve.json_limits import MAX_JSON_DEPTH
@@ -199,6 +201,25 @@ def test_a_panic_or_backtrace_never_reaches_the_client(caplog):
         assert "panic" not in message and "llguidance::" not in message \
             and "Traceback" not in message
     assert any("parser.rs" in r.getMessage() for r in caplog.records)   # the operator's
+
+
+def test_a_panic_in_a_route_is_one_500_that_does_not_show_it(caplog):
+    panic_type = type("PanicException", (BaseException,), {})   # as pyo3 makes it
+
+    async def route(scope, receive, send):
+        raise panic_type("assertion failed: mid > len\nstack backtrace:\n   0: rust_panic")
+
+    sent: list[dict] = []
+
+    async def send(message):
+        sent.append(message)
+
+    asyncio.run(InternalErrors(route)({"type": "http", "path": "/v1/completions"}, None, send))
+    assert sent[0]["status"] == 500
+    message = json.loads(sent[1]["body"])["error"]["message"]
+    assert message.startswith("internal error") and "panicked" in message
+    assert "mid > len" not in message and "rust_panic" not in message
+    assert any("rust_panic" in r.getMessage() for r in caplog.records)   # the log has it
 
 
 # ---- 6. token ids are ASCII digits -------------------------------------------------------
