@@ -10,18 +10,22 @@ from __future__ import annotations
 import json
 import secrets
 
+from starlette.routing import BaseRoute, Match
+
 from jaxserve.api.errors import error_body
 
 
 class APIKey:
-    def __init__(self, app, key: str, protected: frozenset[str]):
-        """protected: the routes' paths (as the router matches them) that need the key."""
+    def __init__(self, app, key: str, protected: list[BaseRoute]):
+        """protected: the routes that need the key (matched as the router matches them:
+        path parameters and --root-path included)."""
         self.app = app
         self.key = key.encode()
         self.protected = protected
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or _route_path(scope) not in self.protected:
+        if scope["type"] != "http" or not any(
+                route.matches(scope)[0] is not Match.NONE for route in self.protected):
             return await self.app(scope, receive, send)
         scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
         if scheme.lower() == b"bearer" and secrets.compare_digest(given.strip(), self.key):
@@ -35,12 +39,3 @@ class APIKey:
                                 (b"www-authenticate", b"Bearer"),
                                 (b"connection", b"close")]})
         await send({"type": "http.response.body", "body": body})
-
-
-def _route_path(scope) -> str:
-    """The path the router matches: without the --root-path prefix when the request
-    carries it (a proxy that does not strip it)."""
-    path, root = scope["path"], scope.get("root_path", "")
-    if root and path.startswith(root + "/"):
-        return path[len(root):]
-    return path

@@ -190,8 +190,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings,
     # key, then the body's bounds, all before FastAPI parses anything.
     app.add_middleware(BodyLimit, max_bytes=settings.max_request_body_bytes)
     if settings.api_key:
-        app.add_middleware(APIKey, key=settings.api_key,
-                           protected=frozenset(route.path for route in api.routes))
+        app.add_middleware(APIKey, key=settings.api_key, protected=list(api.routes))
     app.add_middleware(InternalErrors)
     return app
 
