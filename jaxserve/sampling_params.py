@@ -9,6 +9,7 @@ import dataclasses
 import enum
 import math
 import numbers
+import reprlib
 import typing
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +41,10 @@ SAMPLING_EPS = 1e-5
 # sequence with its own KV pages, so n is a memory knob a client must not own.
 MAX_N = 128
 
+# Most entries of allowed_token_ids or stop_token_ids: the largest vocabularies (Gemma's
+# 262144). A longer list only repeats ids, and costs validation and stop checks per step.
+MAX_TOKEN_ID_LIST = 2**18
+
 # Integers that reach the device's int32 arrays (top_k, token ids) must fit them.
 INT32_MAX = 2**31 - 1
 # OpenAI documents `seed` as a 64-bit integer.
@@ -64,7 +69,19 @@ class RequestOutputKind(enum.IntEnum):
 
 def is_int(x: object) -> bool:
     """An int, numpy integer scalars included (token ids often come out of numpy)."""
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+    # (`type(x) is int` first: the ABC check costs a microsecond, per token of a list)
+    return type(x) is int or (isinstance(x, numbers.Integral) and not isinstance(x, bool))
+
+
+def token_id_of(key: object) -> int | None:
+    """A logit_bias key as a token id, else None: an int in [0, INT32_MAX] or its ASCII
+    decimal digits (JSON object keys are strings). Not int(): it takes other scripts'
+    digits ("٣" is 3), signs, spaces and underscores."""
+    if isinstance(key, str):
+        if not (key.isascii() and key.isdigit() and len(key) <= len(str(INT32_MAX))):
+            return None
+        key = int(key)
+    return int(key) if is_int(key) and 0 <= key <= INT32_MAX else None
 
 
 def logprobs_limit(max_logprobs: int, vocab_size: int) -> int:
@@ -157,7 +174,8 @@ class SamplingParams:
         if self.allowed_token_ids is not None:
             set_("allowed_token_ids", [int(t) for t in self.allowed_token_ids])
         if self.logit_bias:   # int keys (JSON gives strings), values clamped
-            set_("logit_bias", {int(k): max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, float(v)))
+            set_("logit_bias", {token_id_of(k): max(-LOGIT_BIAS_LIMIT,
+                                                    min(LOGIT_BIAS_LIMIT, float(v)))
                                 for k, v in self.logit_bias.items()})
         if self.temperature < SAMPLING_EPS:
             set_("top_p", 1.0)
@@ -166,7 +184,8 @@ class SamplingParams:
 
     def _validate(self) -> None:
         def bad(name: str, value: object, want: str) -> InputError:
-            return InputError(f"{name} must be {want}, got {value!r}", name)
+            # (reprlib: the start of a value, which may be a million ids long)
+            return InputError(f"{name} must be {want}, got {reprlib.repr(value)}", name)
 
         if not is_int(self.n) or not 1 <= self.n <= MAX_N:
             raise bad("n", self.n, f"an int in [1, {MAX_N}]")
@@ -212,6 +231,9 @@ class SamplingParams:
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise bad("stop", self.stop, "a list of non-empty strings")
+        if len(self.stop_token_ids) > MAX_TOKEN_ID_LIST:
+            raise bad("stop_token_ids", self.stop_token_ids,
+                      f"a list of at most {MAX_TOKEN_ID_LIST} token ids (MAX_TOKEN_ID_LIST)")
         for t in self.stop_token_ids:
             if not is_int(t) or not 0 <= t <= INT32_MAX:
                 raise bad("stop_token_ids", self.stop_token_ids,
@@ -219,19 +241,23 @@ class SamplingParams:
         self._validate_constraints(bad)
 
     def _validate_constraints(self, bad) -> None:
-        token = lambda t: (is_int(t) or (isinstance(t, str) and t.isdigit())) and \
-            0 <= int(t) <= INT32_MAX  # noqa: E731
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict) or len(self.logit_bias) > MAX_LOGIT_BIAS \
-                    or not all(token(k) and _is_number(v) for k, v in self.logit_bias.items()):
+                    or not all(_is_number(v) for v in self.logit_bias.values()):
                 raise bad("logit_bias", self.logit_bias,
                           f"a map of at most {MAX_LOGIT_BIAS} token ids to finite numbers "
                           f"(to exclude many tokens use allowed_token_ids)")
+            key = next((k for k in self.logit_bias if token_id_of(k) is None), None)
+            if key is not None:
+                raise InputError(f"logit_bias key {reprlib.repr(key)} is not a token id (ASCII "
+                                 f"digits for an int in [0, {INT32_MAX}])", "logit_bias")
         if self.allowed_token_ids is not None and (
                 not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids
+                or len(self.allowed_token_ids) > MAX_TOKEN_ID_LIST
                 or not all(is_int(t) and 0 <= t <= INT32_MAX for t in self.allowed_token_ids)):
             raise bad("allowed_token_ids", self.allowed_token_ids,
-                      "a non-empty list of token ids")
+                      f"a non-empty list of at most {MAX_TOKEN_ID_LIST} token ids "
+                      f"(MAX_TOKEN_ID_LIST)")
         if self.bad_words is not None and (
                 not isinstance(self.bad_words, (list, tuple))
                 or not all(isinstance(w, str) and w for w in self.bad_words)):

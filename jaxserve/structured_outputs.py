@@ -9,6 +9,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from jaxserve import json_limits
 from jaxserve.engine.errors import InputError
 
 _KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
@@ -39,6 +40,11 @@ class StructuredOutputsParams:
         if self.json is not None and not isinstance(self.json, (str, dict)):
             raise InputError("structured_outputs.json must be a JSON schema (an object or its "
                              "JSON text)", "structured_outputs")
+        if isinstance(self.json, str):   # (JSON text is parsed later, recursively)
+            try:
+                json_limits.check_depth(self.json)
+            except ValueError as e:
+                raise InputError(f"structured_outputs.json: {e}", "structured_outputs") from None
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):

@@ -17,6 +17,7 @@ from starlette.middleware.cors import CORSMiddleware
 import jaxserve
 from jaxserve.api.config_file import expand_config_file
 from jaxserve.api.loading import LoadingGate
+from jaxserve.api.log_values import DEFAULT_MAX_LOG_LEN
 from jaxserve.api.reasoning_parsers import REASONING_PARSERS
 from jaxserve.api.tool_parsers import TOOL_PARSERS
 from jaxserve.api.metrics import Metrics
@@ -111,6 +112,9 @@ def parser(prog: str = "python -m jaxserve.api") -> argparse.ArgumentParser:
     a("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
       help="split the model's <think> block into reasoning_content (qwen3, deepseek_r1)")
     a("--disable-log-requests", action="store_true", help="do not log each request")
+    a("--max-log-len", type=int, default=DEFAULT_MAX_LOG_LEN,
+      help="cut each value a request's log line shows (its sampling parameters) to this many "
+           f"characters (default {DEFAULT_MAX_LOG_LEN}; vLLM's default is unbounded)")
     a("--timeout-graceful-shutdown", type=float, default=5.0,
       help="seconds in-flight requests get to finish on SIGTERM/SIGINT")
     return ap
@@ -154,6 +158,8 @@ def parse_args(ap: argparse.ArgumentParser, argv: list[str] | None) -> argparse.
     if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
         ap.error("--enable-auto-tool-choice and --tool-call-parser go together: the parser "
                  "reads the tool calls that auto tool choice lets the model make")
+    if args.max_log_len < 1:
+        ap.error(f"argument --max-log-len: must be >= 1, got {args.max_log_len}")
     if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
         ap.error("--ssl-keyfile and --ssl-certfile go together")
     if args.override_generation_config:
@@ -331,7 +337,7 @@ def _build_engine(args: argparse.Namespace, config: EngineConfig, served: tuple[
         enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
         generation_defaults=generation_defaults(args.generation_config, config.model,
                                                 args.override_generation_config),
-        max_request_body_bytes=args.max_request_body_bytes,
+        max_request_body_bytes=args.max_request_body_bytes, max_log_len=args.max_log_len,
         auto_tool_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
     gate.open(create_app(engine, settings, gate.metrics), engine)
     logger.info(

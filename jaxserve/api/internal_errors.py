@@ -9,10 +9,23 @@ from __future__ import annotations
 
 import json
 import logging
+import traceback
 
-from jaxserve.api.errors import error_body
+from jaxserve.api.errors import clip, error_body
 
 logger = logging.getLogger("jaxserve")
+
+# An exception's text may hold a client's value of any size, and a RecursionError has a
+# thousand frames: the log gets the text cut and the innermost frames.
+_LOGGED_TEXT_CHARS = 2000
+_LOGGED_FRAMES = 30
+
+
+def log_unexpected(what: str, e: BaseException) -> None:
+    """Logs an exception nothing expected, bounded in size."""
+    frames = "".join(traceback.format_tb(e.__traceback__, limit=-_LOGGED_FRAMES))
+    logger.error("%s: %s: %s\n%s", what, type(e).__name__, clip(str(e), _LOGGED_TEXT_CHARS),
+                 frames.rstrip())
 
 
 class InternalErrors:
@@ -31,11 +44,16 @@ class InternalErrors:
 
         try:
             await self.app(scope, receive, tracking_send)
-        except Exception as e:
-            if started:   # too late for a status: let the server close the connection
+        except BaseException as e:   # noqa: BLE001 - a Rust panic is a BaseException
+            # (pyo3's PanicException; each extension has its own class, so by name).
+            # Too late for a status once started: let the server close the connection.
+            panic = type(e).__name__ == "PanicException"
+            if started or not (isinstance(e, Exception) or panic):
                 raise
-            logger.exception("unhandled error on %s", scope.get("path"))
-            body = json.dumps(error_body(500, f"internal error: {type(e).__name__}: {e}"))
+            log_unexpected(f"unhandled error on {scope.get('path')}", e)
+            what = "a library panicked (the server log has it)" if panic \
+                else f"{type(e).__name__}: {e}"
+            body = json.dumps(error_body(500, f"internal error: {what}"))
             await send({"type": "http.response.start", "status": 500,
                         "headers": [(b"content-type", b"application/json"),
                                     (b"content-length", str(len(body)).encode())]})

@@ -10,6 +10,7 @@ max_model_len) are the input processor's.
 """
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -39,7 +40,10 @@ class _Body(_Fields):
     @model_validator(mode="before")
     @classmethod
     def _valid_unicode(cls, data: Any) -> Any:
-        _check_unicode(data, [])
+        try:   # one pass in C; the walk, in Python, only to name the field at fault
+            json.dumps(data, ensure_ascii=False).encode("utf-8")
+        except (TypeError, ValueError):   # (TypeError: not from JSON; walk it)
+            _check_unicode(data, [])
         return data
 
 

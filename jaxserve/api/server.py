@@ -2,18 +2,18 @@
 from __future__ import annotations
 
 import asyncio
-import secrets
 import time
 
 from fastapi import APIRouter, FastAPI, Request, Security
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.security import HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import jaxserve
 from jaxserve.api import openapi
+from jaxserve.api.api_key import APIKey
 from jaxserve.api.body_limit import BodyLimit
 from jaxserve.api.errors import APIError, bad_request, error_body, error_response
 from jaxserve.api.internal_errors import InternalErrors
@@ -26,6 +26,7 @@ from jaxserve.api.stats_logger import StatsLogger
 from jaxserve.api.tokenizer_info import tokenizer_info
 from jaxserve.engine.async_engine import AsyncEngine, EngineDeadError
 
+# (documents the scheme only: api_key.APIKey checks the key)
 _bearer = HTTPBearer(auto_error=False, description="--api-key, as 'Authorization: Bearer KEY'")
 
 
@@ -48,20 +49,13 @@ def create_app(engine: AsyncEngine, settings: ServerSettings,
     if not settings.disable_log_stats:
         app.state.stats_logger = StatsLogger(engine, settings.log_stats_interval)
         app.state.stats_logger.start()
-    app.add_middleware(BodyLimit, max_bytes=settings.max_request_body_bytes)
-    app.add_middleware(InternalErrors)   # outermost: whatever goes wrong below is one 500
     openapi.install(app)
 
-    # A dependency, not an HTTP middleware: see body_limit.py for why.
-    async def require_api_key(
-            creds: HTTPAuthorizationCredentials | None = Security(_bearer)) -> None:
-        given = creds.credentials if creds is not None else ""
-        if not secrets.compare_digest(given.encode(), settings.api_key.encode()):
-            raise APIError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')")
-
     # /health, /ping, /load, /metrics and /version stay open (probes and load balancers
-    # call them, as vLLM keeps them); everything under `api` needs the key.
-    api = APIRouter(dependencies=[Security(require_api_key)] if settings.api_key else [],
+    # call them, as vLLM keeps them); everything under `api` needs the key. The APIKey
+    # middleware checks it before the body is read; the dependency only puts the scheme
+    # into /openapi.json.
+    api = APIRouter(dependencies=[Security(_bearer)] if settings.api_key else [],
                     responses=error_responses(400, 401) if settings.api_key
                     else error_responses(400))
     generation = error_responses(404, 413, 500, 503)
@@ -192,6 +186,12 @@ def create_app(engine: AsyncEngine, settings: ServerSettings,
         return {"prompt": await asyncio.to_thread(engine.tokenizer.decode, req.tokens)}
 
     app.include_router(api)
+    # Outermost last: InternalErrors (whatever goes wrong below is one 500), then the
+    # key, then the body's bounds, all before FastAPI parses anything.
+    app.add_middleware(BodyLimit, max_bytes=settings.max_request_body_bytes)
+    if settings.api_key:
+        app.add_middleware(APIKey, key=settings.api_key, protected=list(api.routes))
+    app.add_middleware(InternalErrors)
     return app
 
 

@@ -24,6 +24,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from jaxserve.api.errors import APIError, bad_request, error_body
+from jaxserve.api.internal_errors import log_unexpected
+from jaxserve.api.log_values import DEFAULT_MAX_LOG_LEN, loggable
 from jaxserve.api.chat_output import REASONING_END, ChoiceReader, prompt_ends_in_reasoning
 from jaxserve.api.metrics import Metrics
 from jaxserve.api.protocol import (ChatCompletionRequest, CompletionRequest, constraint_field,
@@ -57,6 +59,7 @@ class ServerSettings:
     disable_log_stats: bool = False         # no periodic stats line (api/stats_logger.py)
     log_stats_interval: float = 10.0        # seconds between two stats lines
     enable_tokenizer_info_endpoint: bool = False   # GET /tokenizer_info (off, as vLLM)
+    max_log_len: int = DEFAULT_MAX_LOG_LEN  # --max-log-len: each value a log line shows
 
     def __post_init__(self) -> None:
         names = self.served_model_names
@@ -146,16 +149,20 @@ class OpenAIServing:
         if self.shutting_down:
             raise APIError(503, "the server is shutting down", headers={"Retry-After": "1"})
 
+    def check_size(self, num_prompts: int, n: int) -> None:
+        """A 400 for a request that could never be admitted: the client must split it."""
+        num_seqs, limit = num_prompts * n, self.settings.max_waiting_requests
+        if num_seqs > limit:
+            raise APIError(400, f"this request has {num_seqs} sequences (n x prompts); the "
+                                f"server admits at most {limit} at a time "
+                                f"(--max-waiting-requests)", "n")
+
     def admit(self, num_prompts: int, n: int) -> _Answer:
         """Admits n sequences per prompt or answers 503 when too many already wait.
         Waiting = sequences admitted and unfinished in the engine, less the running ones
         (the engine's count, of sequences too)."""
-        num_seqs = num_prompts * n
-        limit = self.settings.max_waiting_requests
-        if num_seqs > limit:   # could never be admitted: the client must split it
-            raise APIError(400, f"this request has {num_seqs} sequences (n x prompts); the "
-                                f"server admits at most {limit} at a time "
-                                f"(--max-waiting-requests)", "n")
+        self.check_size(num_prompts, n)
+        num_seqs, limit = num_prompts * n, self.settings.max_waiting_requests
         waiting = max(self.num_in_flight - self.engine.stats.num_running, 0)
         if waiting + num_seqs > limit:
             raise APIError(503, f"the server is overloaded: {waiting} sequences are waiting, "
@@ -183,12 +190,9 @@ class OpenAIServing:
     # ---- /v1/completions ----------------------------------------------------------------
     def _completion_prompts(self, rid: str, prompt, params: SamplingParams,
                             priority: int) -> list[EngineRequest]:
-        """Worker thread: the request's prompts, one engine request each ("{rid}-{i}").
-        A bare [] is one empty prompt, which the input processor refuses."""
-        if isinstance(prompt, str) or all(isinstance(t, int) for t in prompt):
-            prompt = [prompt]
+        """Worker thread: the request's prompts, one engine request each ("{rid}-{i}")."""
         return [self.inputs.process(f"{rid}-{i}", p, params, priority=priority)
-                for i, p in enumerate(prompt)]
+                for i, p in enumerate(_prompt_list(prompt))]
 
     async def completions(self, req: CompletionRequest, raw: Request):
         self.check_open()
@@ -205,6 +209,8 @@ class OpenAIServing:
         except ValueError as e:
             raise bad_request(e)
         rid = f"cmpl-{uuid.uuid4().hex}"
+        # before any prompt is processed: a million prompts are not tokenized to be refused
+        self.check_size(len(_prompt_list(req.prompt)), params.n)
         prompts = await self._in_worker(req, self._completion_prompts, rid, req.prompt, params,
                                         req.priority)
         answer = self.admit(len(prompts), params.n)
@@ -389,8 +395,10 @@ class OpenAIServing:
         trackers = [self.metrics.track(p.num_prompt_tokens, p.sampling_params.n)
                     for p in prompts]
         if not self.settings.disable_log_requests:
+            limit = self.settings.max_log_len
             logger.info("request %s: %d prompt(s) of %s tokens, %s", rid, len(prompts),
-                        [p.num_prompt_tokens for p in prompts], params)
+                        loggable([p.num_prompt_tokens for p in prompts], limit),
+                        loggable(params, limit))
 
         async def pump(i: int, p: EngineRequest) -> None:
             try:
@@ -448,6 +456,14 @@ class OpenAIServing:
                 await asyncio.gather(task, return_exceptions=True)
             await stream.aclose()
         return [choices[k] for k in sorted(choices)]
+
+
+def _prompt_list(prompt) -> list:
+    """The prompts a completions request's `prompt` holds. A bare [] is one empty prompt,
+    which the input processor refuses."""
+    if isinstance(prompt, str) or all(isinstance(t, int) for t in prompt):
+        return [prompt]
+    return prompt
 
 
 def _with_tool_constraint(params: SamplingParams, tools: ToolSetup,
@@ -581,7 +597,7 @@ def _sse(chunks: AsyncIterator[str], answer: _Answer) -> StreamingResponse:
         except APIError as e:
             yield _data(error_body(e.status, e.message, e.param))
         except Exception as e:  # noqa: BLE001 - a stream cannot change its status any more
-            logger.exception("stream failed")
+            log_unexpected("stream failed", e)
             yield _data(error_body(500, f"internal error: {e}"))
         yield "data: [DONE]\n\n"
     return _EventStream(body(), answer)

@@ -100,8 +100,9 @@ def tool_setup(tools: Any, tool_choice: Any, *, auto_parser: str | None) -> Tool
         return ToolSetup("auto", tools, parser=get_tool_parser(auto_parser))
     if tool_choice == "required":
         return ToolSetup("required", tools, parser=get_tool_parser("llama3_json"))
-    name = (tool_choice.get("function") or {}).get("name") if isinstance(tool_choice, dict) \
+    function = tool_choice.get("function") if isinstance(tool_choice, dict) \
         and tool_choice.get("type") == "function" else None
+    name = function.get("name") if isinstance(function, dict) else None
     if not isinstance(name, str):
         raise InputError("tool_choice must be 'none', 'auto', 'required' or {'type': "
                          "'function', 'function': {'name': ...}}", "tool_choice")

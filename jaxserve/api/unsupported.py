@@ -5,14 +5,17 @@ A field in REFUSED with a value that would change the answer is a 400 naming it;
 same field with a value that changes nothing (an empty tool list, `response_format`
 of type "text", `logit_bias: {}`) is accepted. A field in IGNORED is one vLLM also
 accepts without effect on generation (bookkeeping for the OpenAI platform); any other
-unknown field is ignored as OpenAI-compatible servers do. Both are logged once per
-field name, so an operator can see what clients send.
+unknown field is ignored as OpenAI-compatible servers do. Both are logged, in one
+bounded line per request and once per field name, so an operator can see what
+clients send.
 """
 from __future__ import annotations
 
 import logging
 import threading
 from typing import Any, Callable
+
+from jaxserve.api.errors import clip
 
 logger = logging.getLogger("jaxserve")
 
@@ -75,7 +78,9 @@ STREAM_REFUSED = {"continuous_usage_stats": (_false, "usage in every chunk is no
 
 
 def _first_refused(data: dict, known: set[str], refused: dict, ignored: frozenset,
-                   what: str) -> tuple[str, str] | None:
+                   what: str, unused: list[str]) -> tuple[str, str] | None:
+    """The first refused field; appends the ignored ones to `unused` (as the log says
+    them)."""
     for name, value in data.items():
         if name in known:
             continue
@@ -83,39 +88,57 @@ def _first_refused(data: dict, known: set[str], refused: dict, ignored: frozense
             is_noop, why = refused[name]
             if not is_noop(value):
                 return name, f"{name} is not supported by jaxserve: {why}"
-        elif name in ignored:
-            _log_once(f"{what} {name}", f"{what} {name!r} is accepted and has no effect")
         else:
-            _log_once(f"{what} {name}", f"{what} {name!r} is not one jaxserve knows; ignored")
+            kind = "no effect" if name in ignored else "unknown"
+            unused.append(f"{what} {clip(repr(name), _MAX_NAME_CHARS)} ({kind})")
     return None
 
 
 _MESSAGE_FIELDS = {"role", "content", "tool_calls", "tool_call_id", "name",
                    "reasoning_content"}
+# A request's ignored fields make one log line naming at most this many; each name is
+# logged once, and at most _MAX_REMEMBERED are remembered (a client sending ever new
+# names must not grow the server's memory).
+_MAX_LOGGED_NAMES = 10
+_MAX_NAME_CHARS = 64
+_MAX_REMEMBERED = 1024
 _logged: set[str] = set()
 _lock = threading.Lock()
 
 
-def _log_once(name: str, message: str) -> None:
+def _log_unused(unused: list[str]) -> None:
+    """One line for a request's ignored fields, those not logged before."""
     with _lock:
-        if name in _logged:
-            return
-        _logged.add(name)
-    logger.warning(message)
+        new = [u for u in dict.fromkeys(unused) if u not in _logged]
+        _logged.update(new[:max(_MAX_REMEMBERED - len(_logged), 0)])
+    if new:
+        more = f" and {len(new) - _MAX_LOGGED_NAMES} more" if len(new) > _MAX_LOGGED_NAMES \
+            else ""
+        logger.warning("ignored, as jaxserve does not implement them: %s%s",
+                       ", ".join(new[:_MAX_LOGGED_NAMES]), more)
 
 
 def refused_field(data: Any, known: set[str]) -> tuple[str, str] | None:
     """(field, message) for the first field of the raw body that asks for something
-    jaxserve does not do, else None; logs (once per name) the fields it ignores."""
+    jaxserve does not do, else None; logs the fields it ignores (each name once)."""
     if not isinstance(data, dict):
         return None
-    refused = _first_refused(data, known, REFUSED, IGNORED, "request field")
+    unused: list[str] = []
+    try:
+        return _refused(data, known, unused)
+    finally:
+        _log_unused(unused)
+
+
+def _refused(data: dict, known: set[str], unused: list[str]) -> tuple[str, str] | None:
+    refused = _first_refused(data, known, REFUSED, IGNORED, "request field", unused)
     if refused:
         return refused
-    for i, message in enumerate(data.get("messages") or ()):
+    messages = data.get("messages")
+    for i, message in enumerate(messages if isinstance(messages, list) else ()):
         if isinstance(message, dict):
             refused = _first_refused(message, _MESSAGE_FIELDS, MESSAGE_REFUSED,
-                                     frozenset(), "chat message field")
+                                     frozenset(), "chat message field", unused)
             if refused:
                 return f"messages.{i}.{refused[0]}", f"messages[{i}]: {refused[1]}"
     stream_options = data.get("stream_options")

@@ -7,9 +7,9 @@ InputError (a ValueError) naming the field at fault, with a message for the clie
 from __future__ import annotations
 
 import inspect
-import json
 from typing import Any
 
+from jaxserve import json_limits
 from jaxserve.engine.errors import InputError
 
 
@@ -54,10 +54,10 @@ def _tool_call_for_template(call: Any) -> Any:
         return call
     fn = dict(call["function"])
     if isinstance(fn.get("arguments"), str):
-        try:
-            args = json.loads(fn["arguments"])
-        except ValueError:
-            raise InputError(f"tool call arguments are not valid JSON: "
+        try:   # (bounded depth: a 100k-deep text would overflow the parser's recursion)
+            args = json_limits.loads(fn["arguments"])
+        except ValueError as e:
+            raise InputError(f"tool call arguments are not valid JSON ({e}): "
                              f"{fn['arguments'][:80]!r}", "messages") from None
         if isinstance(args, dict):
             fn["arguments"] = args

@@ -87,6 +87,7 @@ def test_vllm_engine_flags_parse_to_engine_config(argv, expected):
     (["--allowed-origins", "*"], "argument --allowed-origins: not JSON"),
     (["--allowed-origins", '{"a": 1}'], "argument --allowed-origins: must be a JSON list"),
     (["--uvicorn-log-level", "loud"], "argument --uvicorn-log-level: invalid choice"),
+    (["--max-log-len", "0"], "argument --max-log-len: must be >= 1, got 0"),
     (["--model", "/other"], "the model is given twice: '/m' and --model '/other'"),
     (["--no-such-flag", "1"], "unrecognized arguments: --no-such-flag 1"),
     (["--tensor-parallel-size"], "argument --tensor-parallel-size/-tp: expected one argument"),
@@ -104,7 +105,8 @@ def test_server_flags():
         "/m", "--served-model-name", "big", "small", "--uvicorn-log-level", "debug",
         "--root-path", "/llm", "--disable-log-stats", "--allowed-origins", '["https://a.b"]',
         "--allowed-methods", '["GET", "POST"]', "--allow-credentials",
-        "--override-generation-config", '{"temperature": 0.25}', "--chat-template", "{{ x }}"])
+        "--override-generation-config", '{"temperature": 0.25}', "--chat-template", "{{ x }}",
+        "--max-log-len", "80"])
     assert args.model == "/m" and args.served_model_name == ["big", "small"]
     assert (args.uvicorn_log_level, args.root_path, args.disable_log_stats) == \
         ("debug", "/llm", True)
@@ -112,9 +114,10 @@ def test_server_flags():
             args.allow_credentials) == (["https://a.b"], ["GET", "POST"], ["*"], True)
     assert args.override_generation_config == {"temperature": 0.25}
     assert args.chat_template == "{{ x }}"   # a template, not a path
+    assert args.max_log_len == 80
     defaults = parse_args(parser(), ["--model", "/m"])
     assert defaults.served_model_name is None and defaults.allowed_origins == ["*"]
-    assert not defaults.disable_log_stats
+    assert not defaults.disable_log_stats and defaults.max_log_len == 1000
 
 
 def test_chat_template_file_is_read(tmp_path):

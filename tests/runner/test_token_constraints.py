@@ -86,6 +86,10 @@ def test_logit_bias_validation_and_clamp():
         SamplingParams(logit_bias={i: 1.0 for i in range(MAX_LOGIT_BIAS + 1)})
     with pytest.raises(ValueError, match="logit_bias"):
         SamplingParams(logit_bias={-1: 1.0})
+    for key in ("\u0663", "\u00b3", "-1", " 5", "5_0", "9" * 5000):   # ASCII digits only
+        with pytest.raises(ValueError, match="logit_bias key .* is not a token id"):
+            SamplingParams(logit_bias={key: 1.0})
+    assert SamplingParams(logit_bias={"007": 1.0}).logit_bias == {7: 1.0}
     with pytest.raises(ValueError, match="allowed_token_ids"):
         SamplingParams(allowed_token_ids=[])
     with pytest.raises(ValueError, match="bad_words"):

@@ -23,6 +23,7 @@ import json
 import math
 import re
 
+from jaxserve import json_limits
 from jaxserve.api.tool_parsers.base import ToolParser, partial_suffix
 
 START, END, Q = "<|tool_call>", "<tool_call|>", '<|"|>'
@@ -219,7 +220,7 @@ class Gemma4ToolParser(ToolParser):
 
     def _finish_call(self) -> None:
         try:
-            ok = isinstance(json.loads(self._json), dict)
+            ok = isinstance(json_limits.loads(self._json), dict)
         except ValueError:
             ok = False
         self._end_call(ok)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 
+from jaxserve import json_limits
 from jaxserve.api.tool_parsers.base import ToolParser
 
 _WS = " \t\n\r"
@@ -189,7 +190,10 @@ class JsonCallReader:
             self.bad = True
         m = self.scan.members.get("name")
         if self.name is None and m is not None and m[1] is not None:
-            value = json.loads(self.obj[m[0]:m[1]])
+            try:   # (valid JSON, but maybe nested too deep for the parser)
+                value = json_limits.loads(self.obj[m[0]:m[1]])
+            except ValueError:
+                value = None
             if isinstance(value, str) and value.strip():
                 self.name = value
                 self.shown = max(self.shown, m[1])
@@ -233,7 +237,7 @@ class JsonCallReader:
         if value is None:
             return "{}"
         try:                                 # arguments given as a string of JSON
-            inner = json.loads(value)
+            inner = json_limits.loads(value)
         except ValueError:
             inner = None
         if not isinstance(inner, dict):

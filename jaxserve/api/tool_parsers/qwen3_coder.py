@@ -29,6 +29,7 @@ from __future__ import annotations
 import ast
 import json
 
+from jaxserve import json_limits
 from jaxserve.api.tool_parsers.base import ToolParser, schema_types
 
 START, END = "<tool_call>", "</tool_call>"
@@ -85,7 +86,7 @@ def convert(raw: str, kind: str) -> str:
             value = v.lower() == "true"
     elif kind != "null":                           # container or unknown: try JSON
         try:
-            value = json.loads(v)
+            value = json_limits.loads(v)
         except ValueError:
             if kind == "container":
                 try:                               # Python-style {'a': 1} / [1, 2]
