@@ -6,14 +6,16 @@ refused by name, and so is any key neither type has: never dropped unread.
 """
 from __future__ import annotations
 
-from typing import Any, NotRequired, Sequence, TypedDict
+from typing import Any, NamedTuple, NotRequired, Sequence, TypedDict
 
 from jaxserve.engine.errors import InputError
 
 
 class TextPrompt(TypedDict):
-    """A text prompt; the engine tokenizes it."""
+    """A text prompt; the engine tokenizes it. cache_salt: its prefix-cache pages are
+    shared only with prompts of the same salt (vLLM's key)."""
     prompt: str
+    cache_salt: NotRequired[str]
 
 
 class TokensPrompt(TypedDict):
@@ -21,6 +23,13 @@ class TokensPrompt(TypedDict):
     (outputs carry it, nothing re-tokenizes it)."""
     prompt_token_ids: list[int]
     prompt: NotRequired[str]
+    cache_salt: NotRequired[str]
+
+
+class ParsedPrompt(NamedTuple):
+    prompt: str | Sequence[int]   # text or token ids
+    text: str | None              # the text the ids came from, when given
+    cache_salt: str | None = None
 
 
 # vLLM's prompt keys that jaxserve knows of and does not implement, and why.
@@ -30,16 +39,15 @@ REFUSED_KEYS: dict[str, str] = {
     "multi_modal_uuids": "jaxserve serves text only",
     "prompt_embeds": "prompts as embeddings are not implemented; give text or token ids",
     "token_type_ids": "token type ids (cross-encoder scoring) are not implemented",
-    "cache_salt": "per-request prefix-cache salts are not implemented",
 }
-_KNOWN_KEYS = ("prompt", "prompt_token_ids")
+_KNOWN_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
 
 
-def parse_prompt(prompt: str | dict[str, Any]) -> tuple[str | Sequence[int], str | None]:
-    """A str, TextPrompt or TokensPrompt -> (text or token ids, the text the ids came
-    from or None). Raises InputError naming the key it cannot take."""
+def parse_prompt(prompt: str | dict[str, Any]) -> ParsedPrompt:
+    """A str, TextPrompt or TokensPrompt -> its parts (the input processor checks the
+    salt). Raises InputError naming the key it cannot take."""
     if isinstance(prompt, str):
-        return prompt, None
+        return ParsedPrompt(prompt, None)
     if not isinstance(prompt, dict):
         raise InputError(f"a prompt must be a str, a TextPrompt or a TokensPrompt, got "
                          f"{type(prompt).__name__}", "prompt")
@@ -50,15 +58,16 @@ def parse_prompt(prompt: str | dict[str, Any]) -> tuple[str | Sequence[int], str
         if key not in _KNOWN_KEYS:
             raise InputError(f"prompt key {key!r} is not one jaxserve knows (TextPrompt: "
                              f"'prompt'; TokensPrompt: 'prompt_token_ids' and optionally "
-                             f"'prompt')", "prompt")
+                             f"'prompt'; both: 'cache_salt')", "prompt")
     text = prompt.get("prompt")
+    salt = prompt.get("cache_salt")
     if text is not None and not isinstance(text, str):
         raise InputError(f"'prompt' must be a str, got {type(text).__name__}", "prompt")
     if "prompt_token_ids" in prompt:
         ids = prompt["prompt_token_ids"]
         # Token ids are never text to tokenize: a str is refused as ids are.
-        return ([ids] if isinstance(ids, str) else ids), text
+        return ParsedPrompt([ids] if isinstance(ids, str) else ids, text, salt)
     if text is not None:
-        return text, None
+        return ParsedPrompt(text, None, salt)
     raise InputError("a prompt dict needs 'prompt' (TextPrompt) or 'prompt_token_ids' "
                      "(TokensPrompt)", "prompt")

@@ -5,7 +5,8 @@ The reasoning parser (--reasoning-parser) runs first and splits off the think bl
 what remains is read for tool calls: by the --tool-call-parser for tool_choice "auto",
 by the llama3_json parser for "required" (the grammar forced that format), and as the
 arguments object itself for a named function. Streamed deltas add up to the whole
-message (the parsers guarantee it).
+message (the parsers guarantee it). With parallel_tool_calls false only the first call
+is kept (streamed: the deltas of call index 0), as vLLM.
 """
 from __future__ import annotations
 
@@ -44,8 +45,9 @@ def _delta_json(d: DeltaToolCall) -> dict:
 
 class ChoiceReader:
     def __init__(self, tools: ToolSetup, reasoning: type[ReasoningParser] | None,
-                 in_reasoning: bool):
+                 in_reasoning: bool, role: str = "assistant"):
         self.tools = tools
+        self.role = role
         self.reasoning = reasoning(prompt_ends_in_reasoning=in_reasoning) if reasoning else None
         self.parser = tools.parser(tools.tools) if tools.mode in ("auto", "required") else None
         self._named_id: str | None = None
@@ -55,7 +57,7 @@ class ChoiceReader:
     def message(self, text: str) -> dict:
         reasoning, content = (self.reasoning.extract(text) if self.reasoning
                               else (None, text))
-        msg: dict[str, Any] = {"role": "assistant", "content": content}
+        msg: dict[str, Any] = {"role": self.role, "content": content}
         if reasoning is not None:
             msg["reasoning_content"] = reasoning
         calls: list[ToolCall] = []
@@ -65,6 +67,8 @@ class ChoiceReader:
         elif self.parser is not None and content:
             found = self.parser.extract(content)
             calls, msg["content"] = found.tool_calls, found.content
+        if not self.tools.parallel:
+            calls = calls[:1]
         if calls:
             msg["tool_calls"] = [_call_json(c) for c in calls]
             self.called = True
@@ -94,7 +98,8 @@ class ChoiceReader:
         elif self.parser is not None:
             pieces = [self.parser.feed(content)] + ([self.parser.finish()] if final else [])
             content = "".join(p.content for p in pieces)
-            calls = [d for p in pieces for d in p.tool_calls]
+            calls = [d for p in pieces for d in p.tool_calls
+                     if self.tools.parallel or d.index == 0]
         if content:
             out["content"] = content
         if calls:

@@ -18,6 +18,7 @@ from pydantic_core import PydanticCustomError
 
 from jaxserve.api.unsupported import refused_field
 from jaxserve.engine.errors import InputError
+from jaxserve.engine.input_processor import MAX_CACHE_SALT_CHARS
 from jaxserve.sampling_params import (INT32_MAX, INT64_MAX, INT64_MIN, MAX_N,
                                       RequestOutputKind, SamplingParams)
 from jaxserve.structured_outputs import StructuredOutputsParams
@@ -105,15 +106,21 @@ class _SamplingFields(_Body):
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None
     response_format: dict[str, Any] | None = None
+    # vLLM's: prefix-cache hits only among requests with the same salt (tenants).
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
 
     @model_validator(mode="before")
     @classmethod
     def _refuse_unimplemented(cls, data: Any) -> Any:
-        refused = refused_field(data, set(cls.model_fields))
-        if refused:
-            raise PydanticCustomError("unsupported_field", "{message}",
-                                      {"field": refused[0], "message": refused[1]})
-        return data
+        return _refuse_unimplemented(cls, data)
+
+
+def _refuse_unimplemented(model: type[BaseModel], data: Any) -> Any:
+    refused = refused_field(data, set(model.model_fields))
+    if refused:
+        raise PydanticCustomError("unsupported_field", "{message}",
+                                  {"field": refused[0], "message": refused[1]})
+    return data
 
 
 class CompletionRequest(_SamplingFields):
@@ -122,6 +129,7 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = Field(16, ge=0)
     logprobs: Logprobs | None = None
     echo: bool = False
+    add_special_tokens: bool = True    # for text prompts (vLLM's default)
 
 
 class ChatMessage(_Fields):
@@ -141,19 +149,41 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: Logprobs | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    # On top of those the chat template writes (vLLM's default: none).
+    add_special_tokens: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
+    # The last message's text before the answer, when it has the answer's role.
+    echo: bool = False
+
+
+# /tokenize's fields that only apply to messages (a prompt given with one is refused).
+CHAT_ONLY_TOKENIZE_FIELDS = ("add_generation_prompt", "continue_final_message",
+                             "chat_template_kwargs", "tools")
 
 
 class TokenizeRequest(_Body):
+    """vLLM's two /tokenize bodies in one: a prompt, or messages rendered exactly as
+    /v1/chat/completions renders them."""
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
+    # None: vLLM's defaults, True for a prompt and False for messages (the template
+    # writes them).
+    add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
+    return_token_strs: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unimplemented(cls, data: Any) -> Any:
+        return _refuse_unimplemented(cls, data)
 
 
 class DetokenizeRequest(_Body):

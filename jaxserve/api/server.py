@@ -15,6 +15,7 @@ import jaxserve
 from jaxserve.api import openapi
 from jaxserve.api.api_key import APIKey
 from jaxserve.api.body_limit import BodyLimit
+from jaxserve.api.chat_prompt import tokenize_request
 from jaxserve.api.errors import APIError, bad_request, error_body, error_response
 from jaxserve.api.internal_errors import InternalErrors
 from jaxserve.api.metrics import Metrics
@@ -157,21 +158,15 @@ def create_app(engine: AsyncEngine, settings: ServerSettings,
     @api.post("/tokenize", responses=error_responses(404, 413))
     async def tokenize(req: TokenizeRequest) -> dict:
         serving.check_model(req.model)
-        if (req.prompt is None) == (req.messages is None):
-            raise APIError(400, "give exactly one of 'prompt' and 'messages'", "prompt")
-        inputs = engine.inputs
         try:
-            if req.prompt is not None:
-                ids = await asyncio.to_thread(inputs.tokenize, req.prompt,
-                                              add_special_tokens=req.add_special_tokens)
-            else:
-                ids = await asyncio.to_thread(
-                    inputs.render_chat, [m.model_dump() for m in req.messages],
-                    chat_template=settings.chat_template,
-                    add_generation_prompt=req.add_generation_prompt, tools=req.tools)
+            ids = await asyncio.to_thread(tokenize_request, engine.inputs, req,
+                                          chat_template=settings.chat_template)
         except ValueError as e:
             raise bad_request(e)
-        return {"tokens": ids, "count": len(ids), "max_model_len": settings.max_model_len}
+        out = {"count": len(ids), "max_model_len": settings.max_model_len, "tokens": ids}
+        if req.return_token_strs:
+            out["token_strs"] = engine.tokenizer.convert_ids_to_tokens(ids)
+        return out
 
     @api.post("/detokenize", responses=error_responses(404, 413))
     async def detokenize(req: DetokenizeRequest) -> dict:

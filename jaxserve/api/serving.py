@@ -27,6 +27,7 @@ from jaxserve.api.errors import APIError, bad_request, error_body
 from jaxserve.api.internal_errors import log_unexpected
 from jaxserve.api.log_values import DEFAULT_MAX_LOG_LEN, loggable
 from jaxserve.api.chat_output import REASONING_END, ChoiceReader, prompt_ends_in_reasoning
+from jaxserve.api.chat_prompt import echoed_text, render_chat_prompt, response_role
 from jaxserve.api.metrics import Metrics
 from jaxserve.api.protocol import (ChatCompletionRequest, CompletionRequest, constraint_field,
                                    sampling_params)
@@ -188,11 +189,13 @@ class OpenAIServing:
             raise bad_request(e) from None
 
     # ---- /v1/completions ----------------------------------------------------------------
-    def _completion_prompts(self, rid: str, prompt, params: SamplingParams,
-                            priority: int) -> list[EngineRequest]:
+    def _completion_prompts(self, rid: str, req: CompletionRequest,
+                            params: SamplingParams) -> list[EngineRequest]:
         """Worker thread: the request's prompts, one engine request each ("{rid}-{i}")."""
-        return [self.inputs.process(f"{rid}-{i}", p, params, priority=priority)
-                for i, p in enumerate(_prompt_list(prompt))]
+        return [self.inputs.process(f"{rid}-{i}", p, params, priority=req.priority,
+                                    cache_salt=req.cache_salt,
+                                    add_special_tokens=req.add_special_tokens)
+                for i, p in enumerate(_prompt_list(req.prompt))]
 
     async def completions(self, req: CompletionRequest, raw: Request):
         self.check_open()
@@ -211,8 +214,7 @@ class OpenAIServing:
         rid = f"cmpl-{uuid.uuid4().hex}"
         # before any prompt is processed: a million prompts are not tokenized to be refused
         self.check_size(len(_prompt_list(req.prompt)), params.n)
-        prompts = await self._in_worker(req, self._completion_prompts, rid, req.prompt, params,
-                                        req.priority)
+        prompts = await self._in_worker(req, self._completion_prompts, rid, req, params)
         answer = self.admit(len(prompts), params.n)
         stream = self._merged(rid, prompts, params, answer)
         if req.stream:
@@ -296,18 +298,15 @@ class OpenAIServing:
         """Worker thread: the conversation rendered by the chat template, as one engine
         request ("{rid}-0"), and whether the template opened a think block. Then (with
         --reasoning-parser) a structured output applies after the model closes it."""
-        ids = self.inputs.render_chat([m.model_dump() for m in req.messages],
-                                      chat_template=self.settings.chat_template,
-                                      add_generation_prompt=req.add_generation_prompt,
-                                      template_kwargs=req.chat_template_kwargs,
-                                      tools=tools.tools)
+        ids = render_chat_prompt(self.inputs, req, chat_template=self.settings.chat_template,
+                                 tools=tools.tools, add_special_tokens=req.add_special_tokens)
         in_reasoning = bool(self.settings.reasoning_parser) and prompt_ends_in_reasoning(
             self.inputs.tokenizer.decode(ids[-16:]))
         if in_reasoning and params.structured_outputs is not None:
             end = self.inputs.tokenize(REASONING_END, add_special_tokens=False)
             params = replace(params, grammar_after_ids=tuple(end))
-        return [self.inputs.process(f"{rid}-0", ids, params, priority=req.priority)], \
-            in_reasoning
+        return [self.inputs.process(f"{rid}-0", ids, params, priority=req.priority,
+                                    cache_salt=req.cache_salt)], in_reasoning
 
     async def chat(self, req: ChatCompletionRequest, raw: Request):
         self.check_open()
@@ -322,14 +321,15 @@ class OpenAIServing:
                                      max_tokens=max_tokens,
                                      logprobs=(top or 0) if req.logprobs else None)
             tools = tool_setup(req.tools, req.tool_choice,
-                               auto_parser=self.settings.auto_tool_parser)
-            params = _with_tool_constraint(params, tools, req.parallel_tool_calls)
+                               auto_parser=self.settings.auto_tool_parser,
+                               parallel=req.parallel_tool_calls)
+            params = _with_tool_constraint(params, tools)
         except ValueError as e:
             raise bad_request(e)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         prompts, in_reasoning = await self._in_worker(req, self._chat_prompts, rid, req,
                                                       params, tools)
-        reader = self._chat_reader(tools, in_reasoning)
+        reader = self._chat_reader(tools, in_reasoning, response_role(req))
         answer = self.admit(1, params.n)
         stream = self._merged(rid, prompts, params, answer)
         if req.stream:
@@ -341,10 +341,11 @@ class OpenAIServing:
         finally:
             answer.close()
         readers = [reader() for _ in choices]
+        echo = echoed_text(req) if req.echo else ""
         return JSONResponse({
             "id": rid, "object": "chat.completion", "created": int(time.time()),
             "model": self.settings.served_model_name,
-            "choices": [{"index": c.index, "message": r.message(c.text),
+            "choices": [{"index": c.index, "message": _echoed(r.message(c.text), echo),
                          "logprobs": _chat_logprobs(c.logprobs, top or 0)
                          if req.logprobs else None,
                          "finish_reason": r.finish_reason(c.finish_reason),
@@ -352,11 +353,11 @@ class OpenAIServing:
                         for c, r in zip(choices, readers)],
             "usage": _usage(prompts, choices)})
 
-    def _chat_reader(self, tools: ToolSetup, in_reasoning: bool):
+    def _chat_reader(self, tools: ToolSetup, in_reasoning: bool, role: str):
         """A factory of ChoiceReaders (one per choice) for this request's answer."""
         name = self.settings.reasoning_parser
         parser = get_reasoning_parser(name) if name else None
-        return lambda: ChoiceReader(tools, parser, in_reasoning)
+        return lambda: ChoiceReader(tools, parser, in_reasoning, role)
 
     async def _chat_chunks(self, rid, prompts, req, stream, include_usage,
                            reader) -> AsyncIterator[str]:
@@ -364,6 +365,7 @@ class OpenAIServing:
         base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
         choices: dict[int, _Choice] = {}
         readers: dict[int, ChoiceReader] = {}
+        echo = echoed_text(req) if req.echo else ""
         async for _, out in stream:
             for c in out.outputs:
                 first = c.index not in choices
@@ -372,8 +374,12 @@ class OpenAIServing:
                 _accumulate(acc, c)
                 if first:
                     yield _data({**base, "choices": [{
-                        "index": c.index, "delta": {"role": "assistant", "content": ""},
+                        "index": c.index, "delta": {"role": r.role, "content": ""},
                         "logprobs": None, "finish_reason": None}]})
+                    if echo:   # (vLLM's order: the role, the echo, then the answer)
+                        yield _data({**base, "choices": [{
+                            "index": c.index, "delta": {"content": echo},
+                            "logprobs": None, "finish_reason": None}]})
                 logprobs = (_chat_logprobs(c.logprobs, req.top_logprobs or 0)
                             if req.logprobs and c.logprobs else None)
                 delta_msg = r.delta(c.text, final=c.finish_reason is not None)
@@ -466,10 +472,9 @@ def _prompt_list(prompt) -> list:
     return prompt
 
 
-def _with_tool_constraint(params: SamplingParams, tools: ToolSetup,
-                          parallel: bool) -> SamplingParams:
+def _with_tool_constraint(params: SamplingParams, tools: ToolSetup) -> SamplingParams:
     """params with the grammar that forces a "required" or named tool call."""
-    forced = tools.constraint(parallel)
+    forced = tools.constraint()
     if forced is None:
         return params
     if params.structured_outputs is not None:
@@ -493,6 +498,13 @@ def _api_error(e: BaseException) -> APIError:
 
 
 # ---- formatting helpers --------------------------------------------------------------------
+def _echoed(message: dict, echo: str) -> dict:
+    """The whole message with `echo` before its content (as vLLM: after the parsers)."""
+    if echo:
+        message["content"] = echo + (message.get("content") or "")
+    return message
+
+
 def _accumulate(acc: _Choice, c) -> None:
     acc.text += c.text
     acc.token_ids.extend(c.token_ids)

@@ -9,11 +9,14 @@ that forces a call.
   `{"name": ..., "parameters": {...}}` objects separated by "; " (one when
   parallel_tool_calls is false), read back by the llama3_json parser; for a named
   function the output is its arguments object alone.
+
+parallel_tool_calls false: at most one call is returned, the first (as vLLM, whatever the
+tool choice: under "auto" the model's further calls are dropped from the answer).
 """
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from jaxserve.api.tool_parsers import ToolParser, get_tool_parser
@@ -30,8 +33,9 @@ class ToolSetup:
     tools: list[dict] | None = None             # the request's, for the template
     name: str | None = None                     # the named function
     parser: type[ToolParser] | None = None      # how the output is read back
+    parallel: bool = True                       # False: only the first call is returned
 
-    def constraint(self, parallel: bool) -> StructuredOutputsParams | None:
+    def constraint(self) -> StructuredOutputsParams | None:
         """The grammar forcing the call(s), for "required" and named choices."""
         if self.mode == "named":
             return StructuredOutputsParams(json={**_parameters(self._function(self.name)),
@@ -42,7 +46,7 @@ class ToolSetup:
             {"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
              "properties": {"name": {"const": f["name"]}, "parameters": _parameters(f)}}
             for f in map(_function_of, self.tools)], "x-guidance": _COMPACT}
-        repeat = ' ("; " call)*' if parallel else ""
+        repeat = ' ("; " call)*' if self.parallel else ""
         return StructuredOutputsParams(grammar=f"start: call{repeat}\ncall: %json "
                                                f"{json.dumps(calls)}")
 
@@ -80,9 +84,15 @@ def _check_tools(tools: Any) -> list[dict]:
     return tools
 
 
-def tool_setup(tools: Any, tool_choice: Any, *, auto_parser: str | None) -> ToolSetup:
+def tool_setup(tools: Any, tool_choice: Any, *, auto_parser: str | None,
+               parallel: bool = True) -> ToolSetup:
     """What a request asks for; InputError naming the field for what cannot be served.
-    auto_parser: the server's --tool-call-parser when --enable-auto-tool-choice is on."""
+    auto_parser: the server's --tool-call-parser when --enable-auto-tool-choice is on;
+    parallel: the request's parallel_tool_calls."""
+    return replace(_setup(tools, tool_choice, auto_parser), parallel=parallel)
+
+
+def _setup(tools: Any, tool_choice: Any, auto_parser: str | None) -> ToolSetup:
     tools = _check_tools(tools) if tools else None
     if tool_choice is None:
         tool_choice = "auto" if tools else "none"

@@ -58,7 +58,8 @@ REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "return_tokens_as_token_ids": (_false, "not implemented"),
     "chat_template": (_absent, "a per-request template is not implemented; the server's "
                                "--chat-template applies"),
-    "continue_final_message": (_false, "not implemented"),
+    "continue_final_message": (_false, "it is for chat messages (/v1/chat/completions, "
+                                       "/tokenize)"),
     "documents": (_empty, "not implemented"),
     "mm_processor_kwargs": (_empty, "jaxserve serves text only"),
     "audio": (_absent, "jaxserve serves text only"),

@@ -60,8 +60,9 @@ class KVCacheManager:
     """Hands out fixed-size pages to requests; shares full pages by hash.
 
     Caching applies when `enable_caching` is on, or per request when it has a
-    `cache_salt` (n>1 siblings share their prompt pages even with caching off;
-    the salt keeps those pages invisible to every other request).
+    `cache_scope` (n>1 siblings share their prompt pages even with caching off; the
+    scope keeps those pages invisible to every other request). A request's
+    `cache_salt` only changes its hashes: salted pages match only the same salt.
 
     Hybrid models (num_state_slots > 0: the cache plan's count, the null slot 0
     included) also give each request one recurrent-state slot (a StateSlotPool) with
@@ -130,7 +131,7 @@ class KVCacheManager:
         """Whether the request takes part in the prefix cache (hybrid models: only with
         snapshot slots)."""
         return (self.state_slots is None or self.snapshots is not None) and (
-            self.enable_caching or request.cache_salt is not None)
+            self.enable_caching or request.cache_scope is not None)
 
     def get_computed_blocks(self, request: Request) -> tuple[GroupBlocks, int]:
         """Longest cached prefix of the request, in whole pages: (its pages per KV group,

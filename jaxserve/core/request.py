@@ -15,8 +15,8 @@ def hash_block_tokens(
 ) -> int:
     """Chained hash of one full page: depends on every token before it.
 
-    `extra` (e.g. a cache salt) is only mixed into the first page; the chain
-    carries it to every later page.
+    `extra` (a request's salt_key: its cache salt and scope) is only mixed into the
+    first page; the chain carries it to every later page.
     """
     # Python's builtin 64-bit tuple hash is fast but not cryptographic: a
     # collision would silently reuse another sequence's KV. With ~1e6 cached
@@ -59,11 +59,19 @@ class Request:
 
     `sampling_params` is duck-typed; the core reads `max_tokens` (None: up
     to max_model_len), `min_tokens`, `ignore_eos` and `stop_token_ids`.
+
+    Two keys keep its pages apart in the prefix cache, both mixed into the first page's
+    hash (so no page of it matches a request without the same keys):
+    - cache_salt: a client's (vLLM's field), to isolate tenants; it changes nothing
+      else (with prefix caching off nothing is cached).
+    - cache_scope: the engine's, for a prefix cache private to one request's n
+      completions (they share its id as scope), which applies even with prefix
+      caching off.
     """
 
     __slots__ = (
         "request_id", "prompt_token_ids", "sampling_params", "eos_token_ids",
-        "arrival_time", "priority", "cache_salt", "page_size",
+        "arrival_time", "priority", "cache_salt", "cache_scope", "page_size",
         "output_token_ids", "all_token_ids", "num_computed_tokens",
         "num_cached_tokens", "num_preemptions", "status", "stop_reason",
         "block_hashes", "spec_token_ids",
@@ -80,6 +88,7 @@ class Request:
         cache_salt: str | None = None,
         *,
         page_size: int,
+        cache_scope: str | None = None,
     ) -> None:
         prompt = [int(t) for t in prompt_token_ids]
         if not prompt:
@@ -95,6 +104,7 @@ class Request:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.priority = priority
         self.cache_salt = cache_salt
+        self.cache_scope = cache_scope
         self.page_size = page_size
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt)
@@ -136,6 +146,14 @@ class Request:
             self.all_token_ids.extend(ids)
         self._extend_block_hashes()
 
+    @property
+    def salt_key(self) -> tuple[str | None, str | None] | None:
+        """What the first page's hash mixes in: None for a request with neither key (its
+        hashes are prompt_block_hashes', the data-parallel router's)."""
+        if self.cache_salt is None and self.cache_scope is None:
+            return None
+        return self.cache_salt, self.cache_scope
+
     def _extend_block_hashes(self) -> None:
         # Hash only the pages that became full; earlier ones never change.
         ps = self.page_size
@@ -144,7 +162,7 @@ class Request:
         start = len(hashes) * ps
         while start + ps <= len(tokens):
             parent = hashes[-1] if hashes else None
-            extra = self.cache_salt if not hashes else None
+            extra = self.salt_key if not hashes else None
             hashes.append(hash_block_tokens(parent, tuple(tokens[start:start + ps]), extra))
             start += ps
 

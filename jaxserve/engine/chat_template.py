@@ -75,17 +75,28 @@ def _template_message(m: dict) -> dict:
 
 
 def render_chat(tokenizer, messages: list[dict], *, chat_template: str | None = None,
-                add_generation_prompt: bool = True, max_chars: int | None = None,
+                add_generation_prompt: bool = True, continue_final_message: bool = False,
+                max_chars: int | None = None,
                 template_kwargs: dict[str, Any] | None = None,
-                tools: list[dict] | None = None) -> list[int]:
-    """max_chars: refuse conversations whose text is longer, before rendering.
+                tools: list[dict] | None = None,
+                add_special_tokens: bool = False) -> list[int]:
+    """continue_final_message: the prompt ends inside the last message (no end-of-turn
+    after it), so the model goes on with it, e.g. an assistant answer begun by the
+    client; not with add_generation_prompt.
+    max_chars: refuse conversations whose text is longer, before rendering.
     template_kwargs: extra template variables (a client's chat_template_kwargs).
-    tools: the request's OpenAI tool definitions, for templates that describe them."""
+    tools: the request's OpenAI tool definitions, for templates that describe them.
+    add_special_tokens: the tokenizer's own special tokens (BOS) on top of those the
+    template writes (vLLM's chat field; off, as there: templates write their own)."""
     template_kwargs = template_kwargs or {}
     if tokenizer is None:
         raise InputError("chat needs a tokenizer; this model has none", "messages")
     if not messages:
         raise InputError("messages must not be empty", "messages")
+    if continue_final_message and add_generation_prompt:
+        raise InputError("continue_final_message goes on with the last message; it cannot "
+                         "be combined with add_generation_prompt (set that to false)",
+                         "continue_final_message")
     conv = []
     for m in messages:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
@@ -104,10 +115,12 @@ def render_chat(tokenizer, messages: list[dict], *, chat_template: str | None = 
                          f"sets {'it' if len(clash) == 1 else 'them'} itself",
                          "chat_template_kwargs")
     try:
-        ids = tokenizer.apply_chat_template(conv, chat_template=chat_template, tools=tools,
-                                            add_generation_prompt=add_generation_prompt,
-                                            tokenize=True, return_dict=False, **template_kwargs)
+        text = tokenizer.apply_chat_template(conv, chat_template=chat_template, tools=tools,
+                                             add_generation_prompt=add_generation_prompt,
+                                             continue_final_message=continue_final_message,
+                                             tokenize=False, **template_kwargs)
     except Exception as e:  # noqa: BLE001 - the template runs on the request's data
         raise InputError(f"the chat template failed on these messages: "
                          f"{type(e).__name__}: {e}", "messages") from None
-    return list(ids)
+    # (what apply_chat_template's own tokenize=True does, with add_special_tokens=False)
+    return list(tokenizer(text, add_special_tokens=add_special_tokens).input_ids)

@@ -71,12 +71,13 @@ class DataParallelEngine:
                     mesh.shape["model"])
 
     # ---- requests ------------------------------------------------------------------
-    def choose_replica(self, prompt_token_ids: Sequence[int]) -> int:
+    def choose_replica(self, prompt_token_ids: Sequence[int],
+                       cache_salt: str | None = None) -> int:
         loads = [r.num_unfinished() for r in self.replicas]
         ok = [i for i, n in enumerate(loads) if n <= min(loads) + self.balance_slack]
         if len(ok) == 1:
             return ok[0]
-        hashes = prompt_block_hashes(prompt_token_ids, self.info.page_size)
+        hashes = prompt_block_hashes(prompt_token_ids, self.info.page_size, cache_salt)
         return max(ok, key=lambda i: (self.replicas[i].cached_prefix_pages(hashes),
                                       -loads[i], -i))
 
@@ -86,7 +87,7 @@ class DataParallelEngine:
         rid = request.request_id
         if rid in self._replica_of:
             raise InputError(f"request id {rid!r} is already in use")
-        d = self.choose_replica(request.prompt_token_ids)
+        d = self.choose_replica(request.prompt_token_ids, request.cache_salt)
         self.replicas[d].add_request(request)
         self._replica_of[rid] = d
 

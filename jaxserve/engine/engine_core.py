@@ -199,12 +199,12 @@ class EngineCore:
         try:
             self.outputs.add(request_id, request.prompt, prompt_token_ids, params, child_ids,
                              arrival_time=arrival)
-            # A request-private salt keeps the prefix cache among the request's own n
+            # A request-private scope keeps the prefix cache among the request's own n
             # completions: when caching is off, and when prompt logprobs are wanted (a
             # cached position would not be computed, so it would have no logprob).
             private = (params.prompt_logprobs is not None
                        or (not self.prefix_caching and num_samples > 1))
-            salt = request_id if private else None
+            scope = request_id if private else None
             for i, cid in enumerate(child_ids):
                 child = params if num_samples == 1 else params.child(i)
                 if child.seed is None:
@@ -212,7 +212,7 @@ class EngineCore:
                 self.scheduler.add_request(Request(
                     cid, prompt_token_ids, child, eos_token_id=self.info.eos_token_ids,
                     arrival_time=arrival, priority=request.priority,
-                    cache_salt=salt,
+                    cache_salt=request.cache_salt, cache_scope=scope,
                     page_size=self.config.page_size))
                 added.append(cid)
         except BaseException as e:
@@ -353,9 +353,12 @@ def _report_compiling(progress: StartupProgress, done: int, total: int) -> None:
     progress.advance(done, total, detail)
 
 
-def prompt_block_hashes(prompt_token_ids: list[int], page_size: int) -> list[int]:
-    """The chained hashes of the prompt's full pages, as an unsalted request has them."""
-    return Request("probe", prompt_token_ids, None, page_size=page_size).block_hashes
+def prompt_block_hashes(prompt_token_ids: list[int], page_size: int,
+                        cache_salt: str | None = None) -> list[int]:
+    """The chained hashes of the prompt's full pages, as a request with this cache salt
+    (and no private scope) has them."""
+    return Request("probe", prompt_token_ids, None, cache_salt=cache_salt,
+                   page_size=page_size).block_hashes
 
 
 def engine_seeds(seed: int) -> Iterator[int]:

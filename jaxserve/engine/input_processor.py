@@ -24,6 +24,8 @@ __all__ = ["EngineRequest", "InputError", "InputProcessor", "check_unicode"]
 # Normalisers (NFC, for one) may merge a few characters into one before the tokenizer
 # splits the text, so the character bound allows this factor on top of the longest token.
 _NORMALISER_SLACK = 4
+# vLLM's bound on a cache salt (a tenant's secret: 43 base64 characters carry 256 bits).
+MAX_CACHE_SALT_CHARS = 1024
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,8 @@ class EngineRequest:
     prompt: str | None = None         # the text the ids came from, when there was one
     priority: int = 0                 # lower runs first (scheduling_policy="priority")
     arrival_time: float | None = None   # None: when the engine adds it
+    # Prefix-cache hits only among requests with the same salt (core/request.py).
+    cache_salt: str | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -105,29 +109,37 @@ class InputProcessor:
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
 
     def render_chat(self, messages: list[dict], *, chat_template: str | None = None,
-                    add_generation_prompt: bool = True,
+                    add_generation_prompt: bool = True, continue_final_message: bool = False,
                     template_kwargs: dict[str, Any] | None = None,
-                    tools: list[dict] | None = None) -> list[int]:
+                    tools: list[dict] | None = None,
+                    add_special_tokens: bool = False) -> list[int]:
         """Chat messages -> prompt ids; every failure is the request's (InputError)."""
         _check_strings(messages, "messages")
         _check_strings(template_kwargs, "chat_template_kwargs")
         _check_strings(tools, "tools")
         return render_chat(self.tokenizer, messages, chat_template=chat_template,
                            add_generation_prompt=add_generation_prompt,
+                           continue_final_message=continue_final_message,
                            max_chars=self.max_prompt_chars, template_kwargs=template_kwargs,
-                           tools=tools)
+                           tools=tools, add_special_tokens=add_special_tokens)
 
     # ---- the front door --------------------------------------------------------------
     def process(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
                 *, text: str | None = None, priority: int = 0,
-                arrival_time: float | None = None) -> EngineRequest:
+                arrival_time: float | None = None, cache_salt: str | None = None,
+                add_special_tokens: bool = True) -> EngineRequest:
         """Checks one request against every limit; the only way to an EngineRequest.
 
-        prompt: text (tokenized here) or token ids; text: the text token ids came from,
+        prompt: text (tokenized here, with the tokenizer's special tokens unless
+        add_special_tokens is false) or token ids; text: the text token ids came from,
         if the caller has it (outputs carry it). Raises InputError naming the field.
         """
         try:
-            request = self._process(request_id, prompt, params, text, priority, arrival_time)
+            request = self._process(request_id, prompt, params, text, priority, arrival_time,
+                                    add_special_tokens)
+            if cache_salt is not None:
+                _check_cache_salt(cache_salt)
+                request = replace(request, cache_salt=cache_salt)
         except InputError:
             with self._count_lock:
                 self.num_refused += 1
@@ -137,8 +149,8 @@ class InputProcessor:
         return request
 
     def _process(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
-                 text: str | None, priority: int, arrival_time: float | None
-                 ) -> EngineRequest:
+                 text: str | None, priority: int, arrival_time: float | None,
+                 add_special_tokens: bool) -> EngineRequest:
         if not isinstance(request_id, str):
             raise InputError(f"request_id must be a str, got {type(request_id).__name__}")
         if not isinstance(params, SamplingParams):
@@ -147,7 +159,7 @@ class InputProcessor:
         if not is_int(priority):
             raise InputError(f"priority must be an int, got {priority!r}", "priority")
         if isinstance(prompt, str):
-            text, prompt = prompt, self.tokenize(prompt)
+            text, prompt = prompt, self.tokenize(prompt, add_special_tokens=add_special_tokens)
         # A tokenizer's ids are checked too: its added tokens may lie past the vocabulary.
         ids = self._checked_ids(prompt)
         keep = params.truncate_prompt_tokens
@@ -248,6 +260,17 @@ class InputProcessor:
                 self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size,
                                                  self.eos_token_ids)
             return self._grammars
+
+
+def _check_cache_salt(salt: Any) -> None:
+    if not isinstance(salt, str):
+        raise InputError(f"cache_salt must be a string, got {type(salt).__name__}",
+                         "cache_salt")
+    _check_not_empty(salt, "cache_salt")
+    if len(salt) > MAX_CACHE_SALT_CHARS:
+        raise InputError(f"cache_salt has {len(salt)} characters, more than "
+                         f"{MAX_CACHE_SALT_CHARS}", "cache_salt")
+    check_unicode(salt, "cache_salt")
 
 
 def _check_strings(value: Any, field: str) -> None:

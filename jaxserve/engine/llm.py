@@ -83,15 +83,18 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: UseTqdm = True, chat_template: str | None = None,
-             add_generation_prompt: bool = True,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
              chat_template_kwargs: dict[str, Any] | None = None,
              tools: list[dict] | None = None) -> list[RequestOutput]:
         """chat_template_kwargs: extra template variables (vLLM's name), e.g.
         {"enable_thinking": False}; tools: OpenAI tool definitions for the template (the
-        output is the model's text: parse it, or force a call with structured_outputs)."""
+        output is the model's text: parse it, or force a call with structured_outputs);
+        continue_final_message: the model goes on with the last message (with
+        add_generation_prompt=False)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [{"prompt_token_ids": self.engine.inputs.render_chat(
             conv, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
             template_kwargs=chat_template_kwargs, tools=tools)} for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
@@ -99,9 +102,9 @@ class LLM:
                  priority: int) -> EngineRequest:
         """Text, a TextPrompt or a TokensPrompt (jaxserve/inputs.py), through the
         engine's input processor."""
-        prompt, text = parse_prompt(prompt)
+        prompt, text, salt = parse_prompt(prompt)
         return self.engine.inputs.process(request_id, prompt, params, text=text,
-                                          priority=priority)
+                                          priority=priority, cache_salt=salt)
 
     def _run(self, order: dict[str, int], use_tqdm: UseTqdm) -> list[RequestOutput]:
         results: list[RequestOutput | None] = [None] * len(order)

@@ -194,3 +194,22 @@ def test_structured_output_waits_for_the_think_block(client, model):
     plain = client.chat.completions.create(**kw).choices[0].message
     assert plain.content.lstrip().startswith("{")
     assert getattr(plain, "reasoning_content", None) is None
+
+
+# Two calls in the model's own format, so that "auto" finds both.
+TWO_CALLS = HERMES.replace('"Sure. " call\n', '"Sure. " call call\n')
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call_under_auto(client, model):
+    kw = dict(messages=CHAT, tools=TOOLS, temperature=1.0, seed=11, max_tokens=250,
+              extra_body={"structured_outputs": {"grammar": TWO_CALLS}})
+    both = client.chat.completions.create(model=model, **kw).choices[0]
+    assert both.finish_reason == "tool_calls" and len(both.message.tool_calls) == 2
+    first = both.message.tool_calls[0].function.arguments
+    one = client.chat.completions.create(model=model, parallel_tool_calls=False,
+                                         **kw).choices[0]
+    assert one.finish_reason == "tool_calls" and one.message.content == "Sure."
+    assert [c.function.arguments for c in one.message.tool_calls] == [first]
+    calls, content, _, finish = streamed(client, model, parallel_tool_calls=False, **kw)
+    assert finish[0] == "tool_calls" and content[0].strip() == "Sure."
+    assert list(calls[0]) == [0] and calls[0][0][1:] == ["get_weather", first]

@@ -11,9 +11,9 @@ PS = 4
 SP = SimpleNamespace(max_tokens=16, min_tokens=0, ignore_eos=False, stop_token_ids=None)
 
 
-def make(rid, tokens, salt=None):
+def make(rid, tokens, salt=None, scope=None):
     return Request(rid, list(tokens), SP, eos_token_id=None, arrival_time=0.0,
-                   cache_salt=salt, page_size=PS)
+                   cache_salt=salt, cache_scope=scope, page_size=PS)
 
 
 def run_prefill(kv, req, hit=(), num_hit=0):
@@ -38,6 +38,24 @@ def test_request_block_hashes_chain_and_extend():
     assert make("s", range(4), salt="x").block_hashes[0] != h0
     with pytest.raises(ValueError):
         make("e", [])
+
+
+def test_salt_and_scope_key_the_first_page_and_the_chain_carries_them():
+    salted = make("s", range(8), salt="x").block_hashes
+    h0 = hash_block_tokens(None, (0, 1, 2, 3), ("x", None))
+    assert salted == [h0, hash_block_tokens(h0, (4, 5, 6, 7))]
+    assert make("s2", range(8), salt="x").block_hashes == salted
+    assert make("sc", range(8), scope="r1").block_hashes[0] == hash_block_tokens(
+        None, (0, 1, 2, 3), (None, "r1"))
+    assert make("p", range(8)).block_hashes[0] == hash_block_tokens(None, (0, 1, 2, 3))
+    # No page of a keyed request matches one keyed otherwise (or not at all), the later
+    # pages included, and a salt is never mistaken for the engine's scope.
+    chains = [make(str(i), range(8), salt=salt, scope=scope).block_hashes
+              for i, (salt, scope) in enumerate([(None, None), ("x", None), ("y", None),
+                                                 (None, "x"), ("x", "r1")])]
+    for i, a in enumerate(chains):
+        for b in chains[i + 1:]:
+            assert all(x != y for x, y in zip(a, b, strict=True))
 
 
 def test_request_status_order():
@@ -118,17 +136,20 @@ def test_eviction_is_lru_with_reverse_order_free():
     assert [x.block_id for x in hit[0]] == [1, 2] and n == 8  # chain stops at evicted page
 
 
-def test_cache_salt_isolation_with_caching_off():
+def test_caching_off_shares_only_within_a_scope():
     kv = KVCacheManager(num_pages=17, page_size=PS, enable_caching=False)
     prompt = list(range(9))
-    run_prefill(kv, make("s1", prompt, salt="x"))
+    run_prefill(kv, make("s1", prompt, scope="r"))
     assert kv.get_computed_blocks(make("plain", prompt)) == (([],), 0)
-    assert kv.get_computed_blocks(make("other", prompt, salt="y")) == (([],), 0)
-    hit, n = kv.get_computed_blocks(make("s2", prompt, salt="x"))
+    assert kv.get_computed_blocks(make("other", prompt, scope="q")) == (([],), 0)
+    assert kv.get_computed_blocks(make("salted", prompt, salt="r")) == (([],), 0)
+    hit, n = kv.get_computed_blocks(make("s2", prompt, scope="r"))
     assert [x.block_id for x in hit[0]] == [1, 2] and n == 8
-    # without a salt nothing is registered when caching is off
-    run_prefill(kv, make("p1", prompt))
-    assert kv.get_computed_blocks(make("p2", prompt)) == (([],), 0)
+    # Without a scope nothing is registered when caching is off, a client's salt
+    # included: a salt only keys the hits that caching gives.
+    for rid, salt in (("p1", None), ("c1", "x")):
+        run_prefill(kv, make(rid, prompt, salt=salt))
+        assert kv.get_computed_blocks(make(rid + "'", prompt, salt=salt)) == (([],), 0)
 
 
 def test_cache_salt_isolation_with_caching_on():
@@ -136,11 +157,14 @@ def test_cache_salt_isolation_with_caching_on():
     prompt = list(range(9))
     run_prefill(kv, make("s1", prompt, salt="x"))
     assert kv.get_computed_blocks(make("plain", prompt)) == (([],), 0)
+    assert kv.get_computed_blocks(make("other", prompt, salt="y")) == (([],), 0)
     run_prefill(kv, make("p1", prompt))
     hit, _ = kv.get_computed_blocks(make("p2", prompt))
     assert [x.block_id for x in hit[0]] == [4, 5]
     hit, _ = kv.get_computed_blocks(make("s2", prompt, salt="x"))
     assert [x.block_id for x in hit[0]] == [1, 2]
+    assert kv.get_computed_blocks(make("other", prompt, salt="y")) == (([],), 0)
+    assert kv.prefix_cache_stats.hits == 16
 
 
 def test_allocate_none_changes_nothing():
@@ -206,9 +230,10 @@ def test_state_slots_follow_the_pages_and_hybrids_never_share():
     kv = KVCacheManager(num_pages=9, page_size=4, enable_caching=True, num_state_slots=3)
     a, b, c = make("a", list(range(8))), make("b", list(range(8))), make("c", [1, 2])
     assert kv.allocate_slots(a, 8) is not None and kv.get_state_slot("a") == 1
-    # The same prompt again: no prefix hit on a hybrid model, even with a shared salt.
+    # The same prompt again: no prefix hit on a hybrid model without snapshots, even
+    # within a scope.
     assert kv.get_computed_blocks(b) == (([],), 0)
-    assert kv.get_computed_blocks(make("s", list(range(8)), salt="x")) == (([],), 0)
+    assert kv.get_computed_blocks(make("s", list(range(8)), scope="x")) == (([],), 0)
     assert kv.allocate_slots(b, 8) is not None and kv.get_state_slot("b") == 2
     # Pages remain but no slot: nothing is allocated.
     free_pages = kv.get_num_free_pages()

@@ -21,12 +21,12 @@ def sp(max_tokens=8, min_tokens=0, ignore_eos=False, stop_token_ids=None):
                            ignore_eos=ignore_eos, stop_token_ids=stop_token_ids)
 
 
-def req(rid, prompt, t=0.0, priority=0, salt=None, **kw):
+def req(rid, prompt, t=0.0, priority=0, salt=None, scope=None, **kw):
     if isinstance(prompt, int):  # distinct per request, so nothing is shared by accident
         base = 100 * (ord(rid[0]) - ord("a") + 1)
         prompt = list(range(base, base + prompt))
     return Request(rid, prompt, sp(**kw), eos_token_id=EOS, arrival_time=t,
-                   priority=priority, cache_salt=salt, page_size=PS)
+                   priority=priority, cache_salt=salt, cache_scope=scope, page_size=PS)
 
 
 def sched(num_pages=65, max_num_seqs=8, budget=64, max_model_len=64, **kw):
@@ -229,6 +229,32 @@ def test_preemption_and_resumption_fcfs():
     assert s.stats().num_preemptions == 1
 
 
+def test_a_salted_request_keeps_its_salt_through_preemption():
+    """b is preempted; it resumes from its own salted first page, which c, with the same
+    tokens and another salt (or none), never gets."""
+    s = sched(num_pages=5)  # 4 usable pages
+    a = req("a", 7, max_tokens=4)
+    b = req("b", list(range(30, 37)), max_tokens=4, salt="t1")
+    s.add_request(a)
+    s.add_request(b)
+    step(s)
+    step(s)
+    out, _ = step(s)
+    assert out.preempted_req_ids == ["b"] and b.status == RequestStatus.PREEMPTED
+    hashes = list(b.block_hashes)
+    for salt in (None, "t2"):   # b's first page is cached, but not for them
+        c = req("c", list(range(30, 37)), salt=salt)
+        assert s.kv.get_computed_blocks(c)[1] == 0
+    step(s)                     # a finishes
+    out, got = step(s)
+    assert got == [("b", 4, 5, True)] and out.requests[0].block_ids[0] == 3
+    assert b.block_hashes[:len(hashes)] == hashes
+    while s.has_unfinished_requests():
+        step(s)
+    c = req("c", b.all_token_ids[:9], salt="t1")   # b's two full pages, and one more
+    assert s.kv.get_computed_blocks(c)[1] == 8
+
+
 def test_preempting_itself_fcfs():
     s = sched(num_pages=4)  # 3 usable pages
     a = req("a", 2, max_tokens=3)
@@ -399,11 +425,13 @@ def test_abort_frees_pages():
     assert s.schedule().finished_req_ids == []
 
 
-def test_same_step_prefix_sharing_and_salted_siblings():
-    for caching, salt, shared in ((True, None, True), (False, "n2", True), (False, None, False)):
+def test_same_step_prefix_sharing_and_scoped_siblings():
+    for caching, keys, shared in ((True, {}, True), (False, {"scope": "n2"}, True),
+                                  (False, {}, False), (False, {"salt": "t"}, False),
+                                  (True, {"salt": "t"}, True)):
         s = sched(enable_prefix_caching=caching)
-        s.add_request(req("a", list(range(9)), salt=salt))
-        s.add_request(req("b", list(range(9)), salt=salt))
+        s.add_request(req("a", list(range(9)), **keys))
+        s.add_request(req("b", list(range(9)), **keys))
         out, got = step(s)
         b = out.requests[1]
         if shared:
@@ -478,10 +506,11 @@ def test_random_workload_against_a_fake_kv_cache(policy, caching, window):
             tail = [rng.randrange(3, 50) for _ in range(rng.randrange(1, 12))]
             prompt = prefixes[rng.randrange(3)][: rng.randrange(0, 10)] + tail
             max_tokens = rng.randrange(1, 10)
-            salt = "s" if rng.random() < 0.3 else None
+            # A client's salt, the engine's private scope (cached with caching off too).
+            keys = rng.choice([{}, {}, {}, {}, {"cache_salt": "s"}, {"cache_scope": "s"}])
             r = Request(rid, prompt, sp(max_tokens=max_tokens), eos_token_id=EOS,
                         arrival_time=float(t), priority=rng.randrange(3),
-                        cache_salt=salt, page_size=PS)
+                        page_size=PS, **keys)
             s.add_request(r)
             reqs.append(r)
             expected[rid] = max_tokens

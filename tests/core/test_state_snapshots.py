@@ -79,6 +79,19 @@ def test_shared_prefix_hits_from_the_third_request_on():
     assert s.kv.snapshots.num_restored_tokens == 56
 
 
+def test_snapshots_are_salted_like_their_pages():
+    """A snapshot is keyed by its page's hash, so a salt isolates it too: tenant t1's
+    shared prefix serves only t1, and another tenant (or none) computes it afresh."""
+    s, dev = hybrid(budget=64), FakeDevice()
+    system = list(range(500, 530))
+    starts = {}
+    for i, (rid, salt) in enumerate([("a", "t1"), ("b", "t1"), ("c", "t1"), ("d", None),
+                                     ("e", "t2"), ("f", "t1")]):
+        s.add_request(req(rid, system + [600 + i, 601 + i], max_tokens=2, salt=salt))
+        starts.update(run(s, dev))
+    assert starts == {"a": 0, "b": 0, "c": 28, "d": 0, "e": 0, "f": 28}
+
+
 def test_next_turn_of_a_chat_reuses_the_previous_turn():
     s, dev = hybrid(budget=64), FakeDevice()
     turn1 = req("t1", list(range(700, 722)), max_tokens=9)   # 22 prompt + 9 output

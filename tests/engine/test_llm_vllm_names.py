@@ -177,7 +177,9 @@ def test_prompt_types_and_numpy_ids(llm):
 @pytest.mark.parametrize("prompt, message", [
     (TokensPrompt(prompt_token_ids=[5], multi_modal_data={"image": 1}),
      "'multi_modal_data' is not supported by jaxserve: jaxserve serves text only"),
-    ({"prompt": "hi", "cache_salt": "x"}, "'cache_salt' is not supported"),
+    ({"prompt": "hi", "cache_salt": ""}, "cache_salt must not be empty"),
+    ({"prompt": "hi", "cache_salt": 7}, "cache_salt must be a string"),
+    ({"prompt": "hi", "cache_salt": "s" * 1025}, "cache_salt has 1025 characters"),
     ({"prompt": "hi", "prompt_embeds": [0.0]}, "'prompt_embeds'"),
     ({"prompt_token_id": [5]}, "'prompt_token_id' is not one jaxserve knows"),
     ({}, "needs 'prompt'"),
@@ -185,6 +187,37 @@ def test_prompt_types_and_numpy_ids(llm):
 def test_unknown_prompt_keys_are_refused(llm, prompt, message):
     with pytest.raises(ValueError, match=message):
         llm.generate(prompt, GREEDY, use_tqdm=False)
+
+
+def test_cache_salt_keys_prefix_cache_hits(llm):
+    """vLLM's prompt key: a prompt's cached pages serve only prompts of the same salt
+    (block_size 32: the 40-token prompt has one full page to share)."""
+    ids = _ids(40, seed=77)
+    def run(salt):
+        prompt = TokensPrompt(prompt_token_ids=ids) if salt is None else \
+            TokensPrompt(prompt_token_ids=ids, cache_salt=salt)
+        return llm.generate(prompt, GREEDY, use_tqdm=False)[0]
+    first = run("tenant-a")
+    outs = [run(salt) for salt in ("tenant-b", None, "tenant-a", "tenant-b", None)]
+    assert [o.num_cached_tokens for o in [first, *outs]] == [0, 0, 0, 32, 32, 32]
+    assert len({tuple(o.outputs[0].token_ids) for o in [first, *outs]}) == 1
+    text = llm.generate([TextPrompt(prompt="salted text", cache_salt="tenant-a")], GREEDY,
+                        use_tqdm=False)[0]
+    assert text.prompt == "salted text"
+
+
+def test_chat_continue_final_message(llm):
+    """The model goes on with the last message: the prompt stops inside it."""
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "It is"}]
+    out = llm.chat(chat, GREEDY, use_tqdm=False, add_generation_prompt=False,
+                   continue_final_message=True)[0]
+    want = llm.get_tokenizer().apply_chat_template(chat, continue_final_message=True,
+                                                   tokenize=True, return_dict=False)
+    assert out.prompt_token_ids == list(want)
+    closed = llm.chat(chat, GREEDY, use_tqdm=False, add_generation_prompt=False)[0]
+    assert len(closed.prompt_token_ids) > len(want)
+    with pytest.raises(ValueError, match="continue_final_message"):
+        llm.chat(chat, GREEDY, use_tqdm=False, continue_final_message=True)
 
 
 # ---- the tqdm bar ----------------------------------------------------------------------
