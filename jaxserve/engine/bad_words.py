@@ -71,7 +71,8 @@ class BadWords:
             self._tokens[:0]
 
     def __reduce__(self):
-        return _rebuild, (self._flat, self._lens)   # sorted, distinct: rebuilt as they are
+        # sorted and distinct already: rebuilt as they are (int32: token ids fit)
+        return _rebuild, (self._flat.astype(np.int32), self._lens.astype(np.int32))
 
     def __len__(self) -> int:
         """The number of distinct token sequences."""
@@ -134,7 +135,7 @@ class BadWords:
 
 def _rebuild(flat: np.ndarray, lens: np.ndarray) -> BadWords:
     words = BadWords.__new__(BadWords)
-    words._build(flat, lens)
+    words._build(flat.astype(np.int64), lens.astype(np.int64))
     return words
 
 

@@ -58,7 +58,7 @@ def test_the_automaton_bans_what_the_rule_bans(seed):
 def test_the_pickle_carries_the_words_not_the_automaton():
     words = [[i, i + 1, i + 2] for i in range(0, 3000, 3)]
     size = len(pickle.dumps(BadWords(words)))
-    assert size < 3000 * 8 + 1000 * 8 + 1000   # int64 tokens and lengths, and little else
+    assert size < 3000 * 4 + 1000 * 4 + 1000   # int32 tokens and lengths, and little else
 
 
 def _banned_in(row: np.ndarray) -> set[int]:
