@@ -34,6 +34,15 @@ MAX_LOGIT_BIAS = 128
 # Bias values are clamped to this range, as OpenAI documents and vLLM does.
 LOGIT_BIAS_LIMIT = 100.0
 
+# bad_words: at most this many words of at most this many characters in all (what the
+# front door tokenizes), and, tokenized (each word twice: at the start of a text and
+# after a space), at most MAX_BAD_WORD_TOKENS tokens a spelling (how far the automaton
+# of engine/bad_words.py walks back on a token) and MAX_BAD_WORDS_TOKENS in all (its size).
+MAX_BAD_WORDS = 16384
+MAX_BAD_WORDS_CHARS = 2**20
+MAX_BAD_WORD_TOKENS = 64
+MAX_BAD_WORDS_TOKENS = 2**18
+
 # Temperatures below this are greedy (as vLLM): dividing by ~0 would overflow.
 SAMPLING_EPS = 1e-5
 
@@ -143,9 +152,10 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # As in vLLM: a free-form slot for extensions; not validated, not compared.
     extra_args: dict | None = field(default=None, compare=False)
-    # Set by the front door (engine/input_processor.py), never by users: bad_words as
-    # token-id sequences, and the compiled grammar of structured_outputs.
-    bad_words_token_ids: tuple[tuple[int, ...], ...] | None = field(default=None, repr=False)
+    # Set by the front door (engine/input_processor.py), never by users: bad_words as an
+    # automaton over their token ids (engine/bad_words.py BadWords), and the compiled
+    # grammar of structured_outputs.
+    bad_words_automaton: Any = field(default=None, compare=False, repr=False)
     grammar: Any = field(default=None, compare=False, repr=False)
     # Set by the server's reasoning parser: the grammar applies from the token after these
     # (the end of the think block the chat template opened), not from the first.
@@ -258,10 +268,16 @@ class SamplingParams:
             raise bad("allowed_token_ids", self.allowed_token_ids,
                       f"a non-empty list of at most {MAX_TOKEN_ID_LIST} token ids "
                       f"(MAX_TOKEN_ID_LIST)")
-        if self.bad_words is not None and (
-                not isinstance(self.bad_words, (list, tuple))
-                or not all(isinstance(w, str) and w for w in self.bad_words)):
-            raise bad("bad_words", self.bad_words, "a list of non-empty strings")
+        if self.bad_words is not None:
+            if not isinstance(self.bad_words, (list, tuple)) or not all(
+                    isinstance(w, str) and w for w in self.bad_words):
+                raise InputError("bad_words must be a list of non-empty strings",
+                                 "bad_words")   # (the list itself may be long: not echoed)
+            chars = sum(map(len, self.bad_words))
+            if len(self.bad_words) > MAX_BAD_WORDS or chars > MAX_BAD_WORDS_CHARS:
+                raise InputError(f"bad_words: at most {MAX_BAD_WORDS} words of at most "
+                                 f"{MAX_BAD_WORDS_CHARS} characters in all, got "
+                                 f"{len(self.bad_words)} of {chars}", "bad_words")
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 raise bad("structured_outputs", self.structured_outputs,

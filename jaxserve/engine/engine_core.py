@@ -314,7 +314,9 @@ class EngineCore:
         """Processes other than 0: run every step process 0 publishes, until it stops."""
         if self.channel is None or multihost.is_leader():
             raise ValueError("follow() is for processes other than 0 of a multi-host run")
-        while (sched_out := self.channel.receive()) is not None:
+        # New requests' grammars come as specs: compiled here as the front door does.
+        compile_grammar = lambda so: self.inputs.grammar_compiler().compile(so)  # noqa: E731
+        while (sched_out := self.channel.receive(compile_grammar)) is not None:
             self.runner.execute(sched_out)
 
     def shutdown(self) -> None:

@@ -56,11 +56,13 @@ def _grammar_text(so: StructuredOutputsParams) -> str:
 
 
 class CompiledGrammar:
-    """A checked grammar and a matcher at its start, to copy for each sequence."""
+    """A checked grammar and a matcher at its start, to copy for each sequence; `spec`
+    is the constraint it was compiled from (what a multi-host step carries instead)."""
 
-    def __init__(self, matcher: Any, vocab_size: int):
+    def __init__(self, matcher: Any, vocab_size: int, spec: StructuredOutputsParams):
         self._matcher = matcher
         self.vocab_size = vocab_size
+        self.spec = spec
 
     def matcher(self) -> GrammarMatcher:
         return GrammarMatcher(self._matcher.deep_copy(), self.vocab_size)
@@ -135,7 +137,7 @@ class GrammarCompiler:
         if matcher.is_error():
             raise InputError(f"invalid structured_outputs {so.kind}: {matcher.get_error()}",
                              "structured_outputs")
-        compiled = CompiledGrammar(matcher, self.vocab_size)
+        compiled = CompiledGrammar(matcher, self.vocab_size, so)
         with self._lock:
             self._cache[key] = compiled
             if len(self._cache) > _CACHE_SIZE:

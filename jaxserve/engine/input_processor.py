@@ -16,7 +16,9 @@ import numpy as np
 
 from jaxserve.engine.chat_template import render_chat
 from jaxserve.engine.errors import InputError
-from jaxserve.sampling_params import (MAX_BANNED_TOKENS, MAX_LOGPROBS, SamplingParams, is_int,
+from jaxserve.engine.bad_words import BadWords
+from jaxserve.sampling_params import (MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS_TOKENS,
+                                      MAX_BANNED_TOKENS, MAX_LOGPROBS, SamplingParams, is_int,
                                       logprobs_limit)
 
 __all__ = ["EngineRequest", "InputError", "InputProcessor", "check_unicode"]
@@ -231,24 +233,33 @@ class InputProcessor:
                                  f"[0, {vocab})", name)
         changes: dict[str, Any] = {}
         if params.bad_words:
-            changes["bad_words_token_ids"] = self._bad_words_ids(params.bad_words)
+            changes["bad_words_automaton"] = self._bad_words(params.bad_words)
         if params.structured_outputs is not None:
             changes["grammar"] = self.grammar_compiler().compile(params.structured_outputs)
         return replace(params, **changes) if changes else params
 
-    def _bad_words_ids(self, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
-        """Each word as the tokenizer writes it at the start of a text and after a space
-        (its two usual spellings inside an output)."""
+    def _bad_words(self, words: Sequence[str]) -> BadWords:
+        """The automaton of the words' token ids: each word as the tokenizer writes it at
+        the start of a text and after a space (its two usual spellings in an output).
+        SamplingParams bounded the words; here their tokens are bounded too."""
         if self.tokenizer is None:
             raise InputError("bad_words needs a tokenizer; this model has none", "bad_words")
-        seqs: dict[tuple[int, ...], None] = {}
         for word in words:
             check_unicode(word, "bad_words")
-            for text in (word.lstrip(), " " + word.lstrip()):
-                ids = tuple(self.tokenizer(text, add_special_tokens=False).input_ids)
-                if ids and all(0 <= t < self.vocab_size for t in ids):
-                    seqs[ids] = None
-        return tuple(seqs)
+        texts = [t for w in words for t in (w.lstrip(), " " + w.lstrip())]
+        spellings = self.tokenizer(texts, add_special_tokens=False).input_ids
+        total = 0
+        for i, ids in enumerate(spellings):
+            total += len(ids)
+            if len(ids) > MAX_BAD_WORD_TOKENS:
+                raise InputError(f"bad_words[{i // 2}] is {len(ids)} tokens; a bad word may "
+                                 f"have at most {MAX_BAD_WORD_TOKENS}", "bad_words")
+        if total > MAX_BAD_WORDS_TOKENS:
+            raise InputError(f"bad_words are {total} tokens (each word counted at the start "
+                             f"of a text and after a space); at most {MAX_BAD_WORDS_TOKENS}",
+                             "bad_words")
+        vocab = self.vocab_size
+        return BadWords(ids for ids in spellings if all(0 <= t < vocab for t in ids))
 
     def grammar_compiler(self):
         with self._grammars_lock:

@@ -10,6 +10,13 @@ extra RPC layer); every other process reads it and runs the identical
 `ModelRunner.execute`, so the host arrays, the jitted calls and their order
 agree everywhere. Results are replicated, so process 0 reads its own copy.
 
+A step carries only plain data (_StepPickler): a structured-output grammar, compiled by
+the leader's front door into native llguidance objects, goes as its spec and each
+follower compiles its own (the same tokenizer and library, so the same masks); bad
+words go as their token ids and each follower rebuilds the automaton
+(engine/bad_words.py); SamplingParams.extra_args, which no runner reads and which may
+hold anything offline, is left out.
+
 Scope: one replica (D = 1) whose model axis spans every device of every
 process, e.g. "1x16" on two 8-GPU hosts. Data parallelism across hosts would
 need the replicas' results sent back to process 0; run one server per host
@@ -17,12 +24,19 @@ behind a load balancer instead.
 """
 from __future__ import annotations
 
+import io
 import logging
 import os
 import pickle
+from dataclasses import replace
+from typing import Any, Callable
 
 import jax
 import numpy as np
+
+from jaxserve.engine.grammar import CompiledGrammar
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.structured_outputs import StructuredOutputsParams
 
 logger = logging.getLogger("jaxserve")
 
@@ -96,7 +110,7 @@ class StepChannel:
 
     def publish(self, sched_out) -> None:
         # A diff: new requests whole (once), running ones as new pages and counts.
-        self._send(pickle.dumps(sched_out, protocol=pickle.HIGHEST_PROTOCOL))
+        self._send(dumps(sched_out))
 
     def close(self) -> None:
         """Tells the followers to stop (idempotent)."""
@@ -109,8 +123,10 @@ class StepChannel:
             self._client.key_value_set_bytes(f"{_PREFIX}/{pid}/{self._step}", payload)
         self._step += 1
 
-    def receive(self):
-        """The next step's scheduler output, or None when the leader has stopped."""
+    def receive(self, compile_grammar: Callable[[StructuredOutputsParams], Any]):
+        """The next step's scheduler output, or None when the leader has stopped.
+        compile_grammar: this process's compiler (GrammarCompiler.compile) for the
+        grammars of new requests."""
         key = f"{_PREFIX}/{jax.process_index()}/{self._step}"
         while True:
             try:
@@ -121,4 +137,46 @@ class StepChannel:
                     raise
         self._client.key_value_delete(key)
         self._step += 1
-        return pickle.loads(payload) if payload else None
+        return loads(payload, compile_grammar) if payload else None
+
+
+def dumps(step: Any) -> bytes:
+    """A step as plain data (the module doc says what is left out or sent as a spec)."""
+    buf = io.BytesIO()
+    _StepPickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(step)
+    return buf.getvalue()
+
+
+def loads(payload: bytes, compile_grammar: Callable[[StructuredOutputsParams], Any]) -> Any:
+    """A step from dumps, its grammars compiled by compile_grammar."""
+    return _StepUnpickler(io.BytesIO(payload), compile_grammar).load()
+
+
+def _grammar(spec: StructuredOutputsParams) -> Any:
+    """Where a step names a grammar: _StepUnpickler compiles it (never called itself)."""
+    raise RuntimeError("a step's grammar is compiled by the unpickler's compiler")
+
+
+def _same(obj: Any) -> Any:
+    return obj
+
+
+class _StepPickler(pickle.Pickler):
+    def reducer_override(self, obj: Any) -> Any:
+        # (not called for ints, lists, dicts and the like: token ids pickle at C speed)
+        if isinstance(obj, CompiledGrammar):
+            return _grammar, (obj.spec,)
+        if isinstance(obj, SamplingParams) and obj.extra_args is not None:
+            return _same, (replace(obj, extra_args=None),)
+        return NotImplemented
+
+
+class _StepUnpickler(pickle.Unpickler):
+    def __init__(self, file: io.BytesIO, compile_grammar: Callable):
+        super().__init__(file)
+        self._compile_grammar = compile_grammar
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == __name__ and name == _grammar.__name__:
+            return self._compile_grammar
+        return super().find_class(module, name)

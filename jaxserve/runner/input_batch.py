@@ -499,9 +499,7 @@ class InputBatch:
             mask[masked] = self.token_mask[rows[masked]]
             if samples is not None:
                 for i in np.flatnonzero(dynamic):
-                    row = rows[i]
-                    self.dynamic[row].fill(mask[i], self.tokens[row, self.num_prompt[row]:
-                                                                self.num_tokens[row]])
+                    self.dynamic[rows[i]].fill(mask[i])
             else:
                 self._fill_windows(step, mask)
         if self.has_bias[rows].any():

@@ -464,8 +464,10 @@ class ModelRunner:
         programs = self.warmup_programs()
         report = WarmupReport(len(programs), on_program)
         # Compile them all, several at a time (nothing runs yet, so no cache is donated
-        # while another program is lowered with it) ...
-        compile_all(programs, lambda prog: self.lower(prog).compile(),
+        # while another program is lowered with it), lowered one by one in this thread
+        # (lowering puts arrays on the mesh, which a multi-host run checks across
+        # processes, so every process must lower in the same order) ...
+        compile_all(programs, lambda lowered: lowered.compile(), prepare=self.lower,
                     workers=default_compile_workers(),
                     on_done=lambda prog, _, seconds: report.program_done(prog, seconds))
         # ... then run each once, from jax's in-memory caches: the calls serving makes.

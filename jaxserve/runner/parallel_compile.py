@@ -36,19 +36,27 @@ def default_compile_workers() -> int:
     return max(1, min(os.cpu_count() or 1, MAX_COMPILE_WORKERS))
 
 
-def compile_all(items: Sequence[T], compile_one: Callable[[T], Any], *, workers: int,
-                on_done: Callable[[T, Any, float], None] | None = None) -> list[Any]:
+def compile_all(items: Sequence[T], compile_one: Callable[[Any], Any], *, workers: int,
+                on_done: Callable[[T, Any, float], None] | None = None,
+                prepare: Callable[[T], Any] | None = None) -> list[Any]:
     """compile_one(item) for every item, `workers` at a time; returns the results in the
     order of `items`. on_done(item, result, seconds) runs in the calling thread as each
     finishes (in the order they finish). The first error cancels what has not started
-    and is raised once the running ones end."""
+    and is raised once the running ones end.
+
+    prepare: when given, compile_one gets prepare(item) instead of the item, and prepare
+    runs in the calling thread, in the order of `items`, while the pool compiles what is
+    ready. For work every process of a multi-host run must do in the same order:
+    lowering puts arrays on the mesh, which jax checks against every other process
+    (a collective), so lowerings racing in threads leave the processes out of step."""
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
     results: list[Any] = [None] * len(items)
+    ready = prepare or (lambda item: item)
 
-    def timed(i: int) -> tuple[int, Any, float]:
+    def timed(i: int, arg: Any) -> tuple[int, Any, float]:
         start = time.perf_counter()
-        out = compile_one(items[i])
+        out = compile_one(arg)
         return i, out, time.perf_counter() - start
 
     def finished(i: int, out: Any, seconds: float) -> None:
@@ -58,15 +66,21 @@ def compile_all(items: Sequence[T], compile_one: Callable[[T], Any], *, workers:
 
     if workers == 1 or len(items) <= 1:   # in this thread: plain tracebacks
         for i in range(len(items)):
-            finished(*timed(i))
+            finished(*timed(i, ready(items[i])))
         return results
     pool = ThreadPoolExecutor(max_workers=min(workers, len(items)),
                               thread_name_prefix="compile")
     try:
-        pending: set[Future] = {pool.submit(timed, i) for i in range(len(items))}
+        pending: set[Future] = set()
+        for i in range(len(items)):
+            pending.add(pool.submit(timed, i, ready(items[i])))
+            done = {f for f in pending if f.done()}
+            pending -= done
+            for fut in done:
+                finished(*fut.result())
         while pending:
-            ready, pending = wait(pending, return_when=FIRST_COMPLETED)
-            for fut in ready:
+            done, pending = wait(pending, return_when=FIRST_COMPLETED)
+            for fut in done:
                 finished(*fut.result())
     finally:
         pool.shutdown(wait=True, cancel_futures=True)

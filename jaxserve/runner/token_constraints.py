@@ -4,8 +4,8 @@ and logit-bias arrays, built from a request's SamplingParams.
 Static constraints (allowed_token_ids, one-token bad words) are fixed for a request and
 written once, when its row is added. Dynamic ones are recomputed before each step that
 samples: bad words of several tokens (banned only where the output ends with the
-word's other tokens) and a structured-output grammar (jaxserve/engine/grammar.py), which
-also advances by every sampled token.
+word's other tokens: an automaton, jaxserve/engine/bad_words.py) and a structured-output
+grammar (jaxserve/engine/grammar.py); both advance by every sampled token.
 """
 from __future__ import annotations
 
@@ -32,10 +32,11 @@ def static_mask(params: Any, mask_row: np.ndarray) -> bool:
     if params.allowed_token_ids:
         mask_row[:] = 0
         set_tokens(mask_row, params.allowed_token_ids, True)
-    singles = [w[0] for w in params.bad_words_token_ids or () if len(w) == 1]
-    if singles:
+    bad = params.bad_words_automaton     # jaxserve/engine/bad_words.py BadWords
+    singles = bad.singles if bad is not None else ()
+    if len(singles):
         set_tokens(mask_row, singles, False)
-    return bool(params.allowed_token_ids or singles)
+    return bool(params.allowed_token_ids or len(singles))
 
 
 def bias_row(params: Any, vocab_size: int, ids_row: np.ndarray, values_row: np.ndarray) -> bool:
@@ -53,7 +54,10 @@ class DynamicConstraints:
     """The constraints of one sequence that change as it generates."""
 
     def __init__(self, params: Any, output_token_ids: Sequence[int]):
-        self.bad_sequences = [w for w in params.bad_words_token_ids or () if len(w) > 1]
+        # bad words of several tokens: the automaton and this sequence's state in it
+        bad = params.bad_words_automaton
+        self.bad_words = bad if bad is not None and bad.has_sequences else None
+        self._bad_state = bad.ROOT if self.bad_words is not None else 0
         self.grammar = params.grammar.matcher() if params.grammar is not None else None
         # Reasoning first: the grammar waits until the output ends with these tokens.
         self._after = tuple(params.grammar_after_ids or ())
@@ -63,16 +67,15 @@ class DynamicConstraints:
 
     @staticmethod
     def wanted(params: Any) -> bool:
-        return params.grammar is not None or any(
-            len(w) > 1 for w in params.bad_words_token_ids or ())
+        bad = params.bad_words_automaton
+        return params.grammar is not None or (bad is not None and bad.has_sequences)
 
-    def fill(self, mask_row: np.ndarray, output_token_ids: np.ndarray) -> None:
-        """mask_row &= what may come next after output_token_ids."""
-        banned = [w[-1] for w in self.bad_sequences
-                  if len(output_token_ids) >= len(w) - 1
-                  and tuple(output_token_ids[len(output_token_ids) - len(w) + 1:]) == w[:-1]]
-        if banned:
-            set_tokens(mask_row, banned, False)
+    def fill(self, mask_row: np.ndarray) -> None:
+        """mask_row &= what may come next after the tokens accepted so far."""
+        if self.bad_words is not None:
+            banned = self.bad_words.banned(self._bad_state)
+            if len(banned):
+                set_tokens(mask_row, banned, False)
         if self.grammar is not None and not self._after:
             self.grammar.fill(mask_row)
 
@@ -83,9 +86,9 @@ class DynamicConstraints:
         draft its mask forbids, the masks are left as they are: no draft after it can be
         accepted. The constraints end where they began."""
         base = len(output_token_ids) - num_drafts
-        saved, consumed = (self._after, self._recent), 0
+        saved, consumed = (self._after, self._recent, self._bad_state), 0
         for j in range(num_drafts + 1):
-            self.fill(masks[j], output_token_ids[:base + j])
+            self.fill(masks[j])
             if j == num_drafts:
                 break
             d = int(output_token_ids[base + j])
@@ -95,9 +98,11 @@ class DynamicConstraints:
             self.accept(d)
         if consumed:
             self.grammar.rollback(consumed)
-        self._after, self._recent = saved
+        self._after, self._recent, self._bad_state = saved
 
     def accept(self, token_id: int) -> None:
+        if self.bad_words is not None:
+            self._bad_state = self.bad_words.next(self._bad_state, token_id)
         if self._after:       # still reasoning: watch for its end
             self._recent = (self._recent + (int(token_id),))[-len(self._after):]
             if self._recent == self._after:

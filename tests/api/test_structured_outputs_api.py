@@ -105,6 +105,8 @@ def test_token_constraints(client, model, api_checkpoint):
     (dict(extra_body={"guided_decoding_backend": "xgrammar"}), "guided_decoding_backend"),
     (dict(extra_body={"allowed_token_ids": [10**6]}), "allowed_token_ids"),
     (dict(logit_bias={"5": 1.0, "x": 2.0}), "logit_bias"),
+    (dict(extra_body={"bad_words": ["x"] * 16385}), "bad_words"),     # MAX_BAD_WORDS
+    (dict(extra_body={"bad_words": ["y" * 300]}), "bad_words"),       # tokens in a word
 ])
 def test_bad_constraints_are_refused_by_name(client, model, kw, param):
     with pytest.raises(openai.BadRequestError) as e:

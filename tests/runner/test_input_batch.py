@@ -14,6 +14,7 @@ import pytest
 from jaxserve.core.kv_cache_manager import SLIDING
 from jaxserve.core.request import Request
 from jaxserve.core.scheduler import CachedRequestData, Scheduler, SchedulerOutput
+from jaxserve.engine.bad_words import BadWords
 from jaxserve.runner.buckets import pick_bucket, power_of_two_buckets
 from jaxserve.runner.input_batch import InputBatch
 from jaxserve.runner.sampler import SamplingRow, make_sampling_tensors
@@ -86,7 +87,7 @@ def random_constraints(rng: random.Random) -> dict:
     if which == 2:
         return dict(logit_bias={t: rng.uniform(-5, 5) for t in rng.sample(range(V), 3)})
     if which == 3:   # as the input processor sets them from bad_words
-        return dict(bad_words=["x"], bad_words_token_ids=((rng.randrange(V),),))
+        return dict(bad_words=["x"], bad_words_automaton=BadWords([(rng.randrange(V),)]))
     return {}
 
 

@@ -26,6 +26,23 @@ def test_runs_on_several_threads_and_reports_on_the_caller():
     assert callers == {threading.get_ident()}
 
 
+def test_prepare_runs_on_the_caller_in_item_order_while_the_pool_compiles():
+    """What a multi-host run needs of lowering: the same order in every process."""
+    caller, prepared, compiled_on = threading.get_ident(), [], set()
+
+    def prepare(n):
+        assert threading.get_ident() == caller
+        prepared.append(n)
+        return n * 10
+
+    def compile_one(x):
+        compiled_on.add(threading.get_ident())
+        return x + 1
+    assert compile_all([5, 3, 4, 1], compile_one, workers=2, prepare=prepare) == \
+        [51, 31, 41, 11]
+    assert prepared == [5, 3, 4, 1] and caller not in compiled_on
+
+
 def test_first_error_is_raised():
     def boom(n):
         if n == 2:

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxserve.engine.bad_words import BadWords
 from jaxserve.runner.sampler import (SamplingRow, allowed_tokens, make_sampling_tensors,
                                      mask_words, sample)
 from jaxserve.runner.token_constraints import (ALL_ALLOWED, DynamicConstraints, set_tokens,
@@ -99,16 +100,16 @@ def test_logit_bias_validation_and_clamp():
 def test_static_mask_combines_allowed_ids_and_single_token_bad_words():
     row = np.zeros(mask_words(V), np.uint32)
     p = SamplingParams(allowed_token_ids=[1, 2, 3], bad_words=["b"],
-                       bad_words_token_ids=((2,), (4, 5)))
+                       bad_words_automaton=BadWords([(2,), (4, 5)]))
     assert static_mask(p, row)
     assert np.asarray(allowed_tokens(jnp.asarray(row[None]), V))[0].nonzero()[0].tolist() == [1, 3]
     assert not static_mask(SamplingParams(), row) and (row == ALL_ALLOWED).all()
 
 
 def test_bad_word_of_several_tokens_is_banned_only_after_its_prefix():
-    p = SamplingParams(bad_words=["ab"], bad_words_token_ids=((4, 5, 6),))
-    dyn = DynamicConstraints(p, [])
+    p = SamplingParams(bad_words=["ab"], bad_words_automaton=BadWords([(4, 5, 6)]))
     for history, banned in (([], False), ([4], False), ([9, 4, 5], True), ([4, 5, 7], False)):
+        dyn = DynamicConstraints(p, history)
         row = np.full(mask_words(V), ALL_ALLOWED, np.uint32)
-        dyn.fill(row, np.array(history, np.int32))
+        dyn.fill(row)
         assert (not np.asarray(allowed_tokens(jnp.asarray(row[None]), V))[0, 6]) == banned
