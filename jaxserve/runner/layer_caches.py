@@ -22,7 +22,7 @@ from models.config import ModelConfig
 from models.gated_deltanet import CONV_HEAD_AXIS, CONV_NDIM, STATE_HEAD_AXIS
 from models.layer_stack import CONV, KV, KV_SLIDING, RECURRENT, cache_shapes
 from pallas_kernels.ragged_paged_attention import KV_CACHE_NDIM, KV_HEAD_AXIS
-from pallas_kernels.ragged_paged_attention.cache import kv_storage_dtype
+from pallas_kernels.held_dtypes import held_dtype
 from sharding import kv_cache_sharding
 from sharding.parallel import heads_spec
 
@@ -57,7 +57,7 @@ def make_layer_caches(cfg: ModelConfig, mesh: Mesh, *, num_pages: int, page_size
                               conv_state_dtype=conv_state_dtype,
                               num_sliding_pages=num_sliding_pages)
     shardings = {kind: s.sharding for kind, s in specs.items()}
-    specs = {kind: _held(s, mesh) if kind in (KV, KV_SLIDING) else s
+    specs = {kind: _held(kind, s, mesh) if kind in (KV, KV_SLIDING, CONV) else s
              for kind, s in specs.items()}
     # One program makes them all (a jit per array would compile once per state shape).
     caches = jax.jit(lambda: {kind: jnp.zeros(s.shape, s.dtype) for kind, s in specs.items()},
@@ -65,17 +65,17 @@ def make_layer_caches(cfg: ModelConfig, mesh: Mesh, *, num_pages: int, page_size
     return caches, shardings
 
 
-def _held(spec: jax.ShapeDtypeStruct, mesh: Mesh) -> jax.ShapeDtypeStruct:
-    """A KV cache as the platform holds it (on CPU a narrow float cache as its bits:
-    pallas_kernels/ragged_paged_attention/cache.py says why), logged either way."""
+def _held(kind: str, spec: jax.ShapeDtypeStruct, mesh: Mesh) -> jax.ShapeDtypeStruct:
+    """A cache as the platform holds it (on CPU a narrow float KV cache or conv state as
+    its bits: pallas_kernels/held_dtypes.py says why), logged when it differs."""
     platform = mesh.devices.flat[0].platform
-    held = kv_storage_dtype(spec.dtype, platform)
+    held = held_dtype(spec.dtype, platform)
     if held != spec.dtype:
-        logger.info("KV cache: %s values held as %s bit patterns (XLA:CPU updates integer "
-                    "arrays in place, float ones through whole-cache converts)",
-                    jnp.dtype(spec.dtype).name, held.name)
+        logger.info("%s cache: %s values held as %s bit patterns on CPU (XLA:CPU updates "
+                    "integer arrays in place, narrow float ones through whole-array "
+                    "converts)", kind, jnp.dtype(spec.dtype).name, held.name)
     elif platform == "cpu" and jnp.dtype(spec.dtype) == jnp.float8_e5m2:
-        logger.warning("KV cache float8_e5m2 on CPU: XLA:CPU converts the whole cache on "
+        logger.warning("%s cache float8_e5m2 on CPU: XLA:CPU converts the whole cache on "
                        "every write (several times slower than fp8 e4m3, "
-                       "--kv-cache-dtype fp8)")
+                       "--kv-cache-dtype fp8)", kind)
     return jax.ShapeDtypeStruct(spec.shape, held, sharding=spec.sharding)

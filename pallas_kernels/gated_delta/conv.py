@@ -16,6 +16,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.held_dtypes import as_held, as_values
+
 
 def token_rows(query_start_loc: jax.Array, num_seqs: jax.Array, num_tokens: int,
                num_rows: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -52,7 +54,7 @@ def ragged_causal_conv1d(x: jax.Array, weight: jax.Array, conv_state: jax.Array,
     row, pos, valid = token_rows(qsl, num_seqs, num_tokens, num_rows)
 
     # Only R histories are read (a small gather); fresh rows see zeros whatever the slot holds.
-    hist = conv_state[slots].reshape(num_rows, channels, width).transpose(0, 2, 1)  # [R, W, C]
+    hist = as_values(conv_state[slots]).reshape(num_rows, channels, width).transpose(0, 2, 1)  # [R, W, C]
     hist = jnp.where(has_initial_state[:, None, None], hist, jnp.zeros_like(hist))
     flat_hist = hist.astype(jnp.float32).reshape(num_rows * width, channels)
 
@@ -70,9 +72,9 @@ def ragged_causal_conv1d(x: jax.Array, weight: jax.Array, conv_state: jax.Array,
     idx = lens[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]     # [R, W]
     tok = jnp.clip(qsl[:-1, None] + idx - width, 0, num_tokens - 1)
     old = jnp.take_along_axis(hist, jnp.clip(idx, 0, width - 1)[:, :, None], axis=1)
-    new = jnp.where((idx >= width)[:, :, None], x[tok].astype(conv_state.dtype),
-                    old.astype(conv_state.dtype))
+    new = jnp.where((idx >= width)[:, :, None], x[tok].astype(old.dtype), old)
     live = jnp.arange(num_rows) < num_seqs[0]
     dst = jnp.where(live, slots, num_slots)                             # out of range: dropped
     new = new.transpose(0, 2, 1).reshape(num_rows, channels * width)
-    return y, conv_state.at[dst].set(new, mode="drop")
+    # (held as bits on CPU: pallas_kernels/held_dtypes.py)
+    return y, conv_state.at[dst].set(as_held(new, conv_state.dtype), mode="drop")

@@ -20,43 +20,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.held_dtypes import as_held, value_dtype
 from pallas_kernels.ragged_paged_attention.quant import is_quantized, quantize
 
 KV_HEAD_AXIS = 1
 KV_CACHE_NDIM = 4
-
-# XLA:CPU has no 16- or 8-bit float arithmetic: it compiles a scatter (or any update)
-# into a bfloat16 / float16 / fp8 array as "convert the whole array to float32, update,
-# convert back" -- whole-cache passes per layer and step, 60x slower than float32 on a
-# small model. It updates integer arrays of the same width in place. So on CPU such a
-# cache is held as its bit patterns, the integer type saying which float they are
-# (uint16: bfloat16, int16: float16, uint8: float8_e4m3fn; int8 is the int8 cache and
-# float8_e5m2 has no integer type left, so it stays slow: layer_caches.py warns);
-# writers store bits, readers turn only the pages they gathered back into values (a
-# bitcast inside their fusion, no pass over the cache).
-_BITS = {jnp.dtype(jnp.bfloat16): jnp.dtype(jnp.uint16),
-         jnp.dtype(jnp.float16): jnp.dtype(jnp.int16),
-         jnp.dtype(jnp.float8_e4m3fn): jnp.dtype(jnp.uint8)}
-_VALUES = {bits: value for value, bits in _BITS.items()}
-
-
-def kv_storage_dtype(dtype, platform: str) -> jnp.dtype:
-    """The dtype a cache of `dtype` values is held in on `platform` (see _BITS)."""
-    dtype = jnp.dtype(dtype)
-    return _BITS.get(dtype, dtype) if platform == "cpu" else dtype
-
-
-def value_dtype(dtype) -> jnp.dtype:
-    """The dtype of the values a cache held in `dtype` stores."""
-    dtype = jnp.dtype(dtype)
-    return _VALUES.get(dtype, dtype)
-
-
-def as_values(x: jax.Array) -> jax.Array:
-    """Cache entries (or pages gathered from a cache) as the values they store."""
-    value = value_dtype(x.dtype)
-    return x if value == x.dtype else jax.lax.bitcast_convert_type(x, value)
-
 
 def make_kv_cache(num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
                   dtype=jnp.bfloat16) -> jax.Array:
@@ -118,13 +86,9 @@ def write_kv(cache: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Arr
     offset = slot_mapping % page_size
     page = jnp.where(slot_mapping < 0, num_pages, page)      # negative slots are dropped too
     kv = jnp.stack([k, v], axis=2)                          # [N, K, 2, H]
-    value = value_dtype(cache.dtype)
-    if kv_scale is None:
-        kv = kv.astype(value)
-    else:
-        kv = quantize(kv, kv_scale.astype(jnp.float32)[:, :, None], value)
-    if value != cache.dtype:
-        kv = jax.lax.bitcast_convert_type(kv, cache.dtype)
+    if kv_scale is not None:
+        kv = quantize(kv, kv_scale.astype(jnp.float32)[:, :, None], value_dtype(cache.dtype))
+    kv = as_held(kv, cache.dtype)
     kv = kv.reshape(k.shape[0] * 2 * kv_heads, head_dim)    # [N * 2K, H]
     # Rows of the cache seen as [P * 2K * S, H]: row (page * 2K + j) * S + offset.
     rows = ((page[:, None] * (2 * kv_heads) + jnp.arange(2 * kv_heads)) * page_size

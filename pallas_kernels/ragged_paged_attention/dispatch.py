@@ -35,7 +35,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.ragged_paged_attention import gpu, paged_loop, reference, tpu
-from pallas_kernels.ragged_paged_attention.cache import as_values, cache_dims, check_kv_scale
+from pallas_kernels.held_dtypes import as_values
+from pallas_kernels.ragged_paged_attention.cache import cache_dims, check_kv_scale
 from pallas_kernels.ragged_paged_attention.quant import is_quantized
 
 IMPLS = ("pallas", "xla", "reference")
@@ -128,7 +129,7 @@ def _attend(q, cache, kv_lens, page_table, query_start_loc, num_seqs, *, sm_scal
     if impl != "pallas":
         raise ValueError(f"impl={impl!r}: expected one of {IMPLS}")
     # The kernels read float caches as they are: one held as bits (a CPU engine's,
-    # cache.storage_dtype) is turned back whole, which only the CPU's interpret-mode
+    # pallas_kernels/held_dtypes.py) is turned back whole, which only the CPU's interpret-mode
     # runs of the kernels meet.
     cache = as_values(cache)
     args = (q, cache, *args[2:])

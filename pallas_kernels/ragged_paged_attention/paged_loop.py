@@ -35,7 +35,8 @@ import jax.numpy as jnp
 from pallas_kernels.ragged_paged_attention.blocks import (KV_LEN, KV_LO, NUM_STEPS, Q_COUNT,
                                                           Q_POS, REQ, gather_queries, plan_items,
                                                           scatter_outputs, window_start)
-from pallas_kernels.ragged_paged_attention.cache import as_values, cache_dims
+from pallas_kernels.held_dtypes import as_values
+from pallas_kernels.ragged_paged_attention.cache import cache_dims
 
 BLOCK_Q = 16
 # KV tokens per loop iteration (whole pages): fewer, larger iterations amortise the

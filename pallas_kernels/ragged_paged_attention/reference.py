@@ -26,7 +26,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.ragged_paged_attention.cache import as_values, cache_dims
+from pallas_kernels.held_dtypes import as_values
+from pallas_kernels.ragged_paged_attention.cache import cache_dims
 
 # Per-block gather budget: a block of B tokens gathers [B, K, 2, L, H] of K and V.
 _GATHER_BUDGET_BYTES = 64 * 1024 * 1024
