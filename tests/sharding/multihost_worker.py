@@ -44,8 +44,8 @@ def requests() -> list[tuple[str | list[int], object]]:
         SO(regex=r"[a-c]{2,5}(x|yz)"), SO(choice=["yes", "no", "maybe"]),
         SO(grammar='start: "(" NUM ("+" NUM)* ")"\nNUM: /[0-9]{1,2}/'),
         SO(grammar='root ::= "x" [a-d]* "y"'), SO(json_object=True),
-        ToolSetup("required", TOOLS).constraint(parallel=True),
-        ToolSetup("named", TOOLS, name="get_weather").constraint(parallel=False)]
+        ToolSetup("required", TOOLS, parallel=True).constraint(),
+        ToolSetup("named", TOOLS, name="get_weather", parallel=False).constraint()]
     out: list = [(f"Answer {i}:", SamplingParams(seed=10 + i, structured_outputs=so, **sampled))
                  for i, so in enumerate(constrained)]
     out += [
