@@ -84,10 +84,6 @@ def engine_layout(config: EngineConfig, mc: ModelConfig, mesh: Mesh) -> EngineLa
     stored = with_stored_kv_heads(mc, m)
     specs = layer_cache_specs(stored, kv_dtype=kv_dtype, conv_state_dtype=dtype)
     backend = resolve_backend(config.attention_backend, platform)
-    if is_quantized(kv_dtype) and mc.is_gemma4 and jnp.dtype(kv_dtype) == jnp.int8:
-        raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r}: int8 KV caches need "
-                         f"calibrated scales, not implemented for Gemma 4's two KV groups; "
-                         f"use fp8 (scale 1)")
     for layer in attention_shapes(stored):
         if is_quantized(kv_dtype):   # a kernel that cannot read it is an error
             why = kv_cache_dtype_error(kv_dtype, platform=platform, backend=backend,
