@@ -98,6 +98,32 @@ def test_qwen3_moe_equals_transformers_and_tensor_parallel(moe_checkpoint, no_wa
             assert_step_collectives(llm.engine)
 
 
+def test_quantized_experts_follow_their_scales(moe_checkpoint, no_warmup):
+    """int8 experts with one scale per output channel: each device's scales are its own
+    experts' (split with them), so the tokens and logprobs are the tensor-parallel
+    engine's."""
+    _, tp_tokens, tp_lps = _run(moe_checkpoint, "1x4", quantization="int8")
+    llm, tokens, lps = _run(moe_checkpoint, "1x4", quantization="int8",
+                            enable_expert_parallel=True)
+    assert tokens == tp_tokens
+    for a, b in zip(lps, tp_lps):
+        np.testing.assert_allclose(a, b, atol=1e-4)
+    scales = [x for name, x in _expert_leaves(llm.engine.params) if name.endswith("_scale']")]
+    assert len(scales) == 3 * llm.engine.model_config.num_layers
+    assert all(x.sharding.spec == P(MODEL, None, None) for x in scales)
+
+
+def test_a_dense_draft_model_stays_tensor_parallel(moe_checkpoint, tmp_path, no_warmup):
+    """Speculative decoding with a dense draft model: the target's experts split whole,
+    the draft (no experts) tensor parallel, the outputs the target's."""
+    draft = make_tiny_checkpoint("llama", tmp_path / "draft")
+    spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 2}
+    llm, tokens, _ = _run(moe_checkpoint, "1x2", enable_expert_parallel=True,
+                          speculative_config=spec)
+    assert tokens == reference_greedy(moe_checkpoint, _prompts(), NUM_NEW)
+    assert llm.engine.layout.expert_parallel
+
+
 @pytest.mark.parametrize("kind, mesh", [
     ("qwen3_5_moe", "1x2"),     # a shared expert beside the experts
     ("gemma4_moe", "1x4"),      # a dense MLP beside the experts
