@@ -91,6 +91,11 @@ class EngineConfig:
         "auto", choices=_KV_CACHE_DTYPES,
         help="KV cache dtype; auto = the model dtype. fp8 (= fp8_e4m3), fp8_e5m2 and int8 "
              "store it quantized with a scale per layer and KV head for K and V")
+    calculate_kv_scales: bool = _knob(
+        False, help="fp8 KV cache: measure the K and V scales of each layer and KV head at "
+                    "start-up on a calibration prefill instead of using 1 (a head with small "
+                    "keys keeps its precision); int8 KV scales are always measured; refused "
+                    "without a quantized --kv-cache-dtype")
     quantization: str | None = _knob(
         None, aliases=("-q",), choices=_QUANTIZATIONS,
         help="store the linear layers' weights in fp8 (float8_e4m3fn) or int8, one scale per "
@@ -135,6 +140,10 @@ class EngineConfig:
     tensor_parallel_size: int | None = _knob(
         None, aliases=("-tp",), help="devices each replica is tensor parallel over: the M of "
                                      "--mesh DxM", default_help="--mesh's M, else 1")
+    enable_expert_parallel: bool = _knob(
+        False, help="MoE models: split the experts whole over the model axis (each device "
+                    "holds num_experts/M of them) instead of every expert's width (tensor "
+                    "parallel); needs M > 1 dividing num_experts, refused for a dense model")
     data_parallel_size: int | None = _knob(
         None, aliases=("-dp",), help="data-parallel replicas: the D of --mesh DxM",
         default_help="--mesh's D, else 1")
@@ -194,6 +203,10 @@ class EngineConfig:
             raise bad("quantization", f"must be one of {_QUANTIZATIONS} (or unset)")
         if self.activation_quantization not in (None, "dynamic"):
             raise bad("activation_quantization", "must be 'dynamic' (or unset)")
+        if self.calculate_kv_scales and self.kv_cache_dtype not in KV_QUANT_DTYPE_NAMES:
+            raise bad("calculate_kv_scales", f"scales belong to a quantized KV cache, and "
+                      f"kv_cache_dtype={self.kv_cache_dtype!r} stores K and V as they are; "
+                      f"give --kv-cache-dtype fp8 (or int8), or leave the flag out")
         if self.load_format not in _LOAD_FORMATS:
             raise bad("load_format", f"must be one of {_LOAD_FORMATS}")
         if self.scheduling_policy not in _POLICIES:

@@ -42,8 +42,8 @@ logger = logging.getLogger("jaxserve")
 
 # The engine flags that change the converted tree (kv_cache_dtype: a quantized cache
 # adds its scales) or its weights.
-CONVERT_ENGINE_FLAGS = ("mesh", "dtype", "quantization", "kv_cache_dtype", "load_format", "seed",
-                        "revision", "download_dir")
+CONVERT_ENGINE_FLAGS = ("mesh", "dtype", "quantization", "kv_cache_dtype",
+                        "calculate_kv_scales", "load_format", "seed", "revision", "download_dir")
 
 
 def parser() -> argparse.ArgumentParser:

@@ -155,6 +155,9 @@ class ModelConfig:
     # Run config only: the KV cache is stored quantized, so each attention layer holds
     # per-kv-head K and V scales (param "kv_scale", models/layers.py).
     kv_cache_quantized: bool = False
+    # Run config only: the MoE experts are split whole over the model axis (X/M per
+    # device, --enable-expert-parallel) instead of each expert's F (models/qwen3_moe.py).
+    expert_parallel: bool = False
     hidden_act: str = "silu"                         # a SUPPORTED_ACTIVATIONS name
     # Gemma 4. Sliding-window layers (layer type SLIDING_ATTENTION) see the last
     # `sliding_window` positions, RoPE theta sliding_rope_theta, head_dim / num_kv_heads;

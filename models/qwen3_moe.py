@@ -18,7 +18,7 @@ from models.layers import INIT_STD, MLP, Einsum, activation, logical_param, quan
 from models.quantization import dequantize, quantize_rows
 from models.llama import LlamaForCausalLM
 from sharding.mesh import MODEL
-from sharding.parallel import over_model_axis
+from sharding.parallel import context_model_axis_size, over_model_axis
 
 Dtype = Any
 
@@ -53,8 +53,7 @@ def routed_experts(cfg: Any, dt: Dtype, x: jax.Array, top_w: jax.Array, top_i: j
                    weights: tuple[tuple[jax.Array, jax.Array | None], ...]) -> jax.Array:
     """sum_k top_w[t, k] * expert_{top_i[t, k]}(x[t]) for x [T, E] -> [T, E]; weights:
     (kernel, scale or None) of the stacked experts' gate, up and down projections."""
-    X, k = cfg.num_experts, cfg.num_experts_per_tok
-    T = x.shape[0]
+    k, T = cfg.num_experts_per_tok, x.shape[0]
     act = activation(cfg)
     (w_gate, s_gate), (w_up, s_up), (w_down, s_down) = weights
     # Quantized experts with one scale per output channel: the grouped matmuls read
@@ -67,12 +66,22 @@ def routed_experts(cfg: Any, dt: Dtype, x: jax.Array, top_w: jax.Array, top_i: j
         s_gate = s_up = s_down = None
     per_channel = s_gate is not None
 
+    expert_parallel = cfg.expert_parallel and context_model_axis_size() > 1
+
     def grouped(x, top_w, top_i, w_gate, w_up, w_down, *scales):
-        # Group the T*k (token, expert) pairs by expert for ragged_dot.
+        # Group the T*k (token, expert) pairs by expert for ragged_dot. Expert parallel:
+        # this device holds experts [first, first + X_local); the pairs of other devices'
+        # experts sort last, past every group, and contribute nothing.
+        x_local = w_gate.shape[0]
         flat_expert = top_i.reshape(T * k)
+        if expert_parallel:
+            local = flat_expert - jax.lax.axis_index(MODEL) * x_local
+            mine = (local >= 0) & (local < x_local)
+            flat_expert = jnp.where(mine, local, x_local)
         order = jnp.argsort(flat_expert, stable=True)
         token = order // k                                             # source token of each row
-        group_sizes = jnp.bincount(flat_expert, length=X).astype(jnp.int32)
+        # (bincount drops the other devices' pairs: values >= length are not counted)
+        group_sizes = jnp.bincount(flat_expert, length=x_local).astype(jnp.int32)
         xs = x[token].astype(dt)                                       # [T*k, E]
 
         def matmul(a, w, i):
@@ -92,18 +101,29 @@ def routed_experts(cfg: Any, dt: Dtype, x: jax.Array, top_w: jax.Array, top_i: j
         up = matmul(xs, w_up, 1)
         y = matmul(act(gate) * up, w_down, 2)                          # [T*k, E]
         y = y * top_w.reshape(T * k)[order][:, None]
+        if expert_parallel:   # rows past the groups are unspecified by ragged_dot
+            y = jnp.where(mine[order][:, None], y, 0)
         return jnp.zeros_like(x).at[token].add(y.astype(x.dtype))
 
-    # Tensor-parallel experts (sharding/rules.py): each device runs every expert on
-    # its slice of F and the partial [T, E] outputs are summed once, after the
-    # combine (left to XLA, the all-reduce lands on the k-times larger [T*k, E] rows).
-    # Per-channel scales follow their outputs: F (gate, up) split, E (down) whole --
-    # scaling a partial sum before the all-reduce is the same as after.
-    rep, f_out, f_in = PartitionSpec(), PartitionSpec(None, None, MODEL), \
-        PartitionSpec(None, MODEL, None)
     scales = (s_gate, s_up, s_down) if per_channel else ()
-    scale_specs = (f_out, f_out, rep) if per_channel else ()
-    return over_model_axis(grouped, in_specs=(rep, rep, rep, f_out, f_out, f_in, *scale_specs),
+    rep = PartitionSpec()
+    if expert_parallel:
+        # Expert parallel (--enable-expert-parallel, sharding/rules.py): each device runs
+        # its own X/M whole experts on every token routed to them, and the partial [T, E]
+        # outputs are summed once -- the same single all-reduce as tensor parallelism, no
+        # all-to-all (every device already holds all tokens). Scales follow their experts.
+        x_split = PartitionSpec(MODEL, None, None)
+        w_specs, scale_specs = (x_split,) * 3, (x_split,) * len(scales)
+    else:
+        # Tensor-parallel experts: each device runs every expert on its slice of F and
+        # the partial [T, E] outputs are summed once, after the combine (left to XLA, the
+        # all-reduce lands on the k-times larger [T*k, E] rows). Per-channel scales
+        # follow their outputs: F (gate, up) split, E (down) whole -- scaling a partial
+        # sum before the all-reduce is the same as after.
+        f_out, f_in = PartitionSpec(None, None, MODEL), PartitionSpec(None, MODEL, None)
+        w_specs = (f_out, f_out, f_in)
+        scale_specs = (f_out, f_out, rep) if per_channel else ()
+    return over_model_axis(grouped, in_specs=(rep, rep, rep, *w_specs, *scale_specs),
                            out_specs=rep, sum_outputs=True)(x, top_w, top_i, w_gate, w_up, w_down,
                                                             *scales)
 
@@ -130,9 +150,9 @@ class Experts(nn.Module):
                 return quantized_param(self, name, shape, axes, 1, wq, num_stacked=1)
             return logical_param(self, name, init, shape, axes, self.dtype), None
 
-        return (weight("gate_proj", (X, E, F), ("experts", "embed", "mlp")),
-                weight("up_proj", (X, E, F), ("experts", "embed", "mlp")),
-                weight("down_proj", (X, F, E), ("experts", "mlp", "embed")))
+        return (weight("gate_proj", (X, E, F), ("experts", "embed", "expert_mlp")),
+                weight("up_proj", (X, E, F), ("experts", "embed", "expert_mlp")),
+                weight("down_proj", (X, F, E), ("experts", "expert_mlp", "embed")))
 
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):

@@ -30,13 +30,13 @@ RULES: dict[str, str | None] = {
     "global_kv_heads": MODEL,   # Gemma 4's global layers' KV heads (a count of their own)
     "linear_key_heads": MODEL,    # Gated DeltaNet: key-head groups (q, k and their v heads),
     "linear_value_heads": MODEL,  # split together; the recurrent state likewise
-    "mlp": MODEL,        # gate/up outputs, down inputs -- dense MLP *and* inside each expert
-    # Experts are tensor-parallel (each device holds a 1/M slice of every expert's F),
-    # not expert-parallel: the MoE block then costs the same single all-reduce as a
-    # dense MLP, the work is balanced whatever the routing, and no all-to-all token
-    # dispatch is needed (vLLM's default within a node too). Expert parallelism pays off
-    # across many devices with all-to-all dispatch; it is a later step.
-    "experts": None,
+    "mlp": MODEL,        # gate/up outputs, down inputs of the dense MLP (and shared expert)
+    # By default experts are tensor-parallel: each device holds a 1/M slice of every
+    # expert's F, the MoE block costs the same single all-reduce as a dense MLP and the
+    # work is balanced whatever the routing. --enable-expert-parallel swaps the two
+    # (expert_parallel_rules): each device holds X/M whole experts.
+    "expert_mlp": MODEL,  # F inside each expert
+    "experts": None,      # the stacked experts
     "embed": None,       # the residual stream stays replicated between layers
     "head_dim": None,
     "norm": None,
@@ -48,18 +48,24 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def check_model_axis(mc: Any, m: int) -> None:
+def check_model_axis(mc: Any, m: int, expert_parallel: bool = False) -> None:
     """ValueError naming the first model dimension that M does not divide.
 
     Must divide: query heads; the dense MLP width (if any layer is dense); the
-    expert and shared-expert MLP widths (MoE); the DeltaNet key heads (hybrid). KV heads need not (kv_head_layout), nor the vocabulary.
+    expert MLP width (MoE; with expert_parallel the expert count instead) and the
+    shared-expert MLP width; the DeltaNet key heads (hybrid). KV heads need not
+    (kv_head_layout), nor the vocabulary. expert_parallel also refuses a dense model
+    and a model axis of one (check_expert_parallel).
     """
+    if expert_parallel:
+        check_expert_parallel(mc, m)
     need = [("num_attention_heads", mc.num_heads)]
     dense_mlp = mc.is_gemma4 or not mc.is_moe   # Gemma 4's MoE layers keep a dense MLP
     if dense_mlp or any(not mc.is_moe_layer(i) for i in range(mc.num_layers)):
         need.append(("intermediate_size", mc.intermediate_size))
     if mc.is_moe:
-        need.append(("moe_intermediate_size", mc.moe_intermediate_size))
+        need.append(("num_experts", mc.num_experts) if expert_parallel else
+                    ("moe_intermediate_size", mc.moe_intermediate_size))
         if mc.shared_expert_intermediate_size:
             need.append(("shared_expert_intermediate_size", mc.shared_expert_intermediate_size))
     if mc.is_hybrid:
@@ -67,9 +73,25 @@ def check_model_axis(mc: Any, m: int) -> None:
     ok = _divisors(math.gcd(*(v for _, v in need)))
     for name, value in need:
         if value % m:
+            why = (" (enable_expert_parallel=True places whole experts, num_experts/M on "
+                   "each device)" if name == "num_experts" else "")
             raise ValueError(
-                f"mesh model axis M={m} does not divide {name}={value}; model-axis sizes "
-                f"that work for this model: {', '.join(map(str, ok))}")
+                f"mesh model axis M={m} does not divide {name}={value}{why}; model-axis "
+                f"sizes that work for this model: {', '.join(map(str, ok))}")
+
+
+def check_expert_parallel(mc: Any, m: int) -> None:
+    """ValueError naming enable_expert_parallel where it would change nothing: a dense
+    model has no experts, and on a model axis of one every expert is on the device
+    (data-parallel replicas each hold all experts: expert parallelism splits them over
+    the model axis only)."""
+    if not mc.is_moe:
+        raise ValueError(f"enable_expert_parallel=True: {mc.architecture} is a dense model "
+                         f"(no experts to split); leave --enable-expert-parallel out")
+    if m == 1:
+        raise ValueError("enable_expert_parallel=True: the model axis is 1, so every expert is "
+                         "on the one device; expert parallelism splits the experts over the "
+                         "model axis: give --tensor-parallel-size M (or --mesh DxM) with M > 1")
 
 
 def kv_head_layout(num_heads: int, num_kv_heads: int, m: int) -> int:
@@ -108,9 +130,12 @@ def kv_head_repeats(mc: Any, m: int) -> dict[str, int]:
     return out
 
 
-def mesh_rules(mc: Any, m: int) -> dict[str, str | None]:
-    """RULES for one model: the vocabulary replicated when M does not divide it."""
+def mesh_rules(mc: Any, m: int, expert_parallel: bool = False) -> dict[str, str | None]:
+    """RULES for one model: the vocabulary replicated when M does not divide it; with
+    expert_parallel, whole experts split over the model axis instead of every expert's F."""
     rules = dict(RULES)
+    if expert_parallel:
+        rules.update(experts=MODEL, expert_mlp=None)
     if mc.vocab_size % m:
         logger.warning("vocab_size=%d does not divide by the model axis %d: embedding and "
                        "lm_head are replicated on every device", mc.vocab_size, m)

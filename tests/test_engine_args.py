@@ -71,6 +71,8 @@ def test_todays_spellings_still_work(flag, value, field, expected):
      "argument --max-num-batched-tokens: max_num_batched_tokens=32: must be >= max_num_seqs"),
     (["--block-size", "12"], "argument --page-size: page_size=12: must be a positive power"),
     (["--mesh", "2y4"], "argument --mesh: "),
+    (["--calculate-kv-scales"], "argument --calculate-kv-scales: calculate_kv_scales=True: "
+                                "scales belong to a quantized KV cache"),
     (["--no-such-flag", "1"], "unrecognized arguments: --no-such-flag 1")])
 def test_bad_values_exit_2_naming_the_flag(argv, message, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("JAXSERVE_CACHE", str(tmp_path))   # where the default model goes

@@ -23,6 +23,8 @@ from typing import Any
 import ml_dtypes  # noqa: F401  (numpy then knows bfloat16, float8_e4m3fn)
 import numpy as np
 
+from pallas_kernels.kv_cache_dtypes import KV_QUANT_DTYPE_NAMES
+
 MANIFEST = "jaxserve_checkpoint.json"
 PARAMS_DIR = "params"
 FORMAT_VERSION = 1
@@ -30,8 +32,9 @@ FORMAT_VERSION = 1
 Path_ = tuple[str, ...]
 # EngineConfig fields, besides dtype, quantization, scan_layers and the mesh (checked on
 # their own), that may shape the param tree (a quantized KV cache has per-head scale
-# params): recorded at conversion, named when the trees differ.
-TREE_SETTINGS = ("kv_cache_dtype",)
+# params) or make its values (the scales: check_settings): recorded at conversion, named
+# when the trees differ.
+TREE_SETTINGS = ("kv_cache_dtype", "calculate_kv_scales")
 
 
 def tree_settings(config: Any) -> dict[str, Any]:
@@ -150,11 +153,32 @@ def check_settings(manifest: Manifest, config: Any, model_dir: str) -> None:
         raise ValueError(f"--dtype {config.dtype}: {name} was converted to {manifest.dtype}; "
                          f"pass --dtype {manifest.dtype} (or auto), or convert again with "
                          f"--dtype {config.dtype}")
+    made, wanted = _kv_scales_made(manifest.settings), _kv_scales_made(tree_settings(config))
+    if wanted and made and made != wanted:
+        raise ValueError(
+            f"--kv-cache-dtype {config.kv_cache_dtype}"
+            f"{' --calculate-kv-scales' if config.calculate_kv_scales else ''}: {name} stores "
+            f"the KV scales of a {made[0]} cache, {'measured' if made[1] else 'all 1'}; serve "
+            f"it with the settings it was converted with ({_describe_settings(manifest)}), "
+            f"or convert again with these")
     q = config.quantization
     if q is not None and q != manifest.quantization:
         was = manifest.quantization or "none (unquantized)"
         raise ValueError(f"--quantization {q}: {name} was converted with quantization {was}; "
                          f"drop --quantization, or convert again with --quantization {q}")
+
+
+def _kv_scales_made(settings: dict[str, Any]) -> tuple[str, bool] | None:
+    """How a quantized KV cache's scales are made under these tree settings: (stored
+    dtype, measured rather than 1: models/kv_scales.py); None for a float cache."""
+    stored = KV_QUANT_DTYPE_NAMES.get(settings.get("kv_cache_dtype", "auto"))
+    if stored is None:
+        return None
+    return stored, stored == "int8" or bool(settings.get("calculate_kv_scales", False))
+
+
+def _describe_settings(manifest: Manifest) -> str:
+    return ", ".join(f"--{f.replace('_', '-')} {v}" for f, v in manifest.settings.items())
 
 
 def resolve_converted(config: Any) -> Any:

@@ -116,8 +116,10 @@ def _load_draft_model(config: EngineConfig, layout: EngineLayout, mesh: Mesh,
         raise ValueError(f"{what}: max_position_embeddings={draft.max_position_embeddings} is "
                          f"shorter than max_model_len={layout.max_model_len}; lower "
                          f"--max-model-len")
+    # Expert parallel for the target: the draft's experts too, a dense draft has none.
     dconfig = replace(config, model=path, tokenizer=None, speculative_config=None,
-                      max_model_len=layout.max_model_len)
+                      max_model_len=layout.max_model_len,
+                      enable_expert_parallel=config.enable_expert_parallel and draft.is_moe)
     dlayout = engine_layout(dconfig, draft, mesh)
     if abstract:
         model = build_layout_model(dlayout)

@@ -48,6 +48,7 @@ class EngineLayout:
     activation_bytes: int         # estimated peak temporaries of a program (kv_budget)
     scan_layers: bool             # EngineConfig.scan_layers (for_platform resolved it)
     num_speculative_tokens: int = 0   # drafts a row verifies in a step (0: none)
+    expert_parallel: bool = False     # MoE experts split whole over the model axis
 
     @property
     def run_config(self) -> ModelConfig:
@@ -56,12 +57,14 @@ class EngineLayout:
         return replace(self.model_config, num_kv_heads=self.kv_heads,
                        full_num_kv_heads=self.global_kv_heads, weight_quant=self.weight_quant,
                        kv_cache_quantized=is_quantized(self.kv_dtype),
+                       expert_parallel=self.expert_parallel,
                        max_decode_tokens=1 + self.num_speculative_tokens)
 
 
 def engine_layout(config: EngineConfig, mc: ModelConfig, mesh: Mesh) -> EngineLayout:
     """ValueError for a max_model_len past the model's or a model axis that does not
-    divide the model (sharding.check_model_axis)."""
+    divide the model (sharding.check_model_axis: also expert parallelism it cannot
+    serve)."""
     platform = mesh.devices.flat[0].platform
     config = config.for_platform(platform)   # (idempotent: the engine resolved it already)
     dtype = resolve_dtype(config.dtype, mc)
@@ -73,14 +76,14 @@ def engine_layout(config: EngineConfig, mc: ModelConfig, mesh: Mesh) -> EngineLa
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
                          f"max_position_embeddings={mc.max_position_embeddings}")
     m = mesh.shape[MODEL]
-    check_model_axis(mc, m)
+    ep = config.enable_expert_parallel
+    check_model_axis(mc, m, expert_parallel=ep)
+    if ep:
+        logger.info("expert parallel: %d experts per device (of %d), each whole",
+                    mc.num_experts // m, mc.num_experts)
     stored = with_stored_kv_heads(mc, m)
     specs = layer_cache_specs(stored, kv_dtype=kv_dtype, conv_state_dtype=dtype)
     backend = resolve_backend(config.attention_backend, platform)
-    if is_quantized(kv_dtype) and mc.is_gemma4 and jnp.dtype(kv_dtype) == jnp.int8:
-        raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r}: int8 KV caches need "
-                         f"calibrated scales, not implemented for Gemma 4's two KV groups; "
-                         f"use fp8 (scale 1)")
     for layer in attention_shapes(stored):
         if is_quantized(kv_dtype):   # a kernel that cannot read it is an error
             why = kv_cache_dtype_error(kv_dtype, platform=platform, backend=backend,
@@ -101,8 +104,8 @@ def engine_layout(config: EngineConfig, mc: ModelConfig, mesh: Mesh) -> EngineLa
                            jnp.dtype(dtype).itemsize, max_model_len)
     spec = config.speculative_config
     return EngineLayout(mc, dtype, kv_dtype, weight_quant, max_model_len, m, stored.num_kv_heads,
-                        stored.full_num_kv_heads, backend, mesh_rules(mc, m), specs, act,
-                        config.scan_layers, spec.num_speculative_tokens if spec else 0)
+                        stored.full_num_kv_heads, backend, mesh_rules(mc, m, ep), specs, act,
+                        config.scan_layers, spec.num_speculative_tokens if spec else 0, ep)
 
 
 def attention_shapes(mc: ModelConfig) -> list[int]:

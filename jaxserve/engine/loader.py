@@ -21,7 +21,7 @@ from jaxserve.checkpoints.converted import (PARAMS_DIR, check_settings, check_tr
                                             is_converted, read_manifest, tree_settings)
 from jaxserve.config import EngineConfig
 from jaxserve.engine.layout import EngineLayout, build_layout_model, layout_param_shardings
-from models.kv_scales import kv_scales
+from models.kv_scales import calculates_scales, kv_scales
 from models.orbax_io import restore_params
 from models.weights import abstract_params, load_params, param_bytes, untie_lm_head
 from sharding import MODEL, bytes_per_device, kv_head_repeats
@@ -54,12 +54,15 @@ def load_weights(config: EngineConfig, layout: EngineLayout, mesh: Mesh, *,
                          kv_head_repeat=kv_head_repeats(mc, layout.model_axis),
                          progress=on_progress)
     if model.config.kv_cache_quantized:   # (a converted checkpoint stores its scales)
-        int8 = jnp.dtype(layout.kv_dtype) == jnp.int8
+        calculate = config.calculate_kv_scales
         with jax.set_mesh(mesh):
-            params = {**params, **kv_scales(model, params, layout.kv_dtype, seed=config.seed)}
+            params = {**params, **kv_scales(model, params, layout.kv_dtype, calculate=calculate,
+                                            seed=config.seed)}
         logger.info("KV cache in %s: K and V scales per layer and KV head %s",
                     jnp.dtype(layout.kv_dtype).name,
-                    "calibrated on a prefill (models/kv_scales.py)" if int8 else "1 (fp8)")
+                    "calibrated on a prefill (models/kv_scales.py)"
+                    if calculates_scales(layout.kv_dtype, calculate)
+                    else "1 (fp8; --calculate-kv-scales measures them)")
     return model, params
 
 

@@ -84,7 +84,8 @@ class WeightFigures:
 
 
 def weight_figures(mc, m: int, dtype: str, weight_quant=None,
-                   kv_cache_quantized: bool = False) -> WeightFigures:
+                   kv_cache_quantized: bool = False, expert_parallel: bool = False
+                   ) -> WeightFigures:
     """From the flax model's parameter shapes and dtypes (jax.eval_shape: nothing
     allocated; quantized kernels in their own dtype, their scales float32, the rest in
     `dtype`; a quantized KV cache adds its float32 scales) and their placement by
@@ -100,7 +101,7 @@ def weight_figures(mc, m: int, dtype: str, weight_quant=None,
                                  kv_cache_quantized=kv_cache_quantized), dtype, "reference")
     shapes = flatten_dict(abstract_params(module))
     axes = flatten_dict(param_logical_axes(module))
-    rules = mesh_rules(mc, m)
+    rules = mesh_rules(mc, m, expert_parallel)
     per_device = replicated = total = num_params = 0
     for path, sds in shapes.items():
         itemsize = sds.dtype.itemsize
@@ -155,6 +156,7 @@ class Plan:
     sliding_kv_bytes_per_token_per_device: int = 0
     sliding_window: int | None = None
     kv_shared_layers: int = 0         # layers that read another layer's KV (own none)
+    expert_parallel: bool = False     # MoE experts split whole over the model axis
 
     @property
     def free_after_weights(self) -> int:
@@ -248,7 +250,7 @@ def make_plan(mc, *, model: str, mesh: str, dtype: str = "auto", kv_cache_dtype:
               weights: WeightFigures | None = None, platform: str | None = None,
               page_size: int = 16, kv_cache_memory_bytes: int | None = None,
               num_pages: int | None = None, cache: CachePlan | None = None,
-              prefix_caching: bool = True) -> Plan:
+              prefix_caching: bool = True, expert_parallel: bool = False) -> Plan:
     """weights: the parameter figures if known; by default from the flax model (which
     needs the model class of mc.architecture). platform "tpu": also check the limits
     of the TPU compiler that the kernels cannot stream around (compiler_limit).
@@ -265,7 +267,7 @@ def make_plan(mc, *, model: str, mesh: str, dtype: str = "auto", kv_cache_dtype:
     from sharding.mesh import parse_mesh
 
     d, m = parse_mesh(mesh)
-    check_model_axis(mc, m)
+    check_model_axis(mc, m, expert_parallel)
     if dtype != "auto" and dtype not in SERVING_DTYPES:
         raise ValueError(f"dtype={dtype!r}: expected one of {('auto', *SERVING_DTYPES)}")
     dt = resolve_dtype(dtype, mc)
@@ -273,7 +275,8 @@ def make_plan(mc, *, model: str, mesh: str, dtype: str = "auto", kv_cache_dtype:
     weight_quant = resolve_weight_quant(quantization, mc.weight_quant)
     stored = with_stored_kv_heads(mc, m)
     kv_heads = stored.num_kv_heads
-    w = weights or weight_figures(mc, m, dt.name, weight_quant, is_quantized(kv_dt))
+    w = weights or weight_figures(mc, m, dt.name, weight_quant, is_quantized(kv_dt),
+                                  expert_parallel)
     max_model_len = max_model_len or mc.max_position_embeddings
     tokens = max_num_batched_tokens or max(2048, max_num_seqs)
     specs = layer_cache_specs(stored, kv_dtype=kv_dt, conv_state_dtype=dt)
@@ -313,7 +316,8 @@ def make_plan(mc, *, model: str, mesh: str, dtype: str = "auto", kv_cache_dtype:
         sliding_attention_layers=len(sliding),
         sliding_kv_bytes_per_token_per_device=sum(s.bytes_per_token() for s in sliding) // m,
         sliding_window=mc.sliding_window if sliding else None,
-        kv_shared_layers=sum(isinstance(s, SharedKVSpec) for s in specs))
+        kv_shared_layers=sum(isinstance(s, SharedKVSpec) for s in specs),
+        expert_parallel=expert_parallel)
 
 
 def _state_layout(mc, dtype: str) -> str:
@@ -341,14 +345,14 @@ def plan_for_engine(info) -> str:
                      max_model_len=info.max_model_len, max_num_seqs=cfg.max_num_seqs,
                      max_num_batched_tokens=cfg.num_batched_tokens, page_size=cfg.page_size,
                      hbm_bytes=stats.get("bytes_limit"), hbm_utilization=cfg.hbm_utilization,
-                     cache=info.cache_plan)
+                     cache=info.cache_plan, expert_parallel=cfg.enable_expert_parallel)
     return format_plan(plan)
 
 
 # The engine flags a plan takes: made from EngineConfig's fields, as the server's are.
 PLAN_ENGINE_FLAGS = ("mesh", "hbm_utilization", "max_model_len", "max_num_seqs",
                      "max_num_batched_tokens", "dtype", "kv_cache_dtype", "quantization",
-                     "enable_prefix_caching")
+                     "enable_prefix_caching", "enable_expert_parallel")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -400,6 +404,7 @@ def main(argv: list[str] | None = None) -> None:
                          max_num_seqs=args.max_num_seqs,
                          max_num_batched_tokens=args.max_num_batched_tokens,
                          prefix_caching=args.enable_prefix_caching,
+                         expert_parallel=args.enable_expert_parallel,
                          hbm_bytes=hbm, hbm_utilization=args.hbm_utilization,
                          link_gbps=args.interconnect_gbps,
                          platform="tpu" if args.target else None)
@@ -430,6 +435,7 @@ def _compile(args) -> None:
     report = compile_plan(args.model, target=args.target, mesh=args.mesh, select=args.compile,
                           progress=progress, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
                           quantization=args.quantization,
+                          enable_expert_parallel=args.enable_expert_parallel,
                           max_num_seqs=args.max_num_seqs, hbm_utilization=args.hbm_utilization,
                           **kw)
     print(json.dumps(report.to_json()) if args.json else format_report(report))

@@ -255,7 +255,8 @@ def compile_plan(model: str, *, target: str, mesh: str = "1x1",
                      max_model_len=lay.max_model_len,
                      max_num_seqs=config.max_num_seqs,
                      max_num_batched_tokens=config.num_batched_tokens, hbm_bytes=hbm,
-                     hbm_utilization=config.hbm_utilization)
+                     hbm_utilization=config.hbm_utilization,
+                     expert_parallel=config.enable_expert_parallel)
     chosen = (eng.programs if select == "all" else default_selection(eng.programs)
               if select == "default" else select(eng.programs))
     resident = eng.weight_bytes_per_device + bytes_per_device(eng.runner.kv_caches)

@@ -18,7 +18,7 @@ def format_plan(p: Plan) -> str:
     d, m = p.mesh
     lines = [
         f"plan: {p.model} on mesh {d}x{m} ({d} replica{'s' if d > 1 else ''} x {m}-way tensor "
-        f"parallel), weights {p.dtype}"
+        f"parallel{', experts expert-parallel' if p.expert_parallel else ''}), weights {p.dtype}"
         + (f" (linear layers {p.quantization}-quantized)" if p.quantization else "")
         + f", KV cache {p.kv_dtype}",
         f"  parameters                 {p.num_params:,} ({p.num_params / 1e9:.2f} B)"

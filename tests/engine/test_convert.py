@@ -92,7 +92,7 @@ def test_converted_serves_the_safetensors_greedy_tokens(kind, mesh, checkpoint, 
     assert (manifest.dtype, manifest.model_axis, manifest.scan_layers) == (
         "float32", int(mesh[-1]), False)
     assert manifest.source == src and manifest.quantization is None
-    assert manifest.settings == {"kv_cache_dtype": "auto"}
+    assert manifest.settings == {"kv_cache_dtype": "auto", "calculate_kv_scales": False}
     assert {"config.json", "tokenizer.json", "tokenizer_config.json", MANIFEST,
             PARAMS_DIR} <= set(os.listdir(out))
     assert load_model_config(str(out)).dtype == "float32"   # the planner reads it too
@@ -251,6 +251,26 @@ def test_quantized_round_trip(quantization, checkpoint, tmp_path):
     with pytest.raises(ValueError, match=rf"--quantization {other}: .* was converted with "
                                          rf"quantization {quantization}"):
         LLM(str(out), max_model_len=64, quantization=other)
+
+
+def test_kv_scales_are_served_as_they_were_made(checkpoint, tmp_path):
+    """A converted quantized KV cache's scales are values of the tree: served with the
+    settings that made them (the same measured scales as from the safetensors), and
+    refused with settings that would make others (the same tree shapes)."""
+    src = checkpoint("llama")
+    made = dict(dtype="float32", kv_cache_dtype="fp8", calculate_kv_scales=True)
+    out = str(_convert(src, tmp_path / "c", **made))
+    got, _ = _load(out, kv_cache_dtype="fp8", calculate_kv_scales=True)
+    want, _ = _load(src, **made)
+    _assert_same(got, want)
+    assert not (np.asarray(got["kv_scales"]) == 1).all()
+    for kv in ("fp8", "int8"):   # scales of 1; int8's own
+        with pytest.raises(ValueError, match=rf"--kv-cache-dtype {kv}: .* stores the KV scales "
+                                             rf"of a float8_e4m3fn cache, measured; serve it "
+                                             rf"with the settings it was converted with "
+                                             rf"\(--kv-cache-dtype fp8, --calculate-kv-scales "
+                                             rf"True\)"):
+            _load(out, kv_cache_dtype=kv)
 
 
 def test_quantization_asked_of_an_unquantized_conversion_is_refused(converted_1x2):

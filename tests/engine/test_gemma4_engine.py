@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
@@ -68,7 +69,8 @@ def test_fp8_weights_and_kv_as_the_vllm_guide(checkpoint):
     of the cold run. (Logits against dequantized weights: tests/models/
     test_parity_gemma4.py; agreement with the float engine is not tested here: the
     tiny random Gemma's attention, scale 1 on unit-RMS q and k, is so sharp that even a
-    bfloat16 cache changes a quarter of its top-1 tokens.) int8 KV is refused."""
+    bfloat16 cache changes a quarter of its top-1 tokens.) int8 KV and measured fp8 scales
+    start, with scales of their own per KV group."""
     path = checkpoint("gemma4_moe")
     llm = LLM(path, dtype="float32", max_model_len=160, max_num_seqs=4,
               max_num_batched_tokens=64, quantization="fp8", kv_cache_dtype="fp8",
@@ -81,8 +83,15 @@ def test_fp8_weights_and_kv_as_the_vllm_guide(checkpoint):
     assert warm.num_cached_tokens == 64
     assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
     assert_no_leaks(llm.engine)
-    with pytest.raises(ValueError, match="int8 KV caches"):
-        LLM(path, dtype="float32", max_model_len=128, kv_cache_dtype="int8")
+    # int8 and measured fp8 scales: each KV group calibrated on its own (the scales'
+    # accuracy: tests/models/test_kv_scales.py; no warmup: only the start is checked).
+    for kv, calculate in (("int8", False), ("fp8", True)):
+        llm = LLM(path, dtype="float32", max_model_len=128, max_num_seqs=4,
+                  max_num_batched_tokens=64, kv_cache_dtype=kv, calculate_kv_scales=calculate,
+                  enforce_eager=True)
+        for name in ("kv_scales", "kv_scales_sliding"):
+            s = np.asarray(llm.engine.runner.params[name])
+            assert (s > 0).all() and len(np.unique(s)) == s.size, (kv, name)
 
 
 def test_pages_leaving_the_window_go_back_to_the_pool(checkpoint, expected):

@@ -44,8 +44,10 @@ def no_warmup(monkeypatch):
 
 def test_kv_scales_int8_calibrated_fp8_one(checkpoint, no_warmup):
     path = checkpoint("llama")
-    for kv, calibrated in (("int8", True), ("fp8", False)):
-        core = _engine(path, kv_cache_dtype=kv).engine
+    for kv, calibrated in (("int8", True), ("fp8", False), ("fp8", True)):
+        # fp8: 1 unless --calculate-kv-scales (accuracy: tests/models/test_kv_scales.py)
+        core = _engine(path, kv_cache_dtype=kv, calculate_kv_scales=kv == "fp8" and calibrated
+                       ).engine
         scales = np.asarray(core.runner.params["kv_scales"])
         mc = core.info.model_config
         assert scales.shape == (mc.num_layers, mc.num_kv_heads, 2)

@@ -196,7 +196,7 @@ def test_logical_axes():
     axes = param_logical_axes(build_model(cfg, jnp.float32))
     assert tuple(axes["layers_0"]["self_attn"]["q_proj"]["kernel"]) == ("embed", "heads", "head_dim")
     assert tuple(axes["layers_0"]["self_attn"]["k_proj"]["kernel"]) == ("embed", "kv_heads", "head_dim")
-    assert tuple(axes["layers_0"]["mlp"]["experts"]["down_proj"]) == ("experts", "mlp", "embed")
+    assert tuple(axes["layers_0"]["mlp"]["experts"]["down_proj"]) == ("experts", "expert_mlp", "embed")
     assert tuple(axes["embed_tokens"]["embedding"]) == ("vocab", "embed")
     assert tuple(axes["lm_head"]["kernel"]) == ("embed", "vocab")
 

@@ -237,3 +237,20 @@ def test_the_cache_leaves_room_for_the_sampler():
     small = make_plan(mc, max_num_seqs=8, **kw)
     assert small.kv_budget_bytes == int(0.9 * small.free_after_weights)
     assert kv_budget_bytes(100, 0.9, 50) == 50 and kv_budget_bytes(100, 0.9, 200) == 0
+
+
+def test_expert_parallel_plan(capsys):
+    """--enable-expert-parallel moves whole experts, not bytes: the same weights per
+    device as tensor-parallel experts, said in the header; refused for a dense model."""
+    mc = load_model_config("qwen3-30b-a3b")
+    tp = make_plan(mc, model="qwen3-30b-a3b", mesh="1x8")
+    ep = make_plan(mc, model="qwen3-30b-a3b", mesh="1x8", expert_parallel=True)
+    assert ep.weight_bytes_per_device == tp.weight_bytes_per_device
+    assert ep.replicated_param_bytes == tp.replicated_param_bytes
+    main(["--model", "qwen3-30b-a3b", "--mesh", "1x8", "--enable-expert-parallel"])
+    assert "8-way tensor parallel, experts expert-parallel" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        main(["--model", "qwen3-8b", "--mesh", "1x8", "--enable-expert-parallel"])
+    assert e.value.code == 2
+    assert "enable_expert_parallel=True: Qwen3ForCausalLM is a dense model" in \
+        capsys.readouterr().err
