@@ -118,11 +118,14 @@ class EngineConfig:
                              help="dummy = random weights at the model's real shape")
     scheduling_policy: str = _knob("fcfs", choices=_POLICIES, help="order of the waiting "
                                                                    "requests")
-    num_pages: int | None = None          # explicit KV page count (includes the null page)
+    num_pages: int | None = _knob(
+        None, aliases=("--num-gpu-blocks-override",),
+        help="KV cache pages per layer, the null page included, in place of sizing them by "
+             "memory", default_help="sized by --gpu-memory-utilization")
     # None: DEFAULT_HBM_UTILIZATION on accelerators (for_platform); on CPU a quarter of
     # the free RAM, taken only as far as max_num_seqs sequences need.
     hbm_utilization: float | None = _knob(
-        None, aliases=("--gpu-memory-utilization",),
+        None, aliases=("--gpu-memory-utilization", "--device-memory-utilization"),
         help="share of the memory the weights leave that the KV cache gets (on CPU: of the "
              "free RAM); the rest is the reserve for activations",
         default_help=f"{DEFAULT_HBM_UTILIZATION} on GPU/TPU; on CPU a quarter of the free "
@@ -162,7 +165,7 @@ class EngineConfig:
         0.0, help="GiB of host memory for swapped-out KV: only 0, jaxserve preempts by "
                   "recomputation and never swaps")
     speculative_config: SpeculativeConfig | None = _knob(
-        None, help="speculative decoding, as vLLM's JSON: {\"method\": \"ngram\", "
+        None, aliases=("-sc",), help="speculative decoding, as vLLM's JSON: {\"method\": \"ngram\", "
                    "\"num_speculative_tokens\": 3, \"prompt_lookup_max\": 5, "
                    "\"prompt_lookup_min\": 2}; outputs are the same as without it (greedy: "
                    "identical; sampled: the same distribution, and identical for a seed)",

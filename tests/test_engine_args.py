@@ -42,8 +42,9 @@ def test_server_flags_are_engine_config_fields():
                           if t is not type(None))
         if value_type is bool:
             assert isinstance(action, argparse.BooleanOptionalAction), name
-        elif name not in ("compilation_cache_dir", "dtype", "speculative_config"):
-            # ('' / 'none' = off; half; JSON text, parsed by EngineConfig)
+        elif name not in ("compilation_cache_dir", "dtype", "speculative_config",
+                          "max_model_len", "max_num_batched_tokens", "kv_cache_memory_bytes"):
+            # ('' / 'none' = off; half; JSON text, parsed by EngineConfig; sizes as 32k)
             assert action.type is value_type, name
     # No flags at all: EngineConfig's own defaults (max_num_seqs: the platform's).
     args = cli.parser().parse_args(["--model", "/m"])
@@ -69,7 +70,8 @@ def test_todays_spellings_still_work(flag, value, field, expected):
     (["--dtype", "float64"], "argument --dtype: invalid choice: 'float64'"),
     (["--max-num-batched-tokens", "32", "--max-num-seqs", "64"],
      "argument --max-num-batched-tokens: max_num_batched_tokens=32: must be >= max_num_seqs"),
-    (["--block-size", "12"], "argument --page-size: page_size=12: must be a positive power"),
+    (["--block-size", "12"], "argument --page-size/--block-size: page_size=12: must be a "
+                             "positive power"),
     (["--mesh", "2y4"], "argument --mesh: "),
     (["--no-such-flag", "1"], "unrecognized arguments: --no-such-flag 1")])
 def test_bad_values_exit_2_naming_the_flag(argv, message, tmp_path, monkeypatch, capsys):

@@ -40,7 +40,9 @@ def create_app(engine: AsyncEngine, settings: ServerSettings,
     serving = OpenAIServing(engine, settings, metrics)
     created = int(time.time())
 
-    app = FastAPI(title="jaxserve", version=jaxserve.__version__)
+    docs = {"docs_url": None, "redoc_url": None, "openapi_url": None} \
+        if settings.disable_fastapi_docs else {}
+    app = FastAPI(title="jaxserve", version=jaxserve.__version__, **docs)
     app.state.serving = serving
     # Started here, not in a lifespan: the LoadingGate owns the lifespan and this app
     # never sees one (loading.py). The thread ends with the engine.
@@ -55,8 +57,9 @@ def create_app(engine: AsyncEngine, settings: ServerSettings,
     # A dependency, not an HTTP middleware: see body_limit.py for why.
     async def require_api_key(
             creds: HTTPAuthorizationCredentials | None = Security(_bearer)) -> None:
-        given = creds.credentials if creds is not None else ""
-        if not secrets.compare_digest(given.encode(), settings.api_key.encode()):
+        given = (creds.credentials if creds is not None else "").encode()
+        # Every key is compared, so the time taken does not say which one was close.
+        if not [k for k in settings.api_key if secrets.compare_digest(given, k.encode())]:
             raise APIError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')")
 
     # /health, /ping, /load, /metrics and /version stay open (probes and load balancers

@@ -46,7 +46,7 @@ class ServerSettings:
     # --served-model-name: requests may name any; answers and metrics carry the first.
     served_model_names: tuple[str, ...]
     max_model_len: int
-    api_key: str | None = None
+    api_key: tuple[str, ...] | str | None = None   # --api-key: any of them is let in
     max_waiting_requests: int = 1024
     disable_log_requests: bool = False
     chat_template: str | None = None
@@ -57,6 +57,9 @@ class ServerSettings:
     disable_log_stats: bool = False         # no periodic stats line (api/stats_logger.py)
     log_stats_interval: float = 10.0        # seconds between two stats lines
     enable_tokenizer_info_endpoint: bool = False   # GET /tokenizer_info (off, as vLLM)
+    # --default-chat-template-kwargs: under each request's own chat_template_kwargs.
+    default_chat_template_kwargs: dict = field(default_factory=dict)
+    disable_fastapi_docs: bool = False      # no /docs, /redoc, /openapi.json
 
     def __post_init__(self) -> None:
         names = self.served_model_names
@@ -66,6 +69,9 @@ class ServerSettings:
             raise ValueError(f"served_model_names must be one or more non-empty names, "
                              f"got {self.served_model_names!r}")
         object.__setattr__(self, "served_model_names", names)
+        keys = self.api_key
+        object.__setattr__(self, "api_key", () if not keys else (keys,) if isinstance(keys, str)
+                           else tuple(keys))
 
     @property
     def served_model_name(self) -> str:
@@ -293,7 +299,7 @@ class OpenAIServing:
         ids = self.inputs.render_chat([m.model_dump() for m in req.messages],
                                       chat_template=self.settings.chat_template,
                                       add_generation_prompt=req.add_generation_prompt,
-                                      template_kwargs=req.chat_template_kwargs,
+                                      template_kwargs=self._template_kwargs(req),
                                       tools=tools.tools)
         in_reasoning = bool(self.settings.reasoning_parser) and prompt_ends_in_reasoning(
             self.inputs.tokenizer.decode(ids[-16:]))
@@ -302,6 +308,12 @@ class OpenAIServing:
             params = replace(params, grammar_after_ids=tuple(end))
         return [self.inputs.process(f"{rid}-0", ids, params, priority=req.priority)], \
             in_reasoning
+
+    def _template_kwargs(self, req: ChatCompletionRequest) -> dict | None:
+        """The server's --default-chat-template-kwargs under the request's own."""
+        defaults = self.settings.default_chat_template_kwargs
+        return {**defaults, **(req.chat_template_kwargs or {})} if defaults \
+            else req.chat_template_kwargs
 
     async def chat(self, req: ChatCompletionRequest, raw: Request):
         self.check_open()
