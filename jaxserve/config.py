@@ -31,7 +31,7 @@ _POLICIES = ("fcfs", "priority")
 _ATTENTION_BACKENDS = ("auto", "xla", "reference", "pallas", "pallas_interpret")
 
 
-# The accelerators' KV cache share of the memory the weights leave (--gpu-memory-utilization).
+# The accelerators' share of the device for the engine (--gpu-memory-utilization).
 DEFAULT_HBM_UTILIZATION = 0.9
 
 
@@ -126,8 +126,9 @@ class EngineConfig:
     # the free RAM, taken only as far as max_num_seqs sequences need.
     hbm_utilization: float | None = _knob(
         None, aliases=("--gpu-memory-utilization", "--device-memory-utilization"),
-        help="share of the memory the weights leave that the KV cache gets (on CPU: of the "
-             "free RAM); the rest is the reserve for activations",
+        help="share of the device's memory the engine holds, as vLLM's: weights + KV cache "
+             "+ a reserve for the programs' temporaries (JAX's GPU pool is set to it before "
+             "JAX starts); on CPU: the KV cache's share of the free RAM",
         default_help=f"{DEFAULT_HBM_UTILIZATION} on GPU/TPU; on CPU a quarter of the free "
                      f"RAM, only as much as max_num_seqs sequences need")
     kv_cache_memory_bytes: int | None = _knob(
