@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any, NoReturn
 
 from jaxserve.config import DTYPE_ALIASES, ConfigError, EngineConfig
+from jaxserve.speculative import SpeculativeConfig
 from jaxserve.vllm_compat import BOOL, FLOAT, INT, JSON, LIST, OPTIONAL, SWITCH, Setting, \
     parse_json
 
@@ -166,7 +167,11 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
             raise ConfigError("speculative_config", "give --speculative-config or its "
                               "shorthands (--spec-method, --spec-model, --spec-tokens), not "
                               "both")
-        out["speculative_config"] = spec
+        try:   # checked here, so that a bad value names the shorthand given
+            out["speculative_config"] = SpeculativeConfig.parse(spec)
+        except ValueError as e:
+            raise ConfigError("spec_method", f"--spec-method/--spec-model/--spec-tokens: "
+                              f"{e}") from None
     return out
 
 
