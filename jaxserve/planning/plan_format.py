@@ -81,8 +81,9 @@ def _memory_lines(p: Plan) -> list[str]:
         f"  device memory              {_gib(m.device_bytes)}, of which the engine takes "
         f"{p.hbm_utilization:.0%} (--gpu-memory-utilization) = {_gib(m.engine_bytes)}: "
         f"weights {_gib(p.weight_bytes_per_device)}{drafter} + reserve "
-        f"{_gib(m.reserve_bytes)} (the larger of {WORKSPACE_SHARE:.0%} and the estimated activations "
-        f"~{_gib(p.activation_bytes)}: {p.max_num_batched_tokens} tokens/step, sampler over "
+        f"{_gib(m.reserve_bytes)} (the larger of {WORKSPACE_SHARE:.0%} and the estimated "
+        f"activations ~{_gib(p.activation_bytes)}: {p.max_num_batched_tokens} tokens/step, "
+        f"sampler over "
         f"{p.max_num_seqs} rows) + {cache}; {_gib(m.outside_bytes)} left to others"]
 
 
