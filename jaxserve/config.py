@@ -31,7 +31,7 @@ _POLICIES = ("fcfs", "priority")
 _ATTENTION_BACKENDS = ("auto", "xla", "reference", "pallas", "pallas_interpret")
 
 
-# The accelerators' KV cache share of the memory the weights leave (--gpu-memory-utilization).
+# The accelerators' share of the device for the engine (--gpu-memory-utilization).
 DEFAULT_HBM_UTILIZATION = 0.9
 
 
@@ -123,13 +123,17 @@ class EngineConfig:
                              help="dummy = random weights at the model's real shape")
     scheduling_policy: str = _knob("fcfs", choices=_POLICIES, help="order of the waiting "
                                                                    "requests")
-    num_pages: int | None = None          # explicit KV page count (includes the null page)
+    num_pages: int | None = _knob(
+        None, aliases=("--num-gpu-blocks-override",),
+        help="KV cache pages per layer, the null page included, in place of sizing them by "
+             "memory", default_help="sized by --gpu-memory-utilization")
     # None: DEFAULT_HBM_UTILIZATION on accelerators (for_platform); on CPU a quarter of
     # the free RAM, taken only as far as max_num_seqs sequences need.
     hbm_utilization: float | None = _knob(
-        None, aliases=("--gpu-memory-utilization",),
-        help="share of the memory the weights leave that the KV cache gets (on CPU: of the "
-             "free RAM); the rest is the reserve for activations",
+        None, aliases=("--gpu-memory-utilization", "--device-memory-utilization"),
+        help="share of the device's memory the engine holds, as vLLM's: weights + KV cache "
+             "+ a reserve for the programs' temporaries (JAX's GPU pool is set to it before "
+             "JAX starts); on CPU: the KV cache's share of the free RAM",
         default_help=f"{DEFAULT_HBM_UTILIZATION} on GPU/TPU; on CPU a quarter of the free "
                      f"RAM, only as much as max_num_seqs sequences need")
     kv_cache_memory_bytes: int | None = _knob(
@@ -171,7 +175,7 @@ class EngineConfig:
         0.0, help="GiB of host memory for swapped-out KV: only 0, jaxserve preempts by "
                   "recomputation and never swaps")
     speculative_config: SpeculativeConfig | None = _knob(
-        None, help="speculative decoding, as vLLM's JSON: {\"method\": \"ngram\", "
+        None, aliases=("-sc",), help="speculative decoding, as vLLM's JSON: {\"method\": \"ngram\", "
                    "\"num_speculative_tokens\": 3, \"prompt_lookup_max\": 5, "
                    "\"prompt_lookup_min\": 2}; outputs are the same as without it (greedy: "
                    "identical; sampled: the same distribution, and identical for a seed)",

@@ -1,5 +1,5 @@
-"""`python -m jaxserve.plan`: the planner's command line (jaxserve/planning/plan.py)."""
-from jaxserve.planning.plan import main
+"""`python -m jaxserve.plan`: the planner's command line (jaxserve/planning/plan_cli.py)."""
+from jaxserve.planning.plan_cli import main
 
 if __name__ == "__main__":
     main()

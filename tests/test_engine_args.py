@@ -11,7 +11,7 @@ import pytest
 from jaxserve.api import cli
 from jaxserve.config import EngineConfig, default_max_num_seqs
 from jaxserve.engine_args import FLAGS, NOT_FLAGS, flag_name
-from jaxserve.planning import plan
+from jaxserve.vllm_compat import ENGINE
 
 FIELDS = {f.name: f for f in dataclasses.fields(EngineConfig)}
 
@@ -42,8 +42,9 @@ def test_server_flags_are_engine_config_fields():
                           if t is not type(None))
         if value_type is bool:
             assert isinstance(action, argparse.BooleanOptionalAction), name
-        elif name not in ("compilation_cache_dir", "dtype", "speculative_config"):
-            # ('' / 'none' = off; half; JSON text, parsed by EngineConfig)
+        elif name not in ("compilation_cache_dir", "dtype", "speculative_config",
+                          "max_model_len", "max_num_batched_tokens", "kv_cache_memory_bytes"):
+            # ('' / 'none' = off; half; JSON text, parsed by EngineConfig; sizes as 32k)
             assert action.type is value_type, name
     # No flags at all: EngineConfig's own defaults (max_num_seqs: the platform's).
     args = cli.parser().parse_args(["--model", "/m"])
@@ -69,7 +70,8 @@ def test_todays_spellings_still_work(flag, value, field, expected):
     (["--dtype", "float64"], "argument --dtype: invalid choice: 'float64'"),
     (["--max-num-batched-tokens", "32", "--max-num-seqs", "64"],
      "argument --max-num-batched-tokens: max_num_batched_tokens=32: must be >= max_num_seqs"),
-    (["--block-size", "12"], "argument --page-size: page_size=12: must be a positive power"),
+    (["--block-size", "12"], "argument --page-size/--block-size: page_size=12: must be a "
+                             "positive power"),
     (["--mesh", "2y4"], "argument --mesh: "),
     (["--calculate-kv-scales"], "argument --calculate-kv-scales: calculate_kv_scales=True: "
                                 "scales belong to a quantized KV cache"),
@@ -83,23 +85,29 @@ def test_bad_values_exit_2_naming_the_flag(argv, message, tmp_path, monkeypatch,
     assert err.startswith("usage: python -m jaxserve.api") and message in err, err
 
 
-def test_planner_defaults_are_engine_config_defaults():
-    ap = plan.parser()
-    actions = engine_actions(ap)
-    assert set(actions) == set(plan.PLAN_ENGINE_FLAGS)
-    server = engine_actions(cli.parser())
+def test_the_planner_takes_every_engine_flag_of_the_server():
+    """One flag set: `jaxserve plan` takes what `jaxserve serve` takes for the engine
+    (speculation included, and vLLM's engine flags without a knob) and builds the same
+    EngineConfig from it."""
+    from jaxserve.planning import plan_cli
+    ap = plan_cli.parser()
+    actions, server = engine_actions(ap), engine_actions(cli.parser())
+    assert set(actions) == set(server) == set(FLAGS)
     for name, action in actions.items():   # the very flags the server has
-        assert (action.option_strings, action.type, action.help) == \
-            (server[name].option_strings, server[name].type, server[name].help)
-    args = plan.parse_args(ap, ["--model", "qwen3-8b"])
-    for name in plan.PLAN_ENGINE_FLAGS:
-        if name not in ("max_num_seqs", "mesh"):
-            assert getattr(args, name) == field_default(name), name
-    assert args.mesh == "1x1"   # EngineConfig's None: one device
-    # A plan is for an accelerator: EngineConfig's default there.
-    assert args.max_num_seqs == default_max_num_seqs("gpu") == 256
-    tpu = plan.parse_args(ap, ["--model", "qwen3-8b", "--target", "tpu-v6e"])
-    assert tpu.max_num_seqs == default_max_num_seqs("tpu") == 256
+        assert (action.option_strings, action.type, action.help, action.default) == \
+            (server[name].option_strings, server[name].type, server[name].help,
+             server[name].default), name
+    compat = {a.dest for a in ap._actions if a.dest.startswith("vllm_compat:")}
+    assert compat == {"vllm_compat:" + n for n in ENGINE}
+    _, config = plan_cli.parse_args(ap, ["--model", "qwen3-8b"])
+    assert config == cli.engine_config(cli.parser().parse_args(["--model", "qwen3-8b"]))
+    flags = ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}',
+             "-tp", "2", "--max-model-len", "8k", "--kv-cache-memory-bytes", "1G"]
+    _, planned = plan_cli.parse_args(ap, ["--model", "qwen3-8b", *flags])
+    served = cli.engine_config(cli.parse_args(cli.parser(), ["--model", "qwen3-8b", *flags]))
+    assert planned == served and planned.speculative_config.num_speculative_tokens == 2
+    # A plan is for an accelerator: EngineConfig's defaults there.
+    assert config.for_platform("gpu").max_num_seqs == default_max_num_seqs("gpu") == 256
 
 
 def test_convert_flags_are_engine_config_fields():

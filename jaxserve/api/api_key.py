@@ -16,11 +16,11 @@ from jaxserve.api.errors import error_body
 
 
 class APIKey:
-    def __init__(self, app, key: str, protected: list[BaseRoute]):
-        """protected: the routes that need the key (matched as the router matches them:
-        path parameters and --root-path included)."""
+    def __init__(self, app, keys: tuple[str, ...], protected: list[BaseRoute]):
+        """keys: any of them opens the protected routes (matched as the router matches
+        them: path parameters and --root-path included)."""
         self.app = app
-        self.key = key.encode()
+        self.keys = [k.encode() for k in keys]
         self.protected = protected
 
     async def __call__(self, scope, receive, send) -> None:
@@ -28,7 +28,10 @@ class APIKey:
                 route.matches(scope)[0] is not Match.NONE for route in self.protected):
             return await self.app(scope, receive, send)
         scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
-        if scheme.lower() == b"bearer" and secrets.compare_digest(given.strip(), self.key):
+        given = given.strip()
+        # Every key is compared, so the time taken does not say which one was close.
+        matches = [k for k in self.keys if secrets.compare_digest(given, k)]
+        if scheme.lower() == b"bearer" and matches:
             return await self.app(scope, receive, send)
         body = json.dumps(error_body(
             401, "missing or invalid API key (send 'Authorization: Bearer <key>')")).encode()

@@ -24,19 +24,20 @@ class ChatPromptFields(Protocol):
 
 def render_chat_prompt(inputs: InputProcessor, req: ChatPromptFields, *,
                        chat_template: str | None, tools: list[dict] | None,
-                       add_special_tokens: bool) -> list[int]:
+                       add_special_tokens: bool, template_kwargs: dict | None) -> list[int]:
     """Worker thread: the prompt ids; InputError naming the field at fault.
-    tools: the request's tools, checked (api/tools.tool_setup)."""
+    tools: the request's tools, checked (api/tools.tool_setup); template_kwargs: the
+    request's chat_template_kwargs over the server's defaults."""
     return inputs.render_chat([m.model_dump() for m in req.messages],
                               chat_template=chat_template,
                               add_generation_prompt=req.add_generation_prompt,
                               continue_final_message=req.continue_final_message,
-                              template_kwargs=req.chat_template_kwargs, tools=tools,
+                              template_kwargs=template_kwargs, tools=tools,
                               add_special_tokens=add_special_tokens)
 
 
 def tokenize_request(inputs: InputProcessor, req: TokenizeRequest, *,
-                     chat_template: str | None) -> list[int]:
+                     chat_template: str | None, template_kwargs: dict | None) -> list[int]:
     """Worker thread: /tokenize's ids, for a prompt (special tokens by default) or for
     messages exactly as chat renders them (none by default; tools checked as chat checks
     them). InputError naming the field at fault."""
@@ -53,7 +54,8 @@ def tokenize_request(inputs: InputProcessor, req: TokenizeRequest, *,
                                add_special_tokens=req.add_special_tokens is not False)
     return render_chat_prompt(inputs, req, chat_template=chat_template,
                               tools=tool_setup(req.tools, "none", auto_parser=None).tools,
-                              add_special_tokens=bool(req.add_special_tokens))
+                              add_special_tokens=bool(req.add_special_tokens),
+                              template_kwargs=template_kwargs)
 
 
 def response_role(req: ChatPromptFields) -> str:

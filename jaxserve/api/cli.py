@@ -1,4 +1,4 @@
-"""`python -m jaxserve.api`: command-line flags (vLLM's names) -> engine + server."""
+"""`python -m jaxserve.api` / `jaxserve serve`: flags (api/cli_args.py) -> engine + server."""
 from __future__ import annotations
 
 import argparse
@@ -15,164 +15,17 @@ import uvicorn
 from starlette.middleware.cors import CORSMiddleware
 
 import jaxserve
-from jaxserve.api.config_file import expand_config_file
+from jaxserve.api.cli_args import (GENERATION_DEFAULTS, chat_template, log_level,  # noqa: F401
+                                   parse_args, parser)
 from jaxserve.api.loading import LoadingGate
-from jaxserve.api.log_values import DEFAULT_MAX_LOG_LEN
-from jaxserve.api.reasoning_parsers import REASONING_PARSERS
-from jaxserve.api.tool_parsers import TOOL_PARSERS
 from jaxserve.api.metrics import Metrics
 from jaxserve.config import ConfigError, EngineConfig
-from jaxserve.engine_args import add_engine_args, config_error, engine_kwargs
+from jaxserve.engine_args import config_error, engine_kwargs
 from jaxserve.checkpoints.default_model import DEFAULT_MODEL_NAME, default_model_dir
 from jaxserve.engine.startup import STARTING, StartupProgress
-from jaxserve.checkpoints.model_configs import ALIASES
 from jaxserve.checkpoints.model_names import resolve_model
 
 logger = logging.getLogger("jaxserve")
-
-# generation_config.json fields that become default sampling values (as vLLM does).
-_GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-# What --override-generation-config may set: the request fields a default can stand in for.
-_OVERRIDABLE = (*_GENERATION_DEFAULTS, "presence_penalty", "frequency_penalty")
-_UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
-_MODEL_HELP = ("checkpoint directory, Hugging Face repo id (Org/Name: from the local HF "
-               "cache, else downloaded) or alias (" + ", ".join(ALIASES) + "); with "
-               "--load-format dummy an alias needs no files. Default: a built-in tiny random "
-               "model (random text)")
-
-
-def parser(prog: str = "python -m jaxserve.api") -> argparse.ArgumentParser:
-    """The server's flags; prog "jaxserve serve" also takes the model as its first
-    argument, as `vllm serve MODEL` does."""
-    ap = argparse.ArgumentParser(prog=prog, description="OpenAI-compatible server for jaxserve.")
-    a = ap.add_argument
-    if prog.endswith(" serve"):
-        a("model_tag", nargs="?", default=None, metavar="MODEL", help=_MODEL_HELP)
-    a("--model", default=None, help=_MODEL_HELP)
-    a("--config", default=None, metavar="FILE",
-      help="a YAML file of flags (keys: flag names without the dashes); flags on the command "
-           "line win")
-    a("--served-model-name", nargs="+", default=None, metavar="NAME",
-      help="the model names clients may use; answers carry the first (default: the model as "
-           "given)")
-    a("--host", default="127.0.0.1", help="address to listen on")
-    a("--port", type=int, default=8000, help="port to listen on")
-    a("--api-key", default=os.environ.get("JAXSERVE_API_KEY"),
-      help="require 'Authorization: Bearer KEY' (default: env JAXSERVE_API_KEY)")
-    a("--coordinator-address", default=os.environ.get("JAXSERVE_COORDINATOR_ADDRESS"),
-      help="multi-host: host:port of process 0's jax.distributed coordinator (default: env "
-           "JAXSERVE_COORDINATOR_ADDRESS)")
-    a("--num-processes", type=int, default=_env_int("JAXSERVE_NUM_PROCESSES"),
-      help="multi-host: number of processes, one per host (env JAXSERVE_NUM_PROCESSES)")
-    a("--process-id", type=int, default=_env_int("JAXSERVE_PROCESS_ID"),
-      help="multi-host: this process's index; 0 serves HTTP (env JAXSERVE_PROCESS_ID)")
-    # The engine's knobs: flags made from EngineConfig's fields (names, types, defaults).
-    add_engine_args(ap)
-    a("--chat-template", default=None, help="chat template file or string (default: the "
-                                            "tokenizer's)")
-    a("--generation-config", default="auto",
-      help="'auto': default sampling values from the model's generation_config.json; "
-           "'vllm': none; or a directory holding one")
-    a("--override-generation-config", type=_json_object, default=None, metavar="JSON",
-      help="default sampling values over --generation-config's, e.g. '{\"temperature\": 0.5}' "
-           "(" + ", ".join(_OVERRIDABLE) + ")")
-    a("--enable-tokenizer-info-endpoint", action="store_true",
-      help="answer GET /tokenizer_info (the tokenizer's configuration and chat template), "
-           "off by default as in vLLM")
-    a("--disable-log-stats", action="store_true",
-      help="do not log the engine's throughput, queue and KV cache usage every 10 s")
-    a("--uvicorn-log-level", default="info", choices=_UVICORN_LOG_LEVELS,
-      help="log level of uvicorn (the HTTP server)")
-    a("--root-path", default=None,
-      help="the path prefix a proxy serves this server under (ASGI root_path)")
-    a("--allowed-origins", type=_json_list, default=["*"], metavar="JSON",
-      help="CORS: origins allowed, a JSON list (default: [\"*\"])")
-    a("--allowed-methods", type=_json_list, default=["*"], metavar="JSON",
-      help="CORS: methods allowed, a JSON list (default: [\"*\"])")
-    a("--allowed-headers", type=_json_list, default=["*"], metavar="JSON",
-      help="CORS: headers allowed, a JSON list (default: [\"*\"])")
-    a("--allow-credentials", action="store_true", help="CORS: allow credentials")
-    a("--ssl-keyfile", default=None, help="serve HTTPS: the private key file")
-    a("--ssl-certfile", default=None, help="serve HTTPS: the certificate file")
-    a("--ssl-ca-certs", default=None, help="HTTPS: CA certificates to check clients against")
-    a("--ssl-cert-reqs", type=int, default=0,
-      help="HTTPS: whether client certificates are required (ssl.CERT_NONE=0, "
-           "CERT_OPTIONAL=1, CERT_REQUIRED=2)")
-    a("--max-waiting-requests", type=int, default=1024,
-      help="answer 503 when more sequences than this are waiting (a request with n "
-           "completions of k prompts is n*k sequences)")
-    a("--max-request-body-bytes", type=int, default=32 * 2**20,
-      help="answer 413 to request bodies larger than this (default 32 MiB)")
-    a("--enable-auto-tool-choice", action="store_true",
-      help='let the model decide when to call tools (tool_choice "auto"): its output is '
-           "read by --tool-call-parser")
-    a("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
-      help="the model's tool-call format, for --enable-auto-tool-choice (hermes: Qwen2.5/"
-           "Qwen3, qwen3_coder: Qwen3-Coder/Qwen3.5/Qwen3.6, llama3_json, gemma4)")
-    a("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
-      help="split the model's <think> block into reasoning_content (qwen3, deepseek_r1)")
-    a("--disable-log-requests", action="store_true", help="do not log each request")
-    a("--max-log-len", type=int, default=DEFAULT_MAX_LOG_LEN,
-      help="cut each value a request's log line shows (its sampling parameters) to this many "
-           f"characters (default {DEFAULT_MAX_LOG_LEN}; vLLM's default is unbounded)")
-    a("--timeout-graceful-shutdown", type=float, default=5.0,
-      help="seconds in-flight requests get to finish on SIGTERM/SIGINT")
-    return ap
-
-
-def _env_int(name: str) -> int | None:
-    value = os.environ.get(name)
-    return int(value) if value else None
-
-
-def _json_list(text: str) -> list[str]:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError:
-        raise argparse.ArgumentTypeError(f"not JSON: {text!r} (e.g. '[\"*\"]')") from None
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise argparse.ArgumentTypeError(f"must be a JSON list of strings, got {text!r}")
-    return value
-
-
-def _json_object(text: str) -> dict:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError:
-        raise argparse.ArgumentTypeError(f"not JSON: {text!r}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
-    return value
-
-
-def parse_args(ap: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
-    """argv (default sys.argv[1:]) with its --config file's flags, checked: exits 2 naming
-    the flag for a bad combination."""
-    argv = expand_config_file(ap, sys.argv[1:] if argv is None else list(argv))
-    args = ap.parse_args(argv)
-    tag = getattr(args, "model_tag", None)
-    if tag is not None:
-        if args.model is not None and args.model != tag:
-            ap.error(f"the model is given twice: {tag!r} and --model {args.model!r}")
-        args.model = tag
-    if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
-        ap.error("--enable-auto-tool-choice and --tool-call-parser go together: the parser "
-                 "reads the tool calls that auto tool choice lets the model make")
-    if args.max_log_len < 1:
-        ap.error(f"argument --max-log-len: must be >= 1, got {args.max_log_len}")
-    if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
-        ap.error("--ssl-keyfile and --ssl-certfile go together")
-    if args.override_generation_config:
-        unknown = sorted(set(args.override_generation_config) - set(_OVERRIDABLE))
-        if unknown:
-            ap.error(f"argument --override-generation-config: {unknown[0]!r} cannot be "
-                     f"overridden; the keys it takes: {', '.join(_OVERRIDABLE)}")
-    try:
-        args.chat_template = chat_template(args.chat_template)
-    except ValueError as e:
-        ap.error(f"argument --chat-template: {e}")
-    return args
-
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """ConfigError (a ValueError naming the field) for a bad value."""
@@ -184,21 +37,6 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                        "weights (its output is random text). Serve a real checkpoint with "
                        "--model /path/to/hf-checkpoint", DEFAULT_MODEL_NAME)
     return EngineConfig(model=model, **kwargs)
-
-
-def chat_template(value: str | None) -> str | None:
-    """The template: a file's text, or `value` itself when it is a Jinja template. Text
-    with no Jinja in it is a path that does not exist: ValueError (a misspelt path must
-    not become the template)."""
-    if value is None:
-        return None
-    if os.path.isfile(os.path.expanduser(value)):
-        with open(os.path.expanduser(value)) as f:
-            return f.read()
-    if "{{" in value or "{%" in value:
-        return value
-    raise ValueError(f"{value!r} is neither a file nor a Jinja template ({{{{ ... }}}} or "
-                     f"{{% ... %}})")
 
 
 def generation_defaults(setting: str, model_dir: str, override: dict | None = None) -> dict:
@@ -221,7 +59,7 @@ def _generation_config(setting: str, model_dir: str) -> dict:
         return {}
     with open(path) as f:
         cfg = json.load(f)
-    defaults = {k: cfg[k] for k in _GENERATION_DEFAULTS if cfg.get(k) is not None}
+    defaults = {k: cfg[k] for k in GENERATION_DEFAULTS if cfg.get(k) is not None}
     if defaults:
         logger.info("default sampling values from %s: %s", path, defaults)
     return defaults
@@ -230,8 +68,13 @@ def _generation_config(setting: str, model_dir: str) -> dict:
 def main(argv: list[str] | None = None, prog: str = "python -m jaxserve.api") -> None:
     ap = parser(prog)
     args = parse_args(ap, argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    logging.basicConfig(level=log_level(args), format="%(asctime)s %(levelname)s %(message)s")
+    for note in args.vllm_notes:
+        logger.info("%s", note)
     if _multihost(args):
+        # (jax.distributed starts first: size JAX's GPU pool before it, as make_engine does)
+        from jaxserve.engine.device_pool import set_device_pool
+        set_device_pool(args.hbm_utilization)
         from jaxserve.engine import multihost
         if multihost.initialize(args.coordinator_address, args.num_processes,
                                 args.process_id) and not multihost.is_leader():
@@ -310,11 +153,15 @@ def _uvicorn_config(args: argparse.Namespace, gate: LoadingGate) -> uvicorn.Conf
     app = CORSMiddleware(gate, allow_origins=args.allowed_origins,
                          allow_methods=args.allowed_methods, allow_headers=args.allowed_headers,
                          allow_credentials=args.allow_credentials)
-    return uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+    tls = {"ssl_ciphers": args.ssl_ciphers} if args.ssl_ciphers else {}
+    return uvicorn.Config(app, host=args.host, port=args.port, uds=args.uds,
+                          log_level=args.uvicorn_log_level,
+                          access_log=not args.disable_uvicorn_access_log,
+                          h11_max_incomplete_event_size=args.h11_max_incomplete_event_size,
                           timeout_graceful_shutdown=args.timeout_graceful_shutdown,
                           root_path=args.root_path or "", ssl_keyfile=args.ssl_keyfile,
                           ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs,
-                          ssl_cert_reqs=args.ssl_cert_reqs)
+                          ssl_cert_reqs=args.ssl_cert_reqs, **tls)
 
 
 def _build_engine(args: argparse.Namespace, config: EngineConfig, served: tuple[str, ...],
@@ -330,9 +177,11 @@ def _build_engine(args: argparse.Namespace, config: EngineConfig, served: tuple[
     info = engine.info
     logger.info("%s", plan_for_engine(info))
     settings = ServerSettings(
-        served_model_names=served, max_model_len=info.max_model_len, api_key=args.api_key,
-        max_waiting_requests=args.max_waiting_requests,
-        disable_log_requests=args.disable_log_requests,
+        served_model_names=served, max_model_len=info.max_model_len,
+        api_key=tuple(args.api_key or ()), max_waiting_requests=args.max_waiting_requests,
+        disable_log_requests=not args.enable_log_requests,
+        default_chat_template_kwargs=args.default_chat_template_kwargs or {},
+        disable_fastapi_docs=args.disable_fastapi_docs,
         chat_template=args.chat_template, disable_log_stats=args.disable_log_stats,
         enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
         generation_defaults=generation_defaults(args.generation_config, config.model,

@@ -42,7 +42,9 @@ def create_app(engine: AsyncEngine, settings: ServerSettings,
     serving = OpenAIServing(engine, settings, metrics)
     created = int(time.time())
 
-    app = FastAPI(title="jaxserve", version=jaxserve.__version__)
+    docs = {"docs_url": None, "redoc_url": None, "openapi_url": None} \
+        if settings.disable_fastapi_docs else {}
+    app = FastAPI(title="jaxserve", version=jaxserve.__version__, **docs)
     app.state.serving = serving
     # Started here, not in a lifespan: the LoadingGate owns the lifespan and this app
     # never sees one (loading.py). The thread ends with the engine.
@@ -160,7 +162,8 @@ def create_app(engine: AsyncEngine, settings: ServerSettings,
         serving.check_model(req.model)
         try:
             ids = await asyncio.to_thread(tokenize_request, engine.inputs, req,
-                                          chat_template=settings.chat_template)
+                                          chat_template=settings.chat_template,
+                                          template_kwargs=serving.template_kwargs(req))
         except ValueError as e:
             raise bad_request(e)
         out = {"count": len(ids), "max_model_len": settings.max_model_len, "tokens": ids}
@@ -185,7 +188,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings,
     # key, then the body's bounds, all before FastAPI parses anything.
     app.add_middleware(BodyLimit, max_bytes=settings.max_request_body_bytes)
     if settings.api_key:
-        app.add_middleware(APIKey, key=settings.api_key, protected=list(api.routes))
+        app.add_middleware(APIKey, keys=settings.api_key, protected=list(api.routes))
     app.add_middleware(InternalErrors)
     return app
 

@@ -29,8 +29,8 @@ from jaxserve.api.log_values import DEFAULT_MAX_LOG_LEN, loggable
 from jaxserve.api.chat_output import REASONING_END, ChoiceReader, prompt_ends_in_reasoning
 from jaxserve.api.chat_prompt import echoed_text, render_chat_prompt, response_role
 from jaxserve.api.metrics import Metrics
-from jaxserve.api.protocol import (ChatCompletionRequest, CompletionRequest, constraint_field,
-                                   sampling_params)
+from jaxserve.api.protocol import (ChatCompletionRequest, CompletionRequest, TokenizeRequest,
+                                   constraint_field, sampling_params)
 from jaxserve.api.reasoning_parsers import get_reasoning_parser
 from jaxserve.api.tools import ToolSetup, tool_setup
 from jaxserve.core.outputs import RequestOutput
@@ -49,7 +49,7 @@ class ServerSettings:
     # --served-model-name: requests may name any; answers and metrics carry the first.
     served_model_names: tuple[str, ...]
     max_model_len: int
-    api_key: str | None = None
+    api_key: tuple[str, ...] | str | None = None   # --api-key: any of them is let in
     max_waiting_requests: int = 1024
     disable_log_requests: bool = False
     chat_template: str | None = None
@@ -61,6 +61,9 @@ class ServerSettings:
     log_stats_interval: float = 10.0        # seconds between two stats lines
     enable_tokenizer_info_endpoint: bool = False   # GET /tokenizer_info (off, as vLLM)
     max_log_len: int = DEFAULT_MAX_LOG_LEN  # --max-log-len: each value a log line shows
+    # --default-chat-template-kwargs: under each request's own chat_template_kwargs.
+    default_chat_template_kwargs: dict = field(default_factory=dict)
+    disable_fastapi_docs: bool = False      # no /docs, /redoc, /openapi.json
 
     def __post_init__(self) -> None:
         names = self.served_model_names
@@ -70,6 +73,9 @@ class ServerSettings:
             raise ValueError(f"served_model_names must be one or more non-empty names, "
                              f"got {self.served_model_names!r}")
         object.__setattr__(self, "served_model_names", names)
+        keys = self.api_key
+        object.__setattr__(self, "api_key", () if not keys else (keys,) if isinstance(keys, str)
+                           else tuple(keys))
 
     @property
     def served_model_name(self) -> str:
@@ -299,7 +305,8 @@ class OpenAIServing:
         request ("{rid}-0"), and whether the template opened a think block. Then (with
         --reasoning-parser) a structured output applies after the model closes it."""
         ids = render_chat_prompt(self.inputs, req, chat_template=self.settings.chat_template,
-                                 tools=tools.tools, add_special_tokens=req.add_special_tokens)
+                                 tools=tools.tools, add_special_tokens=req.add_special_tokens,
+                                 template_kwargs=self.template_kwargs(req))
         in_reasoning = bool(self.settings.reasoning_parser) and prompt_ends_in_reasoning(
             self.inputs.tokenizer.decode(ids[-16:]))
         if in_reasoning and params.structured_outputs is not None:
@@ -307,6 +314,12 @@ class OpenAIServing:
             params = replace(params, grammar_after_ids=tuple(end))
         return [self.inputs.process(f"{rid}-0", ids, params, priority=req.priority,
                                     cache_salt=req.cache_salt)], in_reasoning
+
+    def template_kwargs(self, req: ChatCompletionRequest | TokenizeRequest) -> dict | None:
+        """The server's --default-chat-template-kwargs under the request's own."""
+        defaults = self.settings.default_chat_template_kwargs
+        return {**defaults, **(req.chat_template_kwargs or {})} if defaults \
+            else req.chat_template_kwargs
 
     async def chat(self, req: ChatCompletionRequest, raw: Request):
         self.check_open()

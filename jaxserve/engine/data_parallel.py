@@ -29,6 +29,7 @@ from jaxserve.engine.engine_core import EngineCore, engine_seeds, prompt_block_h
 from jaxserve.engine.errors import InputError
 from jaxserve.engine.input_processor import EngineRequest
 from jaxserve.engine.protocol import Engine, EngineInfo
+from jaxserve.engine.device_pool import set_device_pool
 from jaxserve.engine.startup import READY, StartupProgress
 from sharding import DATA, make_mesh, replica_meshes
 
@@ -38,6 +39,8 @@ logger = logging.getLogger("jaxserve")
 def make_engine(config: EngineConfig, *, stream_outputs: bool = False,
                 progress: StartupProgress | None = None) -> Engine:
     """progress: follows the construction; READY once the engine is built."""
+    # Before anything makes JAX's backends: its GPU pool is the engine's share.
+    logger.info("%s", set_device_pool(config.hbm_utilization))
     multihost.initialize()   # from JAXSERVE_* env, when set (the CLI passes its flags first)
     mesh = make_mesh(config.mesh)
     if mesh.shape[DATA] == 1:

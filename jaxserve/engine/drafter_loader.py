@@ -18,14 +18,16 @@ from jax.sharding import Mesh
 from jaxserve.checkpoints.model_names import resolve_model
 from jaxserve.planning.plan import load_model_config
 from jaxserve.config import EngineConfig
-from jaxserve.engine.layout import (EngineLayout, build_layout_model, engine_layout,
+from jaxserve.engine.layout import (EngineLayout, build_layout_model, layout_for,
                                     layout_param_shardings)
 from jaxserve.engine.loader import load_model
 from jaxserve.planning.cache_plan import CachePlan
 from jaxserve.runner.drafter import ModelDrafter
 from jaxserve.speculative import DRAFT_MODEL, MTP, NGRAM
 from models.cache_spec import CacheSpec, layer_cache_specs
+from models.config import ModelConfig
 from models.mtp import MTP_PREFIX, MTPHead, mtp_config
+from models.registry import get_model_class
 from models.weights import load_params, param_bytes, placed_abstract_params
 from pallas_kernels.ragged_paged_attention import is_quantized
 from sharding import kv_head_repeats
@@ -53,11 +55,24 @@ class DrafterParts:
             abstract=abstract)
 
 
-def load_drafter(config: EngineConfig, layout: EngineLayout, mesh: Mesh,
-                 target_model, *, abstract: bool = False) -> DrafterParts | None:
-    """The drafter's parts, or None (no speculation, or ngram). ValueError for a drafter
-    that cannot serve this target, naming why. abstract: its params as placed
-    ShapeDtypeStructs (nothing read; `python -m jaxserve.plan --compile`)."""
+@dataclass(frozen=True)
+class DrafterModel:
+    """A model drafter before any weight: its flax module, what its caches follow, and
+    the layout its parameters are placed by (the target's for mtp, its own for
+    draft_model). The engine loads it; the planner counts its bytes and KV."""
+    method: str
+    model: Any
+    cache_config: ModelConfig
+    cache_specs: tuple[CacheSpec, ...]
+    kv_dtype: Any
+    layout: EngineLayout
+    source: str                       # the checkpoint its weights come from
+
+
+def drafter_model(config: EngineConfig, layout: EngineLayout, platform: str, *,
+                  check_kernels: bool = True) -> DrafterModel | None:
+    """The drafter of config's speculative method, or None (no speculation, or ngram).
+    ValueError for a drafter that cannot serve this target, naming why."""
     spec = config.speculative_config
     if spec is None or spec.method == NGRAM:
         return None
@@ -65,40 +80,69 @@ def load_drafter(config: EngineConfig, layout: EngineLayout, mesh: Mesh,
         raise ValueError(f"speculative_config draft_tensor_parallel_size="
                          f"{spec.draft_tensor_parallel_size}: the drafter runs on the target's "
                          f"mesh, tensor parallel over {layout.model_axis} (leave it out)")
-    return _load_mtp(config, layout, mesh, target_model, abstract) if spec.method == MTP \
-        else _load_draft_model(config, layout, mesh, abstract)
+    return _mtp(config, layout) if spec.method == MTP \
+        else _draft_model(config, layout, platform, check_kernels)
 
 
-def _load_mtp(config: EngineConfig, layout: EngineLayout, mesh: Mesh, target_model,
-              abstract: bool) -> DrafterParts:
+def load_drafter(config: EngineConfig, layout: EngineLayout, mesh: Mesh,
+                 *, abstract: bool = False) -> DrafterParts | None:
+    """The drafter's parts with its weights placed on `mesh`, or None. abstract: its
+    params as placed ShapeDtypeStructs (nothing read; `python -m jaxserve.plan
+    --compile`)."""
+    d = drafter_model(config, layout, mesh.devices.flat[0].platform)
+    if d is None:
+        return None
+    shardings = layout_param_shardings(d.model, mesh, d.layout)
+    if abstract:
+        params = placed_abstract_params(d.model, d.layout.dtype, shardings)
+    elif d.method == MTP:
+        mc = layout.model_config
+        params = load_params(config.model, mtp_config(mc), d.model, layout.dtype,
+                             load_format=config.load_format, seed=config.seed + 1,
+                             shardings=shardings,
+                             kv_head_repeat=kv_head_repeats(mc, layout.model_axis),
+                             prefix=MTP_PREFIX)
+        logger.info("speculative decoding: the MTP layer, %.1f MiB of weights",
+                    param_bytes(params) / 2**20)
+    else:
+        dconfig = _draft_config(config, d.source, layout)
+        loaded = load_model(dconfig, d.layout, mesh)
+        params = loaded.params
+        logger.info("speculative decoding: draft model %s, %.2f GiB of weights", d.source,
+                    loaded.weight_bytes / 2**30)
+    return DrafterParts(d.method, d.model, params, d.cache_config, d.cache_specs, d.kv_dtype)
+
+
+def _mtp(config: EngineConfig, layout: EngineLayout) -> DrafterModel:
     mc = layout.model_config
     spec = config.speculative_config
     if spec.model not in (None, config.model):
         raise ValueError(f"speculative_config model={spec.model!r}: method 'mtp' uses the "
                          f"target checkpoint's own MTP layer (leave model out)")
     try:
-        published = mtp_config(mc)
+        mtp_config(mc)
     except ValueError as e:
         raise ValueError(f"speculative_config method 'mtp': {e}") from None
     # Its KV in the model dtype: a quantized cache's scales are the target's, per layer.
     kv_dtype = layout.dtype if is_quantized(layout.kv_dtype) else layout.kv_dtype
     run = replace(mtp_config(layout.run_config), kv_cache_quantized=False)
-    model = MTPHead(run, type(target_model), layout.dtype, layout.attention_backend)
-    shardings = layout_param_shardings(model, mesh, layout)
-    params = placed_abstract_params(model, layout.dtype, shardings) if abstract else \
-        load_params(config.model, published, model, layout.dtype,
-                    load_format=config.load_format, seed=config.seed + 1, shardings=shardings,
-                    kv_head_repeat=kv_head_repeats(mc, layout.model_axis), prefix=MTP_PREFIX)
-    if not abstract:
-        logger.info("speculative decoding: the MTP layer, %.1f MiB of weights",
-                    param_bytes(params) / 2**20)
-    return DrafterParts(MTP, model, params, run,
+    model = MTPHead(run, get_model_class(mc.architecture), layout.dtype,
+                    layout.attention_backend)
+    return DrafterModel(MTP, model, run,
                         layer_cache_specs(run, kv_dtype=kv_dtype, conv_state_dtype=layout.dtype),
-                        kv_dtype)
+                        kv_dtype, layout, config.model)
 
 
-def _load_draft_model(config: EngineConfig, layout: EngineLayout, mesh: Mesh,
-                      abstract: bool) -> DrafterParts:
+def _draft_config(config: EngineConfig, path: str, layout: EngineLayout) -> EngineConfig:
+    # Expert parallel for the target: the draft's experts too; a dense draft has none.
+    is_moe = load_model_config(path).is_moe
+    return replace(config, model=path, tokenizer=None, speculative_config=None,
+                   max_model_len=layout.max_model_len,
+                   enable_expert_parallel=config.enable_expert_parallel and is_moe)
+
+
+def _draft_model(config: EngineConfig, layout: EngineLayout, platform: str,
+                 check_kernels: bool) -> DrafterModel:
     spec = config.speculative_config
     path = resolve_model(spec.model, load_format=config.load_format,
                          download_dir=config.download_dir)
@@ -116,20 +160,7 @@ def _load_draft_model(config: EngineConfig, layout: EngineLayout, mesh: Mesh,
         raise ValueError(f"{what}: max_position_embeddings={draft.max_position_embeddings} is "
                          f"shorter than max_model_len={layout.max_model_len}; lower "
                          f"--max-model-len")
-    # Expert parallel for the target: the draft's experts too, a dense draft has none.
-    dconfig = replace(config, model=path, tokenizer=None, speculative_config=None,
-                      max_model_len=layout.max_model_len,
-                      enable_expert_parallel=config.enable_expert_parallel and draft.is_moe)
-    dlayout = engine_layout(dconfig, draft, mesh)
-    if abstract:
-        model = build_layout_model(dlayout)
-        params = placed_abstract_params(model, dlayout.dtype,
-                                        layout_param_shardings(model, mesh, dlayout))
-    else:
-        loaded = load_model(dconfig, dlayout, mesh)
-        model, params = loaded.model, loaded.params
-        logger.info("speculative decoding: draft model %s, %.2f GiB of weights", path,
-                    loaded.weight_bytes / 2**30)
-    return DrafterParts(DRAFT_MODEL, model, params, dlayout.run_config,
-                        dlayout.cache_specs, dlayout.kv_dtype)
-
+    dlayout = layout_for(_draft_config(config, path, layout), draft, platform,
+                         layout.model_axis, check_kernels=check_kernels)
+    return DrafterModel(DRAFT_MODEL, build_layout_model(dlayout), dlayout.run_config,
+                        dlayout.cache_specs, dlayout.kv_dtype, dlayout, path)

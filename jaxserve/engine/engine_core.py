@@ -110,7 +110,7 @@ class EngineCore:
         loaded = load_model(config, layout, self.mesh,
                             on_progress=partial(_report_loading, progress))
         self.model, self.params = loaded.model, loaded.params
-        drafter = load_drafter(config, layout, self.mesh, self.model)
+        drafter = load_drafter(config, layout, self.mesh)
 
         self.prefix_caching = config.enable_prefix_caching
         if mc.is_hybrid:

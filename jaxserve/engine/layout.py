@@ -17,7 +17,7 @@ from jax.sharding import Mesh
 
 from jaxserve.config import EngineConfig
 from jaxserve.planning.cache_plan import CachePlan, plan_caches, require_one_sequence
-from jaxserve.planning.kv_budget import activation_bytes, cache_budget_bytes
+from jaxserve.planning.kv_budget import DeviceMemory, activation_bytes, cache_budget_bytes
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.sampling_params import logprobs_limit
 from models.cache_spec import CacheSpec, layer_cache_specs
@@ -65,7 +65,14 @@ def engine_layout(config: EngineConfig, mc: ModelConfig, mesh: Mesh) -> EngineLa
     """ValueError for a max_model_len past the model's or a model axis that does not
     divide the model (sharding.check_model_axis: also expert parallelism it cannot
     serve)."""
-    platform = mesh.devices.flat[0].platform
+    return layout_for(config, mc, mesh.devices.flat[0].platform, mesh.shape[MODEL])
+
+
+def layout_for(config: EngineConfig, mc: ModelConfig, platform: str, m: int, *,
+               check_kernels: bool = True) -> EngineLayout:
+    """engine_layout for `platform` and a model axis of m devices, with no mesh (the
+    planner's). check_kernels: refuse what the platform's attention kernels cannot run
+    (the planner reports the TPU's compiler limits instead of refusing)."""
     config = config.for_platform(platform)   # (idempotent: the engine resolved it already)
     dtype = resolve_dtype(config.dtype, mc)
     kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, dtype)
@@ -75,7 +82,6 @@ def engine_layout(config: EngineConfig, mc: ModelConfig, mesh: Mesh) -> EngineLa
     if max_model_len > mc.max_position_embeddings:
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
                          f"max_position_embeddings={mc.max_position_embeddings}")
-    m = mesh.shape[MODEL]
     ep = config.enable_expert_parallel
     check_model_axis(mc, m, expert_parallel=ep)
     if ep:
@@ -84,7 +90,7 @@ def engine_layout(config: EngineConfig, mc: ModelConfig, mesh: Mesh) -> EngineLa
     stored = with_stored_kv_heads(mc, m)
     specs = layer_cache_specs(stored, kv_dtype=kv_dtype, conv_state_dtype=dtype)
     backend = resolve_backend(config.attention_backend, platform)
-    for layer in attention_shapes(stored):
+    for layer in attention_shapes(stored) if check_kernels else ():
         if is_quantized(kv_dtype):   # a kernel that cannot read it is an error
             why = kv_cache_dtype_error(kv_dtype, platform=platform, backend=backend,
                                        head_dim=stored.layer_head_dim(layer),
@@ -140,25 +146,34 @@ def layout_param_shardings(model, mesh: Mesh, layout: EngineLayout) -> Any:
 
 
 def layout_cache_plan(config: EngineConfig, layout: EngineLayout, device: Any,
-                      free_bytes: int | None = None,
+                      memory: DeviceMemory | None = None,
                       drafter_specs: tuple[CacheSpec, ...] = ()) -> CachePlan:
     """The replica's cache plan (planning/cache_plan.py); ValueError when one sequence of
-    max_model_len does not fit. free_bytes: memory left on each device after the
-    weights; None asks `device`. drafter_specs: a speculative model drafter's KV layers,
-    which keep KV on the same pages (engine/drafter_loader.py)."""
+    max_model_len does not fit."""
+    return require_one_sequence(cache_plan_for(config, layout, device, memory, drafter_specs))
+
+
+def cache_plan_for(config: EngineConfig, layout: EngineLayout, device: Any,
+                   memory: DeviceMemory | None = None,
+                   drafter_specs: tuple[CacheSpec, ...] = ()) -> CachePlan:
+    """The cache plan of the engine and of the planner, which may not fit one sequence.
+    memory: the device's memory and what the weights hold of it; None asks `device`.
+    drafter_specs: a speculative model drafter's KV layers, which keep KV on the same
+    pages (engine/drafter_loader.py)."""
     if config.num_pages is not None:
         budget, cap = None, False
     else:
         budget, cap = cache_budget_bytes(
             kv_cache_memory_bytes=config.kv_cache_memory_bytes,
             hbm_utilization=config.hbm_utilization, activation_bytes=layout.activation_bytes,
-            device=device, free_bytes=free_bytes)
-    return require_one_sequence(plan_caches(
-        layout.cache_specs + tuple(drafter_specs), model_axis=layout.model_axis, page_size=config.page_size,
-        max_num_seqs=config.max_num_seqs, max_model_len=layout.max_model_len,
-        max_num_batched_tokens=config.num_batched_tokens, num_pages=config.num_pages,
-        budget_bytes=budget, cap_at_demand=cap, prefix_caching=config.enable_prefix_caching,
-        spec_backups=config.speculative_config is not None))
+            device=device, memory=memory)
+    return plan_caches(
+        layout.cache_specs + tuple(drafter_specs), model_axis=layout.model_axis,
+        page_size=config.page_size, max_num_seqs=config.max_num_seqs,
+        max_model_len=layout.max_model_len, max_num_batched_tokens=config.num_batched_tokens,
+        num_pages=config.num_pages, budget_bytes=budget, cap_at_demand=cap,
+        prefix_caching=config.enable_prefix_caching,
+        spec_backups=config.speculative_config is not None)
 
 
 def make_runner(config: EngineConfig, layout: EngineLayout, cache_plan: CachePlan, *, model,

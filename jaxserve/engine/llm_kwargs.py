@@ -3,17 +3,19 @@
 LLM takes EngineConfig's fields, the keyword form of their vLLM flag aliases
 (`block_size=` for --block-size, `gpu_memory_utilization=` for
 --gpu-memory-utilization: read from the fields' metadata, so they cannot drift), and
-vLLM's LLM-only arguments where their value is true of jaxserve (VLLM_ONLY). Anything
-else is a TypeError naming it, with the close names it may have meant.
+vLLM's other engine arguments where their value is true of jaxserve (VLLM_ONLY: the
+command line's table, jaxserve/vllm_compat.py, and LLM's own). Anything else is a
+TypeError naming it, with the close names it may have meant.
 """
 from __future__ import annotations
 
 import dataclasses
 import difflib
 import typing
-from typing import Any, Callable
+from typing import Any
 
 from jaxserve.config import EngineConfig
+from jaxserve.vllm_compat import BOOL, ENGINE, Setting
 
 _FIELDS = {f.name: f for f in dataclasses.fields(EngineConfig)}
 
@@ -31,27 +33,13 @@ def _keyword_aliases() -> dict[str, str]:
 
 ALIASES: dict[str, str] = _keyword_aliases()
 
-# vLLM LLM arguments with no jaxserve knob: (is the value one that is true of jaxserve,
-# what jaxserve does instead). Any other value is refused with the reason.
-VLLM_ONLY: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "disable_log_stats": (lambda v: v is True, "LLM logs no periodic statistics (vLLM's "
-                          "LLM defaults to True as well); the server's /metrics has them"),
-    "tokenizer_mode": (lambda v: v == "auto", "the tokenizer is the checkpoint's Hugging "
-                       "Face AutoTokenizer ('auto' only)"),
-    "skip_tokenizer_init": (lambda v: v is False, "the checkpoint's tokenizer is always "
-                            "loaded when it has one"),
-    "cpu_offload_gb": (lambda v: v == 0, "weights are never offloaded to host memory"),
-    "disable_custom_all_reduce": (lambda v: v is True, "jaxserve has no custom all-reduce "
-                                  "(XLA's collectives)"),
-    "hf_token": (lambda v: v is None, "set the HF_TOKEN environment variable instead"),
-    "hf_overrides": (lambda v: not v, "the checkpoint's config.json is read as it is"),
-    "compilation_config": (lambda v: not v, "XLA compiles every program; see enforce_eager"),
-    "distributed_executor_backend": (lambda v: v is None, "one process per host "
-                                     "(jax.distributed across hosts); see mesh"),
-    "enable_lora": (lambda v: v is False, "LoRA adapters are not implemented"),
-    "enable_sleep_mode": (lambda v: v is False, "sleep mode is not implemented"),
-    "task": (lambda v: v in ("auto", "generate"), "jaxserve generates text only"),
-    "runner": (lambda v: v in ("auto", "generate"), "jaxserve generates text only"),
+# vLLM LLM arguments with no jaxserve knob: the engine flags' (vllm_compat.ENGINE) and
+# LLM's own, where LLM differs from the server.
+VLLM_ONLY: dict[str, Setting] = {
+    **ENGINE,
+    "disable_log_stats": Setting(BOOL, (True,), "LLM logs no periodic statistics (vLLM's "
+                                 "LLM defaults to True as well); the server's /metrics has "
+                                 "them"),
 }
 
 
@@ -64,9 +52,10 @@ def engine_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     given_as: dict[str, str] = {}
     for name, value in kwargs.items():
         if name in VLLM_ONLY:
-            is_true_here, why = VLLM_ONLY[name]
-            if not is_true_here(value):
-                raise ValueError(f"LLM({name}={value!r}) is not supported by jaxserve: {why}")
+            setting = VLLM_ONLY[name]
+            if not setting.holds(value):
+                raise ValueError(f"LLM({name}={value!r}) is not supported by jaxserve: "
+                                 f"{setting.why} (it takes {setting.accepted_text()})")
             continue
         field = ALIASES.get(name, name)
         if field not in _FIELDS or field == "model":

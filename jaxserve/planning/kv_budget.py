@@ -1,16 +1,23 @@
-"""The memory the caches may take: given, a share of free memory (the device's, or given:
-the planner sizes the cache of a device that is not here), less the activations' estimated
-peak. planning/cache_plan.py turns it into pages and state slots."""
+"""The memory the caches may take. On an accelerator, as vLLM's --gpu-memory-utilization:
+the engine gets hbm_utilization of the device's memory for everything it holds, and the
+caches get that share less the weights and a reserve for the programs' temporaries
+(memory_split). On CPU: a share of the free host RAM. planning/cache_plan.py turns the
+budget into pages and state slots; the planner makes the same split for a device that is
+not here."""
 from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 
 import jax
 
 logger = logging.getLogger("jaxserve")
 
 _CPU_RAM_FRACTION = 0.25  # on CPU never take more than this share of available RAM
+# The reserve's floor, as a share of the engine's memory: XLA's workspace beyond the
+# activation estimate (autotuning, collectives' buffers, the allocator's fragmentation).
+WORKSPACE_SHARE = 0.05
 # Live float32 [rows, vocab] arrays in the costliest sampler program (penalties, top-k/p
 # sort, logprobs): XLA:TPU gives it 2.85 GB of temporaries at 256 x 248,320 (11.2 copies).
 SAMPLER_COPIES = 12
@@ -39,10 +46,56 @@ def activation_bytes(mc, m: int, tokens: int, rows: int, itemsize: int,
     return max(tokens * per_token, sampler)
 
 
-def kv_budget_bytes(free_bytes: int, hbm_utilization: float, activation: int) -> int:
-    """The KV cache's (and a hybrid's state slots') share of what the weights leave:
-    hbm_utilization of it, but never eating into the estimated activation peak."""
-    return max(0, min(int(free_bytes * hbm_utilization), free_bytes - activation))
+@dataclass(frozen=True)
+class MemorySplit:
+    """One device's memory as the engine takes it (bytes)."""
+    device_bytes: int        # the device's memory: what hbm_utilization is a share of
+    engine_bytes: int        # hbm_utilization of it, at most JAX's pool (bytes_limit)
+    weight_bytes: int        # held before the caches are made (weights, a drafter's)
+    reserve_bytes: int       # the programs' temporaries: activations and XLA's workspace
+
+    @property
+    def cache_bytes(self) -> int:
+        """What the caches (KV pages, state slots, snapshots) may take."""
+        return max(0, self.engine_bytes - self.weight_bytes - self.reserve_bytes)
+
+    @property
+    def outside_bytes(self) -> int:
+        """The device's memory the engine leaves alone (other processes, the runtime)."""
+        return self.device_bytes - self.engine_bytes
+
+
+def memory_split(device_bytes: int, hbm_utilization: float, weight_bytes: int,
+                 activation: int, pool_bytes: int | None = None) -> MemorySplit:
+    """hbm_utilization of the device for the engine (never more than JAX's pool, when
+    one is given), of which the reserve is the estimated activation peak, at least
+    WORKSPACE_SHARE of it."""
+    engine = int(device_bytes * hbm_utilization)
+    if pool_bytes is not None:
+        engine = min(engine, pool_bytes)
+    reserve = max(activation, int(engine * WORKSPACE_SHARE))
+    return MemorySplit(device_bytes, engine, weight_bytes, reserve)
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """What a device holds as the caches are sized: its memory, JAX's pool on it
+    (bytes_limit) and the bytes already in use (the weights)."""
+    device_bytes: int
+    pool_bytes: int
+    in_use_bytes: int
+
+
+def device_memory(device: jax.Device) -> DeviceMemory | None:
+    """From the device's allocator (None where it reports none): the pool is
+    bytes_limit, a share of the device (jaxserve/engine/device_pool.py)."""
+    from jaxserve.engine.device_pool import pool_fraction
+    stats = device.memory_stats() or {}
+    if "bytes_limit" not in stats:
+        return None
+    limit = stats["bytes_limit"]
+    return DeviceMemory(int(limit / pool_fraction(device.platform)), limit,
+                        stats.get("bytes_in_use", 0))
 
 
 def available_host_bytes() -> int:
@@ -54,23 +107,25 @@ def available_host_bytes() -> int:
 
 def cache_budget_bytes(*, kv_cache_memory_bytes: int | None, hbm_utilization: float | None,
                        activation_bytes: int, device: jax.Device | None,
-                       free_bytes: int | None = None) -> tuple[int, bool]:
+                       memory: DeviceMemory | None = None) -> tuple[int, bool]:
     """(bytes per device the caches may take, whether to stop at what max_num_seqs
     sequences need) for planning.cache_plan.plan_caches: kv_cache_memory_bytes when
     given; on a CPU device hbm_utilization of the host's free RAM (None: a quarter, taken
-    only as far as needed); else hbm_utilization of the memory the weights leave
-    (free_bytes, or read from `device`), never eating into the estimated activation
-    peak."""
+    only as far as needed); else memory_split's cache bytes of `memory` (or the
+    device's)."""
     if kv_cache_memory_bytes is not None:
         return kv_cache_memory_bytes, False
-    if free_bytes is None and device.platform == "cpu":
+    if memory is None and device.platform == "cpu":
         if hbm_utilization is None:
             return int(available_host_bytes() * _CPU_RAM_FRACTION), True
         return int(available_host_bytes() * hbm_utilization), False
     if hbm_utilization is None:
         raise ValueError("hbm_utilization: None is the CPU's default; EngineConfig."
                          "for_platform gives accelerators theirs")
-    if free_bytes is None:
-        stats = device.memory_stats() or {}
-        free_bytes = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
-    return kv_budget_bytes(free_bytes, hbm_utilization, activation_bytes), False
+    memory = memory or device_memory(device)
+    if memory is None:
+        raise ValueError(f"{device.platform} device {device} reports no memory limit: give "
+                         f"--kv-cache-memory-bytes")
+    split = memory_split(memory.device_bytes, hbm_utilization, memory.in_use_bytes,
+                         activation_bytes, memory.pool_bytes)
+    return split.cache_bytes, False

@@ -13,16 +13,22 @@ divide them), the KV page layout of the cache. Nothing here is a hand-typed size
 except the built-in configs (jaxserve/model_configs.py), copied from their
 published config.json.
 
-Memory: the engine's own rule -- the KV cache gets hbm_utilization (0.9) of the
-device memory (--hbm) that the weights leave, but never the estimated peak of a
-program's temporaries (the forward's at the largest token bucket or the
-sampler's over max_num_seqs rows); the rest is the reserve for activations,
-XLA's workspace and fragmentation. Hybrid models (Qwen3.5/3.6) keep a KV cache only in
-their full-attention layers; their linear-attention layers carry a fixed
-recurrent state per sequence, for which the engine takes max_num_seqs + 1 slots
-out of that budget first and pages the rest. Models with sliding-window layers
-(Gemma 4) give those layers pages of their own, enough for max_num_seqs windows and
-one step, taken from the budget before the global layers' pages. Communication: Megatron
+Memory: the engine's own rule (planning/kv_budget.py), as vLLM's
+--gpu-memory-utilization: the engine gets hbm_utilization (0.9) of the device's memory
+(--hbm, or a --target's usable HBM) for everything it holds; of that the weights come
+first, then a reserve for the programs' temporaries (the estimated peak of the forward
+at the largest token bucket or of the sampler over max_num_seqs rows, at least 5% of
+the engine's share), and the caches get the rest. Hybrid models (Qwen3.5/3.6) keep a
+KV cache only in their full-attention layers; their linear-attention layers carry a
+fixed recurrent state per sequence, for which the engine takes max_num_seqs + 1 slots
+(twice max_num_seqs with speculative decoding: each sequence keeps a backup) and the
+prefix cache's snapshots out of that budget first and pages the rest. Models with
+sliding-window layers (Gemma 4) give those layers pages of their own, enough for
+max_num_seqs windows and one step, taken from the budget before the global layers'
+pages. A model drafter (--speculative-config mtp or draft_model) adds its weights and
+its KV on every page. The plan is made from the same EngineConfig, layout and cache
+planning as the engine's (jaxserve/engine/layout.py), so the planner's "fits" is the
+engine's. Communication: Megatron
 tensor parallelism all-reduces the [tokens, hidden] activations twice per layer
 (after o_proj and after the MLP's down_proj) plus once for the vocab-parallel
 embedding; a ring all-reduce moves 2 (M-1)/M of the buffer through every device's
@@ -30,19 +36,18 @@ link in each direction.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import re
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import jax.numpy as jnp
 
 from jaxserve.checkpoints.model_configs import ALIASES, BUILTIN_CONFIGS  # noqa: F401  (one source)
-from jaxserve.config import default_max_num_seqs
-from jaxserve.engine_args import add_engine_args
-from jaxserve.planning.cache_plan import CachePlan, plan_caches
-from jaxserve.planning.kv_budget import activation_bytes, kv_budget_bytes
+from jaxserve.config import EngineConfig
+from jaxserve.planning.cache_plan import CachePlan
+from jaxserve.planning.kv_budget import DeviceMemory, MemorySplit, memory_split
 from jaxserve.planning.plan_format import format_plan
 
 # NVLink 4 on an H100 SXM: 18 links x 25 GB/s = 450 GB/s per direction per GPU.
@@ -90,15 +95,26 @@ def weight_figures(mc, m: int, dtype: str, weight_quant=None,
     allocated; quantized kernels in their own dtype, their scales float32, the rest in
     `dtype`; a quantized KV cache adds its float32 scales) and their placement by
     sharding/rules.py."""
+    from models.registry import build_model
+    from sharding import with_stored_kv_heads
+
+    # Layers under scan: the same parameters, stacked, traced once (not once per layer).
+    module = build_model(replace(with_stored_kv_heads(mc, m), weight_quant=weight_quant,
+                                 kv_cache_quantized=kv_cache_quantized), dtype, "reference",
+                         scan_layers=True)
+    return module_weight_figures(module, mc, m, expert_parallel)
+
+
+def module_weight_figures(module: Any, mc, m: int, expert_parallel: bool = False
+                          ) -> WeightFigures:
+    """A flax module's parameters on a 1xM mesh under `mc`'s rules table (the model's,
+    or a drafter's)."""
     from flax.traverse_util import flatten_dict
 
-    from models.registry import build_model
     from models.weights import abstract_params, param_logical_axes
-    from sharding import MODEL, kv_head_repeats, logical_to_mesh, mesh_rules, with_stored_kv_heads
+    from sharding import MODEL, kv_head_repeats, logical_to_mesh, mesh_rules
 
     repeats = kv_head_repeats(mc, m)
-    module = build_model(replace(with_stored_kv_heads(mc, m), weight_quant=weight_quant,
-                                 kv_cache_quantized=kv_cache_quantized), dtype, "reference")
     shapes = flatten_dict(abstract_params(module))
     axes = flatten_dict(param_logical_axes(module))
     rules = mesh_rules(mc, m, expert_parallel)
@@ -157,24 +173,35 @@ class Plan:
     sliding_window: int | None = None
     kv_shared_layers: int = 0         # layers that read another layer's KV (own none)
     expert_parallel: bool = False     # MoE experts split whole over the model axis
+    # Speculative decoding: what it is (SpeculativeConfig.describe), and a model
+    # drafter's weights per device (its KV is in the cache plan's pages).
+    speculative: str | None = None
+    drafter_weight_bytes_per_device: int = 0
+    kv_cache_memory_bytes: int | None = None   # given in place of the memory rule
 
     @property
-    def free_after_weights(self) -> int:
-        return max(0, (self.hbm_bytes or 0) - self.weight_bytes_per_device)
+    def memory(self) -> MemorySplit | None:
+        """The device's memory as the engine splits it (None when unknown)."""
+        if self.hbm_bytes is None:
+            return None
+        return memory_split(self.hbm_bytes, self.hbm_utilization,
+                            self.weight_bytes_per_device + self.drafter_weight_bytes_per_device,
+                            self.activation_bytes, self.hbm_bytes)
 
     @property
     def kv_budget_bytes(self) -> int:
-        """What the engine gives the KV cache (and a hybrid's state slots): hbm_utilization
-        of what the weights leave, less any activations past the rest (kv_budget); with
-        the device memory unknown, what the cache plan took."""
-        if self.hbm_bytes is None:
+        """What the engine gives the caches (KV pages, state slots and snapshots): the
+        memory split's, or --kv-cache-memory-bytes; with the device memory unknown, what
+        the cache plan took."""
+        if self.kv_cache_memory_bytes is not None:
+            return self.kv_cache_memory_bytes
+        if self.memory is None:
             return self.cache.total_bytes if self.cache else 0
-        return kv_budget_bytes(self.free_after_weights, self.hbm_utilization,
-                               self.activation_bytes)
+        return self.memory.cache_bytes
 
     @property
     def reserve_bytes(self) -> int:
-        return self.free_after_weights - self.kv_budget_bytes
+        return self.memory.reserve_bytes if self.memory else 0
 
     @property
     def is_hybrid(self) -> bool:
@@ -225,11 +252,33 @@ class Plan:
         act = jnp.dtype(self.dtype).itemsize
         return 0 if self.mesh[1] == 1 else 2 * self.hidden_size * act
 
+    def memory_json(self) -> dict | None:
+        """Where each byte of a device goes (None when its memory is unknown)."""
+        split, c = self.memory, self.cache
+        if split is None:
+            return None
+        held = c.total_bytes if c else 0
+        return {"device_bytes": split.device_bytes, "utilization": self.hbm_utilization,
+                "engine_bytes": split.engine_bytes,
+                "weight_bytes": self.weight_bytes_per_device,
+                "drafter_weight_bytes": self.drafter_weight_bytes_per_device,
+                "kv_page_bytes": c.kv_bytes if c else 0,
+                "state_slot_bytes": (c.state_bytes - c.snapshot_bytes) if c else 0,
+                "snapshot_bytes": c.snapshot_bytes if c else 0,
+                "reserve_bytes": split.reserve_bytes,
+                "activation_estimate_bytes": self.activation_bytes,
+                # the budget's remainder below one page, or one the engine does not take
+                "unused_bytes": max(0, split.engine_bytes - split.weight_bytes
+                                    - split.reserve_bytes - held),
+                "outside_engine_bytes": split.outside_bytes}
+
     def to_json(self) -> dict:
         """The fields, the cache plan, and the figures derived from them that the printout
-        shows (KV capacity, full-length sequences that fit, whether it fits)."""
+        shows (KV capacity, full-length sequences that fit, whether it fits, where the
+        device's memory goes)."""
         c = self.cache
-        return {**asdict(self), "kv_budget_bytes": self.kv_budget_bytes,
+        return {**asdict(self), "memory": self.memory_json(),
+                "kv_budget_bytes": self.kv_budget_bytes,
                 "kv_tokens": self.kv_tokens, "max_concurrency": self.max_sequences,
                 "state_slots": self.state_slots, "memory_fits": self.memory_fits,
                 "fits": self.fits,
@@ -242,82 +291,90 @@ class Plan:
         return 0.0 if m == 1 else 2 * (m - 1) / m * nbytes / (self.link_gbps * 1e9)
 
 
-def make_plan(mc, *, model: str, mesh: str, dtype: str = "auto", kv_cache_dtype: str = "auto",
-              quantization: str | None = None,
-              max_model_len: int | None = None, max_num_seqs: int = 256,
-              max_num_batched_tokens: int | None = None, hbm_bytes: int | None = None,
-              hbm_utilization: float | None = None, link_gbps: float = DEFAULT_LINK_GBPS,
-              weights: WeightFigures | None = None, platform: str | None = None,
-              page_size: int = 16, kv_cache_memory_bytes: int | None = None,
-              num_pages: int | None = None, cache: CachePlan | None = None,
-              prefix_caching: bool = True, expert_parallel: bool = False) -> Plan:
-    """weights: the parameter figures if known; by default from the flax model (which
-    needs the model class of mc.architecture). platform "tpu": also check the limits
-    of the TPU compiler that the kernels cannot stream around (compiler_limit).
-    The cache plan: `cache` when given (a running engine's), else made by the engine's
-    rule from num_pages, kv_cache_memory_bytes or hbm_bytes (none of them: unknown).
-    hbm_utilization None: the accelerators' default."""
-    from jaxserve.config import DEFAULT_HBM_UTILIZATION
-    from models.cache_spec import (PagedKVSpec, RecurrentStateSpec, SharedKVSpec,
-                                   layer_cache_specs)
-    from models.config import SERVING_DTYPES, resolve_weight_quant
-    from models.registry import resolve_dtype, resolve_kv_dtype
+def plan_from_config(config: EngineConfig, mc, *, hbm_bytes: int | None = None,
+                     platform: str = "gpu", link_gbps: float = DEFAULT_LINK_GBPS,
+                     weights: WeightFigures | None = None, cache: CachePlan | None = None,
+                     label: str | None = None) -> Plan:
+    """The plan of the engine `config` would start on one `platform` ("gpu", "tpu")
+    device of hbm_bytes (None: unknown): the engine's layout, model drafter and cache
+    plan (jaxserve/engine/layout.py), with abstract weights. weights: the parameter
+    figures if known (else from the flax model); cache: a running engine's plan. On
+    "tpu", also the limits of the TPU compiler the kernels cannot stream around
+    (compiler_limit)."""
+    from jaxserve.engine.drafter_loader import drafter_model
+    from jaxserve.engine.layout import (attention_shapes, cache_plan_for, layout_for,
+                                        tpu_kernel_limit_error)
+    from models.cache_spec import PagedKVSpec, RecurrentStateSpec, SharedKVSpec
     from pallas_kernels.ragged_paged_attention import is_quantized
-    from sharding import check_model_axis, with_stored_kv_heads
+    from sharding import with_stored_kv_heads
     from sharding.mesh import parse_mesh
 
-    d, m = parse_mesh(mesh)
-    check_model_axis(mc, m, expert_parallel)
-    if dtype != "auto" and dtype not in SERVING_DTYPES:
-        raise ValueError(f"dtype={dtype!r}: expected one of {('auto', *SERVING_DTYPES)}")
-    dt = resolve_dtype(dtype, mc)
-    kv_dt = resolve_kv_dtype(kv_cache_dtype, dt)
-    weight_quant = resolve_weight_quant(quantization, mc.weight_quant)
-    stored = with_stored_kv_heads(mc, m)
-    kv_heads = stored.num_kv_heads
-    w = weights or weight_figures(mc, m, dt.name, weight_quant, is_quantized(kv_dt),
-                                  expert_parallel)
-    max_model_len = max_model_len or mc.max_position_embeddings
-    tokens = max_num_batched_tokens or max(2048, max_num_seqs)
-    specs = layer_cache_specs(stored, kv_dtype=kv_dt, conv_state_dtype=dt)
-    kv_tok = sum(s.bytes_per_token() for s in specs
-                 if isinstance(s, PagedKVSpec) and s.sliding_window is None) // m
+    config = config.for_platform(platform)
+    d, m = parse_mesh(config.mesh or "1x1")
+    layout = layout_for(config, mc, platform, m, check_kernels=False)
+    dt = jnp.dtype(layout.dtype)
+    ep = config.enable_expert_parallel
+    w = weights or weight_figures(mc, m, dt.name, layout.weight_quant,
+                                  is_quantized(layout.kv_dtype), ep)
+    # (weights are abstract here: a draft model named by an alias needs no files)
+    drafter = drafter_model(replace(config, load_format="dummy"), layout, platform,
+                            check_kernels=False)
+    drafter_bytes = module_weight_figures(drafter.model, drafter.layout.model_config, m
+                                          ).bytes_per_device if drafter else 0
+    if cache is None and (config.num_pages or config.kv_cache_memory_bytes or hbm_bytes):
+        memory = DeviceMemory(hbm_bytes, hbm_bytes, w.bytes_per_device + drafter_bytes) \
+            if hbm_bytes else None
+        cache = cache_plan_for(config, layout, None, memory,
+                               drafter.cache_specs if drafter else ())
+    specs = layout.cache_specs
     sliding = [s for s in specs if isinstance(s, PagedKVSpec) and s.sliding_window is not None]
     state = sum(s.bytes_per_slot() for s in specs if isinstance(s, RecurrentStateSpec))
-    act = activation_bytes(mc, m, tokens, max_num_seqs, dt.itemsize, max_model_len)
     limit = None
     if platform == "tpu":
-        from jaxserve.engine.layout import attention_shapes, tpu_kernel_limit_error
+        stored = with_stored_kv_heads(mc, m)
         limit = next(filter(None, (tpu_kernel_limit_error(
-            mc, stored.layer_num_kv_heads(i), num_tokens=tokens, rows=max_num_seqs,
-            max_model_len=max_model_len, page_size=page_size) for i in attention_shapes(stored))),
-            None)
-    hbm_utilization = hbm_utilization or DEFAULT_HBM_UTILIZATION
-    if cache is None and (num_pages or kv_cache_memory_bytes or hbm_bytes):
-        budget = None if num_pages else kv_cache_memory_bytes or kv_budget_bytes(
-            max(0, hbm_bytes - w.bytes_per_device), hbm_utilization, act)
-        cache = plan_caches(specs, model_axis=m, page_size=page_size,
-                            max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                            max_num_batched_tokens=tokens, num_pages=num_pages,
-                            budget_bytes=budget, prefix_caching=prefix_caching)
+            mc, stored.layer_num_kv_heads(i), num_tokens=config.num_batched_tokens,
+            rows=config.max_num_seqs, max_model_len=layout.max_model_len,
+            page_size=config.page_size) for i in attention_shapes(stored))), None)
+    spec = config.speculative_config
     return Plan(
-        model=f"{model} ({mc.architecture})", mesh=(d, m), dtype=dt.name,
-        kv_dtype=jnp.dtype(kv_dt).name,
-        quantization=weight_quant.method if weight_quant else None, num_params=w.num_params, weight_bytes=w.weight_bytes,
+        model=f"{label or config.model} ({mc.architecture})", mesh=(d, m), dtype=dt.name,
+        kv_dtype=jnp.dtype(layout.kv_dtype).name,
+        quantization=layout.weight_quant.method if layout.weight_quant else None,
+        num_params=w.num_params, weight_bytes=w.weight_bytes,
         weight_bytes_per_device=w.bytes_per_device, replicated_param_bytes=w.replicated_bytes,
-        kv_heads=mc.num_kv_heads, kv_heads_stored=kv_heads, kv_bytes_per_token_per_device=kv_tok,
-        global_kv_heads=mc.full_num_kv_heads, global_kv_heads_stored=stored.full_num_kv_heads,
+        kv_heads=mc.num_kv_heads, kv_heads_stored=layout.kv_heads,
+        kv_bytes_per_token_per_device=sum(
+            s.bytes_per_token() for s in specs
+            if isinstance(s, PagedKVSpec) and s.sliding_window is None) // m,
+        global_kv_heads=mc.full_num_kv_heads, global_kv_heads_stored=layout.global_kv_heads,
         num_layers=mc.num_layers, full_attention_layers=len(mc.full_attention_layers),
         state_bytes_per_seq=state, state_bytes_per_seq_per_device=state // m,
         state_layout=_state_layout(mc, dt.name), hidden_size=mc.hidden_size,
-        max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=tokens,
-        activation_bytes=act, hbm_bytes=hbm_bytes, hbm_utilization=hbm_utilization,
-        link_gbps=link_gbps, cache=cache, compiler_limit=limit,
-        sliding_attention_layers=len(sliding),
+        max_model_len=layout.max_model_len, max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.num_batched_tokens,
+        activation_bytes=layout.activation_bytes, hbm_bytes=hbm_bytes,
+        hbm_utilization=config.hbm_utilization, link_gbps=link_gbps, cache=cache,
+        compiler_limit=limit, sliding_attention_layers=len(sliding),
         sliding_kv_bytes_per_token_per_device=sum(s.bytes_per_token() for s in sliding) // m,
         sliding_window=mc.sliding_window if sliding else None,
         kv_shared_layers=sum(isinstance(s, SharedKVSpec) for s in specs),
-        expert_parallel=expert_parallel)
+        expert_parallel=ep, speculative=spec.describe() if spec else None,
+        drafter_weight_bytes_per_device=drafter_bytes,
+        kv_cache_memory_bytes=config.kv_cache_memory_bytes)
+
+
+def make_plan(mc, *, model: str, mesh: str, hbm_bytes: int | None = None,
+              link_gbps: float = DEFAULT_LINK_GBPS, weights: WeightFigures | None = None,
+              platform: str | None = None, cache: CachePlan | None = None,
+              prefix_caching: bool = True, **engine: Any) -> Plan:
+    """plan_from_config for EngineConfig(model=model, mesh=mesh, **engine) (its field
+    names: dtype, max_model_len, max_num_seqs, hbm_utilization, speculative_config, ...).
+    prefix_caching: enable_prefix_caching. platform None: a GPU."""
+    config = EngineConfig(model=model, mesh=mesh, enable_prefix_caching=prefix_caching,
+                          compilation_cache_dir=None, **engine)
+    return plan_from_config(config, mc, hbm_bytes=hbm_bytes, platform=platform or "gpu",
+                            link_gbps=link_gbps, weights=weights, cache=cache)
 
 
 def _state_layout(mc, dtype: str) -> str:
@@ -334,112 +391,21 @@ def _state_layout(mc, dtype: str) -> str:
 
 def plan_for_engine(info) -> str:
     """The plan of a running engine (its EngineInfo), for the server's start-up log: its
-    own cache plan, device memory from the first device's stats (unknown on CPU)."""
+    own config and cache plan, the device's memory from its allocator (unknown on
+    CPU)."""
     import jax
 
-    cfg = info.config
-    stats = jax.devices()[0].memory_stats() or {}
-    plan = make_plan(info.model_config, model=cfg.model, mesh=cfg.mesh or "1x1",
-                     dtype=info.dtype, kv_cache_dtype=cfg.kv_cache_dtype,
-                     quantization=cfg.quantization,
-                     max_model_len=info.max_model_len, max_num_seqs=cfg.max_num_seqs,
-                     max_num_batched_tokens=cfg.num_batched_tokens, page_size=cfg.page_size,
-                     hbm_bytes=stats.get("bytes_limit"), hbm_utilization=cfg.hbm_utilization,
-                     cache=info.cache_plan, expert_parallel=cfg.enable_expert_parallel)
+    from jaxserve.planning.kv_budget import device_memory
+
+    device = jax.devices()[0]
+    memory = device_memory(device) if device.platform != "cpu" else None
+    plan = plan_from_config(info.config, info.model_config,
+                            hbm_bytes=memory.device_bytes if memory else None,
+                            platform=device.platform, cache=info.cache_plan)
     return format_plan(plan)
 
 
-# The engine flags a plan takes: made from EngineConfig's fields, as the server's are.
-PLAN_ENGINE_FLAGS = ("mesh", "hbm_utilization", "max_model_len", "max_num_seqs",
-                     "max_num_batched_tokens", "dtype", "kv_cache_dtype", "quantization",
-                     "enable_prefix_caching", "enable_expert_parallel")
-
-
-def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m jaxserve.plan", description=__doc__.split("\n")[0])
-    ap.add_argument("--model", required=True,
-                    help="an alias (" + ", ".join(ALIASES) + ") or its repo id, a checkpoint "
-                         "dir, a config.json, or a repo id in the local Hugging Face cache")
-    ap.add_argument("--hbm", default=None, help="memory per device, e.g. 80GiB")
-    add_engine_args(ap, PLAN_ENGINE_FLAGS)
-    ap.add_argument("--interconnect-gbps", type=float, default=DEFAULT_LINK_GBPS,
-                    help="link bandwidth per direction per device in GB/s (default: NVLink 4 "
-                         "on H100 SXM, 450)")
-    ap.add_argument("--target", default=None, help="a TPU (tpu-v5e, tpu-v6e, tpu-v5p): its "
-                    "usable HBM per chip; with --compile, the chip to compile for")
-    ap.add_argument("--compile", nargs="?", const="default", choices=("default", "all"),
-                    default=None, help="compile the engine's warmup programs for --target on "
-                    "this host: the smallest and largest forward token bucket and the costliest "
-                    "sampler (penalties, largest row bucket), or 'all' of them")
-    ap.add_argument("--json", action="store_true", help="print one JSON object")
-    return ap
-
-
-def parse_args(ap: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
-    args = ap.parse_args(argv)
-    # EngineConfig's defaults where it resolves None: one device, and the rows of the
-    # platform planned for.
-    args.mesh = args.mesh or "1x1"
-    if args.max_num_seqs is None:
-        args.max_num_seqs = default_max_num_seqs("tpu" if args.target else "gpu")
-    return args
-
-
 def main(argv: list[str] | None = None) -> None:
-    ap = parser()
-    args = parse_args(ap, argv)
-    try:
-        if args.target and args.hbm:
-            raise ValueError("give --hbm or --target (which sets the HBM), not both")
-        if args.compile:
-            if not args.target:
-                raise ValueError("--compile needs --target (tpu-v5e, tpu-v6e or tpu-v5p)")
-            return _compile(args)
-        hbm = _target_hbm(args.target) if args.target else \
-            parse_bytes(args.hbm) if args.hbm else None
-        mc = load_model_config(args.model)
-        plan = make_plan(mc, model=args.model, mesh=args.mesh, dtype=args.dtype,
-                         kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
-                         max_model_len=args.max_model_len,
-                         max_num_seqs=args.max_num_seqs,
-                         max_num_batched_tokens=args.max_num_batched_tokens,
-                         prefix_caching=args.enable_prefix_caching,
-                         expert_parallel=args.enable_expert_parallel,
-                         hbm_bytes=hbm, hbm_utilization=args.hbm_utilization,
-                         link_gbps=args.interconnect_gbps,
-                         platform="tpu" if args.target else None)
-    except ValueError as e:
-        ap.exit(2, f"error: {e}\n")
-    print(json.dumps(plan.to_json()) if args.json else format_plan(plan))
-
-
-def _target_hbm(target: str) -> int:
-    """What the engine would see as the chip's memory (the runtime keeps the rest)."""
-    from sharding.tpu_targets import tpu_target
-    return tpu_target(target).usable_hbm_bytes
-
-
-def _compile(args) -> None:
-    """--compile: build the engine for --target, compile, print the report."""
-    import sys
-
-    from jaxserve.planning.plan_compile import compile_plan, format_report
-
-    def progress(r) -> None:   # flagship programs take minutes each: say what is done
-        state = "compiled" if r.compiled else "FAILED"
-        print(f"[plan] {r.name} {r.tokens or r.rows}: {state} in {r.compile_seconds:.1f} s",
-              file=sys.stderr, flush=True)
-
-    kw = {k: v for k, v in (("max_model_len", args.max_model_len),
-                            ("max_num_batched_tokens", args.max_num_batched_tokens)) if v}
-    report = compile_plan(args.model, target=args.target, mesh=args.mesh, select=args.compile,
-                          progress=progress, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
-                          quantization=args.quantization,
-                          enable_expert_parallel=args.enable_expert_parallel,
-                          max_num_seqs=args.max_num_seqs, hbm_utilization=args.hbm_utilization,
-                          **kw)
-    print(json.dumps(report.to_json()) if args.json else format_report(report))
-
-
-if __name__ == "__main__":
-    main()
+    """`python -m jaxserve.plan` (planning/plan_cli.py)."""
+    from jaxserve.planning.plan_cli import main as cli_main
+    cli_main(argv)

@@ -33,10 +33,11 @@ import jax.numpy as jnp
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine.drafter_loader import load_drafter
+from jaxserve.planning.kv_budget import DeviceMemory
 from jaxserve.engine.layout import (EngineLayout, build_layout_model, engine_layout,
                                     layout_cache_plan, layout_param_shardings, make_runner)
 from jaxserve.planning.cache_plan import CachePlan
-from jaxserve.planning.plan import load_model_config, make_plan
+from jaxserve.planning.plan import load_model_config, plan_from_config
 from jaxserve.planning.plan_format import _gib
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.runner.parallel_compile import compile_all, default_compile_workers
@@ -208,9 +209,10 @@ def build_abstract_engine(config: EngineConfig, mc, mesh, hbm_bytes: int) -> Abs
     params = placed_abstract_params(model, layout.dtype,
                                     layout_param_shardings(model, mesh, layout))
     # Speculative decoding's model drafter (mtp, draft_model): its weights and KV too.
-    drafter = load_drafter(config, layout, mesh, model, abstract=True)
+    drafter = load_drafter(config, layout, mesh, abstract=True)
     weights = bytes_per_device(params) + (bytes_per_device(drafter.params) if drafter else 0)
-    plan = layout_cache_plan(config, layout, None, free_bytes=max(0, hbm_bytes - weights),
+    # A TPU's pool is the chip's usable memory (engine/device_pool.py).
+    plan = layout_cache_plan(config, layout, None, DeviceMemory(hbm_bytes, hbm_bytes, weights),
                              drafter_specs=drafter.cache_specs if drafter else ())
     runner = make_runner(config, layout, plan, model=model, params=params, mesh=mesh,
                          abstract=True,
@@ -249,14 +251,7 @@ def compile_plan(model: str, *, target: str, mesh: str = "1x1",
         eng = build_abstract_engine(config, mc, replica, hbm)
     except ValueError as e:
         return replace(base, error=f"{type(e).__name__}: {e}")
-    lay = eng.layout
-    plan = make_plan(mc, model=model, mesh=f"1x{m}", dtype=_dtype_name(lay.dtype),
-                     kv_cache_dtype=config.kv_cache_dtype, quantization=config.quantization,
-                     max_model_len=lay.max_model_len,
-                     max_num_seqs=config.max_num_seqs,
-                     max_num_batched_tokens=config.num_batched_tokens, hbm_bytes=hbm,
-                     hbm_utilization=config.hbm_utilization,
-                     expert_parallel=config.enable_expert_parallel)
+    plan = plan_from_config(config, mc, hbm_bytes=hbm, platform="tpu", label=model)
     chosen = (eng.programs if select == "all" else default_selection(eng.programs)
               if select == "default" else select(eng.programs))
     resident = eng.weight_bytes_per_device + bytes_per_device(eng.runner.kv_caches)
@@ -275,10 +270,6 @@ def compile_plan(model: str, *, target: str, mesh: str = "1x1",
         planner_bytes_per_device=plan.weight_bytes_per_device + plan.cache.total_bytes,
         warmup_programs=len(eng.programs), programs=tuple(results), compile_workers=workers,
         wall_seconds=wall)
-
-
-def _dtype_name(dtype: Any) -> str:
-    return jnp.dtype(dtype).name
 
 
 def format_report(r: CompileReport) -> str:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from jaxserve.planning.kv_budget import WORKSPACE_SHARE
+
 if TYPE_CHECKING:
     from jaxserve.planning.plan import Plan
 
@@ -64,17 +66,25 @@ def format_plan(p: Plan) -> str:
         lines += _memory_lines(p)
     lines += _cache_lines(p) if p.cache else [
         "  device memory              unknown (give --hbm to size the KV cache)"]
+    if p.speculative:
+        lines.append(f"  {p.speculative}")
     return "\n".join(lines + _allreduce_lines(p))
 
 
 def _memory_lines(p: Plan) -> list[str]:
+    m = p.memory
+    drafter = (f" (+ drafter {_gib(p.drafter_weight_bytes_per_device)})"
+               if p.drafter_weight_bytes_per_device else "")
+    cache = ("KV cache and state " if p.is_hybrid else "KV ") + _gib(p.kv_budget_bytes) \
+        + (" (--kv-cache-memory-bytes)" if p.kv_cache_memory_bytes is not None else "")
     return [
-        f"  device memory              {_gib(p.hbm_bytes)}: weights "
-        f"{_gib(p.weight_bytes_per_device)} + reserve {_gib(p.reserve_bytes)} (the larger of "
-        f"{1 - p.hbm_utilization:.0%} of the rest and the estimated activations "
-        f"~{_gib(p.activation_bytes)}: {p.max_num_batched_tokens} tokens/step, sampler over "
-        f"{p.max_num_seqs} rows) + "
-        + ("KV cache and state " if p.is_hybrid else "KV ") + _gib(p.kv_budget_bytes)]
+        f"  device memory              {_gib(m.device_bytes)}, of which the engine takes "
+        f"{p.hbm_utilization:.0%} (--gpu-memory-utilization) = {_gib(m.engine_bytes)}: "
+        f"weights {_gib(p.weight_bytes_per_device)}{drafter} + reserve "
+        f"{_gib(m.reserve_bytes)} (the larger of {WORKSPACE_SHARE:.0%} and the estimated "
+        f"activations ~{_gib(p.activation_bytes)}: {p.max_num_batched_tokens} tokens/step, "
+        f"sampler over "
+        f"{p.max_num_seqs} rows) + {cache}; {_gib(m.outside_bytes)} left to others"]
 
 
 def _cache_lines(p: Plan) -> list[str]:
@@ -87,7 +97,9 @@ def _cache_lines(p: Plan) -> list[str]:
         snaps = c.num_snapshot_slots
         held = (f" + {snaps} prefix-cache snapshots (their share of the caches: "
                 f"{_gib(c.snapshot_bytes)})" if snaps else "")
-        lines.append(f"  state slots                {p.state_slots} (max_num_seqs + 1){held} x "
+        running = "2 x max_num_seqs + 1: a backup each for speculative decoding" \
+            if c.state_slots_per_seq == 2 else "max_num_seqs + 1"
+        lines.append(f"  state slots                {p.state_slots} ({running}){held} x "
                      f"{_gib(p.state_bytes_per_seq_per_device)} = {_gib(p.state_budget_bytes)}, "
                      f"allocated first; the KV pages get the remaining "
                      f"{_gib(p.page_budget_bytes)}")

@@ -58,7 +58,7 @@ def test_bad_values_exit_2_naming_the_flag(text, message, capsys):
         config_of(FLAG, text)
     assert e.value.code == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"usage: {SERVE}") and f"argument {FLAG}: " in err, err
+    assert err.startswith(f"usage: {SERVE}") and f"argument {FLAG}/-sc: " in err, err
     assert message in err, err
 
 
@@ -84,7 +84,7 @@ def test_config_file_with_a_bad_value_exits_2_naming_the_flag(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         config_of("--config", str(cfg))
     assert e.value.code == 2
-    assert f"argument {FLAG}: " in capsys.readouterr().err
+    assert f"argument {FLAG}/-sc: " in capsys.readouterr().err
 
 
 # ---- LLM(speculative_config=...) --------------------------------------------------------

@@ -313,3 +313,38 @@ def test_ping_while_the_engine_loads():
     for method in ("GET", "POST"):
         r = call(gate, method, "/ping")
         assert r.status_code == 503 and r.json()["status"] == "loading"
+
+
+# ---- vLLM's server flags that reach the app -------------------------------------------------
+def test_several_api_keys_each_let_in(engine):
+    """--api-key k1 k2 (vLLM takes several)."""
+    app = app_for(engine, served_model_names=("m",), api_key=("k1", "k2"))
+    for key, status in (("k1", 200), ("k2", 200), ("k3", 401), (None, 401)):
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        assert call(app, "GET", "/v1/models", headers=headers).status_code == status, key
+
+
+def test_disable_fastapi_docs(engine):
+    on = app_for(engine, served_model_names=("m",))
+    off = app_for(engine, served_model_names=("m",), disable_fastapi_docs=True)
+    for path in ("/docs", "/redoc", "/openapi.json"):
+        assert call(on, "GET", path).status_code == 200, path
+        assert call(off, "GET", path).status_code == 404, path
+
+
+def test_default_chat_template_kwargs_go_under_the_requests(engine):
+    """--default-chat-template-kwargs: a template variable for every request, which the
+    request's own chat_template_kwargs override (the prompt's length tells which won)."""
+    template = ("{% if long_prompt %}{% for _ in range(20) %}x {% endfor %}{% endif %}"
+                "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    app = app_for(engine, served_model_names=("m",), chat_template=template,
+                  default_chat_template_kwargs={"long_prompt": True})
+
+    def prompt_tokens(**extra) -> int:
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, **extra}
+        r = call(app, "POST", "/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens"]
+    with_default = prompt_tokens()
+    overridden = prompt_tokens(chat_template_kwargs={"long_prompt": False})
+    assert with_default >= overridden + 20

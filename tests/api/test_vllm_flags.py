@@ -8,8 +8,12 @@ import pytest
 
 from jaxserve.api.cli import checked_config, engine_config, parse_args, parser
 from jaxserve.config import EngineConfig
+from jaxserve.engine_args import human_readable_int
+from jaxserve.vllm_compat import ENGINE, FRONTEND
+from tests.api.vllm_serve_flags import NO, NOOP, OLDER_VLLM_FLAGS, VLLM_SERVE_FLAGS, WORKS
 
 SERVE = "jaxserve serve"
+ALL_FLAGS = {**VLLM_SERVE_FLAGS, **OLDER_VLLM_FLAGS}
 
 
 def config_of(*argv: str) -> EngineConfig:
@@ -60,19 +64,21 @@ def test_vllm_engine_flags_parse_to_engine_config(argv, expected):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["-pp", "2"], "argument --pipeline-parallel-size: pipeline_parallel_size=2: jaxserve has "
-                   "no pipeline parallelism"),
+    (["-pp", "2"], "argument --pipeline-parallel-size/-pp: pipeline_parallel_size=2: jaxserve "
+                   "has no pipeline parallelism"),
     (["--swap-space", "4"], "argument --swap-space: swap_space=4.0: jaxserve never swaps"),
     (["--preemption-mode", "swap"], "argument --preemption-mode: preemption_mode='swap': "
                                     "jaxserve preempts by recomputation only"),
-    (["--async-scheduling"], "argument --async-scheduling: async_scheduling=True: not "
-                             "implemented"),
-    (["--no-enable-chunked-prefill"], "argument --enable-chunked-prefill: "
+    (["--async-scheduling"], "argument --async-scheduling/--no-async-scheduling: "
+                             "async_scheduling=True: not implemented"),
+    (["--no-enable-chunked-prefill"], "argument --enable-chunked-prefill/--no-enable-chunked-"
+                                      "prefill/--disable-chunked-prefill: "
                                       "enable_chunked_prefill=False: chunked prefill is always on"),
-    (["--mesh", "1x4", "-tp", "2"], "argument --tensor-parallel-size: tensor_parallel_size=2: "
-                                    "disagrees with mesh='1x4'"),
-    (["-tp", "0"], "argument --tensor-parallel-size: tensor_parallel_size=0: must be >= 1"),
-    (["--gpu-memory-utilization", "1.5"], "argument --hbm-utilization: hbm_utilization=1.5: "
+    (["--mesh", "1x4", "-tp", "2"], "argument --tensor-parallel-size/-tp: tensor_parallel_size"
+                                    "=2: disagrees with mesh='1x4'"),
+    (["-tp", "0"], "argument --tensor-parallel-size/-tp: tensor_parallel_size=0: must be >= 1"),
+    (["--gpu-memory-utilization", "1.5"], "argument --hbm-utilization/--gpu-memory-utilization/"
+                                          "--device-memory-utilization: hbm_utilization=1.5: "
                                           "must be in (0, 1]"),
     (["--max-logprobs", "-2"], "argument --max-logprobs: max_logprobs=-2: must be >= 0"),
     (["--dtype", "double"], "argument --dtype: invalid choice: 'double'"),
@@ -176,3 +182,150 @@ def test_missing_config_file_exits_2(tmp_path, capsys):
     with pytest.raises(SystemExit):
         parse_args(parser(SERVE), ["/m", "--config", str(tmp_path / "none.yaml")])
     assert "argument --config: cannot read" in capsys.readouterr().err
+
+
+# ---- every flag of `vllm serve --help` (tests/api/vllm_serve_flags.py) ---------------------
+def _spellings() -> dict[str, object]:
+    return {opt: a for a in parser(SERVE)._actions for opt in a.option_strings}
+
+
+def _compat(action) -> bool:
+    """Whether the flag is one of vLLM's without a jaxserve knob (jaxserve/vllm_compat.py)."""
+    return action.dest.startswith("vllm_compat:")
+
+
+@pytest.mark.parametrize("name", sorted(ALL_FLAGS))
+def test_every_vllm_flag_is_known(name):
+    """Each spelling vLLM takes is a flag of `jaxserve serve` (never "unrecognized
+    arguments"); what the list says works is a jaxserve setting, not a compat entry."""
+    flag, known = ALL_FLAGS[name], _spellings()
+    if not flag.spellings:   # vllm serve MODEL
+        assert any(a.dest == "model_tag" for a in parser(SERVE)._actions)
+        return
+    missing = [s for s in flag.spellings if s not in known]
+    assert not missing, f"{name}: jaxserve serve does not know {missing} ({flag.does})"
+    compat = {_compat(known[s]) for s in flag.spellings}
+    if flag.does == WORKS:
+        assert compat == {False}, f"{name} is listed as working but is only a compat entry"
+    if flag.does in (NOOP, NO):
+        assert compat == {True}, name
+
+
+@pytest.mark.parametrize("name", sorted(n for n, f in ALL_FLAGS.items() if f.ok is not None))
+def test_vllm_flag_values_jaxserve_takes(name):
+    """A value that works (or is true of jaxserve) starts the parse; a compat flag's is
+    said in the start-up log (args.vllm_notes), never taken silently."""
+    flag = ALL_FLAGS[name]
+    ap = parser(SERVE)
+    args = parse_args(ap, ["/m", *flag.ok])
+    checked_config(ap, args)
+    given = [s for s in flag.spellings if s in flag.ok]
+    if given and _compat(_spellings()[given[0]]):
+        assert any(note.startswith(flag.spellings[0]) for note in args.vllm_notes), \
+            args.vllm_notes
+
+
+@pytest.mark.parametrize("name", sorted(n for n, f in ALL_FLAGS.items()
+                                        if f.refused is not None))
+def test_vllm_flag_values_jaxserve_refuses_exit_2_naming_the_flag(name, capsys):
+    flag = ALL_FLAGS[name]
+    with pytest.raises(SystemExit) as e:
+        config_of(*flag.refused)
+    err = capsys.readouterr().err
+    assert e.value.code == 2, err
+    assert "unrecognized arguments" not in err, err
+    said = err.split("error:", 1)[1]   # (not the usage line)
+    assert any(s in said for s in flag.spellings), err
+
+
+def test_the_list_covers_every_compat_entry():
+    """jaxserve's compat table holds vLLM's names only: each is in the list."""
+    listed = {s for f in ALL_FLAGS.values() for s in f.spellings}
+    for name in {**ENGINE, **FRONTEND}:
+        assert "--" + name.replace("_", "-") in listed, name
+
+
+@pytest.mark.parametrize("text, value", [
+    ("4096", 4096), ("32k", 32_000), ("32K", 32_768), ("1.5m", 1_500_000), ("2M", 2 * 2**20),
+    ("4g", 4 * 10**9), ("4G", 4 * 2**30), ("1T", 2**40), (" 8k ", 8000)])
+def test_sizes_read_as_vllm_reads_them(text, value):
+    """Lower-case suffixes are decimal, upper-case binary (vLLM's human_readable_int)."""
+    assert human_readable_int(text) == value
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--max-model-len", "32k"], {"max_model_len": 32_000}),
+    (["--max-model-len", "32K"], {"max_model_len": 32_768}),
+    (["--max-model-len", "auto"], {"max_model_len": None}),
+    (["--max-model-len", "-1"], {"max_model_len": None}),
+    (["--max-num-batched-tokens", "8K"], {"max_num_batched_tokens": 8192}),
+    (["--kv-cache-memory-bytes", "6G"], {"kv_cache_memory_bytes": 6 * 2**30}),
+    (["--num-gpu-blocks-override", "1000"], {"num_pages": 1000}),
+    (["--device-memory-utilization", "0.7"], {"hbm_utilization": 0.7}),
+    (["--max_model_len", "2k", "--max_num_seqs=8"], {"max_model_len": 2000, "max_num_seqs": 8}),
+    (["--disable-prefix-caching"], {"enable_prefix_caching": False}),
+    (["--no-enable-prefix-caching"], {"enable_prefix_caching": False}),
+    (["-sc", '{"method": "ngram", "num_speculative_tokens": 2}'],
+     {"speculative_config.num_speculative_tokens": 2}),
+    (["--spec-method", "ngram", "--spec-tokens", "5"],
+     {"speculative_config.method": "ngram", "speculative_config.num_speculative_tokens": 5}),
+    (["--spec-model", "/draft"], {"speculative_config.method": "draft_model",
+                                  "speculative_config.model": "/draft"}),
+])
+def test_vllm_spellings_reach_the_engine_config(argv, expected):
+    cfg = config_of(*argv)
+    got = {}
+    for key in expected:
+        obj = cfg
+        for part in key.split("."):
+            obj = getattr(obj, part)
+        got[key] = obj
+    assert got == expected
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--max-model-len", "1.5K"], "argument --max-model-len: invalid size '1.5K': K is binary"),
+    (["--max-model-len", "32 k"], "argument --max-model-len: invalid size '32 k'"),
+    (["--spec-method", "ngram", "--speculative-config", '{"method": "ngram"}'],
+     "argument --speculative-config/-sc: give --speculative-config or its shorthands"),
+    (["--tokenizer-mode", "mistral"], "argument --tokenizer-mode: 'mistral' is not supported by "
+                                      "jaxserve: the tokenizer is the checkpoint's"),
+    (["--limit-mm-per-prompt", '{"image": 4}'], "argument --limit-mm-per-prompt: {'image': 4} is "
+                                                "not supported by jaxserve: jaxserve serves "
+                                                "text only"),
+    (["--max-num-partial-prefills", "4"], "argument --max-num-partial-prefills: 4 is not "
+                                          "supported by jaxserve"),
+    (["--enable-lora"], "argument --enable-lora: True is not supported by jaxserve: LoRA"),
+    (["--api-server-count", "x"], "argument --api-server-count/-asc: invalid int value: 'x'"),
+    (["--hf-overrides", "{"], "argument --hf-overrides: not JSON: '{'"),
+])
+def test_vllm_flag_refusals_say_why(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        config_of(*argv)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_log_requests_and_api_keys():
+    args = parse_args(parser(SERVE), ["/m", "--api-key", "k1", "k2", "--disable-log-requests"])
+    assert args.api_key == ["k1", "k2"] and args.enable_log_requests is False
+    defaults = parse_args(parser(SERVE), ["/m", "--enable-log-requests"])
+    assert defaults.enable_log_requests is True
+    assert parse_args(parser(SERVE), ["/m"]).enable_log_requests is True   # jaxserve's default
+
+
+def test_server_flags_reach_uvicorn_and_the_log():
+    import logging
+
+    from jaxserve.api.cli import _uvicorn_config, log_level
+    args = parse_args(parser(SERVE), [
+        "/m", "--uds", "/tmp/jaxserve.sock", "--disable-uvicorn-access-log", "--ssl-ciphers",
+        "ECDHE-RSA-AES256-GCM-SHA384", "--h11-max-incomplete-event-size", "1024",
+        "--shutdown-timeout", "30", "--log-level", "DEBUG"])
+    cfg = _uvicorn_config(args, gate=None)
+    assert (cfg.uds, cfg.access_log, cfg.ssl_ciphers, cfg.h11_max_incomplete_event_size,
+            cfg.timeout_graceful_shutdown) == ("/tmp/jaxserve.sock", False,
+                                               "ECDHE-RSA-AES256-GCM-SHA384", 1024, 30.0)
+    assert log_level(args) == logging.DEBUG
+    plain = _uvicorn_config(parse_args(parser(SERVE), ["/m"]), gate=None)
+    assert (plain.uds, plain.access_log, plain.timeout_graceful_shutdown) == (None, True, 5.0)

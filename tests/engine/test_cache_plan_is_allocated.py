@@ -88,3 +88,43 @@ def test_cache_specs_per_layer_kind():
     capped = plan_caches([kv], model_axis=1, page_size=16, max_num_seqs=3, max_model_len=64,
                          max_num_batched_tokens=32, budget_bytes=10**9, cap_at_demand=True)
     assert capped.num_pages == 3 * 4 + 1 and not capped.has_state
+
+
+@pytest.fixture(scope="module")
+def mtp_checkpoint(tmp_path_factory) -> str:
+    """A tiny Qwen3.5 with an MTP layer."""
+    from tests.checkpoints import add_mtp_layer
+    return add_mtp_layer(make_tiny_checkpoint("qwen3_5", tmp_path_factory.mktemp("mtp"),
+                                              **OVERRIDES["qwen3_5"]))
+
+
+@pytest.mark.parametrize("spec", [{"method": "ngram", "num_speculative_tokens": 2},
+                                  {"method": "mtp", "num_speculative_tokens": 2}])
+def test_the_planner_plans_speculation_on_a_hybrid_as_the_engine(mtp_checkpoint, spec,
+                                                                 capsys):
+    """`jaxserve plan` with the server's flags, --speculative-config included, makes the
+    engine's cache plan: a hybrid's backup state slots (two per sequence) and an MTP
+    drafter's KV on every page."""
+    import dataclasses
+    import json
+
+    from jaxserve.planning.plan_cli import main
+    path = mtp_checkpoint
+    core = LLM(path, kv_cache_memory_bytes=BUDGET, speculative_config=spec,
+               enforce_eager=True, **ENGINE).engine
+    plan = core.info.cache_plan
+    assert plan.state_slots_per_seq == 2
+    flags = ["--model", path, "--kv-cache-memory-bytes", str(BUDGET), "--speculative-config",
+             json.dumps(spec), "--dtype", "float32", "--max-model-len", "64",
+             "--max-num-seqs", "2", "--max-num-batched-tokens", "32", "--json"]
+    main(flags)
+    planned = json.loads(capsys.readouterr().out)
+    assert planned["cache"] == dataclasses.asdict(plan)
+    assert planned["state_slots"] == 2 * ENGINE["max_num_seqs"] + 1
+    without = make_plan(load_model_config(path), model=path, mesh="1x1",
+                        kv_cache_memory_bytes=BUDGET, **ENGINE).cache
+    if spec["method"] == "mtp":   # the drafter's KV makes every page larger
+        assert plan.bytes_per_page > without.bytes_per_page
+        assert planned["drafter_weight_bytes_per_device"] > 0
+    else:
+        assert plan.bytes_per_page == without.bytes_per_page

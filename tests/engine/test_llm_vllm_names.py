@@ -90,12 +90,14 @@ def test_kwargs_llm_cannot_honour_are_refused_by_name(kwargs, error, message):
 
 
 def test_every_vllm_only_argument_has_a_value_it_takes():
-    taken = dict(disable_log_stats=True, tokenizer_mode="auto", skip_tokenizer_init=False,
-                 cpu_offload_gb=0, disable_custom_all_reduce=True, hf_token=None,
-                 hf_overrides=None, compilation_config=None, distributed_executor_backend=None,
-                 enable_lora=False, enable_sleep_mode=False, task="generate", runner="auto")
-    assert set(taken) == set(VLLM_ONLY)
+    """vLLM's engine arguments without a jaxserve knob (the command line's table) and
+    LLM's own: each takes a value that is true of jaxserve and passes nothing on."""
+    taken = {name: s.taken for name, s in VLLM_ONLY.items() if s.holds(s.taken)}
+    assert {"disable_log_stats", "tokenizer_mode", "cpu_offload_gb", "enable_lora",
+            "compilation_config", "hf_token", "language_model_only",
+            "limit_mm_per_prompt"} <= set(taken)
     assert engine_kwargs(taken) == {}
+    assert not set(VLLM_ONLY) & {f.name for f in dataclasses.fields(EngineConfig)}
 
 
 def test_block_size_reaches_the_engine(llm):

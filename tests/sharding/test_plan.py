@@ -24,6 +24,14 @@ def paged_tokens(budget: int, per_token: int, page_size: int = 16) -> int:
     return max(budget // (per_token * page_size) - 1, 0) * page_size
 
 
+def cache_budget(hbm: int, weights: int, activation: int, utilization: float = 0.9) -> int:
+    """vLLM's --gpu-memory-utilization: the engine holds `utilization` of the device;
+    the caches get it less the weights and the reserve (the activation estimate, at
+    least 5 % of the engine's share)."""
+    engine = int(hbm * utilization)
+    return max(0, engine - weights - max(activation, int(engine * 0.05)))
+
+
 def test_qwen3_8b_on_1x8():
     mc = load_model_config("qwen3-8b")
     c = BUILTIN_CONFIGS["qwen3-8b"]
@@ -37,8 +45,13 @@ def test_qwen3_8b_on_1x8():
     norms = (n_layers * (2 * e + 2 * c["head_dim"]) + e) * 2
     assert p.weight_bytes_per_device == (params * 2 - norms) // 8 + norms
     assert p.kv_bytes_per_token_per_device == n_layers * 2 * 1 * c["head_dim"] * 2   # 1 head
-    free = 80 * GIB - p.weight_bytes_per_device
-    assert p.kv_tokens == paged_tokens(int(free * 0.9), p.kv_bytes_per_token_per_device)
+    budget = cache_budget(80 * GIB, p.weight_bytes_per_device, p.activation_bytes)
+    assert p.kv_tokens == paged_tokens(budget, p.kv_bytes_per_token_per_device)
+    # Of the 80 GiB the engine leaves 10 % alone; the rest is weights, reserve and cache.
+    m = p.to_json()["memory"]
+    assert m["engine_bytes"] == int(0.9 * 80 * GIB) and m["outside_engine_bytes"] == 8 * GIB
+    assert m["weight_bytes"] + m["reserve_bytes"] + m["kv_page_bytes"] + m["unused_bytes"] \
+        == m["engine_bytes"] and m["unused_bytes"] < p.cache.bytes_per_page
     assert p.allreduce_bytes_per_token_per_layer == 2 * e * 2
     assert p.allreduce_seconds(16384) == pytest.approx(2 * 7 / 8 * 16384 / 450e9)
 
@@ -72,7 +85,7 @@ def test_cli_json_has_the_derived_figures(capsys):
     assert got["weight_bytes_per_device"] == p.weight_bytes_per_device > 0
     assert got["kv_bytes_per_token_per_device"] == 18 * 2**10
     assert got["kv_tokens"] == p.kv_tokens == got["cache"]["num_pages"] * 16 - 16
-    assert got["max_concurrency"] == p.kv_tokens // p.max_model_len == 99
+    assert got["max_concurrency"] == p.kv_tokens // p.max_model_len == 94
     assert got["fits"] is False and got["state_slots"] == 0
 
 
@@ -146,18 +159,20 @@ def test_qwen36_27b_plan_figures(mesh, kv_heads_per_device, split):
     state = 48 * (3 * 10240 * 2 + 48 * 128 * 128 * 4)
     assert p.state_bytes_per_seq == state and 146 * MIB < state < 148 * MIB
     assert p.state_bytes_per_seq_per_device == state // split
-    # The engine: KV budget = 0.9 x (HBM - weights); 17 state slots and the prefix cache's
-    # snapshots first, pages the rest.
-    budget = int((80 * GIB - w.bytes_per_device) * 0.9)
+    # The engine: 0.9 of the device less the weights and the reserve; 17 state slots and
+    # the prefix cache's snapshots first, pages the rest.
+    budget = cache_budget(80 * GIB, w.bytes_per_device, p.activation_bytes)
     assert p.state_slots == 17
     snaps = snapshot_slots(budget, state // split, 16)
     assert p.cache.num_snapshot_slots == snaps > 0
     assert p.kv_tokens == paged_tokens(budget - (17 + snaps) * (state // split),
                                        p.kv_bytes_per_token_per_device)
     assert p.max_sequences == min(16, p.kv_tokens // 16384)
-    assert p.fits == (16 * 16384 <= p.kv_tokens) and p.fits
+    # One 80 GiB device: 72 GiB for the engine, 50 GiB of it weights: 14 of the 16
+    # sequences fit. Eight devices hold them all.
+    assert p.fits == (16 * 16384 <= p.kv_tokens) == (m == 8)
     out = format_plan(p)
-    assert "WARNING" not in out, out
+    assert ("WARNING" in out) != p.fits, out
     assert "16 full attention (KV cache), 48 linear attention" in out
     assert "state slots                17 (max_num_seqs + 1)" in out
     assert f"{p.kv_tokens:,} tokens" in out
@@ -167,14 +182,14 @@ def test_qwen36_27b_plan_that_does_not_fit():
     mc = load_model_config("qwen3.6-27b")
     w = hand_weights(qwen36_27b_params(), 1)
     state = mc.state_bytes_per_seq(2)
-    # 80 GiB on one device: ~50 GiB of weights, ~27 GiB of cache; 262,144-token sequences.
+    # 80 GiB on one device: ~50 GiB of weights, ~18 GiB of cache; 262,144-token sequences.
     p = make_plan(mc, model="qwen3.6-27b", mesh="1x1", hbm_bytes=80 * GIB, max_num_seqs=16,
                   weights=w)
     assert p.max_model_len == 262144 and not p.fits
-    budget = int((80 * GIB - w.weight_bytes) * 0.9)
+    budget = cache_budget(80 * GIB, w.weight_bytes, p.activation_bytes)
     snaps = snapshot_slots(budget, state, 16)
     assert p.kv_tokens == paged_tokens(budget - (17 + snaps) * state, 64 * 2**10)
-    assert p.max_sequences == p.kv_tokens // 262144 == 1
+    assert p.max_sequences == p.kv_tokens // 262144 == 0
     out = format_plan(p)
     assert "WARNING: the plan does not fit: 16 sequences of 262,144 tokens" in out
     # 257 state slots alone (~36.8 GiB) exceed the cache budget.
@@ -200,7 +215,7 @@ def test_non_hybrid_plans_have_no_state():
     p = make_plan(mc, model="qwen3-8b", mesh="1x8", hbm_bytes=80 * GIB, max_num_seqs=8,
                   max_model_len=4096, weights=hand_weights(8 * 10**9, 8))
     assert (p.state_slots, p.state_budget_bytes, p.full_attention_layers) == (0, 0, 36)
-    assert p.kv_tokens == paged_tokens(int((80 * GIB - 2 * 10**9) * 0.9),
+    assert p.kv_tokens == paged_tokens(cache_budget(80 * GIB, 2 * 10**9, p.activation_bytes),
                                        p.kv_bytes_per_token_per_device)
     out = format_plan(p)
     assert "state" not in out and "WARNING" not in out and "(36 layers x K and V)" in out
@@ -218,25 +233,32 @@ def test_load_model_config_accepts_repo_ids_and_the_hf_cache(tmp_path, monkeypat
 
 
 def test_the_cache_leaves_room_for_the_sampler():
-    """Qwen3.6-27B on a v6e 1x8 (31.25 GiB usable per chip): 10 % of what the weights
-    leave (2.5 GiB) is less than the costliest sampler's temporaries over 256 rows of
-    248,320 logits (XLA:TPU: 2.85 GB), so the reserve grows to the estimate instead and
-    the cache shrinks by as much; with 8 rows the 10 % rule stands. The penalties' token
-    history [rows, max_model_len] int32 comes on top (XLA:TPU: +260 MB of arguments at
-    262,144 tokens, which took the default-context flagship past the chip)."""
-    from jaxserve.planning.kv_budget import SAMPLER_COPIES, kv_budget_bytes
+    """Qwen3.6-27B on a v6e 1x8 (31.25 GiB usable per chip): 5 % of the engine's 90 %
+    (1.4 GiB) is less than the costliest sampler's temporaries over 256 rows of 248,320
+    logits (XLA:TPU: 2.85 GB), so the reserve grows to the estimate instead and the cache
+    shrinks by as much; with 8 rows the 5 % floor stands. The penalties' token history
+    [rows, max_model_len] int32 comes on top (XLA:TPU: +260 MB of arguments at 262,144
+    tokens, which took the default-context flagship past the chip)."""
+    from jaxserve.planning.kv_budget import SAMPLER_COPIES, WORKSPACE_SHARE, memory_split
     mc = load_model_config("qwen3.6-27b")
     kw = dict(model="qwen3.6-27b", mesh="1x8", max_model_len=8192, hbm_bytes=int(31.25 * GIB))
     p = make_plan(mc, **kw)
+    engine = int(0.9 * 31.25 * GIB)
     assert p.activation_bytes >= SAMPLER_COPIES * 256 * mc.vocab_size * 4 > 2.85e9
-    assert p.reserve_bytes == p.activation_bytes > 0.1 * p.free_after_weights
-    assert p.kv_budget_bytes == p.free_after_weights - p.activation_bytes
+    assert p.reserve_bytes == p.activation_bytes > WORKSPACE_SHARE * engine
+    assert p.kv_budget_bytes == engine - p.weight_bytes_per_device - p.activation_bytes
     long = make_plan(mc, **{**kw, "max_model_len": 262144})
     assert long.activation_bytes - p.activation_bytes == 256 * (262144 - 8192) * 4
     assert long.kv_budget_bytes == p.kv_budget_bytes - 256 * (262144 - 8192) * 4
     small = make_plan(mc, max_num_seqs=8, **kw)
-    assert small.kv_budget_bytes == int(0.9 * small.free_after_weights)
-    assert kv_budget_bytes(100, 0.9, 50) == 50 and kv_budget_bytes(100, 0.9, 200) == 0
+    assert small.reserve_bytes == int(WORKSPACE_SHARE * engine) > small.activation_bytes
+    # The split: the engine's share (never past JAX's pool), weights, reserve, caches.
+    split = memory_split(100, 0.9, 50, 10)
+    assert (split.engine_bytes, split.reserve_bytes, split.cache_bytes,
+            split.outside_bytes) == (90, 10, 30, 10)
+    assert memory_split(100, 0.9, 50, 1).reserve_bytes == 4        # 5 % of 90
+    assert memory_split(100, 0.9, 50, 10, pool_bytes=75).cache_bytes == 15
+    assert memory_split(100, 0.5, 60, 1).cache_bytes == 0
 
 
 def test_expert_parallel_plan(capsys):
@@ -244,7 +266,7 @@ def test_expert_parallel_plan(capsys):
     device as tensor-parallel experts, said in the header; refused for a dense model."""
     mc = load_model_config("qwen3-30b-a3b")
     tp = make_plan(mc, model="qwen3-30b-a3b", mesh="1x8")
-    ep = make_plan(mc, model="qwen3-30b-a3b", mesh="1x8", expert_parallel=True)
+    ep = make_plan(mc, model="qwen3-30b-a3b", mesh="1x8", enable_expert_parallel=True)
     assert ep.weight_bytes_per_device == tp.weight_bytes_per_device
     assert ep.replicated_param_bytes == tp.replicated_param_bytes
     main(["--model", "qwen3-30b-a3b", "--mesh", "1x8", "--enable-expert-parallel"])

@@ -60,8 +60,9 @@ def test_compile_json_on_a_tiny_model(reports, mesh):
                                    - p["alias_bytes"])
         assert p["argument_bytes"] <= p["peak_bytes"] <= p["device_peak_bytes"] <= V6E_HBM
     fwd = r["programs"][1]
-    # 90 % of what the weights leave, and the caches donated: aliased, not copied out.
-    assert 0.88 * V6E_HBM < fwd["argument_bytes"] < 0.92 * V6E_HBM
+    # The engine's 90 % of the chip less the reserve (5 % of it: a tiny model's
+    # activations are less), and the caches donated: aliased, not copied out.
+    assert 0.9 * 0.95 * V6E_HBM - 2**20 < fwd["argument_bytes"] < 0.9 * 0.95 * V6E_HBM + 2**20
     assert fwd["alias_bytes"] >= r["kv_bytes_per_device"]
     sampler = r["programs"][2]
     assert sampler["argument_bytes"] < 64 * 2**20   # weights and the batch, no KV cache
@@ -111,8 +112,9 @@ def test_a_program_that_does_not_compile_is_reported(tiny, capsys):
     temporaries, XLA:TPU refuses it (RESOURCE_EXHAUSTED), reported per program, not
     raised; the programs that take no cache (prompt logprobs, the three samplers)
     compile."""
-    main(["--model", tiny, "--target", "tpu-v6e", "--compile", "all", "--hbm-utilization",
-          "1.0", "--max-num-batched-tokens", "16", "--max-num-seqs", "8"])
+    main(["--model", tiny, "--target", "tpu-v6e", "--compile", "all",
+          "--kv-cache-memory-bytes", str(V6E_HBM), "--max-num-batched-tokens", "16",
+          "--max-num-seqs", "8"])
     out = capsys.readouterr().out
     assert "warmup compiles 5 programs; compiled here 5" in out
     assert "forward                                t=16" in out
