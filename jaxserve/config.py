@@ -145,7 +145,7 @@ class EngineConfig:
         None, aliases=("-tp",), help="devices each replica is tensor parallel over: the M of "
                                      "--mesh DxM", default_help="--mesh's M, else 1")
     enable_expert_parallel: bool = _knob(
-        False, help="MoE models: split the experts whole over the model axis (each device "
+        False, aliases=("-ep",), help="MoE models: split the experts whole over the model axis (each device "
                     "holds num_experts/M of them) instead of every expert's width (tensor "
                     "parallel); needs M > 1 dividing num_experts, refused for a dense model")
     data_parallel_size: int | None = _knob(

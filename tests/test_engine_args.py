@@ -73,8 +73,9 @@ def test_todays_spellings_still_work(flag, value, field, expected):
     (["--block-size", "12"], "argument --page-size/--block-size: page_size=12: must be a "
                              "positive power"),
     (["--mesh", "2y4"], "argument --mesh: "),
-    (["--calculate-kv-scales"], "argument --calculate-kv-scales: calculate_kv_scales=True: "
-                                "scales belong to a quantized KV cache"),
+    (["--calculate-kv-scales"], "argument --calculate-kv-scales/--no-calculate-kv-scales: "
+                                "calculate_kv_scales=True: scales belong to a quantized KV "
+                                "cache"),
     (["--no-such-flag", "1"], "unrecognized arguments: --no-such-flag 1")])
 def test_bad_values_exit_2_naming_the_flag(argv, message, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("JAXSERVE_CACHE", str(tmp_path))   # where the default model goes
