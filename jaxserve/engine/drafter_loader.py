@@ -83,17 +83,18 @@ def _load_mtp(config: EngineConfig, layout: EngineLayout, mesh: Mesh, target_mod
     # Its KV in the model dtype: a quantized cache's scales are the target's, per layer.
     kv_dtype = layout.dtype if is_quantized(layout.kv_dtype) else layout.kv_dtype
     run = replace(mtp_config(layout.run_config), kv_cache_quantized=False)
-    model = MTPHead(run, type(target_model), layout.dtype, layout.attention_backend)
+    dtype = layout.compute_dtype   # as the target computes (float32 on CPU for bf16)
+    model = MTPHead(run, type(target_model), dtype, layout.attention_backend)
     shardings = layout_param_shardings(model, mesh, layout)
-    params = placed_abstract_params(model, layout.dtype, shardings) if abstract else \
-        load_params(config.model, published, model, layout.dtype,
+    params = placed_abstract_params(model, dtype, shardings) if abstract else \
+        load_params(config.model, published, model, dtype,
                     load_format=config.load_format, seed=config.seed + 1, shardings=shardings,
                     kv_head_repeat=kv_head_repeats(mc, layout.model_axis), prefix=MTP_PREFIX)
     if not abstract:
         logger.info("speculative decoding: the MTP layer, %.1f MiB of weights",
                     param_bytes(params) / 2**20)
     return DrafterParts(MTP, model, params, run,
-                        layer_cache_specs(run, kv_dtype=kv_dtype, conv_state_dtype=layout.dtype),
+                        layer_cache_specs(run, kv_dtype=kv_dtype, conv_state_dtype=dtype),
                         kv_dtype)
 
 

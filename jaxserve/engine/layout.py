@@ -22,7 +22,7 @@ from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.sampling_params import logprobs_limit
 from models.cache_spec import CacheSpec, layer_cache_specs
 from models.config import ModelConfig, WeightQuant, resolve_weight_quant
-from models.registry import build_model, resolve_dtype, resolve_kv_dtype
+from models.registry import build_model, compute_dtype, resolve_dtype, resolve_kv_dtype
 from models.weights import param_logical_axes
 from pallas_kernels.ragged_paged_attention import (is_quantized, kv_cache_dtype_error,
                                                     resolve_backend)
@@ -48,6 +48,10 @@ class EngineLayout:
     activation_bytes: int         # estimated peak temporaries of a program (kv_budget)
     scan_layers: bool             # EngineConfig.scan_layers (for_platform resolved it)
     num_speculative_tokens: int = 0   # drafts a row verifies in a step (0: none)
+    # What the model computes in: `dtype`, except float32 on CPU for a narrow float
+    # dtype (XLA:CPU has no 16-bit float arithmetic: models/weights.widen_for_cpu).
+    # The weights are read and converted in `dtype`; the KV cache stays kv_dtype.
+    compute_dtype: Any = None
 
     @property
     def run_config(self) -> ModelConfig:
@@ -75,7 +79,8 @@ def engine_layout(config: EngineConfig, mc: ModelConfig, mesh: Mesh) -> EngineLa
     m = mesh.shape[MODEL]
     check_model_axis(mc, m)
     stored = with_stored_kv_heads(mc, m)
-    specs = layer_cache_specs(stored, kv_dtype=kv_dtype, conv_state_dtype=dtype)
+    compute = compute_dtype(dtype, platform)
+    specs = layer_cache_specs(stored, kv_dtype=kv_dtype, conv_state_dtype=compute)
     backend = resolve_backend(config.attention_backend, platform)
     if is_quantized(kv_dtype) and mc.is_gemma4 and jnp.dtype(kv_dtype) == jnp.int8:
         raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r}: int8 KV caches need "
@@ -102,7 +107,8 @@ def engine_layout(config: EngineConfig, mc: ModelConfig, mesh: Mesh) -> EngineLa
     spec = config.speculative_config
     return EngineLayout(mc, dtype, kv_dtype, weight_quant, max_model_len, m, stored.num_kv_heads,
                         stored.full_num_kv_heads, backend, mesh_rules(mc, m), specs, act,
-                        config.scan_layers, spec.num_speculative_tokens if spec else 0)
+                        config.scan_layers, spec.num_speculative_tokens if spec else 0,
+                        compute)
 
 
 def attention_shapes(mc: ModelConfig) -> list[int]:
