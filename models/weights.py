@@ -558,3 +558,15 @@ def untie_lm_head(model: nn.Module, params: dict,
     sharding = shardings_of(untied)["lm_head"]["kernel"] if shardings_of else None
     kernel = jax.jit(jnp.transpose, out_shardings=sharding)(params["embed_tokens"]["embedding"])
     return untied, {**params, "lm_head": {"kernel": kernel}}
+
+
+def widen_params(model: nn.Module, params: dict, dtype: Any) -> tuple[nn.Module, dict]:
+    """The model computing in `dtype` (registry.compute_dtype: float32 on CPU) on its
+    16-bit float weights upcast to it, exactly; quantized weights and their scales as
+    they are. Each leaf keeps its sharding; the narrow copies are freed."""
+    narrow = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    widen = lambda x: x.astype(dtype) if jnp.dtype(x.dtype) in narrow else x
+    shardings = jax.tree_util.tree_map(lambda x: x.sharding, params)
+    params = jax.jit(lambda p: jax.tree_util.tree_map(widen, p), out_shardings=shardings,
+                     donate_argnums=0)(params)
+    return model.clone(dtype=dtype), params

@@ -97,7 +97,7 @@ def load_drafter(config: EngineConfig, layout: EngineLayout, mesh: Mesh,
         params = placed_abstract_params(d.model, d.layout.dtype, shardings)
     elif d.method == MTP:
         mc = layout.model_config
-        params = load_params(config.model, mtp_config(mc), d.model, layout.dtype,
+        params = load_params(config.model, mtp_config(mc), d.model, layout.compute_dtype,
                              load_format=config.load_format, seed=config.seed + 1,
                              shardings=shardings,
                              kv_head_repeat=kv_head_repeats(mc, layout.model_axis),
@@ -110,6 +110,9 @@ def load_drafter(config: EngineConfig, layout: EngineLayout, mesh: Mesh,
         params = loaded.params
         logger.info("speculative decoding: draft model %s, %.2f GiB of weights", d.source,
                     loaded.weight_bytes / 2**30)
+        # (its model as loaded: on CPU a bf16 draft computes in float32, loader.py)
+        return DrafterParts(d.method, loaded.model, params, d.cache_config, d.cache_specs,
+                            d.kv_dtype)
     return DrafterParts(d.method, d.model, params, d.cache_config, d.cache_specs, d.kv_dtype)
 
 
@@ -126,10 +129,10 @@ def _mtp(config: EngineConfig, layout: EngineLayout) -> DrafterModel:
     # Its KV in the model dtype: a quantized cache's scales are the target's, per layer.
     kv_dtype = layout.dtype if is_quantized(layout.kv_dtype) else layout.kv_dtype
     run = replace(mtp_config(layout.run_config), kv_cache_quantized=False)
-    model = MTPHead(run, get_model_class(mc.architecture), layout.dtype,
-                    layout.attention_backend)
+    dtype = layout.compute_dtype   # as the target computes (float32 on CPU for bf16)
+    model = MTPHead(run, get_model_class(mc.architecture), dtype, layout.attention_backend)
     return DrafterModel(MTP, model, run,
-                        layer_cache_specs(run, kv_dtype=kv_dtype, conv_state_dtype=layout.dtype),
+                        layer_cache_specs(run, kv_dtype=kv_dtype, conv_state_dtype=dtype),
                         kv_dtype, layout, config.model)
 
 

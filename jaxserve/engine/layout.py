@@ -22,7 +22,7 @@ from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.sampling_params import logprobs_limit
 from models.cache_spec import CacheSpec, layer_cache_specs
 from models.config import ModelConfig, WeightQuant, resolve_weight_quant
-from models.registry import build_model, resolve_dtype, resolve_kv_dtype
+from models.registry import build_model, compute_dtype, resolve_dtype, resolve_kv_dtype
 from models.weights import param_logical_axes
 from pallas_kernels.ragged_paged_attention import (is_quantized, kv_cache_dtype_error,
                                                     resolve_backend)
@@ -49,6 +49,10 @@ class EngineLayout:
     scan_layers: bool             # EngineConfig.scan_layers (for_platform resolved it)
     num_speculative_tokens: int = 0   # drafts a row verifies in a step (0: none)
     expert_parallel: bool = False     # MoE experts split whole over the model axis
+    # What the model computes in: `dtype`, except float32 on CPU for a narrow float
+    # dtype (XLA:CPU has no 16-bit float arithmetic: models/weights.widen_params).
+    # The weights are read and converted in `dtype`; the KV cache stays kv_dtype.
+    compute_dtype: Any = None
 
     @property
     def run_config(self) -> ModelConfig:
@@ -88,7 +92,8 @@ def layout_for(config: EngineConfig, mc: ModelConfig, platform: str, m: int, *,
         logger.info("expert parallel: %d experts per device (of %d), each whole",
                     mc.num_experts // m, mc.num_experts)
     stored = with_stored_kv_heads(mc, m)
-    specs = layer_cache_specs(stored, kv_dtype=kv_dtype, conv_state_dtype=dtype)
+    compute = compute_dtype(dtype, platform)
+    specs = layer_cache_specs(stored, kv_dtype=kv_dtype, conv_state_dtype=compute)
     backend = resolve_backend(config.attention_backend, platform)
     for layer in attention_shapes(stored) if check_kernels else ():
         if is_quantized(kv_dtype):   # a kernel that cannot read it is an error
@@ -111,7 +116,8 @@ def layout_for(config: EngineConfig, mc: ModelConfig, platform: str, m: int, *,
     spec = config.speculative_config
     return EngineLayout(mc, dtype, kv_dtype, weight_quant, max_model_len, m, stored.num_kv_heads,
                         stored.full_num_kv_heads, backend, mesh_rules(mc, m, ep), specs, act,
-                        config.scan_layers, spec.num_speculative_tokens if spec else 0, ep)
+                        config.scan_layers, spec.num_speculative_tokens if spec else 0, ep,
+                        compute)
 
 
 def attention_shapes(mc: ModelConfig) -> list[int]:

@@ -23,7 +23,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine.layout import EngineLayout, build_layout_model, layout_param_shardings
 from models.kv_scales import calculates_scales, kv_scales
 from models.orbax_io import restore_params
-from models.weights import abstract_params, load_params, param_bytes, untie_lm_head
+from models.weights import abstract_params, load_params, param_bytes, untie_lm_head, widen_params
 from sharding import MODEL, bytes_per_device, kv_head_repeats
 
 logger = logging.getLogger("jaxserve")
@@ -108,6 +108,16 @@ def load_model(config: EngineConfig, layout: EngineLayout, mesh: Mesh, *,
         model, params = untie_lm_head(model, params, shardings_of)
         logger.info("CPU: the lm_head reads a transposed copy of the tied embedding "
                     "(faster decode matmul, +%.1f MiB)", param_bytes(params["lm_head"]) / 2**20)
+    if layout.compute_dtype != layout.dtype:
+        narrow = param_bytes(params)
+        model, params = widen_params(model, params, layout.compute_dtype)
+        logger.warning("CPU: the %s model computes in %s on its weights upcast (exact; "
+                       "%.2f -> %.2f GiB): XLA:CPU has no %s arithmetic and would convert "
+                       "every op and weight to float32 and back, about 3x slower; the KV "
+                       "cache stays %s", jnp.dtype(layout.dtype).name,
+                       jnp.dtype(layout.compute_dtype).name, narrow / 2**30,
+                       param_bytes(params) / 2**30, jnp.dtype(layout.dtype).name,
+                       jnp.dtype(layout.kv_dtype).name)
     loaded = LoadedModel(model, params, param_bytes(params), bytes_per_device(params))
     # The load's time and rate are models.weights' line; this one is what is in memory.
     logger.info("model %s (%s, %s): %.2f GiB of weights, %.2f GiB per device "
