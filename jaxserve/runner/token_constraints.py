@@ -97,10 +97,13 @@ class DynamicConstraints:
             self.grammar.rollback(consumed)
         self._after, self._recent = saved
 
-    def accept(self, token_id: int) -> None:
+    def accept(self, token_id: int) -> bool:
+        """Advances by a sampled token; False: the grammar failed (grammar.error says
+        why), and the request is to end with finish_reason "error"."""
         if self._after:       # still reasoning: watch for its end
             self._recent = (self._recent + (int(token_id),))[-len(self._after):]
             if self._recent == self._after:
                 self._after = ()
         elif self.grammar is not None:
-            self.grammar.accept(token_id)
+            return self.grammar.accept(token_id)
+        return True
