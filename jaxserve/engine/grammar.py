@@ -30,12 +30,13 @@ from jaxserve.structured_outputs import StructuredOutputsParams
 
 # ---- limits ----------------------------------------------------------------------------
 # A constraint's text (a schema's JSON, a grammar, a regex, the choices) at most this
-# long: it bounds the depth of llguidance's native recursion (one frame chain per rule
-# or $ref level, at most ~450 bytes of stack per character of grammar, measured).
-MAX_CONSTRAINT_CHARS = 100_000
+# long: it bounds the depth of llguidance's native recursion, which takes at most ~850
+# bytes of stack per character of the most stack-hungry grammar measured (Lark rules
+# chained through 28 nested groups each; a $ref chain takes ~120-220).
+MAX_CONSTRAINT_CHARS = 65_536
 # JSON schemas nested deeper are refused (llguidance's own JSON parser stops at 128).
 MAX_JSON_DEPTH = 100
-# The compile threads' stack: over 4x what the worst grammar within the limits needs.
+# The compile threads' stack: 4.7x the ~55 MiB the worst grammar within the limit needs.
 COMPILE_STACK_BYTES = 256 << 20
 COMPILE_THREADS = 2
 # A compile (GBNF conversion, llguidance's build, its first mask) running longer fails.
