@@ -171,14 +171,25 @@ class OpenAIServing:
             answer.queue.put_nowait((-1, _ShuttingDown()))
 
     async def _in_worker(self, req, fn, *args, **kwargs):
-        """Runs the input processor off the event loop; its InputErrors become 400s (a
-        constraint's error names the field the request used)."""
+        """Runs the input processor off the event loop; its InputErrors become 400s."""
         try:
             return await asyncio.to_thread(fn, *args, **kwargs)
         except ValueError as e:
-            if getattr(e, "param", None) == "structured_outputs":
-                e.param = constraint_field(req)
-            raise bad_request(e) from None
+            raise _refused(req, e) from None
+
+    async def _with_grammar(self, req, raw: Request, params: SamplingParams) -> SamplingParams:
+        """params with their structured-output grammar compiled, on the compiler's own
+        threads (not the pool _in_worker uses: a slow grammar must not hold up requests
+        that have none); a client that leaves cancels it."""
+        so = params.structured_outputs
+        if so is None:
+            return params
+        try:
+            grammar = await self.inputs.grammar_compiler().compile_async(
+                so, raw.is_disconnected)
+        except ValueError as e:
+            raise _refused(req, e) from None
+        return replace(params, grammar=grammar)
 
     # ---- /v1/completions ----------------------------------------------------------------
     def _completion_prompts(self, rid: str, prompt, params: SamplingParams,
@@ -205,6 +216,7 @@ class OpenAIServing:
         except ValueError as e:
             raise bad_request(e)
         rid = f"cmpl-{uuid.uuid4().hex}"
+        params = await self._with_grammar(req, raw, params)
         prompts = await self._in_worker(req, self._completion_prompts, rid, req.prompt, params,
                                         req.priority)
         answer = self.admit(len(prompts), params.n)
@@ -321,6 +333,7 @@ class OpenAIServing:
         except ValueError as e:
             raise bad_request(e)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
+        params = await self._with_grammar(req, raw, params)
         prompts, in_reasoning = await self._in_worker(req, self._chat_prompts, rid, req,
                                                       params, tools)
         reader = self._chat_reader(tools, in_reasoning)
@@ -390,7 +403,8 @@ class OpenAIServing:
                     for p in prompts]
         if not self.settings.disable_log_requests:
             logger.info("request %s: %d prompt(s) of %s tokens, %s", rid, len(prompts),
-                        [p.num_prompt_tokens for p in prompts], params)
+                        _clip(str([p.num_prompt_tokens for p in prompts])),
+                        _params_for_log(params))
 
         async def pump(i: int, p: EngineRequest) -> None:
             try:
@@ -463,6 +477,33 @@ def _with_tool_constraint(params: SamplingParams, tools: ToolSetup,
         return replace(params, structured_outputs=forced)
     except InputError as e:
         raise InputError(str(e), "tool_choice") from None
+
+
+def _refused(req, e: ValueError) -> APIError:
+    """A 400 for an InputError; a constraint's names the field the request used."""
+    if getattr(e, "param", None) == "structured_outputs":
+        e.param = constraint_field(req)
+    return bad_request(e)
+
+
+_LOG_VALUE_CHARS = 80
+_LOG_CHARS = 600
+# Filled in by the front door from other fields: never worth a log line.
+_DERIVED = ("bad_words_token_ids", "grammar", "grammar_after_ids", "output_kind")
+
+
+def _clip(text: str, limit: int = _LOG_VALUE_CHARS) -> str:
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _params_for_log(params: SamplingParams) -> str:
+    """The sampling fields a request set, each value and the whole clipped: a client's
+    stop strings or grammar can be megabytes, a log line must not be."""
+    default = SamplingParams()
+    parts = [f"{name}={_clip(repr(getattr(params, name)))}"
+             for name in params.__dataclass_fields__
+             if name not in _DERIVED and getattr(params, name) != getattr(default, name)]
+    return _clip(f"SamplingParams({', '.join(parts)})", _LOG_CHARS)
 
 
 def _api_error(e: BaseException) -> APIError:

@@ -194,3 +194,19 @@ def test_structured_output_waits_for_the_think_block(client, model):
     plain = client.chat.completions.create(**kw).choices[0].message
     assert plain.content.lstrip().startswith("{")
     assert getattr(plain, "reasoning_content", None) is None
+
+
+def test_a_tool_schema_that_overflowed_the_compiler_is_refused(client, model, tool_server):
+    """A named tool whose parameters chain 3,000 $refs (the grammar forcing its call
+    overflowed the compiler's native stack: the server died): a 400 naming the tools and
+    the limit; the server goes on."""
+    defs = {f"{i:x}": {"$ref": f"#/$defs/{i + 1:x}"} for i in range(3000)}
+    defs[f"{3000:x}"] = {"type": "integer"}
+    deep = [{"type": "function", "function": {
+        "name": "deep", "parameters": {"$ref": "#/$defs/0", "$defs": defs}}}]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, messages=CHAT, max_tokens=8, tools=deep,
+                                       tool_choice={"type": "function",
+                                                    "function": {"name": "deep"}})
+    assert e.value.body["param"] == "tools" and "the limit is" in e.value.body["message"]
+    assert httpx.get(tool_server.url + "/health").status_code == 200
