@@ -30,13 +30,15 @@ from jaxserve.structured_outputs import StructuredOutputsParams
 
 # ---- limits ----------------------------------------------------------------------------
 # A constraint's text (a schema's JSON, a grammar, a regex, the choices) at most this
-# long: it bounds the depth of llguidance's native recursion, which takes at most ~850
+# long: it bounds the depth of llguidance's native recursion, which takes at most ~810
 # bytes of stack per character of the most stack-hungry grammar measured (Lark rules
-# chained through 28 nested groups each; a $ref chain takes ~120-220).
+# chained through 28 nested groups each; a $ref chain ~100-130; benchmarks/README.md
+# "Grammar limits", benchmarks/grammar_limits.py).
 MAX_CONSTRAINT_CHARS = 65_536
 # JSON schemas nested deeper are refused (llguidance's own JSON parser stops at 128).
 MAX_JSON_DEPTH = 100
-# The compile threads' stack: 4.7x the ~55 MiB the worst grammar within the limit needs.
+# The compile threads' stack: 5x the ~51 MiB the worst grammar within the limit needs
+# (virtual: only what a compile touches is ever resident).
 COMPILE_STACK_BYTES = 256 << 20
 COMPILE_THREADS = 2
 # A compile (GBNF conversion, llguidance's build, its first mask) running longer fails.
