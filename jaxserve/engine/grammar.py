@@ -44,9 +44,14 @@ COMPILE_THREADS = 2
 # A compile (GBNF conversion, llguidance's build, its first mask) running longer fails.
 COMPILE_TIMEOUT_S = 10.0
 # llguidance's resource limits (LLParserLimits): no grammar or state in error texts, and
-# a quarter of its default lexer fuel per mask (the engine thread computes masks:
-# ~20 ms at most per row and token on the worst regex measured, instead of ~140 ms).
-PARSER_LIMITS = dict(verbose_errors=False, step_lexer_fuel=50_000)
+# a quarter of its default lexer fuel per mask, which the engine thread computes (a mask
+# of a{1000000} took ~140 ms before failing, ~20 ms with this; realistic grammars with a
+# 100k vocabulary never needed more: benchmarks/README.md "Grammar limits").
+PARSER_LIMITS = dict(verbose_errors=False, initial_lexer_fuel=200_000, step_lexer_fuel=50_000)
+# A constraint whose mask takes longer on the compile thread (after one token) is
+# refused: no fuel bounds every shape (a 60,000-character literal of one repeated letter
+# cost 1.2 s per token with a 100k vocabulary), and the engine thread fills masks.
+MAX_MASK_S = 0.1
 # What a client or a log line sees of llguidance's error texts.
 ERROR_CHARS = 200
 
@@ -298,7 +303,8 @@ class GrammarCompiler:
     def _build(self, so: StructuredOutputsParams, key: str) -> CompiledGrammar:
         """Builds the matcher and computes its first mask (here, not on the engine
         thread: it may build much of the lexer), refusing a grammar that fails in either
-        or on the first token it allows (a grammar with no end fails there)."""
+        or on the first token it allows (a grammar with no end fails there), or whose
+        next mask takes longer than MAX_MASK_S."""
         from llguidance import LLMatcher, LLParserLimits
         from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
         tokenizer = self._lltokenizer()
@@ -322,4 +328,11 @@ class GrammarCompiler:
                 raise InputError(f"structured_outputs {so.kind} admits no output: "
                                  f"{short_error(m.get_error()) or 'no token is allowed'}",
                                  "structured_outputs")
+        start = time.perf_counter()      # a step like any other, timed
+        fill_next_token_bitmask(probe, bits, 0)
+        cost = time.perf_counter() - start
+        if cost > MAX_MASK_S:
+            raise InputError(f"structured_outputs {so.kind} takes {cost * 1e3:.0f} ms per "
+                             f"token to follow; the limit is {MAX_MASK_S * 1e3:.0f} ms "
+                             f"(long literals or repetitions cost most)", "structured_outputs")
         return CompiledGrammar(key, matcher, self.vocab_size, first)

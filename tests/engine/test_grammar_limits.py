@@ -111,6 +111,14 @@ def test_constraints_no_output_can_meet_are_refused(compiler, so, match):
         compiler.compile(so)
 
 
+def test_a_constraint_too_costly_to_follow_is_refused(compiler, monkeypatch):
+    """The compile thread times one mask after the first token: a constraint slower than
+    MAX_MASK_S per token (the engine thread's cost, per row) is refused, naming it."""
+    monkeypatch.setattr(grammar, "MAX_MASK_S", 0.0)
+    with pytest.raises(InputError, match=r"ms per token to follow; the limit is 0 ms"):
+        compiler.compile(SO(regex="[0-9]{4}"))
+
+
 def test_error_texts_are_bounded(compiler):
     with pytest.raises(InputError) as e:
         compiler.compile(SO(regex="[" + "a" * 5000))    # llguidance quotes the regex whole
@@ -127,7 +135,7 @@ def test_a_compile_past_its_deadline_fails_and_stops(compiler, monkeypatch):
     monkeypatch.setattr(grammar, "COMPILE_TIMEOUT_S", 0.2)
     for _ in range(grammar.COMPILE_THREADS + 1):   # more than the threads it has
         with pytest.raises(InputError, match="took more than 0.2 s to compile"):
-            compiler.compile(SO(grammar=gbnf_chain(4000)))
+            compiler.compile(SO(grammar=gbnf_chain(3500)))
     assert compiler.compile(SO(grammar='root ::= "yes" | "no"')).first_mask.any()
 
 
