@@ -25,6 +25,7 @@ from typing import Any, Callable
 # threading.stack_size is process-wide: set it only around starting these threads.
 _STACK_LOCK = threading.Lock()
 _local = threading.local()
+_RESEND_S = 0.05
 
 
 class Cancelled(BaseException):
@@ -54,6 +55,9 @@ class CompileWorkers:
     def __init__(self, num_threads: int, stack_bytes: int, name: str = "grammar-compile"):
         self._queue: queue.SimpleQueue[Job] = queue.SimpleQueue()
         self._lock = threading.Lock()
+        self._stopping: set[Job] = set()        # cancelled, still in an interruptible section
+        self._stop_wanted = threading.Condition(self._lock)
+        threading.Thread(target=self._resend, name=f"{name}-stop", daemon=True).start()
         with _STACK_LOCK:
             previous = threading.stack_size(stack_bytes)
             try:
@@ -79,6 +83,22 @@ class CompileWorkers:
             if job._interruptible and not job._interrupted:
                 job._interrupted = True
                 _raise_in(job._thread_id, Cancelled)
+                self._stopping.add(job)
+                self._stop_wanted.notify()
+
+    def _resend(self) -> None:
+        """Sends Cancelled again while a cancelled job is still in its section: one that
+        lands in a weakref callback or __del__ (the collector runs them in whatever
+        thread allocates) is printed and dropped there, not raised in the job."""
+        with self._lock:
+            while True:
+                self._stop_wanted.wait_for(lambda: self._stopping)
+                self._stop_wanted.wait(_RESEND_S)
+                for job in list(self._stopping):
+                    if job._interruptible:
+                        _raise_in(job._thread_id, Cancelled)
+                    else:
+                        self._stopping.discard(job)
 
     def interruptible(self) -> _Interruptible:
         """`with workers.interruptible():` marks pure-Python work of the calling thread's
@@ -86,22 +106,43 @@ class CompileWorkers:
         return _Interruptible(self._lock)
 
     def _loop(self) -> None:
+        job: Job | None = None
         while True:
-            job = self._queue.get()
-            if not job.future.set_running_or_notify_cancel():
-                continue        # cancelled while queued: never started
-            job._thread_id = threading.get_ident()
-            job.started_at = time.monotonic()
-            _local.job = job
             try:
-                result = job.fn(*job.args)
-            except BaseException as e:   # noqa: BLE001 - the waiter gets it (Rust panics too)
-                _settle(job.future, error=e)
-            else:
-                _settle(job.future, result=result)
-            finally:
-                _local.job = None
-                job.fn = job.args = None   # what it held goes with it
+                if job is not None:
+                    self._done_with(job)
+                    job = None
+                job = self._queue.get()
+                self._run(job)
+            except Cancelled:
+                # An interrupt raised outside the job's code (on its way out): the job
+                # is over all the same; _done_with (next turn) takes back any other.
+                continue
+
+    def _run(self, job: Job) -> None:
+        if not job.future.set_running_or_notify_cancel():
+            return              # cancelled while queued: never started
+        job._thread_id = threading.get_ident()
+        job.started_at = time.monotonic()
+        _local.job = job
+        try:
+            result = job.fn(*job.args)
+        except BaseException as e:   # noqa: BLE001 - the waiter gets it (Rust panics too)
+            _settle(job.future, error=e)
+        else:
+            _settle(job.future, result=result)
+
+    def _done_with(self, job: Job) -> None:
+        """After a job, whatever happened on its way out: no interrupt is sent for it
+        any more and none is left pending for the next job."""
+        with self._lock:
+            job._interruptible = False
+            self._stopping.discard(job)
+            if job._interrupted:
+                _raise_in(threading.get_ident(), None)
+        _local.job = None
+        job.fn = job.args = None      # what it held goes with it
+        _settle(job.future, error=Cancelled())   # (a no-op if it has its outcome)
 
 
 class _Interruptible:

@@ -161,3 +161,30 @@ def test_cancelled_jobs_never_start_and_python_sections_stop():
     # Nothing of the interrupt is left for the thread's next job.
     assert workers.submit(sum, range(10**6)).future.result(timeout=60) == sum(range(10**6))
     release.set()
+
+
+def test_an_interrupt_dropped_on_the_way_is_sent_again():
+    """An interrupt can land in a weakref callback or __del__ the collector runs in the
+    job's thread, which prints and drops it: the job is interrupted again until it stops."""
+    workers = CompileWorkers(1, 1 << 20)
+    started, dropped = threading.Event(), []
+
+    def stubborn() -> None:
+        with workers.interruptible():
+            started.set()
+            while True:
+                try:
+                    while True:
+                        pass
+                except Cancelled:
+                    if dropped:
+                        raise
+                    dropped.append(1)
+
+    job = workers.submit(stubborn)
+    started.wait(60)
+    workers.cancel(job)
+    with pytest.raises(Cancelled):
+        job.future.result(timeout=60)
+    assert dropped == [1]
+    assert workers.submit(sum, range(10)).future.result(timeout=60) == 45
