@@ -58,6 +58,12 @@ class StructuredOutputsParams:
         if self.json_object is not None and self.json_object is not True:
             raise InputError("structured_outputs.json_object must be true", "structured_outputs")
 
+    def __repr__(self) -> str:
+        """Bounded (a grammar may be megabytes): its kind and size, not its text."""
+        given = [k for k in _KINDS if getattr(self, k) not in (None, False)]
+        sizes = ", ".join(f"{k}=<{len(str(getattr(self, k)))} chars>" for k in given)
+        return f"StructuredOutputsParams({sizes})"
+
     @property
     def kind(self) -> str:
         return next(k for k in _KINDS if getattr(self, k) not in (None, False))
@@ -65,4 +71,5 @@ class StructuredOutputsParams:
     def key(self) -> str:
         """One text per distinct constraint: the compiled-grammar cache's key."""
         value: Any = getattr(self, self.kind)
-        return json.dumps([self.kind, value, self.disable_any_whitespace], sort_keys=True)
+        return json.dumps([self.kind, value, self.disable_any_whitespace], sort_keys=True,
+                          ensure_ascii=False)

@@ -27,7 +27,7 @@ class _Bounded(reprlib.Repr):
         self.maxlevel = 4
 
     def repr_instance(self, x: Any, level: int) -> str:
-        if not dataclasses.is_dataclass(x) or isinstance(x, type):
+        if not dataclasses.is_dataclass(x) or isinstance(x, type) or _own_repr(x):
             return super().repr_instance(x, level)
         if level <= 0:
             return f"{type(x).__name__}(...)"
@@ -43,3 +43,10 @@ def loggable(value: Any, max_len: int = DEFAULT_MAX_LOG_LEN) -> str:
     text = _Bounded(max_len).repr(value)
     # (a dataclass's fields are cut one by one already)
     return text if dataclasses.is_dataclass(value) else clip(text, max_len)
+
+
+def _own_repr(x: Any) -> bool:
+    """A dataclass that writes its own bounded repr (StructuredOutputsParams: kind and
+    size, never a grammar's text); the generated one is wrapped (dataclasses'
+    recursive-repr guard), a hand-written one is not."""
+    return not hasattr(type(x).__repr__, "__wrapped__")

@@ -39,7 +39,7 @@ _REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30
 # 1, 2, 5, 10, 20, 50, ... 1M tokens.
 _TOKEN_BUCKETS = tuple(m * 10**e for e in range(7) for m in (1, 2, 5) if m * 10**e <= 10**6)
 
-FINISH_REASONS = ("stop", "length", "abort")
+FINISH_REASONS = ("stop", "length", "abort", "error")
 
 # EngineStats field -> (counter name, help): engine totals exposed as counters.
 _ENGINE_TOTALS = {

@@ -185,14 +185,25 @@ class OpenAIServing:
             answer.queue.put_nowait((-1, _ShuttingDown()))
 
     async def _in_worker(self, req, fn, *args, **kwargs):
-        """Runs the input processor off the event loop; its InputErrors become 400s (a
-        constraint's error names the field the request used)."""
+        """Runs the input processor off the event loop; its InputErrors become 400s."""
         try:
             return await asyncio.to_thread(fn, *args, **kwargs)
         except ValueError as e:
-            if getattr(e, "param", None) == "structured_outputs":
-                e.param = constraint_field(req)
-            raise bad_request(e) from None
+            raise _refused(req, e) from None
+
+    async def _with_grammar(self, req, raw: Request, params: SamplingParams) -> SamplingParams:
+        """params with their structured-output grammar compiled, on the compiler's own
+        threads (not the pool _in_worker uses: a slow grammar must not hold up requests
+        that have none); a client that leaves cancels it."""
+        so = params.structured_outputs
+        if so is None:
+            return params
+        try:
+            grammar = await self.inputs.grammar_compiler().compile_async(
+                so, raw.is_disconnected)
+        except ValueError as e:
+            raise _refused(req, e) from None
+        return replace(params, grammar=grammar)
 
     # ---- /v1/completions ----------------------------------------------------------------
     def _completion_prompts(self, rid: str, req: CompletionRequest,
@@ -220,6 +231,7 @@ class OpenAIServing:
         rid = f"cmpl-{uuid.uuid4().hex}"
         # before any prompt is processed: a million prompts are not tokenized to be refused
         self.check_size(len(_prompt_list(req.prompt)), params.n)
+        params = await self._with_grammar(req, raw, params)
         prompts = await self._in_worker(req, self._completion_prompts, rid, req, params)
         answer = self.admit(len(prompts), params.n)
         stream = self._merged(rid, prompts, params, answer)
@@ -340,6 +352,7 @@ class OpenAIServing:
         except ValueError as e:
             raise bad_request(e)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
+        params = await self._with_grammar(req, raw, params)
         prompts, in_reasoning = await self._in_worker(req, self._chat_prompts, rid, req,
                                                       params, tools)
         reader = self._chat_reader(tools, in_reasoning, response_role(req))
@@ -497,6 +510,13 @@ def _with_tool_constraint(params: SamplingParams, tools: ToolSetup) -> SamplingP
         return replace(params, structured_outputs=forced)
     except InputError as e:
         raise InputError(str(e), "tool_choice") from None
+
+
+def _refused(req, e: ValueError) -> APIError:
+    """A 400 for an InputError; a constraint's names the field the request used."""
+    if getattr(e, "param", None) == "structured_outputs":
+        e.param = constraint_field(req)
+    return bad_request(e)
 
 
 def _api_error(e: BaseException) -> APIError:

@@ -30,7 +30,8 @@ class CompletionOutput:
     """One of the n completions of a request.
 
     finish_reason: None while running, else "stop" (EOS, stop token or stop
-    string) or "length" (max_tokens / max_model_len) or "abort".
+    string) or "length" (max_tokens / max_model_len) or "abort" or "error" (its
+    structured-output constraint failed part-way: the text does not satisfy it).
     stop_reason: the stop string or stop token id that ended it, None for EOS.
     """
 

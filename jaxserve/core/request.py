@@ -37,6 +37,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 3
     FINISHED_LENGTH_CAPPED = 4
     FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6    # its output broke a constraint it was promised to meet
 
     @staticmethod
     def is_finished(status: RequestStatus) -> bool:
@@ -51,6 +52,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",    # vLLM's FinishReason.ERROR
 }
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import heapq
 from collections import deque
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Container, Iterable
 
 from jaxserve.core.kv_cache_manager import KVCacheManager, window_pages
 from jaxserve.core.request import Request, RequestStatus
@@ -410,12 +410,14 @@ class Scheduler:
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, sampled: dict[str, int | list[int]],
-        proposals: dict[str, list[int]] | None = None,
+        proposals: dict[str, list[int]] | None = None, failed: Container[str] = (),
     ) -> list[Request]:
         """Append sampled tokens, apply stop conditions, free finished
         requests. Returns the requests that got a token (finished or not).
         A row that verified drafts gets a list: the drafts accepted, then the token
-        sampled after them. proposals: the drafts each request is to verify next."""
+        sampled after them. proposals: the drafts each request is to verify next.
+        failed: requests whose constraint failed on this step's tokens: they finish
+        with FINISHED_ERROR, whatever else would have stopped them."""
         out: list[Request] = []
         finished_any = False
         running_status = RequestStatus.RUNNING
@@ -450,6 +452,9 @@ class Scheduler:
                 req.append_output_token_ids(tok)
                 self.num_generation_tokens += 1
                 stopped = self._check_stop(req, tok)
+            if failed and rid in failed:
+                req.status, req.stop_reason = RequestStatus.FINISHED_ERROR, None
+                stopped = True
             if stopped:
                 self._release(req)
                 finished_any = True

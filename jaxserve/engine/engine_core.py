@@ -268,7 +268,11 @@ class EngineCore:
         try:
             runner_out = self.runner.collect(step.in_flight)
             updated = self.scheduler.update_from_output(sched_out, runner_out.sampled,
-                                                        runner_out.spec_token_ids)
+                                                        runner_out.spec_token_ids,
+                                                        runner_out.failed)
+            for rid, why in runner_out.failed.items():   # once per request: it ends here
+                logger.warning("request %s: its structured output failed (%s); it ends "
+                               "with finish_reason \"error\"", rid, why)
             outs, stopped = self.outputs.process(updated, runner_out)
             if stopped:
                 self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)

@@ -222,8 +222,8 @@ class InputProcessor:
 
     def _checked_constraints(self, params: SamplingParams) -> SamplingParams:
         """Token constraints against the vocabulary; bad_words tokenized and the
-        structured-output grammar compiled (here, in the caller's thread: never on the
-        engine loop)."""
+        structured-output grammar compiled (on the compiler's own threads: never on the
+        engine loop) and checked against them."""
         vocab = self.vocab_size
         for name, ids in (("logit_bias", params.logit_bias or ()),
                           ("allowed_token_ids", params.allowed_token_ids or ())):
@@ -231,12 +231,15 @@ class InputProcessor:
             if bad:
                 raise InputError(f"{name}: token id {bad[0]} is outside the vocabulary "
                                  f"[0, {vocab})", name)
-        changes: dict[str, Any] = {}
         if params.bad_words:
-            changes["bad_words_automaton"] = self._bad_words(params.bad_words)
+            params = replace(params, bad_words_automaton=self._bad_words(params.bad_words))
         if params.structured_outputs is not None:
-            changes["grammar"] = self.grammar_compiler().compile(params.structured_outputs)
-        return replace(params, **changes) if changes else params
+            # The server compiles ahead, on the compiler's threads (compile_async).
+            grammar = self.grammar_compiler().compiled(params.structured_outputs,
+                                                       params.grammar)
+            grammar.check_first_token(params)
+            params = replace(params, grammar=grammar)
+        return params
 
     def _bad_words(self, words: Sequence[str]) -> BadWords:
         """The automaton of the words' token ids: each word as the tokenizer writes it at

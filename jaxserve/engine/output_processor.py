@@ -132,7 +132,9 @@ class OutputProcessor:
                 if comp.detok is not None and comp.detok.stop_reason is not None:
                     comp.finish_reason, comp.stop_reason = "stop", comp.detok.stop_reason
                     stopped.append(req.request_id)
-            if comp.finish_reason is None and req.is_finished():
+            if req.status == RequestStatus.FINISHED_ERROR:   # over a stop string, too
+                comp.finish_reason, comp.stop_reason = "error", None
+            elif comp.finish_reason is None and req.is_finished():
                 comp.finish_reason = req.get_finish_reason()
                 comp.stop_reason = req.stop_reason
             if comp.finish_reason is not None:

@@ -353,25 +353,34 @@ class InputBatch:
                              if self.has_dynamic[row] else None)
         return row
 
-    def append_sampled(self, step: ScheduledRows, token_ids: np.ndarray) -> None:
+    def append_sampled(self, step: ScheduledRows, token_ids: np.ndarray) -> dict[int, str]:
         """Stores the tokens sampled for `step` (token_ids[i]: batch row i; rows that did
-        not sample are skipped): they are the next step's input and the history."""
-        rows = step.rows[step.sample]
+        not sample are skipped): they are the next step's input and the history.
+        -> {batch row: why} for rows whose grammar failed on its token (see
+        DynamicConstraints.accept)."""
+        picked = np.flatnonzero(step.sample)
+        rows = step.rows[picked]
         at = self.num_tokens[rows]
-        sampled = token_ids[:step.num_reqs][step.sample]
+        sampled = token_ids[:step.num_reqs][picked]
         self.tokens[rows, at] = sampled
         self.num_tokens[rows] = at + 1
+        failed = {}
         for i in np.flatnonzero(self.has_dynamic[rows]):
-            self.dynamic[rows[i]].accept(int(sampled[i]))
+            if not self.dynamic[rows[i]].accept(int(sampled[i])):
+                failed[int(picked[i])] = self.dynamic[rows[i]].grammar.error
+        return failed
 
-    def append_verified(self, row: int, tokens: list[int]) -> None:
-        """Stores a row's accepted drafts and the token sampled after them."""
+    def append_verified(self, row: int, tokens: list[int]) -> str | None:
+        """Stores a row's accepted drafts and the token sampled after them. -> why its
+        grammar failed on one of them, or None."""
         at = self.num_tokens[row]
         self.tokens[row, at:at + len(tokens)] = tokens
         self.num_tokens[row] = at + len(tokens)
         if self.has_dynamic[row]:
             for t in tokens:
-                self.dynamic[row].accept(t)
+                if not self.dynamic[row].accept(t):
+                    return self.dynamic[row].grammar.error
+        return None
 
     # ---- one step's arrays -------------------------------------------------------------
     def build(self, step: ScheduledRows) -> HostBatch:

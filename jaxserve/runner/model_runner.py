@@ -63,6 +63,9 @@ class ModelRunnerOutput:
     spec_token_ids: dict[str, list[int]] | None = None
     # req_id -> (first position, target logprob [n], rank [n], top ids [n, K], top lps [n, K])
     prompt_logprobs: dict[str, tuple] = field(default_factory=dict)
+    # req_id -> why its structured-output grammar failed on the token it got this step
+    # (the request ends with finish_reason "error")
+    failed: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -256,7 +259,8 @@ class ModelRunner:
         if rows.num_drafts is not None:
             self._collect_verified(rows, result, step.logprobs, out)
             return
-        self.batch.append_sampled(rows, result.token_ids)
+        failed = self.batch.append_sampled(rows, result.token_ids)
+        out.failed = {rows.req_ids[i]: why for i, why in failed.items()}
         picked = np.flatnonzero(rows.sample)
         ids = [rows.req_ids[i] for i in picked]
         out.sampled = dict(zip(ids, result.token_ids[picked].tolist()))
@@ -299,8 +303,10 @@ class ModelRunner:
             known = batch.num_tokens[row]
             a = num_accepted(drawn, batch.tokens[row, known:known + k]) if k else 0
             new = drawn[:a + 1].tolist()
-            batch.append_verified(row, new)
+            why = batch.append_verified(row, new)
             rid = rows.req_ids[i]
+            if why is not None:
+                out.failed[rid] = why
             out.sampled[rid] = new if k else new[0]
             if logprobs and batch.want_logprobs[row]:
                 out.logprobs[rid] = [(result.logprob_token_ids[j], result.logprobs[j],

@@ -100,7 +100,9 @@ class DynamicConstraints:
             self.grammar.rollback(consumed)
         self._after, self._recent, self._bad_state = saved
 
-    def accept(self, token_id: int) -> None:
+    def accept(self, token_id: int) -> bool:
+        """Advances by a sampled token; False: the grammar failed (grammar.error says
+        why), and the request is to end with finish_reason "error"."""
         if self.bad_words is not None:
             self._bad_state = self.bad_words.next(self._bad_state, token_id)
         if self._after:       # still reasoning: watch for its end
@@ -108,4 +110,5 @@ class DynamicConstraints:
             if self._recent == self._after:
                 self._after = ()
         elif self.grammar is not None:
-            self.grammar.accept(token_id)
+            return self.grammar.accept(token_id)
+        return True

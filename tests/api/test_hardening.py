@@ -327,6 +327,78 @@ def test_many_clients_hanging_up_leave_nothing_behind(hard):
     assert_serves(hard)
 
 
+# The CLI with a GBNF conversion (Python, in llguidance) that never ends on its own for
+# one grammar, and no compile deadline: only a client leaving can stop it.
+SPIN_GBNF = """
+import sys
+import llguidance._grammar_from as grammar_from, llguidance.gbnf_to_lark as gbnf_to_lark
+from jaxserve.engine import grammar
+grammar.COMPILE_TIMEOUT_S = 3600.0
+convert = gbnf_to_lark.any_to_lark
+def spin(text):
+    while text.startswith('root ::= "spin"'):
+        pass
+    return convert(text)
+gbnf_to_lark.any_to_lark = grammar_from.any_to_lark = spin
+from jaxserve.api.cli import main
+main(sys.argv[1:])
+"""
+
+
+def test_slow_grammars_whose_clients_left_hold_up_nothing(api_checkpoint):
+    """Eight clients send a grammar whose conversion never ends and hang up after a
+    second. Their compiles stop (queued ones never start) and later requests, with a
+    grammar or without, are answered: on the default thread pool the conversions filled
+    it and a plain chat waited on them (74 s for conversions of 10 s each)."""
+    srv = Server(api_checkpoint, api_key=None, launcher=(sys.executable, "-c", SPIN_GBNF))
+    try:
+        left: list[str] = []
+
+        def leave() -> None:
+            try:
+                r = post(srv, "/v1/completions", {"prompt": "x", "max_tokens": 2,
+                                                  "guided_grammar": 'root ::= "spin"'},
+                         timeout=1)
+                left.append(f"answered {r.status_code}")
+            except httpx.TimeoutException:
+                left.append("left")
+
+        clients = [threading.Thread(target=leave) for _ in range(8)]
+        for c in clients:
+            c.start()
+        for c in clients:
+            c.join()
+        assert left == ["left"] * 8, left
+        chat = post(srv, "/v1/chat/completions", {
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        assert chat.status_code == 200, chat.text
+        choice = post(srv, "/v1/completions", {"prompt": "x", "max_tokens": 4,
+                                                "guided_grammar": 'root ::= "yes" | "no"'})
+        assert choice.status_code == 200 and choice.json()["choices"][0]["text"] in (
+            "yes", "no"), choice.text
+    finally:
+        srv.stop()
+
+
+def test_grammars_that_would_crash_or_fool_the_server_are_400s(hard):
+    """A $ref chain that overflowed the compiler's stack (the process died), JSON text
+    nested 30,000 deep (a RecursionError, 500), a regex llguidance echoed whole: 400s
+    naming the field, in bounded messages; the server goes on."""
+    defs = {f"{i:x}": {"$ref": f"#/$defs/{i + 1:x}"} for i in range(3000)}
+    defs[f"{3000:x}"] = {"type": "integer"}
+    chain = {"$ref": "#/$defs/0", "$defs": defs}
+    for body, param, match in (
+            ({"response_format": {"type": "json_schema", "json_schema": {
+                "name": "x", "schema": chain}}}, "response_format", "the limit is"),
+            ({"guided_json": "[" * 30_000 + "]" * 30_000}, "guided_json", "nests more than"),
+            ({"guided_regex": "[" + "a" * 5000}, "guided_regex", "invalid regex")):
+        err = error(post(hard, "/v1/chat/completions", {
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **body}), 400)
+        assert err["param"] == param and re.search(match, err["message"]), err
+        assert len(err["message"]) < 300, err["message"]
+    assert_serves(hard)
+
+
 # ---- 1. defence in depth: an engine that cannot go on exits the process -------------------
 # The CLI, with a runner whose device state is lost at the first step after warmup.
 LOSE_DEVICE = """

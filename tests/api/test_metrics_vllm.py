@@ -63,7 +63,7 @@ def test_vllm_names_with_model_name_and_no_duplicates():
         if name.startswith(("vllm:", "jaxserve:")):
             assert ("model_name", "my-model") in labels, name
     assert {dict(ls)["finished_reason"] for n, ls in snap
-            if n == "vllm:request_success_total"} == {"stop", "length", "abort"}
+            if n == "vllm:request_success_total"} == {"stop", "length", "abort", "error"}
     # No metric twice: nothing of jaxserve's repeats a vLLM name.
     ours = {n.split(":", 1)[1] for n in names if n.startswith("jaxserve:")}
     theirs = {n.split(":", 1)[1] for n in names if n.startswith("vllm:")}

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -112,3 +113,71 @@ def test_bad_constraints_are_refused_by_name(client, model, kw, param):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=model, messages=CHAT, max_tokens=5, **kw)
     assert e.value.body["param"] == param, e.value.body
+
+
+def test_constraints_no_output_can_meet_are_refused(client, model, api_checkpoint):
+    """A $ref cycle with no way out, a grammar with no base case, a choice the token
+    constraints rule out from its first token: 400s, where they were 200s whose output
+    broke the constraint with finish_reason "stop"."""
+    tok = AutoTokenizer.from_pretrained(api_checkpoint)
+    b = tok("b", add_special_tokens=False).input_ids[0]
+    cycle = {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/b"},
+                                            "b": {"$ref": "#/$defs/a"}}}
+    for body, param in (({"guided_json": cycle}, "guided_json"),
+                        ({"guided_grammar": 'start: "x" start'}, "guided_grammar"),
+                        ({"guided_choice": ["ab"], "allowed_token_ids": [b]}, "guided_choice"),
+                        ({"guided_choice": ["ab"], "bad_words": ["a"]}, "guided_choice")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=model, prompt="hi", max_tokens=5, extra_body=body)
+        assert e.value.body["param"] == param, (body, e.value.body)
+
+
+def finished_with_error(server) -> float:
+    """vllm:request_success_total{finished_reason="error"}"""
+    metrics = httpx.get(server.url + "/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+               if line.startswith("vllm:request_success_total{")
+               and 'finished_reason="error"' in line)
+
+
+def test_a_constraint_that_fails_mid_output_finishes_with_error(client, model, server,
+                                                                 api_checkpoint):
+    """The token constraints leave the choice's first token but not its second: the
+    choice ends with finish_reason "error", streamed or not, and counts as one."""
+    tok = AutoTokenizer.from_pretrained(api_checkpoint)
+    a = tok("a", add_special_tokens=False).input_ids[0]
+    body = {"guided_choice": ["ab"], "allowed_token_ids": [a]}
+    before = finished_with_error(server)
+    out = client.completions.create(model=model, prompt="hi", max_tokens=8, temperature=1.0,
+                                    seed=1, extra_body=body)
+    assert out.choices[0].finish_reason == "error" and out.choices[0].text.startswith("a")
+    chunks = list(client.completions.create(model=model, prompt="hi", max_tokens=8,
+                                            stream=True, extra_body=body))
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "error"
+    chat = client.chat.completions.create(model=model, messages=CHAT, max_tokens=8,
+                                          extra_body=body)
+    assert chat.choices[0].finish_reason == "error"
+    assert finished_with_error(server) == before + 3
+
+
+def test_deep_grammars_compile_off_the_crashing_stack(client, model):
+    """4,000 chained Lark rules overflowed the compiler's stack (the server died)."""
+    grammar = "start: r0\n" + "".join(f"r{i:x}: r{i + 1:x}\n" for i in range(4000)) + \
+        'r{:x}: "ok"\n'.format(4000)
+    out = client.completions.create(model=model, prompt="hi", max_tokens=4,
+                                    extra_body={"guided_grammar": grammar})
+    assert out.choices[0].text == "ok" and out.choices[0].finish_reason == "stop"
+
+
+def test_the_request_log_line_is_bounded():
+    """The server logs each request's sampling fields: never a megabyte grammar or stop
+    string whole (a client's grammar was logged in full, per token, by the matcher too)."""
+    from jaxserve.api.log_values import DEFAULT_MAX_LOG_LEN, loggable
+    from jaxserve.sampling_params import SamplingParams
+    from jaxserve.structured_outputs import StructuredOutputsParams
+    params = SamplingParams(max_tokens=7, stop=["x" * 10**5], bad_words=["y" * 10**5],
+                            structured_outputs=StructuredOutputsParams(grammar="z" * 10**6))
+    line = loggable(params, DEFAULT_MAX_LOG_LEN)
+    assert "max_tokens=7" in line and "zzzzzzzzzz" not in line, line
+    assert "grammar=<1000000 chars>" in line and "x" * (DEFAULT_MAX_LOG_LEN + 1) not in line
+    assert len(line) < 60 * DEFAULT_MAX_LOG_LEN, len(line)

@@ -213,3 +213,19 @@ def test_parallel_tool_calls_false_keeps_the_first_call_under_auto(client, model
     calls, content, _, finish = streamed(client, model, parallel_tool_calls=False, **kw)
     assert finish[0] == "tool_calls" and content[0].strip() == "Sure."
     assert list(calls[0]) == [0] and calls[0][0][1:] == ["get_weather", first]
+
+
+def test_a_tool_schema_that_overflowed_the_compiler_is_refused(client, model, tool_server):
+    """A named tool whose parameters chain 3,000 $refs (the grammar forcing its call
+    overflowed the compiler's native stack: the server died): a 400 naming the tools and
+    the limit; the server goes on."""
+    defs = {f"{i:x}": {"$ref": f"#/$defs/{i + 1:x}"} for i in range(3000)}
+    defs[f"{3000:x}"] = {"type": "integer"}
+    deep = [{"type": "function", "function": {
+        "name": "deep", "parameters": {"$ref": "#/$defs/0", "$defs": defs}}}]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, messages=CHAT, max_tokens=8, tools=deep,
+                                       tool_choice={"type": "function",
+                                                    "function": {"name": "deep"}})
+    assert e.value.body["param"] == "tools" and "the limit is" in e.value.body["message"]
+    assert httpx.get(tool_server.url + "/health").status_code == 200

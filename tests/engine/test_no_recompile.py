@@ -24,6 +24,9 @@ def test_random_requests_compile_nothing_new(checkpoint, kind, num_requests):
     assert engine.runner.warmup_compilations > 0
     before = engine.num_compilations
     rng = random.Random(0)
+    # Random allowed_token_ids keep a first token of each grammar below (else a refusal).
+    tok = llm.get_tokenizer()
+    firsts = [tok(c, add_special_tokens=False).input_ids[0] for c in "ae{"]
     prompts, params = [], []
     for _ in range(num_requests):
         n = rng.randint(1, 90)
@@ -52,7 +55,7 @@ def test_random_requests_compile_nothing_new(checkpoint, kind, num_requests):
                 [SO(choice=["ab", "e"]), SO(regex="[a-f]{1,9}"), SO(json_object=True)]))
         if rng.random() < 0.1:
             kw.update(logit_bias={rng.randrange(3, 256): rng.uniform(-5, 5)},
-                      allowed_token_ids=rng.sample(range(3, 256), 30))
+                      allowed_token_ids=rng.sample(range(3, 256), 30) + firsts)
         params.append(SamplingParams(**kw))
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert len(outs) == num_requests and all(o.finished for o in outs)

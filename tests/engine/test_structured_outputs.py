@@ -155,3 +155,37 @@ def test_grammar_applies_after_the_reasoning_ends(llm):
         assert c.finish_reason == "stop", c.text
         jsonschema.validate(json.loads(answer), SCHEMA)
     assert free > 0      # some reasoning came before the marker, unconstrained
+
+
+def test_constraints_the_token_constraints_rule_out_are_refused(llm):
+    """The grammar's first tokens against allowed_token_ids and one-token bad_words: none
+    left is a refusal, not an output that ignores one of them."""
+    tok = llm.get_tokenizer()
+    a, b = (tok(c, add_special_tokens=False).input_ids[0] for c in "ab")
+    for kw in (dict(allowed_token_ids=[b]), dict(bad_words=["a"])):
+        params = SamplingParams(max_tokens=5, structured_outputs=SO(choice=["ab"]), **kw)
+        with pytest.raises(ValueError, match="no token to start with") as e:
+            llm.generate("hi", params, use_tqdm=False)
+        assert e.value.param == "structured_outputs"
+    ok = SamplingParams(max_tokens=5, allowed_token_ids=[a, b], structured_outputs=SO(
+        choice=["ab"]))
+    assert llm.generate("hi", ok, use_tqdm=False)[0].outputs[0].text.startswith("ab")
+
+
+def test_a_grammar_that_fails_mid_output_ends_with_error(llm, caplog):
+    """allowed_token_ids leave "a" but not the "b" the choice needs next: the output
+    ends with finish_reason "error" (never "stop" with text that breaks the constraint),
+    logged once per request, in a bounded line."""
+    tok = llm.get_tokenizer()
+    a = tok("a", add_special_tokens=False).input_ids[0]
+    params = SamplingParams(temperature=1.0, seed=0, max_tokens=20, allowed_token_ids=[a],
+                            structured_outputs=SO(choice=["a" + "b" * 2000]))
+    with caplog.at_level("WARNING", logger="jaxserve"):
+        outs = llm.generate(["hi", "there"], params, use_tqdm=False)
+    for o in outs:
+        c = o.outputs[0]
+        assert c.finish_reason == "error" and c.token_ids[0] == a and len(c.token_ids) == 2
+    lines = [r.getMessage() for r in caplog.records]
+    assert len([m for m in lines if "structured output failed" in m]) == 2, lines
+    assert all(len(m) < 500 for m in lines), max(lines, key=len)
+    assert_no_leaks(llm.engine)
