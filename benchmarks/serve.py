@@ -80,7 +80,8 @@ def format_sweep_table(results: list[tuple[float, dict[str, Any]]]) -> str:
 def plot_sweep(results: list[tuple[float, dict[str, Any]]], path: str) -> None:
     plt, fig, axes = new_figure(3, width=5.0, height=4.2)
     xs = list(range(len(results)))   # categorical axis, so "inf" has a place
-    for ax, (key, title) in zip(axes, (("ttft", "TTFT"), ("tpot", "TPOT"), ("e2el", "E2E latency"))):
+    panels = (("ttft", "TTFT"), ("tpot", "TPOT"), ("e2el", "E2E latency"))
+    for ax, (key, title) in zip(axes, panels):
         for stat, style in (("mean_ms", "o-"), ("p99_ms", "s--")):
             ys = [np.nan if a[key][stat] is None else a[key][stat] for _, a in results]
             ax.plot(xs, ys, style, label=stat.split("_")[0])

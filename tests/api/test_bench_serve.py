@@ -89,7 +89,8 @@ def test_bench_serve_prefix_repetition_hits_the_prefix_cache(server, api_checkpo
           "--random-vocab-size", "200", "--max-concurrency", "1", "--ignore-eos")
     after = scrape(server)
     assert "Successful requests:                     4" in capsys.readouterr().out
-    hits = value(after, "vllm:prefix_cache_hits_total") - value(before, "vllm:prefix_cache_hits_total")
+    name = "vllm:prefix_cache_hits_total"
+    hits = value(after, name) - value(before, name)
     assert hits >= 3 * 32   # at least two 16-token pages for each of the last three
 
 

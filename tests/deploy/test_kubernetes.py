@@ -118,7 +118,7 @@ def pod_templates(docs: list[dict]) -> list[tuple[str, dict]]:
     """(role, pod template) of each workload: "server" pods answer HTTP."""
     found = []
     for d in docs:
-        if d["kind"] == "Deployment":
+        if d["kind"] == "Deployment" and d["metadata"]["name"] == "jaxserve":
             found.append(("server", d["spec"]["template"]))
         elif d["kind"] == "LeaderWorkerSet":
             lwt = d["spec"]["leaderWorkerTemplate"]
@@ -139,7 +139,8 @@ def test_pods_fit_the_image_and_the_start_up(rendered, target):
     docs = rendered[target]
     facts = image_facts()
     claims = {d["metadata"]["name"] for d in docs if d["kind"] == "PersistentVolumeClaim"}
-    service = next(d for d in docs if d["kind"] == "Service")
+    service = next(d for d in docs
+                   if d["kind"] == "Service" and d["metadata"]["name"] == "jaxserve")
     templates = pod_templates(docs)
     assert templates
     for role, tmpl in templates:
@@ -217,6 +218,37 @@ def test_multihost_environment_is_what_jaxserve_reads(rendered, monkeypatch):
         port = {p["name"]: p["containerPort"] for p in c["ports"]}["coordinator"]
         assert calls[-1] == {"coordinator_address": f"jaxserve-0.jaxserve.default:{port}",
                              "num_processes": 2, "process_id": index}
+
+
+# ---- the router ------------------------------------------------------------------------
+def test_router_finds_the_server_pods(rendered):
+    from vllm_router.launch_router import parse_router_args
+    docs = rendered["overlays/gpu"]
+    router = next(d for d in docs if d["kind"] == "Deployment"
+                  and d["metadata"]["name"] == "jaxserve-router")
+    (c,) = router["spec"]["template"]["spec"]["containers"]
+    env = {"POD_NAMESPACE": "default"}   # the downward API's value, as the kubelet expands
+    args = parse_router_args([re.sub(r"\$\((\w+)\)", lambda m: env[m[1]], a)
+                              for a in c["args"]])
+    (_, server), = pod_templates(docs)
+    assert args.service_discovery and args.selector == server["metadata"]["labels"]
+    assert args.service_discovery_namespace == "default"
+    (jaxserve,) = server["spec"]["containers"]
+    assert args.service_discovery_port == serve_args(jaxserve).port
+    port = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert port["http"] == args.port and port["metrics"] == args.prometheus_port
+    # its Service selects it alone; its account may list the pods it discovers
+    service = next(d for d in docs if d["kind"] == "Service"
+                   and d["metadata"]["name"] == "jaxserve-router")
+    labels = router["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= labels.items()
+    assert not service["spec"]["selector"].items() <= server["metadata"]["labels"].items()
+    role = next(d for d in docs if d["kind"] == "Role")
+    (rule,) = role["rules"]
+    assert {"list", "watch"} <= set(rule["verbs"]) and rule["resources"] == ["pods"]
+    binding = next(d for d in docs if d["kind"] == "RoleBinding")
+    account = router["spec"]["template"]["spec"]["serviceAccountName"]
+    assert binding["subjects"][0]["name"] == account
 
 
 # ---- autoscaling ------------------------------------------------------------------------
