@@ -1,5 +1,6 @@
-"""The monitoring that deploy/ ships: every metric the Grafana dashboard and the
-Prometheus alerts query is on the session server's live /metrics; the alert rules
+"""The monitoring that deploy/ ships: every metric the Grafana dashboard, the
+Prometheus alerts and the autoscalers (KEDA's query, the Prometheus adapter's rule)
+query is on the session server's live /metrics; the alert rules
 behave as their unit tests say (promtool, where installed); the compose file is valid
 under the Compose specification's schema and mounts files that exist."""
 from __future__ import annotations
@@ -22,6 +23,8 @@ from tests.api.test_metrics_vllm import DASHBOARD, _queries, samples
 ROOT = Path(__file__).parents[2]
 ALERTS = ROOT / "deploy" / "monitoring" / "alerts.yaml"
 COMPOSE = ROOT / "deploy" / "compose" / "compose.yaml"
+KEDA = ROOT / "deploy" / "kubernetes" / "components" / "keda" / "scaledobject.yaml"
+ADAPTER = ROOT / "deploy" / "kubernetes" / "components" / "hpa" / "prometheus-adapter-values.yaml"
 # Prometheus's own series (not an exporter's), which alerts may use.
 PROMETHEUS_SERIES = {"up"}
 # Exported only with --speculative-config (as vLLM's): checked against a registry made
@@ -41,15 +44,25 @@ def alert_rules() -> list[dict]:
             for rule in group["rules"]]
 
 
-def test_dashboard_and_alerts_query_only_metrics_a_live_server_exports(server):
+def test_dashboards_alerts_and_autoscalers_query_metrics_a_live_server_exports(server):
     live = {name for name, _ in samples(httpx.get(server.url + "/metrics").text)}
     spec = {s.name for f in Metrics("m", num_speculative_tokens=2).registry.collect()
             for s in f.samples}
-    queried = {}
+    queried: dict[str, set[str]] = {}   # metric -> where it is queried
+
+    def add(expr: str, where: str) -> None:
+        for name in metric_names(expr):
+            queried.setdefault(name, set()).add(where)
+
     for expr in _queries(json.loads(DASHBOARD.read_text())):
-        queried.update(dict.fromkeys(metric_names(expr), "dashboard"))
+        add(expr, "dashboard")
     for rule in alert_rules():
-        queried.update(dict.fromkeys(metric_names(rule["expr"]), rule["alert"]))
+        add(rule["expr"], rule["alert"])
+    for trigger in yaml.safe_load(KEDA.read_text())["spec"]["triggers"]:
+        add(trigger["metadata"]["query"], "keda")
+    for rule in yaml.safe_load(ADAPTER.read_text())["rules"]["custom"]:
+        add(rule["seriesQuery"], "prometheus-adapter")
+    assert {"keda", "prometheus-adapter"} <= set().union(*queried.values())
     missing = {name: where for name, where in queried.items()
                if name not in PROMETHEUS_SERIES
                and name not in (spec if name.startswith(SPEC_PREFIX) else live)}
