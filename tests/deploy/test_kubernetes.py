@@ -5,13 +5,15 @@ source); the pods fit the image (user, volumes, entrypoint: their args parse as
 `jaxserve serve` flags into a valid EngineConfig) and jaxserve's start-up (probes on
 /health, graceful termination, accelerators per tensor-parallel size); the multi-host
 environment, expanded as LWS and the kubelet expand it, is what jaxserve's multi-host
-start-up reads; the autoscalers target what is rendered and read exported metrics."""
+start-up reads, and starts two processes as one jax.distributed group; the autoscalers target what is rendered and read exported metrics."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import dockerfile
@@ -282,3 +284,39 @@ def test_autoscalers_target_the_workload_and_read_exported_metrics(rendered):
                     assert names and set(names) <= exported(), target
                 seen.add("keda")
     assert seen == {"hpa", "keda"}
+
+
+def test_multihost_environment_starts_two_processes(rendered, tmp_path):
+    """The same environment, the leader's address resolved to this machine (and the
+    coordinator on a free port): two processes form one jax.distributed group."""
+    import socket
+    docs = rendered["overlays/tpu-multihost"]
+    lws = next(d for d in docs if d["kind"] == "LeaderWorkerSet")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = ("import jax; from jaxserve.engine import multihost; "
+            "assert multihost.initialize(); "
+            "print('group', jax.process_index(), jax.process_count())")
+    procs = []
+    for index, (_, tmpl) in enumerate(pod_templates(docs)):
+        (c,) = tmpl["spec"]["containers"]
+        env = lws_env(c, lws["metadata"]["name"], 0, lws["spec"]["leaderWorkerTemplate"]["size"],
+                      index)
+        host, _ = env[multihost.ENV_ADDRESS].rsplit(":", 1)
+        assert host == "jaxserve-0.jaxserve.default"
+        env[multihost.ENV_ADDRESS] = f"127.0.0.1:{port}"
+        jaxserve_env = {k: v for k, v in env.items() if k.startswith("JAXSERVE_")}
+        procs.append(subprocess.Popen(
+            [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True, env={**os.environ, **jaxserve_env, "JAX_PLATFORMS": "cpu"}))
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=120)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for index, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0 and f"group {index} 2" in out, out[-2000:]
