@@ -5,7 +5,8 @@ source); the pods fit the image (user, volumes, entrypoint: their args parse as
 `jaxserve serve` flags into a valid EngineConfig) and jaxserve's start-up (probes on
 /health, graceful termination, accelerators per tensor-parallel size); the multi-host
 environment, expanded as LWS and the kubelet expand it, is what jaxserve's multi-host
-start-up reads, and starts two processes as one jax.distributed group; the autoscalers target what is rendered and read exported metrics."""
+start-up reads, and starts two processes as one jax.distributed group; the autoscalers
+target what is rendered and read exported metrics."""
 from __future__ import annotations
 
 import json
