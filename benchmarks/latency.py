@@ -32,7 +32,7 @@ from benchmarks.jaxserve_offline import make_llm
 from benchmarks.model_stats import ModelStats, model_stats
 from benchmarks.results_io import markdown_table, new_figure, write_results
 from benchmarks.roofline import load_roofline
-from benchmarks.workloads import random_ids
+from jaxserve.bench.datasets import random_ids
 
 Generate = Callable[[Item], list[int]]   # one batch-1 request -> its output tokens
 

@@ -20,6 +20,7 @@ from typing import Any
 
 from benchmarks.common import Item
 from benchmarks.common import workload as throughput_workload
+from jaxserve.bench.datasets import random_ids, sharegpt_pairs
 
 # ShareGPT's shape: short typical prompts and replies with long tails. Log-normal
 # lengths with these means (before clipping) and log-space sigmas, clipped to
@@ -27,7 +28,6 @@ from benchmarks.common import workload as throughput_workload
 SHAREGPT_LIKE: dict[str, float] = dict(prompt_mean=200.0, prompt_sigma=1.0,
                                        output_mean=180.0, output_sigma=0.9,
                                        min_len=4, max_len=1024)
-FIRST_ID = 3   # token ids start here: 0-2 are pad/bos/eos in the tokenizers used here
 
 
 @dataclass(frozen=True)
@@ -42,10 +42,6 @@ class Workload:
         return dict(num_prompts=len(self.items), prompt_tokens=sum(p), output_tokens=sum(o),
                     prompt_len_mean=sum(p) / len(p), output_len_mean=sum(o) / len(o),
                     prompt_len_max=max(p), output_len_max=max(o))
-
-
-def random_ids(rng: random.Random, n: int, vocab_size: int) -> list[int]:
-    return [rng.randrange(FIRST_ID, vocab_size) for _ in range(n)]
 
 
 def random_workload(num_prompts: int, input_len: int, output_len: int, range_ratio: float,
@@ -88,20 +84,6 @@ def sharegpt_like_workload(num_prompts: int, vocab_size: int, seed: int,
         items.append(Item(random_ids(rng, n_in, vocab_size), n_out))
     return Workload("sharegpt-like", items, dict(distribution="log-normal", **s, seed=seed,
                                                  max_model_len=max_model_len))
-
-
-def sharegpt_pairs(data: Any) -> list[tuple[str, str]]:
-    """(first human turn, the gpt turn after it) of each conversation that has both."""
-    pairs = []
-    for conv in data if isinstance(data, list) else []:
-        turns = conv.get("conversations", []) if isinstance(conv, dict) else []
-        human = next((i for i, t in enumerate(turns) if t.get("from") in ("human", "user")), None)
-        if human is None:
-            continue
-        reply = next((t for t in turns[human + 1:] if t.get("from") in ("gpt", "assistant")), None)
-        if reply and turns[human].get("value") and reply.get("value"):
-            pairs.append((turns[human]["value"], reply["value"]))
-    return pairs
 
 
 def sharegpt_file_workload(path: str, num_prompts: int, seed: int,

@@ -13,6 +13,7 @@ _COMMANDS = {
     "generate": ("jaxserve.generate", "generate text offline from the command line"),
     "plan": ("jaxserve.plan", "plan a model's memory on a mesh, or compile it for a TPU"),
     "convert": ("jaxserve.convert", "convert a checkpoint to the tree the engine runs"),
+    "bench": ("jaxserve.bench.cli", "benchmark a server or the engine (as `vllm bench`)"),
 }
 
 

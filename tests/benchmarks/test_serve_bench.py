@@ -1,4 +1,5 @@
-"""benchmarks/serve.py: metric maths on synthetic timestamps (exact), SSE parsing, datasets,
+"""jaxserve.bench (the client, datasets and metrics of `jaxserve bench serve` and
+benchmarks/serve.py) and benchmarks/serve.py's sweep CLI: metric maths on synthetic timestamps (exact), SSE parsing, datasets,
 arrivals, and whole runs against a fake streaming server on 127.0.0.1 whose sleeps are
 known (the timing checks are lower bounds or wide bands, never tight)."""
 from __future__ import annotations
@@ -20,10 +21,11 @@ import uvicorn  # noqa: E402
 from fastapi import FastAPI, Request  # noqa: E402  (module level: FastAPI resolves annotations here)
 from fastapi.responses import JSONResponse, StreamingResponse  # noqa: E402
 
-from benchmarks.serve import (CHAT, COMPLETIONS, BenchConfig, Prompt, RequestRecord, aggregate,
-                              arrival_times, build_payload, e2e, feed_line, format_summary,
-                              format_sweep_table, itls, main, random_dataset, run_benchmark,
-                              sharegpt_dataset, summarize, tpot, ttft)
+from benchmarks.serve import format_summary, format_sweep_table, main
+from jaxserve.bench.client import (CHAT, COMPLETIONS, BenchConfig, RequestRecord, build_payload,
+                                   feed_line, run_benchmark)
+from jaxserve.bench.datasets import Prompt, arrival_times, random_dataset, sharegpt_dataset
+from jaxserve.bench.metrics import aggregate, e2e, itls, summarize, tpot, ttft
 from tests.benchmarks.conftest import assert_figure  # noqa: E402
 
 FIRST_DELAY, GAP = 0.2, 0.05   # fake server: seconds to the first chunk, between chunks
@@ -131,7 +133,7 @@ def test_aggregate_exact():
     assert a["ttft"]["mean_ms"] == pytest.approx(750.0)
     assert a["tpot"]["mean_ms"] == pytest.approx((1000.0 + 500.0 / 3) / 2)
     assert a["itl"]["mean_ms"] == pytest.approx(1000.0 * (1 + 1 + 0.5) / 3)
-    assert a["e2e"]["median_ms"] == pytest.approx(2000.0)
+    assert a["e2el"]["median_ms"] == pytest.approx(2000.0)
     assert a["errors"] == ["boom"]
 
 
@@ -239,7 +241,7 @@ def test_run_against_fake_server(server):
     assert GAP - 0.04 <= a["tpot"]["mean_ms"] / 1e3 <= GAP + 0.1
     assert GAP - 0.04 <= a["itl"]["mean_ms"] / 1e3 <= GAP + 0.1
     assert a["ttft"]["mean_ms"] > a["tpot"]["mean_ms"]
-    assert a["e2e"]["mean_ms"] / 1e3 >= FIRST_DELAY + 4 * GAP - 0.01
+    assert a["e2el"]["mean_ms"] / 1e3 >= FIRST_DELAY + 4 * GAP - 0.01
     assert a["output_throughput"] == pytest.approx(20 / a["duration_s"])
 
 
