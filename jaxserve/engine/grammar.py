@@ -158,8 +158,8 @@ class CompiledGrammar:
     def check_first_token(self, params: Any) -> None:
         """InputError when allowed_token_ids or one-token bad_words leave the grammar no
         first token (the end of the output included). Front door; a few numpy ops."""
-        if not params.allowed_token_ids and not any(
-                len(w) == 1 for w in params.bad_words_token_ids or ()):
+        bad = params.bad_words_automaton
+        if not params.allowed_token_ids and (bad is None or not len(bad.singles)):
             return
         row = np.empty_like(self.first_mask)
         static_mask(params, row)
