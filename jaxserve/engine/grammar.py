@@ -24,6 +24,8 @@ from typing import Any, Awaitable, Callable
 import numpy as np
 
 from jaxserve.engine.errors import InputError
+# (llguidance's own JSON parser stops at 128; the server's bodies at this one already)
+from jaxserve.json_limits import MAX_JSON_DEPTH
 from jaxserve.engine.grammar_worker import Cancelled, CompileWorkers, Job
 from jaxserve.runner.token_constraints import static_mask
 from jaxserve.structured_outputs import StructuredOutputsParams
@@ -35,8 +37,6 @@ from jaxserve.structured_outputs import StructuredOutputsParams
 # chained through 28 nested groups each; a $ref chain ~100-130; benchmarks/README.md
 # "Grammar limits", benchmarks/grammar_limits.py).
 MAX_CONSTRAINT_CHARS = 65_536
-# JSON schemas nested deeper are refused (llguidance's own JSON parser stops at 128).
-MAX_JSON_DEPTH = 100
 # The compile threads' stack: 5x the ~51 MiB the worst grammar within the limit needs
 # (virtual: only what a compile touches is ever resident).
 COMPILE_STACK_BYTES = 256 << 20
@@ -82,7 +82,7 @@ def _json_depth(value: Any) -> int:
 
 def _too_deep() -> InputError:
     return InputError(f"structured_outputs.json nests more than {MAX_JSON_DEPTH} levels "
-                      f"deep (the limit)", "structured_outputs")
+                      f"deep (MAX_JSON_DEPTH)", "structured_outputs")
 
 
 def checked_key(so: StructuredOutputsParams) -> str:

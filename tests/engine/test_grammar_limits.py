@@ -94,9 +94,10 @@ def test_limits_are_named_in_the_refusal(compiler):
         assert e.value.param == "structured_outputs"
     # JSON text nested 30,000 deep (within the size limit): a RecursionError (500) before
     deep = "[" * 30_000 + "]" * 30_000
-    for so in (SO(json=deep), SO(json={"items": json.loads("[" * 200 + "]" * 200)})):
-        with pytest.raises(InputError, match=f"nests more than {grammar.MAX_JSON_DEPTH}"):
-            compiler.compile(so)
+    for make in (lambda: SO(json=deep),
+                 lambda: SO(json={"items": json.loads("[" * 200 + "]" * 200)})):
+        with pytest.raises(InputError, match="MAX_JSON_DEPTH"):
+            compiler.compile(make())
 
 
 @pytest.mark.parametrize("so, match", [
