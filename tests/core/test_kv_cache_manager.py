@@ -61,10 +61,11 @@ def test_salt_and_scope_key_the_first_page_and_the_chain_carries_them():
 def test_request_status_order():
     S = RequestStatus
     assert [s for s in S if S.is_finished(s)] == [
-        S.FINISHED_STOPPED, S.FINISHED_LENGTH_CAPPED, S.FINISHED_ABORTED]
+        S.FINISHED_STOPPED, S.FINISHED_LENGTH_CAPPED, S.FINISHED_ABORTED, S.FINISHED_ERROR]
     assert S.finish_reason(S.FINISHED_STOPPED) == "stop"
     assert S.finish_reason(S.FINISHED_LENGTH_CAPPED) == "length"
     assert S.finish_reason(S.FINISHED_ABORTED) == "abort"
+    assert S.finish_reason(S.FINISHED_ERROR) == "error"    # a constraint failed part-way
     assert S.finish_reason(S.RUNNING) is None
 
 
