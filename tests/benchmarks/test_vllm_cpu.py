@@ -190,3 +190,16 @@ def test_the_shared_checkpoint_renders_chat_as_the_users_words(tmp_path):
     ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
     # the chat prompt is the completion prompt: both endpoints see the same tokens
     assert list(ids) == [17, 300, 5] == tok(text, add_special_tokens=False)["input_ids"]
+
+
+def test_the_worker_imports_only_the_standard_library_at_the_top():
+    """vllm_cpu_run.py starts under both venvs: vLLM's has no jax, the project's no vLLM;
+    and vLLM's engine process re-imports the main module, hence the __main__ guard."""
+    import ast
+    source = open(vllm_cpu_run.__file__, encoding="utf-8").read()
+    tree = ast.parse(source)
+    top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    names = {a.name.split(".")[0] for n in top if isinstance(n, ast.Import) for a in n.names}
+    names |= {n.module.split(".")[0] for n in top if isinstance(n, ast.ImportFrom)}
+    assert names and names <= set(sys.stdlib_module_names) | {"__future__"}
+    assert any(isinstance(n, ast.If) and "__main__" in ast.unparse(n.test) for n in tree.body)
