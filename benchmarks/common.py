@@ -10,7 +10,7 @@ SMALL_QWEN3 = dict(vocab_size=32000, hidden_size=512, intermediate_size=1536,
                    head_dim=64, max_position_embeddings=2048, tie_word_embeddings=True)
 
 
-def make_word_tokenizer(path: str, vocab_size: int) -> None:
+def make_word_tokenizer(path: str, vocab_size: int, chat_template: str | None = None) -> None:
     """A word-level tokenizer whose every id decodes to a word ("w123"), so a random
     model's output is text a client can count (the benchmarks need streamed text)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -19,8 +19,11 @@ def make_word_tokenizer(path: str, vocab_size: int) -> None:
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##")   # joins words with spaces
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
-                            eos_token="</s>").save_pretrained(path)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                                   eos_token="</s>")
+    if chat_template is not None:
+        fast.chat_template = chat_template
+    fast.save_pretrained(path)
 
 
 def make_qwen3(path: str, config: dict, seed: int = 0, dtype: str = "float32") -> str:
