@@ -169,7 +169,7 @@ def _build_engine(args: argparse.Namespace, config: EngineConfig, served: tuple[
     """The startup thread: the engine, then the app, then the gate opens."""
     gate.progress.set_phase(STARTING, "importing the engine")
     from jaxserve.api.server import create_app
-    from jaxserve.api.serving import ServerSettings
+    from jaxserve.api.settings import ServerSettings
     from jaxserve.engine.async_engine import AsyncEngine
     from jaxserve.planning.plan import plan_for_engine
 

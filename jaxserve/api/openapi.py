@@ -32,6 +32,18 @@ def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
     return {c: {"model": ErrorResponse, "description": why[c]} for c in codes}
 
 
+def generation_responses() -> dict[int | str, dict[str, Any]]:
+    """The `responses=` of a route that generates: JSON, or server-sent events."""
+    return {200: {"description": "the answer; with stream=true, server-sent events",
+                  "content": {"application/json": {}, "text/event-stream": {}}},
+            **error_responses(404, 413, 500, 503)}
+
+
+def no_body_responses(what: str) -> dict[int | str, dict[str, Any]]:
+    """The `responses=` of a route whose 200 has no body (`what` it means), or a 503."""
+    return {200: {"description": f"{what} (no body)"}, **error_responses(503)}
+
+
 def install(app: FastAPI) -> None:
     """Replaces app.openapi with one whose routes list 400 in place of 422."""
     def openapi() -> dict[str, Any]:

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from jaxserve.api.server import create_app
-from jaxserve.api.serving import ServerSettings
+from jaxserve.api.settings import ServerSettings
 from jaxserve.engine.async_engine import EngineStats
 from jaxserve.engine.input_processor import InputProcessor
 

@@ -20,7 +20,7 @@ from jaxserve.api.body_limit import MAX_BODY_JSON_FIELDS, MAX_BODY_JSON_VALUES
 from jaxserve.api.errors import MAX_ERROR_MESSAGE_CHARS, error_body
 from jaxserve.api.internal_errors import InternalErrors
 from jaxserve.api.server import create_app
-from jaxserve.api.serving import ServerSettings
+from jaxserve.api.settings import ServerSettings
 from jaxserve.json_limits import MAX_JSON_DEPTH
 from tests.api.conftest import API_KEY, Server
 from tests.api.test_admission import StubEngine, call

@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from jaxserve.api.metrics import Metrics
 from jaxserve.api.server import create_app
-from jaxserve.api.serving import ServerSettings
+from jaxserve.api.settings import ServerSettings
 from jaxserve.api.stats_logger import StatsLogger
 from jaxserve.core.outputs import CompletionOutput, RequestOutput
 from jaxserve.core.request_metrics import RequestMetrics

@@ -18,7 +18,7 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.api.loading import LoadingGate
 from jaxserve.api.metrics import Metrics
 from jaxserve.api.server import create_app
-from jaxserve.api.serving import ServerSettings
+from jaxserve.api.settings import ServerSettings
 from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.engine.engine_core import prompt_block_hashes
 from jaxserve.engine.input_processor import InputProcessor
