@@ -31,6 +31,9 @@ _NAME = re.compile(r"[A-Za-z0-9_.:\-]+\Z")
 _NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?\Z")
 _WORDS = {"true": "true", "false": "false", "null": "null", "True": "true",
           "False": "false", "None": "null", "none": "null", "nil": "null"}
+# The states whose whitespace is content (or belongs to a tag); in the others it only
+# separates tokens.
+_RAW_STATES = ("text", "kw", "name", "str")
 
 
 def _esc(s: str) -> str:
@@ -72,142 +75,159 @@ class Gemma4ToolParser(ToolParser):
         frame[1] += 1
         return ", " if frame[1] > 1 else ""
 
-    def _advance(self, final: bool) -> None:          # noqa: C901 - one state machine
-        while True:
-            st = self._state
-            if st == "text":
-                if not self._text_until(START, final):
-                    return
-                self._raw, self._state = START, "kw"
-                continue
-            if st == "kw":
-                if self._buf.startswith("call:"):
-                    self._raw += "call:"
-                    self._buf, self._state = self._buf[5:], "name"
-                elif not final and "call:".startswith(self._buf):
-                    return
-                else:
-                    self._reject()
-                continue
-            if st == "name":
-                i = self._buf.find("{")
-                name = self._buf[:i] if i >= 0 else self._buf
-                if (name and not _NAME.match(name)) or (i < 0 and final) or i == 0:
-                    self._reject()
-                    continue
-                if i < 0:
-                    return
-                if not self._may_commit(final):
-                    self._reject()
-                    continue
-                self._buf = self._buf[i + 1:]
-                self._begin_call(name)
-                self._json, self._frames = "", [["{", 0]]
-                self._emit("{")
-                self._state = "key"
-                continue
-            if st == "str":                               # inside <|"|> ... <|"|>
-                j = self._buf.find(Q)
-                if j >= 0:
-                    self._emit(_esc(self._buf[:j]) + '"')
-                    self._buf, self._state = self._buf[j + len(Q):], "after"
-                    continue
-                cut = len(self._buf) - (0 if final else partial_suffix(self._buf, Q))
-                self._emit(_esc(self._buf[:cut]))
-                self._buf = self._buf[cut:]
-                if final:
+    def _advance(self, final: bool) -> None:
+        while self._step(final):
+            pass
+
+    def _step(self, final: bool) -> bool:
+        """One move of the state machine: False when it must wait for more output."""
+        st = self._state
+        if st not in _RAW_STATES:
+            self._buf = self._buf.lstrip()                # whitespace between tokens
+            if not self._buf and st != "end":
+                return self._starved(final)
+        return getattr(self, "_in_" + st)(final)
+
+    def _starved(self, final: bool) -> bool:
+        """The output stopped inside a call: wait for more, or (at its end) it broke."""
+        if final:
+            self._fail()
+        return final
+
+    def _in_text(self, final: bool) -> bool:
+        if not self._text_until(START, final):
+            return False
+        self._raw, self._state = START, "kw"
+        return True
+
+    def _in_kw(self, final: bool) -> bool:
+        if self._buf.startswith("call:"):
+            self._raw += "call:"
+            self._buf, self._state = self._buf[5:], "name"
+        elif not final and "call:".startswith(self._buf):
+            return False
+        else:
+            self._reject()
+        return True
+
+    def _in_name(self, final: bool) -> bool:
+        i = self._buf.find("{")
+        name = self._buf[:i] if i >= 0 else self._buf
+        if (name and not _NAME.match(name)) or (i < 0 and final) or i == 0:
+            self._reject()
+            return True
+        if i < 0:
+            return False
+        if not self._may_commit(final):
+            self._reject()
+            return True
+        self._buf = self._buf[i + 1:]
+        self._begin_call(name)
+        self._json, self._frames = "", [["{", 0]]
+        self._emit("{")
+        self._state = "key"
+        return True
+
+    def _in_str(self, final: bool) -> bool:
+        """Inside <|"|> ... <|"|>."""
+        j = self._buf.find(Q)
+        if j >= 0:
+            self._emit(_esc(self._buf[:j]) + '"')
+            self._buf, self._state = self._buf[j + len(Q):], "after"
+            return True
+        cut = len(self._buf) - (0 if final else partial_suffix(self._buf, Q))
+        self._emit(_esc(self._buf[:cut]))
+        self._buf = self._buf[cut:]
+        return self._starved(final)
+
+    def _in_key(self, final: bool) -> bool:
+        """A key, or '}'."""
+        buf = self._buf
+        if buf[0] == "}":
+            self._close()
+            return True
+        if buf.startswith(Q):
+            j = buf.find(Q, len(Q))
+            if j < 0:
+                return self._starved(final)
+            key, rest = buf[len(Q):j], buf[j + len(Q):].lstrip()
+            if rest and rest[0] != ":":
+                self._fail()
+                return True
+        else:
+            j = buf.find(":")
+            key = (buf if j < 0 else buf[:j]).strip()
+            if any(c in key for c in '{}[],<"\n') or (j >= 0 and not key):
+                if not (j < 0 and Q.startswith(buf)):
                     self._fail()
-                    continue
-                return
-            self._buf = buf = self._buf.lstrip()          # whitespace between tokens
-            if not buf and st != "end":
-                if final:
-                    self._fail()
-                    continue
-                return
-            if st == "key":                               # a key, or '}'
-                if buf[0] == "}":
-                    self._close()
-                    continue
-                if buf.startswith(Q):
-                    j = buf.find(Q, len(Q))
-                    if j < 0:
-                        if final:
-                            self._fail()
-                            continue
-                        return
-                    key, rest = buf[len(Q):j], buf[j + len(Q):].lstrip()
-                    if rest and rest[0] != ":":
-                        self._fail()
-                        continue
-                else:
-                    j = buf.find(":")
-                    key = (buf if j < 0 else buf[:j]).strip()
-                    if any(c in key for c in '{}[],<"\n') or (j >= 0 and not key):
-                        if not (j < 0 and Q.startswith(buf)):
-                            self._fail()
-                            continue
-                    if j < 0:
-                        if final:
-                            self._fail()
-                            continue
-                        return
-                    rest = buf[j:]
-                if not rest:                              # wait for the ':'
-                    if final:
-                        self._fail()
-                        continue
-                    return
-                self._emit(self._item() + json.dumps(key, ensure_ascii=False) + ": ")
-                self._buf, self._state = rest[1:], "value"
-            elif st == "value":
-                if buf.startswith(Q):
-                    self._emit(self._item_if_array() + '"')
-                    self._buf, self._state = buf[len(Q):], "str"
-                elif Q.startswith(buf):
-                    if final:
-                        self._fail()
-                        continue
-                    return
-                elif buf[0] in "{[":
-                    self._emit(self._item_if_array() + buf[0])
-                    self._frames.append([buf[0], 0])
-                    self._buf, self._state = buf[1:], "key" if buf[0] == "{" else "first"
-                elif buf[0] in ",}]<":
-                    self._fail()
-                else:
-                    self._state = "bare"
-            elif st == "first":                           # just after '[': ']' or a value
-                if buf[0] == "]":
-                    self._close()
-                else:
-                    self._state = "value"
-            elif st == "bare":                            # number, true, false, null, ...
-                ends = [j for c in ",}]<" if (j := buf.find(c)) >= 0]
-                if not ends:
-                    if final:
-                        self._fail()
-                        continue
-                    return
-                j = min(ends)
-                self._emit(self._item_if_array() + bare_value(buf[:j].strip()))
-                self._buf, self._state = buf[j:], "after"
-            elif st == "after":                           # ',' or the closing bracket
-                top = self._frames[-1][0]
-                if buf[0] == ",":
-                    self._buf, self._state = buf[1:], ("key" if top == "{" else "value")
-                elif buf[0] == {"{": "}", "[": "]"}[top]:
-                    self._close()
-                else:
-                    self._fail()
-            else:                                         # "end": the end tag, if it comes
-                if buf.startswith(END):
-                    self._buf = buf[len(END):]
-                elif END.startswith(buf):
-                    if not final:
-                        return
-                    self._buf = ""
-                self._finish_call()
+                    return True
+            if j < 0:
+                return self._starved(final)
+            rest = buf[j:]
+        if not rest:                                      # wait for the ':'
+            return self._starved(final)
+        self._emit(self._item() + json.dumps(key, ensure_ascii=False) + ": ")
+        self._buf, self._state = rest[1:], "value"
+        return True
+
+    def _in_value(self, final: bool) -> bool:
+        buf = self._buf
+        if buf.startswith(Q):
+            self._emit(self._item_if_array() + '"')
+            self._buf, self._state = buf[len(Q):], "str"
+        elif Q.startswith(buf):
+            return self._starved(final)
+        elif buf[0] in "{[":
+            self._emit(self._item_if_array() + buf[0])
+            self._frames.append([buf[0], 0])
+            self._buf, self._state = buf[1:], "key" if buf[0] == "{" else "first"
+        elif buf[0] in ",}]<":
+            self._fail()
+        else:
+            self._state = "bare"
+        return True
+
+    def _in_first(self, final: bool) -> bool:
+        """Just after '[': ']' or a value."""
+        if self._buf[0] == "]":
+            self._close()
+        else:
+            self._state = "value"
+        return True
+
+    def _in_bare(self, final: bool) -> bool:
+        """A number, true, false, null, ..."""
+        buf = self._buf
+        ends = [j for c in ",}]<" if (j := buf.find(c)) >= 0]
+        if not ends:
+            return self._starved(final)
+        j = min(ends)
+        self._emit(self._item_if_array() + bare_value(buf[:j].strip()))
+        self._buf, self._state = buf[j:], "after"
+        return True
+
+    def _in_after(self, final: bool) -> bool:
+        """',' or the closing bracket."""
+        buf, top = self._buf, self._frames[-1][0]
+        if buf[0] == ",":
+            self._buf, self._state = buf[1:], ("key" if top == "{" else "value")
+        elif buf[0] == {"{": "}", "[": "]"}[top]:
+            self._close()
+        else:
+            self._fail()
+        return True
+
+    def _in_end(self, final: bool) -> bool:
+        """The end tag, if it comes."""
+        buf = self._buf
+        if buf.startswith(END):
+            self._buf = buf[len(END):]
+        elif END.startswith(buf):
+            if not final:
+                return False
+            self._buf = ""
+        self._finish_call()
+        return True
 
     def _item_if_array(self) -> str:
         return self._item() if self._frames[-1][0] == "[" else ""

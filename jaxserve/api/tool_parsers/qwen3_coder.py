@@ -133,109 +133,132 @@ class Qwen3CoderToolParser(ToolParser):
         self._val = ""            # a non-string value held until its end
 
     def _advance(self, final: bool) -> None:
-        while True:
-            st, buf = self._state, self._buf
-            if st == "text":
-                if not self._text_until(START, final):
-                    return
-                self._tag = self._raw = START
-                self._state = "open"
-            elif st in ("open", "after_fn"):       # <function=, or after one: more / end
-                head = buf.lstrip()
-                if head.startswith(FN):
-                    if st == "after_fn":
-                        self._tag = self._raw = FN
-                    else:
-                        self._raw += buf[:len(buf) - len(head) + len(FN)]
-                    self._buf, self._state = head[len(FN):], "fname"
-                elif st == "after_fn" and head.startswith(END):
-                    self._buf, self._state = head[len(END):], "text"
-                elif not final and (FN.startswith(head) or
-                                    (st == "after_fn" and END.startswith(head))):
-                    return
-                elif st == "open":
-                    self._reject()
-                else:
-                    if final and END.startswith(head):
-                        self._buf = ""             # a cut-off </tool_call>
-                    self._state = "text"
-            elif st == "fname":
-                i = buf.find(">")
-                name = (buf[:i] if i >= 0 else buf).strip()
-                if "\n" in name or "<" in name or len(name) > 256 or \
-                        (i >= 0 and not name) or (i < 0 and final):
-                    self._reject()
-                    continue
-                if i < 0:
-                    return
-                if not self._may_commit(final):
-                    self._reject()
-                    continue
-                self._buf = buf[i + 1:]
-                self._begin_call(name)
-                self._fn, self._nparams, self._state = name, 0, "params"
-            elif st == "params":
-                head = buf.lstrip()
-                self._buf = head
-                if head.startswith(P):
-                    self._buf, self._state = head[len(P):], "pname"
-                elif head.startswith((FN_END, END)) or \
-                        (final and (FN_END.startswith(head) or END.startswith(head))):
-                    self._args("}" if self._nparams else "{}")
-                    self._end_call(True)
-                    if head.startswith(FN_END):
-                        self._buf, self._state = head[len(FN_END):], "after_fn"
-                    else:                           # </tool_call> or a cut-off end tag
-                        self._buf, self._state = head[len(END):], "text"
-                elif not final and any(t.startswith(head) for t in (P, FN_END, END)):
-                    return
-                else:
-                    self._fail()
-            elif st == "pname":
-                i = buf.find(">")
-                key = (buf[:i] if i >= 0 else buf).strip()
-                if "\n" in key or "<" in key or (i >= 0 and not key) or (i < 0 and final):
-                    self._fail()
-                    continue
-                if i < 0:
-                    return
-                self._buf = buf[i + 1:]
-                self._kind = _kind(self._types.get(self._fn, {}).get(key))
-                sep = ", " if self._nparams else "{"
-                quote = '"' if self._kind == "string" else ""
-                self._args(sep + json.dumps(key, ensure_ascii=False) + ": " + quote)
-                self._nparams += 1
-                self._started, self._val, self._state = False, "", "value"
-            else:                                   # "value"
-                if not self._started:
-                    if not buf:
-                        if final:
-                            self._fail()
-                            continue
-                        return
-                    self._buf = buf = buf[1:] if buf[0] == "\n" else buf
-                    self._started = True
-                ends = [(j, t) for t in VALUE_ENDS if (j := buf.find(t)) >= 0]
-                if ends:
-                    j, t = min(ends)
-                    part = buf[:j][:-1] if buf[:j].endswith("\n") else buf[:j]
-                    if self._kind == "string":
-                        self._args(_esc(part) + '"')
-                    else:
-                        self._args(convert(self._val + part, self._kind))
-                    self._buf = buf[j + (len(t) if t == P_END else 0):]
-                    self._state = "params"
-                    continue
+        # One move per state until one must wait for more output.
+        while getattr(self, "_in_" + self._state)(final):
+            pass
+
+    def _in_text(self, final: bool) -> bool:
+        if not self._text_until(START, final):
+            return False
+        self._tag = self._raw = START
+        self._state = "open"
+        return True
+
+    def _in_open(self, final: bool) -> bool:
+        """Just after <tool_call>: <function=, or this was no call."""
+        buf = self._buf
+        head = buf.lstrip()
+        if head.startswith(FN):
+            self._raw += buf[:len(buf) - len(head) + len(FN)]
+            self._buf, self._state = head[len(FN):], "fname"
+        elif not final and FN.startswith(head):
+            return False
+        else:
+            self._reject()
+        return True
+
+    def _in_after_fn(self, final: bool) -> bool:
+        """After </function>: another <function=, or </tool_call>."""
+        head = self._buf.lstrip()
+        if head.startswith(FN):
+            self._tag = self._raw = FN
+            self._buf, self._state = head[len(FN):], "fname"
+        elif head.startswith(END):
+            self._buf, self._state = head[len(END):], "text"
+        elif not final and (FN.startswith(head) or END.startswith(head)):
+            return False
+        else:
+            if final and END.startswith(head):
+                self._buf = ""                     # a cut-off </tool_call>
+            self._state = "text"
+        return True
+
+    def _in_fname(self, final: bool) -> bool:
+        buf = self._buf
+        i = buf.find(">")
+        name = (buf[:i] if i >= 0 else buf).strip()
+        if "\n" in name or "<" in name or len(name) > 256 or \
+                (i >= 0 and not name) or (i < 0 and final):
+            self._reject()
+            return True
+        if i < 0:
+            return False
+        if not self._may_commit(final):
+            self._reject()
+            return True
+        self._buf = buf[i + 1:]
+        self._begin_call(name)
+        self._fn, self._nparams, self._state = name, 0, "params"
+        return True
+
+    def _in_params(self, final: bool) -> bool:
+        """Between parameters: the next <parameter=, or the call's end."""
+        head = self._buf.lstrip()
+        self._buf = head
+        if head.startswith(P):
+            self._buf, self._state = head[len(P):], "pname"
+        elif head.startswith((FN_END, END)) or \
+                (final and (FN_END.startswith(head) or END.startswith(head))):
+            self._args("}" if self._nparams else "{}")
+            self._end_call(True)
+            if head.startswith(FN_END):
+                self._buf, self._state = head[len(FN_END):], "after_fn"
+            else:                                   # </tool_call> or a cut-off end tag
+                self._buf, self._state = head[len(END):], "text"
+        elif not final and any(t.startswith(head) for t in (P, FN_END, END)):
+            return False
+        else:
+            self._fail()
+        return True
+
+    def _in_pname(self, final: bool) -> bool:
+        buf = self._buf
+        i = buf.find(">")
+        key = (buf[:i] if i >= 0 else buf).strip()
+        if "\n" in key or "<" in key or (i >= 0 and not key) or (i < 0 and final):
+            self._fail()
+            return True
+        if i < 0:
+            return False
+        self._buf = buf[i + 1:]
+        self._kind = _kind(self._types.get(self._fn, {}).get(key))
+        sep = ", " if self._nparams else "{"
+        quote = '"' if self._kind == "string" else ""
+        self._args(sep + json.dumps(key, ensure_ascii=False) + ": " + quote)
+        self._nparams += 1
+        self._started, self._val, self._state = False, "", "value"
+        return True
+
+    def _in_value(self, final: bool) -> bool:
+        buf = self._buf
+        if not self._started:
+            if not buf:
                 if final:
                     self._fail()
-                    continue
-                cut = len(buf) - _value_hold(buf)
-                if self._kind == "string":
-                    self._args(_esc(buf[:cut]))
-                else:
-                    self._val += buf[:cut]
-                self._buf = buf[cut:]
-                return
+                return final
+            self._buf = buf = buf[1:] if buf[0] == "\n" else buf
+            self._started = True
+        ends = [(j, t) for t in VALUE_ENDS if (j := buf.find(t)) >= 0]
+        if ends:
+            j, t = min(ends)
+            part = buf[:j][:-1] if buf[:j].endswith("\n") else buf[:j]
+            if self._kind == "string":
+                self._args(_esc(part) + '"')
+            else:
+                self._args(convert(self._val + part, self._kind))
+            self._buf = buf[j + (len(t) if t == P_END else 0):]
+            self._state = "params"
+            return True
+        if final:
+            self._fail()
+            return True
+        cut = len(buf) - _value_hold(buf)
+        if self._kind == "string":
+            self._args(_esc(buf[:cut]))
+        else:
+            self._val += buf[:cut]
+        self._buf = buf[cut:]
+        return False
 
     def _reject(self) -> None:
         """Not a call: the tag is content, and what followed it is read again as text."""
