@@ -11,19 +11,20 @@ import json
 import secrets
 
 from starlette.routing import BaseRoute, Match
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from jaxserve.api.errors import error_body
 
 
 class APIKey:
-    def __init__(self, app, keys: tuple[str, ...], protected: list[BaseRoute]):
+    def __init__(self, app: ASGIApp, keys: tuple[str, ...], protected: list[BaseRoute]):
         """keys: any of them opens the protected routes (matched as the router matches
         them: path parameters and --root-path included)."""
         self.app = app
         self.keys = [k.encode() for k in keys]
         self.protected = protected
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not any(
                 route.matches(scope)[0] is not Match.NONE for route in self.protected):
             return await self.app(scope, receive, send)

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 
+from starlette.types import ASGIApp, Receive, Scope, Send
+
 from jaxserve.api.errors import error_body
 from jaxserve.json_limits import MAX_JSON_DEPTH, JsonShape
 
@@ -26,11 +28,11 @@ MAX_BODY_JSON_FIELDS = 2**16
 
 
 class BodyLimit:
-    def __init__(self, app, max_bytes: int):
+    def __init__(self, app: ASGIApp, max_bytes: int):
         self.app = app
         self.max_bytes = max_bytes
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         declared = dict(scope["headers"]).get(b"content-length")

@@ -11,6 +11,8 @@ import json
 import logging
 import traceback
 
+from starlette.types import ASGIApp, Receive, Scope, Send
+
 from jaxserve.api.errors import clip, error_body
 
 logger = logging.getLogger("jaxserve")
@@ -29,10 +31,10 @@ def log_unexpected(what: str, e: BaseException) -> None:
 
 
 class InternalErrors:
-    def __init__(self, app):
+    def __init__(self, app: ASGIApp):
         self.app = app
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         started = False

@@ -13,14 +13,19 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from jaxserve.api.errors import error_body
 from jaxserve.api.metrics import Metrics
 from jaxserve.engine.startup import FAILED, StartupProgress
+
+if TYPE_CHECKING:   # (not at run time: the port opens before the engine's modules load)
+    from jaxserve.api.serving.base import OpenAIServing
+    from jaxserve.engine.async_engine import AsyncEngine
 
 logger = logging.getLogger("jaxserve")
 
@@ -39,7 +44,7 @@ class LoadingGate:
         self._lock = threading.Lock()
 
     # ---- the thread that builds the engine -----------------------------------------------
-    def open(self, app, engine) -> None:
+    def open(self, app: ASGIApp, engine: AsyncEngine) -> None:
         """The engine is built: requests go to `app` from now on."""
         with self._lock:
             closed = self._closed
@@ -52,13 +57,13 @@ class LoadingGate:
         self.progress.set_phase(FAILED, f"{type(error).__name__}: {error}")
 
     @property
-    def serving(self):
+    def serving(self) -> OpenAIServing | None:
         """The real app's OpenAIServing, or None while loading."""
         app = self.app
         return None if app is None else app.state.serving
 
     # ---- ASGI --------------------------------------------------------------------------
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
             await self._lifespan(receive, send)
             return

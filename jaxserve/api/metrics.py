@@ -27,6 +27,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.request_metrics import RequestMetrics
+from jaxserve.core.scheduler import SchedulerStats
 
 # Bucket choices follow vLLM's (a finer low end for ITL: a fast accelerator decodes a
 # token in well under 10 ms).
@@ -165,7 +166,7 @@ class Metrics:
                               for i in range(num_speculative_tokens)]
         self._spec_per_pos_seen = [0] * num_speculative_tokens
 
-    def render(self, stats, *, admitted: int, processed: int = 0, refused: int = 0) -> bytes:
+    def render(self, stats: SchedulerStats, *, admitted: int, processed: int = 0, refused: int = 0) -> bytes:
         """stats: the engine's EngineStats snapshot."""
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)

@@ -32,6 +32,7 @@ import logging
 import threading
 import time
 import weakref
+from typing import Any
 
 from jaxserve.core.scheduler import SchedulerStats
 
@@ -77,7 +78,7 @@ class StatsLogger:
     EngineStats) and `dead`. Held weakly: the thread ends with the engine, when it
     stops (dead) or is dropped."""
 
-    def __init__(self, engine, interval: float = 10.0, engine_index: int = 0):
+    def __init__(self, engine: Any, interval: float = 10.0, engine_index: int = 0):
         if interval <= 0:
             raise ValueError(f"the stats interval must be positive, got {interval}")
         self.interval = interval

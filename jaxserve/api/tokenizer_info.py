@@ -11,7 +11,7 @@ import math
 from typing import Any
 
 
-def tokenizer_info(tokenizer, *, chat_template: str | None, max_model_len: int) -> dict:
+def tokenizer_info(tokenizer: Any, *, chat_template: str | None, max_model_len: int) -> dict:
     """tokenizer: a Hugging Face tokenizer; chat_template: the server's --chat-template
     (it wins over the tokenizer's own, as it does when chats are rendered)."""
     kwargs = getattr(tokenizer, "init_kwargs", None) or {}
