@@ -76,13 +76,16 @@ def linear(w: np.ndarray) -> np.ndarray:
 def stack(tensors: dict[str, np.ndarray], template: str, count: int) -> np.ndarray:
     """The `count` per-layer tensors named template.format(i), stacked on a new axis 0
     (the towers scan over their layers)."""
-    missing = [template.format(i) for i in range(count) if template.format(i) not in tensors]
-    if missing:
-        raise ValueError(f"checkpoint lacks vision tensor {missing[0]!r}")
-    return np.stack([tensors[template.format(i)] for i in range(count)])
+    return np.stack([need(tensors, template.format(i)) for i in range(count)])
 
 
 def to_device(params: Params, dtype: Any) -> Params:
     """Float leaves in `dtype`, integer leaves as they are."""
     return jax.tree_util.tree_map(
         lambda a: jnp.asarray(a, dtype if np.issubdtype(a.dtype, np.floating) else a.dtype), params)
+
+
+def need(tensors: dict[str, np.ndarray], name: str) -> np.ndarray:
+    if name not in tensors:
+        raise ValueError(f"checkpoint lacks vision tensor {name!r}")
+    return tensors[name]

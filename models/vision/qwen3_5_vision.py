@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.vision.common import (Params, attention, axial_inv_freq, layer_norm, linear,
-                                  read_tensors, rotate_half, stack, to_device)
+                                  need, read_tensors, rotate_half, stack, to_device)
 
 PREFIX = "model.visual."
 _EPS = 1e-6   # every LayerNorm of the tower
@@ -186,7 +186,7 @@ def encode(params: Params, cfg: QwenVisionConfig, pixels: jax.Array,
 def load_params(model_dir: str | Path, cfg: QwenVisionConfig, dtype: Any = jnp.float32) -> Params:
     """The tower's weights from the checkpoint's `model.visual.*` tensors."""
     t = read_tensors(model_dir, (PREFIX,))
-    get = lambda name: _need(t, PREFIX + name)
+    get = lambda name: need(t, PREFIX + name)
     c, n, hd = cfg.hidden_size, cfg.num_heads, cfg.head_dim
     blk = lambda name: stack(t, PREFIX + "blocks.{}." + name, cfg.depth)
     blocks = {
@@ -210,8 +210,3 @@ def load_params(model_dir: str | Path, cfg: QwenVisionConfig, dtype: Any = jnp.f
               "pos_embed": get("pos_embed.weight"), "blocks": blocks, "merger": merger}
     return to_device(params, dtype)
 
-
-def _need(tensors: dict[str, np.ndarray], name: str) -> np.ndarray:
-    if name not in tensors:
-        raise ValueError(f"checkpoint lacks vision tensor {name!r}")
-    return tensors[name]
