@@ -120,3 +120,22 @@ def test_mrope_refuses_mismatched_images():
         mrope_positions([1, 2], [grid], 9, 2)
     with pytest.raises(ValueError, match="beyond"):
         mrope_positions([9] * 6 + [1, 9], [grid], 9, 2)
+
+
+def test_bfloat16_tower_errs_no_more_than_transformers_in_bfloat16(tower, processor):
+    """Loaded in bfloat16, the tower is as far from the float32 reference as transformers'
+    own bfloat16 forward is (within 2x)."""
+    import copy
+
+    import jax.numpy as jnp
+    cfg, params, reference = tower
+    im = preprocess(processor, "qwen3_5", [image(*SIZES[0], seed=0)])[0]
+    want = reference_embeddings(reference, im.pixels, [im.grid])[0]
+    with torch.no_grad():
+        ref16 = copy.deepcopy(reference).to(torch.bfloat16).model.get_image_features(
+            torch.from_numpy(im.pixels).to(torch.bfloat16), torch.tensor([im.grid])).pooler_output[0]
+    params16 = jax.tree_util.tree_map(lambda a: a.astype(jnp.bfloat16), params)
+    got = jax.jit(encode, static_argnums=1)(params16, cfg, im.pixels, encoder_inputs(cfg, [im.grid]))
+    assert got.dtype == jnp.bfloat16
+    hf_err = np.abs(ref16.float().numpy() - want).max()
+    assert np.abs(np.asarray(got, np.float32) - want).max() <= 2 * hf_err + 1e-3
