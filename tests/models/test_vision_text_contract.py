@@ -138,3 +138,24 @@ def test_gemma4_mask_chunks_and_blocks():
     assert not full[4, 5] and not full[3, 5]                 # never into a later image or text
     # a chunk starting at position 5 (cached prefix 0..4) sees what the whole prompt would
     np.testing.assert_array_equal(sliding_mask(blocks, 2, first_position=5), full[5:])
+
+
+@pytest.mark.parametrize("family", ["qwen", "gemma"])
+def test_tower_packs_buckets_and_unpacks_per_image(family, qwen, gemma):
+    """VisionTower: images packed into a padded bucket, encoded in one call, unpacked per
+    image, equal the images encoded alone without padding."""
+    from models.vision.tower import VisionTower
+    cfg, params, model, proc = qwen if family == "qwen" else gemma
+    config = model.config.to_dict()
+    tower = VisionTower.from_config(config)
+    assert tower.config == cfg
+    images = preprocess(proc, tower.family, [image(64, 96, 0), image(150, 40, 1)])
+    encode = jax.jit(tower.encode)     # the tower (its config) is static
+    bucket = tower.bucket_size(images) + (8 if family == "qwen" else 1)
+    together = tower.unpack(np.asarray(encode(params, *tower.pack(images, bucket))), images)
+    for im, got in zip(images, together):
+        alone = tower.unpack(np.asarray(encode(params, *tower.pack([im], tower.bucket_size([im])))), [im])[0]
+        assert got.shape == (im.num_tokens, model.config.text_config.hidden_size)
+        np.testing.assert_allclose(got, alone, atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="bucket"):
+        tower.pack(images, tower.bucket_size(images) - 1)
