@@ -11,9 +11,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
 Params = dict[str, Any]
+_FLOATS = {np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64), np.dtype(ml_dtypes.bfloat16)}
 
 
 def layer_norm(x: jax.Array, w: jax.Array, b: jax.Array, eps: float) -> jax.Array:
@@ -60,8 +62,14 @@ def read_tensors(model_dir: str | Path, prefixes: tuple[str, ...]) -> dict[str, 
     numpy arrays (a tower is small next to its text model: read it whole)."""
     from models.weights import _open_checkpoint  # the checkpoint's shard layout has one owner
     where = _open_checkpoint(Path(model_dir))
-    out = {name: np.asarray(st.get(name), dtype=np.float32)
-           for name, st in where.items() if name.startswith(prefixes)}
+    names = [name for name in where if name.startswith(prefixes)]
+    for name in names:
+        # a quantized tower (float8 or int weights with their scales) would load as raw
+        # codes: refuse it rather than encode garbage
+        if where[name].dtype(name) not in _FLOATS:
+            raise ValueError(f"vision tensor {name!r} is stored as {where[name].dtype(name)}; "
+                             f"quantized vision towers are not supported")
+    out = {name: np.asarray(where[name].get(name), dtype=np.float32) for name in names}
     if not out:
         raise ValueError(f"{str(model_dir)!r} holds no vision tower (no tensor under "
                          f"{', '.join(prefixes)})")

@@ -132,3 +132,22 @@ def test_image_tokens_from_published_ids_and_mismatches_refused():
     with pytest.raises(ValueError, match="1 image"):
         expand_image_tokens([1, 2], [SimpleNamespace(num_tokens=3)], tokens)
 
+
+
+def test_a_quantized_or_missing_tower_is_refused(tmp_path):
+    """Float8 vision weights (with their scales) would load as raw codes: refused by name;
+    a checkpoint without a tower says so."""
+    import torch
+    from safetensors.torch import save_file
+
+    from models.vision.common import read_tensors
+    w = torch.ones(4, 4)
+    save_file({"model.visual.blocks.0.attn.qkv.weight": w.to(torch.float8_e4m3fn),
+               "model.visual.blocks.0.attn.qkv.weight_scale_inv": torch.ones(1, 1),
+               "model.language_model.embed_tokens.weight": w}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="no vision tower"):
+        read_tensors(tmp_path, ("model.vision_tower.",))
+    with pytest.raises(ValueError, match="'model.visual.blocks.0.attn.qkv.weight' is stored as float8"):
+        read_tensors(tmp_path, ("model.visual.",))
+    save_file({"model.visual.x": w.to(torch.bfloat16)}, str(tmp_path / "model.safetensors"))
+    assert read_tensors(tmp_path, ("model.visual.",))["model.visual.x"].dtype == np.float32
