@@ -248,3 +248,56 @@ def make_fp8_block_checkpoint(src: str | Path, fp8_dir: str | Path, dequantized_
     with open(fp8_dir / "config.json", "w") as f:
         json.dump(config, f, indent=2)
     return str(fp8_dir), str(dequantized_dir)
+
+
+def make_tiny_vision_model(kind: str, *, seed: int = 0, vision: dict[str, Any] | None = None,
+                           **config_overrides: Any) -> torch.nn.Module:
+    """A float32 tiny vision-language `kind` ("qwen3_5", "qwen3_5_moe", "gemma4_vl") whose
+    vision tower is the tiny one updated by `vision` and has every tensor randomised at a
+    scale that keeps activations O(1): norm weights 1 + 0.3 randn, biases 0.1 randn,
+    matrices randn / sqrt(fan_in), position tables 0.5 randn, Gemma 4's standardisation
+    and clipping bounds drawn around their neutral values."""
+    if kind not in (*HYBRID_KINDS, "gemma4_vl"):
+        raise ValueError(f"{kind!r} is not a vision-language kind")
+    config_cls, model_cls = _classes(kind)
+    text = {**_BASE, **_KINDS[kind], **config_overrides}
+    if kind in HYBRID_KINDS:
+        if "num_experts" in text:
+            text.pop("intermediate_size")
+        config = config_cls(text_config=text, vision_config={**_VISION, **(vision or {})})
+    else:
+        config = config_cls(text_config=text, vision_config={**_GEMMA4_VISION, **(vision or {})},
+                            audio_config=None)
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    gen = torch.Generator().manual_seed(seed + 2)
+    tower = ("model.visual.", "model.vision_tower.", "model.embed_vision.")
+    with torch.no_grad():
+        for name, p in [*model.named_parameters(), *model.named_buffers()]:
+            if not name.startswith(tower) or not p.is_floating_point() or "inv_freq" in name:
+                continue
+            rand = torch.randn(p.shape, generator=gen)
+            if "pos_embed" in name or "position_embedding" in name:
+                p.copy_(0.5 * rand)
+            elif "norm" in name and name.endswith("weight"):
+                p.copy_(1.0 + 0.3 * rand)
+            elif name.endswith("bias") or name.endswith("std_bias"):
+                p.copy_(0.1 * rand)
+            elif name.endswith("std_scale"):
+                p.copy_(torch.empty(p.shape).uniform_(0.5, 1.5, generator=gen))
+            elif name.endswith(("input_min", "output_min")):
+                p.copy_(-torch.empty(p.shape).uniform_(0.5, 1.5, generator=gen))
+            elif name.endswith(("input_max", "output_max")):
+                p.copy_(torch.empty(p.shape).uniform_(0.5, 1.5, generator=gen))
+            elif p.dim() >= 2:
+                p.copy_(rand / p[0].numel() ** 0.5)
+    return model
+
+
+def make_tiny_vision_checkpoint(kind: str, path: str | Path, *, seed: int = 0,
+                                vision: dict[str, Any] | None = None, **config_overrides: Any) -> str:
+    """make_tiny_vision_model's model saved to `path` (float32), with the tiny tokenizer."""
+    make_tiny_vision_model(kind, seed=seed, vision=vision, **config_overrides).save_pretrained(
+        str(path), safe_serialization=True)
+    make_tiny_tokenizer(str(path))
+    return str(path)

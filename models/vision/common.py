@@ -1,0 +1,99 @@
+"""Pieces both vision towers use: norms, rotary halves, masked attention, reading the
+tower's tensors from a checkpoint. Pure functions over dicts of arrays (no Flax module):
+a tower is a handful of matmuls, and the engine jits it as its own program.
+
+Glossary (docs/CONVENTIONS.md) plus P patches, D patch pixels, C vision hidden.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+Params = dict[str, Any]
+_FLOATS = {np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64), np.dtype(ml_dtypes.bfloat16)}
+
+
+def layer_norm(x: jax.Array, w: jax.Array, b: jax.Array, eps: float) -> jax.Array:
+    """torch's LayerNorm, in float32."""
+    x32 = x.astype(jnp.float32)
+    mean = x32.mean(-1, keepdims=True)
+    var = jnp.square(x32 - mean).mean(-1, keepdims=True)
+    return ((x32 - mean) * jax.lax.rsqrt(var + eps) * w + b).astype(x.dtype)
+
+
+def rms_norm(x: jax.Array, w: jax.Array | None, eps: float) -> jax.Array:
+    """x * (mean(x^2) + eps)^-1/2 * w (plain w; none: no weight), in float32."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.square(x32).mean(-1, keepdims=True) + eps)
+    return (y if w is None else y * w.astype(jnp.float32)).astype(x.dtype)
+
+
+def rotate_half(x: jax.Array) -> jax.Array:
+    half = x.shape[-1] // 2
+    return jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+
+
+def axial_inv_freq(head_dim: int, theta: float) -> np.ndarray:
+    """The axial 2-D RoPE's frequencies: head_dim // 4 of them, shared by both axes
+    (each axis rotates half the head)."""
+    spatial = head_dim // 2
+    return (1.0 / theta ** (np.arange(0, spatial, 2, dtype=np.float32) / spatial)).astype(np.float32)
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float) -> jax.Array:
+    """Softmax attention over [..., T, N, H] q and [..., T, K, H] k/v (N a multiple of
+    K); mask [..., T, T] True where a query may see a key; probabilities in float32."""
+    groups = q.shape[-2] // k.shape[-2]
+    if groups > 1:
+        k, v = jnp.repeat(k, groups, axis=-2), jnp.repeat(v, groups, axis=-2)
+    logits = jnp.einsum("...tnh,...snh->...nts", q, k, preferred_element_type=jnp.float32) * scale
+    logits = jnp.where(mask[..., None, :, :], logits, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    return jnp.einsum("...nts,...snh->...tnh", probs, v)
+
+
+def read_tensors(model_dir: str | Path, prefixes: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """Every checkpoint tensor whose name starts with one of `prefixes`, as float32
+    numpy arrays (a tower is small next to its text model: read it whole)."""
+    from models.weights import _open_checkpoint  # the checkpoint's shard layout has one owner
+    where = _open_checkpoint(Path(model_dir))
+    names = [name for name in where if name.startswith(prefixes)]
+    for name in names:
+        # a quantized tower (float8 or int weights with their scales) would load as raw
+        # codes: refuse it rather than encode garbage
+        if where[name].dtype(name) not in _FLOATS:
+            raise ValueError(f"vision tensor {name!r} is stored as {where[name].dtype(name)}; "
+                             f"quantized vision towers are not supported")
+    out = {name: np.asarray(where[name].get(name), dtype=np.float32) for name in names}
+    if not out:
+        raise ValueError(f"{str(model_dir)!r} holds no vision tower (no tensor under "
+                         f"{', '.join(prefixes)})")
+    return out
+
+
+def linear(w: np.ndarray) -> np.ndarray:
+    """An HF [out, in] weight as our [in, out] kernel."""
+    return np.ascontiguousarray(w.T)
+
+
+def stack(tensors: dict[str, np.ndarray], template: str, count: int) -> np.ndarray:
+    """The `count` per-layer tensors named template.format(i), stacked on a new axis 0
+    (the towers scan over their layers)."""
+    return np.stack([need(tensors, template.format(i)) for i in range(count)])
+
+
+def to_device(params: Params, dtype: Any) -> Params:
+    """Float leaves in `dtype`, integer leaves as they are."""
+    return jax.tree_util.tree_map(
+        lambda a: jnp.asarray(a, dtype if np.issubdtype(a.dtype, np.floating) else a.dtype), params)
+
+
+def need(tensors: dict[str, np.ndarray], name: str) -> np.ndarray:
+    if name not in tensors:
+        raise ValueError(f"checkpoint lacks vision tensor {name!r}")
+    return tensors[name]

@@ -1,0 +1,75 @@
+"""One face for both towers: from a checkpoint's config.json to packed, padded encoder
+calls and back to per-image embeddings. The engine (issue 42 part 2) jits `encode` once
+per bucket: Qwen buckets the patch count (several images packed by segment id), Gemma 4
+the image count (every image is padded to the same patch count by its processor)."""
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models.vision import gemma4_vision, qwen3_5_vision
+from models.vision.common import Params
+from models.vision.processing import GEMMA4, ImageTokens, ProcessedImage, vision_family
+
+
+@dataclass(frozen=True)
+class VisionTower:
+    family: str
+    config: qwen3_5_vision.QwenVisionConfig | gemma4_vision.GemmaVisionConfig
+    tokens: ImageTokens
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> VisionTower:
+        family = vision_family(config)
+        cfg = (gemma4_vision.GemmaVisionConfig.from_hf(config) if family == GEMMA4
+               else qwen3_5_vision.QwenVisionConfig.from_hf(config["vision_config"]))
+        return cls(family, cfg, ImageTokens.from_config(config))
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path) -> VisionTower:
+        with open(Path(model_dir) / "config.json") as f:
+            return cls.from_config(json.load(f))
+
+    @property
+    def _module(self) -> Any:
+        return gemma4_vision if self.family == GEMMA4 else qwen3_5_vision
+
+    def load_params(self, model_dir: str | Path, dtype: Any = jnp.float32) -> Params:
+        return self._module.load_params(model_dir, self.config, dtype)
+
+    def bucket_size(self, images: Sequence[ProcessedImage]) -> int:
+        """What a bucket counts for these images: patches (Qwen) or images (Gemma 4)."""
+        return len(images) if self.family == GEMMA4 else sum(len(im.pixels) for im in images)
+
+    def pack(self, images: Sequence[ProcessedImage], bucket: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """Host arrays for one `encode` call on `images`, padded to `bucket`."""
+        if bucket < self.bucket_size(images):
+            raise ValueError(f"bucket {bucket} is smaller than the images' {self.bucket_size(images)}")
+        if self.family == GEMMA4:
+            pad = bucket - len(images)
+            pixels = np.stack([im.pixels for im in images])
+            positions = np.stack([im.position_ids for im in images])
+            pixels = np.concatenate([pixels, np.zeros((pad, *pixels.shape[1:]), pixels.dtype)])
+            positions = np.concatenate([positions, np.full((pad, *positions.shape[1:]), -1, positions.dtype)])
+            return pixels, gemma4_vision.encoder_inputs(self.config, positions)
+        pixels = np.concatenate([im.pixels for im in images])
+        pixels = np.concatenate([pixels, np.zeros((bucket - len(pixels), pixels.shape[1]), pixels.dtype)])
+        return pixels, qwen3_5_vision.encoder_inputs(self.config, [im.grid for im in images], bucket)
+
+    def encode(self, params: Params, pixels: jax.Array, inputs: dict[str, jax.Array]) -> jax.Array:
+        """Jittable with `self` static."""
+        return self._module.encode(params, self.config, pixels, inputs)
+
+    def unpack(self, out: Any, images: Sequence[ProcessedImage]) -> list[Any]:
+        """Each image's embeddings [num_tokens, text_hidden] from `encode`'s output."""
+        if self.family == GEMMA4:
+            return [out[i, :im.num_tokens] for i, im in enumerate(images)]
+        starts = np.cumsum([0] + [im.num_tokens for im in images])
+        return [out[s:s + im.num_tokens] for s, im in zip(starts, images)]
