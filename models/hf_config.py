@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from models.family import MODEL_TYPE_TO_ARCH, SUPPORTED_ARCHITECTURES, ModelFamily, family_of
+from models.family import MODEL_TYPE_TO_ARCH, SUPPORTED_ARCHITECTURES, family_of
 from models.layer_types import FULL_ATTENTION, LINEAR_ATTENTION
 from models.quant_config import parse_quantization
 
