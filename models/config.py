@@ -208,6 +208,7 @@ class ModelConfig:
 
     @property
     def is_gemma4(self) -> bool:
+        """For models/ and tests; code outside models/ asks `family` instead."""
         return self.family.name == "gemma4"
 
     @property

@@ -37,8 +37,10 @@ class ModelFamily:
     # config.json (whole, its text model's part) -> ModelConfig fields but weight_quant,
     # for a family whose config.json is its own (Gemma 4); None: models/hf_config.py's.
     read_fields: Callable[[str, dict[str, Any], dict[str, Any]], dict[str, Any]] | None = None
-    # Gemma 4: MoE layers run their experts beside the dense MLP, not instead of it.
+    # Gemma 4: MoE layers run their experts beside the dense MLP, not instead of it, and
+    # the RMSNorm weights stay float32 whatever the model's dtype.
     experts_beside_dense_mlp: bool = False
+    norm_weights_f32: bool = False
     # Checkpoint tensor names that are not the param path's (models/weight_names.py):
     # param leaf -> the HF tensor it is cut from, and params named as their HF tensor.
     fused_expert_leaves: tuple[tuple[str, str], ...] = ()
@@ -110,7 +112,7 @@ QWEN3_5 = ModelFamily(
 GEMMA4 = ModelFamily(
     "gemma4", ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"),
     (("gemma4", "Gemma4ForConditionalGeneration"), ("gemma4_text", "Gemma4ForCausalLM")),
-    qk_norm=True, read_fields=gemma4_fields, experts_beside_dense_mlp=True,
+    qk_norm=True, read_fields=gemma4_fields, experts_beside_dense_mlp=True, norm_weights_f32=True,
     fused_expert_leaves=(("gate_proj", "gate_up_proj"), ("up_proj", "gate_up_proj")),
     kept_leaves=(("router", "scale"),))
 
