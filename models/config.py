@@ -1,8 +1,8 @@
 """ModelConfig: the architecture facts jaxserve needs, read from a HF config.json.
 
-Host-only (no jax import) so host code may read model facts cheaply.
-Accepts both RoPE formats: transformers 5 `rope_parameters` and the older
-`rope_theta` + `rope_scaling`.
+Host-only (no jax import) so host code may read model facts cheaply. Reading the file
+is models/hf_config.py's; what differs between families, models/family.py's (a model's
+`family`).
 """
 from __future__ import annotations
 
@@ -13,100 +13,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from models.family import SUPPORTED_ARCHITECTURES, ModelFamily, family_of
+from models.hf_config import SUPPORTED_ROPE_TYPES, hf_config_fields
+from models.layer_types import FULL_ATTENTION, KV_LAYER_TYPES, LINEAR_ATTENTION, SLIDING_ATTENTION
+from models.quant_config import WEIGHT_QUANT_DTYPES, WeightQuant, resolve_weight_quant
+
+__all__ = ["FULL_ATTENTION", "KV_LAYER_TYPES", "LINEAR_ATTENTION", "SERVING_DTYPES",
+           "SLIDING_ATTENTION", "SUPPORTED_ACTIVATIONS", "SUPPORTED_ARCHITECTURES",
+           "SUPPORTED_ROPE_TYPES", "WEIGHT_QUANT_DTYPES", "ModelConfig", "WeightQuant",
+           "resolve_weight_quant"]
+
 logger = logging.getLogger("jaxserve")
 
-# HF model_type -> architecture, for config.json files without `architectures`.
-_MODEL_TYPE_TO_ARCH = {
-    "llama": "LlamaForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM",
-    "qwen3_5": "Qwen3_5ForConditionalGeneration",
-    "qwen3_5_text": "Qwen3_5ForCausalLM",
-    "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
-    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
-    "gemma4": "Gemma4ForConditionalGeneration",
-    "gemma4_text": "Gemma4ForCausalLM",
-}
-# Architectures served (models/registry.py maps each to its module).
-SUPPORTED_ARCHITECTURES = tuple(sorted((
-    "LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
-    "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration",
-    "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration",
-    "Gemma4ForCausalLM", "Gemma4ForConditionalGeneration")))
-# Qwen3.5 / Qwen3.6: hybrid Gated DeltaNet + gated attention (dense and MoE).
-HYBRID_ARCHS = frozenset(a for a in SUPPORTED_ARCHITECTURES if a.startswith("Qwen3_5"))
 # What weights and activations may be computed in (the "auto" rule is
 # models.registry.resolve_dtype's); jaxserve.config offers these names.
 SERVING_DTYPES = ("float32", "bfloat16", "float16")
-# Weight quantization methods (--quantization) -> the dtype the linear layers' kernels
-# are stored in (models/quantization.py does the arithmetic).
-WEIGHT_QUANT_DTYPES = {"fp8": "float8_e4m3fn", "int8": "int8"}
-# Gemma 4: sliding-window layers beside global (full) ones, per-layer embeddings, KV sharing.
-GEMMA4_ARCHS = frozenset(("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"))
-FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
-SLIDING_ATTENTION = "sliding_attention"
-# Layer types that keep a paged KV cache (a kind each: models/layer_stack.py).
-KV_LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
-# Families whose attention has q_norm / k_norm (RMSNorm over head_dim, before RoPE).
-_QK_NORM_ARCHS = frozenset({"Qwen3ForCausalLM", "Qwen3MoeForCausalLM"}) | HYBRID_ARCHS | GEMMA4_ARCHS
-_QK_NORM_MODEL_TYPES = frozenset({"qwen3", "qwen3_moe"})
-
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "proportional")
 # MLP activations: SwiGLU (silu) and Gemma's GeGLU (tanh-approximated gelu).
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
-
-
-@dataclass(frozen=True)
-class WeightQuant:
-    """How the linear layers' kernels are stored: in `method`'s dtype with float32 scales,
-    one per output channel and per `block_in` rows of the contraction (None: one block of
-    all rows, i.e. per output channel). An FP8 block checkpoint (quantization_config
-    weight_block_size [block_out, block_in]) keeps its blocks; block_out only says how to
-    read its scales (each output channel gets its block's)."""
-    method: str                   # a key of WEIGHT_QUANT_DTYPES
-    block_in: int | None = None
-    block_out: int | None = None  # a checkpoint's; None when quantized at load
-    # True: activations quantized per token to the same dtype in the step and the matmul
-    # run in it (w8a8); False: activations stay in the model dtype (w8a16).
-    dynamic_activations: bool = False
-
-    def __post_init__(self) -> None:
-        if self.method not in WEIGHT_QUANT_DTYPES:
-            raise ValueError(f"quantization {self.method!r}: expected one of "
-                             f"{tuple(WEIGHT_QUANT_DTYPES)}")
-        for name in ("block_in", "block_out"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
-
-    @property
-    def dtype_name(self) -> str:
-        return WEIGHT_QUANT_DTYPES[self.method]
-
-
-def resolve_weight_quant(method: str | None, checkpoint: WeightQuant | None,
-                         activations: str | None = None) -> WeightQuant | None:
-    """How the engine stores the weights: a quantized checkpoint's own quantization
-    (`method` may only repeat it, as vLLM requires), else `method` per output channel
-    (None: unquantized). activations "dynamic": w8a8 (per-channel weights only)."""
-    if checkpoint is not None:
-        if method not in (None, checkpoint.method):
-            raise ValueError(f"quantization={method!r}: the checkpoint is already "
-                             f"{checkpoint.method}-quantized (its config.json "
-                             f"quantization_config); omit the flag or pass {checkpoint.method}")
-        if activations is not None:
-            raise ValueError(f"activation_quantization={activations!r}: the checkpoint's "
-                             f"{checkpoint.method} block scales are applied per weight block; "
-                             f"quantized activations need per-output-channel weights (serve "
-                             f"an unquantized checkpoint with --quantization)")
-        return checkpoint
-    if method is None:
-        if activations is not None:
-            raise ValueError(f"activation_quantization={activations!r} needs --quantization "
-                             f"(fp8 or int8): the activations take the weights' dtype")
-        return None
-    if activations not in (None, "dynamic"):
-        raise ValueError(f"activation_quantization={activations!r}: expected 'dynamic' or none")
-    return WeightQuant(method, dynamic_activations=activations == "dynamic")
 
 
 @dataclass(frozen=True)
@@ -238,6 +161,11 @@ class ModelConfig:
 
     # ---- derived facts -------------------------------------------------
     @property
+    def family(self) -> ModelFamily:
+        """What the code outside models/ asks instead of which family this is."""
+        return family_of(self.architecture)
+
+    @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
 
@@ -280,7 +208,8 @@ class ModelConfig:
 
     @property
     def is_gemma4(self) -> bool:
-        return self.architecture in GEMMA4_ARCHS
+        """For models/ and tests; code outside models/ asks `family` instead."""
+        return self.family.name == "gemma4"
 
     @property
     def has_sliding_layers(self) -> bool:
@@ -358,164 +287,4 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
-        archs = d.get("architectures") or []
-        model_type = d.get("model_type")
-        if archs:
-            architecture = archs[0]
-        elif model_type in _MODEL_TYPE_TO_ARCH:
-            architecture = _MODEL_TYPE_TO_ARCH[model_type]
-        elif d.get("auto_map"):
-            raise ValueError(_unsupported(str(model_type), d))
-        else:
-            raise ValueError(f"config has no 'architectures' and unknown model_type {model_type!r}")
-        if architecture not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(_unsupported(architecture, d))
-        t = d.get("text_config") or d  # multimodal wrappers keep the text model here
-        if architecture in GEMMA4_ARCHS:
-            from models.gemma4_config import gemma4_fields
-            return cls(**gemma4_fields(architecture, d, t),
-                       weight_quant=_parse_quantization(d.get("quantization_config")
-                                                        or t.get("quantization_config")))
-
-        def need(key: str) -> Any:
-            if t.get(key) is None:
-                raise ValueError(f"config for {architecture} is missing {key!r}")
-            return t[key]
-
-        if t.get("hidden_act", "silu") not in ("silu", "swish"):
-            raise ValueError(f"hidden_act {t['hidden_act']!r} is not supported (only silu)")
-        if t.get("mlp_bias"):
-            raise ValueError("mlp_bias=True is not supported")
-        if t.get("use_sliding_window") and t.get("sliding_window"):
-            raise ValueError(f"sliding-window attention (sliding_window={t['sliding_window']}) is not supported")
-
-        hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
-        max_pos = int(t.get("max_position_embeddings") or 4096)
-        hybrid = architecture in HYBRID_ARCHS
-        theta, scaling, rotary_factor = _parse_rope(t, max_pos, allow_partial=hybrid)
-        num_layers = int(need("num_hidden_layers"))
-        layer_types: tuple[str, ...] = ()
-        if hybrid:
-            layer_types = tuple(t.get("layer_types") or (
-                FULL_ATTENTION if (i + 1) % int(t.get("full_attention_interval") or 4) == 0
-                else LINEAR_ATTENTION for i in range(num_layers)))
-        eos = t.get("eos_token_id", d.get("eos_token_id"))
-        if isinstance(eos, list):
-            eos = tuple(int(e) for e in eos)
-        mt = t.get("model_type", model_type)
-        return cls(
-            architecture=architecture,
-            vocab_size=int(need("vocab_size")),
-            hidden_size=hidden,
-            # Qwen3.5-MoE has no dense MLP width (every layer is sparse).
-            intermediate_size=int(t.get("intermediate_size") or 0) if hybrid and t.get(
-                "num_experts") else int(need("intermediate_size")),
-            num_layers=num_layers,
-            num_heads=heads,
-            num_kv_heads=int(t.get("num_key_value_heads") or heads),
-            head_dim=int(t.get("head_dim") or hidden // heads),
-            rms_norm_eps=float(t.get("rms_norm_eps", 1e-6)),
-            rope_theta=theta,
-            rope_scaling=scaling,
-            tie_word_embeddings=bool(t.get("tie_word_embeddings", d.get("tie_word_embeddings", False))),
-            max_position_embeddings=max_pos,
-            attention_bias=bool(t.get("attention_bias", False)),
-            qk_norm=architecture in _QK_NORM_ARCHS or mt in _QK_NORM_MODEL_TYPES,
-            dtype=t.get("dtype") or t.get("torch_dtype") or d.get("dtype") or d.get("torch_dtype"),
-            eos_token_id=eos,
-            bos_token_id=t.get("bos_token_id", d.get("bos_token_id")),
-            num_experts=int(t.get("num_experts") or t.get("num_local_experts") or 0),
-            num_experts_per_tok=int(t.get("num_experts_per_tok") or 0),
-            moe_intermediate_size=int(t.get("moe_intermediate_size") or 0),
-            # Qwen3.5-MoE always renormalises the top-k router weights.
-            norm_topk_prob=bool(t.get("norm_topk_prob", hybrid)),
-            decoder_sparse_step=int(t.get("decoder_sparse_step") or 1),
-            mlp_only_layers=tuple(int(i) for i in (t.get("mlp_only_layers") or ())),
-            shared_expert_intermediate_size=int(t.get("shared_expert_intermediate_size") or 0),
-            layer_types=layer_types,
-            linear_num_key_heads=int(t.get("linear_num_key_heads") or 0),
-            linear_num_value_heads=int(t.get("linear_num_value_heads") or 0),
-            linear_key_head_dim=int(t.get("linear_key_head_dim") or 0),
-            linear_value_head_dim=int(t.get("linear_value_head_dim") or 0),
-            linear_conv_kernel_dim=int(t.get("linear_conv_kernel_dim") or 0),
-            partial_rotary_factor=rotary_factor,
-            attn_output_gate=hybrid,
-            norm_plus_one=hybrid,
-            num_mtp_layers=int(t.get("mtp_num_hidden_layers") or 0) if hybrid else 0,
-            mtp_dedicated_embeddings=bool(t.get("mtp_use_dedicated_embeddings", False)),
-            weight_quant=_parse_quantization(d.get("quantization_config")
-                                             or t.get("quantization_config")),
-        )
-
-
-def _parse_quantization(q: dict[str, Any] | None) -> WeightQuant | None:
-    """A checkpoint's quantization_config: FP8 with dynamic activation scales and block
-    weight scales (DeepSeek / Qwen "-FP8" checkpoints) is served as it is; anything else
-    is refused by name rather than read as if it were unquantized."""
-    if not q:
-        return None
-    method = q.get("quant_method")
-    if method != "fp8":
-        raise ValueError(f"checkpoint quantization_config quant_method={method!r} is not "
-                         f"supported: jaxserve reads fp8 block-quantized checkpoints, or "
-                         f"quantizes an unquantized one at load (--quantization fp8|int8)")
-    if q.get("activation_scheme", "dynamic") != "dynamic":
-        raise ValueError(f"fp8 checkpoint with activation_scheme="
-                         f"{q['activation_scheme']!r}: only dynamic activation scales are "
-                         f"supported")
-    if q.get("fmt", "e4m3") != "e4m3":
-        raise ValueError(f"fp8 checkpoint with fmt={q['fmt']!r}: only e4m3 weights are supported")
-    block = q.get("weight_block_size")
-    if not block or len(block) != 2:
-        raise ValueError(f"fp8 checkpoint with weight_block_size={block!r}: expected "
-                         f"[block_out, block_in] (per-tensor fp8 checkpoints are not supported)")
-    return WeightQuant("fp8", block_in=int(block[1]), block_out=int(block[0]))
-
-
-def _parse_rope(t: dict[str, Any], max_pos: int, allow_partial: bool = False
-                ) -> tuple[float, dict[str, Any] | None, float]:
-    """Returns (theta, normalised scaling dict or None, partial rotary factor) from either
-    config format. Qwen3.5's multimodal RoPE sections (mrope_section) reduce to plain RoPE
-    for text, where the three position streams are equal."""
-    params = t.get("rope_parameters")
-    if params:
-        if all(isinstance(v, dict) for v in params.values()):
-            raise ValueError(f"per-layer-type rope_parameters are not supported: {sorted(params)}")
-        theta = params.get("rope_theta", t.get("rope_theta"))
-    else:
-        params = t.get("rope_scaling") or {}
-        theta = t.get("rope_theta")
-    theta = float(theta if theta is not None else 10000.0)
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    partial = float(params.get("partial_rotary_factor", t.get("partial_rotary_factor") or 1.0))
-    if partial != 1.0 and not allow_partial:
-        raise ValueError("partial_rotary_factor != 1 is not supported for this architecture")
-
-    if rope_type == "default":
-        return theta, None, partial
-    if rope_type == "linear":
-        return theta, {"rope_type": "linear", "factor": float(params["factor"])}, partial
-    if rope_type == "llama3":
-        try:
-            return theta, {
-                "rope_type": "llama3",
-                "factor": float(params["factor"]),
-                "low_freq_factor": float(params["low_freq_factor"]),
-                "high_freq_factor": float(params["high_freq_factor"]),
-                "original_max_position_embeddings": int(
-                    params.get("original_max_position_embeddings")
-                    or t.get("original_max_position_embeddings") or max_pos),
-            }, partial
-        except KeyError as e:
-            raise ValueError(f"llama3 rope scaling is missing {e.args[0]!r}") from None
-    raise ValueError(f"unsupported rope type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
-
-
-def _unsupported(architecture: str, d: dict[str, Any]) -> str:
-    """Why `architecture` is refused; a config.json with auto_map asks for its own code."""
-    supported = ", ".join(SUPPORTED_ARCHITECTURES)
-    if d.get("auto_map"):
-        return (f"architecture {architecture!r} needs the checkpoint's own Python code "
-                f"(config.json auto_map), and jaxserve runs only its own implementations of "
-                f"{supported}; --trust-remote-code does not change that")
-    return f"Architecture {architecture!r} is not supported; supported: {supported}"
+        return cls(**hf_config_fields(d))

@@ -153,7 +153,7 @@ class Gemma4ForCausalLM(LlamaForCausalLM):
     """Also serves Gemma4ForConditionalGeneration (its text model)."""
 
     @classmethod
-    def make_layer(cls, config, dtype, attention_backend: str, layer_idx: int,
+    def make_layer(cls, config: ModelConfig, dtype: Dtype, attention_backend: str, layer_idx: int,
                    **kw: Any) -> Gemma4DecoderLayer:
         return Gemma4DecoderLayer(config, dtype, attention_backend, layer_idx=layer_idx, **kw)
 

@@ -8,6 +8,7 @@ Weights are stored [in..., out...] so each projection is one einsum.
 from __future__ import annotations
 
 from functools import partial
+from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
@@ -27,7 +28,7 @@ Dtype = Any
 INIT_STD = 0.02
 
 
-def logical_param(module: nn.Module, name: str, init, shape: tuple[int, ...], axes: tuple[str | None, ...],
+def logical_param(module: nn.Module, name: str, init: Callable[..., Any], shape: tuple[int, ...], axes: tuple[str | None, ...],
            dtype: Dtype) -> jax.Array:
     if module.has_variable("params", name):
         # apply: read it. module.param would check its shape by tracing the initializer
@@ -294,7 +295,7 @@ def paged_attention(q: jax.Array, k: jax.Array | None, v: jax.Array | None, cach
               inputs.query_start_loc, inputs.num_seqs, jnp.asarray(first_page, jnp.int32))
 
 
-def activation(cfg: ModelConfig):
+def activation(cfg: ModelConfig) -> Callable[[jax.Array], jax.Array]:
     """The gated MLP's activation: SwiGLU's silu or GeGLU's tanh-approximated gelu."""
     return nn.silu if cfg.hidden_act == "silu" else partial(jax.nn.gelu, approximate=True)
 

@@ -110,7 +110,7 @@ class LlamaForCausalLM(nn.Module):
             self.layers = [type(self).make_layer(cfg, self.dtype, self.attention_backend, i)
                            for i in range(cfg.num_layers)]
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.dtype, cfg.norm_plus_one,
-                            weight_f32=cfg.is_gemma4)
+                            weight_f32=cfg.family.norm_weights_f32)
         if cfg.kv_cache_quantized:
             # K and V scales per KV layer and head, one param per KV array (models/kv_scales.py).
             self.kv_scale_params = {

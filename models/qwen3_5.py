@@ -13,7 +13,7 @@ from typing import Any
 
 import jax
 
-from models.config import LINEAR_ATTENTION
+from models.config import LINEAR_ATTENTION, ModelConfig
 from models.gated_deltanet import GatedDeltaNet
 from models.inputs import ModelInputs
 from models.layer_stack import CONV, RECURRENT, per_layer
@@ -43,11 +43,11 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
     """Also serves Qwen3_5ForConditionalGeneration and the MoE variants (config.is_moe)."""
 
     @staticmethod
-    def mlp_cls_for(config, layer_idx: int) -> type:
+    def mlp_cls_for(config: ModelConfig, layer_idx: int) -> type:
         return SparseMoeBlock if config.is_moe_layer(layer_idx) else MLP
 
     @classmethod
-    def make_layer(cls, config, dtype, attention_backend: str, layer_idx: int,
+    def make_layer(cls, config: ModelConfig, dtype: Any, attention_backend: str, layer_idx: int,
                    **kw: Any) -> HybridDecoderLayer:
         return HybridDecoderLayer(config, cls.mlp_cls_for(config, layer_idx), dtype,
                                   attention_backend, layer_idx=layer_idx, **kw)

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from models.config import ModelConfig
 from models.layers import INIT_STD, MLP, Einsum, activation, logical_param, quantized_param
 from models.quantization import dequantize, quantize_rows
 from models.llama import LlamaForCausalLM
@@ -157,6 +158,6 @@ class Experts(nn.Module):
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
     @staticmethod
-    def mlp_cls_for(config, layer_idx: int) -> type:
+    def mlp_cls_for(config: ModelConfig, layer_idx: int) -> type:
         # Dense layers (mlp_only_layers, or off the decoder_sparse_step grid) use intermediate_size.
         return SparseMoeBlock if config.is_moe_layer(layer_idx) else MLP

@@ -1,4 +1,4 @@
-"""HF `architectures` name -> model class, and model construction."""
+"""HF `architectures` name -> model class (one per family), and model construction."""
 from __future__ import annotations
 
 from typing import Any
@@ -7,6 +7,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from models.config import SERVING_DTYPES, SUPPORTED_ARCHITECTURES, ModelConfig
+from models.family import FAMILIES, GEMMA4, LLAMA, QWEN3, QWEN3_5, QWEN3_MOE, family_of
 from models.gemma4 import Gemma4ForCausalLM
 from models.llama import LlamaForCausalLM, Qwen3ForCausalLM
 from models.qwen3_5 import Qwen3_5ForCausalLM
@@ -14,28 +15,25 @@ from models.qwen3_moe import Qwen3MoeForCausalLM
 from pallas_kernels.kv_cache_dtypes import KV_QUANT_DTYPE_NAMES
 from pallas_kernels.ragged_paged_attention import resolve_backend
 
-ARCHITECTURES: dict[str, type] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "Qwen3ForCausalLM": Qwen3ForCausalLM,
-    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
-    # Qwen3.5 / 3.6, dense and MoE; the vision-language checkpoints serve their text model.
-    "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
-    "Qwen3_5ForConditionalGeneration": Qwen3_5ForCausalLM,
-    "Qwen3_5MoeForCausalLM": Qwen3_5ForCausalLM,
-    "Qwen3_5MoeForConditionalGeneration": Qwen3_5ForCausalLM,
-    # Gemma 4: the vision-language checkpoints serve their text model.
-    "Gemma4ForCausalLM": Gemma4ForCausalLM,
-    "Gemma4ForConditionalGeneration": Gemma4ForCausalLM,
+# One implementation per family (models/family.py): every architecture of a family runs
+# it (Qwen3.5 / 3.6 dense and MoE, and the vision-language checkpoints of Qwen3.5 and
+# Gemma 4, serve their text model).
+_FAMILY_CLASSES: dict[str, type] = {
+    LLAMA.name: LlamaForCausalLM,
+    QWEN3.name: Qwen3ForCausalLM,
+    QWEN3_MOE.name: Qwen3MoeForCausalLM,
+    QWEN3_5.name: Qwen3_5ForCausalLM,
+    GEMMA4.name: Gemma4ForCausalLM,
 }
+assert set(_FAMILY_CLASSES) == {f.name for f in FAMILIES}
+ARCHITECTURES: dict[str, type] = {a: _FAMILY_CLASSES[f.name] for f in FAMILIES
+                                  for a in f.architectures}
 assert tuple(sorted(ARCHITECTURES)) == SUPPORTED_ARCHITECTURES
 
 
 def get_model_class(architecture: str) -> type:
-    try:
-        return ARCHITECTURES[architecture]
-    except KeyError:
-        raise ValueError(f"Architecture {architecture!r} is not supported; "
-                         f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}") from None
+    """The flax module class serving `architecture` (ValueError naming the supported ones)."""
+    return _FAMILY_CLASSES[family_of(architecture).name]
 
 
 def resolve_dtype(dtype: Any, config: ModelConfig) -> jnp.dtype:

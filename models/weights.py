@@ -1,13 +1,9 @@
 """Load HF safetensors checkpoints (or dummy weights) into the model's param tree.
 
-Our param paths mirror the HF names, so the mapping is mechanical:
-  ("layers_3", "self_attn", "q_proj", "kernel") <- "model.layers.3.self_attn.q_proj.weight"
-  ("lm_head", "kernel") <- "lm_head.weight";  ("mlp", "experts", "gate_proj") <- stack of
-  "mlp.experts.{i}.gate_proj.weight".
-HF linear weights are [out, in]; our kernels are [in..., out...], so a kernel is
-`w.T.reshape(param_shape)` (q_proj [N*H, E] -> [E, N, H], o_proj [E, N*H] -> [N, H, E]).
-Each device gets only its slice of each tensor, read and cast from the file's mmap by a few
-threads (models/param_placement.py): the host never holds more than a few tensors.
+Which tensor feeds which param, and in what layout, is models/weight_names.py's; the
+expected tree models/param_tree.py's. Each device gets only its slice of each tensor,
+read and cast from the file's mmap by a few threads (models/param_placement.py): the
+host never holds more than a few tensors.
 """
 from __future__ import annotations
 
@@ -28,173 +24,27 @@ import numpy as np
 from flax.traverse_util import flatten_dict, unflatten_dict
 
 from models.config import ModelConfig, WeightQuant
-from models.inputs import ModelInputs
-from models.layer_stack import layer_period
 from models.param_placement import Index, ParamTask, Progress, Reader, place_params
+# The parameter tree and the name mapping, re-exported: callers import them from here.
+from models.param_tree import (COMPUTED_LEAVES, KVHeadRepeat, Path_, abstract_params,
+                               dummy_inputs, kv_repeat_axes, param_bytes, param_logical_axes,
+                               placed_abstract_params, quantized_leaves, stacked_axes)
 from models.quant_weights import (block_scale_name, dequantize_block, quantize_layout, scale_leaf,
                                   spread_block_scale)
-from models.quantization import SCALE_SUFFIX, quantize, storage_dtype
+from models.quantization import quantize, storage_dtype
 from models.registry import resolve_dtype
 from models.safetensors_io import SafeTensorsFile
-from pallas_kernels.ragged_paged_attention.quant import is_quantized
+from models.weight_names import (IGNORED_SUFFIXES, SKIPPED_PREFIXES, VL_TEXT_PREFIX, hf_names,
+                                 to_param_layout)
+
+__all__ = ["KVHeadRepeat", "abstract_params", "checkpoint_tasks", "dummy_inputs", "hf_names",
+           "load_params", "param_bytes", "param_logical_axes", "placed_abstract_params",
+           "quantized_leaves", "untie_lm_head", "widen_params"]
 
 logger = logging.getLogger("jaxserve")
 
-Path_ = tuple[str, ...]
-_EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
-# Present in some checkpoints, never needed.
-_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
-# Vision-language checkpoints: the text model lives here; the vision (and Gemma 4's audio)
-# towers are not served, and the multi-token-prediction layer is loaded on its own for
-# speculative decoding (load_params' prefix, models/mtp.py).
-_VL_TEXT_PREFIX = "model.language_model."
-_SKIPPED_PREFIXES = ("model.visual.", "mtp.", "model.vision_tower.", "model.embed_vision.",
-                     "model.audio_tower.", "model.embed_audio.")
-# Params no checkpoint holds: the KV cache's scales (models/kv_scales.py sets them after
-# the load), loaded as ones.
-_COMPUTED_LEAVES = ("kv_scales", "kv_scales_sliding")
-_LEAF_TO_HF = {"kernel": "weight", "scale": "weight", "offset_scale": "weight", "embedding": "weight"}
-# Params named as their HF tensor, not by the leaf rule (Gemma 4's router input scale).
-_KEPT_LEAVES = (("router", "scale"),)
-# Gemma 4 stores each layer's experts as [X, 2F, E] gate_up_proj and [X, E, F] down_proj.
-_FUSED_EXPERTS = {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
 # Dummy weights: these are ones (norm weights; Gemma 4's layer and expert scales).
 _ONES_LEAVES = ("scale", "layer_scalar", "per_expert_scale")
-
-
-# ---- the expected parameter tree ---------------------------------------------
-
-def dummy_inputs(num_tokens: int = 1, num_rows: int = 1, pages_per_row: int = 1) -> ModelInputs:
-    """A minimal all-padding batch, for init / eval_shape."""
-    z = lambda *s: jnp.zeros(s, jnp.int32)
-    return ModelInputs(token_ids=z(num_tokens), positions=z(num_tokens), slot_mapping=z(num_tokens),
-                       query_start_loc=z(num_rows + 1), seq_lens=z(num_rows),
-                       page_table=z(num_rows, pages_per_row), num_seqs=z(1))
-
-
-def abstract_params(model: nn.Module, *, boxed: bool = False) -> dict:
-    """Param tree of ShapeDtypeStructs, without allocating. boxed=True keeps the
-    nn.LogicallyPartitioned wrappers (for nn.get_partition_spec / logical sharding rules)."""
-    # init never touches the caches (attention's cache layout belongs to its kernel, a
-    # linear-attention layer's state to that layer): an empty placeholder will do.
-    variables = jax.eval_shape(model.init, jax.random.key(0), {}, dummy_inputs())
-    params = variables["params"]
-    return params if boxed else nn.unbox(params)
-
-
-def placed_abstract_params(model: nn.Module, dtype: Any, shardings: Any) -> dict:
-    """What load_params returns (every leaf in `dtype` but quantized kernels and their
-    scales, placed by `shardings`) as ShapeDtypeStructs: for compiling ahead of time
-    without any weights."""
-    expected = flatten_dict(abstract_params(model))
-    quant = quantized_leaves(expected)
-    return unflatten_dict({
-        path: jax.ShapeDtypeStruct(
-            sds.shape, sds.dtype if path in quant or path[-1] in _COMPUTED_LEAVES else jnp.dtype(dtype),
-            sharding=sh)
-        for (path, sds), sh in zip(expected.items(), _flat_in_order(shardings, expected))})
-
-
-def _flat_in_order(tree: Any, expected: dict) -> list:
-    flat = flatten_dict(tree)
-    return [flat[path] for path in expected]
-
-
-def quantized_leaves(expected: dict[Path_, Any]) -> dict[Path_, tuple[str, Path_]]:
-    """Leaves of a quantized model (models/quantization.py): path -> ("kernel" | "scale",
-    the kernel's path)."""
-    out: dict[Path_, tuple[str, Path_]] = {}
-    for path, sds in expected.items():
-        if is_quantized(sds.dtype):
-            out[path] = ("kernel", path)
-            out[path[:-1] + (scale_leaf(path[-1]),)] = ("scale", path)
-    return out
-
-
-def param_logical_axes(model: nn.Module) -> dict:
-    """Tree of PartitionSpecs of logical axis names, same structure as the params."""
-    return nn.get_partition_spec(abstract_params(model, boxed=True))
-
-
-def param_bytes(params: Any) -> int:
-    return sum(int(x.size) * jnp.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(params))
-
-
-# ---- name mapping -------------------------------------------------------------
-
-def hf_names(path: Path_, cfg: ModelConfig, prefix: str = "model.") -> np.ndarray:
-    """HF tensor names feeding one param, shaped as the param's stacked leading axes:
-    () for one tensor, [X] for stacked experts, [G] for a scanned model's stacked
-    layers (models/layer_stack.py: block g's sublayer j is layer g * period + j),
-    [G, X] for both. `prefix` is where the checkpoint keeps the decoder ("model." or
-    the VL text model's)."""
-    if path == ("lm_head", "kernel"):
-        return np.array("lm_head.weight", dtype=object)
-    if path[-1].endswith(SCALE_SUFFIX) and path[-1][:-len(SCALE_SUFFIX)] in ("kernel", *_EXPERT_PROJS):
-        path = path[:-1] + (path[-1][:-len(SCALE_SUFFIX)],)   # a quantized kernel's scale
-    scanned = path[0] == "layers"            # ("layers", "layers_j", ...)
-    if scanned:
-        period, j = layer_period(cfg), int(path[1][len("layers_"):])
-        layers, path = [g * period + j for g in range(cfg.num_layers // period)], path[2:]
-    elif path[0].startswith("layers_"):
-        layers, path = [int(path[0][len("layers_"):])], path[1:]
-    else:
-        layers = [None]
-    experts = len(path) >= 3 and path[-3:-1] == ("mlp", "experts") and path[-1] in _EXPERT_PROJS
-
-    def name(layer: int | None, expert: int | None) -> str:
-        head = [] if layer is None else [f"layers.{layer}"]
-        if experts:
-            tail = [f"{expert}.{path[-1]}.weight"]
-        elif path[-2:] in _KEPT_LEAVES:
-            tail = [path[-1]]
-        elif path[-2:-1] == ("experts",):   # Gemma 4: all experts in one tensor, gate|up fused
-            tail = [_FUSED_EXPERTS.get(path[-1], path[-1])]
-        else:
-            tail = [_LEAF_TO_HF.get(path[-1], path[-1])]
-        return prefix + ".".join(head + list(path[:-1]) + tail)
-
-    names = np.array([[name(layer, e) for e in (range(cfg.num_experts) if experts else [None])]
-                      for layer in layers], dtype=object)
-    if not experts:
-        names = names[:, 0, ...]
-    return names if scanned else names[0, ...]
-
-
-def _group_by_key_head(w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
-    """DeltaNet channels on the last axis, [all q | all k | all v] -> [Hk, 2 Dk + r Dv]
-    (each key head's q, k and its value heads together: models/gated_deltanet.py)."""
-    hk, dk = cfg.linear_num_key_heads, cfg.linear_key_head_dim
-    lead = w.shape[:-1]
-    q, k, v = np.split(w, [hk * dk, 2 * hk * dk], axis=-1)
-    return np.concatenate([q.reshape(*lead, hk, dk), k.reshape(*lead, hk, dk),
-                           v.reshape(*lead, hk, -1)], axis=-1)
-
-
-def _to_param_layout(w: np.ndarray, path: Path_, shape: tuple[int, ...], name: str,
-                     cfg: ModelConfig) -> np.ndarray:
-    kind = path[-1]
-    if path[-2:] == ("conv1d", "kernel"):   # HF depthwise [C, 1, kernel] -> [kernel, Hk, G]
-        if w.ndim != 3 or w.shape[1] != 1:
-            raise ValueError(f"tensor {name!r} has shape {w.shape}; expected [channels, 1, kernel]")
-        w = _group_by_key_head(w[:, 0, :].T, cfg)
-    elif path[-2:] == ("in_proj_qkv", "kernel"):
-        if w.ndim != 2:
-            raise ValueError(f"tensor {name!r} has shape {w.shape}; expected a 2-D [out, in] weight")
-        w = _group_by_key_head(w.T, cfg)
-    elif path[-2:-1] == ("experts",) and w.ndim == 3:   # Gemma 4's [X, out, in] experts
-        if kind in _FUSED_EXPERTS:   # gate_up_proj: gate rows then up rows
-            half = w.shape[1] // 2
-            w = w[:, :half] if kind == "gate_proj" else w[:, half:]
-        w = np.swapaxes(w, 1, 2)
-    elif kind == "kernel" or kind in _EXPERT_PROJS:   # HF [out, in] -> ours [in..., out...]
-        if w.ndim != 2:
-            raise ValueError(f"tensor {name!r} has shape {w.shape}; expected a 2-D [out, in] weight")
-        w = w.T
-    if int(np.prod(w.shape)) != int(np.prod(shape)):
-        raise ValueError(f"tensor {name!r} has shape {w.shape}; param {'/'.join(path)} needs {shape}")
-    return w.reshape(shape)
-
 
 def _describe(names: set[str], limit: int = 5) -> str:
     first = sorted(names)[:limit]
@@ -232,23 +82,6 @@ def _sharding_for(shardings: dict[Path_, Any], path: Path_) -> Any:
     return shardings.get(path) if shardings else None
 
 
-# Logical axes of KV heads (Gemma 4's global layers have their own count).
-_KV_HEAD_AXES = ("kv_heads", "global_kv_heads")
-KVHeadRepeat = int | dict[str, int]
-
-
-def _kv_repeat_axes(model: nn.Module, kv_head_repeat: KVHeadRepeat) -> dict[Path_, tuple[int, int]]:
-    """param path -> (its KV-heads axis, the repeat), for the params to repeat.
-    kv_head_repeat: one repeat for every KV-heads axis, or one per logical axis name."""
-    repeats = kv_head_repeat if isinstance(kv_head_repeat, dict) else \
-        dict.fromkeys(_KV_HEAD_AXES, kv_head_repeat)
-    out = {}
-    for path, spec in flatten_dict(param_logical_axes(model)).items():
-        for name in _KV_HEAD_AXES:
-            if name in tuple(spec) and repeats.get(name, 1) != 1:
-                out[path] = (tuple(spec).index(name), repeats[name])
-    return out
-
 
 def load_params(model_dir: str | Path | None, cfg: ModelConfig, model: nn.Module, dtype: Any = "auto", *,
                 load_format: str = "auto", seed: int = 0, shardings: Any = None,
@@ -276,8 +109,8 @@ def load_params(model_dir: str | Path | None, cfg: ModelConfig, model: nn.Module
     if load_format == "dummy":
         expected = flatten_dict(abstract_params(model))
         shard_flat = flatten_dict(shardings) if shardings is not None else {}
-        return _dummy_params(expected, dtype, seed, shard_flat, _kv_repeat_axes(model, kv_head_repeat),
-                             model.config.weight_quant, _stacked_axes(model))
+        return _dummy_params(expected, dtype, seed, shard_flat, kv_repeat_axes(model, kv_head_repeat),
+                             model.config.weight_quant, stacked_axes(model))
     tasks = checkpoint_tasks(model_dir, cfg, model, dtype, shardings=shardings,
                              kv_head_repeat=kv_head_repeat, prefix=prefix)
     return unflatten_dict(place_params(tasks, workers=workers, progress=progress,
@@ -293,14 +126,14 @@ def checkpoint_tasks(model_dir: str | Path | None, cfg: ModelConfig, model: nn.M
         raise ValueError(f"model directory {str(model_dir)!r} does not exist")
     expected = flatten_dict(abstract_params(model))
     shard_flat = flatten_dict(shardings) if shardings is not None else {}
-    repeat_axes = _kv_repeat_axes(model, kv_head_repeat)
+    repeat_axes = kv_repeat_axes(model, kv_head_repeat)
     where = _open_checkpoint(Path(model_dir))
 
     part = prefix is not None   # a part of the checkpoint (load_params' prefix)
     if not part:
-        prefix = _VL_TEXT_PREFIX if any(n.startswith(_VL_TEXT_PREFIX) for n in where) \
+        prefix = VL_TEXT_PREFIX if any(n.startswith(VL_TEXT_PREFIX) for n in where) \
             else "model."
-    computed = {path for path in expected if path[-1] in _COMPUTED_LEAVES}
+    computed = {path for path in expected if path[-1] in COMPUTED_LEAVES}
     sources = {path: hf_names(path, cfg, prefix) for path in expected if path not in computed}
     wanted = {n for names in sources.values() for n in names.flat}
     block_scales = {block_scale_name(n) for n in wanted} & where.keys()
@@ -310,11 +143,11 @@ def checkpoint_tasks(model_dir: str | Path | None, cfg: ModelConfig, model: nn.M
                          f"quantization_config saying their block size")
     missing = wanted - where.keys()
     skipped = {n for n in where if not n.startswith(prefix)} if part else \
-        {n for n in where if n.startswith(_SKIPPED_PREFIXES)}
+        {n for n in where if n.startswith(SKIPPED_PREFIXES)}
     if skipped and not part:
         logger.info("serving the text model: skipping %d vision / MTP tensors (%s)", len(skipped),
-                    ", ".join(sorted({p for n in skipped for p in _SKIPPED_PREFIXES if n.startswith(p)})))
-    ignored = skipped | {n for n in where if n.endswith(_IGNORED_SUFFIXES)}
+                    ", ".join(sorted({p for n in skipped for p in SKIPPED_PREFIXES if n.startswith(p)})))
+    ignored = skipped | {n for n in where if n.endswith(IGNORED_SUFFIXES)}
     if cfg.tie_word_embeddings and not part:
         ignored.add("lm_head.weight")   # some tied checkpoints still store a copy
         ignored.add(block_scale_name("lm_head.weight"))
@@ -328,7 +161,7 @@ def checkpoint_tasks(model_dir: str | Path | None, cfg: ModelConfig, model: nn.M
     np_dtype = np.dtype(dtype)
     quant = quantized_leaves(expected)
     model_quant = model.config.weight_quant
-    stacked_axes = _stacked_axes(model) if quant else {}
+    stacked = stacked_axes(model) if quant else {}
 
     def task(path: Path_, sds: Any) -> ParamTask:
         if path in computed:
@@ -354,7 +187,7 @@ def checkpoint_tasks(model_dir: str | Path | None, cfg: ModelConfig, model: nn.M
                                       *repeat_axes.get(path, (None, 1)), role=role,
                                       kernel_path=kernel_path, kernel_inner=kernel_inner,
                                       scale_inner=scale_inner, model_quant=model_quant,
-                                      lead=stacked_axes.get(kernel_path, 0) - names.ndim))
+                                      lead=stacked.get(kernel_path, 0) - names.ndim))
 
     return [task(path, sds) for path, sds in expected.items()]
 
@@ -380,19 +213,19 @@ def _open_param(path: Path_, shape: tuple[int, ...], names: np.ndarray, where: d
     def as_stored(name: str, at: tuple[int, ...]) -> np.ndarray:
         """`role`'s array for one checkpoint tensor in the param layout with shape `at`."""
         if role == "param":
-            return _to_param_layout(checkpoint_float(name), path, at, name, cfg)
+            return to_param_layout(checkpoint_float(name), path, at, name, cfg)
         scale_name = block_scale_name(name)
         if model_quant.block_out is not None and scale_name in where:
             # An FP8 checkpoint's own values and block scales, as they are.
             if role == "kernel":
-                return _to_param_layout(where[name].get(name), kernel_path, at, name, cfg)
+                return to_param_layout(where[name].get(name), kernel_path, at, name, cfg)
             out_features = where[name].shape(name)[0]
             spread = spread_block_scale(where[scale_name].get(scale_name), out_features,
                                         model_quant.block_out)
-            return _to_param_layout(spread, kernel_path, at, scale_name, cfg)
+            return to_param_layout(spread, kernel_path, at, scale_name, cfg)
         k_at, s_at = ((at, _shrunk_like(scale_inner, kernel_inner, at)) if role == "kernel"
                       else (_shrunk_like(kernel_inner, scale_inner, at), at))
-        w = _to_param_layout(checkpoint_float(name), kernel_path, k_at, name, cfg)
+        w = to_param_layout(checkpoint_float(name), kernel_path, k_at, name, cfg)
         q, scale = quantize_layout(w, k_at, s_at, model_quant,
                                    np.dtype(np_dtype if role == "kernel" else
                                             storage_dtype(model_quant)), lead)
@@ -465,7 +298,7 @@ def _dummy_params(expected: dict[Path_, jax.ShapeDtypeStruct], dtype: jnp.dtype,
 
     def drawn_shape(path: Path_) -> tuple[int, ...] | None:
         """The shape to draw at random (before KV-head repeats); None: a constant."""
-        if path[-1] in (*_ONES_LEAVES, "bias", "offset_scale", *_COMPUTED_LEAVES):
+        if path[-1] in (*_ONES_LEAVES, "bias", "offset_scale", *COMPUTED_LEAVES):
             return None
         shape = expected[path].shape
         return shape if path not in repeat_axes else _unrepeated(shape, *repeat_axes[path])
@@ -474,7 +307,7 @@ def _dummy_params(expected: dict[Path_, jax.ShapeDtypeStruct], dtype: jnp.dtype,
         """The drawn weight repeated per KV head (quantized: and its scale), or the constant
         (xp: numpy or jnp)."""
         shape = expected[path].shape
-        if path[-1] in _COMPUTED_LEAVES:
+        if path[-1] in COMPUTED_LEAVES:
             return {path: xp.ones(shape, expected[path].dtype)}
         if path[-1] in _ONES_LEAVES:
             return {path: xp.ones(shape, dtype)}
@@ -529,20 +362,6 @@ def _quantize_stacked(w: Any, kernel: Any, scale: Any, lead: int, quant: WeightQ
     else:
         q, s = jax.vmap(lambda x: quantize(x, kernel.dtype, n, quant.block_in, jnp))(flat)
     return q.reshape(kernel.shape), s.reshape(*kernel.shape[:lead], *inner_s)
-
-
-def _stacked_axes(model: nn.Module) -> dict[Path_, int]:
-    """param path -> its leading stacked axes (scanned layers, experts): each entry is a
-    kernel of its own."""
-    axes = flatten_dict(param_logical_axes(model))
-    out = {}
-    for path, spec in axes.items():
-        names = tuple(spec)
-        n = 0
-        while n < len(names) and names[n] in ("layers", "experts"):
-            n += 1
-        out[path] = n
-    return out
 
 
 def untie_lm_head(model: nn.Module, params: dict,

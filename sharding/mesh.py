@@ -8,6 +8,9 @@ per host).
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
@@ -27,7 +30,7 @@ def parse_mesh(mesh: str) -> tuple[int, int]:
     return d, m
 
 
-def make_mesh(spec: str | tuple[int, int] | None, devices=None) -> Mesh:
+def make_mesh(spec: str | tuple[int, int] | None, devices: Sequence[Any] | None = None) -> Mesh:
     """A ("data", "model") mesh over the first D*M of `devices` (default jax.devices()).
 
     Axis types are Auto: XLA's SPMD partitioner places the collectives that the

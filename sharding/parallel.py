@@ -8,7 +8,7 @@ runs as it is.
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 from jax.sharding import PartitionSpec
@@ -23,7 +23,8 @@ def context_model_axis_size() -> int:
     return mesh.shape[MODEL]
 
 
-def over_model_axis(fn: Callable, in_specs, out_specs, *, sum_outputs: bool = False) -> Callable:
+def over_model_axis(fn: Callable, in_specs: Any, out_specs: Any, *, sum_outputs: bool = False
+                    ) -> Callable:
     """fn under shard_map over the context mesh (specs name MODEL or nothing).
 
     sum_outputs: fn returns per-device partial sums; they are all-reduced over the

@@ -51,25 +51,15 @@ def _divisors(n: int) -> list[int]:
 def check_model_axis(mc: Any, m: int, expert_parallel: bool = False) -> None:
     """ValueError naming the first model dimension that M does not divide.
 
-    Must divide: query heads; the dense MLP width (if any layer is dense); the
-    expert MLP width (MoE; with expert_parallel the expert count instead) and the
-    shared-expert MLP width; the DeltaNet key heads (hybrid). KV heads need not
-    (kv_head_layout), nor the vocabulary. expert_parallel also refuses a dense model
-    and a model axis of one (check_expert_parallel).
+    Must divide: the dimensions the model's family splits over the model axis
+    (models/family.py ModelFamily.model_axis_dims: query heads, MLP widths, experts,
+    DeltaNet key heads). KV heads need not (kv_head_layout), nor the vocabulary.
+    expert_parallel also refuses a dense model and a model axis of one
+    (check_expert_parallel).
     """
     if expert_parallel:
         check_expert_parallel(mc, m)
-    need = [("num_attention_heads", mc.num_heads)]
-    dense_mlp = mc.is_gemma4 or not mc.is_moe   # Gemma 4's MoE layers keep a dense MLP
-    if dense_mlp or any(not mc.is_moe_layer(i) for i in range(mc.num_layers)):
-        need.append(("intermediate_size", mc.intermediate_size))
-    if mc.is_moe:
-        need.append(("num_experts", mc.num_experts) if expert_parallel else
-                    ("moe_intermediate_size", mc.moe_intermediate_size))
-        if mc.shared_expert_intermediate_size:
-            need.append(("shared_expert_intermediate_size", mc.shared_expert_intermediate_size))
-    if mc.is_hybrid:
-        need.append(("linear_num_key_heads", mc.linear_num_key_heads))
+    need = mc.family.model_axis_dims(mc, expert_parallel)
     ok = _divisors(math.gcd(*(v for _, v in need)))
     for name, value in need:
         if value % m:
@@ -85,7 +75,7 @@ def check_expert_parallel(mc: Any, m: int) -> None:
     model has no experts, and on a model axis of one every expert is on the device
     (data-parallel replicas each hold all experts: expert parallelism splits them over
     the model axis only)."""
-    if not mc.is_moe:
+    if not mc.num_experts:
         raise ValueError(f"enable_expert_parallel=True: {mc.architecture} is a dense model "
                          f"(no experts to split); leave --enable-expert-parallel out")
     if m == 1:

@@ -138,7 +138,7 @@ def tpu_kernel_limit_error(mc: ModelConfig, kv_heads: int, *, num_tokens: int, r
     from pallas_kernels.ragged_paged_attention import tpu as rpa_tpu
     return (rpa_tpu.smem_limit_error(num_tokens, rows, mc.num_heads // kv_heads,
                                      -(-max_model_len // page_size))
-            or (gdn_tpu.smem_limit_error(rows) if mc.is_hybrid else None))
+            or (gdn_tpu.smem_limit_error(rows) if mc.linear_attention_layers else None))
 
 
 def build_layout_model(layout: EngineLayout):

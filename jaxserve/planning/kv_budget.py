@@ -27,21 +27,10 @@ def activation_bytes(mc, m: int, tokens: int, rows: int, itemsize: int,
                      max_model_len: int) -> int:
     """Rough peak of one program's temporaries per device, the larger of the forward's
     and the sampler's. Forward: the widest per-layer temporaries of a token bucket
-    (residual + the attention's projections -- q (and its output gate), k, v; or a
-    linear-attention layer's q|k|v, z, a, b -- + MLP gate/up, split by M where sharded;
-    experts see top-k copies of each token, plus the shared expert). Sampler: float32
+    (the model family's activation_width per token, models/family.py). Sampler: float32
     logits [rows, V], gathered whole, SAMPLER_COPIES of them, and the penalties' int32
     token history [rows, max_model_len] (268 MB at 256 x 262,144) it is given each step."""
-    attn = max(((mc.num_heads * (2 if mc.attn_output_gate else 1) + 2 * mc.layer_num_kv_heads(i))
-                * mc.layer_head_dim(i) for i in mc.kv_layers()), default=0) // m
-    if mc.is_hybrid:
-        linear = mc.linear_conv_dim + mc.linear_num_value_heads * (mc.linear_value_head_dim + 2)
-        attn = max(attn, linear // m)
-    dense = max(mc.mlp_width(i) for i in range(mc.num_layers))
-    mlp = 2 * (mc.moe_intermediate_size * mc.num_experts_per_tok
-               + mc.shared_expert_intermediate_size
-               + (dense if mc.is_gemma4 else 0) if mc.is_moe else dense) // m
-    per_token = (3 * mc.hidden_size + attn + mlp) * itemsize
+    per_token = mc.family.activation_width(mc, m) * itemsize
     sampler = SAMPLER_COPIES * rows * mc.vocab_size * 4 + rows * max_model_len * 4
     return max(tokens * per_token, sampler)
 

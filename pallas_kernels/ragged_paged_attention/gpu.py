@@ -64,177 +64,40 @@ and head_dim 512).
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.mosaic.gpu import fragmented_array
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.mosaic_gpu_params import compiler_params
 from pallas_kernels.ragged_paged_attention import blocks
 from pallas_kernels.ragged_paged_attention.cache import cache_dims
-from pallas_kernels.ragged_paged_attention.quant import is_quantized
+from pallas_kernels.ragged_paged_attention.gpu_ops import (accumulate_pv, cast_tiles,
+                                                           column_blocks, qk_scores,
+                                                           rows32_layout, swizzle_transforms)
+# What the kernel supports and how it tiles (gpu_plan.py), re-exported for the dispatcher.
+from pallas_kernels.ragged_paged_attention.gpu_plan import (HEAD_DIMS, MAX_COLS, ROWS, GpuConfig,
+                                                            choose_config, cols_per_unit,
+                                                            compute_dtype, default_num_ctas,
+                                                            supports)
 
-ROWS = 64                     # one warpgroup's WGMMA M
-MAX_COLS = 256                # head-dim columns one unit accumulates (see _cols)
-_SMEM_BUDGET = 220 * 1024     # of the 227 KiB a Hopper CTA may use (barriers and reduction scratch take the rest)
+__all__ = ["HEAD_DIMS", "MAX_COLS", "ROWS", "GpuConfig", "choose_config", "compute_dtype",
+           "default_num_ctas", "interpret_params", "ragged_paged_attention_gpu", "supports"]
+
 _MASK_M = -1e30               # running-max floor: fully masked rows stay finite
 LOG2E = math.log2(math.e)
-
-
-@dataclasses.dataclass(frozen=True)
-class GpuConfig:
-    block_q: int      # tokens per item
-    kv_step: int      # KV tokens per pipeline step
-    piece: int        # rows per TMA copy (min(page_size, kv_step))
-    stages: int       # KV ring depth
-    num_ctas: int     # persistent CTAs (one per SM on hardware)
-
-
-HEAD_DIMS = (64, 128, 256, 512)
-
-
-def supports(dtype, head_dim: int, num_heads: int, num_kv_heads: int, page_size: int) -> bool:
-    group = num_heads // num_kv_heads
-    # A quantized tile is cast ROWS rows at a time (the 8-bit WGMMA register layout).
-    ok_dtype = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) or (
-        is_quantized(dtype) and _kv_step(head_dim, page_size) % ROWS == 0)
-    return ok_dtype and head_dim in HEAD_DIMS and 1 <= group <= ROWS and page_size % 8 == 0
-
-
-def _cols(head_dim: int) -> int:
-    """Output columns per unit: the f32 accumulator of [ROWS, cols] takes cols / 2
-    registers per thread of the warpgroup, so 256 (128 registers) is the most that
-    leaves room for the scores and the softmax; head_dim 512 runs as two units per
-    (item, kv head), each with all of Q K^T and half of P V."""
-    return min(head_dim, MAX_COLS)
-
-
-def compute_dtype(cache_dtype, q_dtype):
-    """The dtype the tensor cores multiply in: the cache's for a 16-bit cache. A
-    quantized one is cast in shared memory: fp8 to f16 (exact, one cvt; fp8 -> bf16
-    needs a newer ptxas than the lowering may find, and f16 holds every fp8 value),
-    int8 to q's 16-bit dtype, bf16 by default (exact either way: |x| <= 127)."""
-    if not is_quantized(cache_dtype):
-        return jnp.dtype(cache_dtype)
-    if jnp.issubdtype(cache_dtype, jnp.floating):
-        return jnp.dtype(jnp.float16)
-    return jnp.dtype(q_dtype) if jnp.dtype(q_dtype).itemsize == 2 else jnp.dtype(jnp.bfloat16)
-
-
-def _kv_step(head_dim: int, page_size: int) -> int:
-    # head_dim 512: a stage holds all of K and half of V (48 KiB at 32 tokens); two
-    # stages, the [64, 512] Q tile and the [64, 256] output tile fill shared memory.
-    kv_step = 128 if head_dim <= 128 else 64 if head_dim <= 256 else 32
-    if page_size % kv_step and kv_step % page_size:
-        kv_step = page_size                # odd page sizes: one page per step
-    return kv_step
-
-
-def choose_config(head_dim: int, group: int, page_size: int, itemsize: int,
-                  num_ctas: int, compute_itemsize: int | None = None) -> GpuConfig:
-    """itemsize: the cache's (the TMA ring); compute_itemsize: the tiles the tensor
-    cores read (q, and for a quantized cache the cast K and V copies)."""
-    kv_step = _kv_step(head_dim, page_size)
-    piece = min(page_size, kv_step)
-    compute_itemsize = compute_itemsize or itemsize
-    cols = _cols(head_dim)
-    fixed = ROWS * head_dim * compute_itemsize                  # the Q tile
-    if cols < head_dim:
-        fixed += ROWS * cols * compute_itemsize                 # the output tile
-    tile = (head_dim + cols) * kv_step                          # K and a V column block
-    if compute_itemsize != itemsize:
-        fixed += tile * compute_itemsize                        # the cast K and V tiles
-    stage_bytes = tile * itemsize
-    stages = max(2, min(4, (_SMEM_BUDGET - fixed) // stage_bytes))
-    return GpuConfig(block_q=ROWS // group, kv_step=kv_step, piece=piece, stages=stages,
-                     num_ctas=num_ctas)
-
-
-def default_num_ctas() -> int:
-    """SMs of the local GPU; an H100 SXM's 132 when there is none (lowering on CPU)."""
-    dev = jax.devices()[0]
-    if dev.platform == "gpu":
-        return int(getattr(dev, "core_count", 0) or 132)
-    return 132
-
-
-def _swizzle_transforms(head_dim: int, itemsize: int, rows: int | None = None):
-    """rows: for a P V operand (V, [rows, head_dim]), whose rows are the WGMMA's
-    contraction dim: that must be a multiple of the swizzle (in elements), so 32-token
-    steps (head_dim 512) take a 64-byte swizzle."""
-    swizzle = min(128, head_dim * itemsize, (rows or 128) * itemsize)
-    return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
-
-
-def _rows32_layout():
-    """A warpgroup register layout for [32k, 8n] tiles (WGMMA's needs 64k rows): tiles
-    of 32 x 8, a warp per 8 rows, lanes over 8 rows x 4 column pairs, 2-vectors. For
-    zeroing the stale rows of 32-token V tiles (head_dim 512)."""
-    return plgpu.Layout.TILED(fragmented_array.Tiling(((32, 8), (8, 8), (2,))),
-                              warp_dims=(-5,), lane_dims=(-3, -2), vector_dim=-1)
-
-
-def _parts(ref, splits: int, *lead):
-    """The column blocks of ref.at[*lead]: itself when there is one, else the
-    [..., rows, cols] entries of its (next) leading axis."""
-    if splits == 1:
-        return [ref.at[lead] if lead else ref]
-    return [ref.at[(*lead, c)] for c in range(splits)]
-
-
-def _qk(q_parts, k_parts, shape, *, interpreted: bool):
-    """Q K^T with an f32 result. GPU interpret mode (jax 0.10.2) cannot run a
-    WGMMA on a transposed ref or with a register operand, so when interpreted
-    the two products are plain dots on the loaded tiles; everything around them
-    (TMA, barriers, masks, softmax) is the same code. The WGMMA forms are
-    checked by the cuda lowering test.
-    Q and K come as lists of column blocks (_parts): the product sums over them."""
-    if interpreted:
-        return sum(lax.dot_general(q[...], k[...], (((1,), (1,)), ((), ())),
-                                   preferred_element_type=jnp.float32)
-                   for q, k in zip(q_parts, k_parts, strict=True))
-
-    def qk(acc_ref):
-        for q, k in zip(q_parts, k_parts, strict=True):
-            plgpu.wgmma(acc_ref, q, plgpu.transpose_ref(k, (1, 0)))
-        return acc_ref[...]
-    return pl.run_scoped(qk, plgpu.ACC(shape, jnp.float32))
-
-
-def _accumulate_pv(acc, p, v_ref, *, interpreted: bool):
-    """acc + P V; on hardware the WGMMA accumulates into acc's registers."""
-    if interpreted:
-        return acc + jnp.dot(p, v_ref[...], preferred_element_type=jnp.float32)
-
-    def pv(acc_ref):
-        plgpu.wgmma(acc_ref, p, v_ref)
-    return pl.run_state(pv)(plgpu.ACC.init(acc))
-
-
-def _cast_tile(srcs, dsts, *, interpreted: bool):
-    """dst[...] = src[...] as dst's dtype for each pair (a quantized K or V tile, in
-    column blocks, into the 16-bit copy the WGMMA reads), ROWS rows at a time to
-    bound the registers it takes."""
-    for src, dst in zip(srcs, dsts, strict=True):
-        rows = min(ROWS, src.shape[0])
-        for r in range(0, src.shape[0], rows):
-            part = src.at[pl.ds(r, rows)]
-            x = part[...] if interpreted else plgpu.load(part, (), layout=plgpu.Layout.WGMMA_8BIT)
-            dst[pl.ds(r, rows)] = x.astype(dst.dtype)
-    plgpu.commit_smem()
 
 
 def _kernel(meta_ref, pages_ref, q_ref, cache_ref, o_ref, q_smem, k_smem, v_smem,
             q_bar, k_full, v_full, k_free, v_free, *extra, cfg: GpuConfig, group: int,
             num_kv_heads: int, page_size: int, sm_scale: float, soft_cap: float | None,
             sliding_window: int | None, interpreted: bool, splits: int):
-    """splits: column blocks of the head dim (_cols). With one, q_smem [ROWS, H] and
+    """splits: column blocks of the head dim (cols_per_unit). With one, q_smem [ROWS, H] and
     the K and V rings [stages, kv_step, H] hold whole rows and q_smem stages the
     output. With more, q_smem [splits, ROWS, cols] and the K ring [stages, splits,
     kv_step, cols] hold all head_dim = splits * cols columns in column blocks, the V
@@ -281,7 +144,7 @@ def _kernel(meta_ref, pages_ref, q_ref, cache_ref, o_ref, q_smem, k_smem, v_smem
             kv_lo = meta_ref[item, blocks.KV_LO]
             win_lo = None if sliding_window is None else blocks.window_start(q_pos, sliding_window)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)     # the last unit's output left o_smem
-            q_parts = _parts(q_smem, splits)
+            q_parts = column_blocks(q_smem, splits)
             for c, q_part in enumerate(q_parts):
                 src = q_ref.at[item, head] if splits == 1 else q_ref.at[item, head, c]
                 plgpu.copy_gmem_to_smem(src, q_part, q_bar)
@@ -299,16 +162,16 @@ def _kernel(meta_ref, pages_ref, q_ref, cache_ref, o_ref, q_smem, k_smem, v_smem
                 slot = lax.rem(done + s, stages)
                 base = kv_lo + s * kv_step
                 plgpu.barrier_wait(k_full.at[slot])
-                k_parts, v_tile = _parts(k_smem, splits, slot), v_smem.at[slot]
+                k_parts, v_tile = column_blocks(k_smem, splits, slot), v_smem.at[slot]
                 if cast_smem:
                     # A quantized slot is cast once and freed at once; the WGMMAs of the
                     # previous step, which read the cast tiles, were waited for (their
                     # results are used before this point).
-                    cast_k = _parts(cast_smem[0], splits)
-                    _cast_tile(k_parts, cast_k, interpreted=interpreted)
+                    cast_k = column_blocks(cast_smem[0], splits)
+                    cast_tiles(k_parts, cast_k, interpreted=interpreted)
                     plgpu.barrier_arrive(k_free.at[slot])
                     k_parts, v_tile = cast_k, cast_smem[1]
-                scores = _qk(q_parts, k_parts, (ROWS, kv_step), interpreted=interpreted)
+                scores = qk_scores(q_parts, k_parts, (ROWS, kv_step), interpreted=interpreted)
                 if not cast_smem:
                     plgpu.barrier_arrive(k_free.at[slot])
 
@@ -328,7 +191,7 @@ def _kernel(meta_ref, pages_ref, q_ref, cache_ref, o_ref, q_smem, k_smem, v_smem
 
                 plgpu.barrier_wait(v_full.at[slot])
                 if cast_smem:
-                    _cast_tile([v_smem.at[slot]], [v_tile], interpreted=interpreted)
+                    cast_tiles([v_smem.at[slot]], [v_tile], interpreted=interpreted)
                     plgpu.barrier_arrive(v_free.at[slot])
 
                 stale = base + kv_step > kv_len
@@ -342,7 +205,7 @@ def _kernel(meta_ref, pages_ref, q_ref, cache_ref, o_ref, q_smem, k_smem, v_smem
                         vpos = base + iota((kv_step, cols), 0)
                         x = v[...]
                     else:
-                        lay = _rows32_layout()
+                        lay = rows32_layout()
                         vpos = base + plgpu.layout_cast(
                             lax.broadcasted_iota(jnp.int32, (kv_step, cols), 0), lay)
                         x = plgpu.load(v, (), layout=lay)
@@ -352,7 +215,7 @@ def _kernel(meta_ref, pages_ref, q_ref, cache_ref, o_ref, q_smem, k_smem, v_smem
                     v[...] = jnp.where(live, x, jnp.zeros_like(x))
                     plgpu.commit_smem()
 
-                acc = _accumulate_pv(acc, p.astype(dtype), v_tile, interpreted=interpreted)
+                acc = accumulate_pv(acc, p.astype(dtype), v_tile, interpreted=interpreted)
                 if not cast_smem:
                     plgpu.barrier_arrive(v_free.at[slot])
                 return acc, m_new, l_i
@@ -420,10 +283,12 @@ def _kernel(meta_ref, pages_ref, q_ref, cache_ref, o_ref, q_smem, k_smem, v_smem
             plgpu.barrier_wait(v_free.at[lax.rem(g, stages)])
 
 
-def ragged_paged_attention_gpu(q, cache, kv_lens, page_table, query_start_loc, num_seqs, *,
-                               sm_scale: float, sliding_window: int | None = None,
-                               soft_cap: float | None = None, interpret=False,
-                               config: GpuConfig | None = None):
+def ragged_paged_attention_gpu(q: jax.Array, cache: jax.Array, kv_lens: jax.Array,
+                               page_table: jax.Array, query_start_loc: jax.Array,
+                               num_seqs: jax.Array, *, sm_scale: float,
+                               sliding_window: int | None = None, soft_cap: float | None = None,
+                               interpret: Any = False, config: GpuConfig | None = None
+                               ) -> jax.Array:
     """interpret: False, or GPU interpret-mode params (see interpret_params()).
     config: block sizes and CTA count; default choose_config(...)."""
     num_tokens, num_heads, head_dim = q.shape
@@ -440,13 +305,13 @@ def ragged_paged_attention_gpu(q, cache, kv_lens, page_table, query_start_loc, n
     meta, token_item, token_row, token_valid = blocks.plan_items(
         query_start_loc, kv_lens, num_seqs, num_tokens=num_tokens, block_q=cfg.block_q,
         kv_step=cfg.kv_step, page_size=page_size, sliding_window=sliding_window)
-    cols = _cols(head_dim)
+    cols = cols_per_unit(head_dim)
     splits = head_dim // cols
     q_blocks = blocks.gather_queries(q.astype(compute), meta, num_kv_heads=num_kv,
                                      block_q=cfg.block_q, rows=ROWS)
-    transforms = _swizzle_transforms(cols, compute.itemsize)
-    kv_transforms = _swizzle_transforms(cols, itemsize)
-    v_transforms = _swizzle_transforms(cols, compute.itemsize, cfg.kv_step)   # WGMMA's V tile
+    transforms = swizzle_transforms(cols, compute.itemsize)
+    kv_transforms = swizzle_transforms(cols, itemsize)
+    v_transforms = swizzle_transforms(cols, compute.itemsize, cfg.kv_step)   # WGMMA's V tile
     blk = () if splits == 1 else (splits,)          # a column-block axis, when split
     extra = [] if splits == 1 else [plgpu.SMEM((ROWS, cols), compute, transforms=transforms)]
     if compute != cache.dtype:                      # the cast K and V tiles
@@ -492,7 +357,7 @@ def ragged_paged_attention_gpu(q, cache, kv_lens, page_table, query_start_loc, n
     return out.astype(q.dtype)
 
 
-def interpret_params():
+def interpret_params() -> Any:
     """Parameters for Pallas GPU interpret mode (private in jax 0.10.2)."""
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
     return InterpretGPUParams()

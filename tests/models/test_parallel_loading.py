@@ -20,7 +20,8 @@ from models.layer_stack import layer_period
 from models.param_placement import place_one
 from models.registry import build_model
 from models.safetensors_io import SafeTensorsFile
-from models.weights import _to_param_layout, checkpoint_tasks, load_params, param_logical_axes
+from models.weight_names import to_param_layout as _to_param_layout
+from models.weights import checkpoint_tasks, load_params, param_logical_axes
 from sharding import kv_head_layout, make_mesh, mesh_rules, param_shardings
 from tests.checkpoints import make_tiny_checkpoint
 
