@@ -1,0 +1,126 @@
+"""PEFT adapters read by jaxserve (models/lora): the tiny llama's targets, two adapters
+written with peft stacked in device slots, and each projection's base output plus the
+batched delta equal to peft's module output, per token, for a batch mixing adapters."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import AutoModelForCausalLM
+
+from models.config import ModelConfig
+from models.lora.adapter import load_peft_adapter
+from models.lora.ops import SPLIT_IN, SPLIT_OUT, group_by_slot, lora_delta
+from models.lora.slots import SCALES, clear_slot, init_stacks, slot_weights, write_slot
+from models.lora.targets import adapter_weights, lora_targets
+from models.registry import build_model
+from tests.checkpoints import make_tiny_checkpoint
+
+MAX_RANK = 8
+# Two adapters: different ranks and targets, the second rsLoRA over every linear layer.
+ADAPTERS = {
+    "a": dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "o_proj", "down_proj"]),
+    "b": dict(r=4, lora_alpha=8, use_rslora=True, target_modules="all-linear"),
+}
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    path = make_tiny_checkpoint("llama", tmp_path_factory.mktemp("lora") / "llama")
+    cfg = ModelConfig.from_pretrained(path)
+    return path, cfg, lora_targets(build_model(cfg, jnp.float32), cfg)
+
+
+@pytest.fixture(scope="module")
+def peft_dirs(llama, tmp_path_factory):
+    path = llama[0]
+    dirs = {}
+    for i, (name, kw) in enumerate(ADAPTERS.items()):
+        torch.manual_seed(10 + i)
+        base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        # init_lora_weights=False: random B too, so every delta is non-zero.
+        peft_model = get_peft_model(base, LoraConfig(init_lora_weights=False, **kw))
+        dirs[name] = str(tmp_path_factory.mktemp("adapters") / name)
+        peft_model.save_pretrained(dirs[name])
+    return dirs
+
+
+def test_llama_targets(llama):
+    _, cfg, targets = llama
+    assert {t.module for t in targets.values()} == {
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    assert len(targets) == 7 * cfg.num_layers
+    q, o = targets["layers.2.self_attn.q_proj"], targets["layers.2.self_attn.o_proj"]
+    n, h, e = cfg.num_heads, cfg.head_dim, cfg.hidden_size
+    assert (q.in_dim, q.out_dim, q.split, q.layer) == (e, n * h, SPLIT_OUT, 2)
+    assert (o.in_dim, o.out_dim, o.split) == (n * h, e, SPLIT_IN)
+    assert targets["layers.0.mlp.down_proj"].split == SPLIT_IN
+
+
+def test_peft_config_read(peft_dirs):
+    a, b = load_peft_adapter(peft_dirs["a"]), load_peft_adapter(peft_dirs["b"])
+    assert (a.rank, a.scaling, a.use_rslora) == (8, 2.0, False)
+    assert (b.rank, b.use_rslora) == (4, True) and b.scaling == pytest.approx(8 / 2)
+    assert set(a.target_modules) == {"q_proj", "v_proj", "o_proj", "down_proj"}
+    assert "model.layers.3.self_attn.o_proj" in a.tensors
+    assert b.base_model.endswith("llama")
+
+
+@pytest.mark.parametrize("module", ["layers.1.self_attn.q_proj", "layers.2.self_attn.o_proj",
+                                    "layers.3.mlp.down_proj", "layers.0.mlp.gate_proj"])
+def test_linear_parity_with_peft_mixed_slots(llama, peft_dirs, module):
+    """x @ W + the grouped delta from the slots == peft's module output with each token's
+    adapter active (slot 0: the base module), float32, 1e-5."""
+    path, cfg, targets = llama
+    stacks = init_stacks(targets, max_loras=3, max_rank=MAX_RANK, dtype=jnp.float32)
+    for slot, name in ((1, "a"), (3, "b")):   # slot 2 stays empty
+        adapter = load_peft_adapter(peft_dirs[name])
+        weights = adapter_weights(adapter, targets, cfg, max_rank=MAX_RANK, base_model=path)
+        stacks = write_slot(stacks, jnp.int32(slot),
+                            slot_weights(weights, adapter.scaling, targets, MAX_RANK, np.float32))
+    target = targets[module]
+    slots = np.array([3, 0, 1, 1, 3, 2, 0, 1, 3, 3, 0], np.int32)
+    x = np.random.default_rng(1).standard_normal((len(slots), target.in_dim)).astype(np.float32)
+
+    peft_model = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), peft_dirs["a"],
+        adapter_name="a").eval()
+    peft_model.load_adapter(peft_dirs["b"], adapter_name="b")
+    layer = peft_model.get_submodule(f"base_model.model.model.{module}")
+    with torch.no_grad():
+        xt = torch.from_numpy(x)
+        per_slot = {0: layer.base_layer(xt)}
+        for slot, name in ((1, "a"), (3, "b")):
+            peft_model.set_adapter(name)
+            per_slot[slot] = layer(xt)
+        w = layer.base_layer.weight.numpy()
+    want = np.stack([per_slot.get(s, per_slot[0])[i].numpy() for i, s in enumerate(slots)])
+
+    got = x @ w.T + lora_delta(jnp.asarray(x), group_by_slot(jnp.asarray(slots), 4),
+                               stacks[module]["a"], stacks[module]["b"], stacks[SCALES])
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    adapted = {1: module.rsplit(".", 1)[1] in ADAPTERS["a"]["target_modules"], 3: True}
+    for slot, on in adapted.items():   # the adapters really changed what they target
+        rows = slots == slot
+        assert np.abs(want[rows] - x[rows] @ w.T).max() > 1e-3 if on else \
+            np.allclose(want[rows], x[rows] @ w.T, rtol=1e-5, atol=1e-5)
+
+
+def test_write_and_clear_slot_in_place(llama, peft_dirs):
+    path, cfg, targets = llama
+    adapter = load_peft_adapter(peft_dirs["b"])
+    one = slot_weights(adapter_weights(adapter, targets, cfg, max_rank=MAX_RANK), adapter.scaling,
+                       targets, MAX_RANK, np.float32)
+    stacks = init_stacks(targets, 2, MAX_RANK, jnp.float32)
+    old_leaf = stacks["layers.0.self_attn.q_proj"]["a"]
+    stacks = write_slot(stacks, jnp.int32(2), one)
+    assert old_leaf.is_deleted(), "the stacks are donated (updated in place)"
+    q = stacks["layers.0.self_attn.q_proj"]
+    np.testing.assert_array_equal(q["a"][2], one["layers.0.self_attn.q_proj"]["a"])
+    assert not np.any(q["a"][:2]) and float(stacks[SCALES][2]) == pytest.approx(4.0)
+    assert not np.any(q["a"][2][:, adapter.rank:]), "rank 4 padded to 8 with zeros"
+    stacks = clear_slot(stacks, jnp.int32(2))
+    assert not any(np.any(x) for x in jax.tree_util.tree_leaves(stacks))
