@@ -124,3 +124,62 @@ def test_write_and_clear_slot_in_place(llama, peft_dirs):
     assert not np.any(q["a"][2][:, adapter.rank:]), "rank 4 padded to 8 with zeros"
     stacks = clear_slot(stacks, jnp.int32(2))
     assert not any(np.any(x) for x in jax.tree_util.tree_leaves(stacks))
+
+
+# ---- refusals, each naming its cause (adapters written by hand: small and fast) --------
+
+def _write_adapter(path, tensors: dict[str, tuple[int, ...]], **config) -> str:
+    import json
+
+    from safetensors.numpy import save_file
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"],
+           "base_model_name_or_path": "", **config}
+    (path / "adapter_config.json").write_text(json.dumps(cfg))
+    save_file({f"base_model.model.{name}": np.ones(shape, np.float32)
+               for name, shape in tensors.items()}, str(path / "adapter_model.safetensors"))
+    return str(path)
+
+
+def _q(layer: int = 0, r: int = 4, e: int = 64, out: int = 64) -> dict[str, tuple[int, ...]]:
+    m = f"model.layers.{layer}.self_attn.q_proj"
+    return {f"{m}.lora_A.weight": (r, e), f"{m}.lora_B.weight": (out, r)}
+
+
+@pytest.mark.parametrize("kind, make, message", [
+    ("rank", lambda p: _write_adapter(p, _q(r=16), r=16), "rank 16 is above --max-lora-rank 8"),
+    ("module", lambda p: _write_adapter(p, _q(), target_modules=["q_proj", "c_attn"]),
+     r"target module\(s\) c_attn not in the model"),
+    ("base", lambda p: _write_adapter(p, _q(), base_model_name_or_path="org/other-model"),
+     "trained on 'org/other-model', not on the served model"),
+    ("shape", lambda p: _write_adapter(p, _q(e=128)), "maps 128 -> 64 features, the model's 64 -> 64"),
+    ("layer", lambda p: _write_adapter(p, _q(layer=9)), "'model.layers.9.self_attn.q_proj' is not a LoRA target"),
+    ("experts", lambda p: _write_adapter(p, {
+        "model.layers.0.mlp.experts.3.gate_proj.lora_A.weight": (4, 64),
+        "model.layers.0.mlp.experts.3.gate_proj.lora_B.weight": (32, 4)}), "LoRA on MoE experts"),
+    ("embed", lambda p: _write_adapter(p, {
+        "model.embed_tokens.lora_A.weight": (4, 64), "model.embed_tokens.lora_B.weight": (64, 4)}),
+     "'model.embed_tokens' is not a LoRA target"),
+    ("dora", lambda p: _write_adapter(p, _q(), use_dora=True), "DoRA adapters are not supported"),
+    ("bias", lambda p: _write_adapter(p, _q(), bias="all"), "bias 'all' is not supported"),
+    ("half", lambda p: _write_adapter(p, {"model.layers.0.self_attn.q_proj.lora_A.weight": (4, 64)}),
+     "has only lora_A"),
+    ("other tensor", lambda p: _write_adapter(p, {**_q(), "model.norm.weight": (64,)}),
+     "unexpected tensor 'base_model.model.model.norm.weight'"),
+    ("not peft", lambda p: str(p), "no adapter_config.json"),
+])
+def test_refusals_name_the_cause(llama, tmp_path, kind, make, message):
+    path, cfg, targets = llama
+    adapter_dir = make(tmp_path / "adapter")
+    with pytest.raises(ValueError, match=message):
+        adapter = load_peft_adapter(adapter_dir)
+        adapter_weights(adapter, targets, cfg, max_rank=MAX_RANK, base_model=path)
+
+
+def test_same_base_model_under_another_directory(llama, tmp_path):
+    """A hub id and a local copy with the same last component are one model."""
+    path, cfg, targets = llama
+    adapter = load_peft_adapter(_write_adapter(tmp_path / "x", _q(),
+                                               base_model_name_or_path="someorg/llama"))
+    assert set(adapter_weights(adapter, targets, cfg, max_rank=MAX_RANK, base_model=path)) == {
+        "layers.0.self_attn.q_proj"}
