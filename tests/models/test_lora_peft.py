@@ -183,3 +183,39 @@ def test_same_base_model_under_another_directory(llama, tmp_path):
                                                base_model_name_or_path="someorg/llama"))
     assert set(adapter_weights(adapter, targets, cfg, max_rank=MAX_RANK, base_model=path)) == {
         "layers.0.self_attn.q_proj"}
+
+
+def test_stacks_sharded_as_their_base_kernels_on_1x2(llama, peft_dirs):
+    """A split on its input for row-parallel projections, B on its output for
+    column-parallel ones; writing a slot keeps the shardings; the sharded delta equals
+    the unsharded one."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from models.lora.ops import sharded_lora_delta
+    from models.lora.slots import stack_shardings
+    from sharding.mesh import MODEL, make_mesh
+    _, cfg, targets = llama
+    mesh = make_mesh("1x2", jax.devices()[:2])
+    shardings = stack_shardings(targets, mesh)
+    adapter = load_peft_adapter(peft_dirs["b"])
+    one = slot_weights(adapter_weights(adapter, targets, cfg, max_rank=MAX_RANK), adapter.scaling,
+                       targets, MAX_RANK, np.float32)
+    stacks = write_slot(init_stacks(targets, 2, MAX_RANK, jnp.float32, shardings), jnp.int32(1), one)
+    plain = write_slot(init_stacks(targets, 2, MAX_RANK, jnp.float32), jnp.int32(1), one)
+    spec = lambda name, ab: stacks[name][ab].sharding.spec
+    assert spec("layers.0.self_attn.q_proj", "b") == PartitionSpec(None, None, MODEL)
+    assert spec("layers.0.self_attn.o_proj", "a") == PartitionSpec(None, MODEL, None)
+    assert spec("layers.0.self_attn.q_proj", "a") == spec("layers.0.mlp.down_proj", "b") == PartitionSpec()
+    slots = jnp.array([1, 0, 1, 2, 1], jnp.int32)
+    for name in ("layers.0.self_attn.q_proj", "layers.0.self_attn.o_proj"):
+        t = targets[name]
+        x = jnp.asarray(np.random.default_rng(2).standard_normal((5, t.in_dim)), jnp.float32)
+        x_spec = PartitionSpec(None, MODEL) if t.split == "in" else PartitionSpec()
+        with jax.set_mesh(mesh):
+            got = jax.jit(lambda x, s, a, b, c: sharded_lora_delta(
+                x, group_by_slot(s, 3), a, b, c, t.split))(
+                jax.device_put(x, NamedSharding(mesh, x_spec)), slots, stacks[name]["a"],
+                stacks[name]["b"], stacks[SCALES])
+        want = lora_delta(x, group_by_slot(slots, 3), plain[name]["a"], plain[name]["b"], plain[SCALES])
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+        assert np.abs(np.asarray(want)).max() > 1e-3
