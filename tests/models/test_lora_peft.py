@@ -69,26 +69,33 @@ def test_peft_config_read(peft_dirs):
     assert b.base_model.endswith("llama")
 
 
-@pytest.mark.parametrize("module", ["layers.1.self_attn.q_proj", "layers.2.self_attn.o_proj",
-                                    "layers.3.mlp.down_proj", "layers.0.mlp.gate_proj"])
-def test_linear_parity_with_peft_mixed_slots(llama, peft_dirs, module):
-    """x @ W + the grouped delta from the slots == peft's module output with each token's
-    adapter active (slot 0: the base module), float32, 1e-5."""
+@pytest.fixture(scope="module")
+def mixed(llama, peft_dirs):
+    """Adapter a in slot 1, b in slot 3, slot 2 empty; peft's model with both loaded."""
     path, cfg, targets = llama
     stacks = init_stacks(targets, max_loras=3, max_rank=MAX_RANK, dtype=jnp.float32)
-    for slot, name in ((1, "a"), (3, "b")):   # slot 2 stays empty
+    for slot, name in ((1, "a"), (3, "b")):
         adapter = load_peft_adapter(peft_dirs[name])
         weights = adapter_weights(adapter, targets, cfg, max_rank=MAX_RANK, base_model=path)
         stacks = write_slot(stacks, jnp.int32(slot),
                             slot_weights(weights, adapter.scaling, targets, MAX_RANK, np.float32))
-    target = targets[module]
-    slots = np.array([3, 0, 1, 1, 3, 2, 0, 1, 3, 3, 0], np.int32)
-    x = np.random.default_rng(1).standard_normal((len(slots), target.in_dim)).astype(np.float32)
-
     peft_model = PeftModel.from_pretrained(
         AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), peft_dirs["a"],
         adapter_name="a").eval()
     peft_model.load_adapter(peft_dirs["b"], adapter_name="b")
+    return stacks, peft_model
+
+
+@pytest.mark.parametrize("module", ["layers.1.self_attn.q_proj", "layers.2.self_attn.o_proj",
+                                    "layers.3.mlp.down_proj", "layers.0.mlp.gate_proj"])
+def test_linear_parity_with_peft_mixed_slots(llama, mixed, module):
+    """x @ W + the grouped delta from the slots == peft's module output with each token's
+    adapter active (slot 0: the base module), float32, 1e-5."""
+    _, _, targets = llama
+    stacks, peft_model = mixed
+    target = targets[module]
+    slots = np.array([3, 0, 1, 1, 3, 2, 0, 1, 3, 3, 0], np.int32)
+    x = np.random.default_rng(1).standard_normal((len(slots), target.in_dim)).astype(np.float32)
     layer = peft_model.get_submodule(f"base_model.model.model.{module}")
     with torch.no_grad():
         xt = torch.from_numpy(x)
