@@ -41,6 +41,8 @@ def test_targets_are_the_decoder_linears(kind):
     ups = [t.split for t in targets.values() if t.module in ("q_proj", "up_proj", "in_proj_qkv")]
     downs = [t.split for t in targets.values() if t.module in ("o_proj", "down_proj", "out_proj")]
     assert set(ups) == {SPLIT_OUT} and set(downs) == {SPLIT_IN}
+    # A scanned model (layers stacked per period position) has the same targets.
+    assert lora_targets(build_model(cfg, jnp.float32, scan_layers=True), cfg) == targets
 
 
 def test_deltanet_in_proj_qkv_parity(tmp_path):
