@@ -25,7 +25,7 @@ from sharding.mesh import MODEL
 from sharding.parallel import context_model_axis_size, heads_spec, over_model_axis
 
 # How a projection's delta is split under the mesh (sharded_lora_delta).
-SPLIT_NONE, SPLIT_IN, SPLIT_OUT = None, "in", "out"
+SPLIT_IN, SPLIT_OUT = "in", "out"   # None: replicated
 
 
 class SlotGroups(NamedTuple):
@@ -34,6 +34,7 @@ class SlotGroups(NamedTuple):
     order: jax.Array         # int32[T]: token indices sorted by slot (stable)
     group_sizes: jax.Array   # int32[S]: tokens of each slot
     token_slots: jax.Array   # int32[T]: each token's slot, in sorted order
+    inverse: jax.Array       # int32[T]: where each token sits in the sorted order
 
 
 def group_by_slot(slot_ids: jax.Array, num_slots: int) -> SlotGroups:
@@ -41,7 +42,8 @@ def group_by_slot(slot_ids: jax.Array, num_slots: int) -> SlotGroups:
     slot_ids = slot_ids.astype(jnp.int32)
     order = jnp.argsort(slot_ids, stable=True).astype(jnp.int32)
     sizes = jnp.bincount(slot_ids, length=num_slots).astype(jnp.int32)
-    return SlotGroups(order, sizes, slot_ids[order])
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=jnp.int32))
+    return SlotGroups(order, sizes, slot_ids[order], inverse)
 
 
 def _grouped_delta(x: jax.Array, groups: SlotGroups, a: jax.Array, b: jax.Array,
@@ -55,10 +57,7 @@ def _grouped_delta(x: jax.Array, groups: SlotGroups, a: jax.Array, b: jax.Array,
     h = h * jnp.take(scales.astype(jnp.float32), groups.token_slots)[:, None]
     y = jax.lax.ragged_dot(h.astype(b.dtype), b, groups.group_sizes,
                            preferred_element_type=jnp.float32)          # [T, O]
-    # Back to the tokens' order: row order[i] of the output is sorted row i.
-    inverse = jnp.zeros_like(groups.order).at[groups.order].set(
-        jnp.arange(groups.order.shape[0], dtype=jnp.int32))
-    return jnp.take(y, inverse, axis=0).astype(x.dtype)
+    return jnp.take(y, groups.inverse, axis=0).astype(x.dtype)   # back to the tokens' order
 
 
 def lora_delta(x: jax.Array, groups: SlotGroups, a: jax.Array, b: jax.Array,
@@ -79,7 +78,7 @@ def sharded_lora_delta(x: jax.Array, groups: SlotGroups, a: jax.Array, b: jax.Ar
     split on I, the delta replicated; None: all replicated. Without a mesh (or one
     device on the model axis) this is lora_delta."""
     rep = PartitionSpec()
-    g = SlotGroups(rep, rep, rep)
+    g = SlotGroups(rep, rep, rep, rep)
     if split == SPLIT_OUT:
         fn = over_model_axis(_grouped_delta, in_specs=(rep, g, rep, heads_spec(3, 2), rep),
                              out_specs=heads_spec(2, 1))
