@@ -131,6 +131,12 @@ def test_write_and_clear_slot_in_place(llama, peft_dirs):
     assert not np.any(q["a"][2][:, adapter.rank:]), "rank 4 padded to 8 with zeros"
     stacks = clear_slot(stacks, jnp.int32(2))
     assert not any(np.any(x) for x in jax.tree_util.tree_leaves(stacks))
+    # In place: the compiled writer's outputs are its donated inputs, no stack copied.
+    shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), stacks)
+    ones = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.float32), one)
+    mem = write_slot.lower(shapes, jax.ShapeDtypeStruct((), jnp.int32), ones).compile().memory_analysis()
+    total = sum(x.nbytes for x in jax.tree_util.tree_leaves(stacks))
+    assert mem.alias_size_in_bytes >= 0.99 * total and mem.temp_size_in_bytes < total // 100
 
 
 # ---- refusals, each naming its cause (adapters written by hand: small and fast) --------
