@@ -2,7 +2,6 @@
 can adapt), and the Qwen3.5 DeltaNet's regrouped in_proj_qkv gets peft's delta."""
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
