@@ -1,0 +1,136 @@
+"""The served model's LoRA targets, and an adapter's matrices in their layout.
+
+A target is one linear projection inside a decoder layer: an Einsum kernel of the
+model (models/layers.py), named as the base checkpoint names its module
+("layers.0.self_attn.q_proj", from models/weights.hf_names: one owner of the names).
+Every family's projections come out of the one rule: attention q/k/v/o and the MLP's
+gate/up/down (Llama 3, Qwen3, Gemma 4 and the shared expert of the MoE models), the
+Qwen3.5/3.6 DeltaNet's in_proj_qkv / in_proj_z / in_proj_b / in_proj_a / out_proj.
+Not targets: the routed experts (stacked, not Einsum kernels: refused by name), the
+DeltaNet's depthwise conv1d, the embeddings and lm_head.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from pathlib import PurePath
+
+import flax.linen as nn
+import numpy as np
+from flax.traverse_util import flatten_dict
+
+from models.config import ModelConfig
+from models.lora.adapter import PeftAdapter
+from models.lora.ops import SPLIT_IN, SPLIT_OUT
+from models.weight_names import _group_by_key_head
+from models.weights import abstract_params, hf_names, param_logical_axes
+from sharding.rules import RULES
+
+# Where a checkpoint keeps the decoder (models/weights.py reads the same two).
+_DECODER_PREFIXES = ("model.language_model.", "model.")
+_LAYER = re.compile(r"layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class LoRATarget:
+    """One projection an adapter may adapt. in_dim / out_dim: its kernel's contracted and
+    output axes, each merged (the op's x [T, in_dim] -> [T, out_dim]). split: how the
+    base kernel is split on the model axis (models/lora/ops.py), the delta is split so."""
+    name: str       # "layers.3.self_attn.q_proj"
+    module: str     # "q_proj"
+    layer: int
+    in_dim: int
+    out_dim: int
+    split: str | None
+    regroup_qkv: bool = False   # DeltaNet in_proj_qkv: output channels regrouped per key head
+
+
+def _split(axes: tuple, num_contract: int, rules: dict) -> str | None:
+    split = [rules.get(a) is not None for a in axes]
+    if split[num_contract:][:1] == [True]:
+        return SPLIT_OUT
+    if split[:1] == [True]:
+        return SPLIT_IN
+    if any(split):   # an inner axis split: the merged axis would not split in blocks
+        raise ValueError(f"LoRA cannot follow a kernel split on an inner axis: {axes}")
+    return None
+
+
+def lora_targets(model: nn.Module, cfg: ModelConfig, rules: dict | None = None
+                 ) -> dict[str, LoRATarget]:
+    """name -> target, for every linear projection of the decoder layers, in layer order.
+    rules: logical axis -> mesh axis (sharding/rules.py's table by default)."""
+    rules = RULES if rules is None else rules
+    shapes = flatten_dict(abstract_params(model))
+    axes = flatten_dict(param_logical_axes(model))
+    out: dict[str, LoRATarget] = {}
+    for path, sds in shapes.items():
+        if path[-1] != "kernel" or path[-2] == "conv1d" or not path[0].startswith("layers"):
+            continue
+        names = hf_names(path, cfg, prefix="")
+        spec = tuple(axes[path])[names.ndim:]      # without a scanned model's layer axis
+        inner = sds.shape[names.ndim:]
+        # A kernel contracts its leading "embed" axis, or else all but its last axis
+        # (o_proj [N, H, E], down_proj [F, E], out_proj [Hv, Dv, E]).
+        n = 1 if spec[0] == "embed" else len(inner) - 1
+        for name in names.flat:
+            module_name = name[:-len(".weight")]
+            out[module_name] = LoRATarget(
+                name=module_name, module=module_name.rsplit(".", 1)[1],
+                layer=int(_LAYER.match(module_name).group(1)), in_dim=math.prod(inner[:n]),
+                out_dim=math.prod(inner[n:]), split=_split(spec, n, rules),
+                regroup_qkv=path[-2] == "in_proj_qkv")
+    return dict(sorted(out.items(), key=lambda kv: kv[1].layer))
+
+
+def _same_model(a: str, b: str) -> bool:
+    """A hub id and a local copy of it ("meta-llama/Llama-3.1-8B" vs "/models/Llama-3.1-8B")
+    are the same model: compare the last path components."""
+    last = lambda s: PurePath(s.rstrip("/")).name.lower()
+    return last(a) == last(b)
+
+
+def adapter_weights(adapter: PeftAdapter, targets: dict[str, LoRATarget], cfg: ModelConfig, *,
+                    max_rank: int, base_model: str | None = None
+                    ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """target name -> (A [in_dim, r], B [r, out_dim]) in the model's layout (float32; the
+    scaling is not folded in: adapter.scaling). ValueError naming the cause when the
+    adapter does not fit: its rank above max_rank, a module the model lacks or does not
+    adapt (experts, embeddings), matrices of another model's sizes, or a different base
+    model (`base_model`: the served model's name; compared when both are known)."""
+    where = repr(adapter.path)
+    if adapter.rank > max_rank:
+        raise ValueError(f"LoRA adapter {where}: rank {adapter.rank} is above "
+                         f"--max-lora-rank {max_rank}")
+    if base_model and adapter.base_model and not _same_model(base_model, adapter.base_model):
+        raise ValueError(f"LoRA adapter {where} was trained on {adapter.base_model[:200]!r}, "
+                         f"not on the served model {base_model[:200]!r}")
+    modules = sorted({t.module for t in targets.values()})
+    if isinstance(adapter.target_modules, tuple):
+        lacking = [m for m in adapter.target_modules if m not in modules]
+        if lacking:
+            raise ValueError(f"LoRA adapter {where}: target module(s) {', '.join(lacking)[:200]} "
+                             f"not in the model; its LoRA targets are {', '.join(modules)}")
+    out = {}
+    for module, (a, b) in adapter.tensors.items():
+        name = next((module[len(p):] for p in _DECODER_PREFIXES if module.startswith(p)), module)
+        if ".experts." in f".{name}.":
+            raise ValueError(f"LoRA adapter {where}: LoRA on MoE experts ({name[:120]!r}) is "
+                             f"not supported (attention and the shared-expert MLP are)")
+        target = targets.get(name)
+        if target is None:
+            raise ValueError(f"LoRA adapter {where}: module {module[:120]!r} is not a LoRA "
+                             f"target of the model (its targets: {', '.join(modules)} in "
+                             f"layers 0-{max(t.layer for t in targets.values())})")
+        if a.shape[1] != target.in_dim or b.shape[0] != target.out_dim:
+            raise ValueError(f"LoRA adapter {where}: {name} maps {a.shape[1]} -> {b.shape[0]} "
+                             f"features, the model's {target.in_dim} -> {target.out_dim}: made "
+                             f"for another base model ({adapter.base_model[:200]!r})")
+        b_t = np.asarray(b, np.float32).T
+        if target.regroup_qkv:   # the base kernel's [all q | all k | all v] regrouping
+            b_t = _group_by_key_head(b_t, cfg).reshape(adapter.rank, -1)
+        out[name] = (np.ascontiguousarray(np.asarray(a, np.float32).T), np.ascontiguousarray(b_t))
+    return out
+
+
