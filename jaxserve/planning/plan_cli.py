@@ -35,10 +35,16 @@ def parser() -> argparse.ArgumentParser:
                          "on H100 SXM, 450)")
     ap.add_argument("--target", default=None, help="a TPU (tpu-v5e, tpu-v6e, tpu-v5p): its "
                     "usable HBM per chip; with --compile, the chip to compile for")
-    ap.add_argument("--compile", nargs="?", const="default", choices=("default", "all"),
+    ap.add_argument("--compile", nargs="?", const="default", choices=("default", "all", "decode"),
                     default=None, help="compile the engine's warmup programs for --target on "
                     "this host: the smallest and largest forward token bucket and the costliest "
-                    "sampler (penalties, largest row bucket), or 'all' of them")
+                    "sampler (penalties, largest row bucket), or 'all' of them, or only the "
+                    "decode steps of --decode-rows")
+    ap.add_argument("--decode-rows", default="1", help="with --compile: account the decode "
+                    "step's HBM bytes op by op at these rows, beside the roofline (comma-"
+                    "separated; '' for none)")
+    ap.add_argument("--decode-context", type=int, default=None, help="tokens each decode row "
+                    "reads (default: max_model_len, or the rows' share of the KV pages)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     add_engine_args(ap)   # every engine flag of `jaxserve serve`
     add_vllm_compat_args(ap, ENGINE, "vLLM engine flags without a jaxserve knob")
@@ -100,6 +106,8 @@ def _compile(args: argparse.Namespace, config: EngineConfig) -> None:
               file=sys.stderr, flush=True)
 
     kw = {name: getattr(config, name) for name in FLAGS if name not in _COMPILE_OWN}
+    rows = tuple(int(r) for r in args.decode_rows.split(",") if r.strip())
     report = compile_plan(args.model, target=args.target, mesh=config.mesh or "1x1",
-                          select=args.compile, progress=progress, **kw)
+                          select=args.compile, progress=progress, decode_rows=rows,
+                          decode_context=args.decode_context, **kw)
     print(json.dumps(report.to_json()) if args.json else format_report(report))
