@@ -201,3 +201,21 @@ def test_decode_step_bytes_are_within_15_percent_of_the_roofline(decode_report):
         assert shares == sorted(shares, reverse=True) and min(shares) > 0.01
         # XLA's own figure, an upper bound, is kept beside it
         assert d["compiler_bytes_accessed"] > d["step_bytes"]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--decode-rows", "1,64"], "--decode-rows and --decode-context need --compile"),
+    (["--decode-context", "512"], "--decode-rows and --decode-context need --compile"),
+    (["--target", "tpu-v6e", "--compile", "decode", "--decode-rows", "1,x"],
+     "--decode-rows '1,x': expected comma-separated row counts"),
+    (["--target", "tpu-v6e", "--compile", "--max-num-seqs", "16", "--decode-rows", "64"],
+     "--decode-rows 64: each must be 1 to --max-num-seqs (16)"),
+    (["--target", "tpu-v6e", "--compile", "--max-model-len", "2048", "--decode-context",
+      "4096"], "--decode-context 4096: must be 1 to --max-model-len (2048)"),
+])
+def test_decode_flags_are_refused_where_they_would_do_nothing(argv, message, capsys):
+    """Refused before anything is built or compiled, naming the flag."""
+    from jaxserve.planning.plan import main
+    with pytest.raises(SystemExit) as e:
+        main(["--model", "llama-3.1-8b", *argv])
+    assert e.value.code == 2 and message in capsys.readouterr().err
