@@ -251,3 +251,24 @@ def new_figure(ncols: int, width: float = 5.0, height: float = 4.0):
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, ncols, figsize=(width * ncols, height), squeeze=False)
     return plt, fig, list(axes[0])
+
+
+class ProgressiveResults:
+    """One results document rewritten after every measurement (`save`), so a run stopped
+    by its time limit still leaves what it had measured: a GPU session guards each step
+    with a timeout, and a step's late figures must not take its early ones with it.
+    `results["complete"]` turns true in the last save (`done`)."""
+
+    def __init__(self, path: str, *, benchmark: str, argv: Sequence[str],
+                 config: dict[str, Any]) -> None:
+        self.path, self.benchmark, self.argv, self.config = path, benchmark, list(argv), config
+        self.results: dict[str, Any] = {"complete": False}
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+
+    def save(self, **results: Any) -> None:
+        self.results.update(results)
+        write_json(self.path, build_document(benchmark=self.benchmark, argv=self.argv,
+                                             config=self.config, results=self.results))
+
+    def done(self, **results: Any) -> None:
+        self.save(**results, complete=True)

@@ -20,3 +20,16 @@ def compile_on_tpu(fn, *args: jax.ShapeDtypeStruct, target: str = "tpu-v6e",
               for a, s in zip(args, specs, strict=True)]
     with jax.set_mesh(abstract):
         return jax.jit(fn, donate_argnums=donate_argnums).lower(*placed).compile()
+
+
+def hlo_lines(hlo: str) -> list[str]:
+    """The compiled program's text, one instruction per line: a Pallas kernel's metadata
+    (kernel_metadata={...}) spans several lines, joined here to its instruction's."""
+    out: list[str] = []
+    for line in hlo.splitlines():
+        if out and line and line.rstrip() != "}" and not line.startswith(
+                ("  ", "%", "ENTRY", "HloModule")):
+            out[-1] += line.strip()
+        else:
+            out.append(line)
+    return out

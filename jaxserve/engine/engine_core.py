@@ -99,6 +99,8 @@ class EngineCore:
                              f"make_engine builds D replicas")
         self.config = config = config.for_platform(self.mesh.devices.flat[0].platform)
         self.layout = layout = engine_layout(config, mc, self.mesh)
+        for choice in layout.kernels:   # decided once, here: never a silent fallback
+            (logger.warning if choice.fallback else logger.info)("%s", choice.describe())
         # Several processes (multi-host): process 0 schedules and publishes each step.
         self.channel = None
         if jax.process_count() > 1:

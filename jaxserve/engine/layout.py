@@ -16,6 +16,8 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxserve.config import EngineConfig
+from jaxserve.engine.kernel_choice import (KernelChoice, choose_attention,
+                                           choose_linear_attention, choose_matmul)
 from jaxserve.planning.cache_plan import CachePlan, plan_caches, require_one_sequence
 from jaxserve.planning.kv_budget import DeviceMemory, activation_bytes, cache_budget_bytes
 from jaxserve.runner.model_runner import ModelRunner
@@ -24,8 +26,7 @@ from models.cache_spec import CacheSpec, layer_cache_specs
 from models.config import ModelConfig, WeightQuant, resolve_weight_quant
 from models.registry import build_model, compute_dtype, resolve_dtype, resolve_kv_dtype
 from models.weights import param_logical_axes
-from pallas_kernels.ragged_paged_attention import (is_quantized, kv_cache_dtype_error,
-                                                    resolve_backend)
+from pallas_kernels.ragged_paged_attention import is_quantized, resolve_backend
 from sharding import (MODEL, check_model_axis, mesh_rules, param_shardings,
                       with_stored_kv_heads)
 
@@ -53,6 +54,8 @@ class EngineLayout:
     # dtype (XLA:CPU has no 16-bit float arithmetic: models/weights.widen_params).
     # The weights are read and converted in `dtype`; the KV cache stays kv_dtype.
     compute_dtype: Any = None
+    # What runs each part, per layer group (engine/kernel_choice.py), for the start-up log.
+    kernels: tuple[KernelChoice, ...] = ()
 
     @property
     def run_config(self) -> ModelConfig:
@@ -94,16 +97,16 @@ def layout_for(config: EngineConfig, mc: ModelConfig, platform: str, m: int, *,
     stored = with_stored_kv_heads(mc, m)
     compute = compute_dtype(dtype, platform)
     specs = layer_cache_specs(stored, kv_dtype=kv_dtype, conv_state_dtype=compute)
-    backend = resolve_backend(config.attention_backend, platform)
+    # Every kernel is chosen here, once: a combination no kernel takes is refused or
+    # falls back with a log line (engine/kernel_choice.py), never silently.
+    backend, attention = choose_attention(
+        stored, platform=platform, requested=config.attention_backend,
+        backend=resolve_backend(config.attention_backend, platform), kv_dtype=kv_dtype,
+        page_size=config.page_size, num_heads=mc.num_heads, refuse=check_kernels)
+    kernels = (attention + choose_linear_attention(stored, platform=platform, backend=backend)
+               + choose_matmul(mc, dtype=dtype, compute_dtype=compute,
+                               weight_quant=weight_quant))
     for layer in attention_shapes(stored) if check_kernels else ():
-        if is_quantized(kv_dtype):   # a kernel that cannot read it is an error
-            why = kv_cache_dtype_error(kv_dtype, platform=platform, backend=backend,
-                                       head_dim=stored.layer_head_dim(layer),
-                                       num_heads=mc.num_heads,
-                                       num_kv_heads=stored.layer_num_kv_heads(layer),
-                                       page_size=config.page_size)
-            if why:
-                raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r}: {why}")
         if platform == "tpu" and backend == "pallas":
             why = tpu_kernel_limit_error(mc, stored.layer_num_kv_heads(layer),
                                          num_tokens=config.num_batched_tokens,
@@ -117,7 +120,7 @@ def layout_for(config: EngineConfig, mc: ModelConfig, platform: str, m: int, *,
     return EngineLayout(mc, dtype, kv_dtype, weight_quant, max_model_len, m, stored.num_kv_heads,
                         stored.full_num_kv_heads, backend, mesh_rules(mc, m, ep), specs, act,
                         config.scan_layers, spec.num_speculative_tokens if spec else 0, ep,
-                        compute)
+                        compute, kernels)
 
 
 def attention_shapes(mc: ModelConfig) -> list[int]:

@@ -12,7 +12,7 @@ import json
 import sys
 
 from jaxserve.checkpoints.model_configs import ALIASES
-from jaxserve.config import ConfigError, EngineConfig
+from jaxserve.config import ConfigError, EngineConfig, default_max_num_seqs
 from jaxserve.engine_args import (FLAGS, add_engine_args, add_vllm_compat_args,
                                   check_vllm_compat, config_error, engine_kwargs)
 from jaxserve.planning.plan import (DEFAULT_LINK_GBPS, format_plan, load_model_config,
@@ -35,10 +35,16 @@ def parser() -> argparse.ArgumentParser:
                          "on H100 SXM, 450)")
     ap.add_argument("--target", default=None, help="a TPU (tpu-v5e, tpu-v6e, tpu-v5p): its "
                     "usable HBM per chip; with --compile, the chip to compile for")
-    ap.add_argument("--compile", nargs="?", const="default", choices=("default", "all"),
+    ap.add_argument("--compile", nargs="?", const="default", choices=("default", "all", "decode"),
                     default=None, help="compile the engine's warmup programs for --target on "
                     "this host: the smallest and largest forward token bucket and the costliest "
-                    "sampler (penalties, largest row bucket), or 'all' of them")
+                    "sampler (penalties, largest row bucket), or 'all' of them, or only the "
+                    "decode steps of --decode-rows")
+    ap.add_argument("--decode-rows", default=None, help="with --compile: account the decode "
+                    "step's HBM bytes op by op at these rows, beside the roofline (comma-"
+                    "separated; default 1; '' for none)")
+    ap.add_argument("--decode-context", type=int, default=None, help="tokens each decode row "
+                    "reads (default: max_model_len, or the rows' share of the KV pages)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     add_engine_args(ap)   # every engine flag of `jaxserve serve`
     add_vllm_compat_args(ap, ENGINE, "vLLM engine flags without a jaxserve knob")
@@ -68,7 +74,9 @@ def main(argv: list[str] | None = None) -> None:
         if args.compile:
             if not args.target:
                 raise ValueError("--compile needs --target (tpu-v5e, tpu-v6e or tpu-v5p)")
-            return _compile(args, config)
+            return _compile(args, config, decode_rows(args, config))
+        if args.decode_rows is not None or args.decode_context is not None:
+            raise ValueError("--decode-rows and --decode-context need --compile")
         hbm = _target_hbm(args.target) if args.target else \
             parse_bytes(args.hbm) if args.hbm else None
         plan = plan_from_config(config, load_model_config(args.model), hbm_bytes=hbm,
@@ -77,6 +85,26 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as e:
         ap.exit(2, f"error: {e}\n")
     print(json.dumps(plan.to_json()) if args.json else format_plan(plan))
+
+
+def decode_rows(args: argparse.Namespace, config: EngineConfig) -> tuple[int, ...]:
+    """--decode-rows as row counts the engine can decode, --decode-context checked too."""
+    text = "1" if args.decode_rows is None else args.decode_rows
+    try:
+        rows = tuple(int(r) for r in text.split(",") if r.strip())
+    except ValueError:
+        raise ValueError(f"--decode-rows {text[:40]!r}: expected comma-separated row "
+                         f"counts, e.g. 1,64,256") from None
+    most = config.max_num_seqs or default_max_num_seqs("tpu")
+    for r in rows:
+        if not 1 <= r <= most:
+            raise ValueError(f"--decode-rows {r}: each must be 1 to --max-num-seqs ({most})")
+    ctx = args.decode_context
+    if ctx is not None and config.max_model_len is not None \
+            and not 1 <= ctx <= config.max_model_len:
+        raise ValueError(f"--decode-context {ctx}: must be 1 to --max-model-len "
+                         f"({config.max_model_len})")
+    return rows
 
 
 def _target_hbm(target: str) -> int:
@@ -90,7 +118,7 @@ _COMPILE_OWN = ("mesh", "tensor_parallel_size", "data_parallel_size", "load_form
                 "compilation_cache_dir")
 
 
-def _compile(args: argparse.Namespace, config: EngineConfig) -> None:
+def _compile(args: argparse.Namespace, config: EngineConfig, rows: tuple[int, ...]) -> None:
     """--compile: build the engine for --target, compile, print the report."""
     from jaxserve.planning.plan_compile import compile_plan, format_report
 
@@ -101,5 +129,6 @@ def _compile(args: argparse.Namespace, config: EngineConfig) -> None:
 
     kw = {name: getattr(config, name) for name in FLAGS if name not in _COMPILE_OWN}
     report = compile_plan(args.model, target=args.target, mesh=config.mesh or "1x1",
-                          select=args.compile, progress=progress, **kw)
+                          select=args.compile, progress=progress, decode_rows=rows,
+                          decode_context=args.decode_context, **kw)
     print(json.dumps(report.to_json()) if args.json else format_report(report))

@@ -1,7 +1,7 @@
 """`python -m jaxserve.plan --compile`: the engine's programs compiled for a TPU.
 
     python -m jaxserve.plan --model qwen3.6-27b --mesh 1x8 --target tpu-v6e \\
-        --max-model-len 8192 --compile [all] [--json]
+        --max-model-len 8192 --compile [all|decode] [--decode-rows 1,64,256] [--json]
 
 One replica is built exactly as EngineCore builds it (engine/layout.py: dtypes, KV
 heads, attention backend for the TPU, the KV page count from the target's HBM and
@@ -17,6 +17,11 @@ everything resident (weights, KV pages, state) + its inputs + its non-aliased ou
 after loading the weights; here it is the chip's published HBM less the weights'
 bytes per device (a real chip reserves some HBM for the runtime, so a live engine
 gets a little fewer pages).
+
+With decode rows (--decode-rows), the decode step of that many rows (the forward at
+their token bucket and the greedy sampler at their row bucket) is compiled too and its
+HBM traffic accounted op by op (planning/step_bytes.py), beside the roofline bytes:
+`decode` in the report, each with step_bytes, roofline_bytes and top_ops.
 """
 from __future__ import annotations
 
@@ -39,9 +44,12 @@ from jaxserve.engine.layout import (EngineLayout, build_layout_model, engine_lay
 from jaxserve.planning.cache_plan import CachePlan
 from jaxserve.planning.plan import load_model_config, plan_from_config
 from jaxserve.planning.plan_format import _gib
+from jaxserve.planning.hlo_text import Module, parse_module
+from jaxserve.planning.step_bytes import decode_step, roofline
+from jaxserve.runner.buckets import pick_bucket
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.runner.parallel_compile import compile_all, default_compile_workers
-from jaxserve.runner.programs import DRAFT, FORWARD, PENALTIES, SAMPLE, Program
+from jaxserve.runner.programs import DRAFT, FORWARD, GREEDY, PENALTIES, SAMPLE, Program
 from models.weights import placed_abstract_params
 from sharding import bytes_per_device, replica_meshes
 from sharding.mesh import parse_mesh
@@ -91,6 +99,7 @@ class CompileReport:
                                          # are then shared time on this host's cores)
     wall_seconds: float = 0.0            # compiling them all, start to end
     error: str | None = None             # why the engine could not be built
+    decode: tuple[dict[str, Any], ...] = ()   # step_bytes.DecodeStep.to_json() per rows
 
     @property
     def fits(self) -> bool:
@@ -121,6 +130,22 @@ def default_selection(programs: list[Program]) -> list[Program]:
     picked += [p for p in programs if p.kind == DRAFT and p.pages == widest
                and p.tokens in (tokens[0], tokens[-1])]
     return picked
+
+
+def decode_programs(programs: list[Program], rows: int) -> list[Program]:
+    """What a decode step of `rows` rows runs: the forward at their token bucket (the
+    widest page table) and the greedy sampler at their row bucket."""
+    forwards = [p for p in programs if p.kind == FORWARD]
+    widest = max(p.pages for p in forwards)
+    tokens = pick_bucket(tuple(sorted({p.tokens for p in forwards})), rows)
+    greedy = [p for p in programs if p.kind == SAMPLE and p.mode == GREEDY]
+    row_bucket = pick_bucket(tuple(sorted({p.rows for p in greedy})), rows)
+    return ([p for p in forwards if p.pages == widest and p.tokens == tokens]
+            + [p for p in greedy if p.rows == row_bucket])
+
+
+def _label(p: Program) -> str:
+    return f"{p.name}[t={p.tokens}]" if p.tokens is not None else f"{p.name}[r={p.rows}]"
 
 
 def _input_bytes(runner: ModelRunner, args: tuple) -> int:
@@ -155,11 +180,12 @@ class SerialAfterFailure:
 
 
 def compile_program(runner: ModelRunner, program: Program, resident_bytes: int,
-                    gate: SerialAfterFailure) -> ProgramResult:
+                    gate: SerialAfterFailure, texts: dict[str, Module] | None = None
+                    ) -> ProgramResult:
     """Lower and compile one program; a failure (e.g. RESOURCE_EXHAUSTED) is reported,
     with the error's first lines, not raised. resident_bytes: per device, what the
     engine holds throughout (weights, KV pages, state). gate: shared by the programs of
-    one compile_plan."""
+    one compile_plan. texts: where to keep the parsed compiled program, by _label."""
     start = time.perf_counter()
     try:
         with gate.turn():
@@ -171,6 +197,8 @@ def compile_program(runner: ModelRunner, program: Program, resident_bytes: int,
                              time.perf_counter() - start,
                              error=f"{type(e).__name__}: " + "\n".join(lines))
     seconds = time.perf_counter() - start
+    if texts is not None:
+        texts[_label(program)] = parse_module(compiled.as_text())
     inputs = _input_bytes(runner, program.args())
     ma = compiled.memory_analysis()
     cost = compiled.cost_analysis() or {}
@@ -225,11 +253,15 @@ def build_abstract_engine(config: EngineConfig, mc, mesh, hbm_bytes: int) -> Abs
 def compile_plan(model: str, *, target: str, mesh: str = "1x1",
                  select: str | Callable[[list[Program]], list[Program]] = "default",
                  progress: Callable[[ProgramResult], None] | None = None,
-                 workers: int | None = None, **engine_kw: Any) -> CompileReport:
+                 workers: int | None = None, decode_rows: tuple[int, ...] = (),
+                 decode_context: int | None = None, **engine_kw: Any) -> CompileReport:
     """Build the engine for `target` and compile the selected warmup programs: "default"
-    (default_selection), "all", or a function picking from warmup's list, `workers` at a
-    time as warmup does (None: parallel_compile.default_compile_workers()). engine_kw:
-    EngineConfig fields (max_model_len, max_num_seqs, hbm_utilization, dtype, ...)."""
+    (default_selection), "all", "decode" (only the decode steps'), or a function picking
+    from warmup's list, `workers` at a time as warmup does (None:
+    parallel_compile.default_compile_workers()). decode_rows: account the decode step of
+    each many rows (module doc), at decode_context tokens per row (None: max_model_len,
+    or the whole pages of the rows' equal share of the KV cache). engine_kw: EngineConfig fields
+    (max_model_len, max_num_seqs, hbm_utilization, dtype, ...)."""
     # The engine sizes its cache from what the runtime reports (bytes_limit), the HBM
     # less the runtime's share: the compiler's "available HBM".
     hbm = tpu_target(target).usable_hbm_bytes
@@ -253,15 +285,28 @@ def compile_plan(model: str, *, target: str, mesh: str = "1x1",
         return replace(base, error=f"{type(e).__name__}: {e}")
     plan = plan_from_config(config, mc, hbm_bytes=hbm, platform="tpu", label=model)
     chosen = (eng.programs if select == "all" else default_selection(eng.programs)
-              if select == "default" else select(eng.programs))
+              if select == "default" else [] if select == "decode" else select(eng.programs))
+    steps = {r: decode_programs(eng.programs, r) for r in decode_rows}
+    for p in (p for ps in steps.values() for p in ps):
+        if p not in chosen:
+            chosen.append(p)
+    if not chosen:
+        raise ValueError("--compile decode needs --decode-rows")
     resident = eng.weight_bytes_per_device + bytes_per_device(eng.runner.kv_caches)
     workers = default_compile_workers() if workers is None else workers
     start = time.perf_counter()
     gate = SerialAfterFailure()
-    results = compile_all(chosen, lambda prog: compile_program(eng.runner, prog, resident, gate),
+    texts: dict[str, Module] = {}
+    keep = {_label(p) for ps in steps.values() for p in ps}
+    results = compile_all(chosen, lambda prog: compile_program(
+                              eng.runner, prog, resident, gate,
+                              texts if _label(prog) in keep else None),
                           workers=workers,
                           on_done=None if progress is None else lambda _, r, __: progress(r))
     wall = time.perf_counter() - start
+    by_label = {_label(p): r for p, r in zip(chosen, results)}
+    decode = tuple(account_decode(eng, mc, rows, progs, texts, by_label, decode_context)
+                   for rows, progs in steps.items())
     return replace(
         base, num_pages=eng.cache_plan.num_pages,
         weight_bytes_per_device=eng.weight_bytes_per_device,
@@ -269,7 +314,35 @@ def compile_plan(model: str, *, target: str, mesh: str = "1x1",
         state_bytes_per_device=eng.cache_plan.state_bytes,
         planner_bytes_per_device=plan.weight_bytes_per_device + plan.cache.total_bytes,
         warmup_programs=len(eng.programs), programs=tuple(results), compile_workers=workers,
-        wall_seconds=wall)
+        wall_seconds=wall, decode=decode)
+
+
+def account_decode(eng: AbstractEngine, mc, rows: int, progs: list[Program],
+                   texts: dict[str, Module], results: dict[str, ProgramResult],
+                   context: int | None) -> dict[str, Any]:
+    """One decode step's accounted bytes beside its roofline (planning/step_bytes.py)."""
+    labels = [_label(p) for p in progs]
+    # Default: max_model_len, or as many whole pages as each row's equal share of the
+    # cache holds (a part page would make the rows need more pages than there are).
+    plan = eng.cache_plan
+    context = context or min(eng.layout.max_model_len,
+                             plan.kv_tokens // plan.page_size // rows * plan.page_size)
+    if any(lb not in texts for lb in labels):
+        return {"rows": rows, "context": context, "programs": labels,
+                "error": "a program of the step did not compile"}
+    params = eng.runner.params
+    embed = params.get("embed_tokens", {}).get("embedding") if isinstance(params, dict) \
+        else None
+    untied = embed is not None and not mc.tie_word_embeddings
+    roof = roofline(weight_bytes=eng.weight_bytes_per_device,
+                    embedding_bytes=bytes_per_device(embed) if untied else 0,
+                    hidden_row_bytes=mc.hidden_size * embed.dtype.itemsize if untied else 0,
+                    specs=eng.layout.cache_specs, model_axis=eng.layout.model_axis,
+                    rows=rows, context=context)
+    compiler = [results[lb].bytes_accessed for lb in labels]
+    step = decode_step([(lb, texts[lb]) for lb in labels], roof, rows=rows, context=context,
+                       compiler_bytes=sum(compiler) if None not in compiler else None)
+    return step.to_json()
 
 
 def format_report(r: CompileReport) -> str:
@@ -302,4 +375,23 @@ def format_report(r: CompileReport) -> str:
               f"with everything resident beside it, the weights and caches it does not take)",
               f"  fits: {'yes' if r.fits else 'no'}{why} (the engine starts when every program "
               f"compiles with a device peak within the {_gib(r.hbm_bytes)} of HBM)"]
-    return "\n".join(lines)
+    return "\n".join(lines + [ln for d in r.decode for ln in format_decode(d)])
+
+
+def format_decode(d: dict[str, Any]) -> list[str]:
+    head = f"  decode step, {d['rows']} rows at context {d['context']:,}"
+    if d.get("error"):
+        return [f"{head}: {d['error']}"]
+    roof = d["roofline"]
+    lines = [f"{head} ({' + '.join(d['programs'])}): {_gib(d['step_bytes'])} moved, "
+             f"{d['ratio']:.2f}x the roofline {_gib(d['roofline_bytes'])} (weights "
+             f"{_gib(roof['weight_bytes'])} + KV read {_gib(roof['kv_read_bytes'])} + "
+             f"written {_gib(roof['kv_write_bytes'])} + state {_gib(roof['state_bytes'])})"]
+    lines += [f"    {o['share']:6.1%} {_gib(o['total']):>11} {o['opcode']:12} x{o['runs']:<4} "
+              f"{o['op_name'][-60:]}{' (' + o['how'] + ')' if o['how'] else ''}"
+              for o in d["top_ops"]]
+    if d["dynamic_loops"]:
+        lines.append(f"    not run by decode rows: {len(d['dynamic_loops'])} loops of input-set "
+                     f"trip counts, {_gib(sum(x['bytes_per_trip'] for x in d['dynamic_loops']))}"
+                     f" per trip of each")
+    return lines

@@ -48,9 +48,14 @@ def ragged_causal_conv1d(x: jax.Array, weight: jax.Array, conv_state: jax.Array,
     if query_start_loc.shape != (num_rows + 1,) or has_initial_state.shape != (num_rows,):
         raise ValueError(f"query_start_loc {query_start_loc.shape} / has_initial_state "
                          f"{has_initial_state.shape}: expected ({num_rows + 1},), ({num_rows},)")
-    qsl = query_start_loc.astype(jnp.int32)
+    # Every row of a step computes at least one token (the KV cache manager refuses 0),
+    # so only the first min(R, T) rows can be live: the states are gathered and
+    # scattered for those alone (a 16-token decode bucket touches 16 slots, not R).
+    num_rows = min(num_rows, num_tokens)
+    qsl = query_start_loc[:num_rows + 1].astype(jnp.int32)
     num_seqs = num_seqs.astype(jnp.int32)
-    slots = state_slots.astype(jnp.int32)
+    slots = state_slots[:num_rows].astype(jnp.int32)
+    has_initial_state = has_initial_state[:num_rows]
     row, pos, valid = token_rows(qsl, num_seqs, num_tokens, num_rows)
 
     # Only R histories are read (a small gather); fresh rows see zeros whatever the slot holds.

@@ -17,12 +17,15 @@ impl="pallas": the single-token (decode) rows go through a Pallas kernel chosen
 from __future__ import annotations
 
 import functools
+import logging
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.gated_delta import gpu, ragged, tpu
+
+logger = logging.getLogger(__name__)
 
 IMPLS = ("reference", "pallas")
 
@@ -39,6 +42,10 @@ def _pallas_decode_step(interpret, head_k: int, head_v: int) -> ragged.DecodeSte
     if interpret is not False:
         raise ValueError(f"interpret={interpret!r}: expected False, True, 'tpu' or 'gpu'")
     on_gpu = gpu.decode_step_gpu if gpu_ok else ragged.decode_step_reference
+    if not gpu_ok and jax.default_backend() == "gpu":   # never a silent fallback
+        logger.warning("ragged_gated_delta_rule(impl='pallas') on this GPU runs the jnp "
+                       "decode step: the Mosaic GPU kernel needs Dk %% 64 == 0 and Dv %% %d "
+                       "== 0, got Dk=%d, Dv=%d", gpu.COL_BLOCK, head_k, head_v)
 
     def step(*args):
         return lax.platform_dependent(*args, cuda=on_gpu, tpu=tpu.decode_step_tpu,

@@ -163,6 +163,9 @@ def decode_step_tpu(states, slots, write, qd, kd, vd, gd, bd, has_initial_state,
         input_output_aliases={NUM_SCALAR_PREFETCH + 4: 1},
         # Rows must run in order on one core: steps past n rely on the previous block.
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary", "arbitrary")),
+        # Names the kernel and its row bucket in the compiled program (the step-bytes
+        # accounting scales the estimate to the rows a step decodes).
+        metadata={"jaxserve_kernel": "gated_delta_decode", "rows": str(num_rows)},
         cost_estimate=decode_cost(num_rows=num_rows, num_heads=num_heads, head_k=head_k,
                                   head_v=head_v, num_slots=states.shape[0]),
         interpret=interpret,

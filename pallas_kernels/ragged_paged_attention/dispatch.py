@@ -8,7 +8,9 @@ impl="pallas": the kernel for the platform the computation is *lowered* for,
   and platforms=["tpu"] both work from a CPU-only machine:
     cuda -> gpu.py (Mosaic GPU) when gpu.supports(...) (bf16/f16 at head_dim
             64/128/256/512, fp8/int8 at 64/128/256), else the reference
-            (kv_cache_dtype_error says so, for the engine's start-up);
+            (kv_cache_dtype_error says so, for the engine's start-up, which refuses
+            or logs it: jaxserve/engine/kernel_choice.py; traced on a GPU, the
+            fallback is also logged here);
     tpu  -> tpu.py (Mosaic TPU);
     anything else (cpu, rocm) -> the reference.
   interpret=True (or "tpu") runs the TPU kernel body in Pallas TPU interpret
@@ -30,6 +32,8 @@ Multi-platform export (e.g. platforms=["cpu", "cuda"]) is not possible: jax
 """
 from __future__ import annotations
 
+import logging
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -38,6 +42,8 @@ from pallas_kernels.ragged_paged_attention import gpu, paged_loop, reference, tp
 from pallas_kernels.held_dtypes import as_values
 from pallas_kernels.ragged_paged_attention.cache import cache_dims, check_kv_scale
 from pallas_kernels.ragged_paged_attention.quant import is_quantized
+
+logger = logging.getLogger(__name__)
 
 IMPLS = ("pallas", "xla", "reference")
 # Engine-level names (EngineConfig.attention_backend) -> (impl, interpret).
@@ -147,6 +153,11 @@ def _attend(q, cache, kv_lens, page_table, query_start_loc, num_seqs, *, sm_scal
     if interpret is not False:
         raise ValueError(f"interpret={interpret!r}: expected False, True, 'tpu' or 'gpu'")
 
+    if not gpu_ok and jax.default_backend() == "gpu":   # never a silent fallback
+        logger.warning("ragged_paged_attention(impl='pallas') on this GPU runs the jnp "
+                       "reference: %s", kv_cache_dtype_error(
+                           cache.dtype, platform="gpu", backend="pallas", head_dim=head_dim,
+                           num_heads=q.shape[1], num_kv_heads=num_kv, page_size=page_size))
     ref = lambda *a: reference.ragged_paged_attention(*a, **kw)
     on_gpu = (lambda *a: gpu.ragged_paged_attention_gpu(*a, **kw)) if gpu_ok else ref
     on_tpu = lambda *a: tpu.ragged_paged_attention_tpu(*a, **kw)

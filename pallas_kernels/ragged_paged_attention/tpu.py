@@ -309,6 +309,10 @@ def ragged_paged_attention_tpu(q, cache, kv_lens, page_table, query_start_loc, n
             ],
         ),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
+        # Names the kernel in the compiled program (jaxserve/planning/step_bytes.py
+        # accounts its KV reads at the rows' real context).
+        metadata={"jaxserve_kernel": "ragged_paged_attention",
+                  "sliding_window": str(sliding_window or 0)},
         cost_estimate=cost.attention_cost(
             num_tokens=num_tokens, num_heads=num_heads, head_dim=head_dim,
             num_rows=page_table.shape[0], pages_per_req=pages_per_req, page_size=page_size,

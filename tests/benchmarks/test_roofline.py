@@ -54,3 +54,17 @@ def test_cli_without_matplotlib_exits_0_with_results_and_a_warning(tmp_path):
     assert not (tmp_path / "roofline.png").exists()
     assert "roofline.png not drawn: matplotlib is not installed" in run.stderr
     assert 'pip install -e ".[bench]"' in run.stderr
+
+
+def test_roofline_takes_several_matmul_dtypes(tmp_path):
+    """--dtype a,b: a peak per dtype; the first is the one MFU reads (matmul_tflops)."""
+    main(["--copy-mib", "1", "--matmul-sizes", "64", "--iters", "1", "--dtype",
+          "float32,bfloat16", "--output-dir", str(tmp_path)])
+    doc = json.loads((tmp_path / "roofline.json").read_text())
+    assert [(m["dtype"], m["n"]) for m in doc["results"]["matmul"]] == [("float32", 64),
+                                                                         ("bfloat16", 64)]
+    best = doc["results"]["best"]
+    by_dtype = best["matmul_tflops_by_dtype"]
+    assert set(by_dtype) == {"float32", "bfloat16"} and all(t > 0 for t in by_dtype.values())
+    assert best["matmul_tflops"] == by_dtype["float32"] and best["matmul_dtype"] == "float32"
+    assert "best matmul bfloat16" in (tmp_path / "roofline.md").read_text()

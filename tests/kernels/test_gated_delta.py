@@ -402,3 +402,42 @@ def test_ragged_causal_conv1d():
     live = batch.qsl[-1]
     assert_close(f32(y16)[:live], np.asarray(y32)[:live], tol=1e-2)
     np.testing.assert_array_equal(f32(state16)[list(touched)], np.asarray(state32)[list(touched)])
+
+
+def test_conv_states_of_a_decode_bucket_touch_one_slot_per_token():
+    """A decode step's token bucket T is far smaller than the engine's R rows: the conv
+    states are gathered and scattered for the first min(R, T) rows only (each row of a
+    step computes >= 1 token, so no other row is live), not R slots per layer and step
+    (the TPU step-bytes accounting found R x the conv state read at batch 1)."""
+    rng = np.random.default_rng(5)
+    tokens, rows, slots_n = 4, 64, 80
+    live = 3                                              # three decodes, one padding token
+    qsl = np.minimum(np.arange(rows + 1), live).astype(np.int32)
+    slots = np.zeros(rows, np.int32)
+    slots[:live] = [7, 2, 11]
+    has_init = np.zeros(rows, bool)
+    has_init[:live] = [True, False, True]
+    x = rng.standard_normal((tokens, CH)).astype(np.float32)
+    w = rng.standard_normal((KC, CH)).astype(np.float32) * 0.5
+    conv_state = rng.standard_normal((slots_n, KC - 1, CH)).astype(np.float32)
+    args = (x, w, jnp.asarray(_to_slots(conv_state)), slots, qsl, np.array([live], np.int32),
+            has_init)
+    y, new_state = jax.jit(ragged_causal_conv1d)(*args)
+    new_state = _from_slots(new_state)
+    for r in range(live):
+        hist = conv_state[slots[r]] if has_init[r] else np.zeros((KC - 1, CH), np.float32)
+        want_y, want_state = _conv_oracle(x[r:r + 1], w, hist)
+        assert_close(np.asarray(y)[r:r + 1], want_y, msg=f"row {r}")
+        assert_close(new_state[slots[r]], want_state, msg=f"row {r} state")
+    others = [s for s in range(slots_n) if s not in slots[:live]]
+    np.testing.assert_array_equal(new_state[others], conv_state[others])
+    # The jaxpr's gather from and scatter into the state table move T rows, not R.
+    jaxpr = jax.make_jaxpr(ragged_causal_conv1d)(*args).jaxpr
+    state_in = jaxpr.invars[2]
+    moved = [e for e in jaxpr.eqns if e.primitive.name in ("gather", "scatter")
+             and e.invars[0] is state_in]
+    assert {e.primitive.name for e in moved} == {"gather", "scatter"}
+    for e in moved:
+        rows_moved = e.outvars[0].aval.shape[0] if e.primitive.name == "gather" \
+            else e.invars[2].aval.shape[0]
+        assert rows_moved == tokens, e

@@ -21,7 +21,7 @@ import pytest
 from jax import export
 
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention, write_kv
-from tests.tpu_compile import compile_on_tpu
+from tests.tpu_compile import compile_on_tpu, hlo_lines
 
 CONTEXT = 262_144
 SHAPES = {  # name: (T, R, pages per request, kv heads, group, head_dim, page size, pages)
@@ -49,7 +49,7 @@ def _attend(q, cache, kv_lens, table, qsl, num_seqs, kv_scale, **kw):
 def _cache_lines(hlo: str, cache_shape, dtype) -> list[str]:
     """Instructions whose result has the cache's shape and dtype."""
     text = "{}[{}]".format(HLO_DTYPE[jnp.dtype(dtype)], ",".join(map(str, cache_shape)))
-    return [ln for ln in hlo.splitlines() if re.search(r"= " + re.escape(text) + r"\{", ln)]
+    return [ln for ln in hlo_lines(hlo) if re.search(r"= " + re.escape(text) + r"\{", ln)]
 
 
 @pytest.mark.parametrize("target,dtype", [
@@ -61,7 +61,7 @@ def test_kernel_compiles_for_tpu_reading_the_narrow_cache(shape, target, dtype):
     args = _args(*SHAPES[shape], dtype)
     compiled = compile_on_tpu(functools.partial(_attend, impl="pallas"), *args, target=target)
     hlo = compiled.as_text()
-    kernel = [ln for ln in hlo.splitlines() if 'custom_call_target="tpu_custom_call"' in ln]
+    kernel = [ln for ln in hlo_lines(hlo) if 'custom_call_target="tpu_custom_call"' in ln]
     assert len(kernel) == 1
     narrow = "{}[{}]".format(HLO_DTYPE[jnp.dtype(dtype)], ",".join(map(str, args[1].shape)))
     assert narrow in kernel[0]                       # the kernel's operand is the stored cache

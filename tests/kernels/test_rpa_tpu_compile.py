@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import pytest
 
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
-from tests.tpu_compile import compile_on_tpu
+from tests.tpu_compile import compile_on_tpu, hlo_lines
 
 CONTEXT = 262_144
 SHAPES = [  # (name, T, R, pages per request, kv heads, group, head_dim, page size, pages)
@@ -72,7 +72,7 @@ SCOPED_VMEM = {"tpu-v5e": 16 << 20, "tpu-v6e": 32 << 20}
 
 def kernel_vmem_bytes(hlo: str) -> int:
     """The scoped VMEM the compiled attention kernel (the one tpu_custom_call) uses."""
-    [line] = [ln for ln in hlo.splitlines() if 'custom_call_target="tpu_custom_call"' in ln]
+    [line] = [ln for ln in hlo_lines(hlo) if 'custom_call_target="tpu_custom_call"' in ln]
     return int(re.search(r'"used_scoped_memory_configs":\[\{"memory_space":"1","offset":"0",'
                          r'"size":"(\d+)"', line).group(1))
 
@@ -101,7 +101,7 @@ def test_gemma4_shapes_compile(name):
     hlo = compiled.as_text()
     assert 0 < kernel_vmem_bytes(hlo) <= SCOPED_VMEM[target]
     dims = ",".join(map(str, cache.shape))
-    made = [ln for ln in hlo.splitlines() if re.search(r"= \w+\[{}\]\{{".format(dims), ln)
+    made = [ln for ln in hlo_lines(hlo) if re.search(r"= \w+\[{}\]\{{".format(dims), ln)
             and " parameter(" not in ln]
     assert not made, made
     context = GEMMA4_P * 16 if w is None else w

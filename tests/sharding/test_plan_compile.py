@@ -51,8 +51,13 @@ def test_compile_json_on_a_tiny_model(reports, mesh):
     # compiles (test_warmup_compiles_its_program_list).
     assert r["warmup_programs"] == 10 + 1 + 11 + 6 + 1
     got = [(p["name"], p["tokens"], p["rows"]) for p in r["programs"]]
+    # ... and the greedy sampler of a one-row decode step (--decode-rows 1, the default),
+    # whose bytes are accounted beside the roofline (tests/planning/test_step_bytes.py)
     assert got == [("forward", 16, None), ("forward", 2048, None),
-                   ("sample[penalties]", None, 256)]
+                   ("sample[penalties]", None, 256), ("sample[greedy]", None, 8)]
+    (step,) = r["decode"]
+    assert step["rows"] == 1 and step["programs"] == ["forward[t=16]", "sample[greedy][r=8]"]
+    assert step["step_bytes"] > 0 and step["roofline_bytes"] > 0 and step["top_ops"]
     for p in r["programs"]:
         assert p["compiled"] and p["error"] is None, p
         assert p["compile_seconds"] > 0
