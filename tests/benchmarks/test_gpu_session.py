@@ -23,7 +23,10 @@ def session(tmp_path_factory) -> tuple[dict, str, subprocess.CompletedProcess]:
     tmp = tmp_path_factory.mktemp("gpu_session")
     out = tmp / "out"
     env = {**os.environ, "OUT": str(out), "WORK": str(tmp / "work"),
-           "CACHE": str(tmp / "xla"), "PYTHON": sys.executable,
+           # the suite's persistent compilation cache: warm runs load the tiny programs
+           "CACHE": os.environ.get("JAXSERVE_COMPILATION_CACHE",
+                                   os.path.expanduser("~/.cache/jaxserve/xla")),
+           "PYTHON": sys.executable,
            "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     run = subprocess.run(["bash", "benchmarks/gpu_session.sh", "--tiny"], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=1500)
