@@ -21,6 +21,7 @@ from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.scheduler import Scheduler, SchedulerOutput, SchedulerStats
 from jaxserve.engine import multihost
 from jaxserve.engine.drafter_loader import load_drafter
+from jaxserve.multimodal.front import image_front
 from jaxserve.engine.errors import EngineDeadError, InputError
 from jaxserve.engine.input_processor import EngineRequest, InputProcessor
 from jaxserve.engine.layout import engine_layout, layout_cache_plan, make_runner
@@ -144,7 +145,8 @@ class EngineCore:
         eos_ids = _eos_token_ids(self.tokenizer, mc, config.model)
         self.inputs = InputProcessor(tokenizer=self.tokenizer, vocab_size=mc.vocab_size,
                                      max_model_len=layout.max_model_len, eos_token_ids=eos_ids,
-                                     max_logprobs=config.max_logprobs)
+                                     max_logprobs=config.max_logprobs,
+                                     images=image_front(config))
         self.runner.eos_token_ids = eos_ids
         eos = eos_ids[0] if eos_ids else None
         self.scheduler = Scheduler(
