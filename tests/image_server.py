@@ -11,7 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import numpy as np
 from PIL import Image
 
-SLOW_S = 3.0   # the slow endpoint's delay: longer than the tests' fetch time limits
+SLOW_S = 4.0   # the slow endpoint's delay: longer than the tests' fetch time limits
 
 
 def noise_image(h: int, w: int, seed: int = 0) -> Image.Image:

@@ -32,7 +32,7 @@ def media(tmp_path_factory):
 def vl_server(tmp_path_factory, media):
     path = make_tiny_vision_serving_checkpoint("qwen3_5", tmp_path_factory.mktemp("vl") / "q")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("VLLM_IMAGE_FETCH_TIMEOUT", "1")
+        mp.setenv("VLLM_IMAGE_FETCH_TIMEOUT", "2")
         mp.setenv("JAXSERVE_MAX_IMAGE_BYTES", str(MAX_BYTES))
         srv = Server(path, "--max-model-len", "256", "--limit-mm-per-prompt",
                      json.dumps({"image": 2, "video": 0}), "--allowed-local-media-path",
@@ -69,12 +69,12 @@ def test_tokenize_gives_transformers_ids_for_data_and_http_urls(vl_server, media
                 {"role": "user", "content": parts("look ", A, " and ", B)}]
     want = reference_ids("qwen3_5", vl_server.checkpoint, as_template(messages), [A, B])
     r = httpx.post(vl_server.url + "/tokenize", json={"messages": messages},
-                   headers={"Authorization": f"Bearer {API_KEY}"})
+                   headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120)
     assert r.status_code == 200 and r.json()["tokens"] == want
     over_http = [{"role": "user", "content": [url_part(media[1].url + "/a.png")]}]
     local = [{"role": "user", "content": [url_part(f"file://{media[0]}/a.png")]}]
     got = [httpx.post(vl_server.url + "/tokenize", json={"messages": m},
-                      headers={"Authorization": f"Bearer {API_KEY}"}).json()["tokens"]
+                      headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120).json()["tokens"]
            for m in (over_http, local, [{"role": "user", "content": parts(A)}])]
     assert got[0] == got[1] == got[2]
 
@@ -109,7 +109,7 @@ def test_bad_images_are_400s_naming_messages(vl_server, content, message):
 
 @pytest.mark.parametrize("path, message", [
     ("/missing.png", "HTTP 404"), ("/big", f"larger than the {MAX_BYTES} bytes"),
-    ("/slow", "took longer than 1 s")])
+    ("/slow", "took longer than 2 s")])
 def test_url_failures_are_400s(vl_server, media, path, message):
     assert message in chat_error(vl_server, [url_part(media[1].url + path)])
 
