@@ -11,6 +11,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from jaxserve.config import ConfigError
 from jaxserve.engine.errors import InputError
 from jaxserve.multimodal.config import MediaConfig
 from jaxserve.multimodal.media import load_image
@@ -87,7 +88,10 @@ class ImageFront:
         if refusal is None and not os.path.exists(os.path.join(model_dir,
                                                                "preprocessor_config.json")):
             refusal = "the checkpoint has no image processor (preprocessor_config.json)"
-        return cls(model_dir, config, media, refusal)
+        front = cls(model_dir, config, media, refusal)
+        if refusal is None:
+            front.processor()   # at start: bad --mm-processor-kwargs stop it here
+        return front
 
     # ---- checks, then images -----------------------------------------------------------
     def check_count(self, n: int, field: str) -> None:
@@ -109,9 +113,7 @@ class ImageFront:
     def processor(self) -> Any:
         with self._lock:
             if self._processor is None:
-                from models.vision.processing import load_image_processor
-                self._processor = load_image_processor(self.model_dir,
-                                                       **self.media.processor_kwargs)
+                self._processor = _load_processor(self.model_dir, self.media.processor_kwargs)
             return self._processor
 
     def expand(self, token_ids: Sequence[int], images: Sequence[Any],
@@ -145,6 +147,35 @@ class ImageFront:
         return ids, MultiModalInputs(tuple(
             ImageInput(p, off, n, content_hash(im, kwargs))
             for p, (off, n), im in zip(processed, spans, images)))
+
+
+# Processor settings fixed by the tower's weights (or by jaxserve): not for
+# --mm-processor-kwargs.
+_FIXED_KWARGS = frozenset({"patch_size", "merge_size", "temporal_patch_size",
+                           "pooling_kernel_size", "return_tensors", "device", "data_format",
+                           "input_data_format", "image_seq_length", "disable_grouping"})
+
+
+def _load_processor(model_dir: str, kwargs: dict[str, Any]) -> Any:
+    """The image processor with kwargs, each of which it must know (transformers drops
+    unknown ones silently); ConfigError naming --mm-processor-kwargs otherwise."""
+    from models.vision.processing import load_image_processor
+    try:
+        processor = load_image_processor(model_dir, **kwargs)
+    except Exception as e:  # noqa: BLE001 - a bad setting's error, whatever its type
+        if not kwargs:
+            raise
+        raise ConfigError("mm_processor_kwargs", f"mm_processor_kwargs {str(kwargs)[:120]}: "
+                          f"{type(e).__name__}: {str(e)[:120]}") from None
+    known = set()
+    for cls in getattr(processor, "valid_kwargs", object).__mro__:
+        known |= set(getattr(cls, "__annotations__", {}))
+    bad = sorted(k for k in kwargs if k not in known or k in _FIXED_KWARGS)
+    if bad:
+        raise ConfigError("mm_processor_kwargs", f"mm_processor_kwargs: {bad[0][:40]!r} is not "
+                          f"a setting of {type(processor).__name__} that may change (e.g. "
+                          f"{', '.join(sorted(known - _FIXED_KWARGS)[:8])})")
+    return processor
 
 
 def image_front(config: Any) -> ImageFront:

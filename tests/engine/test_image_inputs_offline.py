@@ -180,6 +180,9 @@ def test_limits_local_files_and_text_only(checkpoints, tmp_path):
     from tests.checkpoints import make_tiny_checkpoint
     text_only = make_tiny_checkpoint("qwen3", tmp_path / "text")
     bad(processor(text_only), parts(A), r"takes text only")
+    for kwargs, name in (({"a": 1}, "'a'"), ({"patch_size": 8}, "'patch_size'")):
+        with pytest.raises(ValueError, match=f"mm_processor_kwargs: {name} is not a setting"):
+            ImageFront.for_model(path, MediaConfig(processor_kwargs=kwargs))
     with pytest.raises(ValueError, match="video"):
         MediaConfig.from_settings(limit_mm_per_prompt={"image": 2, "video": 1},
                                   allowed_local_media_path=None, mm_processor_kwargs=None)
