@@ -146,7 +146,8 @@ class InputProcessor:
             messages, urls = split_images(messages)
         else:
             urls = []
-        images = self.image_front.load(urls) if urls else []
+        if urls:   # refused before any rendering, fetching or decoding
+            self.image_front.check_count(len(urls), "messages")
         _check_strings(template_kwargs, "chat_template_kwargs")
         _check_strings(tools, "tools")
         ids = render_chat(self.tokenizer, messages, chat_template=chat_template,
@@ -154,9 +155,9 @@ class InputProcessor:
                           continue_final_message=continue_final_message,
                           max_chars=self.max_prompt_chars, template_kwargs=template_kwargs,
                           tools=tools, add_special_tokens=add_special_tokens)
-        if not images:
+        if not urls:
             return ids, None
-        return self.image_front.expand(ids, images)
+        return self.image_front.expand(ids, self.image_front.load(urls))
 
     @property
     def image_front(self) -> ImageFront:

@@ -6,7 +6,7 @@ is an InputError naming the field; an image that passes every check is still ref
 (the engine does not run the tower yet)."""
 from __future__ import annotations
 
-import os
+from dataclasses import replace
 from types import SimpleNamespace
 
 import numpy as np
@@ -177,6 +177,16 @@ def test_limits_local_files_and_text_only(checkpoints, tmp_path):
     bad(p, [url_part(f"file://{allowed}/none.png")], "cannot be read")
     bad(p, parts(A, A), "2 images; at most 1")
     bad(processor(path, language_model_only=True), parts(A), "--language-model-only")
+    from jaxserve.config import EngineConfig
+    from jaxserve.engine.llm_kwargs import engine_kwargs
+    from jaxserve.multimodal.front import image_front
+    config = EngineConfig(model=path, **engine_kwargs(dict(   # LLM(...)'s keywords
+        language_model_only=True, limit_mm_per_prompt={"image": 3},
+        allowed_local_media_path=str(allowed))))
+    assert "--language-model-only" in image_front(config).refusal
+    front = image_front(replace(config, language_model_only=False))
+    assert front.refusal is None and front.media.max_images == 3
+    assert front.media.allowed_local_media_path == str(allowed.resolve())
     from tests.checkpoints import make_tiny_checkpoint
     text_only = make_tiny_checkpoint("qwen3", tmp_path / "text")
     bad(processor(text_only), parts(A), r"takes text only")
