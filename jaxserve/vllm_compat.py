@@ -273,7 +273,8 @@ ENGINE: dict[str, Setting] = {
     "offload_params": Setting(LIST, (None, [], set()), _OFFLOAD),
     # multimodal
     "enable_mm_embeds": Setting(BOOL, (False,), _TEXT),
-    "media_io_kwargs": Setting(JSON, ANY, _TEXT),
+    "media_io_kwargs": Setting(JSON, (None, {}), "images are decoded by PIL with jaxserve's "
+                               "own limits (docs/VISION.md); no media loader options"),
     "mm_processor_cache_gb": Setting(FLOAT, ANY, _TEXT),
     "mm_processor_cache_type": Setting(STR, ANY, _TEXT),
     "mm_hasher_algorithm": Setting(STR, ANY, _TEXT),
