@@ -21,7 +21,6 @@ from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.scheduler import Scheduler, SchedulerOutput, SchedulerStats
 from jaxserve.engine import multihost
 from jaxserve.engine.drafter_loader import load_drafter
-from jaxserve.multimodal.front import image_front
 from jaxserve.engine.errors import EngineDeadError, InputError
 from jaxserve.engine.input_processor import EngineRequest, InputProcessor
 from jaxserve.engine.layout import engine_layout, layout_cache_plan, make_runner
@@ -32,6 +31,7 @@ from jaxserve.engine.startup import (ALLOCATING_KV_CACHE, COMPILING, LOADING_WEI
                                      STARTING, StartupProgress)
 from jaxserve.checkpoints.converted import resolve_converted
 from jaxserve.checkpoints.model_names import resolve_model, resolve_tokenizer
+from jaxserve.multimodal.front import image_front
 from jaxserve.runner import compile_counter
 from jaxserve.speculative import MTP
 from models.config import ModelConfig
