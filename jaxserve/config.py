@@ -208,7 +208,8 @@ class EngineConfig:
 
         if not self.model:
             raise ConfigError("model", "model must name a checkpoint directory")
-        from jaxserve.multimodal.config import MediaConfig   # (it imports ConfigError)
+        # (late: jaxserve.multimodal.config imports this module's ConfigError)
+        from jaxserve.multimodal.config import MediaConfig
         MediaConfig.from_settings(limit_mm_per_prompt=self.limit_mm_per_prompt,
                                   allowed_local_media_path=self.allowed_local_media_path,
                                   mm_processor_kwargs=self.mm_processor_kwargs)

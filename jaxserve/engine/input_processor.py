@@ -18,6 +18,7 @@ from jaxserve.engine.chat_template import render_chat
 from jaxserve.engine.errors import InputError
 from jaxserve.engine.bad_words import BadWords
 from jaxserve.multimodal.chat_parts import split_images
+from jaxserve.multimodal.config import MediaConfig
 from jaxserve.multimodal.front import (ImageFront, MultiModalInputs,
                                        check_engine_serves_images)
 from jaxserve.sampling_params import (MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS_TOKENS,
@@ -163,7 +164,6 @@ class InputProcessor:
     def image_front(self) -> ImageFront:
         """The image front; for a server built without one, a front that refuses."""
         if self.images is None:
-            from jaxserve.multimodal.config import MediaConfig
             self.images = ImageFront(None, {}, MediaConfig(), refusal="this model takes "
                                      "text only")
         return self.images

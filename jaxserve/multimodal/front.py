@@ -11,10 +11,14 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from PIL import Image
+
 from jaxserve.config import ConfigError
 from jaxserve.engine.errors import InputError
 from jaxserve.multimodal.config import MediaConfig
 from jaxserve.multimodal.media import load_image
+from models.vision.processing import (ImageTokens, expand_image_tokens, load_image_processor,
+                                      preprocess, vision_family)
 
 
 @dataclass(frozen=True, eq=False)
@@ -62,7 +66,6 @@ class ImageFront:
         self._processor = None
         self._lock = threading.Lock()
         if refusal is None:
-            from models.vision.processing import ImageTokens, vision_family
             self.family = vision_family(model_config)
             self.tokens = ImageTokens.from_config(model_config)
 
@@ -70,7 +73,6 @@ class ImageFront:
     def for_model(cls, model_dir: str, media: MediaConfig, *,
                   language_model_only: bool = False) -> ImageFront:
         """From a checkpoint directory (its config.json and preprocessor_config.json)."""
-        from models.vision.processing import vision_family
         try:
             with open(os.path.join(model_dir, "config.json")) as f:
                 config = json.load(f)
@@ -120,9 +122,6 @@ class ImageFront:
                field: str = "messages") -> tuple[list[int], MultiModalInputs]:
         """Prompt ids holding one image marker per image (as the chat template writes it)
         -> the ids with each marker expanded to the image's tokens, and the payload."""
-        from PIL import Image
-
-        from models.vision.processing import expand_image_tokens, preprocess
         self.check_count(len(images), field)
         bad = [i for i, im in enumerate(images) if not isinstance(im, Image.Image)]
         if bad:
@@ -159,7 +158,6 @@ _FIXED_KWARGS = frozenset({"patch_size", "merge_size", "temporal_patch_size",
 def _load_processor(model_dir: str, kwargs: dict[str, Any]) -> Any:
     """The image processor with kwargs, each of which it must know (transformers drops
     unknown ones silently); ConfigError naming --mm-processor-kwargs otherwise."""
-    from models.vision.processing import load_image_processor
     try:
         processor = load_image_processor(model_dir, **kwargs)
     except Exception as e:  # noqa: BLE001 - a bad setting's error, whatever its type

@@ -12,6 +12,9 @@ import urllib.parse
 import warnings
 from typing import Any
 
+import httpx
+from PIL import Image
+
 from jaxserve.engine.errors import InputError
 from jaxserve.multimodal.config import MediaConfig
 
@@ -45,7 +48,6 @@ def load_image(url: Any, config: MediaConfig, field: str = "messages") -> Any:
 def decode_image(data: bytes, config: MediaConfig, field: str = "messages") -> Any:
     """Encoded image bytes -> RGB PIL image; unknown formats, corrupt files and bitmaps
     over config.max_image_pixels are refused before the pixels are decoded."""
-    from PIL import Image
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
@@ -92,7 +94,6 @@ def _data_url(url: str, config: MediaConfig, field: str) -> bytes:
 def _fetch(url: str, config: MediaConfig, field: str) -> bytes:
     """GET url, at most max_image_bytes, within fetch_timeout_s in all (a server that
     drips bytes is cut off by the overall deadline, not only per read)."""
-    import httpx
     deadline = time.monotonic() + config.fetch_timeout_s
     limit = config.max_image_bytes
     try:
