@@ -16,7 +16,7 @@ from PIL import Image
 from jaxserve.config import ConfigError
 from jaxserve.engine.errors import InputError
 from jaxserve.multimodal.config import MediaConfig
-from jaxserve.multimodal.media import load_image
+from jaxserve.multimodal.media import load_image, to_rgb
 from models.vision.processing import (ImageTokens, expand_image_tokens, load_image_processor,
                                       preprocess, vision_family)
 
@@ -127,7 +127,7 @@ class ImageFront:
         if bad:
             raise InputError(f"image {bad[0]} is a {type(images[bad[0]]).__name__}, not a "
                              f"PIL image", field)
-        images = [im if im.mode == "RGB" else im.convert("RGB") for im in images]
+        images = [im if im.mode == "RGB" else to_rgb(im) for im in images]
         try:
             processed = preprocess(self.processor(), self.family, images)
         except ValueError as e:   # e.g. Qwen's smart_resize: aspect ratio over 200

@@ -66,6 +66,17 @@ def decode_image(data: bytes, config: MediaConfig, field: str = "messages") -> A
             Image.DecompressionBombWarning) as e:
         raise InputError(f"the image cannot be decoded: {type(e).__name__}: "
                          f"{str(e)[:120]}", field) from None
+    return to_rgb(image)
+
+
+def to_rgb(image: Any) -> Any:
+    """RGB, with any transparency laid over white (as transformers' convert_to_rgb does,
+    so the pixels are the reference processor's)."""
+    if image.mode in ("RGBA", "LA") or (image.mode == "P" and "transparency" in image.info):
+        image = image.convert("RGBA")
+        white = Image.new("RGBA", image.size, (255, 255, 255, 255))
+        white.alpha_composite(image)
+        image = white
     return image.convert("RGB")
 
 

@@ -109,6 +109,21 @@ def test_content_hash_is_of_the_pixels(inputs):
     assert p.render_chat_mm(jpeg)[1].images[0].content_hash != hashes[0]
 
 
+def test_pixels_are_the_reference_processors_transparency_included(checkpoints, inputs):
+    """A PNG with an alpha channel (and a palette one): the payload's pixels equal the
+    image processor's own on the original image (which lays transparency over white)."""
+    from PIL import Image
+    from transformers import AutoImageProcessor
+    rgba = np.random.default_rng(3).integers(0, 256, (60, 80, 4), dtype=np.uint8)
+    for image in (Image.fromarray(rgba, "RGBA"), A.convert("P")):
+        for kind in KINDS:
+            ref = AutoImageProcessor.from_pretrained(checkpoints[kind], backend="pil")(
+                images=[image], return_tensors="np")["pixel_values"]
+            mm = inputs[kind].render_chat_mm([{"role": "user", "content": parts(image)}])[1]
+            np.testing.assert_array_equal(mm.images[0].processed.pixels, ref.reshape(
+                mm.images[0].processed.pixels.shape))
+
+
 def test_offline_generate_and_chat_parse_the_same_payload_then_refuse(inputs):
     p = inputs["qwen3_5"]
     llm = LLM.__new__(LLM)      # the parsing half of LLM: no engine is needed to refuse
