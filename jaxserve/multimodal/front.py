@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -19,6 +20,10 @@ from jaxserve.multimodal.config import MediaConfig
 from jaxserve.multimodal.media import load_image, to_rgb
 from models.vision.processing import (ImageTokens, expand_image_tokens, load_image_processor,
                                       preprocess, vision_family)
+
+
+# Threads that fetch and decode a request's images (shared by all requests).
+_FETCH_THREADS = 8
 
 
 @dataclass(frozen=True, eq=False)
@@ -64,6 +69,7 @@ class ImageFront:
         self.media = media
         self.refusal = refusal
         self._processor = None
+        self._fetchers: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         if refusal is None:
             self.family = vision_family(model_config)
@@ -108,9 +114,15 @@ class ImageFront:
                              f"(--limit-mm-per-prompt '{{\"image\": N}}')", field)
 
     def load(self, urls: Sequence[str], field: str = "messages") -> list[Any]:
-        """The images the URLs name, decoded (after the count check)."""
+        """The images the URLs name, decoded (after the count check); several are
+        fetched at once, so a request waits about one fetch time limit, not one per image."""
         self.check_count(len(urls), field)
-        return [load_image(u, self.media, field) for u in urls]
+        if len(urls) == 1:
+            return [load_image(urls[0], self.media, field)]
+        with self._lock:
+            if self._fetchers is None:
+                self._fetchers = ThreadPoolExecutor(_FETCH_THREADS, "image-fetch")
+        return list(self._fetchers.map(lambda u: load_image(u, self.media, field), urls))
 
     def processor(self) -> Any:
         with self._lock:

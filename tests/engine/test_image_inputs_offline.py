@@ -222,6 +222,9 @@ def test_http_urls_with_size_and_time_limits(checkpoints):
         local = p.render_chat_mm([{"role": "user", "content": parts(A)}])
         assert ids == local[0] and mm.images[0].content_hash == local[1].images[0].content_hash
         bad(p, [url_part(srv.url + "/missing.png")], "HTTP 404")
+        two = p.render_chat_mm([{"role": "user", "content": [url_part(srv.url + "/a.png")] * 2}])[1]
+        assert [im.content_hash for im in two.images] == [mm.images[0].content_hash] * 2
+        bad(p, [url_part(srv.url + "/a.png"), url_part(srv.url + "/missing.png")], "HTTP 404")
         bad(p, [url_part(srv.url + "/big")], "larger than the 100000 bytes")
         bad(p, [url_part(srv.url + "/slow")], "took longer than 1 s")
         bad(p, [url_part("http://127.0.0.1:1/a.png")], "failed: ConnectError")
