@@ -185,6 +185,17 @@ class EngineConfig:
     # Layers under jax.lax.scan (one compiled layer body whatever the depth) or a Python
     # loop; None = scan on accelerators, loop on CPU (for_platform).
     scan_layers: bool | None = None
+    # Images in (jaxserve/multimodal), vLLM's flags.
+    limit_mm_per_prompt: dict[str, Any] | None = _knob(
+        None, help='JSON, e.g. \'{"image": 4}\': most images per prompt (video and audio: 0)',
+        default_help='{"image": 16}')
+    allowed_local_media_path: str = _knob(
+        "", help="directory whose files requests may name as file:// image URLs ('': none)")
+    mm_processor_kwargs: dict[str, Any] | None = _knob(
+        None, help="JSON of image processor settings (e.g. '{\"max_pixels\": 1003520}')")
+    language_model_only: bool = _knob(
+        False, help="serve the text model alone of a vision-language checkpoint: images are "
+                    "refused")
     compilation_cache_dir: str | None = _knob(
         default_factory=_compilation_cache_default,
         help="persistent XLA compilation cache: a second start loads the programs compiled "
@@ -197,6 +208,11 @@ class EngineConfig:
 
         if not self.model:
             raise ConfigError("model", "model must name a checkpoint directory")
+        # (late: jaxserve.multimodal.config imports this module's ConfigError)
+        from jaxserve.multimodal.config import MediaConfig
+        MediaConfig.from_settings(limit_mm_per_prompt=self.limit_mm_per_prompt,
+                                  allowed_local_media_path=self.allowed_local_media_path,
+                                  mm_processor_kwargs=self.mm_processor_kwargs)
         if self.dtype in DTYPE_ALIASES:
             object.__setattr__(self, "dtype", DTYPE_ALIASES[self.dtype])
         if self.dtype not in _DTYPES:

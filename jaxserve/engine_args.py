@@ -78,7 +78,9 @@ _PARSERS: dict[str, typing.Callable[[str], Any]] = {
     "speculative_config": str,   # JSON, parsed (and checked) by EngineConfig
     "max_model_len": _model_len,
     "max_num_batched_tokens": human_readable_int,
-    "kv_cache_memory_bytes": human_readable_int}
+    "kv_cache_memory_bytes": human_readable_int,
+    "limit_mm_per_prompt": lambda text: _json(text),
+    "mm_processor_kwargs": lambda text: _json(text)}
 
 
 class EnableDisableAction(argparse.BooleanOptionalAction):

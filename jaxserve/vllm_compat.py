@@ -77,14 +77,6 @@ def parse_json(text: str) -> Any:
         raise ValueError(f"not JSON: {text!r}") from None
 
 
-def _zero_limits(value: Any) -> bool:
-    """--limit-mm-per-prompt: every modality's limit 0 (jaxserve takes text only)."""
-    if not value:
-        return True
-    return isinstance(value, dict) and all(v in (0, None) or v == {"count": 0}
-                                           for v in value.values())
-
-
 def _guidance(value: Any) -> bool:
     """--structured-outputs-config: unset, or the backend jaxserve has (llguidance)."""
     return not value or (isinstance(value, dict) and set(value) <= {"backend"}
@@ -102,8 +94,9 @@ _DP = ("data parallelism is -dp D replicas behind one front door in the same pro
        "there are no separate data-parallel ranks, ports or load balancers")
 _CP = "no context parallelism: shard with --tensor-parallel-size (--mesh 1xM)"
 _EP = "no expert-parallel load balancing, micro-batching or all-to-all kernels"
-_TEXT = ("jaxserve serves text only (a ...ForConditionalGeneration checkpoint serves its "
-         "language model); image, video and audio inputs are refused")
+_TEXT = ("jaxserve takes images (not video or audio) with its own settings only: "
+         "--limit-mm-per-prompt, --allowed-local-media-path, --mm-processor-kwargs, "
+         "--language-model-only")
 _LORA = "LoRA adapters are not implemented"
 _OFFLOAD = "weights and KV pages stay in device memory; nothing is offloaded to the host"
 _SLEEP = "sleep mode is not implemented"
@@ -129,7 +122,6 @@ ENGINE: dict[str, Setting] = {
     "tokenizer_mode": Setting(STR, ("auto", "hf"), "the tokenizer is the checkpoint's Hugging "
                               "Face fast tokenizer (AutoTokenizer): 'auto' or 'hf'"),
     "hf_config_path": Setting(STR, (None,), "the config is the model directory's config.json"),
-    "allowed_local_media_path": Setting(STR, ("", None), _TEXT),
     "allowed_media_domains": Setting(LIST, (None, []), _TEXT),
     "code_revision": Setting(STR, (None,), _REMOTE),
     "tokenizer_revision": Setting(STR, (None,), "the tokenizer is read at --revision "
@@ -280,12 +272,9 @@ ENGINE: dict[str, Setting] = {
     "offload_prefetch_step": Setting(INT, ANY, _OFFLOAD),
     "offload_params": Setting(LIST, (None, [], set()), _OFFLOAD),
     # multimodal
-    "language_model_only": Setting(BOOL, ANY, _TEXT),
-    "limit_mm_per_prompt": Setting(JSON, _zero_limits, _TEXT + ": every limit must be 0",
-                                   sample={"image": 0}),
     "enable_mm_embeds": Setting(BOOL, (False,), _TEXT),
-    "media_io_kwargs": Setting(JSON, ANY, _TEXT),
-    "mm_processor_kwargs": Setting(JSON, ANY, _TEXT),
+    "media_io_kwargs": Setting(JSON, (None, {}), "images are decoded by PIL with jaxserve's "
+                               "own limits (docs/VISION.md); no media loader options"),
     "mm_processor_cache_gb": Setting(FLOAT, ANY, _TEXT),
     "mm_processor_cache_type": Setting(STR, ANY, _TEXT),
     "mm_hasher_algorithm": Setting(STR, ANY, _TEXT),

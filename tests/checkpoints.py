@@ -301,3 +301,52 @@ def make_tiny_vision_checkpoint(kind: str, path: str | Path, *, seed: int = 0,
         str(path), safe_serialization=True)
     make_tiny_tokenizer(str(path))
     return str(path)
+
+
+# Image markers of the vision checkpoints' tokenizers (as the published ones spell them),
+# the config.json keys of their ids, and a chat template that writes them for image parts.
+VISION_MARKERS = {
+    "qwen3_5": (("<|vision_start|>", "vision_start_token_id"), ("<|image_pad|>", "image_token_id"),
+                ("<|vision_end|>", "vision_end_token_id")),
+    "gemma4_vl": (("<|image>", "boi_token_id"), ("<|image|>", "image_token_id"),
+                  ("<image|>", "eoi_token_id")),
+}
+_IMAGE_MARK = {"qwen3_5": "<|vision_start|><|image_pad|><|vision_end|>", "gemma4_vl": "<|image|>"}
+VISION_TEMPLATE = (
+    "{%- for m in messages %}<{{ m.role }}>{%- if m.content is string %}{{ m.content }}"
+    "{%- else %}{%- for p in m.content %}{%- if p.type == 'image' %}MARK{%- else %}"
+    "{{ p.text }}{%- endif %}{%- endfor %}{%- endif %}</{{ m.role }}>\n{%- endfor %}"
+    "{%- if add_generation_prompt %}<assistant>{%- endif %}")
+
+
+def make_tiny_vision_serving_checkpoint(kind: str, path: str | Path, *, seed: int = 0) -> str:
+    """make_tiny_vision_checkpoint's model ("qwen3_5" or "gemma4_vl") with what serving
+    images needs: the image markers as special tokens (ids 256-258, the vocabulary grown to
+    264), their ids in config.json, a chat template writing them for image parts and a
+    small image processor (preprocessor_config.json naming the torchvision class, as the
+    published checkpoints do). Qwen: at most 16 tokens an image; Gemma 4: at most 70."""
+    import json
+
+    from transformers import AutoTokenizer, Gemma4ImageProcessorPil, Qwen2VLImageProcessorPil
+    make_tiny_vision_checkpoint(kind, path, seed=seed, vocab_size=264)
+    tok = AutoTokenizer.from_pretrained(str(path))
+    marks = VISION_MARKERS[kind]
+    tok.add_special_tokens({"additional_special_tokens": [m for m, _ in marks]})
+    tok.chat_template = VISION_TEMPLATE.replace("MARK", _IMAGE_MARK[kind])
+    tok.save_pretrained(str(path))
+    cfg_file = Path(path) / "config.json"
+    cfg = json.loads(cfg_file.read_text())
+    cfg.update({key: tok.convert_tokens_to_ids(m) for m, key in marks})
+    cfg_file.write_text(json.dumps(cfg, indent=2))
+    if kind == "qwen3_5":
+        proc, name = Qwen2VLImageProcessorPil(patch_size=16, merge_size=2, temporal_patch_size=2,
+                                              min_pixels=4 * 32 * 32, max_pixels=16 * 32 * 32), \
+            "Qwen2VLImageProcessorFast"
+    else:
+        proc, name = Gemma4ImageProcessorPil(max_soft_tokens=70), "Gemma4ImageProcessor"
+    proc.save_pretrained(str(path))
+    pfile = Path(path) / "preprocessor_config.json"
+    pcfg = json.loads(pfile.read_text())
+    pcfg["image_processor_type"] = name
+    pfile.write_text(json.dumps(pcfg, indent=2))
+    return str(path)

@@ -43,8 +43,10 @@ def test_server_flags_are_engine_config_fields():
         if value_type is bool:
             assert isinstance(action, argparse.BooleanOptionalAction), name
         elif name not in ("compilation_cache_dir", "dtype", "speculative_config",
-                          "max_model_len", "max_num_batched_tokens", "kv_cache_memory_bytes"):
-            # ('' / 'none' = off; half; JSON text, parsed by EngineConfig; sizes as 32k)
+                          "max_model_len", "max_num_batched_tokens", "kv_cache_memory_bytes",
+                          "limit_mm_per_prompt", "mm_processor_kwargs"):
+            # ('' / 'none' = off; half; JSON text, parsed by EngineConfig; sizes as 32k;
+            # JSON objects)
             assert action.type is value_type, name
     # No flags at all: EngineConfig's own defaults (max_num_seqs: the platform's).
     args = cli.parser().parse_args(["--model", "/m"])

@@ -12,6 +12,7 @@ from jaxserve.api.tools import tool_setup
 from jaxserve.engine.chat_template import message_text
 from jaxserve.engine.errors import InputError
 from jaxserve.engine.input_processor import InputProcessor
+from jaxserve.multimodal.front import MultiModalInputs
 
 
 class ChatPromptFields(Protocol):
@@ -24,11 +25,13 @@ class ChatPromptFields(Protocol):
 
 def render_chat_prompt(inputs: InputProcessor, req: ChatPromptFields, *,
                        chat_template: str | None, tools: list[dict] | None,
-                       add_special_tokens: bool, template_kwargs: dict | None) -> list[int]:
-    """Worker thread: the prompt ids; InputError naming the field at fault.
-    tools: the request's tools, checked (api/tools.tool_setup); template_kwargs: the
-    request's chat_template_kwargs over the server's defaults."""
-    return inputs.render_chat([m.model_dump() for m in req.messages],
+                       add_special_tokens: bool, template_kwargs: dict | None
+                       ) -> tuple[list[int], MultiModalInputs | None]:
+    """Worker thread: the prompt ids (image placeholders expanded) and the images'
+    payload; InputError naming the field at fault. tools: the request's tools, checked
+    (api/tools.tool_setup); template_kwargs: the request's chat_template_kwargs over the
+    server's defaults."""
+    return inputs.render_chat_mm([m.model_dump() for m in req.messages],
                               chat_template=chat_template,
                               add_generation_prompt=req.add_generation_prompt,
                               continue_final_message=req.continue_final_message,
@@ -55,7 +58,7 @@ def tokenize_request(inputs: InputProcessor, req: TokenizeRequest, *,
     return render_chat_prompt(inputs, req, chat_template=chat_template,
                               tools=tool_setup(req.tools, "none", auto_parser=None).tools,
                               add_special_tokens=bool(req.add_special_tokens),
-                              template_kwargs=template_kwargs)
+                              template_kwargs=template_kwargs)[0]
 
 
 def response_role(req: ChatPromptFields) -> str:

@@ -61,9 +61,10 @@ REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "continue_final_message": (_false, "it is for chat messages (/v1/chat/completions, "
                                        "/tokenize)"),
     "documents": (_empty, "not implemented"),
-    "mm_processor_kwargs": (_empty, "jaxserve serves text only"),
-    "audio": (_absent, "jaxserve serves text only"),
-    "modalities": (lambda v: v is None or v == ["text"], "jaxserve serves text only"),
+    "mm_processor_kwargs": (_empty, "per-request image processor settings are not taken; "
+                                    "the server's --mm-processor-kwargs apply"),
+    "audio": (_absent, "jaxserve answers in text only"),
+    "modalities": (lambda v: v is None or v == ["text"], "jaxserve answers in text only"),
     "prediction": (_absent, "predicted outputs are not implemented"),
     "reasoning_effort": (_absent, "not implemented (for Qwen3 use chat_template_kwargs "
                                   "{'enable_thinking': ...})"),

@@ -23,7 +23,10 @@ def message_text(content: Any) -> str:
         texts = []
         for part in content:
             if not isinstance(part, dict) or part.get("type") != "text":
-                raise InputError("only text content parts are supported", "messages")
+                kind = part.get("type") if isinstance(part, dict) else None
+                raise InputError(f"content part type {str(kind)[:40]!r} is not supported "
+                                 f"here (text, and image_url where the model takes images)",
+                                 "messages")
             texts.append(str(part.get("text", "")))
         return "".join(texts)
     raise InputError(f"message content must be a string or a list of parts, got "
@@ -64,8 +67,23 @@ def _tool_call_for_template(call: Any) -> Any:
     return {**call, "function": fn}
 
 
+def _template_content(content: Any) -> Any:
+    """Text, or (for a message with images) its parts as the templates read them: text
+    parts and bare {"type": "image"} markers (jaxserve/multimodal/chat_parts.py)."""
+    if isinstance(content, list) and {"type": "image"} in content:
+        return [p if p == {"type": "image"} else {"type": "text", "text": message_text([p])}
+                for p in content]
+    return message_text(content)
+
+
+def _content_chars(content: Any) -> int:
+    if isinstance(content, str):
+        return len(content)
+    return sum(len(p.get("text", "")) for p in content)
+
+
 def _template_message(m: dict) -> dict:
-    out = {"role": m["role"], "content": message_text(m.get("content"))}
+    out = {"role": m["role"], "content": _template_content(m.get("content"))}
     for name in _PASSED_FIELDS:
         if m.get(name) is not None:
             out[name] = m[name]
@@ -102,7 +120,7 @@ def render_chat(tokenizer, messages: list[dict], *, chat_template: str | None = 
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise InputError("each message needs a string 'role'", "messages")
         conv.append(_template_message(m))
-    chars = sum(len(m["role"]) + len(m["content"]) for m in conv)
+    chars = sum(len(m["role"]) + _content_chars(m["content"]) for m in conv)
     if max_chars is not None and chars > max_chars:
         raise InputError(f"messages have {chars} characters, more than the {max_chars} "
                          f"that max_model_len tokens can hold", "messages")

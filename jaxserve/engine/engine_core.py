@@ -31,6 +31,7 @@ from jaxserve.engine.startup import (ALLOCATING_KV_CACHE, COMPILING, LOADING_WEI
                                      STARTING, StartupProgress)
 from jaxserve.checkpoints.converted import resolve_converted
 from jaxserve.checkpoints.model_names import resolve_model, resolve_tokenizer
+from jaxserve.multimodal.front import image_front
 from jaxserve.runner import compile_counter
 from jaxserve.speculative import MTP
 from models.config import ModelConfig
@@ -146,7 +147,8 @@ class EngineCore:
         eos_ids = _eos_token_ids(self.tokenizer, mc, config.model)
         self.inputs = InputProcessor(tokenizer=self.tokenizer, vocab_size=mc.vocab_size,
                                      max_model_len=layout.max_model_len, eos_token_ids=eos_ids,
-                                     max_logprobs=config.max_logprobs)
+                                     max_logprobs=config.max_logprobs,
+                                     images=image_front(config))
         self.runner.eos_token_ids = eos_ids
         eos = eos_ids[0] if eos_ids else None
         self.scheduler = Scheduler(

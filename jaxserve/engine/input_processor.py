@@ -17,6 +17,10 @@ import numpy as np
 from jaxserve.engine.chat_template import render_chat
 from jaxserve.engine.errors import InputError
 from jaxserve.engine.bad_words import BadWords
+from jaxserve.multimodal.chat_parts import split_images
+from jaxserve.multimodal.config import MediaConfig
+from jaxserve.multimodal.front import (ImageFront, MultiModalInputs,
+                                       check_engine_serves_images)
 from jaxserve.sampling_params import (MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS_TOKENS,
                                       MAX_BANNED_TOKENS, MAX_LOGPROBS, SamplingParams, is_int,
                                       logprobs_limit)
@@ -44,6 +48,8 @@ class EngineRequest:
     arrival_time: float | None = None   # None: when the engine adds it
     # Prefix-cache hits only among requests with the same salt (core/request.py).
     cache_salt: str | None = None
+    # The prompt's images (their placeholder spans are in prompt_token_ids), or None.
+    multi_modal: MultiModalInputs | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -72,9 +78,12 @@ class InputProcessor:
     server calls it from worker threads, never through the engine)."""
 
     def __init__(self, *, tokenizer, vocab_size: int, max_model_len: int,
-                 eos_token_ids: tuple[int, ...] = (), max_logprobs: int = MAX_LOGPROBS):
-        """max_logprobs: EngineConfig.max_logprobs (-1: the vocabulary size)."""
+                 eos_token_ids: tuple[int, ...] = (), max_logprobs: int = MAX_LOGPROBS,
+                 images: ImageFront | None = None):
+        """max_logprobs: EngineConfig.max_logprobs (-1: the vocabulary size); images: the
+        model's image front (None: images are refused, as for a text-only model)."""
         self.tokenizer = tokenizer
+        self.images = images
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.max_logprobs = logprobs_limit(max_logprobs, vocab_size)
@@ -115,21 +124,56 @@ class InputProcessor:
                     template_kwargs: dict[str, Any] | None = None,
                     tools: list[dict] | None = None,
                     add_special_tokens: bool = False) -> list[int]:
-        """Chat messages -> prompt ids; every failure is the request's (InputError)."""
+        """Chat messages -> prompt ids; every failure is the request's (InputError).
+        Text only: render_chat_mm takes image parts (and returns their payload)."""
+        ids, multi_modal = self.render_chat_mm(
+            messages, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, template_kwargs=template_kwargs,
+            tools=tools, add_special_tokens=add_special_tokens)
+        if multi_modal is not None:
+            raise InputError("these messages hold images: they take render_chat_mm, whose "
+                             "payload goes with the ids to process()", "messages")
+        return ids
+
+    def render_chat_mm(self, messages: list[dict], *, chat_template: str | None = None,
+                       add_generation_prompt: bool = True, continue_final_message: bool = False,
+                       template_kwargs: dict[str, Any] | None = None,
+                       tools: list[dict] | None = None, add_special_tokens: bool = False
+                       ) -> tuple[list[int], MultiModalInputs | None]:
+        """render_chat for messages that may hold image_url parts: the ids with each
+        image's placeholders expanded, and the images' payload (None without images)."""
         _check_strings(messages, "messages")
+        if isinstance(messages, list):
+            messages, urls = split_images(messages)
+        else:
+            urls = []
+        if urls:   # refused before any rendering, fetching or decoding
+            self.image_front.check_count(len(urls), "messages")
         _check_strings(template_kwargs, "chat_template_kwargs")
         _check_strings(tools, "tools")
-        return render_chat(self.tokenizer, messages, chat_template=chat_template,
-                           add_generation_prompt=add_generation_prompt,
-                           continue_final_message=continue_final_message,
-                           max_chars=self.max_prompt_chars, template_kwargs=template_kwargs,
-                           tools=tools, add_special_tokens=add_special_tokens)
+        ids = render_chat(self.tokenizer, messages, chat_template=chat_template,
+                          add_generation_prompt=add_generation_prompt,
+                          continue_final_message=continue_final_message,
+                          max_chars=self.max_prompt_chars, template_kwargs=template_kwargs,
+                          tools=tools, add_special_tokens=add_special_tokens)
+        if not urls:
+            return ids, None
+        return self.image_front.expand(ids, self.image_front.load(urls))
+
+    @property
+    def image_front(self) -> ImageFront:
+        """The image front; for a server built without one, a front that refuses."""
+        if self.images is None:
+            self.images = ImageFront(None, {}, MediaConfig(), refusal="this model takes "
+                                     "text only")
+        return self.images
 
     # ---- the front door --------------------------------------------------------------
     def process(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
                 *, text: str | None = None, priority: int = 0,
                 arrival_time: float | None = None, cache_salt: str | None = None,
-                add_special_tokens: bool = True) -> EngineRequest:
+                add_special_tokens: bool = True,
+                multi_modal: MultiModalInputs | None = None) -> EngineRequest:
         """Checks one request against every limit; the only way to an EngineRequest.
 
         prompt: text (tokenized here, with the tokenizer's special tokens unless
@@ -142,6 +186,12 @@ class InputProcessor:
             if cache_salt is not None:
                 _check_cache_salt(cache_salt)
                 request = replace(request, cache_salt=cache_salt)
+            if multi_modal is not None:
+                if isinstance(prompt, str) or params.truncate_prompt_tokens is not None:
+                    raise InputError("images need prompt token ids with their placeholders "
+                                     "expanded, and no truncate_prompt_tokens", "prompt")
+                check_engine_serves_images(multi_modal)
+                request = replace(request, multi_modal=multi_modal)
         except InputError:
             with self._count_lock:
                 self.num_refused += 1

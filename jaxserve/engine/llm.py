@@ -1,7 +1,7 @@
 """LLM: offline batch generation with vLLM's names and behaviour."""
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 from tqdm.auto import tqdm
 
@@ -13,6 +13,7 @@ from jaxserve.engine.input_processor import EngineRequest
 from jaxserve.engine.llm_kwargs import engine_kwargs
 from jaxserve.engine.protocol import Engine
 from jaxserve.inputs import TextPrompt, TokensPrompt, parse_prompt
+from jaxserve.multimodal.front import MultiModalInputs
 from jaxserve.sampling_params import SamplingParams
 
 PromptType = str | TextPrompt | TokensPrompt
@@ -92,19 +93,30 @@ class LLM:
         continue_final_message: the model goes on with the last message (with
         add_generation_prompt=False)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [{"prompt_token_ids": self.engine.inputs.render_chat(
+        rendered = [self.engine.inputs.render_chat_mm(
             conv, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
-            template_kwargs=chat_template_kwargs, tools=tools)} for conv in conversations]
+            template_kwargs=chat_template_kwargs, tools=tools) for conv in conversations]
+        prompts = [_Rendered(ids, mm) for ids, mm in rendered]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _process(self, request_id: str, prompt: PromptType, params: SamplingParams,
                  priority: int) -> EngineRequest:
         """Text, a TextPrompt or a TokensPrompt (jaxserve/inputs.py), through the
         engine's input processor."""
-        prompt, text, salt = parse_prompt(prompt)
-        return self.engine.inputs.process(request_id, prompt, params, text=text,
-                                          priority=priority, cache_salt=salt)
+        inputs = self.engine.inputs
+        if isinstance(prompt, _Rendered):    # a chat, rendered by chat()
+            return inputs.process(request_id, prompt.ids, params, priority=priority,
+                                  multi_modal=prompt.multi_modal)
+        prompt, text, salt, images = parse_prompt(prompt)
+        multi_modal = None
+        if images:
+            ids = inputs.tokenize(prompt) if isinstance(prompt, str) else prompt
+            if isinstance(prompt, str):
+                text = prompt
+            prompt, multi_modal = inputs.image_front.expand(ids, images, "multi_modal_data")
+        return inputs.process(request_id, prompt, params, text=text, priority=priority,
+                              cache_salt=salt, multi_modal=multi_modal)
 
     def _run(self, order: dict[str, int], use_tqdm: UseTqdm) -> list[RequestOutput]:
         results: list[RequestOutput | None] = [None] * len(order)
@@ -128,6 +140,12 @@ class LLM:
         finally:
             bar.close()
         return results
+
+
+class _Rendered(NamedTuple):
+    """A conversation chat() rendered: its ids (image placeholders expanded) and images."""
+    ids: list[int]
+    multi_modal: MultiModalInputs | None
 
 
 class _ProgressBar:

@@ -290,9 +290,9 @@ def test_vllm_spellings_reach_the_engine_config(argv, expected):
      "argument --speculative-config/-sc: give --speculative-config or its shorthands"),
     (["--tokenizer-mode", "mistral"], "argument --tokenizer-mode: 'mistral' is not supported by "
                                       "jaxserve: the tokenizer is the checkpoint's"),
-    (["--limit-mm-per-prompt", '{"image": 4}'], "argument --limit-mm-per-prompt: {'image': 4} is "
-                                                "not supported by jaxserve: jaxserve serves "
-                                                "text only"),
+    (["--limit-mm-per-prompt", '{"audio": 4}'], "argument --limit-mm-per-prompt: "
+                                                "limit_mm_per_prompt['audio']=4: video and "
+                                                "audio inputs are not served"),
     (["--max-num-partial-prefills", "4"], "argument --max-num-partial-prefills: 4 is not "
                                           "supported by jaxserve"),
     (["--enable-lora"], "argument --enable-lora: True is not supported by jaxserve: LoRA"),

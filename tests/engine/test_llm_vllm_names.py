@@ -94,8 +94,7 @@ def test_every_vllm_only_argument_has_a_value_it_takes():
     LLM's own: each takes a value that is true of jaxserve and passes nothing on."""
     taken = {name: s.taken for name, s in VLLM_ONLY.items() if s.holds(s.taken)}
     assert {"disable_log_stats", "tokenizer_mode", "cpu_offload_gb", "enable_lora",
-            "compilation_config", "hf_token", "language_model_only",
-            "limit_mm_per_prompt"} <= set(taken)
+            "compilation_config", "hf_token", "enable_mm_embeds"} <= set(taken)
     assert engine_kwargs(taken) == {}
     assert not set(VLLM_ONLY) & {f.name for f in dataclasses.fields(EngineConfig)}
 
@@ -178,7 +177,7 @@ def test_prompt_types_and_numpy_ids(llm):
 
 @pytest.mark.parametrize("prompt, message", [
     (TokensPrompt(prompt_token_ids=[5], multi_modal_data={"image": 1}),
-     "'multi_modal_data' is not supported by jaxserve: jaxserve serves text only"),
+     "1 image\\(s\\), but this model .* takes text only"),
     ({"prompt": "hi", "cache_salt": ""}, "cache_salt must not be empty"),
     ({"prompt": "hi", "cache_salt": 7}, "cache_salt must be a string"),
     ({"prompt": "hi", "cache_salt": "s" * 1025}, "cache_salt has 1025 characters"),

@@ -93,16 +93,17 @@ class ChatServing:
         request ("{rid}-0"), and whether the template opened a think block. Then (with
         --reasoning-parser) a structured output applies after the model closes it."""
         base = self.base
-        ids = render_chat_prompt(base.inputs, req, chat_template=base.settings.chat_template,
-                                 tools=tools.tools, add_special_tokens=req.add_special_tokens,
-                                 template_kwargs=base.template_kwargs(req))
+        ids, multi_modal = render_chat_prompt(
+            base.inputs, req, chat_template=base.settings.chat_template, tools=tools.tools,
+            add_special_tokens=req.add_special_tokens, template_kwargs=base.template_kwargs(req))
         in_reasoning = bool(base.settings.reasoning_parser) and prompt_ends_in_reasoning(
             base.inputs.tokenizer.decode(ids[-16:]))
         if in_reasoning and params.structured_outputs is not None:
             end = base.inputs.tokenize(REASONING_END, add_special_tokens=False)
             params = replace(params, grammar_after_ids=tuple(end))
         return [base.inputs.process(f"{rid}-0", ids, params, priority=req.priority,
-                                    cache_salt=req.cache_salt)], in_reasoning
+                                    cache_salt=req.cache_salt,
+                                    multi_modal=multi_modal)], in_reasoning
 
     def _reader(self, tools: ToolSetup, in_reasoning: bool, role: str) -> ReaderFactory:
         """A factory of ChoiceReaders (one per choice) for this request's answer."""
