@@ -143,3 +143,43 @@ def test_layout_bytes_and_bad_calls():
     copier, _ = make_tier(llama)
     with pytest.raises(ValueError, match="without recurrent state"):
         copier.offload(llama, {KV: [1]}, [1], [1], [1])
+
+
+def test_an_offload_reads_the_pages_before_a_later_restore_rewrites_them():
+    """The gather is dispatched in order with later programs: landing it after a restore
+    (donating the caches) has overwritten the page still stores the page as it was."""
+    rng = np.random.default_rng(5)
+    caches = random_caches(jnp.bfloat16, rng)
+    copier, host = make_tier(caches)
+    old = rows(np.array(caches[KV]), A, [3])
+    copier.offload(caches, {KV: [4]}, [2]).land(host)            # other bits in slot 2
+    pending = copier.offload(caches, {KV: [3]}, [5])
+    caches = copier.restore(caches, host, [2], {KV: [3]})         # page 3 rewritten
+    assert rows(np.array(caches[KV]), A, [3]).tobytes() != old.tobytes()
+    pending.land(host)
+    assert host.arrays[KV][[5]].tobytes() == old.tobytes()
+
+
+def test_caches_split_by_head_over_a_mesh_round_trip():
+    """Tensor parallelism: each device copies its own heads; the caches keep their
+    shardings and buffers."""
+    from jax.sharding import NamedSharding
+    from sharding.mesh import make_mesh
+    from sharding.parallel import heads_spec
+    mesh = make_mesh("1x2")
+    rng = np.random.default_rng(6)
+    caches = random_caches(jnp.bfloat16, rng, hybrid=True)
+    axis = {KV: 1, KV_SLIDING: 1, CONV: 1, RECURRENT: 1}
+    caches = {k: jax.device_put(v, NamedSharding(mesh, heads_spec(v.ndim, axis[k])))
+              for k, v in caches.items()}
+    caches = jax.jit(lambda c: jax.tree.map(jnp.copy, c))(caches)   # XLA's own buffers
+    copier, host = make_tier(caches)
+    want = {k: np.array(v) for k, v in caches.items()}
+    shardings = {k: v.sharding for k, v in caches.items()}
+    copier.offload(caches, {KV: [1, 2], KV_SLIDING: [3, 4]}, [1, 2], [1], [1]).land(host)
+    out = copier.restore(caches, host, [1, 2], {KV: [5, 6], KV_SLIDING: [5, 6]}, [1], [3])
+    assert {k: v.sharding for k, v in out.items()} == shardings
+    got = {k: np.array(v) for k, v in out.items()}
+    assert rows(got[KV], A, [5, 6]).tobytes() == rows(want[KV], A, [1, 2]).tobytes()
+    assert rows(got[KV_SLIDING], W, [5, 6]).tobytes() == rows(want[KV_SLIDING], W, [3, 4]).tobytes()
+    assert rows(got[RECURRENT], D, [3]).tobytes() == rows(want[RECURRENT], D, [1]).tobytes()
