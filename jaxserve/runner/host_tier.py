@@ -156,8 +156,11 @@ class HostCopier:
         for c in range(calls):
             ids, slots = {}, {}
             for kind in (k for k in PAGE_KINDS if k in self.layout.rows):
-                part = list(page_ids.get(kind, [0] * len(host_slots))[c * bp:(c + 1) * bp])
-                ids[kind], slots[kind] = _pad(part, bp), list(host_slots[c * bp:(c + 1) * bp])
+                # A kind not named copies its null page to or from the dummy slot.
+                named = kind in page_ids
+                part = list(page_ids[kind][c * bp:(c + 1) * bp]) if named else []
+                ids[kind] = _pad(part, bp)
+                slots[kind] = list(host_slots[c * bp:(c + 1) * bp]) if named else []
             for kind in state_kinds:
                 part = list(state_ids[c * bs:(c + 1) * bs])
                 ids[kind], slots[kind] = _pad(part, bs), list(host_state_slots[c * bs:(c + 1) * bs])
@@ -167,8 +170,8 @@ class HostCopier:
     def offload(self, caches: Mapping[str, jax.Array], page_ids: Mapping[str, Sequence[int]],
                 host_slots: Sequence[int], state_ids: Sequence[int] = (),
                 host_state_slots: Sequence[int] = ()) -> PendingOffload:
-        """Starts copying pages page_ids[kind][i] (every KV kind, the same host slot
-        host_slots[i]; a kind not given copies the null page) and state slots
+        """Starts copying pages page_ids[kind][i] (of each KV kind given, all into
+        host slot host_slots[i]; a kind not given is not stored) and state slots
         state_ids[j] into host_state_slots[j]. Issued now, in order with the steps
         around it, so a later step that rewrites those pages waits for these reads."""
         pending = PendingOffload()
@@ -181,7 +184,7 @@ class HostCopier:
                 host_state_slots: Sequence[int] = (), state_ids: Sequence[int] = (),
                 kv_scales: Mapping[str, Any] | None = None) -> dict[str, jax.Array]:
         """caches (donated) with host slot host_slots[i] written into page
-        page_ids[kind][i] of each KV kind given (a kind not given: into its null page),
+        page_ids[kind][i] of each KV kind given (a kind not given is left alone),
         and host state slot j into state slot state_ids[j]. Every call has the same
         shapes and kinds. The host rows are gathered and sent now (asynchronously)."""
         host.check_scales(kv_scales)

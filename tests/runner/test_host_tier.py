@@ -183,3 +183,14 @@ def test_caches_split_by_head_over_a_mesh_round_trip():
     assert rows(got[KV], A, [5, 6]).tobytes() == rows(want[KV], A, [1, 2]).tobytes()
     assert rows(got[KV_SLIDING], W, [5, 6]).tobytes() == rows(want[KV_SLIDING], W, [3, 4]).tobytes()
     assert rows(got[RECURRENT], D, [3]).tobytes() == rows(want[RECURRENT], D, [1]).tobytes()
+
+
+def test_an_offload_stores_only_the_kinds_it_names():
+    rng = np.random.default_rng(7)
+    caches = random_caches(jnp.bfloat16, rng)
+    copier, host = make_tier(caches)
+    copier.offload(caches, {KV: [3], KV_SLIDING: [4]}, [2]).land(host)
+    sliding = host.arrays[KV_SLIDING][2].copy()
+    copier.offload(caches, {KV: [5]}, [2]).land(host)
+    assert host.arrays[KV][[2]].tobytes() == rows(np.array(caches[KV]), A, [5]).tobytes()
+    assert host.arrays[KV_SLIDING][2].tobytes() == sliding.tobytes()
