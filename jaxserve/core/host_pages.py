@@ -9,7 +9,7 @@ into a host state slot of its own, beside the page. Arrays live elsewhere
 Life of an entry: `begin_offload` gives it a slot (evicting the least recently used
 unpinned entries if needed) and pins it while the device->host copy is in flight; it
 becomes visible to look-ups only at `finish_offload` (the copy landed), or is dropped by
-`abort_offload`. A restore pins the entries it reads (`pin` / `unpin`) so they are not
+`abort_offload` (the copy is discarded unlanded). A restore pins the entries it reads (`pin` / `unpin`) so they are not
 evicted or overwritten under it. `reset` forgets everything; a pinned entry's slot
 comes back when its last pin goes. Slot 0 of each kind is the dummy that padded copies
 read and write, never handed out.
@@ -114,7 +114,8 @@ class HostPageIndex:
             self.unpin([page])
 
     def abort_offload(self, pages: Iterable[HostPage]) -> None:
-        """Their copies will not land (the step failed, a reset): they are dropped."""
+        """Their copies must not land (the step failed): they are dropped and their
+        slots free at once, so the caller discards the copies, never lands them late."""
         for page in pages:
             self._drop(page)
             self.unpin([page])
