@@ -9,9 +9,10 @@ into a host state slot of its own, beside the page. Arrays live elsewhere
 Life of an entry: `begin_offload` gives it a slot (evicting the least recently used
 unpinned entries if needed) and pins it while the device->host copy is in flight; it
 becomes visible to look-ups only at `finish_offload` (the copy landed), or is dropped by
-`abort_offload` (the copy is discarded unlanded). A restore pins the entries it reads (`pin` / `unpin`) so they are not
-evicted or overwritten under it. `reset` forgets everything; a pinned entry's slot
-comes back when its last pin goes. Slot 0 of each kind is the dummy that padded copies
+`abort_offload` (the copy is discarded unlanded). A restore pins the entries it reads
+(`pin` / `unpin`) so they are not evicted or overwritten under it. `reset` forgets
+everything; a pinned entry's slot (an offload in flight: it still lands) comes back
+when its last pin goes. Slot 0 of each kind is the dummy that padded copies
 read and write, never handed out.
 """
 from __future__ import annotations
