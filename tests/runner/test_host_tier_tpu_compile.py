@@ -13,6 +13,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxserve.runner.host_tier import PINNED_HOST, HostCopier, HostTierLayout
 from models.layer_stack import CONV, KV, RECURRENT
+from pallas_kernels.ragged_paged_attention import KV_HEAD_AXIS
+from sharding.parallel import heads_spec
 from tests.tpu_compile import compile_on_tpu
 
 pytest.importorskip("libtpu")
@@ -22,8 +24,9 @@ from tests.sharding.test_forward_tpu_hlo import whole_cache_copies  # noqa: E402
 TARGET = "tpu-v6e"
 A, D = 4, 3                       # full-attention and linear-attention layers
 PAGES, SLOTS = 16384, 64          # 16-token pages: 256 MiB per layer and KV head pair
+# Four KV heads (2K = 8 entries): whole (K, V) pairs split over up to 4 chips.
 B, BS = 16, 2                     # pages and state slots per call
-CACHES = {KV: jax.ShapeDtypeStruct((A * PAGES, 4, 16, 128), jnp.bfloat16),
+CACHES = {KV: jax.ShapeDtypeStruct((A * PAGES, 8, 16, 128), jnp.bfloat16),
           CONV: jax.ShapeDtypeStruct((D * SLOTS, 3 * 1024), jnp.bfloat16),
           RECURRENT: jax.ShapeDtypeStruct((D * SLOTS, 8, 128, 128), jnp.float32)}
 KINDS = (KV, CONV, RECURRENT)
@@ -35,7 +38,10 @@ def copier() -> HostCopier:
     return HostCopier(layout, {k: cpu for k in KINDS}, pages_per_call=B, states_per_call=BS)
 
 
-def test_restore_updates_the_caches_in_place():
+@pytest.mark.parametrize("mesh", ["1x1", "1x4"])
+def test_restore_updates_the_caches_in_place(mesh):
+    """On one chip, and with the caches split by head over four (each chip writes its
+    heads of the pages)."""
     restore = copier().restore_fn
 
     def flat(kv, conv, rec, page_ids, state_ids, kv_v, conv_v, rec_v):
@@ -47,12 +53,16 @@ def test_restore_updates_the_caches_in_place():
     values = [jax.ShapeDtypeStruct((n * CACHES[k].shape[0] // per, *CACHES[k].shape[1:]),
                                    CACHES[k].dtype)
               for k, n, per in ((KV, B, PAGES), (CONV, BS, SLOTS), (RECURRENT, BS, SLOTS))]
+    split = {KV: heads_spec(4, KV_HEAD_AXIS), CONV: heads_spec(2, 1), RECURRENT: heads_spec(4, 1)}
+    specs = tuple(split[k] for k in KINDS) + (PartitionSpec(),) * 2 + tuple(split[k] for k in KINDS)
     compiled = compile_on_tpu(flat, *(CACHES[k] for k in KINDS),
                               jax.ShapeDtypeStruct((B,), jnp.int32),
                               jax.ShapeDtypeStruct((BS,), jnp.int32), *values,
-                              target=TARGET, donate_argnums=(0, 1, 2))
-    cache_bytes = {k: c.dtype.itemsize * math.prod(c.shape) for k, c in CACHES.items()}
-    assert whole_cache_copies(compiled.as_text(), {c.shape for c in CACHES.values()}) == []
+                              target=TARGET, mesh=mesh, donate_argnums=(0, 1, 2), specs=specs)
+    chips = 4 if mesh == "1x4" else 1
+    per_chip = {k: (c.shape[0], c.shape[1] // chips, *c.shape[2:]) for k, c in CACHES.items()}
+    cache_bytes = {k: CACHES[k].dtype.itemsize * math.prod(s) for k, s in per_chip.items()}
+    assert whole_cache_copies(compiled.as_text(), set(per_chip.values())) == []
     ma = compiled.memory_analysis()
     assert ma.alias_size_in_bytes >= sum(cache_bytes.values())   # every cache donated
     # Not even one layer's share of the KV cache is materialised again.
