@@ -24,6 +24,7 @@ from typing import Any, Mapping, Sequence
 import jax
 import numpy as np
 
+from jaxserve.core.host_pages import size_host_tier
 from models.layer_stack import CONV, KV, KV_SLIDING, RECURRENT
 from models.page_copies import gather_pages, scatter_pages
 
@@ -70,6 +71,26 @@ class HostPageArrays:
             n = num_slots if kind in PAGE_KINDS else num_state_slots
             self.arrays[kind] = np.zeros((n, layout.layers[kind], *row), dtype)
         self.kv_scales = {k: np.asarray(v) for k, v in (kv_scales or {}).items()}
+
+    @classmethod
+    def for_budget(cls, layout: HostTierLayout, budget_bytes: int,
+                   kv_scales: Mapping[str, Any] | None = None) -> HostPageArrays:
+        """As many slots as budget_bytes hold (core/host_pages.size_host_tier); refused,
+        naming the sizes, when that is not one page (and one snapshot) beside the dummy."""
+        slots, states = size_host_tier(budget_bytes, layout.page_bytes, layout.state_bytes)
+        if not slots:
+            raise ValueError(f"a host tier of {budget_bytes} bytes holds no page of "
+                             f"{layout.page_bytes} bytes (and snapshot of "
+                             f"{layout.state_bytes}) beside the dummy slot")
+        return cls(layout, slots, states, kv_scales)
+
+    @property
+    def num_slots(self) -> int:
+        return next(a.shape[0] for k, a in self.arrays.items() if k in PAGE_KINDS)
+
+    @property
+    def num_state_slots(self) -> int:
+        return next((a.shape[0] for k, a in self.arrays.items() if k in STATE_KINDS), 0)
 
     def check_scales(self, kv_scales: Mapping[str, Any] | None) -> None:
         """Pages stored under some scales mean other values under others."""

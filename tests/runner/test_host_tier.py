@@ -194,3 +194,15 @@ def test_an_offload_stores_only_the_kinds_it_names():
     copier.offload(caches, {KV: [5]}, [2]).land(host)
     assert host.arrays[KV][[2]].tobytes() == rows(np.array(caches[KV]), A, [5]).tobytes()
     assert host.arrays[KV_SLIDING][2].tobytes() == sliding.tobytes()
+
+
+def test_arrays_sized_from_bytes_stay_within_them():
+    caches = random_caches(jnp.bfloat16, np.random.default_rng(8), hybrid=True)
+    layout = HostTierLayout.of(caches, LAYERS)
+    budget = 40 * layout.page_bytes + 20 * layout.state_bytes
+    host = HostPageArrays.for_budget(layout, budget)
+    assert sum(a.nbytes for a in host.arrays.values()) <= budget
+    assert host.num_slots > 2 and host.num_state_slots >= 2
+    assert host.num_slots == host.arrays[KV].shape[0] == host.arrays[KV_SLIDING].shape[0]
+    with pytest.raises(ValueError, match="holds no page"):
+        HostPageArrays.for_budget(layout, layout.page_bytes)
