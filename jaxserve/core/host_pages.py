@@ -1,0 +1,177 @@
+"""The host tier's bookkeeping: which page hash sits in which host slot (docs/TIERED_CACHE.md).
+
+Pages the device pool evicts are copied to host memory under the same chained page
+hash (Request.block_hashes), into one of a fixed number of host page slots; a hybrid
+model's state snapshot at the end of that page (core/state_snapshots.py) travels with it
+into a host state slot of its own, beside the page. Arrays live elsewhere
+(jaxserve/runner/host_tier.py); this is plain Python, so the scheduler can own it.
+
+Life of an entry: `begin_offload` gives it a slot (evicting the least recently used
+unpinned entries if needed) and pins it while the device->host copy is in flight; it
+becomes visible to look-ups only at `finish_offload` (the copy landed), or is dropped by
+`abort_offload` (the copy is discarded unlanded). A restore pins the entries it reads
+(`pin` / `unpin`) so they are not evicted or overwritten under it. `reset` forgets
+everything; a pinned entry's slot (an offload in flight: it still lands) comes back
+when its last pin goes. Slot 0 of each kind is the dummy that padded copies
+read and write, never handed out.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Iterable
+
+
+@dataclass(slots=True)
+class HostPage:
+    block_hash: int
+    slot: int
+    state_slot: int | None = None   # the snapshot at this page's end (hybrid models)
+    ready: bool = False             # the device->host copy landed
+    pins: int = 0                   # copies in flight that read or write its slots
+    dropped: bool = False           # forgotten while pinned: slots free at the last unpin
+
+
+def size_host_tier(budget_bytes: int, page_bytes: int, state_bytes: int = 0,
+                   state_share: float = 0.1) -> tuple[int, int]:
+    """(page slots, state slots), the dummy slot 0 of each included, that budget_bytes
+    hold: state_share of it for state snapshots when the model has any (state_bytes >
+    0), the rest for pages. A tier too small for one page of each has no slots (0, 0)."""
+    if budget_bytes < 0 or page_bytes <= 0 or state_bytes < 0 or not 0 <= state_share < 1:
+        raise ValueError(f"bad host tier sizes: budget {budget_bytes}, page {page_bytes}, "
+                         f"state {state_bytes}, state share {state_share}")
+    states = int(budget_bytes * state_share) // state_bytes if state_bytes else 0
+    pages = (budget_bytes - states * state_bytes) // page_bytes
+    if pages < 2 or (state_bytes and states < 2):
+        return 0, 0
+    return pages, states
+
+
+class HostPageIndex:
+    """LRU over host page slots 1..num_slots-1 (and state slots 1..num_state_slots-1)."""
+
+    def __init__(self, num_slots: int, num_state_slots: int = 0) -> None:
+        if num_slots < 2 or num_state_slots < 0 or num_state_slots == 1:
+            raise ValueError(f"host tier needs >= 2 page slots and 0 or >= 2 state slots "
+                             f"(slot 0 is the dummy), got {num_slots} and {num_state_slots}")
+        self.num_slots = num_slots
+        self.num_state_slots = num_state_slots
+        self._free = list(range(num_slots - 1, 0, -1))
+        self._free_states = list(range(num_state_slots - 1, 0, -1))
+        self._lru: OrderedDict[int, HostPage] = OrderedDict()   # front: least recent
+        self.num_evicted = 0
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def __contains__(self, block_hash: int) -> bool:
+        return block_hash in self._lru
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    # ---- look-ups ----------------------------------------------------------------
+    def lookup(self, block_hash: int) -> HostPage | None:
+        """The landed entry for block_hash (now the most recently used), or None."""
+        page = self._lru.get(block_hash)
+        if page is None or not page.ready:
+            return None
+        self._lru.move_to_end(block_hash)
+        return page
+
+    def match(self, block_hashes: Iterable[int]) -> list[HostPage]:
+        """The landed entries of the longest run of block_hashes from its start."""
+        out = []
+        for h in block_hashes:
+            page = self.lookup(h)
+            if page is None:
+                break
+            out.append(page)
+        return out
+
+    # ---- device -> host ------------------------------------------------------------
+    def begin_offload(self, block_hash: int, with_state: bool = False) -> HostPage | None:
+        """A slot (and with_state: a state slot) for a page about to be copied here,
+        pinned until finish_offload / abort_offload. None: nothing to copy (the hash is
+        here already, or in flight) or no room (every entry is pinned)."""
+        if block_hash in self._lru:
+            self._lru.move_to_end(block_hash)
+            return None
+        if with_state and not self.num_state_slots:
+            raise ValueError("with_state: this host tier has no state slots")
+        if not self._free and not self._evict_page():
+            return None
+        page = HostPage(block_hash, self._free.pop(), pins=1)
+        if with_state and (self._free_states or self._evict_state()):
+            page.state_slot = self._free_states.pop()
+        self._lru[block_hash] = page
+        return page
+
+    def finish_offload(self, pages: Iterable[HostPage]) -> None:
+        """Their copies landed: they serve look-ups from now on."""
+        for page in pages:
+            page.ready = True
+            self.unpin([page])
+
+    def abort_offload(self, pages: Iterable[HostPage]) -> None:
+        """Their copies must not land (the step failed): they are dropped and their
+        slots free at once, so the caller discards the copies, never lands them late."""
+        for page in pages:
+            self._drop(page)
+            self.unpin([page])
+
+    # ---- host -> device ------------------------------------------------------------
+    def pin(self, pages: Iterable[HostPage]) -> None:
+        """A restore reads these until unpin: they are neither evicted nor reused."""
+        for page in pages:
+            if not page.ready or page.dropped:
+                raise ValueError(f"host page {page.block_hash} is not restorable")
+            page.pins += 1
+
+    def unpin(self, pages: Iterable[HostPage]) -> None:
+        for page in pages:
+            if page.pins <= 0:
+                raise ValueError(f"host page {page.block_hash} is not pinned")
+            page.pins -= 1
+            if page.dropped and page.pins == 0:
+                self._free_slots(page)
+
+    def reset(self) -> None:
+        """Forget every entry (reset_prefix_cache); pinned ones free their slots when
+        their copies end."""
+        for page in list(self._lru.values()):
+            self._drop(page)
+
+    # ---- eviction ------------------------------------------------------------------
+    def _evict_page(self) -> bool:
+        for page in self._lru.values():
+            if page.pins == 0:
+                self._drop(page)
+                self.num_evicted += 1
+                return True
+        return False
+
+    def _evict_state(self) -> bool:
+        """The least recently used unpinned entry gives up its snapshot (its page stays:
+        a longer prefix that ends on a later snapshot still needs it)."""
+        for page in self._lru.values():
+            if page.pins == 0 and page.state_slot is not None:
+                self._free_states.append(page.state_slot)
+                page.state_slot = None
+                return True
+        return False
+
+    def _drop(self, page: HostPage) -> None:
+        if page.dropped:
+            return
+        page.dropped = True
+        del self._lru[page.block_hash]
+        if page.pins == 0:
+            self._free_slots(page)
+
+    def _free_slots(self, page: HostPage) -> None:
+        self._free.append(page.slot)
+        if page.state_slot is not None:
+            self._free_states.append(page.state_slot)
+            page.state_slot = None

@@ -1,0 +1,225 @@
+"""The host tier's arrays and the copies between them and the device caches
+(docs/TIERED_CACHE.md; the bookkeeping is core/host_pages.HostPageIndex).
+
+HostPageArrays: numpy pools, one per cache kind: [slots, A, *row] for a KV array (a host
+page slot holds one page id's rows in all A layers), [state slots, D, *row] for the conv
+and recurrent state (one snapshot's rows in all D linear-attention layers). Entries
+keep the cache's dtype as held (bf16 as uint16 bits on CPU, fp8 / int8 as stored); a
+quantized cache's scales (per layer and head, not per page) are kept once, and a
+restore under other scales is refused.
+
+HostCopier: two jitted programs of fixed shape, compiled once: offload reads
+pages_per_call page ids and states_per_call state slots out of the caches (its result
+placed in pinned host memory where the device has it, then fetched asynchronously);
+restore writes as many into the donated caches in place (models/page_copies.py). A
+longer list is split into several calls; a short one is padded with id 0 (the null page
+/ slot) and host slot 0 (the dummy), so nothing recompiles.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import jax
+import numpy as np
+
+from jaxserve.core.host_pages import size_host_tier
+from models.layer_stack import CONV, KV, KV_SLIDING, RECURRENT
+from models.page_copies import gather_pages, scatter_pages
+
+PAGE_KINDS = (KV, KV_SLIDING)
+STATE_KINDS = (CONV, RECURRENT)
+PINNED_HOST = "pinned_host"
+
+
+@dataclass(frozen=True)
+class HostTierLayout:
+    """Per cache kind: the layers stacked in it and one layer's row (shape, held dtype)."""
+    layers: Mapping[str, int]
+    rows: Mapping[str, tuple[tuple[int, ...], np.dtype]]
+
+    @classmethod
+    def of(cls, caches: Mapping[str, Any], layers: Mapping[str, int]) -> HostTierLayout:
+        """From the caches (arrays or ShapeDtypeStructs) and each kind's layer count
+        (models/layer_stack.num_owners)."""
+        kinds = [k for k in (*PAGE_KINDS, *STATE_KINDS) if k in caches]
+        return cls({k: layers[k] for k in kinds},
+                   {k: (tuple(caches[k].shape[1:]), np.dtype(caches[k].dtype)) for k in kinds})
+
+    def _bytes(self, kinds: Sequence[str]) -> int:
+        return sum(self.layers[k] * math.prod(self.rows[k][0]) * self.rows[k][1].itemsize
+                   for k in kinds if k in self.rows)
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one host page slot (every KV array's rows of one page id)."""
+        return self._bytes(PAGE_KINDS)
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of one host state slot (0: not a hybrid model)."""
+        return self._bytes(STATE_KINDS)
+
+
+class HostPageArrays:
+    def __init__(self, layout: HostTierLayout, num_slots: int, num_state_slots: int = 0,
+                 kv_scales: Mapping[str, Any] | None = None) -> None:
+        self.layout = layout
+        self.arrays = {}
+        for kind, (row, dtype) in layout.rows.items():
+            n = num_slots if kind in PAGE_KINDS else num_state_slots
+            self.arrays[kind] = np.zeros((n, layout.layers[kind], *row), dtype)
+        self.kv_scales = {k: np.asarray(v) for k, v in (kv_scales or {}).items()}
+
+    @classmethod
+    def for_budget(cls, layout: HostTierLayout, budget_bytes: int,
+                   kv_scales: Mapping[str, Any] | None = None) -> HostPageArrays:
+        """As many slots as budget_bytes hold (core/host_pages.size_host_tier); refused,
+        naming the sizes, when that is not one page (and one snapshot) beside the dummy."""
+        slots, states = size_host_tier(budget_bytes, layout.page_bytes, layout.state_bytes)
+        if not slots:
+            raise ValueError(f"a host tier of {budget_bytes} bytes holds no page of "
+                             f"{layout.page_bytes} bytes (and snapshot of "
+                             f"{layout.state_bytes}) beside the dummy slot")
+        return cls(layout, slots, states, kv_scales)
+
+    @property
+    def num_slots(self) -> int:
+        return next(a.shape[0] for k, a in self.arrays.items() if k in PAGE_KINDS)
+
+    @property
+    def num_state_slots(self) -> int:
+        return next((a.shape[0] for k, a in self.arrays.items() if k in STATE_KINDS), 0)
+
+    def check_scales(self, kv_scales: Mapping[str, Any] | None) -> None:
+        """Pages stored under some scales mean other values under others."""
+        given = {k: np.asarray(v) for k, v in (kv_scales or {}).items()}
+        if given.keys() != self.kv_scales.keys() or any(
+                not np.array_equal(given[k], self.kv_scales[k]) for k in given):
+            raise ValueError("the host tier's pages were stored under other KV scales: "
+                             "reset it (reset_prefix_cache) before restoring")
+
+
+def host_memory_kind(device: jax.Device) -> str | None:
+    """Pinned host memory if the device can place arrays there (GPU, TPU, and CPU in
+    recent JAX), else None: the default memory, fetched by device_get."""
+    try:
+        kinds = {m.kind for m in device.addressable_memories()}
+    except (AttributeError, NotImplementedError):   # pragma: no cover - older runtimes
+        return None
+    return PINNED_HOST if PINNED_HOST in kinds else None
+
+
+class PendingOffload:
+    """Device->host copies in flight: `land` writes them into the host arrays."""
+
+    def __init__(self) -> None:
+        self._parts: list[tuple[dict[str, jax.Array], dict[str, list[int]]]] = []
+
+    def add(self, gathered: dict[str, jax.Array], slots: dict[str, list[int]]) -> None:
+        for x in gathered.values():
+            x.copy_to_host_async()
+        self._parts.append((gathered, slots))
+
+    def is_ready(self) -> bool:
+        return all(x.is_ready() for gathered, _ in self._parts for x in gathered.values())
+
+    def land(self, host: HostPageArrays) -> None:
+        """Blocks until the copies are done (if they are not), then stores them."""
+        for gathered, slots in self._parts:
+            for kind, x in gathered.items():
+                n = len(slots[kind])
+                if n:
+                    rows = np.asarray(x).reshape(-1, *host.arrays[kind].shape[1:])
+                    host.arrays[kind][slots[kind]] = rows[:n]
+        self._parts.clear()
+
+
+class HostCopier:
+    def __init__(self, layout: HostTierLayout, shardings: Mapping[str, jax.sharding.Sharding],
+                 *, pages_per_call: int = 16, states_per_call: int = 2,
+                 memory_kind: str | None = None) -> None:
+        """shardings: each cache's; memory_kind: where offloaded pages land (None: the
+        device's default memory; host_memory_kind(device) for pinned host memory)."""
+        if pages_per_call < 1 or states_per_call < 1:
+            raise ValueError(f"pages_per_call {pages_per_call} / states_per_call "
+                             f"{states_per_call}: must be >= 1")
+        self.layout = layout
+        self.pages_per_call = pages_per_call
+        self.states_per_call = states_per_call
+        self._shardings = {k: shardings[k] for k in layout.rows}
+        out = {k: s.with_memory_kind(memory_kind) if memory_kind else s
+               for k, s in self._shardings.items()}
+        layers = dict(layout.layers)
+        self.offload_fn = lambda caches, ids: gather_pages(caches, ids, layers)
+        self.restore_fn = lambda caches, ids, values: scatter_pages(caches, ids, values, layers)
+        self._offload = jax.jit(self.offload_fn, out_shardings=out)
+        self._restore = jax.jit(self.restore_fn, donate_argnums=0)
+
+    # ---- batching -------------------------------------------------------------------
+    def _calls(self, page_ids: Mapping[str, Sequence[int]], host_slots: Sequence[int],
+               state_ids: Sequence[int], host_state_slots: Sequence[int]):
+        """Per call: (device ids per kind, padded; host slots per kind, unpadded)."""
+        for kind, ids in page_ids.items():
+            if kind not in PAGE_KINDS or kind not in self.layout.rows:
+                raise ValueError(f"page ids for {kind!r}: this model's page kinds are "
+                                 f"{[k for k in PAGE_KINDS if k in self.layout.rows]}")
+            if len(ids) != len(host_slots):
+                raise ValueError(f"{kind}: {len(ids)} page ids for {len(host_slots)} host slots")
+        if len(state_ids) != len(host_state_slots):
+            raise ValueError(f"{len(state_ids)} state ids for {len(host_state_slots)} slots")
+        state_kinds = [k for k in STATE_KINDS if k in self.layout.rows]
+        if state_ids and not state_kinds:
+            raise ValueError("state ids given for a model without recurrent state")
+        bp, bs = self.pages_per_call, self.states_per_call
+        calls = max(-(-len(host_slots) // bp), -(-len(state_ids) // bs), 0)
+        for c in range(calls):
+            ids, slots = {}, {}
+            for kind in (k for k in PAGE_KINDS if k in self.layout.rows):
+                # A kind not named copies its null page to or from the dummy slot.
+                named = kind in page_ids
+                part = list(page_ids[kind][c * bp:(c + 1) * bp]) if named else []
+                ids[kind] = _pad(part, bp)
+                slots[kind] = list(host_slots[c * bp:(c + 1) * bp]) if named else []
+            for kind in state_kinds:
+                part = list(state_ids[c * bs:(c + 1) * bs])
+                ids[kind], slots[kind] = _pad(part, bs), list(host_state_slots[c * bs:(c + 1) * bs])
+            yield ids, slots
+
+    # ---- the copies -------------------------------------------------------------------
+    def offload(self, caches: Mapping[str, jax.Array], page_ids: Mapping[str, Sequence[int]],
+                host_slots: Sequence[int], state_ids: Sequence[int] = (),
+                host_state_slots: Sequence[int] = ()) -> PendingOffload:
+        """Starts copying pages page_ids[kind][i] (of each KV kind given, all into
+        host slot host_slots[i]; a kind not given is not stored) and state slots
+        state_ids[j] into host_state_slots[j]. Issued now, in order with the steps
+        around it, so a later step that rewrites those pages waits for these reads."""
+        pending = PendingOffload()
+        for ids, slots in self._calls(page_ids, host_slots, state_ids, host_state_slots):
+            pending.add(self._offload(dict(caches), ids), slots)
+        return pending
+
+    def restore(self, caches: Mapping[str, jax.Array], host: HostPageArrays,
+                host_slots: Sequence[int], page_ids: Mapping[str, Sequence[int]],
+                host_state_slots: Sequence[int] = (), state_ids: Sequence[int] = (),
+                kv_scales: Mapping[str, Any] | None = None) -> dict[str, jax.Array]:
+        """caches (donated) with host slot host_slots[i] written into page
+        page_ids[kind][i] of each KV kind given (a kind not given is left alone),
+        and host state slot j into state slot state_ids[j]. Every call has the same
+        shapes and kinds. The host rows are gathered and sent now (asynchronously)."""
+        host.check_scales(kv_scales)
+        caches = dict(caches)
+        for ids, slots in self._calls(page_ids, host_slots, state_ids, host_state_slots):
+            values = {}
+            for kind in ids:
+                pool = host.arrays[kind]
+                take = _pad(slots[kind], len(ids[kind]))
+                values[kind] = jax.device_put(pool[take].reshape(-1, *pool.shape[2:]),
+                                              self._shardings[kind])
+            caches = self._restore(caches, ids, values)
+        return caches
+
+
+def _pad(ids: list[int], n: int) -> np.ndarray:
+    return np.asarray(list(ids) + [0] * (n - len(ids)), np.int32)
