@@ -24,8 +24,24 @@ from jax.sharding import PartitionSpec
 from sharding.mesh import MODEL
 from sharding.parallel import context_model_axis_size, heads_spec, over_model_axis
 
+# The forward's variable collections (models/lora/slots.forward_variables, read by
+# models/layers.Einsum): the stacks, and the step's grouping under every adapted module.
+LORA, LORA_STEP = "lora", "lora_step"
 # How a projection's delta is split under the mesh (sharded_lora_delta).
 SPLIT_IN, SPLIT_OUT = "in", "out"   # None: replicated
+
+
+def projection_split(axes: tuple, num_contract: int, rules: dict) -> str | None:
+    """How a kernel with logical `axes` (its first num_contract contracted) is split on
+    the model axis under `rules` (logical axis -> mesh axis): SPLIT_OUT, SPLIT_IN or None."""
+    split = [rules.get(a) is not None for a in axes]
+    if split[num_contract:][:1] == [True]:
+        return SPLIT_OUT
+    if split[:1] == [True]:
+        return SPLIT_IN
+    if any(split):   # an inner axis split: the merged axis would not split in blocks
+        raise ValueError(f"LoRA cannot follow a kernel split on an inner axis: {axes}")
+    return None
 
 
 class SlotGroups(NamedTuple):
