@@ -7,7 +7,8 @@ forward alone (models' apply, no sampling) for a prefill step (16 requests x 16 
 and a decode step (64 requests, 1 token, 200-token contexts). With N adapters the
 requests are spread evenly over N slots of N + 1 (every linear projection adapted,
 rank --rank). Prints each time (best of --iters) and its ratio to the base forward,
-measured in one run so the machine's load affects all alike.
+measured in one run so the machine's load affects all alike; --ragged-too adds the
+ragged-dot form (what TPU and GPU run) for comparison.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import numpy as np
 from common import make_small_qwen3
 from models.config import ModelConfig
 from models.layer_stack import cache_shapes
+from models.lora import ops
 from models.lora.slots import forward_variables, init_stacks, slot_weights, write_slot
 from models.lora.targets import lora_targets
 from models.registry import build_model
@@ -55,6 +57,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--ragged-too", action="store_true")
     args = ap.parse_args()
     path = make_small_qwen3(os.path.join(tempfile.gettempdir(), "jaxserve-bench-qwen3-small"))
     cfg = ModelConfig.from_pretrained(path)
@@ -67,6 +70,17 @@ def main() -> None:
     base_fn = jax.jit(lambda p, c, i: model.apply({"params": p}, c, i)[0])
     lora_fn = jax.jit(lambda p, s, ids, c, i: model.apply(
         {"params": p, **forward_variables(s, ids)}, c, i)[0])
+
+    ragged_jit = jax.jit(lambda p, s, ids, c, i: model.apply(
+        {"params": p, **forward_variables(s, ids)}, c, i)[0])
+
+    def ragged_fn(*args):   # the same forward with the ragged-dot form on every platform
+        saved, ops._grouped_delta = ops._grouped_delta, ops._ragged_delta
+        try:   # traced (on its first call) with the ragged form
+            return ragged_jit(*args)
+        finally:
+            ops._grouped_delta = saved
+    forms = {"tiles": lora_fn, "ragged": ragged_fn} if args.ragged_too else {"tiles": lora_fn}
     stacks = {n: _stacks(targets, n, args.rank) for n in (1, 4, 16)}
 
     def best(fn) -> float:
@@ -83,13 +97,16 @@ def main() -> None:
         inputs, spans = _step(kind)
         t_base = best(lambda: base_fn(params, caches, inputs))
         line = [f"{kind:8s} T={inputs.token_ids.shape[0]:3d}  base {t_base * 1e3:7.2f} ms"]
-        for n, st in stacks.items():
-            ids = np.zeros(inputs.token_ids.shape[0], np.int32)
-            for r, (a, b) in enumerate(spans):
-                ids[a:b] = 1 + r % n
-            t = best(lambda: lora_fn(params, st, jnp.asarray(ids), caches, inputs))
-            line.append(f"{n:2d} adapters {t * 1e3:7.2f} ms (x{t / t_base:.2f})")
-        print(" | ".join(line), flush=True)
+        print(" ".join(line), flush=True)
+        for form, fn in forms.items():
+            line = [f"  {form:7s}"]
+            for n, st in stacks.items():
+                ids = np.zeros(inputs.token_ids.shape[0], np.int32)
+                for r, (a, b) in enumerate(spans):
+                    ids[a:b] = 1 + r % n
+                t = best(lambda: fn(params, st, jnp.asarray(ids), caches, inputs))
+                line.append(f"{n:2d} adapters {t * 1e3:7.2f} ms (x{t / t_base:.2f})")
+            print(" | ".join(line), flush=True)
 
 
 if __name__ == "__main__":
