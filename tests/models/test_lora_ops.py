@@ -91,3 +91,34 @@ def test_cpu_tiles_and_ragged_dot_agree_with_the_gather(num_tokens, num_slots, s
     for form in (_tiled_delta, _ragged_delta):
         np.testing.assert_allclose(jax.jit(form)(x, groups, a, b, scales), want, rtol=1e-4,
                                    atol=1e-4, err_msg=form.__name__)
+
+
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+@pytest.mark.parametrize("num_contract", [1, 2])
+def test_einsum_adds_the_float_delta_to_a_quantized_base(method, num_contract):
+    """models/layers.Einsum with an int8 / fp8 kernel and float LoRA stacks: its output
+    is the quantized base's plus the grouped delta of its (merged) input."""
+    from models.layers import Einsum
+    from models.lora.ops import LORA, LORA_STEP
+    from models.quant_config import WeightQuant
+    rng = np.random.default_rng(4)
+    shape, eq = ((8, 4, 16), "TNH,NHE->TE") if num_contract == 2 else ((32, 4, 6), "TE,ENH->TNH")
+    in_dim, out_dim = int(np.prod(shape[:num_contract])), int(np.prod(shape[num_contract:]))
+    mod = Einsum(eq, shape, (None,) * 3, num_contract, quant=WeightQuant(method))
+    x = jnp.asarray(rng.standard_normal((7, *shape[:num_contract])), jnp.float32)
+    import flax.linen as nn
+    params = nn.unbox(mod.init(jax.random.key(0), x)["params"])
+    params = {**params, "kernel": jnp.asarray(rng.integers(-100, 100, shape)).astype(
+        params["kernel"].dtype), "kernel_scale": params["kernel_scale"] * 0.01}
+    s, r = 3, 4
+    a = jnp.asarray(rng.standard_normal((s, in_dim, r)), jnp.float32).at[0].set(0)
+    b = jnp.asarray(rng.standard_normal((s, r, out_dim)), jnp.float32).at[0].set(0)
+    scales = jnp.asarray([1.0, 0.5, 2.0], jnp.float32)
+    slots = jnp.asarray([2, 0, 1, 1, 2, 0, 2], jnp.int32)
+    groups = group_by_slot(slots, s)
+    base = mod.apply({"params": params}, x)
+    got = mod.apply({"params": params, LORA: {"a": a, "b": b},
+                     LORA_STEP: {**groups._asdict(), "scales": scales}}, x)
+    want = dense_reference(x.reshape(7, -1), slots, a, b, scales).reshape(base.shape)
+    np.testing.assert_allclose(got - base, want, rtol=1e-4, atol=1e-4)
+    assert np.abs(np.asarray(want)).max() > 1e-2
