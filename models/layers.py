@@ -19,10 +19,12 @@ from jax.sharding import PartitionSpec
 
 from models.config import FULL_ATTENTION, ModelConfig, WeightQuant
 from models.inputs import ModelInputs
+from models.lora.ops import LORA, LORA_STEP, SlotGroups, projection_split, sharded_lora_delta
 from models.quantization import SCALE_SUFFIX, quantized_matmul, scale_shape, storage_dtype
 from pallas_kernels.ragged_paged_attention import (KV_HEAD_AXIS, backend_options,
                                                     ragged_paged_attention, write_kv)
 from sharding.parallel import heads_spec, over_model_axis
+from sharding.rules import RULES
 
 Dtype = Any
 INIT_STD = 0.02
@@ -94,7 +96,7 @@ class Einsum(nn.Module):
             y = quantized_matmul(x, *quantized_param(self, "kernel", self.shape, self.axes, n,
                                                      self.quant), n, self.quant.block_in,
                                  self.dtype, self.out_dtype, self.quant.dynamic_activations)
-            return self._add_bias(y)
+            return self._add_lora(x, self._add_bias(y))
         w = logical_param(self, "kernel", nn.initializers.normal(INIT_STD), self.shape, self.axes, self.dtype)
         if n > 1:
             # x's last n axes contract with the kernel's first n (as in "TNH,NHE->TE"). One
@@ -105,7 +107,20 @@ class Einsum(nn.Module):
                               preferred_element_type=self.out_dtype)
         else:
             y = jnp.einsum(self.eq, x.astype(self.dtype), w, preferred_element_type=self.out_dtype)
-        return self._add_bias(y)
+        return self._add_lora(x, self._add_bias(y))
+
+    def _add_lora(self, x: jax.Array, y: jax.Array) -> jax.Array:
+        """y plus each token's adapter delta when the forward has LoRA stacks for this
+        projection (models/lora/slots.forward_variables); without them nothing is traced."""
+        if not self.has_variable(LORA, "a"):
+            return y
+        step = {k: self.get_variable(LORA_STEP, k) for k in (*SlotGroups._fields, "scales")}
+        groups = SlotGroups(*(step[k] for k in SlotGroups._fields))
+        n = self.num_contract
+        delta = sharded_lora_delta(x.reshape(*x.shape[:-n], -1), groups, self.get_variable(LORA, "a"),
+                                   self.get_variable(LORA, "b"), step["scales"],
+                                   projection_split(self.axes, n, RULES))
+        return y + delta.reshape(y.shape).astype(y.dtype)
 
     def _add_bias(self, y: jax.Array) -> jax.Array:
         if not self.use_bias:

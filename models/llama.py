@@ -17,6 +17,7 @@ from models.config import FULL_ATTENTION, ModelConfig
 from models.inputs import ModelInputs
 from models.layer_stack import (KV, KV_KIND, KV_SCALE, KV_SCALES, cache_index, layer_period,
                                 num_owners, per_layer)
+from models.lora.ops import LORA, LORA_STEP
 from models.layers import MLP, Attention, Einsum, Embed, RMSNorm, kv_heads_axis, logical_param
 
 KV_LAYER_TYPE = {kind: layer_type for layer_type, kind in KV_KIND.items()}
@@ -102,7 +103,10 @@ class LlamaForCausalLM(nn.Module):
         cfg = self.config
         self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, self.dtype)
         if self.scan_layers:
-            stack = nn.scan(LayerBlock, variable_axes={"params": 0}, split_rngs={"params": True},
+            # LoRA stacks (models/lora/slots.py) are sliced per block as the params are;
+            # the step's grouping is the same for every block.
+            stack = nn.scan(LayerBlock, variable_axes={"params": 0, LORA: 0},
+                            variable_broadcast=LORA_STEP, split_rngs={"params": True},
                             in_axes=(0, nn.broadcast), length=cfg.num_layers // layer_period(cfg),
                             metadata_params={nn.PARTITION_NAME: "layers"})
             self.layers = stack(type(self), cfg, self.dtype, self.attention_backend)

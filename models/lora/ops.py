@@ -15,6 +15,7 @@ Under a mesh the delta follows its base projection (sharded_lora_delta):
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import NamedTuple
 
 import jax
@@ -24,8 +25,24 @@ from jax.sharding import PartitionSpec
 from sharding.mesh import MODEL
 from sharding.parallel import context_model_axis_size, heads_spec, over_model_axis
 
+# The forward's variable collections (models/lora/slots.forward_variables, read by
+# models/layers.Einsum): the stacks, and the step's grouping under every adapted module.
+LORA, LORA_STEP = "lora", "lora_step"
 # How a projection's delta is split under the mesh (sharded_lora_delta).
 SPLIT_IN, SPLIT_OUT = "in", "out"   # None: replicated
+
+
+def projection_split(axes: tuple, num_contract: int, rules: dict) -> str | None:
+    """How a kernel with logical `axes` (its first num_contract contracted) is split on
+    the model axis under `rules` (logical axis -> mesh axis): SPLIT_OUT, SPLIT_IN or None."""
+    split = [rules.get(a) is not None for a in axes]
+    if split[num_contract:][:1] == [True]:
+        return SPLIT_OUT
+    if split[:1] == [True]:
+        return SPLIT_IN
+    if any(split):   # an inner axis split: the merged axis would not split in blocks
+        raise ValueError(f"LoRA cannot follow a kernel split on an inner axis: {axes}")
+    return None
 
 
 class SlotGroups(NamedTuple):
@@ -48,7 +65,16 @@ def group_by_slot(slot_ids: jax.Array, num_slots: int) -> SlotGroups:
 
 def _grouped_delta(x: jax.Array, groups: SlotGroups, a: jax.Array, b: jax.Array,
                    scales: jax.Array, sum_axis: str | None = None) -> jax.Array:
-    """x [T, I] -> delta [T, O] = scale[s] * (x @ A[s]) @ B[s], s the token's slot."""
+    """x [T, I] -> delta [T, O] = scale[s] * (x @ A[s]) @ B[s], s the token's slot: by
+    XLA's ragged dot where it is native (TPU, GPU), by sorted tiles on XLA:CPU, whose
+    ragged dot runs every group over all the tokens (chosen when lowering)."""
+    return jax.lax.platform_dependent(
+        x, groups, a, b, scales, cpu=partial(_tiled_delta, sum_axis=sum_axis),
+        default=partial(_ragged_delta, sum_axis=sum_axis))
+
+
+def _ragged_delta(x: jax.Array, groups: SlotGroups, a: jax.Array, b: jax.Array,
+                  scales: jax.Array, sum_axis: str | None = None) -> jax.Array:
     xs = jnp.take(x, groups.order, axis=0)
     h = jax.lax.ragged_dot(xs.astype(a.dtype), a, groups.group_sizes,
                            preferred_element_type=jnp.float32)          # [T, R]
@@ -58,6 +84,43 @@ def _grouped_delta(x: jax.Array, groups: SlotGroups, a: jax.Array, b: jax.Array,
     y = jax.lax.ragged_dot(h.astype(b.dtype), b, groups.group_sizes,
                            preferred_element_type=jnp.float32)          # [T, O]
     return jnp.take(y, groups.inverse, axis=0).astype(x.dtype)   # back to the tokens' order
+
+
+def cpu_tile(num_tokens: int, num_slots: int) -> int:
+    """Rows per tile of the CPU form: at most 16, small enough that the padding of the
+    adapters' last tiles ((S - 1) x tile rows at most) stays within the step's tokens."""
+    t = max(1, num_tokens // max(num_slots - 1, 1))
+    return min(16, 1 << (t.bit_length() - 1))
+
+
+def _tiled_delta(x: jax.Array, groups: SlotGroups, a: jax.Array, b: jax.Array,
+                 scales: jax.Array, sum_axis: str | None = None) -> jax.Array:
+    """The CPU form: the sorted tokens of each adapter (slot 0's skipped: no delta) laid
+    in tiles of one slot each, one slot's A and B gathered per tile, so the work grows
+    with T + S x tile rows, not T x S."""
+    (T, I), S, O = x.shape, a.shape[0], b.shape[-1]
+    tile = cpu_tile(T, S)
+    n_tiles = -(-T // tile) + S - 1                        # a static bound on the tiles used
+    sizes = groups.group_sizes.at[0].set(0)
+    tiles = (sizes + tile - 1) // tile
+    tiles_end = jnp.cumsum(tiles)
+    seg_start = jnp.cumsum(groups.group_sizes) - groups.group_sizes
+    slot = groups.token_slots                              # sorted order
+    row = jnp.where(slot == 0, n_tiles * tile,             # the zero row past the tiles
+                    (tiles_end - tiles)[slot] * tile + jnp.arange(T) - seg_start[slot])
+    row = jnp.take(row, groups.inverse)                    # per token, in its order
+    src = jnp.full(n_tiles * tile + 1, T, jnp.int32).at[row].set(jnp.arange(T, dtype=jnp.int32))
+    k = jnp.arange(n_tiles)
+    tile_slot = jnp.where(k < tiles_end[-1], jnp.searchsorted(tiles_end, k, side="right"), 0)
+    xp = jnp.concatenate([x, jnp.zeros((1, I), x.dtype)])[src[:-1]].reshape(n_tiles, tile, I)
+    h = jnp.einsum("kti,kir->ktr", xp.astype(a.dtype), a[tile_slot],
+                   preferred_element_type=jnp.float32)
+    if sum_axis is not None:
+        h = jax.lax.psum(h, sum_axis)
+    h = h * scales.astype(jnp.float32)[tile_slot][:, None, None]
+    y = jnp.einsum("ktr,kro->kto", h.astype(b.dtype), b[tile_slot],
+                   preferred_element_type=jnp.float32).reshape(-1, O)
+    return jnp.concatenate([y, jnp.zeros((1, O), y.dtype)])[row].astype(x.dtype)
 
 
 def lora_delta(x: jax.Array, groups: SlotGroups, a: jax.Array, b: jax.Array,

@@ -22,7 +22,7 @@ from flax.traverse_util import flatten_dict
 
 from models.config import ModelConfig
 from models.lora.adapter import PeftAdapter
-from models.lora.ops import SPLIT_IN, SPLIT_OUT
+from models.lora.ops import projection_split
 from models.weight_names import _group_by_key_head
 from models.weights import abstract_params, hf_names, param_logical_axes
 from sharding.rules import RULES
@@ -44,17 +44,11 @@ class LoRATarget:
     out_dim: int
     split: str | None
     regroup_qkv: bool = False   # DeltaNet in_proj_qkv: output channels regrouped per key head
-
-
-def _split(axes: tuple, num_contract: int, rules: dict) -> str | None:
-    split = [rules.get(a) is not None for a in axes]
-    if split[num_contract:][:1] == [True]:
-        return SPLIT_OUT
-    if split[:1] == [True]:
-        return SPLIT_IN
-    if any(split):   # an inner axis split: the merged axis would not split in blocks
-        raise ValueError(f"LoRA cannot follow a kernel split on an inner axis: {axes}")
-    return None
+    # Where its stacks sit (models/lora/slots.py): the Einsum module's path in the params
+    # ("layers_3", "self_attn", "q_proj"), and its place on the path's stacked layer axes
+    # (a scanned model's block: (3,); () unscanned).
+    path: tuple[str, ...] = ()
+    index: tuple[int, ...] = ()
 
 
 def lora_targets(model: nn.Module, cfg: ModelConfig, rules: dict | None = None
@@ -74,13 +68,13 @@ def lora_targets(model: nn.Module, cfg: ModelConfig, rules: dict | None = None
         # A kernel contracts its leading "embed" axis, or else all but its last axis
         # (o_proj [N, H, E], down_proj [F, E], out_proj [Hv, Dv, E]).
         n = 1 if spec[0] == "embed" else len(inner) - 1
-        for name in names.flat:
+        for index, name in np.ndenumerate(names):
             module_name = name[:-len(".weight")]
             out[module_name] = LoRATarget(
                 name=module_name, module=module_name.rsplit(".", 1)[1],
                 layer=int(_LAYER.match(module_name).group(1)), in_dim=math.prod(inner[:n]),
-                out_dim=math.prod(inner[n:]), split=_split(spec, n, rules),
-                regroup_qkv=path[-2] == "in_proj_qkv")
+                out_dim=math.prod(inner[n:]), split=projection_split(spec, n, rules),
+                regroup_qkv=path[-2] == "in_proj_qkv", path=tuple(path[:-1]), index=index)
     return dict(sorted(out.items(), key=lambda kv: kv[1].layer))
 
 

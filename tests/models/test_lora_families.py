@@ -2,6 +2,8 @@
 can adapt), and the Qwen3.5 DeltaNet's regrouped in_proj_qkv gets peft's delta."""
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -9,9 +11,10 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from models.config import ModelConfig
+from models.layer_stack import layer_period
 from models.lora.adapter import load_peft_adapter
 from models.lora.ops import SPLIT_IN, SPLIT_OUT, group_by_slot, lora_delta
-from models.lora.slots import SCALES, init_stacks, slot_weights, write_slot
+from models.lora.slots import SCALES, init_stacks, slot_weights, target_stacks, write_slot
 from models.lora.targets import adapter_weights, lora_targets
 from models.registry import build_model
 from models.weights import load_params
@@ -40,8 +43,13 @@ def test_targets_are_the_decoder_linears(kind):
     ups = [t.split for t in targets.values() if t.module in ("q_proj", "up_proj", "in_proj_qkv")]
     downs = [t.split for t in targets.values() if t.module in ("o_proj", "down_proj", "out_proj")]
     assert set(ups) == {SPLIT_OUT} and set(downs) == {SPLIT_IN}
-    # A scanned model (layers stacked per period position) has the same targets.
-    assert lora_targets(build_model(cfg, jnp.float32, scan_layers=True), cfg) == targets
+    # A scanned model (layers stacked per period position) has the same targets; only
+    # where their stacks sit differs: a block's slice of the scanned kernels' stack.
+    scanned = lora_targets(build_model(cfg, jnp.float32, scan_layers=True), cfg)
+    strip = lambda ts: {k: dataclasses.replace(t, path=(), index=()) for k, t in ts.items()}
+    assert strip(scanned) == strip(targets)
+    last = list(targets)[-1]
+    assert scanned[last].index == (targets[last].layer // layer_period(cfg),)
 
 
 def test_deltanet_in_proj_qkv_parity(tmp_path):
@@ -76,6 +84,6 @@ def test_deltanet_in_proj_qkv_parity(tmp_path):
         want = layer(torch.from_numpy(x)).numpy()[:, perm]
     want[slots == 0] = (x @ kernel)[slots == 0]
     got = x @ kernel + lora_delta(jnp.asarray(x), group_by_slot(jnp.asarray(slots), 2),
-                                  stacks[name]["a"], stacks[name]["b"], stacks[SCALES])
+                                  *target_stacks(stacks, targets[name]), stacks[SCALES])
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     assert np.abs(want - x @ kernel)[slots == 1].max() > 1e-3

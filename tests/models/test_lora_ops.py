@@ -70,3 +70,55 @@ def test_bad_split_is_refused(case):
     x, slots, a, b, scales = case
     with pytest.raises(ValueError, match="split"):
         sharded_lora_delta(x, group_by_slot(slots, S), a, b, scales, "rows")
+
+
+@pytest.mark.parametrize("num_tokens,num_slots,seed", [(64, 17, 0), (5, 17, 1), (256, 2, 2),
+                                                       (33, 5, 3)])
+def test_cpu_tiles_and_ragged_dot_agree_with_the_gather(num_tokens, num_slots, seed):
+    """Both forms (platform_dependent picks one per platform) against the per-token
+    gather, for skewed slot mixes: many slots for few tokens, one adapter, empty slots."""
+    from models.lora.ops import _ragged_delta, _tiled_delta
+    rng = np.random.default_rng(seed)
+    i, o, r = 24, 40, 4
+    x = jnp.asarray(rng.standard_normal((num_tokens, i)), jnp.float32)
+    a = jnp.asarray(rng.standard_normal((num_slots, i, r)), jnp.float32).at[0].set(0)
+    b = jnp.asarray(rng.standard_normal((num_slots, r, o)), jnp.float32).at[0].set(0)
+    scales = jnp.asarray(rng.uniform(0.5, 2, num_slots), jnp.float32)
+    slots = jnp.asarray(rng.integers(0, num_slots, num_tokens) * (rng.random(num_tokens) < 0.8),
+                        jnp.int32)
+    want = dense_reference(x, slots, a, b, scales)
+    groups = group_by_slot(slots, num_slots)
+    for form in (_tiled_delta, _ragged_delta):
+        np.testing.assert_allclose(jax.jit(form)(x, groups, a, b, scales), want, rtol=1e-4,
+                                   atol=1e-4, err_msg=form.__name__)
+
+
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+@pytest.mark.parametrize("num_contract", [1, 2])
+def test_einsum_adds_the_float_delta_to_a_quantized_base(method, num_contract):
+    """models/layers.Einsum with an int8 / fp8 kernel and float LoRA stacks: its output
+    is the quantized base's plus the grouped delta of its (merged) input."""
+    from models.layers import Einsum
+    from models.lora.ops import LORA, LORA_STEP
+    from models.quant_config import WeightQuant
+    rng = np.random.default_rng(4)
+    shape, eq = ((8, 4, 16), "TNH,NHE->TE") if num_contract == 2 else ((32, 4, 6), "TE,ENH->TNH")
+    in_dim, out_dim = int(np.prod(shape[:num_contract])), int(np.prod(shape[num_contract:]))
+    mod = Einsum(eq, shape, (None,) * 3, num_contract, quant=WeightQuant(method))
+    x = jnp.asarray(rng.standard_normal((7, *shape[:num_contract])), jnp.float32)
+    import flax.linen as nn
+    params = nn.unbox(mod.init(jax.random.key(0), x)["params"])
+    params = {**params, "kernel": jnp.asarray(rng.integers(-100, 100, shape)).astype(
+        params["kernel"].dtype), "kernel_scale": params["kernel_scale"] * 0.01}
+    s, r = 3, 4
+    a = jnp.asarray(rng.standard_normal((s, in_dim, r)), jnp.float32).at[0].set(0)
+    b = jnp.asarray(rng.standard_normal((s, r, out_dim)), jnp.float32).at[0].set(0)
+    scales = jnp.asarray([1.0, 0.5, 2.0], jnp.float32)
+    slots = jnp.asarray([2, 0, 1, 1, 2, 0, 2], jnp.int32)
+    groups = group_by_slot(slots, s)
+    base = mod.apply({"params": params}, x)
+    got = mod.apply({"params": params, LORA: {"a": a, "b": b},
+                     LORA_STEP: {**groups._asdict(), "scales": scales}}, x)
+    want = dense_reference(x.reshape(7, -1), slots, a, b, scales).reshape(base.shape)
+    np.testing.assert_allclose(got - base, want, rtol=1e-4, atol=1e-4)
+    assert np.abs(np.asarray(want)).max() > 1e-2

@@ -14,7 +14,8 @@ from transformers import AutoModelForCausalLM
 from models.config import ModelConfig
 from models.lora.adapter import load_peft_adapter
 from models.lora.ops import SPLIT_IN, SPLIT_OUT, group_by_slot, lora_delta
-from models.lora.slots import SCALES, clear_slot, init_stacks, slot_weights, write_slot
+from models.lora.slots import (SCALES, clear_slot, init_stacks, slot_weights, target_stacks,
+                               write_slot)
 from models.lora.targets import adapter_weights, lora_targets
 from models.registry import build_model
 from tests.checkpoints import make_tiny_checkpoint
@@ -107,7 +108,7 @@ def test_linear_parity_with_peft_mixed_slots(llama, mixed, module):
     want = np.stack([per_slot.get(s, per_slot[0])[i].numpy() for i, s in enumerate(slots)])
 
     got = x @ w.T + lora_delta(jnp.asarray(x), group_by_slot(jnp.asarray(slots), 4),
-                               stacks[module]["a"], stacks[module]["b"], stacks[SCALES])
+                               *target_stacks(stacks, targets[module]), stacks[SCALES])
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     adapted = {1: module.rsplit(".", 1)[1] in ADAPTERS["a"]["target_modules"], 3: True}
     for slot, on in adapted.items():   # the adapters really changed what they target
@@ -122,11 +123,11 @@ def test_write_and_clear_slot_in_place(llama, peft_dirs):
     one = slot_weights(adapter_weights(adapter, targets, cfg, max_rank=MAX_RANK), adapter.scaling,
                        targets, MAX_RANK, np.float32)
     stacks = init_stacks(targets, 2, MAX_RANK, jnp.float32)
-    old_leaf = stacks["layers.0.self_attn.q_proj"]["a"]
+    old_leaf = stacks["layers_0"]["self_attn"]["q_proj"]["a"]
     stacks = write_slot(stacks, jnp.int32(2), one)
     assert old_leaf.is_deleted(), "the stacks are donated (updated in place)"
-    q = stacks["layers.0.self_attn.q_proj"]
-    np.testing.assert_array_equal(q["a"][2], one["layers.0.self_attn.q_proj"]["a"])
+    q = stacks["layers_0"]["self_attn"]["q_proj"]
+    np.testing.assert_array_equal(q["a"][2], one["layers_0"]["self_attn"]["q_proj"]["a"])
     assert not np.any(q["a"][:2]) and float(stacks[SCALES][2]) == pytest.approx(4.0)
     assert not np.any(q["a"][2][:, adapter.rank:]), "rank 4 padded to 8 with zeros"
     stacks = clear_slot(stacks, jnp.int32(2))
@@ -215,7 +216,7 @@ def test_stacks_sharded_as_their_base_kernels_on_1x2(llama, peft_dirs):
                        targets, MAX_RANK, np.float32)
     stacks = write_slot(init_stacks(targets, 2, MAX_RANK, jnp.float32, shardings), jnp.int32(1), one)
     plain = write_slot(init_stacks(targets, 2, MAX_RANK, jnp.float32), jnp.int32(1), one)
-    spec = lambda name, ab: stacks[name][ab].sharding.spec
+    spec = lambda name, ab: target_stacks(stacks, targets[name])["ab".index(ab)].sharding.spec
     assert spec("layers.0.self_attn.q_proj", "b") == PartitionSpec(None, None, MODEL)
     assert spec("layers.0.self_attn.o_proj", "a") == PartitionSpec(None, MODEL, None)
     assert spec("layers.0.self_attn.q_proj", "a") == spec("layers.0.mlp.down_proj", "b") == PartitionSpec()
@@ -227,8 +228,8 @@ def test_stacks_sharded_as_their_base_kernels_on_1x2(llama, peft_dirs):
         with jax.set_mesh(mesh):
             got = jax.jit(lambda x, s, a, b, c: sharded_lora_delta(
                 x, group_by_slot(s, 3), a, b, c, t.split))(
-                jax.device_put(x, NamedSharding(mesh, x_spec)), slots, stacks[name]["a"],
-                stacks[name]["b"], stacks[SCALES])
-        want = lora_delta(x, group_by_slot(slots, 3), plain[name]["a"], plain[name]["b"], plain[SCALES])
+                jax.device_put(x, NamedSharding(mesh, x_spec)), slots,
+                *target_stacks(stacks, targets[name]), stacks[SCALES])
+        want = lora_delta(x, group_by_slot(slots, 3), *target_stacks(plain, targets[name]), plain[SCALES])
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
         assert np.abs(np.asarray(want)).max() > 1e-3
