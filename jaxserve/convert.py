@@ -70,8 +70,8 @@ def convert(config: EngineConfig, output: str | Path) -> Manifest:
     from flax.traverse_util import flatten_dict
 
     from jaxserve.checkpoints.model_names import resolve_model
-    from jaxserve.engine.layout import engine_layout
-    from jaxserve.engine.loader import load_weights
+    from jaxserve.build.layout import engine_layout
+    from jaxserve.build.loader import load_weights
     from models.config import ModelConfig
     from models.orbax_io import save_params
     from sharding import make_mesh

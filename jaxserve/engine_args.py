@@ -44,6 +44,13 @@ _DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 _BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
+def dashed(argv: list[str]) -> list[str]:
+    """vLLM's flags may be spelt with underscores (--max_model_len 4k): the same flags
+    with dashes. Values are left as they are."""
+    return [re.sub(r"^--[^=]+", lambda m: m.group(0).replace("_", "-"), arg)
+            if arg.startswith("--") else arg for arg in argv]
+
+
 def human_readable_int(text: str) -> int:
     """"32768", "32k" (32,000), "32K" (32,768), "1.5m" (1,500,000), "4G" (4 GiB). A
     fraction takes only a decimal suffix (1.5K is not a whole number of tokens)."""

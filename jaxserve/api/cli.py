@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m jaxserve.api") ->
         logger.info("%s", note)
     if _multihost(args):
         # (jax.distributed starts first: size JAX's GPU pool before it, as make_engine does)
-        from jaxserve.engine.device_pool import set_device_pool
+        from jaxserve.build.device_pool import set_device_pool
         set_device_pool(args.hbm_utilization)
         from jaxserve.engine import multihost
         if multihost.initialize(args.coordinator_address, args.num_processes,

@@ -7,7 +7,6 @@ import argparse
 import json
 import logging
 import os
-import re
 import sys
 
 from jaxserve.api.config_file import expand_config_file
@@ -16,7 +15,7 @@ from jaxserve.api.reasoning_parsers import REASONING_PARSERS
 from jaxserve.api.tool_parsers import TOOL_PARSERS
 from jaxserve.checkpoints.model_configs import ALIASES
 from jaxserve.engine_args import (EnableDisableAction, add_engine_args, add_vllm_compat_args,
-                                  check_vllm_compat)
+                                  check_vllm_compat, dashed)
 from jaxserve.vllm_compat import ENGINE, FRONTEND
 
 # generation_config.json fields that become default sampling values (as vLLM does).
@@ -162,13 +161,6 @@ def _json_object(text: str) -> dict:
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
     return value
-
-
-def dashed(argv: list[str]) -> list[str]:
-    """vLLM's flags may be spelt with underscores (--max_model_len 4k): the same flags
-    with dashes. Values are left as they are."""
-    return [re.sub(r"^--[^=]+", lambda m: m.group(0).replace("_", "-"), arg)
-            if arg.startswith("--") else arg for arg in argv]
 
 
 def parse_args(ap: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:

@@ -29,6 +29,7 @@ from pathlib import Path
 from jaxserve.checkpoints import hub_download
 from jaxserve.checkpoints.default_model import cache_root
 from jaxserve.checkpoints.model_configs import ALIASES, BUILTIN_CONFIGS
+from models.config import ModelConfig
 
 logger = logging.getLogger("jaxserve")
 
@@ -117,6 +118,18 @@ def _has_tokenizer(model_dir: Path | None) -> bool:
 
 def _aliases() -> str:
     return ", ".join(ALIASES)
+
+
+def load_model_config(model: str) -> ModelConfig:
+    """An alias or its repo id (built-in config), a config.json path, a checkpoint
+    directory or a repo id in the local Hugging Face cache (config only, no weights)."""
+    config = builtin_config(model)
+    if config is not None:
+        return ModelConfig.from_hf_dict(config)
+    if Path(model).is_file():
+        with open(model) as f:
+            return ModelConfig.from_hf_dict(json.load(f))
+    return ModelConfig.from_pretrained(resolve_model(model, load_format="dummy"))
 
 
 def resolve_model(name: str, *, load_format: str = "auto", revision: str | None = None,
@@ -240,7 +253,6 @@ def _download_checkpoint(repo_id: str, revision: str | None, cache: Path) -> Pat
 
 def _check_runnable(repo_id: str, snap: Path) -> None:
     """Refuses a config.json jaxserve has no implementation for (ModelConfig's reasons)."""
-    from models.config import ModelConfig
     if not (snap / "config.json").is_file():
         raise ValueError(f"{repo_id} has no config.json on the Hugging Face hub: it is not "
                          f"a transformers checkpoint jaxserve can run")

@@ -26,10 +26,10 @@ from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.scheduler import SchedulerStats
 from jaxserve.engine import multihost
 from jaxserve.engine.engine_core import EngineCore, engine_seeds, prompt_block_hashes
-from jaxserve.engine.errors import InputError
+from jaxserve.errors import InputError
 from jaxserve.engine.input_processor import EngineRequest
 from jaxserve.engine.protocol import Engine, EngineInfo
-from jaxserve.engine.device_pool import set_device_pool
+from jaxserve.build.device_pool import set_device_pool
 from jaxserve.engine.startup import READY, StartupProgress
 from sharding import DATA, make_mesh, replica_meshes
 

@@ -20,11 +20,11 @@ from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.scheduler import Scheduler, SchedulerOutput, SchedulerStats
 from jaxserve.engine import multihost
-from jaxserve.engine.drafter_loader import load_drafter
-from jaxserve.engine.errors import EngineDeadError, InputError
+from jaxserve.build.drafter_loader import load_drafter
+from jaxserve.errors import EngineDeadError, InputError
 from jaxserve.engine.input_processor import EngineRequest, InputProcessor
-from jaxserve.engine.layout import engine_layout, layout_cache_plan, make_runner
-from jaxserve.engine.loader import load_model
+from jaxserve.build.layout import engine_layout, layout_cache_plan, make_runner
+from jaxserve.build.loader import load_model
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.protocol import EngineInfo
 from jaxserve.engine.startup import (ALLOCATING_KV_CACHE, COMPILING, LOADING_WEIGHTS,

@@ -23,7 +23,7 @@ from typing import Any, Awaitable, Callable
 
 import numpy as np
 
-from jaxserve.engine.errors import InputError
+from jaxserve.errors import InputError
 # (llguidance's own JSON parser stops at 128; the server's bodies at this one already)
 from jaxserve.json_limits import MAX_JSON_DEPTH
 from jaxserve.engine.grammar_worker import Cancelled, CompileWorkers, Job

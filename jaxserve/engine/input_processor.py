@@ -15,7 +15,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from jaxserve.engine.chat_template import render_chat
-from jaxserve.engine.errors import InputError
+from jaxserve.errors import InputError
 from jaxserve.engine.bad_words import BadWords
 from jaxserve.sampling_params import (MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS_TOKENS,
                                       MAX_BANNED_TOKENS, MAX_LOGPROBS, SamplingParams, is_int,

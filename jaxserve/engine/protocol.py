@@ -16,7 +16,7 @@ from jaxserve.engine.input_processor import EngineRequest, InputProcessor
 from models.config import ModelConfig
 
 if TYPE_CHECKING:   # (the cache plan's module reads model specs, which import jax)
-    from jaxserve.planning.cache_plan import CachePlan
+    from jaxserve.build.cache_plan import CachePlan
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import sys
 
 from jaxserve.checkpoints.model_configs import ALIASES
 from jaxserve.config import ConfigError, EngineConfig
-from jaxserve.engine_args import (FLAGS, add_engine_args, add_vllm_compat_args,
+from jaxserve.engine_args import (FLAGS, dashed, add_engine_args, add_vllm_compat_args,
                                   check_vllm_compat, config_error, engine_kwargs)
 from jaxserve.planning.plan import (DEFAULT_LINK_GBPS, format_plan, load_model_config,
                                     parse_bytes, plan_from_config)
@@ -49,7 +49,6 @@ def parse_args(ap: argparse.ArgumentParser,
                argv: list[str] | None = None) -> tuple[argparse.Namespace, EngineConfig]:
     """The flags and the EngineConfig they make (exit 2 naming a bad flag, as the
     server)."""
-    from jaxserve.api.cli_args import dashed
     args = ap.parse_args(dashed(sys.argv[1:] if argv is None else list(argv)))
     check_vllm_compat(ap, args, ENGINE)
     try:

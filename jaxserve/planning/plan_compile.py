@@ -32,11 +32,11 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.config import EngineConfig
-from jaxserve.engine.drafter_loader import load_drafter
-from jaxserve.planning.kv_budget import DeviceMemory
-from jaxserve.engine.layout import (EngineLayout, build_layout_model, engine_layout,
+from jaxserve.build.drafter_loader import load_drafter
+from jaxserve.build.kv_budget import DeviceMemory
+from jaxserve.build.layout import (EngineLayout, build_layout_model, engine_layout,
                                     layout_cache_plan, layout_param_shardings, make_runner)
-from jaxserve.planning.cache_plan import CachePlan
+from jaxserve.build.cache_plan import CachePlan
 from jaxserve.planning.plan import load_model_config, plan_from_config
 from jaxserve.planning.plan_format import _gib
 from jaxserve.runner.model_runner import ModelRunner

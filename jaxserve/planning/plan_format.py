@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from jaxserve.planning.kv_budget import WORKSPACE_SHARE
+from jaxserve.build.kv_budget import WORKSPACE_SHARE
 
 if TYPE_CHECKING:
     from jaxserve.planning.plan import Plan

@@ -8,7 +8,7 @@ import logging
 import pytest
 
 from jaxserve import LLM
-from jaxserve.planning.cache_plan import plan_caches
+from jaxserve.build.cache_plan import plan_caches
 from jaxserve.planning.plan import load_model_config, make_plan, plan_for_engine
 from models.cache_spec import PagedKVSpec, RecurrentStateSpec, SharedKVSpec
 from sharding import bytes_per_device

@@ -10,8 +10,8 @@ import jax
 import pytest
 
 from jaxserve.config import EngineConfig
-from jaxserve.engine.layout import engine_layout, layout_cache_plan
-from jaxserve.planning.cache_plan import plan_caches
+from jaxserve.build.layout import engine_layout, layout_cache_plan
+from jaxserve.build.cache_plan import plan_caches
 from jaxserve.planning.plan import WeightFigures, make_plan
 from jaxserve.planning.plan_format import format_plan
 from models.cache_spec import PagedKVSpec, RecurrentStateSpec, SharedKVSpec

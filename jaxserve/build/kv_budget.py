@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import jax
 
+from jaxserve.build.device_pool import pool_fraction
+
 logger = logging.getLogger("jaxserve")
 
 _CPU_RAM_FRACTION = 0.25  # on CPU never take more than this share of available RAM
@@ -88,8 +90,7 @@ class DeviceMemory:
 
 def device_memory(device: jax.Device) -> DeviceMemory | None:
     """From the device's allocator (None where it reports none): the pool is
-    bytes_limit, a share of the device (jaxserve/engine/device_pool.py)."""
-    from jaxserve.engine.device_pool import pool_fraction
+    bytes_limit, a share of the device (build/device_pool.py)."""
     stats = device.memory_stats() or {}
     if "bytes_limit" not in stats:
         return None

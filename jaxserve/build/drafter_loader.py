@@ -16,12 +16,12 @@ from typing import Any
 from jax.sharding import Mesh
 
 from jaxserve.checkpoints.model_names import resolve_model
-from jaxserve.planning.plan import load_model_config
+from jaxserve.checkpoints.model_names import load_model_config
 from jaxserve.config import EngineConfig
-from jaxserve.engine.layout import (EngineLayout, build_layout_model, layout_for,
+from jaxserve.build.layout import (EngineLayout, build_layout_model, layout_for,
                                     layout_param_shardings)
-from jaxserve.engine.loader import load_model
-from jaxserve.planning.cache_plan import CachePlan
+from jaxserve.build.loader import load_model
+from jaxserve.build.cache_plan import CachePlan
 from jaxserve.runner.drafter import ModelDrafter
 from jaxserve.speculative import DRAFT_MODEL, MTP, NGRAM
 from models.cache_spec import CacheSpec, layer_cache_specs

@@ -16,8 +16,8 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxserve.config import EngineConfig
-from jaxserve.planning.cache_plan import CachePlan, plan_caches, require_one_sequence
-from jaxserve.planning.kv_budget import DeviceMemory, activation_bytes, cache_budget_bytes
+from jaxserve.build.cache_plan import CachePlan, plan_caches, require_one_sequence
+from jaxserve.build.kv_budget import DeviceMemory, activation_bytes, cache_budget_bytes
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.sampling_params import logprobs_limit
 from models.cache_spec import CacheSpec, layer_cache_specs
