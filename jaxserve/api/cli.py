@@ -22,7 +22,7 @@ from jaxserve.api.metrics import Metrics
 from jaxserve.config import ConfigError, EngineConfig
 from jaxserve.engine_args import config_error, engine_kwargs
 from jaxserve.checkpoints.default_model import DEFAULT_MODEL_NAME, default_model_dir
-from jaxserve.engine.startup import STARTING, StartupProgress
+from jaxserve.build.startup import STARTING, StartupProgress
 from jaxserve.checkpoints.model_names import resolve_model
 
 logger = logging.getLogger("jaxserve")

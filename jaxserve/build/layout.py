@@ -1,10 +1,10 @@
 """What an engine replica builds before any weight exists: one owner for the choices
 EngineCore makes from its config, the model config and its mesh.
 
-EngineCore builds its model, KV pages and ModelRunner through these functions, and
-`python -m jaxserve.plan --compile` builds the same things for a mesh of abstract
-TPU chips (abstract params, caches never allocated), so the planner compiles exactly
-the programs the engine would run.
+EngineCore builds its model, KV pages and ModelRunner through these functions
+(build/parts.py), and `python -m jaxserve.plan --compile` builds the same things for a
+mesh of abstract TPU chips (abstract params, caches never allocated), so the planner
+compiles exactly the programs the engine would run.
 """
 from __future__ import annotations
 
@@ -18,8 +18,6 @@ from jax.sharding import Mesh
 from jaxserve.config import EngineConfig
 from jaxserve.build.cache_plan import CachePlan, plan_caches, require_one_sequence
 from jaxserve.build.kv_budget import DeviceMemory, activation_bytes, cache_budget_bytes
-from jaxserve.runner.model_runner import ModelRunner
-from jaxserve.sampling_params import logprobs_limit
 from models.cache_spec import CacheSpec, layer_cache_specs
 from models.config import ModelConfig, WeightQuant, resolve_weight_quant
 from models.registry import build_model, compute_dtype, resolve_dtype, resolve_kv_dtype
@@ -181,21 +179,3 @@ def cache_plan_for(config: EngineConfig, layout: EngineLayout, device: Any,
         prefix_caching=config.enable_prefix_caching,
         spec_backups=config.speculative_config is not None)
 
-
-def make_runner(config: EngineConfig, layout: EngineLayout, cache_plan: CachePlan, *, model,
-                params, mesh: Mesh, abstract: bool = False, drafter=None) -> ModelRunner:
-    mc = layout.model_config
-    return ModelRunner(
-        model=model, params=params, vocab_size=mc.vocab_size,
-        # The snapshot slots follow the running requests' in the same state arrays.
-        num_state_slots=cache_plan.num_state_slots + cache_plan.num_snapshot_slots,
-        num_pages=cache_plan.num_pages,
-        num_sliding_pages=cache_plan.num_sliding_pages,
-        page_size=cache_plan.page_size, max_num_seqs=config.max_num_seqs,
-        max_model_len=layout.max_model_len, max_num_batched_tokens=config.num_batched_tokens,
-        kv_dtype=layout.kv_dtype,
-        # Only the reference reads whole page-table rows; the others stop at kv_len.
-        context_buckets=layout.attention_backend == "reference", mesh=mesh,
-        vocab_axis=layout.rules["vocab"], abstract=abstract,
-        max_logprobs=logprobs_limit(config.max_logprobs, mc.vocab_size),
-        speculative_config=config.speculative_config, drafter=drafter)

@@ -11,9 +11,10 @@ from typing import Container, Iterable
 from jaxserve.core.kv_cache_manager import KVCacheManager, window_pages
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
+from jaxserve.core.scheduler_config import SchedulerConfig
 
-__all__ = ["CachedRequestData", "NewRequestData", "Scheduler", "SchedulerOutput",
-           "SchedulerStats"]
+__all__ = ["CachedRequestData", "NewRequestData", "Scheduler", "SchedulerConfig",
+           "SchedulerOutput", "SchedulerStats"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,74 +89,44 @@ class _PriorityQueue:
 
 
 class Scheduler:
-    def __init__(
-        self,
-        *,
-        num_pages: int,
-        page_size: int,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
-        max_model_len: int,
-        enable_prefix_caching: bool = True,
-        policy: str = "fcfs",
-        num_state_slots: int = 0,
-        num_sliding_pages: int = 0,
-        sliding_window: int | None = None,
-        num_snapshot_slots: int = 0,
-        num_speculative_tokens: int = 0,
-        num_lookahead_tokens: int = 0,
-        drop_last_hit_page: bool = False,
-    ) -> None:
-        """num_sliding_pages / sliding_window: the sliding-window layers' KV group
-        (planning/cache_plan.py; 0 / None: the model has none, or they share the global
-        pages). num_speculative_tokens: most drafts a decoding request verifies in a step
-        (0: no speculative decoding); a hybrid then holds two state slots per request.
-        num_lookahead_tokens: a request whose chunk reaches its last token also gets pages
-        for this many positions past the chunk (a model drafter writes its KV there);
-        drop_last_hit_page: see KVCacheManager (an MTP drafter)."""
-        for name, v in (("num_pages", num_pages), ("page_size", page_size),
-                        ("max_num_seqs", max_num_seqs),
-                        ("max_num_batched_tokens", max_num_batched_tokens),
-                        ("max_model_len", max_model_len)):
-            if not isinstance(v, int) or v <= 0:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
-        if policy not in ("fcfs", "priority"):
-            raise ValueError(f"policy must be 'fcfs' or 'priority', got {policy!r}")
-        self.page_size = page_size
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_model_len = max_model_len
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = c = config
+        self.page_size = c.page_size
+        self.max_num_seqs = c.max_num_seqs
+        self.max_num_batched_tokens = c.max_num_batched_tokens
+        self.max_model_len = c.max_model_len
         # A request alone must always fit in the pool, or preempting it would
         # loop forever: a pool smaller than max_model_len caps lengths too.
-        self.max_len = min(max_model_len, (num_pages - 1) * page_size)
-        self.policy = policy
-        per_seq = 2 if num_speculative_tokens else 1
-        if num_state_slots and num_state_slots - 1 < per_seq * max_num_seqs:
-            raise ValueError(f"num_state_slots={num_state_slots} (the null slot included) < "
-                             f"{per_seq} x max_num_seqs + 1 = {per_seq * max_num_seqs + 1}: "
+        self.max_len = min(c.max_model_len, (c.num_pages - 1) * c.page_size)
+        self.policy = c.policy
+        per_seq = 2 if c.num_speculative_tokens else 1
+        if c.num_state_slots and c.num_state_slots - 1 < per_seq * c.max_num_seqs:
+            raise ValueError(f"num_state_slots={c.num_state_slots} (the null slot included) < "
+                             f"{per_seq} x max_num_seqs + 1 = {per_seq * c.max_num_seqs + 1}: "
                              f"every running request of a hybrid model needs {per_seq} "
                              f"state slot(s)")
-        self.num_speculative_tokens = num_speculative_tokens
-        self.num_lookahead_tokens = num_lookahead_tokens
-        self.kv = KVCacheManager(num_pages, page_size, enable_prefix_caching, num_state_slots,
-                                 num_sliding_pages=num_sliding_pages,
-                                 sliding_window=sliding_window,
-                                 num_snapshot_slots=num_snapshot_slots,
-                                 spec_backups=num_speculative_tokens > 0,
-                                 drop_last_hit_page=drop_last_hit_page)
-        if sliding_window is not None:
+        self.num_speculative_tokens = c.num_speculative_tokens
+        self.num_lookahead_tokens = c.num_lookahead_tokens
+        self.kv = KVCacheManager(c.num_pages, c.page_size, c.enable_prefix_caching,
+                                 c.num_state_slots, num_sliding_pages=c.num_sliding_pages,
+                                 sliding_window=c.sliding_window,
+                                 num_snapshot_slots=c.num_snapshot_slots,
+                                 spec_backups=c.num_speculative_tokens > 0,
+                                 drop_last_hit_page=c.drop_last_hit_page)
+        if c.sliding_window is not None:
             # A request alone must always fit in the sliding pool too: its window, one
             # step's tokens and the page they may straddle (or its whole length, if less).
-            need = min(-(-self.max_len // page_size), window_pages(sliding_window, page_size)
-                       + -(-max_num_batched_tokens // page_size))
-            if num_sliding_pages - 1 < need:
-                raise ValueError(f"num_sliding_pages={num_sliding_pages} (the null page "
+            need = min(-(-self.max_len // c.page_size),
+                       window_pages(c.sliding_window, c.page_size)
+                       + -(-c.max_num_batched_tokens // c.page_size))
+            if c.num_sliding_pages - 1 < need:
+                raise ValueError(f"num_sliding_pages={c.num_sliding_pages} (the null page "
                                  f"included) < {need + 1}: one request's sliding window and "
                                  f"step need {need} pages")
         self.requests: dict[str, Request] = {}  # unfinished only
         self.running: list[Request] = []
         self.waiting: deque[Request] | _PriorityQueue = (
-            deque() if policy == "fcfs" else _PriorityQueue()
+            deque() if c.policy == "fcfs" else _PriorityQueue()
         )
         self._finished_ids: list[str] = []
         self.num_preemptions = 0
@@ -163,7 +134,7 @@ class Scheduler:
         self.num_generation_tokens = 0
         self.spec_num_drafts = 0
         self.spec_num_draft_tokens = 0
-        self.spec_accepted_per_pos = [0] * num_speculative_tokens
+        self.spec_accepted_per_pos = [0] * c.num_speculative_tokens
         # Hybrids: accepted tokens computed again after a rejection rolled the state back.
         self.spec_num_recomputed_tokens = 0
 

@@ -30,7 +30,7 @@ from jaxserve.errors import InputError
 from jaxserve.engine.input_processor import EngineRequest
 from jaxserve.engine.protocol import Engine, EngineInfo
 from jaxserve.build.device_pool import set_device_pool
-from jaxserve.engine.startup import READY, StartupProgress
+from jaxserve.build.startup import READY, StartupProgress
 from sharding import DATA, make_mesh, replica_meshes
 
 logger = logging.getLogger("jaxserve")

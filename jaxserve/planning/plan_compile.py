@@ -31,12 +31,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxserve.config import EngineConfig
+from jaxserve.build.cache_plan import CachePlan
 from jaxserve.build.drafter_loader import load_drafter
 from jaxserve.build.kv_budget import DeviceMemory
 from jaxserve.build.layout import (EngineLayout, build_layout_model, engine_layout,
-                                    layout_cache_plan, layout_param_shardings, make_runner)
-from jaxserve.build.cache_plan import CachePlan
+                                   layout_cache_plan, layout_param_shardings)
+from jaxserve.build.parts import build_runner
+from jaxserve.config import EngineConfig
 from jaxserve.planning.plan import load_model_config, plan_from_config
 from jaxserve.planning.plan_format import _gib
 from jaxserve.runner.model_runner import ModelRunner
@@ -211,14 +212,11 @@ def build_abstract_engine(config: EngineConfig, mc, mesh, hbm_bytes: int) -> Abs
     # Speculative decoding's model drafter (mtp, draft_model): its weights and KV too.
     drafter = load_drafter(config, layout, mesh, abstract=True)
     weights = bytes_per_device(params) + (bytes_per_device(drafter.params) if drafter else 0)
-    # A TPU's pool is the chip's usable memory (engine/device_pool.py).
+    # A TPU's pool is the chip's usable memory (build/device_pool.py).
     plan = layout_cache_plan(config, layout, None, DeviceMemory(hbm_bytes, hbm_bytes, weights),
                              drafter_specs=drafter.cache_specs if drafter else ())
-    runner = make_runner(config, layout, plan, model=model, params=params, mesh=mesh,
-                         abstract=True,
-                         drafter=drafter and drafter.build(plan, config, layout,
-                                                           target_model=model, mesh=mesh,
-                                                           abstract=True))
+    runner = build_runner(config, layout, plan, model=model, params=params, mesh=mesh,
+                          drafter=drafter, abstract=True)
     return AbstractEngine(runner, layout, plan, weights, runner.warmup_programs())
 
 

@@ -39,11 +39,10 @@ from jaxserve.runner.layer_caches import layer_cache_specs, make_layer_caches
 from jaxserve.runner.parallel_compile import compile_all, default_compile_workers
 from jaxserve.runner.programs import (DRAFT, FORWARD, GREEDY, PENALTIES, PROMPT_LOGPROBS,
                                       RANDOM, SAMPLE, Program)
+from jaxserve.runner.runner_config import RunnerConfig
 from jaxserve.runner.sampler import compute_prompt_logprobs, make_sampling_tensors, sample
 from jaxserve.runner.spec_decode import ngram_propose, num_accepted
 from jaxserve.runner.warmup_report import OnProgram, WarmupReport
-from jaxserve.sampling_params import MAX_LOGPROBS
-from jaxserve.speculative import SpeculativeConfig
 from models.inputs import ModelInputs
 from models.state_copies import copy_state_slots
 from sharding import make_mesh, replicated
@@ -85,60 +84,46 @@ PROMPT_LOGPROBS_CHUNK = 256
 
 
 class ModelRunner:
-    def __init__(self, *, model, params, vocab_size: int, num_pages: int, page_size: int,
-                 max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int, kv_dtype,
-                 num_state_slots: int = 0, num_sliding_pages: int = 0,
-                 context_buckets: bool = True, mesh=None, vocab_axis: str | None = None,
-                 abstract: bool = False, max_logprobs: int = MAX_LOGPROBS,
-                 speculative_config: SpeculativeConfig | None = None,
-                 drafter: ModelDrafter | None = None):
+    def __init__(self, config: RunnerConfig, *, model, params, mesh=None,
+                 abstract: bool = False, drafter: ModelDrafter | None = None):
         """model.config: the model as it runs on this mesh (KV heads as stored);
-        num_pages / num_state_slots: per layer, the null page / null slot 0 included
-        (planning/cache_plan.py; 0 slots: no recurrent layers);
-        num_sliding_pages: the sliding-window layers' KV group, pages per layer (0: no such
-        group; the step's inputs then carry no sliding slots or page table);
         abstract: params are ShapeDtypeStructs with shardings and the caches are only
         described (nothing allocated): the programs can be lowered, not run;
-        max_logprobs: the top entries the sampler and prompt logprobs compute (the
-        engine's limit, resolved: no -1), a static width of their programs;
-        speculative_config: rows verify drafts it proposes (runner/spec_decode.py); the
-        sampler's row buckets then reach max_num_seqs * (1 + num_speculative_tokens);
         drafter: its model drafter (methods mtp and draft_model; ngram needs none)."""
+        self.config = c = config
         self.model = model
         self.params = params
         self.abstract = abstract
         # No mesh: a 1x1 mesh on the default device, so one code path serves both.
         self.mesh = mesh if mesh is not None else make_mesh("1x1", jax.devices()[:1])
         self._rep = replicated(self.mesh)
-        # How the logits come out of the lm_head: split over vocab_axis (the rules table's
-        # mesh axis for "vocab"), or whole.
-        self._vocab_parallel = NamedSharding(self.mesh, PartitionSpec(None, vocab_axis))
-        self.vocab_size = vocab_size
-        self.max_logprobs = max_logprobs
+        # How the logits come out of the lm_head: split over vocab_axis, or whole.
+        self._vocab_parallel = NamedSharding(self.mesh, PartitionSpec(None, c.vocab_axis))
+        self.vocab_size = c.vocab_size
+        self.max_logprobs = c.max_logprobs
         # Set by the engine once its tokenizer is loaded (after warmup: no program reads it).
         self.eos_token_ids: tuple[int, ...] = ()   # held back by min_tokens
-        self.max_model_len = max_model_len
-        self.token_buckets = token_buckets(max_num_batched_tokens)
-        self.spec = speculative_config
+        self.max_model_len = c.max_model_len
+        self.token_buckets = token_buckets(c.max_num_batched_tokens)
+        self.spec = c.speculative_config
         self.drafter = drafter
-        num_spec = speculative_config.num_speculative_tokens if speculative_config else 0
-        max_sample_rows = max_num_seqs * (1 + num_spec)
+        max_sample_rows = c.max_num_seqs * (1 + c.num_speculative_tokens)
         self.row_buckets = row_buckets(max_sample_rows)
         self.sampling_row_buckets = sampling_row_buckets(max_sample_rows)
-        pages_per_req = -(-max_model_len // page_size)
         # The jnp reference attention reads whole page-table rows: bucket their width.
-        widths = page_buckets(pages_per_req) if context_buckets else None
+        widths = page_buckets(c.pages_per_req) if c.context_buckets else None
         # The requests this runner holds, kept between steps (the scheduler sends diffs).
-        self.batch = InputBatch(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                                page_size=page_size, token_buckets=self.token_buckets,
-                                vocab_size=vocab_size, page_buckets=widths,
-                                sliding=num_sliding_pages > 0, num_state_slots=num_state_slots,
-                                num_speculative_tokens=num_spec)
-        self.num_state_slots = num_state_slots
+        self.batch = InputBatch(max_num_seqs=c.max_num_seqs, max_model_len=c.max_model_len,
+                                page_size=c.page_size, token_buckets=self.token_buckets,
+                                vocab_size=c.vocab_size, page_buckets=widths,
+                                sliding=c.num_sliding_pages > 0,
+                                num_state_slots=c.num_state_slots,
+                                num_speculative_tokens=c.num_speculative_tokens)
+        self.num_state_slots = c.num_state_slots
         # The stacked caches (models/layer_stack.py): KV heads as stored on this mesh.
-        cache_kw = dict(num_pages=num_pages, page_size=page_size, kv_dtype=kv_dtype,
-                        num_state_slots=num_state_slots, num_sliding_pages=num_sliding_pages,
-                        conv_state_dtype=model.dtype)
+        cache_kw = dict(num_pages=c.num_pages, page_size=c.page_size, kv_dtype=c.kv_dtype,
+                        num_state_slots=c.num_state_slots,
+                        num_sliding_pages=c.num_sliding_pages, conv_state_dtype=model.dtype)
         if abstract:
             self.kv_caches = layer_cache_specs(model.config, self.mesh, **cache_kw)
             kv_sh = jax.tree_util.tree_map(lambda s: s.sharding, self.kv_caches)

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from jaxserve.core.request import Request, RequestStatus
-from jaxserve.core.scheduler import Scheduler
+from jaxserve.core.scheduler import Scheduler, SchedulerConfig
 from jaxserve.sampling_params import SamplingParams
 
 PS = 4
@@ -30,8 +30,9 @@ def req(rid, prompt, t=0.0, priority=0, salt=None, scope=None, **kw):
 
 
 def sched(num_pages=65, max_num_seqs=8, budget=64, max_model_len=64, **kw):
-    return Scheduler(num_pages=num_pages, page_size=PS, max_num_seqs=max_num_seqs,
-                     max_num_batched_tokens=budget, max_model_len=max_model_len, **kw)
+    return Scheduler(SchedulerConfig(
+        num_pages=num_pages, page_size=PS, max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget, max_model_len=max_model_len, **kw))
 
 
 def token_for(rid, k):

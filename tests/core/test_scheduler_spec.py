@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import pytest
 
 from jaxserve.core.request import Request, RequestStatus, hash_block_tokens
-from jaxserve.core.scheduler import Scheduler
+from jaxserve.core.scheduler import Scheduler, SchedulerConfig
 
 PS = 4
 EOS = 2
@@ -40,9 +40,10 @@ def req(rid, prompt, t=0.0, priority=0, **kw):
 
 def sched(num_pages=65, max_num_seqs=4, budget=64, max_model_len=64, k=3, **kw):
     """num_pages includes the null page: num_pages - 1 usable."""
-    return Scheduler(num_pages=num_pages, page_size=PS, max_num_seqs=max_num_seqs,
-                     max_num_batched_tokens=budget, max_model_len=max_model_len,
-                     num_speculative_tokens=k, **kw)
+    return Scheduler(SchedulerConfig(
+        num_pages=num_pages, page_size=PS, max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget, max_model_len=max_model_len, num_speculative_tokens=k,
+        **kw))
 
 
 def cols(out):
@@ -182,8 +183,9 @@ def test_no_running_row_starves_while_the_others_draft(budget, want):
     # Every step all 4 rows propose 3 drafts; whatever they accept, each row gets at
     # least its one token every step (before, with a budget of 10 d got none: a and b
     # took 4 each and c the 2 left).
-    s = Scheduler(num_pages=65, page_size=PS, max_num_seqs=4, max_num_batched_tokens=budget,
-                  max_model_len=64, num_speculative_tokens=3)
+    s = Scheduler(SchedulerConfig(
+        num_pages=65, page_size=PS, max_num_seqs=4, max_num_batched_tokens=budget,
+        max_model_len=64, num_speculative_tokens=3))
     rs = [req(r, 1) for r in "abcd"]
     drafts = [70, 71, 72]
     start(s, *rs, proposals={r: drafts for r in "abcd"})

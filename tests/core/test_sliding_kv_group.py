@@ -9,7 +9,7 @@ import pytest
 
 from jaxserve.core.kv_cache_manager import GLOBAL, SLIDING, KVCacheManager, window_pages
 from jaxserve.core.request import Request, RequestStatus
-from jaxserve.core.scheduler import Scheduler
+from jaxserve.core.scheduler import Scheduler, SchedulerConfig
 
 PS = 4
 SP = SimpleNamespace(max_tokens=1000, min_tokens=0, ignore_eos=True, stop_token_ids=None)
@@ -188,9 +188,9 @@ def test_a_shared_page_leaving_the_window_frees_nothing():
 
 
 def scheduler(num_pages: int, num_sliding: int, window: int, **kw) -> Scheduler:
-    return Scheduler(num_pages=num_pages, page_size=PS, max_num_batched_tokens=8,
-                     max_model_len=64, num_sliding_pages=num_sliding, sliding_window=window,
-                     **kw)
+    return Scheduler(SchedulerConfig(
+        num_pages=num_pages, page_size=PS, max_num_batched_tokens=8, max_model_len=64,
+        num_sliding_pages=num_sliding, sliding_window=window, **kw))
 
 
 def test_preemption_returns_both_groups_pages():

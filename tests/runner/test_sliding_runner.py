@@ -12,6 +12,7 @@ import pytest
 
 from jaxserve.runner.layer_caches import layer_cache_specs
 from jaxserve.runner.model_runner import ModelRunner
+from jaxserve.runner.runner_config import RunnerConfig
 from jaxserve.runner.programs import FORWARD
 from models.config import ModelConfig
 from models.gemma4_config import gemma4_fields
@@ -53,10 +54,11 @@ def test_sliding_cache_has_its_own_pages_and_the_kv_sharding():
 def abstract_runner(cfg: ModelConfig, num_sliding_pages: int) -> ModelRunner:
     """Nothing allocated or run: the caches are described, the params empty."""
     model = SimpleNamespace(config=cfg, dtype=jnp.float32)
-    return ModelRunner(model=model, params={}, vocab_size=cfg.vocab_size, num_pages=40,
-                       page_size=PS, max_num_seqs=4, max_model_len=256,
-                       max_num_batched_tokens=32, kv_dtype=jnp.float32,
-                       num_sliding_pages=num_sliding_pages, abstract=True)
+    return ModelRunner(RunnerConfig(vocab_size=cfg.vocab_size, num_pages=40, page_size=PS,
+                                    max_num_seqs=4, max_model_len=256,
+                                    max_num_batched_tokens=32, kv_dtype=jnp.float32,
+                                    num_sliding_pages=num_sliding_pages),
+                       model=model, params={}, abstract=True)
 
 
 @pytest.mark.parametrize("cfg,num_sliding", [(gemma_config, 12), (gemma_config, 0),
