@@ -279,7 +279,7 @@ class Scheduler:
             if cuts and (cut := kv.state_cut(req, start)) is not None:
                 num_new = min(num_new, cut - start)
             ahead = self._lookahead(req, start + num_new) if self.num_lookahead_tokens else 0
-            while (new_blocks := kv.allocate_slots(req, num_new + ahead)) is None:
+            while (new_pages := kv.allocate_slots(req, num_new + ahead)) is None:
                 if ahead or start + num_new > req.num_tokens:
                     # Drafts and the drafter's pages ahead go before anyone is preempted.
                     num_new, ahead = min(num_new, req.num_tokens - start), 0
@@ -309,8 +309,8 @@ class Scheduler:
                 starts.append(start)
                 lens.append(num_new)
                 # allocate_slots' fast path returns fresh empty lists (most decodes).
-                pages.append(tuple([b.block_id for b in g] for g in new_blocks)
-                             if new_blocks[0] else new_blocks)
+                pages.append(tuple([b.page_id for b in g] for g in new_pages)
+                             if new_pages[0] else new_pages)
                 budget -= num_new
                 i += 1
 
@@ -319,7 +319,7 @@ class Scheduler:
             waiting = self.waiting
             while waiting and budget > 0 and len(running) < self.max_num_seqs:
                 req = self._peek_waiting()
-                hit, num_hit = kv.get_computed_blocks(req)
+                hit, num_hit = kv.get_computed_pages(req)
                 num_new = min(req.num_tokens - num_hit, budget)
                 if cuts and (cut := kv.state_cut(req, num_hit)) is not None:
                     num_new = min(num_new, cut - num_hit)
@@ -337,7 +337,7 @@ class Scheduler:
                 # Whole: new to the runner, or resumed (preemption dropped its row).
                 new_reqs.append(NewRequestData(
                     rid, req.prompt_token_ids, req.output_token_ids[:], req.sampling_params,
-                    kv.get_group_block_ids(rid), num_hit, num_new, kv.get_state_slot(rid)))
+                    kv.get_group_page_ids(rid), num_hit, num_new, kv.get_state_slot(rid)))
                 budget -= num_new
 
         finished = self._finished_ids

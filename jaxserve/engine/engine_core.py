@@ -243,14 +243,14 @@ class EngineCore:
     def num_unfinished(self) -> int:
         return self.scheduler.get_num_unfinished_requests()
 
-    def cached_prefix_pages(self, block_hashes: list[int]) -> int:
-        """How many leading pages (by chained hash, prompt_block_hashes) this replica's
+    def cached_prefix_pages(self, page_hashes: list[int]) -> int:
+        """How many leading pages (by chained hash, prompt_page_hashes) this replica's
         prefix cache holds; a read-only look-up that counts no cache statistics."""
         if not self.prefix_caching:
             return 0
-        cached = self.scheduler.kv.pool.cached_blocks
-        return next((i for i, h in enumerate(block_hashes) if h not in cached),
-                    len(block_hashes))
+        cached = self.scheduler.kv.pool.cached_pages
+        return next((i for i, h in enumerate(page_hashes) if h not in cached),
+                    len(page_hashes))
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
@@ -259,12 +259,12 @@ class EngineCore:
         self.scheduler.reset_prefix_cache()
 
 
-def prompt_block_hashes(prompt_token_ids: list[int], page_size: int,
+def prompt_page_hashes(prompt_token_ids: list[int], page_size: int,
                         cache_salt: str | None = None) -> list[int]:
     """The chained hashes of the prompt's full pages, as a request with this cache salt
     (and no private scope) has them."""
     return Request("probe", prompt_token_ids, None, cache_salt=cache_salt,
-                   page_size=page_size).block_hashes
+                   page_size=page_size).page_hashes
 
 
 def engine_seeds(seed: int) -> Iterator[int]:

@@ -200,7 +200,7 @@ class InputBatch:
         except KeyError as e:
             raise ValueError(f"request {e.args[0]!r} is not in the runner's batch") from None
         tables, num_pages = self._page_tables, self.num_pages
-        for row, ids in zip(rows, c.new_block_ids):
+        for row, ids in zip(rows, c.new_page_ids):
             if ids[0]:   # a new page: every page_size tokens of a decode
                 n, k = num_pages[row], len(ids[0])
                 for pt, group_ids in zip(tables, ids, strict=True):
@@ -320,12 +320,12 @@ class InputBatch:
         self.tokens[row, :n_p] = r.prompt_token_ids
         self.tokens[row, n_p:n_p + n_o] = r.output_token_ids
         self.num_prompt[row], self.num_tokens[row] = n_p, n_p + n_o
-        if len(r.block_ids) != len(self._page_tables):
-            raise ValueError(f"request {r.req_id!r} has pages in {len(r.block_ids)} KV "
+        if len(r.page_ids) != len(self._page_tables):
+            raise ValueError(f"request {r.req_id!r} has pages in {len(r.page_ids)} KV "
                              f"groups, the runner keeps {len(self._page_tables)}")
-        for pt, ids in zip(self._page_tables, r.block_ids):
+        for pt, ids in zip(self._page_tables, r.page_ids):
             pt[row, :len(ids)] = ids
-        self.num_pages[row] = len(r.block_ids[0])
+        self.num_pages[row] = len(r.page_ids[0])
         self.state_slots[row] = r.state_slot
         sp = r.sampling_params
         for name, _, _ in _FROM_PARAMS:

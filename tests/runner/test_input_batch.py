@@ -33,7 +33,7 @@ def full_copy_inputs(sched: Scheduler, out, width: int, group: int = 0
     state = np.zeros(R, np.int32)
     for i, (rid, start, n) in enumerate(out.scheduled()):
         req = sched.get_request(rid)
-        pages = sched.kv.get_block_ids(rid, group)
+        pages = sched.kv.get_page_ids(rid, group)
         tokens += req.all_token_ids[start:start + n]
         pos += range(start, start + n)
         slots += [pages[p // PS] * PS + p % PS for p in range(start, start + n)]
