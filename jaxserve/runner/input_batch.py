@@ -29,7 +29,9 @@ import numpy as np
 
 from jaxserve.core.sched_output import NewRequestData, SchedulerOutput
 from jaxserve.runner.buckets import pick_bucket
-from jaxserve.runner.sampler import SamplingTensors, mask_words, only_greedy, seed_to_key_data
+from jaxserve.runner.sampler import only_greedy
+from jaxserve.runner.sampling_tensors import (PARAM_COLUMNS, SamplingTensors, mask_words, pad_rows,
+                                              seed_to_key_data)
 from jaxserve.runner.token_constraints import (ALL_ALLOWED, DynamicConstraints, bias_row,
                                                static_mask)
 from jaxserve.sampling_params import MAX_BANNED_TOKENS, MAX_LOGIT_BIAS
@@ -93,14 +95,6 @@ def state_copy_inputs(restores: list[tuple[int, int]], saves: list[tuple[int, in
     return out
 
 
-# SamplingParams fields kept per row as SamplingTensors takes them: (name, dtype, value
-# of a padding row).
-_FROM_PARAMS = (("temperature", np.float32, 0.0), ("top_k", np.int32, 0),
-                ("top_p", np.float32, 1.0), ("min_p", np.float32, 0.0),
-                ("presence_penalty", np.float32, 0.0), ("frequency_penalty", np.float32, 0.0),
-                ("repetition_penalty", np.float32, 1.0))
-
-
 class InputBatch:
     """`page_buckets` are the page-table widths a step may use: the narrowest one that
     holds the longest request is passed, so attention that reads whole page-table
@@ -149,7 +143,7 @@ class InputBatch:
         self.num_tokens = np.zeros(r, np.int32)
         self.num_prompt = np.zeros(r, np.int32)
         self.state_slots = np.zeros(r, np.int32)
-        for name, dtype, fill in _FROM_PARAMS:
+        for name, dtype, fill in PARAM_COLUMNS:
             setattr(self, name, np.full(r, fill, dtype))
         self.want_logprobs = np.zeros(r, np.bool_)
         self.keys = np.zeros((r, 2), np.uint32)
@@ -174,7 +168,7 @@ class InputBatch:
                             self.banned, self.has_penalties, self.greedy_only,
                             self.want_prompt_logprobs, self.has_mask, self.has_bias,
                             self.has_dynamic,
-                            *(getattr(self, name) for name, _, _ in _FROM_PARAMS)]
+                            *(getattr(self, name) for name, _, _ in PARAM_COLUMNS)]
         # The unconstrained mask and bias of each padded row count a step may use.
         self._free_mask: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         self._rng = np.random.default_rng()
@@ -328,7 +322,7 @@ class InputBatch:
         self.num_pages[row] = len(r.page_ids[0])
         self.state_slots[row] = r.state_slot
         sp = r.sampling_params
-        for name, _, _ in _FROM_PARAMS:
+        for name, _, _ in PARAM_COLUMNS:
             getattr(self, name)[row] = getattr(sp, name)
         self.want_logprobs[row] = sp.logprobs is not None
         self.want_prompt_logprobs[row] = sp.prompt_logprobs is not None
@@ -449,44 +443,36 @@ class InputBatch:
     def sampling_tensors(self, step: ScheduledRows, num_rows_padded: int, *,
                          penalties: bool, penalty_len: int) -> SamplingTensors:
         """The sampler's per-row settings for the step's sampler rows (rows past them are
-        padding), as sampler.make_sampling_tensors builds them from SamplingRows. Without
-        drafts a sampler row is a batch row; with them, ScheduledRows.sample_rows: the
-        j-th position of a row's window samples output index (outputs so far) + j, after
-        the drafts before it."""
+        padding), laid out by sampling_tensors.pad_rows (as make_sampling_tensors lays out
+        SamplingRows). Without drafts a sampler row is a batch row; with them,
+        ScheduledRows.sample_rows: the j-th position of a row's window samples output
+        index (outputs so far) + j, after the drafts before it."""
         if step.num_drafts is None:
             rows, offsets, samples = step.rows, 0, step.sample
         else:
             batch_row, offsets = step.sample_rows()
             rows, samples = step.rows[batch_row], None
-        n = len(rows)
-
-        def col(a: np.ndarray, fill) -> np.ndarray:
-            out = np.full((num_rows_padded, *a.shape[1:]), fill, a.dtype)
-            out[:n] = a[rows]
-            return out
-
-        t = {name: col(getattr(self, name), fill) for name, _, fill in _FROM_PARAMS}
-        t["want_logprobs"] = col(self.want_logprobs, False)
         known = self.num_tokens[rows] + offsets   # the tokens before each position
-        num_out = known - self.num_prompt[rows]
-        steps = np.zeros(num_rows_padded, np.int32)
-        steps[:n] = num_out
-        keys = col(self.keys, 0)
+        num_out = (known - self.num_prompt[rows]).astype(np.int32)
+        keys = self.keys[rows]
         unseeded = np.flatnonzero(~self.seeded[rows])
         if unseeded.size:   # not reproducible, as vLLM
             keys[unseeded] = self._rng.integers(0, 1 << 32, size=(unseeded.size, 2),
                                                 dtype=np.uint64)
-        banned = col(self.banned, self.vocab_size)
-        banned[:n][num_out >= self.min_tokens[rows]] = self.vocab_size
-        t.update(self._constraint_tensors(step, rows, samples, num_rows_padded))
+        banned = self.banned[rows]
+        banned[num_out >= self.min_tokens[rows]] = self.vocab_size
+        penalty = None
         if penalties:
             # Each row's prompt then outputs, padded with V (dropped by the sampler).
-            ids = np.full((num_rows_padded, penalty_len), self.vocab_size, np.int32)
-            ids[:n] = self.tokens[rows, :penalty_len]
-            ids[:n][np.arange(penalty_len)[None, :] >= known[:, None]] = self.vocab_size
-            t["penalty_token_ids"] = ids
-            t["num_prompt_tokens"] = col(self.num_prompt, 0)
-        return SamplingTensors(keys=keys, steps=steps, banned_token_ids=banned, **t)
+            ids = self.tokens[rows, :penalty_len]
+            ids[np.arange(penalty_len)[None, :] >= known[:, None]] = self.vocab_size
+            penalty = (ids, self.num_prompt[rows])
+        return pad_rows(
+            num_rows_padded, self.vocab_size,
+            params={name: getattr(self, name)[rows] for name, _, _ in PARAM_COLUMNS},
+            want_logprobs=self.want_logprobs[rows], keys=keys, steps=num_out, banned=banned,
+            constraints=self._constraint_tensors(step, rows, samples, num_rows_padded),
+            penalty=penalty)
 
     def _constraint_tensors(self, step: ScheduledRows, rows: np.ndarray,
                             samples: np.ndarray | None, num_rows_padded: int) -> dict:
