@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from jaxserve.core.kv_cache_manager import window_pages
+
 POLICIES = ("fcfs", "priority")
 
 
@@ -40,3 +42,26 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
+        per_seq = 2 if self.num_speculative_tokens else 1
+        if self.num_state_slots and self.num_state_slots - 1 < per_seq * self.max_num_seqs:
+            raise ValueError(f"num_state_slots={self.num_state_slots} (the null slot included) "
+                             f"< {per_seq} x max_num_seqs + 1 = {per_seq * self.max_num_seqs + 1}"
+                             f": every running request of a hybrid model needs {per_seq} "
+                             f"state slot(s)")
+        if self.sliding_window is not None:
+            # A request alone must always fit in the sliding pool too: its window, one
+            # step's tokens and the page they may straddle (or its whole length, if less).
+            need = min(-(-self.max_len // self.page_size),
+                       window_pages(self.sliding_window, self.page_size)
+                       + -(-self.max_num_batched_tokens // self.page_size))
+            if self.num_sliding_pages - 1 < need:
+                raise ValueError(f"num_sliding_pages={self.num_sliding_pages} (the null page "
+                                 f"included) < {need + 1}: one request's sliding window and "
+                                 f"step need {need} pages")
+
+    @property
+    def max_len(self) -> int:
+        """The longest a request may grow. A request alone must always fit in the pool,
+        or preempting it would loop forever: a pool smaller than max_model_len caps
+        lengths too."""
+        return min(self.max_model_len, (self.num_pages - 1) * self.page_size)
