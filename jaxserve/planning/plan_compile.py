@@ -29,7 +29,6 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 from jaxserve.build.cache_plan import CachePlan
 from jaxserve.build.drafter_loader import load_drafter
