@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from jaxserve.bench.datasets import Prompt
-from jaxserve.engine_args import FLAGS, add_engine_args, engine_kwargs
+from jaxserve.config.engine_args import FLAGS, add_engine_args, engine_kwargs
 
 logger = logging.getLogger("jaxserve")
 

@@ -23,7 +23,7 @@ from jaxserve.build.layout import (EngineLayout, build_layout_model, layout_for,
 from jaxserve.build.loader import load_model
 from jaxserve.build.cache_plan import CachePlan
 from jaxserve.runner.drafter import ModelDrafter
-from jaxserve.speculative import DRAFT_MODEL, MTP, NGRAM
+from jaxserve.config.speculative import DRAFT_MODEL, MTP, NGRAM
 from models.cache_spec import CacheSpec, layer_cache_specs
 from models.config import ModelConfig
 from models.mtp import MTP_PREFIX, MTPHead, mtp_config

@@ -8,7 +8,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.core.scheduler_config import SchedulerConfig
 from jaxserve.runner.runner_config import RunnerConfig
 from jaxserve.sampling_params import logprobs_limit
-from jaxserve.speculative import MTP
+from jaxserve.config.speculative import MTP
 
 
 def scheduler_config(config: EngineConfig, layout: EngineLayout,

@@ -32,7 +32,7 @@ from jax.sharding import Mesh
 
 from jaxserve.runner.layer_caches import layer_cache_specs, make_layer_caches
 from jaxserve.runner.sampler import first_argmax
-from jaxserve.speculative import DRAFT_MODEL, MTP
+from jaxserve.config.speculative import DRAFT_MODEL, MTP
 from models.inputs import ModelInputs
 from sharding import replicated
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from jaxserve.sampling_params import MAX_LOGPROBS
-from jaxserve.speculative import SpeculativeConfig
+from jaxserve.config.speculative import SpeculativeConfig
 
 
 @dataclass(frozen=True)

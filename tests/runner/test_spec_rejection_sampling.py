@@ -34,7 +34,7 @@ from jaxserve.runner.model_runner import ModelRunner, ModelRunnerOutput
 from jaxserve.runner.sampler import sample
 from jaxserve.runner.spec_decode import num_accepted
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.speculative import SpeculativeConfig
+from jaxserve.config.speculative import SpeculativeConfig
 
 V = 5            # vocabulary
 L = 4            # output tokens per request (max_tokens)

@@ -1,7 +1,7 @@
 """`python -m jaxserve.plan` / `jaxserve plan`: the planner's command line.
 
 It takes every engine flag the server takes (EngineConfig's, made by
-jaxserve/engine_args.py, speculation included, and vLLM's engine flags without a
+jaxserve/config/engine_args.py, speculation included, and vLLM's engine flags without a
 jaxserve knob), builds the same EngineConfig, and plans it with the engine's own layout
 and cache planning (planning/plan.py); its own flags say what device to plan for.
 """
@@ -13,11 +13,11 @@ import sys
 
 from jaxserve.checkpoints.model_configs import ALIASES
 from jaxserve.config import ConfigError, EngineConfig
-from jaxserve.engine_args import (FLAGS, dashed, add_engine_args, add_vllm_compat_args,
+from jaxserve.config.engine_args import (FLAGS, dashed, add_engine_args, add_vllm_compat_args,
                                   check_vllm_compat, config_error, engine_kwargs)
 from jaxserve.planning.plan import (DEFAULT_LINK_GBPS, format_plan, load_model_config,
                                     parse_bytes, plan_from_config)
-from jaxserve.vllm_compat import ENGINE
+from jaxserve.config.vllm_compat import ENGINE
 
 
 def parser() -> argparse.ArgumentParser:
