@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import sys
+from typing import Any, Callable
 
 from jaxserve.api.config_file import expand_config_file
 from jaxserve.api.log_values import DEFAULT_MAX_LOG_LEN
@@ -40,6 +41,23 @@ def parser(prog: str = "python -m jaxserve.api") -> argparse.ArgumentParser:
     a = ap.add_argument
     if prog.endswith(" serve"):
         a("model_tag", nargs="?", default=None, metavar="MODEL", help=_MODEL_HELP)
+    _add_listening(a)
+    # The engine's knobs: flags made from EngineConfig's fields (names, types, defaults).
+    add_engine_args(ap)
+    _add_generation(a)
+    _add_logging(a)
+    _add_http(a)
+    _add_tools(a)
+    a("--timeout-graceful-shutdown", "--shutdown-timeout", type=float, default=5.0,
+      help="seconds in-flight requests get to finish on SIGTERM/SIGINT")
+    add_vllm_compat_args(ap, ENGINE, "vLLM engine flags without a jaxserve knob")
+    add_vllm_compat_args(ap, FRONTEND, "vLLM server flags without a jaxserve setting")
+    return ap
+
+
+def _add_listening(a: Callable[..., Any]) -> None:
+    """The model, where the server listens, who may call it, and a multi-host run's
+    processes."""
     a("--model", default=None, help=_MODEL_HELP)
     a("--config", default=None, metavar="FILE",
       help="a YAML file of flags (keys: flag names without the dashes); flags on the command "
@@ -61,8 +79,10 @@ def parser(prog: str = "python -m jaxserve.api") -> argparse.ArgumentParser:
       help="multi-host: number of processes, one per host (env JAXSERVE_NUM_PROCESSES)")
     a("--process-id", type=int, default=_env_int("JAXSERVE_PROCESS_ID"),
       help="multi-host: this process's index; 0 serves HTTP (env JAXSERVE_PROCESS_ID)")
-    # The engine's knobs: flags made from EngineConfig's fields (names, types, defaults).
-    add_engine_args(ap)
+
+
+def _add_generation(a: Callable[..., Any]) -> None:
+    """Chat templates, default sampling values, the tokenizer-info endpoint."""
     a("--chat-template", default=None, help="chat template file or string (default: the "
                                             "tokenizer's)")
     a("--default-chat-template-kwargs", type=_json_object, default=None, metavar="JSON",
@@ -77,6 +97,10 @@ def parser(prog: str = "python -m jaxserve.api") -> argparse.ArgumentParser:
     a("--enable-tokenizer-info-endpoint", action=EnableDisableAction, default=False,
       help="answer GET /tokenizer_info (the tokenizer's configuration and chat template), "
            "off by default as in vLLM")
+
+
+def _add_logging(a: Callable[..., Any]) -> None:
+    """What the server logs."""
     a("--disable-log-stats", action="store_true",
       help="do not log the engine's throughput, queue and KV cache usage every 10 s")
     a("--enable-log-requests", action=EnableDisableAction, default=True,
@@ -91,6 +115,10 @@ def parser(prog: str = "python -m jaxserve.api") -> argparse.ArgumentParser:
       help="log level of uvicorn (the HTTP server)")
     a("--disable-uvicorn-access-log", action=EnableDisableAction, default=False,
       help="no access log line per HTTP request")
+
+
+def _add_http(a: Callable[..., Any]) -> None:
+    """The HTTP server: docs, proxy path, CORS, TLS, limits on clients."""
     a("--disable-fastapi-docs", action=EnableDisableAction, default=False,
       help="no /docs, /redoc or /openapi.json")
     a("--root-path", default=None,
@@ -118,6 +146,10 @@ def parser(prog: str = "python -m jaxserve.api") -> argparse.ArgumentParser:
            "completions of k prompts is n*k sequences)")
     a("--max-request-body-bytes", type=int, default=32 * 2**20,
       help="answer 413 to request bodies larger than this (default 32 MiB)")
+
+
+def _add_tools(a: Callable[..., Any]) -> None:
+    """Tool calling and reasoning parsers."""
     a("--enable-auto-tool-choice", action=EnableDisableAction, default=False,
       help='let the model decide when to call tools (tool_choice "auto"): its output is '
            "read by --tool-call-parser")
@@ -126,11 +158,6 @@ def parser(prog: str = "python -m jaxserve.api") -> argparse.ArgumentParser:
            "Qwen3, qwen3_coder: Qwen3-Coder/Qwen3.5/Qwen3.6, llama3_json, gemma4)")
     a("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
       help="split the model's <think> block into reasoning_content (qwen3, deepseek_r1)")
-    a("--timeout-graceful-shutdown", "--shutdown-timeout", type=float, default=5.0,
-      help="seconds in-flight requests get to finish on SIGTERM/SIGINT")
-    add_vllm_compat_args(ap, ENGINE, "vLLM engine flags without a jaxserve knob")
-    add_vllm_compat_args(ap, FRONTEND, "vLLM server flags without a jaxserve setting")
-    return ap
 
 
 def _env_int(name: str) -> int | None:

@@ -302,39 +302,15 @@ class KVCacheManager:
         num_have = 0 if rp is None else len(rp.ids[GLOBAL])
         num_hit = 0 if hit is None else len(hit[GLOBAL])
         num_new_pages = -(-total // ps) - num_have - num_hit
-        if num_new_pages > 0 or hit:
-            for g, pool in enumerate(self.pools):
-                supply = pool.free_queue.num_free
-                if hit:   # free-but-cached hits leave the free queue when touched
-                    supply -= sum(1 for b in hit[g] if b.ref_cnt == 0 and b is not pool.null_page)
-                if g == SLIDING and rp is not None:   # given back before allocating
-                    lo, hi = self._out_of_window(request, rp)
-                    supply += sum(1 for b in rp.pages[SLIDING][lo:hi] if b.ref_cnt == 1)
-                if num_new_pages > supply:
-                    return None
+        if (num_new_pages > 0 or hit) and not self._can_supply(request, rp, hit,
+                                                                 num_new_pages):
+            return None
         if rp is None:
-            state_slot = backup_slot = 0
-            if self.state_slots is not None:
-                if self.state_slots.num_free < 1 + self.spec_backups:
-                    return None
-                state_slot = self.state_slots.allocate()
-                if self.spec_backups:
-                    backup_slot = self.state_slots.allocate()
-            rp = self.req_pages[rid] = _ReqPages(len(self.pools), state_slot, backup_slot)
+            rp = self._new_req_pages(rid)
+            if rp is None:
+                return None
         if hit:
-            if rp.pages[GLOBAL]:
-                raise ValueError(f"request {rid!r} already has pages; prefix hits only apply to new requests")
-            if self.snapshots is not None:   # its state at the hit's end, restored first
-                end = len(hit[GLOBAL]) * ps
-                snap = self.snapshots.lookup(request.page_hashes[len(hit[GLOBAL]) - 1], end)
-                self.snapshots.use(snap)
-                self._restores.append((snap.slot, rp.state_slot))
-            for g, pool in enumerate(self.pools):
-                pool.touch(hit[g])
-                rp.pages[g].extend(hit[g])
-                rp.ids[g].extend(b.page_id for b in hit[g])
-            if sliding:
-                rp.num_dropped = sum(1 for b in hit[SLIDING] if b.page_id == 0)
+            self._take_hit(request, rp, hit)
         elif sliding:
             self._drop_out_of_window(request, rp)
         new_pages = self._no_pages()
@@ -353,6 +329,51 @@ class KVCacheManager:
                     pool.cache_full_pages(request, rp.pages[g], rp.num_cached, num_full)
                 rp.num_cached = num_full
         return new_pages
+
+    def _can_supply(self, request: Request, rp: _ReqPages | None, hit: GroupPages | None,
+                    num_new_pages: int) -> bool:
+        """Whether every pool can hand out num_new_pages after taking the hit's pages."""
+        for g, pool in enumerate(self.pools):
+            supply = pool.free_queue.num_free
+            if hit:   # free-but-cached hits leave the free queue when touched
+                supply -= sum(1 for b in hit[g] if b.ref_cnt == 0 and b is not pool.null_page)
+            if g == SLIDING and rp is not None:   # given back before allocating
+                lo, hi = self._out_of_window(request, rp)
+                supply += sum(1 for b in rp.pages[SLIDING][lo:hi] if b.ref_cnt == 1)
+            if num_new_pages > supply:
+                return False
+        return True
+
+    def _new_req_pages(self, rid: str) -> _ReqPages | None:
+        """A new request's entry, with its state slot (and backup) when the model has
+        recurrent state; None when no slot is free."""
+        state_slot = backup_slot = 0
+        if self.state_slots is not None:
+            if self.state_slots.num_free < 1 + self.spec_backups:
+                return None
+            state_slot = self.state_slots.allocate()
+            if self.spec_backups:
+                backup_slot = self.state_slots.allocate()
+        rp = self.req_pages[rid] = _ReqPages(len(self.pools), state_slot, backup_slot)
+        return rp
+
+    def _take_hit(self, request: Request, rp: _ReqPages, hit: GroupPages) -> None:
+        """A new request's prefix hit: its pages (and a hybrid's state snapshot at the
+        hit's end, restored first) become the request's."""
+        if rp.pages[GLOBAL]:
+            raise ValueError(f"request {request.request_id!r} already has pages; prefix hits "
+                             f"only apply to new requests")
+        if self.snapshots is not None:   # its state at the hit's end, restored first
+            end = len(hit[GLOBAL]) * self.page_size
+            snap = self.snapshots.lookup(request.page_hashes[len(hit[GLOBAL]) - 1], end)
+            self.snapshots.use(snap)
+            self._restores.append((snap.slot, rp.state_slot))
+        for g, pool in enumerate(self.pools):
+            pool.touch(hit[g])
+            rp.pages[g].extend(hit[g])
+            rp.ids[g].extend(b.page_id for b in hit[g])
+        if self.sliding_pool is not None:
+            rp.num_dropped = sum(1 for b in hit[SLIDING] if b.page_id == 0)
 
     def uncache_unwritten(self, request: Request, num_written_tokens: int,
                           shared_too: bool = False) -> None:
