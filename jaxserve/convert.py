@@ -1,4 +1,5 @@
-"""Old path of `jaxserve.cli.convert` (`python -m jaxserve.convert`): this name is that module."""
+"""Old path of `jaxserve.cli.convert` (`python -m jaxserve.convert`):
+this name is that module."""
 from __future__ import annotations
 
 import sys

@@ -1,4 +1,5 @@
-"""Old path of `jaxserve.cli.serve` (`python -m jaxserve.api` imports it): this name is that module."""
+"""Old path of `jaxserve.cli.serve` (`python -m jaxserve.api` imports it):
+this name is that module."""
 from __future__ import annotations
 
 import sys

@@ -22,7 +22,7 @@ JAX_DEFAULT_GPU_FRACTION = 0.75   # JAX's GPU pool without POOL_ENV
 
 
 def _backends_ready() -> bool:
-    from jax._src import xla_bridge
+    from jax._src import xla_bridge   # (this module is read before jax starts)
     return xla_bridge.backends_are_initialized()
 
 

@@ -19,7 +19,7 @@ from jaxserve.checkpoints.model_names import resolve_model
 from jaxserve.checkpoints.model_names import load_model_config
 from jaxserve.config import EngineConfig
 from jaxserve.build.layout import (EngineLayout, build_layout_model, layout_for,
-                                    layout_param_shardings)
+                                   layout_param_shardings)
 from jaxserve.build.loader import load_model
 from jaxserve.build.cache_plan import CachePlan
 from jaxserve.runner.drafter import ModelDrafter

@@ -23,7 +23,7 @@ from models.config import ModelConfig, WeightQuant, resolve_weight_quant
 from models.registry import build_model, compute_dtype, resolve_dtype, resolve_kv_dtype
 from models.weights import param_logical_axes
 from pallas_kernels.ragged_paged_attention import (is_quantized, kv_cache_dtype_error,
-                                                    resolve_backend)
+                                                   resolve_backend)
 from sharding import (MODEL, check_model_axis, mesh_rules, param_shardings,
                       with_stored_kv_heads)
 
@@ -132,6 +132,7 @@ def tpu_kernel_limit_error(mc: ModelConfig, kv_heads: int, *, num_tokens: int, r
     """Why the engine's largest step would not compile for TPU (a compiler limit the
     kernels cannot stream around), with the fix; None when it compiles. kv_heads: as
     stored on the mesh."""
+    # (the TPU kernels' modules load Mosaic: only a TPU layout needs them)
     from pallas_kernels.gated_delta import tpu as gdn_tpu
     from pallas_kernels.ragged_paged_attention import tpu as rpa_tpu
     return (rpa_tpu.smem_limit_error(num_tokens, rows, mc.num_heads // kv_heads,

@@ -79,7 +79,7 @@ def cached_snapshot(repo_id: str, cache: Path | None = None,
                     revision: str | None = None) -> Path | None:
     """The snapshot directory of `repo_id` in the HF cache, or None: that of `revision`
     (a branch or tag through refs/, or a commit), else refs/main's, else the newest."""
-    from huggingface_hub import try_to_load_from_cache
+    from huggingface_hub import try_to_load_from_cache   # (heavy: only for a repo id)
     cache = cache or hf_hub_cache()
     hit = try_to_load_from_cache(repo_id, "config.json", cache_dir=cache, revision=revision)
     if isinstance(hit, str):
@@ -306,6 +306,7 @@ def _materialise_dummy(alias: str, repo_id: str, config: dict, tokenizer_src: Pa
 
 
 def _write_tiny_tokenizer(out: Path, vocab_size: int) -> None:
+    # (tokenizers and transformers load only to write one)
     from jaxserve.checkpoints.tiny_tokenizer import make_tiny_tokenizer
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
     try:

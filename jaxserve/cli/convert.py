@@ -32,9 +32,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import jaxserve
 from jaxserve.checkpoints.converted import (FORMAT_VERSION, PARAMS_DIR, Leaf, Manifest,
                                             is_converted, tree_settings, write_manifest)
 from jaxserve.checkpoints.model_configs import ALIASES
+from jaxserve.checkpoints.model_names import TOKENIZER_FILES, resolve_model
 from jaxserve.config import ConfigError, EngineConfig
 from jaxserve.config.engine_args import add_engine_args, config_error, engine_kwargs
 
@@ -66,10 +68,11 @@ def convert(config: EngineConfig, output: str | Path) -> Manifest:
     """Writes `config.model` converted for the replica of `config.mesh` (1xM) to
     `output`; returns its manifest. ValueError for an existing non-empty output or a
     model that is already converted."""
+    # (jax and the model code load once the flags are read: --help stays fast, and
+    # _cpu_devices sets XLA's device count before jax starts)
     import jax
     from flax.traverse_util import flatten_dict
 
-    from jaxserve.checkpoints.model_names import resolve_model
     from jaxserve.build.layout import engine_layout
     from jaxserve.build.loader import load_weights
     from models.config import ModelConfig
@@ -135,7 +138,6 @@ def _remove_partial(out: Path, created: bool) -> None:
 
 
 def _version() -> str:
-    import jaxserve
     return jaxserve.__version__
 
 
@@ -153,7 +155,6 @@ def _write_config(src: Path, out: Path, dtype: str) -> None:
 
 
 def _copy_tokenizer(src: Path, out: Path) -> list[str]:
-    from jaxserve.checkpoints.model_names import TOKENIZER_FILES
     copied = []
     for name in TOKENIZER_FILES:
         if (src / name).is_file():
@@ -166,10 +167,10 @@ def _cpu_devices_for(mesh: str | None) -> None:
     """A CPU host converting for 1xM needs M devices: split the CPU into M XLA devices
     (only the CPU backend's count; before jax starts its backends). An XLA_FLAGS device
     count that is set already is kept."""
-    from sharding.mesh import parse_mesh
+    from sharding.mesh import parse_mesh   # (before jax is imported: see convert)
     m = parse_mesh(mesh)[1] if mesh else 1
     if m > 1 and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-        import jax
+        import jax   # (jax is imported here first, its backends not yet started)
         jax.config.update("jax_num_cpu_devices", m)
 
 

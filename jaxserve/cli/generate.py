@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
 
-    from jaxserve import LLM, SamplingParams
+    from jaxserve import LLM, SamplingParams   # (jax loads after the flags: fast --help)
     model, load_format = args.model, args.load_format
     if model is None:
         model, load_format = default_model_dir(), "dummy"

@@ -14,10 +14,12 @@ import sys
 from jaxserve.checkpoints.model_configs import ALIASES
 from jaxserve.config import ConfigError, EngineConfig
 from jaxserve.config.engine_args import (FLAGS, dashed, add_engine_args, add_vllm_compat_args,
-                                  check_vllm_compat, config_error, engine_kwargs)
+                                         check_vllm_compat, config_error, engine_kwargs)
 from jaxserve.planning.plan import (DEFAULT_LINK_GBPS, format_plan, load_model_config,
                                     parse_bytes, plan_from_config)
 from jaxserve.config.vllm_compat import ENGINE
+from jaxserve.planning.plan_compile import compile_plan, format_report
+from sharding.tpu_targets import tpu_target
 
 
 def parser() -> argparse.ArgumentParser:
@@ -80,7 +82,6 @@ def main(argv: list[str] | None = None) -> None:
 
 def _target_hbm(target: str) -> int:
     """What the engine would see as the chip's memory (the runtime keeps the rest)."""
-    from sharding.tpu_targets import tpu_target
     return tpu_target(target).usable_hbm_bytes
 
 
@@ -91,7 +92,6 @@ _COMPILE_OWN = ("mesh", "tensor_parallel_size", "data_parallel_size", "load_form
 
 def _compile(args: argparse.Namespace, config: EngineConfig) -> None:
     """--compile: build the engine for --target, compile, print the report."""
-    from jaxserve.planning.plan_compile import compile_plan, format_report
 
     def progress(r) -> None:   # flagship programs take minutes each: say what is done
         state = "compiled" if r.compiled else "FAILED"

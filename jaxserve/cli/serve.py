@@ -16,7 +16,7 @@ from starlette.middleware.cors import CORSMiddleware
 
 import jaxserve
 from jaxserve.cli.serve_args import (GENERATION_DEFAULTS, chat_template, log_level,  # noqa: F401
-                                   parse_args, parser)
+                                     parse_args, parser)
 from jaxserve.api.loading import LoadingGate
 from jaxserve.api.metrics import Metrics
 from jaxserve.config import ConfigError, EngineConfig
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m jaxserve.api") ->
         # (jax.distributed starts first: size JAX's GPU pool before it, as make_engine does)
         from jaxserve.build.device_pool import set_device_pool
         set_device_pool(args.hbm_utilization)
-        from jaxserve.engine import multihost
+        from jaxserve.engine import multihost   # (imports jax: after the pool is sized)
         if multihost.initialize(args.coordinator_address, args.num_processes,
                                 args.process_id) and not multihost.is_leader():
             # Hosts other than process 0 serve no HTTP: they run the steps process 0
@@ -168,6 +168,8 @@ def _build_engine(args: argparse.Namespace, config: EngineConfig, served: tuple[
                   gate: LoadingGate, t0: float, on_fatal) -> None:
     """The startup thread: the engine, then the app, then the gate opens."""
     gate.progress.set_phase(STARTING, "importing the engine")
+    # (the engine and jax load here, in the startup thread, once the server listens and
+    # JAX's GPU pool is sized: /health answers while they load)
     from jaxserve.api.server import create_app
     from jaxserve.api.serving import ServerSettings
     from jaxserve.engine.async_engine import AsyncEngine

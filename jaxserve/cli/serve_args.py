@@ -16,7 +16,7 @@ from jaxserve.api.reasoning_parsers import REASONING_PARSERS
 from jaxserve.api.tool_parsers import TOOL_PARSERS
 from jaxserve.checkpoints.model_configs import ALIASES
 from jaxserve.config.engine_args import (EnableDisableAction, add_engine_args, add_vllm_compat_args,
-                                  check_vllm_compat, dashed)
+                                         check_vllm_compat, dashed)
 from jaxserve.config.vllm_compat import ENGINE, FRONTEND
 
 # generation_config.json fields that become default sampling values (as vLLM does).

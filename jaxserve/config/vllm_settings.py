@@ -100,7 +100,8 @@ WHY_TEXT = ("jaxserve serves text only (a ...ForConditionalGeneration checkpoint
 WHY_LORA = "LoRA adapters are not implemented"
 WHY_OFFLOAD = "weights and KV pages stay in device memory; nothing is offloaded to the host"
 WHY_SLEEP = "sleep mode is not implemented"
-WHY_POOL = "jaxserve generates text; pooling (embedding, classification, scoring) is not implemented"
+WHY_POOL = ("jaxserve generates text; pooling (embedding, classification, scoring) is not "
+            "implemented")
 WHY_TRACE = "not implemented: the metrics are /metrics' (Prometheus) and the stats log line"
 WHY_DISAGG = "disaggregated serving (KV / encoder-cache transfer, KV events) is not implemented"
 WHY_HASH = ("prefix-cache pages are keyed by Python's hash of their token ids in one process; "

@@ -14,9 +14,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from jaxserve.engine.chat_template import render_chat
-from jaxserve.errors import InputError
 from jaxserve.engine.bad_words import BadWords
+from jaxserve.engine.chat_template import render_chat
+from jaxserve.engine.grammar import GrammarCompiler
+from jaxserve.errors import InputError
 from jaxserve.sampling_params import (MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS_TOKENS,
                                       MAX_BANNED_TOKENS, MAX_LOGPROBS, SamplingParams, is_int,
                                       logprobs_limit)
@@ -270,7 +271,6 @@ class InputProcessor:
                 if self.tokenizer is None:
                     raise InputError("structured outputs need a tokenizer; this model has none",
                                      "structured_outputs")
-                from jaxserve.engine.grammar import GrammarCompiler
                 self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size,
                                                  self.eos_token_ids)
             return self._grammars
