@@ -1,5 +1,6 @@
-"""RunnerConfig: the ModelRunner's slice of the engine's settings, derived once from
-EngineConfig, the layout and the CachePlan (jaxserve/build/slices.py)."""
+"""RunnerConfig and DrafterConfig: the ModelRunner's and a model drafter's slices of the
+engine's settings, derived once from EngineConfig, the layout and the CachePlan
+(jaxserve/build/slices.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -42,3 +43,17 @@ class RunnerConfig:
     @property
     def pages_per_req(self) -> int:
         return -(-self.max_model_len // self.page_size)
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    """A model drafter's slice (runner/drafter.py): method "mtp" or "draft_model"; its KV
+    on the target's num_pages pages of page_size, in kv_dtype; max_num_seqs rows of
+    pages_per_req pages; num_speculative_tokens drafts a step."""
+    method: str
+    num_pages: int
+    page_size: int
+    kv_dtype: Any
+    max_num_seqs: int
+    pages_per_req: int
+    num_speculative_tokens: int
