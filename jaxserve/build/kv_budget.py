@@ -1,7 +1,7 @@
 """The memory the caches may take. On an accelerator, as vLLM's --gpu-memory-utilization:
 the engine gets hbm_utilization of the device's memory for everything it holds, and the
 caches get that share less the weights and a reserve for the programs' temporaries
-(memory_split). On CPU: a share of the free host RAM. planning/cache_plan.py turns the
+(memory_split). On CPU: a share of the free host RAM. build/cache_plan.py turns the
 budget into pages and state slots; the planner makes the same split for a device that is
 not here."""
 from __future__ import annotations

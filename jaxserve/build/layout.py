@@ -153,7 +153,7 @@ def layout_param_shardings(model, mesh: Mesh, layout: EngineLayout) -> Any:
 def layout_cache_plan(config: EngineConfig, layout: EngineLayout, device: Any,
                       memory: DeviceMemory | None = None,
                       drafter_specs: tuple[CacheSpec, ...] = ()) -> CachePlan:
-    """The replica's cache plan (planning/cache_plan.py); ValueError when one sequence of
+    """The replica's cache plan (build/cache_plan.py); ValueError when one sequence of
     max_model_len does not fit."""
     return require_one_sequence(cache_plan_for(config, layout, device, memory, drafter_specs))
 
@@ -164,7 +164,7 @@ def cache_plan_for(config: EngineConfig, layout: EngineLayout, device: Any,
     """The cache plan of the engine and of the planner, which may not fit one sequence.
     memory: the device's memory and what the weights hold of it; None asks `device`.
     drafter_specs: a speculative model drafter's KV layers, which keep KV on the same
-    pages (engine/drafter_loader.py)."""
+    pages (build/drafter_loader.py)."""
     if config.num_pages is not None:
         budget, cap = None, False
     else:

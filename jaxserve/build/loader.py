@@ -1,8 +1,8 @@
 """The model of one engine replica, built and loaded onto its 1xM mesh.
 
 `load_model` is the only bring-up step that touches weights: it builds the flax model
-for the layout's choices (engine/layout.py), reads the checkpoint (or draws dummy
-weights, or restores a converted checkpoint: jaxserve/convert.py) straight into the
+for the layout's choices (build/layout.py), reads the checkpoint (or draws dummy
+weights, or restores a converted checkpoint: jaxserve/cli/convert.py) straight into the
 parameter shardings, and unties a tied lm_head on CPU.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`python -m jaxserve.api` / `jaxserve serve`: flags (api/cli_args.py) -> engine + server."""
+"""`python -m jaxserve.api` / `jaxserve serve`: flags (cli/serve_args.py) -> engine + server."""
 from __future__ import annotations
 
 import argparse

@@ -32,7 +32,7 @@ class EngineInfo:
     model_config: ModelConfig
     dtype: str                    # the weights' dtype name, e.g. "bfloat16"
     max_model_len: int
-    cache_plan: CachePlan         # one replica's caches (planning/cache_plan.py)
+    cache_plan: CachePlan         # one replica's caches (build/cache_plan.py)
     weight_bytes: int             # per replica
     weight_bytes_per_device: int
     eos_token_id: int | None

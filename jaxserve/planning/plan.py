@@ -13,7 +13,7 @@ divide them), the KV page layout of the cache. Nothing here is a hand-typed size
 except the built-in configs (jaxserve/model_configs.py), copied from their
 published config.json.
 
-Memory: the engine's own rule (planning/kv_budget.py), as vLLM's
+Memory: the engine's own rule (build/kv_budget.py), as vLLM's
 --gpu-memory-utilization: the engine gets hbm_utilization (0.9) of the device's memory
 (--hbm, or a --target's usable HBM) for everything it holds; of that the weights come
 first, then a reserve for the programs' temporaries (the estimated peak of the forward
@@ -148,7 +148,7 @@ class Plan:
     hbm_bytes: int | None
     hbm_utilization: float
     link_gbps: float
-    # The engine's cache plan (planning/cache_plan.py) for this memory; None when the
+    # The engine's cache plan (build/cache_plan.py) for this memory; None when the
     # device memory is unknown and no cache size was given.
     cache: CachePlan | None = None
     compiler_limit: str | None = None  # TPU: why the largest step would not compile

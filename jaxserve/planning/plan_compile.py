@@ -3,7 +3,7 @@
     python -m jaxserve.plan --model qwen3.6-27b --mesh 1x8 --target tpu-v6e \\
         --max-model-len 8192 --compile [all] [--json]
 
-One replica is built exactly as EngineCore builds it (engine/layout.py: dtypes, KV
+One replica is built exactly as EngineCore builds it (build/layout.py: dtypes, KV
 heads, attention backend for the TPU, the KV page count from the target's HBM and
 hbm_utilization; ModelRunner: buckets, shardings, donation), with abstract
 parameters and caches (nothing allocated), on a mesh of abstract TPU chips

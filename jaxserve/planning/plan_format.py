@@ -88,7 +88,7 @@ def _memory_lines(p: Plan) -> list[str]:
 
 
 def _cache_lines(p: Plan) -> list[str]:
-    """The cache plan: what the engine allocates (planning/cache_plan.py)."""
+    """The cache plan: what the engine allocates (build/cache_plan.py)."""
     d = p.mesh[0]
     c = p.cache
     seqs = p.kv_tokens // p.max_model_len

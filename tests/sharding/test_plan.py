@@ -20,7 +20,7 @@ GIB = 2**30
 
 
 def paged_tokens(budget: int, per_token: int, page_size: int = 16) -> int:
-    """The engine's rule (planning/cache_plan.py): whole pages, less the null page."""
+    """The engine's rule (build/cache_plan.py): whole pages, less the null page."""
     return max(budget // (per_token * page_size) - 1, 0) * page_size
 
 
