@@ -43,8 +43,8 @@ class BatchSampling:
             penalty = (ids, self.num_prompt[rows])
         return pad_rows(
             num_rows_padded, self.vocab_size,
-            params={name: getattr(self, name)[rows] for name, _, _ in PARAM_COLUMNS},
-            want_logprobs=self.want_logprobs[rows], keys=keys, steps=num_out, banned=banned,
+            params={name: getattr(self, name) for name, _, _ in PARAM_COLUMNS},
+            want_logprobs=self.want_logprobs, take=rows, keys=keys, steps=num_out, banned=banned,
             constraints=self._constraint_tensors(step, rows, samples, num_rows_padded),
             penalty=penalty)
 

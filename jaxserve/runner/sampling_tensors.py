@@ -85,25 +85,28 @@ def seed_to_key_data(seed: int) -> tuple[int, int]:
 def pad_rows(num_rows_padded: int, vocab_size: int, *, params: dict[str, np.ndarray],
              want_logprobs: np.ndarray, keys: np.ndarray, steps: np.ndarray,
              banned: np.ndarray, constraints: dict[str, np.ndarray],
-             penalty: tuple[np.ndarray, np.ndarray] | None = None) -> SamplingTensors:
+             penalty: tuple[np.ndarray, np.ndarray] | None = None,
+             take: np.ndarray | None = None) -> SamplingTensors:
     """SamplingTensors of n rows (len(steps)) padded to num_rows_padded. params: each
-    PARAM_COLUMNS column [n]; keys [n, 2]; banned [n, MAX_BANNED_TOKENS]; constraints:
-    token_mask, logit_bias_ids and logit_bias, already padded; penalty: (token ids
-    [n, L] padded with V, prompt lengths [n]), only for the penalties program."""
+    PARAM_COLUMNS column [n] and want_logprobs [n], or with `take` (n indices) columns of
+    which take's rows are the n (gathered straight into the padded arrays); keys [n, 2];
+    banned [n, MAX_BANNED_TOKENS]; constraints: token_mask, logit_bias_ids and
+    logit_bias, already padded; penalty: (token ids [n, L] padded with V, prompt lengths
+    [n]), only for the penalties program."""
     n = len(steps)
 
-    def col(a: np.ndarray, fill, dtype=None) -> np.ndarray:
+    def col(a: np.ndarray, fill, dtype=None, rows: np.ndarray | None = None) -> np.ndarray:
         out = np.full((num_rows_padded, *a.shape[1:]), fill, dtype or a.dtype)
-        out[:n] = a
+        out[:n] = a if rows is None else a[rows]
         return out
 
-    t = {name: col(params[name], fill, dtype) for name, dtype, fill in PARAM_COLUMNS}
+    t = {name: col(params[name], fill, dtype, take) for name, dtype, fill in PARAM_COLUMNS}
     if penalty is not None:
         t["penalty_token_ids"] = col(penalty[0], vocab_size, np.int32)
         t["num_prompt_tokens"] = col(penalty[1], 0, np.int32)
     return SamplingTensors(keys=col(keys, 0, np.uint32), steps=col(steps, 0, np.int32),
                            banned_token_ids=col(banned, vocab_size, np.int32),
-                           want_logprobs=col(want_logprobs, False, np.bool_),
+                           want_logprobs=col(want_logprobs, False, np.bool_, take),
                            **t, **constraints)
 
 
