@@ -31,7 +31,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxserve.config.speculative import DRAFT_MODEL, MTP
-from jaxserve.runner.layer_caches import layer_cache_specs, make_layer_caches
+from jaxserve.runner.layer_caches import abstract_layer_caches, make_layer_caches
 from jaxserve.runner.runner_config import DrafterConfig
 from jaxserve.runner.sampler import first_argmax
 from models.inputs import ModelInputs
@@ -55,7 +55,7 @@ class ModelDrafter:
         kw = dict(num_pages=config.num_pages, page_size=config.page_size,
                   kv_dtype=config.kv_dtype, num_state_slots=0, conv_state_dtype=model.dtype)
         if abstract:
-            self.caches = layer_cache_specs(cache_config, mesh, **kw)
+            self.caches = abstract_layer_caches(cache_config, mesh, **kw)
             kv_sh = jax.tree_util.tree_map(lambda s: s.sharding, self.caches)
         else:
             self.caches, kv_sh = make_layer_caches(cache_config, mesh, **kw)

@@ -34,7 +34,7 @@ from jaxserve.runner.buckets import (page_buckets, pick_bucket, row_buckets,
                                      sampling_row_buckets, token_buckets)
 from jaxserve.runner.drafter import ModelDrafter
 from jaxserve.runner.input_batch import InputBatch
-from jaxserve.runner.layer_caches import layer_cache_specs, make_layer_caches
+from jaxserve.runner.layer_caches import abstract_layer_caches, make_layer_caches
 from jaxserve.runner.programs import GREEDY, PENALTIES, RANDOM
 from jaxserve.runner.runner_config import RunnerConfig
 from jaxserve.runner.runner_warmup import RunnerWarmup
@@ -123,7 +123,7 @@ class ModelRunner(RunnerWarmup):
                         num_state_slots=c.num_state_slots,
                         num_sliding_pages=c.num_sliding_pages, conv_state_dtype=model.dtype)
         if abstract:
-            self.kv_caches = layer_cache_specs(model.config, self.mesh, **cache_kw)
+            self.kv_caches = abstract_layer_caches(model.config, self.mesh, **cache_kw)
             kv_sh = jax.tree_util.tree_map(lambda s: s.sharding, self.kv_caches)
         else:
             self.kv_caches, kv_sh = make_layer_caches(model.config, self.mesh, **cache_kw)

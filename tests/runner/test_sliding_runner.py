@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.runner.layer_caches import layer_cache_specs
+from jaxserve.runner.layer_caches import abstract_layer_caches
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.runner.runner_config import RunnerConfig
 from jaxserve.runner.programs import FORWARD
@@ -38,16 +38,16 @@ def llama_config() -> ModelConfig:
 
 def test_sliding_cache_has_its_own_pages_and_the_kv_sharding():
     mesh = make_mesh("1x4", jax.devices()[:4])
-    specs = layer_cache_specs(gemma_config(), mesh, num_pages=50, page_size=PS,
-                              kv_dtype=jnp.float32, num_state_slots=0,
-                              conv_state_dtype=jnp.float32, num_sliding_pages=9)
+    specs = abstract_layer_caches(gemma_config(), mesh, num_pages=50, page_size=PS,
+                                  kv_dtype=jnp.float32, num_state_slots=0,
+                                  conv_state_dtype=jnp.float32, num_sliding_pages=9)
     kv, sliding = specs[KV], specs[KV_SLIDING]
     assert kv.shape[0] == 1 * 50 and sliding.shape[0] == 5 * 9   # 1 global, 5 sliding layers
     assert sliding.sharding == kv.sharding
     assert sliding.sharding.spec != jax.sharding.PartitionSpec()   # split by KV head
-    same = layer_cache_specs(gemma_config(), mesh, num_pages=50, page_size=PS,
-                             kv_dtype=jnp.float32, num_state_slots=0,
-                             conv_state_dtype=jnp.float32)
+    same = abstract_layer_caches(gemma_config(), mesh, num_pages=50, page_size=PS,
+                                 kv_dtype=jnp.float32, num_state_slots=0,
+                                 conv_state_dtype=jnp.float32)
     assert same[KV_SLIDING].shape[0] == 5 * 50   # no group: the global page count
 
 
