@@ -73,7 +73,7 @@ class Mirror:
         assert start + n <= len(toks), "asked to compute a token the runner cannot know"
         return SimpleNamespace(req_id=rid, start_pos=start, token_ids=toks[start:start + n],
                                page_ids=list(self.pages[rid][0]), sample=start + n == len(toks),
-                               group_block_ids=tuple(list(p) for p in self.pages[rid]),
+                               group_page_ids=tuple(list(p) for p in self.pages[rid]),
                                num_output_tokens=len(toks) - self.num_prompt[rid])
 
     def sampled(self, tokens: dict[str, int]):
@@ -525,7 +525,7 @@ def test_random_workload_against_a_fake_kv_cache(policy, caching, window):
                 pos = r.start_pos + k
                 kv_slots[(r.page_ids[pos // PS], pos % PS)] = tok
                 if window:
-                    sliding_slots[(r.group_block_ids[SLIDING][pos // PS], pos % PS)] = tok
+                    sliding_slots[(r.group_page_ids[SLIDING][pos // PS], pos % PS)] = tok
         for r in views:  # "then attention reads each request's context"
             req_obj = s.get_request(r.req_id)
             end = r.start_pos + len(r.token_ids)
@@ -535,7 +535,7 @@ def test_random_workload_against_a_fake_kv_cache(policy, caching, window):
             assert got == req_obj.all_token_ids[:end], r.req_id
             if window:   # the keys this step's queries see, through the runner's table
                 lo = max(r.start_pos - window + 1, 0)
-                ids = r.group_block_ids[SLIDING]
+                ids = r.group_page_ids[SLIDING]
                 assert len(ids) == len(r.page_ids) and 0 not in ids[lo // PS:]
                 got = [sliding_slots.get((ids[p // PS], p % PS)) for p in range(lo, end)]
                 assert got == req_obj.all_token_ids[lo:end], r.req_id
