@@ -66,8 +66,8 @@ def timed_load(model: str, mesh_spec: str, **engine_args: Any) -> tuple[float, i
 
     from jaxserve.checkpoints.converted import resolve_converted
     from jaxserve.config import EngineConfig
-    from jaxserve.engine.layout import engine_layout
-    from jaxserve.engine.loader import load_model
+    from jaxserve.build.layout import engine_layout
+    from jaxserve.build.loader import load_model
     from models.config import ModelConfig
     from sharding import make_mesh
 

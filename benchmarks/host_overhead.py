@@ -18,7 +18,7 @@ import statistics
 import time
 
 from jaxserve.core.request import Request
-from jaxserve.core.scheduler import Scheduler
+from jaxserve.core.scheduler import Scheduler, SchedulerConfig
 import numpy as np
 
 from jaxserve.runner.buckets import pick_bucket, power_of_two_buckets, sampling_row_buckets
@@ -35,8 +35,9 @@ def main() -> None:
     args = ap.parse_args()
     n, ps, mml = args.num_requests, args.page_size, args.max_model_len
     rng = random.Random(0)
-    sched = Scheduler(num_pages=n * (mml // ps) + 1, page_size=ps, max_num_seqs=n,
-                      max_num_batched_tokens=max(2048, n), max_model_len=mml)
+    sched = Scheduler(SchedulerConfig(
+        num_pages=n * (mml // ps) + 1, page_size=ps, max_num_seqs=n,
+        max_num_batched_tokens=max(2048, n), max_model_len=mml))
     # The engine gives every request a seed (its own or one drawn from the engine seed).
     params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=2000, ignore_eos=True,
                             seed=1)

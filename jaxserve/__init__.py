@@ -4,6 +4,8 @@ Imports are lazy so that `jaxserve.core` (host-only) never pulls in jax.
 """
 from __future__ import annotations
 
+import importlib
+
 __version__ = "0.1.0"
 
 _EXPORTS = {
@@ -23,6 +25,5 @@ __all__ = list(_EXPORTS)
 
 def __getattr__(name: str):
     if name in _EXPORTS:
-        import importlib
         return getattr(importlib.import_module(_EXPORTS[name]), name)
     raise AttributeError(f"module 'jaxserve' has no attribute {name!r}")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple, NotRequired, Sequence, TypedDict
 
-from jaxserve.engine.errors import InputError
+from jaxserve.errors import InputError
 
 
 class TextPrompt(TypedDict):

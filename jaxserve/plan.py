@@ -1,5 +1,7 @@
-"""`python -m jaxserve.plan`: the planner's command line (jaxserve/planning/plan_cli.py)."""
-from jaxserve.planning.plan_cli import main
+"""`python -m jaxserve.plan`: the planner's command line (jaxserve/cli/plan.py)."""
+from __future__ import annotations
+
+from jaxserve.cli.plan import main
 
 if __name__ == "__main__":
     main()

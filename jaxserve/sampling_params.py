@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # The engine's exceptions module imports nothing (no jax), so this stays host-only.
-from jaxserve.engine.errors import InputError
+from jaxserve.errors import InputError
 from jaxserve.structured_outputs import StructuredOutputsParams
 
 # The default of EngineConfig.max_logprobs (vLLM's): the most logprobs a request may ask

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from jaxserve import json_limits
-from jaxserve.engine.errors import InputError
+from jaxserve.errors import InputError
 
 _KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 

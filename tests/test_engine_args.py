@@ -10,8 +10,8 @@ import pytest
 
 from jaxserve.api import cli
 from jaxserve.config import EngineConfig, default_max_num_seqs
-from jaxserve.engine_args import FLAGS, NOT_FLAGS, flag_name
-from jaxserve.vllm_compat import ENGINE
+from jaxserve.config.engine_args import FLAGS, NOT_FLAGS, flag_name
+from jaxserve.config.vllm_compat import ENGINE
 
 FIELDS = {f.name: f for f in dataclasses.fields(EngineConfig)}
 
@@ -92,7 +92,7 @@ def test_the_planner_takes_every_engine_flag_of_the_server():
     """One flag set: `jaxserve plan` takes what `jaxserve serve` takes for the engine
     (speculation included, and vLLM's engine flags without a knob) and builds the same
     EngineConfig from it."""
-    from jaxserve.planning import plan_cli
+    from jaxserve.cli import plan as plan_cli
     ap = plan_cli.parser()
     actions, server = engine_actions(ap), engine_actions(cli.parser())
     assert set(actions) == set(server) == set(FLAGS)

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from jaxserve.bench.datasets import Prompt
-from jaxserve.engine_args import FLAGS, add_engine_args, engine_kwargs
+from jaxserve.config.engine_args import FLAGS, add_engine_args, engine_kwargs
 
 logger = logging.getLogger("jaxserve")
 
@@ -34,6 +34,7 @@ def check_offline(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 
 def make_llm(args: argparse.Namespace) -> Any:
     """The engine the flags describe (imports jax: only here, so `--help` stays fast)."""
+    # (jax loads only here: `jaxserve bench ... --help` and the client stay light)
     from jaxserve import LLM
     from jaxserve.checkpoints.default_model import default_model_dir
     kwargs = engine_kwargs(args)
@@ -45,7 +46,7 @@ def make_llm(args: argparse.Namespace) -> Any:
 
 
 def sampling_params(n: int, max_tokens: int, detokenize: bool) -> Any:
-    from jaxserve import SamplingParams
+    from jaxserve import SamplingParams   # (jaxserve's exports load on first use)
     return SamplingParams(n=n, temperature=1.0, top_p=1.0, ignore_eos=True,
                           max_tokens=max_tokens, detokenize=detokenize)
 

@@ -150,7 +150,7 @@ def _encoder(args: argparse.Namespace):
     name = args.tokenizer or (args.model if args.model and os.path.isdir(args.model) else None)
     if name is None:
         return None
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer   # (~2 s to import: only with a tokenizer)
     tok = AutoTokenizer.from_pretrained(name)
     return lambda text: tok.encode(text, add_special_tokens=False)
 
@@ -256,7 +256,7 @@ async def _run(args: argparse.Namespace, prompts: list[Prompt]):
         cfg = replace(cfg, model=await first_model(cfg))
     bar = None
     if not args.disable_tqdm:
-        from tqdm.auto import tqdm
+        from tqdm.auto import tqdm   # (only when the progress bar is shown)
         bar = tqdm(total=len(prompts), desc="requests", file=sys.stderr)
     try:
         records = await run_benchmark(cfg, prompts, args.request_rate,

@@ -42,6 +42,7 @@ def default_model_dir(root: str | None = None) -> str:
     root = root or cache_root()
     path = os.path.join(root, DEFAULT_MODEL_NAME)
     if not os.path.exists(os.path.join(path, "tokenizer_config.json")):
+        # (tokenizers and transformers load only to make the tiny model once)
         from jaxserve.checkpoints.tiny_tokenizer import make_tiny_tokenizer
         os.makedirs(path, exist_ok=True)
         with open(os.path.join(path, "config.json"), "w") as f:

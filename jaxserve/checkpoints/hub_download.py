@@ -20,14 +20,14 @@ _SUBFOLDERS = ["*/*"]
 
 def offline() -> bool:
     """HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) set now or when huggingface_hub loaded."""
-    from huggingface_hub import constants
+    from huggingface_hub import constants   # (heavy: loaded only when the hub is asked)
     now = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or ""
     return now.upper() in _TRUE or bool(constants.HF_HUB_OFFLINE)
 
 
 def endpoint() -> str:
     """The hub's address: HF_ENDPOINT now, else what huggingface_hub read at import."""
-    from huggingface_hub import constants
+    from huggingface_hub import constants   # (heavy: loaded only when the hub is asked)
     return (os.environ.get("HF_ENDPOINT") or constants.ENDPOINT).rstrip("/")
 
 
@@ -36,7 +36,7 @@ def download(repo_id: str, patterns: list[str], *, revision: str | None, cache: 
     """The snapshot directory of `repo_id` at `revision` (None: main) in the HF cache
     `cache`, after fetching the top-level files matching `patterns` it lacks.
     `what` names the files in the log line."""
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import snapshot_download   # (heavy: see offline)
     rev = revision or "main"
     logger.info("downloading the %s of %s (revision %s) from %s into %s", what, repo_id, rev,
                 endpoint(), cache)
@@ -50,6 +50,7 @@ def download(repo_id: str, patterns: list[str], *, revision: str | None, cache: 
 
 def hub_error(repo_id: str, revision: str, error: Exception) -> str:
     """What went wrong fetching `repo_id`, and what to do about it."""
+    # (heavy: loaded only when the hub is asked, see offline)
     from huggingface_hub.utils import (GatedRepoError, HfHubHTTPError,
                                        LocalEntryNotFoundError, OfflineModeIsEnabled,
                                        RepositoryNotFoundError, RevisionNotFoundError)

@@ -29,6 +29,7 @@ from pathlib import Path
 from jaxserve.checkpoints import hub_download
 from jaxserve.checkpoints.default_model import cache_root
 from jaxserve.checkpoints.model_configs import ALIASES, BUILTIN_CONFIGS
+from models.config import ModelConfig
 
 logger = logging.getLogger("jaxserve")
 
@@ -78,7 +79,7 @@ def cached_snapshot(repo_id: str, cache: Path | None = None,
                     revision: str | None = None) -> Path | None:
     """The snapshot directory of `repo_id` in the HF cache, or None: that of `revision`
     (a branch or tag through refs/, or a commit), else refs/main's, else the newest."""
-    from huggingface_hub import try_to_load_from_cache
+    from huggingface_hub import try_to_load_from_cache   # (heavy: only for a repo id)
     cache = cache or hf_hub_cache()
     hit = try_to_load_from_cache(repo_id, "config.json", cache_dir=cache, revision=revision)
     if isinstance(hit, str):
@@ -117,6 +118,18 @@ def _has_tokenizer(model_dir: Path | None) -> bool:
 
 def _aliases() -> str:
     return ", ".join(ALIASES)
+
+
+def load_model_config(model: str) -> ModelConfig:
+    """An alias or its repo id (built-in config), a config.json path, a checkpoint
+    directory or a repo id in the local Hugging Face cache (config only, no weights)."""
+    config = builtin_config(model)
+    if config is not None:
+        return ModelConfig.from_hf_dict(config)
+    if Path(model).is_file():
+        with open(model) as f:
+            return ModelConfig.from_hf_dict(json.load(f))
+    return ModelConfig.from_pretrained(resolve_model(model, load_format="dummy"))
 
 
 def resolve_model(name: str, *, load_format: str = "auto", revision: str | None = None,
@@ -240,7 +253,6 @@ def _download_checkpoint(repo_id: str, revision: str | None, cache: Path) -> Pat
 
 def _check_runnable(repo_id: str, snap: Path) -> None:
     """Refuses a config.json jaxserve has no implementation for (ModelConfig's reasons)."""
-    from models.config import ModelConfig
     if not (snap / "config.json").is_file():
         raise ValueError(f"{repo_id} has no config.json on the Hugging Face hub: it is not "
                          f"a transformers checkpoint jaxserve can run")
@@ -294,6 +306,7 @@ def _materialise_dummy(alias: str, repo_id: str, config: dict, tokenizer_src: Pa
 
 
 def _write_tiny_tokenizer(out: Path, vocab_size: int) -> None:
+    # (tokenizers and transformers load only to write one)
     from jaxserve.checkpoints.tiny_tokenizer import make_tiny_tokenizer
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
     try:

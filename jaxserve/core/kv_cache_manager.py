@@ -1,4 +1,4 @@
-"""Per-request page tables on top of the BlockPools, with prefix-cache lookup.
+"""Per-request page tables on top of the PagePools, with prefix-cache lookup.
 
 KV groups: every KV layer shares one page-id space (group GLOBAL), except the
 sliding-window layers when the cache plan gives them a pool of their own (group
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from jaxserve.core.block_pool import BlockPool, KVCacheBlock
+from jaxserve.core.page_pool import PagePool, KVCachePage
 from jaxserve.core.request import Request
 from jaxserve.core.state_slots import StateSlotPool
 from jaxserve.core.state_snapshots import SnapshotCache
@@ -21,7 +21,7 @@ from jaxserve.core.state_snapshots import SnapshotCache
 GLOBAL, SLIDING = 0, 1   # KV group indices
 
 # Pages per KV group, in group order.
-GroupBlocks = tuple[list[KVCacheBlock], ...]
+GroupPages = tuple[list[KVCachePage], ...]
 
 
 def window_pages(window: int, page_size: int) -> int:
@@ -35,10 +35,10 @@ class _ReqPages:
     of its leading pages have been offered to the prefix cache and, in a sliding group,
     how many leading entries are the null page."""
 
-    __slots__ = ("blocks", "ids", "num_cached", "state_slot", "num_dropped", "backup_slot")
+    __slots__ = ("pages", "ids", "num_cached", "state_slot", "num_dropped", "backup_slot")
 
     def __init__(self, num_groups: int, state_slot: int = 0, backup_slot: int = 0) -> None:
-        self.blocks: list[list[KVCacheBlock]] = [[] for _ in range(num_groups)]
+        self.pages: list[list[KVCachePage]] = [[] for _ in range(num_groups)]
         self.ids: list[list[int]] = [[] for _ in range(num_groups)]
         self.num_cached = 0
         self.state_slot = state_slot
@@ -72,7 +72,7 @@ class KVCacheManager:
 
     num_sliding_pages > 0 (with sliding_window): the sliding-window layers' KV group,
     a second pool of that many pages (the null page included). Both groups register
-    full pages under the same chained hashes (Request.block_hashes).
+    full pages under the same chained hashes (Request.page_hashes).
 
     spec_backups (hybrid models with speculative decoding): each request holds a second
     state slot, where its state is copied before a step that verifies drafts; when some
@@ -111,10 +111,10 @@ class KVCacheManager:
         # (backup, slot) and (slot, backup) of speculative decoding.
         self._restores: list[tuple[int, int]] = []
         # The pools always cache; this manager decides which requests take part.
-        self.pool = BlockPool(num_pages, enable_caching=True)
-        self.sliding_pool = BlockPool(num_sliding_pages) if num_sliding_pages else None
+        self.pool = PagePool(num_pages, enable_caching=True)
+        self.sliding_pool = PagePool(num_sliding_pages) if num_sliding_pages else None
         self.sliding_window = sliding_window
-        self.pools: tuple[BlockPool, ...] = (self.pool,) if self.sliding_pool is None else \
+        self.pools: tuple[PagePool, ...] = (self.pool,) if self.sliding_pool is None else \
             (self.pool, self.sliding_pool)
         self.req_pages: dict[str, _ReqPages] = {}
         self._queries = 0
@@ -124,7 +124,7 @@ class KVCacheManager:
     def num_groups(self) -> int:
         return len(self.pools)
 
-    def _no_blocks(self) -> GroupBlocks:
+    def _no_pages(self) -> GroupPages:
         return ([],) if self.sliding_pool is None else ([], [])
 
     def _shares_pages(self, request: Request) -> bool:
@@ -133,17 +133,17 @@ class KVCacheManager:
         return (self.state_slots is None or self.snapshots is not None) and (
             self.enable_caching or request.cache_scope is not None)
 
-    def get_computed_blocks(self, request: Request) -> tuple[GroupBlocks, int]:
+    def get_computed_pages(self, request: Request) -> tuple[GroupPages, int]:
         """Longest cached prefix of the request, in whole pages: (its pages per KV group,
         its length in tokens). At least one token is always left to compute, since its
         logits are needed."""
         if not self._shares_pages(request):
-            return self._no_blocks(), 0
+            return self._no_pages(), 0
         # Pages fully inside the first num_tokens - 1 tokens.
         max_pages = (request.num_tokens - 1) // self.page_size
-        hashes = request.block_hashes
-        cached = self.pool.cached_blocks
-        hit: list[KVCacheBlock] = []
+        hashes = request.page_hashes
+        cached = self.pool.cached_pages
+        hit: list[KVCachePage] = []
         for i in range(min(max_pages, len(hashes))):
             b = cached.get(hashes[i])
             if b is None:
@@ -153,14 +153,14 @@ class KVCacheManager:
             hit.pop()
         if self.snapshots is not None:
             hit = self._snapshot_hit(request, hashes, hit)
-        blocks = (hit,) if self.sliding_pool is None else self._sliding_hit(hashes, hit)
-        num_tokens = len(blocks[GLOBAL]) * self.page_size
+        pages = (hit,) if self.sliding_pool is None else self._sliding_hit(hashes, hit)
+        num_tokens = len(pages[GLOBAL]) * self.page_size
         self._queries += request.num_tokens
         self._hits += num_tokens
-        return blocks, num_tokens
+        return pages, num_tokens
 
-    def _snapshot_hit(self, request: Request, hashes: list[int], hit: list[KVCacheBlock]
-                      ) -> list[KVCacheBlock]:
+    def _snapshot_hit(self, request: Request, hashes: list[int], hit: list[KVCachePage]
+                      ) -> list[KVCachePage]:
         """A hybrid's hit: the longest prefix of the cached pages with a snapshot of the
         state at its end. Cached pages past it mark a branch point: the request keeps a
         snapshot there while it computes them again, for the next request that shares
@@ -197,7 +197,7 @@ class KVCacheManager:
                 continue
             rid = req.request_id
             rp = self.req_pages.get(rid)
-            page_hash = req.block_hashes[end // ps - 1]
+            page_hash = req.page_hashes[end // ps - 1]
             if self._branch.get(rid) == end:
                 del self._branch[rid]
                 snaps.save_branch(rp.state_slot, page_hash, end)
@@ -225,11 +225,11 @@ class KVCacheManager:
         rp = self.req_pages[request.request_id]
         self._restores.append((rp.backup_slot, rp.state_slot))
 
-    def _sliding_hit(self, hashes: list[int], hit: list[KVCacheBlock]) -> GroupBlocks:
+    def _sliding_hit(self, hashes: list[int], hit: list[KVCachePage]) -> GroupPages:
         """The longest prefix of the global hit whose window the sliding group has cached:
         its first computed token (at L) reads keys from L - W + 1 on, so the sliding pages
         covering [L - W + 1, L) must be cached; before them it gets the null page."""
-        cached = self.sliding_pool.cached_blocks
+        cached = self.sliding_pool.cached_pages
         ps, w = self.page_size, self.sliding_window
         # run[i]: consecutive sliding-cached pages ending at page i.
         run, r = [], 0
@@ -239,7 +239,7 @@ class KVCacheManager:
         for n in range(len(hit), 0, -1):
             first = max(n * ps - w + 1, 0) // ps
             if n - first <= run[n - 1]:
-                sliding = [self.sliding_pool.null_block] * first
+                sliding = [self.sliding_pool.null_page] * first
                 sliding += [cached[hashes[i]] for i in range(first, n)]
                 return hit[:n], sliding
         return [], []
@@ -249,7 +249,7 @@ class KVCacheManager:
         before its window (position num_computed_tokens - W + 1): no query of it reads
         them again."""
         start = request.num_computed_tokens - self.sliding_window + 1
-        hi = min(max(start, 0) // self.page_size, len(rp.blocks[SLIDING]))
+        hi = min(max(start, 0) // self.page_size, len(rp.pages[SLIDING]))
         return rp.num_dropped, max(hi, rp.num_dropped)
 
     def _drop_out_of_window(self, request: Request, rp: _ReqPages) -> None:
@@ -259,23 +259,23 @@ class KVCacheManager:
         lo, hi = self._out_of_window(request, rp)
         if hi == lo:
             return
-        blocks, ids = rp.blocks[SLIDING], rp.ids[SLIDING]
-        dropped = blocks[lo:hi]
-        blocks[lo:hi] = [self.sliding_pool.null_block] * (hi - lo)
+        pages, ids = rp.pages[SLIDING], rp.ids[SLIDING]
+        dropped = pages[lo:hi]
+        pages[lo:hi] = [self.sliding_pool.null_page] * (hi - lo)
         ids[lo:hi] = [0] * (hi - lo)
         rp.num_dropped = hi
-        self.sliding_pool.free_blocks(reversed(dropped))
+        self.sliding_pool.free_pages(reversed(dropped))
 
     def allocate_slots(
         self,
         request: Request,
         num_new_tokens: int,
-        new_computed_blocks: GroupBlocks | None = None,
+        new_computed_pages: GroupPages | None = None,
         num_new_computed_tokens: int = 0,
-    ) -> GroupBlocks | None:
+    ) -> GroupPages | None:
         """Make the request's pages cover num_computed_tokens +
         num_new_computed_tokens + num_new_tokens tokens, in every KV group.
-        new_computed_blocks: a prefix hit, as get_computed_blocks gives it.
+        new_computed_pages: a prefix hit, as get_computed_pages gives it.
 
         A sliding group first gives back the pages that lie wholly before the request's
         window. Returns the newly allocated pages per group (the same number in each,
@@ -288,7 +288,7 @@ class KVCacheManager:
         ps = self.page_size
         total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
         caches = self._shares_pages(request)
-        if rp is not None and not new_computed_blocks:
+        if rp is not None and not new_computed_pages:
             # Fast path (most decodes): no new page and no page becomes full.
             if total <= len(rp.ids[GLOBAL]) * ps and (
                     not caches or min(total, request.num_tokens) // ps <= rp.num_cached):
@@ -296,53 +296,29 @@ class KVCacheManager:
                     return ([],)
                 self._drop_out_of_window(request, rp)
                 return [], []
-        hit = new_computed_blocks if new_computed_blocks and new_computed_blocks[GLOBAL] \
+        hit = new_computed_pages if new_computed_pages and new_computed_pages[GLOBAL] \
             else None
         sliding = self.sliding_pool is not None
         num_have = 0 if rp is None else len(rp.ids[GLOBAL])
         num_hit = 0 if hit is None else len(hit[GLOBAL])
-        num_new_blocks = -(-total // ps) - num_have - num_hit
-        if num_new_blocks > 0 or hit:
-            for g, pool in enumerate(self.pools):
-                supply = pool.free_queue.num_free
-                if hit:   # free-but-cached hits leave the free queue when touched
-                    supply -= sum(1 for b in hit[g] if b.ref_cnt == 0 and b is not pool.null_block)
-                if g == SLIDING and rp is not None:   # given back before allocating
-                    lo, hi = self._out_of_window(request, rp)
-                    supply += sum(1 for b in rp.blocks[SLIDING][lo:hi] if b.ref_cnt == 1)
-                if num_new_blocks > supply:
-                    return None
+        num_new_pages = -(-total // ps) - num_have - num_hit
+        if (num_new_pages > 0 or hit) and not self._can_supply(request, rp, hit,
+                                                                 num_new_pages):
+            return None
         if rp is None:
-            state_slot = backup_slot = 0
-            if self.state_slots is not None:
-                if self.state_slots.num_free < 1 + self.spec_backups:
-                    return None
-                state_slot = self.state_slots.allocate()
-                if self.spec_backups:
-                    backup_slot = self.state_slots.allocate()
-            rp = self.req_pages[rid] = _ReqPages(len(self.pools), state_slot, backup_slot)
+            rp = self._new_req_pages(rid)
+            if rp is None:
+                return None
         if hit:
-            if rp.blocks[GLOBAL]:
-                raise ValueError(f"request {rid!r} already has pages; prefix hits only apply to new requests")
-            if self.snapshots is not None:   # its state at the hit's end, restored first
-                end = len(hit[GLOBAL]) * ps
-                snap = self.snapshots.lookup(request.block_hashes[len(hit[GLOBAL]) - 1], end)
-                self.snapshots.use(snap)
-                self._restores.append((snap.slot, rp.state_slot))
-            for g, pool in enumerate(self.pools):
-                pool.touch(hit[g])
-                rp.blocks[g].extend(hit[g])
-                rp.ids[g].extend(b.block_id for b in hit[g])
-            if sliding:
-                rp.num_dropped = sum(1 for b in hit[SLIDING] if b.block_id == 0)
+            self._take_hit(request, rp, hit)
         elif sliding:
             self._drop_out_of_window(request, rp)
-        new_blocks = self._no_blocks()
-        if num_new_blocks > 0:
-            new_blocks = tuple(pool.get_new_blocks(num_new_blocks) for pool in self.pools)
-            for g, blocks in enumerate(new_blocks):
-                rp.blocks[g].extend(blocks)
-                rp.ids[g].extend(b.block_id for b in blocks)
+        new_pages = self._no_pages()
+        if num_new_pages > 0:
+            new_pages = tuple(pool.get_new_pages(num_new_pages) for pool in self.pools)
+            for g, pages in enumerate(new_pages):
+                rp.pages[g].extend(pages)
+                rp.ids[g].extend(b.page_id for b in pages)
         # Register pages that become full with this step's tokens now, so a
         # request scheduled later in the same step can already share them (drafts are
         # not known tokens: a page is full once its known tokens fill it).
@@ -350,9 +326,54 @@ class KVCacheManager:
             num_full = min(total, request.num_tokens) // ps
             if num_full > rp.num_cached:
                 for g, pool in enumerate(self.pools):
-                    pool.cache_full_blocks(request, rp.blocks[g], rp.num_cached, num_full)
+                    pool.cache_full_pages(request, rp.pages[g], rp.num_cached, num_full)
                 rp.num_cached = num_full
-        return new_blocks
+        return new_pages
+
+    def _can_supply(self, request: Request, rp: _ReqPages | None, hit: GroupPages | None,
+                    num_new_pages: int) -> bool:
+        """Whether every pool can hand out num_new_pages after taking the hit's pages."""
+        for g, pool in enumerate(self.pools):
+            supply = pool.free_queue.num_free
+            if hit:   # free-but-cached hits leave the free queue when touched
+                supply -= sum(1 for b in hit[g] if b.ref_cnt == 0 and b is not pool.null_page)
+            if g == SLIDING and rp is not None:   # given back before allocating
+                lo, hi = self._out_of_window(request, rp)
+                supply += sum(1 for b in rp.pages[SLIDING][lo:hi] if b.ref_cnt == 1)
+            if num_new_pages > supply:
+                return False
+        return True
+
+    def _new_req_pages(self, rid: str) -> _ReqPages | None:
+        """A new request's entry, with its state slot (and backup) when the model has
+        recurrent state; None when no slot is free."""
+        state_slot = backup_slot = 0
+        if self.state_slots is not None:
+            if self.state_slots.num_free < 1 + self.spec_backups:
+                return None
+            state_slot = self.state_slots.allocate()
+            if self.spec_backups:
+                backup_slot = self.state_slots.allocate()
+        rp = self.req_pages[rid] = _ReqPages(len(self.pools), state_slot, backup_slot)
+        return rp
+
+    def _take_hit(self, request: Request, rp: _ReqPages, hit: GroupPages) -> None:
+        """A new request's prefix hit: its pages (and a hybrid's state snapshot at the
+        hit's end, restored first) become the request's."""
+        if rp.pages[GLOBAL]:
+            raise ValueError(f"request {request.request_id!r} already has pages; prefix hits "
+                             f"only apply to new requests")
+        if self.snapshots is not None:   # its state at the hit's end, restored first
+            end = len(hit[GLOBAL]) * self.page_size
+            snap = self.snapshots.lookup(request.page_hashes[len(hit[GLOBAL]) - 1], end)
+            self.snapshots.use(snap)
+            self._restores.append((snap.slot, rp.state_slot))
+        for g, pool in enumerate(self.pools):
+            pool.touch(hit[g])
+            rp.pages[g].extend(hit[g])
+            rp.ids[g].extend(b.page_id for b in hit[g])
+        if self.sliding_pool is not None:
+            rp.num_dropped = sum(1 for b in hit[SLIDING] if b.page_id == 0)
 
     def uncache_unwritten(self, request: Request, num_written_tokens: int,
                           shared_too: bool = False) -> None:
@@ -367,22 +388,22 @@ class KVCacheManager:
         if rp is None:
             return
         first = num_written_tokens // self.page_size
-        for pool, blocks in zip(self.pools, rp.blocks):
-            cached = pool.cached_blocks
-            for b in blocks[first:]:
+        for pool, pages in zip(self.pools, rp.pages):
+            cached = pool.cached_pages
+            for b in pages[first:]:
                 # ref_cnt == 1: nobody else shares it (shared pages hold valid KV).
-                if (b.block_hash is not None and (shared_too or b.ref_cnt == 1)
-                        and cached.get(b.block_hash) is b):
-                    del cached[b.block_hash]
-                    b.block_hash = None
+                if (b.page_hash is not None and (shared_too or b.ref_cnt == 1)
+                        and cached.get(b.page_hash) is b):
+                    del cached[b.page_hash]
+                    b.page_hash = None
 
     def free(self, request: Request) -> None:
         """Give back all pages of the request, tail first, so that its last
         pages are evicted before its (more shareable) first ones."""
         rp = self.req_pages.pop(request.request_id, None)
         if rp is not None:
-            for pool, blocks in zip(self.pools, rp.blocks):
-                pool.free_blocks(reversed(blocks))
+            for pool, pages in zip(self.pools, rp.pages):
+                pool.free_pages(reversed(pages))
             if rp.state_slot:
                 self.state_slots.free(rp.state_slot)
                 # Copies into its slots would land in another request's after reuse.
@@ -394,14 +415,14 @@ class KVCacheManager:
             self.snapshots.release(request.request_id)
             self._branch.pop(request.request_id, None)
 
-    def get_block_ids(self, request_id: str, group: int = GLOBAL) -> list[int]:
+    def get_page_ids(self, request_id: str, group: int = GLOBAL) -> list[int]:
         """A copy of the request's page ids in one KV group, in order."""
         rp = self.req_pages.get(request_id)
         return [] if rp is None else rp.ids[group][:]
 
-    def get_group_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+    def get_group_page_ids(self, request_id: str) -> tuple[list[int], ...]:
         """Copies of the request's page ids, one list per KV group."""
-        return tuple(self.get_block_ids(request_id, g) for g in range(len(self.pools)))
+        return tuple(self.get_page_ids(request_id, g) for g in range(len(self.pools)))
 
     def get_state_slot(self, request_id: str) -> int:
         """The request's recurrent-state slot (0: none, or not a hybrid model)."""
@@ -409,7 +430,7 @@ class KVCacheManager:
         return 0 if rp is None else rp.state_slot
 
     def get_num_free_pages(self, group: int = GLOBAL) -> int:
-        return self.pools[group].get_num_free_blocks()
+        return self.pools[group].get_num_free_pages()
 
     @property
     def usage(self) -> float:

@@ -10,7 +10,7 @@ from typing import Any, Iterable
 _ROOT_HASH = 0x5BD1E995
 
 
-def hash_block_tokens(
+def hash_page_tokens(
     parent_hash: int | None, token_ids: tuple[int, ...], extra: Any = None
 ) -> int:
     """Chained hash of one full page: depends on every token before it.
@@ -76,7 +76,7 @@ class Request:
         "arrival_time", "priority", "cache_salt", "cache_scope", "page_size",
         "output_token_ids", "all_token_ids", "num_computed_tokens",
         "num_cached_tokens", "num_preemptions", "status", "stop_reason",
-        "block_hashes", "spec_token_ids",
+        "page_hashes", "spec_token_ids",
     )
 
     def __init__(
@@ -115,11 +115,11 @@ class Request:
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
-        self.block_hashes: list[int] = []
+        self.page_hashes: list[int] = []
         # Speculative decoding: tokens proposed to follow the last one, verified by the
         # next step that computes it (the runner's proposal; [] when none).
         self.spec_token_ids: list[int] = []
-        self._extend_block_hashes()
+        self._extend_page_hashes()
 
     @property
     def num_tokens(self) -> int:
@@ -146,26 +146,26 @@ class Request:
         else:
             self.output_token_ids.extend(ids)
             self.all_token_ids.extend(ids)
-        self._extend_block_hashes()
+        self._extend_page_hashes()
 
     @property
     def salt_key(self) -> tuple[str | None, str | None] | None:
         """What the first page's hash mixes in: None for a request with neither key (its
-        hashes are prompt_block_hashes', the data-parallel router's)."""
+        hashes are prompt_page_hashes', the data-parallel router's)."""
         if self.cache_salt is None and self.cache_scope is None:
             return None
         return self.cache_salt, self.cache_scope
 
-    def _extend_block_hashes(self) -> None:
+    def _extend_page_hashes(self) -> None:
         # Hash only the pages that became full; earlier ones never change.
         ps = self.page_size
-        hashes = self.block_hashes
+        hashes = self.page_hashes
         tokens = self.all_token_ids
         start = len(hashes) * ps
         while start + ps <= len(tokens):
             parent = hashes[-1] if hashes else None
             extra = self.salt_key if not hashes else None
-            hashes.append(hash_block_tokens(parent, tuple(tokens[start:start + ps]), extra))
+            hashes.append(hash_page_tokens(parent, tuple(tokens[start:start + ps]), extra))
             start += ps
 
     def __repr__(self) -> str:

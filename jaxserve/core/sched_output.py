@@ -23,7 +23,7 @@ from itertools import chain
 from typing import Any, Iterator
 
 # One list of page ids per KV group, in group order.
-GroupBlockIds = tuple[list[int], ...]
+GroupPageIds = tuple[list[int], ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,7 +33,7 @@ class NewRequestData:
     prompt_token_ids: list[int]   # a reference; read-only by contract
     output_token_ids: list[int]   # a copy: outputs so far ([] unless resumed after preemption)
     sampling_params: Any
-    block_ids: GroupBlockIds      # copies of its page ids per KV group, in order
+    page_ids: GroupPageIds      # copies of its page ids per KV group, in order
     num_computed_tokens: int      # tokens already in the KV cache (prefix-cache hit)
     num_new_tokens: int           # tokens to compute this step
     state_slot: int = 0           # hybrid models: its recurrent-state slot (0 = none)
@@ -45,7 +45,7 @@ class CachedRequestData:
     req_ids: list[str]
     num_computed_tokens: list[int]   # position of the first token to compute
     num_new_tokens: list[int]        # tokens to compute this step
-    new_block_ids: list[GroupBlockIds]   # pages appended this step per group (mostly empty)
+    new_page_ids: list[GroupPageIds]   # pages appended this step per group (mostly empty)
 
     @staticmethod
     def empty() -> CachedRequestData:

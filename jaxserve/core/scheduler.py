@@ -3,159 +3,57 @@ next device step computes. Host only; hands the runner a SchedulerOutput."""
 
 from __future__ import annotations
 
-import heapq
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Container, Iterable
 
-from jaxserve.core.kv_cache_manager import KVCacheManager, window_pages
+from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
+from jaxserve.core.scheduler_config import SchedulerConfig
+from jaxserve.core.scheduler_stats import SchedulerStats
+from jaxserve.core.stopping import check_stop
+from jaxserve.core.waiting_queue import PriorityQueue
 
-__all__ = ["CachedRequestData", "NewRequestData", "Scheduler", "SchedulerOutput",
-           "SchedulerStats"]
-
-
-@dataclass(frozen=True, slots=True)
-class SchedulerStats:
-    """What the scheduler counts; the one statistics record (the engines add to it)."""
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0
-    prefix_cache_queries: int = 0   # tokens looked up
-    prefix_cache_hits: int = 0      # tokens found
-    num_preemptions: int = 0
-    # Totals since start (monotonic, for counters): prompt tokens of prefills that
-    # completed (a prompt counts once per completion, again if preempted before its
-    # first token) and tokens generated.
-    num_prompt_tokens: int = 0
-    num_generation_tokens: int = 0
-    # Speculative decoding totals (vLLM's spec_decode counters): rows that verified
-    # drafts, drafts verified, drafts accepted, and drafts accepted at each position.
-    spec_num_drafts: int = 0
-    spec_num_draft_tokens: int = 0
-    spec_num_accepted_tokens: int = 0
-    spec_accepted_per_pos: tuple[int, ...] = ()
-
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries \
-            else 0.0
-
-    @staticmethod
-    def merge(parts: list[SchedulerStats]) -> SchedulerStats:
-        """Several schedulers as one (data-parallel replicas): counts summed, KV usage the
-        mean of theirs (every replica has a pool of the same size)."""
-        return SchedulerStats(
-            num_running=sum(p.num_running for p in parts),
-            num_waiting=sum(p.num_waiting for p in parts),
-            kv_cache_usage=sum(p.kv_cache_usage for p in parts) / len(parts),
-            prefix_cache_queries=sum(p.prefix_cache_queries for p in parts),
-            prefix_cache_hits=sum(p.prefix_cache_hits for p in parts),
-            num_preemptions=sum(p.num_preemptions for p in parts),
-            num_prompt_tokens=sum(p.num_prompt_tokens for p in parts),
-            num_generation_tokens=sum(p.num_generation_tokens for p in parts),
-            spec_num_drafts=sum(p.spec_num_drafts for p in parts),
-            spec_num_draft_tokens=sum(p.spec_num_draft_tokens for p in parts),
-            spec_num_accepted_tokens=sum(p.spec_num_accepted_tokens for p in parts),
-            spec_accepted_per_pos=tuple(map(sum, zip(*(p.spec_accepted_per_pos
-                                                       for p in parts)))))
+__all__ = ["CachedRequestData", "NewRequestData", "Scheduler", "SchedulerConfig",
+           "SchedulerOutput", "SchedulerStats"]
 
 
-class _PriorityQueue:
-    """Waiting requests ordered by (priority, arrival_time); ties keep insertion order."""
-
-    def __init__(self) -> None:
-        self._heap: list[tuple[int, float, int, Request]] = []
-        self._seq = 0
-
-    def push(self, req: Request) -> None:
-        self._seq += 1
-        heapq.heappush(self._heap, (req.priority, req.arrival_time, self._seq, req))
-
-    def peek(self) -> Request:
-        return self._heap[0][3]
-
-    def pop(self) -> Request:
-        return heapq.heappop(self._heap)[3]
-
-    def remove(self, req: Request) -> None:
-        self._heap = [e for e in self._heap if e[3] is not req]
-        heapq.heapify(self._heap)
-
-    def __len__(self) -> int:
-        return len(self._heap)
+@dataclass(eq=False)
+class _StepDraft:
+    """A step while the scheduler fills it: the token budget left, the running rows it
+    took (as columns), the new rows, the preempted ids and the drafts to verify."""
+    budget: int
+    ids: list[str] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)
+    lens: list[int] = field(default_factory=list)
+    pages: list[tuple[list[int], ...]] = field(default_factory=list)
+    new_reqs: list[NewRequestData] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+    spec: dict[str, list[int]] = field(default_factory=dict)
 
 
 class Scheduler:
-    def __init__(
-        self,
-        *,
-        num_pages: int,
-        page_size: int,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
-        max_model_len: int,
-        enable_prefix_caching: bool = True,
-        policy: str = "fcfs",
-        num_state_slots: int = 0,
-        num_sliding_pages: int = 0,
-        sliding_window: int | None = None,
-        num_snapshot_slots: int = 0,
-        num_speculative_tokens: int = 0,
-        num_lookahead_tokens: int = 0,
-        drop_last_hit_page: bool = False,
-    ) -> None:
-        """num_sliding_pages / sliding_window: the sliding-window layers' KV group
-        (planning/cache_plan.py; 0 / None: the model has none, or they share the global
-        pages). num_speculative_tokens: most drafts a decoding request verifies in a step
-        (0: no speculative decoding); a hybrid then holds two state slots per request.
-        num_lookahead_tokens: a request whose chunk reaches its last token also gets pages
-        for this many positions past the chunk (a model drafter writes its KV there);
-        drop_last_hit_page: see KVCacheManager (an MTP drafter)."""
-        for name, v in (("num_pages", num_pages), ("page_size", page_size),
-                        ("max_num_seqs", max_num_seqs),
-                        ("max_num_batched_tokens", max_num_batched_tokens),
-                        ("max_model_len", max_model_len)):
-            if not isinstance(v, int) or v <= 0:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
-        if policy not in ("fcfs", "priority"):
-            raise ValueError(f"policy must be 'fcfs' or 'priority', got {policy!r}")
-        self.page_size = page_size
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_model_len = max_model_len
-        # A request alone must always fit in the pool, or preempting it would
-        # loop forever: a pool smaller than max_model_len caps lengths too.
-        self.max_len = min(max_model_len, (num_pages - 1) * page_size)
-        self.policy = policy
-        per_seq = 2 if num_speculative_tokens else 1
-        if num_state_slots and num_state_slots - 1 < per_seq * max_num_seqs:
-            raise ValueError(f"num_state_slots={num_state_slots} (the null slot included) < "
-                             f"{per_seq} x max_num_seqs + 1 = {per_seq * max_num_seqs + 1}: "
-                             f"every running request of a hybrid model needs {per_seq} "
-                             f"state slot(s)")
-        self.num_speculative_tokens = num_speculative_tokens
-        self.num_lookahead_tokens = num_lookahead_tokens
-        self.kv = KVCacheManager(num_pages, page_size, enable_prefix_caching, num_state_slots,
-                                 num_sliding_pages=num_sliding_pages,
-                                 sliding_window=sliding_window,
-                                 num_snapshot_slots=num_snapshot_slots,
-                                 spec_backups=num_speculative_tokens > 0,
-                                 drop_last_hit_page=drop_last_hit_page)
-        if sliding_window is not None:
-            # A request alone must always fit in the sliding pool too: its window, one
-            # step's tokens and the page they may straddle (or its whole length, if less).
-            need = min(-(-self.max_len // page_size), window_pages(sliding_window, page_size)
-                       + -(-max_num_batched_tokens // page_size))
-            if num_sliding_pages - 1 < need:
-                raise ValueError(f"num_sliding_pages={num_sliding_pages} (the null page "
-                                 f"included) < {need + 1}: one request's sliding window and "
-                                 f"step need {need} pages")
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = c = config
+        self.page_size = c.page_size
+        self.max_num_seqs = c.max_num_seqs
+        self.max_num_batched_tokens = c.max_num_batched_tokens
+        self.max_model_len = c.max_model_len
+        self.max_len = c.max_len
+        self.policy = c.policy
+        self.num_speculative_tokens = c.num_speculative_tokens
+        self.num_lookahead_tokens = c.num_lookahead_tokens
+        self.kv = KVCacheManager(c.num_pages, c.page_size, c.enable_prefix_caching,
+                                 c.num_state_slots, num_sliding_pages=c.num_sliding_pages,
+                                 sliding_window=c.sliding_window,
+                                 num_snapshot_slots=c.num_snapshot_slots,
+                                 spec_backups=c.num_speculative_tokens > 0,
+                                 drop_last_hit_page=c.drop_last_hit_page)
         self.requests: dict[str, Request] = {}  # unfinished only
         self.running: list[Request] = []
-        self.waiting: deque[Request] | _PriorityQueue = (
-            deque() if policy == "fcfs" else _PriorityQueue()
+        self.waiting: deque[Request] | PriorityQueue = (
+            deque() if c.policy == "fcfs" else PriorityQueue()
         )
         self._finished_ids: list[str] = []
         self.num_preemptions = 0
@@ -163,7 +61,7 @@ class Scheduler:
         self.num_generation_tokens = 0
         self.spec_num_drafts = 0
         self.spec_num_draft_tokens = 0
-        self.spec_accepted_per_pos = [0] * num_speculative_tokens
+        self.spec_accepted_per_pos = [0] * c.num_speculative_tokens
         # Hybrids: accepted tokens computed again after a rejection rolled the state back.
         self.spec_num_recomputed_tokens = 0
 
@@ -275,21 +173,20 @@ class Scheduler:
         self._push_waiting(req, front=True)
 
     def schedule(self) -> SchedulerOutput:
-        budget = self.max_num_batched_tokens
-        kv = self.kv
-        running = self.running
-        # Running requests go out as columns: the runner holds the rest of them.
-        ids: list[str] = []
-        starts: list[int] = []
-        lens: list[int] = []
-        pages: list[tuple[list[int], ...]] = []
-        new_reqs: list[NewRequestData] = []
-        preempted: list[str] = []
+        step = _StepDraft(self.max_num_batched_tokens)
+        self._schedule_running(step)
+        if not step.preempted:   # waiting requests, unless this step had to preempt
+            self._schedule_waiting(step)
+        return self._close_step(step)
+
+    def _schedule_running(self, step: _StepDraft) -> None:
+        """Running requests, in order: decodes and unfinished prefill chunks (preempting
+        from the back when pages run out). They go out as columns: the runner holds the
+        rest of them."""
+        kv, running, budget = self.kv, self.running, step.budget
+        ids, starts, lens, pages, spec = step.ids, step.starts, step.lens, step.pages, step.spec
         # Hybrid prefix caching: chunks end where a state snapshot is to be kept.
         cuts = kv.snapshots is not None
-        spec: dict[str, list[int]] = {}   # drafts of the rows that verify some
-
-        # 1. Running requests, in order: decodes and unfinished prefill chunks.
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
@@ -308,7 +205,7 @@ class Scheduler:
             if cuts and (cut := kv.state_cut(req, start)) is not None:
                 num_new = min(num_new, cut - start)
             ahead = self._lookahead(req, start + num_new) if self.num_lookahead_tokens else 0
-            while (new_blocks := kv.allocate_slots(req, num_new + ahead)) is None:
+            while (new_pages := kv.allocate_slots(req, num_new + ahead)) is None:
                 if ahead or start + num_new > req.num_tokens:
                     # Drafts and the drafter's pages ahead go before anyone is preempted.
                     num_new, ahead = min(num_new, req.num_tokens - start), 0
@@ -325,7 +222,7 @@ class Scheduler:
                         del ids[k], starts[k], lens[k], pages[k]
                         spec.pop(victim.request_id, None)
                 self._preempt(victim)
-                preempted.append(victim.request_id)
+                step.preempted.append(victim.request_id)
                 if victim is req:
                     break
             else:
@@ -338,58 +235,66 @@ class Scheduler:
                 starts.append(start)
                 lens.append(num_new)
                 # allocate_slots' fast path returns fresh empty lists (most decodes).
-                pages.append(tuple([b.block_id for b in g] for g in new_blocks)
-                             if new_blocks[0] else new_blocks)
+                pages.append(tuple([b.page_id for b in g] for g in new_pages)
+                             if new_pages[0] else new_pages)
                 budget -= num_new
                 i += 1
+        step.budget = budget
 
-        # 2. Waiting requests, unless this step already had to preempt.
-        if not preempted:
-            waiting = self.waiting
-            while waiting and budget > 0 and len(running) < self.max_num_seqs:
-                req = self._peek_waiting()
-                hit, num_hit = kv.get_computed_blocks(req)
-                num_new = min(req.num_tokens - num_hit, budget)
-                if cuts and (cut := kv.state_cut(req, num_hit)) is not None:
-                    num_new = min(num_new, cut - num_hit)
-                ahead = self._lookahead(req, num_hit + num_new)
-                if kv.allocate_slots(req, num_new + ahead, hit, num_hit) is None and (
-                        not ahead or kv.allocate_slots(req, num_new, hit, num_hit) is None):
-                    break   # (the drafter's pages ahead are dropped first)
-                self._pop_waiting()
-                if req.num_cached_tokens < 0:
-                    req.num_cached_tokens = num_hit
-                req.num_computed_tokens = num_hit + num_new
-                req.status = RequestStatus.RUNNING
-                running.append(req)
-                rid = req.request_id
-                # Whole: new to the runner, or resumed (preemption dropped its row).
-                new_reqs.append(NewRequestData(
-                    rid, req.prompt_token_ids, req.output_token_ids[:], req.sampling_params,
-                    kv.get_group_block_ids(rid), num_hit, num_new, kv.get_state_slot(rid)))
-                budget -= num_new
+    def _schedule_waiting(self, step: _StepDraft) -> None:
+        """Waiting requests, in the policy's order, while the budget, the row cap and the
+        pages allow: each goes out whole (new to the runner, or resumed: preemption
+        dropped its row), after its cached prefix."""
+        kv, running, waiting, budget = self.kv, self.running, self.waiting, step.budget
+        cuts = kv.snapshots is not None
+        while waiting and budget > 0 and len(running) < self.max_num_seqs:
+            req = self._peek_waiting()
+            hit, num_hit = kv.get_computed_pages(req)
+            num_new = min(req.num_tokens - num_hit, budget)
+            if cuts and (cut := kv.state_cut(req, num_hit)) is not None:
+                num_new = min(num_new, cut - num_hit)
+            ahead = self._lookahead(req, num_hit + num_new)
+            if kv.allocate_slots(req, num_new + ahead, hit, num_hit) is None and (
+                    not ahead or kv.allocate_slots(req, num_new, hit, num_hit) is None):
+                break   # (the drafter's pages ahead are dropped first)
+            self._pop_waiting()
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit
+            req.num_computed_tokens = num_hit + num_new
+            req.status = RequestStatus.RUNNING
+            running.append(req)
+            rid = req.request_id
+            step.new_reqs.append(NewRequestData(
+                rid, req.prompt_token_ids, req.output_token_ids[:], req.sampling_params,
+                kv.get_group_page_ids(rid), num_hit, num_new, kv.get_state_slot(rid)))
+            budget -= num_new
+        step.budget = budget
 
+    def _close_step(self, step: _StepDraft) -> SchedulerOutput:
+        """The step's SchedulerOutput: its rows, the requests finished since the last
+        step, and a hybrid's state copies (snapshots to keep, backups)."""
+        kv = self.kv
         finished = self._finished_ids
         self._finished_ids = []
         restores, saves = [], []
-        if cuts:
+        if kv.snapshots is not None:
             # Snapshots are only taken where a chunk ends on a page boundary: most decode
             # rows do not, and are not looked at further (nor rows with drafts, whose
             # state at the end is known good only once they are all accepted).
             requests, ps = self.requests, self.page_size
-            ends = [(requests[r], s + n) for r, s, n in zip(ids, starts, lens)
-                    if (s + n) % ps == 0 and r not in spec]
-            ends += [(requests[r.req_id], e) for r in new_reqs
+            ends = [(requests[r], s + n) for r, s, n in zip(step.ids, step.starts, step.lens)
+                    if (s + n) % ps == 0 and r not in step.spec]
+            ends += [(requests[r.req_id], e) for r in step.new_reqs
                      if (e := r.num_computed_tokens + r.num_new_tokens) % ps == 0]
             kv.plan_state_saves(ends)
-        if cuts or kv.spec_backups:
+        if kv.snapshots is not None or kv.spec_backups:
             restores, saves = kv.take_state_copies()
         return SchedulerOutput(
-            state_restores=restores, state_saves=saves, spec_token_ids=spec,
-            new_reqs=new_reqs,
-            cached_reqs=CachedRequestData(ids, starts, lens, pages),
-            num_scheduled_tokens=self.max_num_batched_tokens - budget,
-            preempted_req_ids=preempted,
+            state_restores=restores, state_saves=saves, spec_token_ids=step.spec,
+            new_reqs=step.new_reqs,
+            cached_reqs=CachedRequestData(step.ids, step.starts, step.lens, step.pages),
+            num_scheduled_tokens=self.max_num_batched_tokens - step.budget,
+            preempted_req_ids=step.preempted,
             finished_req_ids=finished,
         )
 
@@ -451,7 +356,7 @@ class Scheduler:
             else:
                 req.append_output_token_ids(tok)
                 self.num_generation_tokens += 1
-                stopped = self._check_stop(req, tok)
+                stopped = check_stop(req, tok, self.max_len)
             if failed and rid in failed:
                 req.status, req.stop_reason = RequestStatus.FINISHED_ERROR, None
                 stopped = True
@@ -492,34 +397,10 @@ class Scheduler:
         for tok in tokens:
             req.append_output_token_ids(tok)
             self.num_generation_tokens += 1
-            if self._check_stop(req, tok):
+            if check_stop(req, tok, self.max_len):
                 return True
         if rejected and self.kv.spec_backups:   # all but the token sampled last, again
             self.spec_num_recomputed_tokens += req.num_tokens - 1 - req.num_computed_tokens
-        return False
-
-    def _check_stop(self, req: Request, tok: int) -> bool:
-        sp = req.sampling_params
-        n_out = len(req.output_token_ids)
-        # The first min_tokens outputs may not stop the request (the sampler masks stop
-        # tokens there, as vLLM does).
-        if n_out > getattr(sp, "min_tokens", 0):
-            if tok in req.eos_token_ids and not getattr(sp, "ignore_eos", False):
-                req.status = RequestStatus.FINISHED_STOPPED
-                req.stop_reason = None
-                return True
-            stop_ids = getattr(sp, "stop_token_ids", None)
-            if stop_ids and tok in stop_ids:
-                req.status = RequestStatus.FINISHED_STOPPED
-                req.stop_reason = tok
-                return True
-        # The model length (and pool size) is a hard limit, even before min_tokens.
-        max_tokens = sp.max_tokens
-        if (max_tokens is not None and n_out >= max_tokens) or (
-            len(req.all_token_ids) >= self.max_len
-        ):
-            req.status = RequestStatus.FINISHED_LENGTH_CAPPED
-            return True
         return False
 
     # ---- queries -------------------------------------------------------

@@ -40,7 +40,7 @@ HALF_LIFE = 64   # hits and takes after which an unused snapshot's value halves
 @dataclass(slots=True)
 class Snapshot:
     slot: int
-    block_hash: int | None   # None: not (yet) valid for any prefix
+    page_hash: int | None   # None: not (yet) valid for any prefix
     num_tokens: int          # the position it is the state at
     last_used: int           # the clock at its last take or hit
     owner: str | None = None  # the request whose rolling snapshot it is
@@ -50,10 +50,10 @@ class Snapshot:
 @dataclass(frozen=True, slots=True)
 class PendingSave:
     """A copy the next step makes after its forward: `src_slot` (a request's) into
-    `snapshot.slot`, valid for `block_hash` once the step has run."""
+    `snapshot.slot`, valid for `page_hash` once the step has run."""
     src_slot: int
     snapshot: Snapshot
-    block_hash: int
+    page_hash: int
     num_tokens: int
 
 
@@ -73,10 +73,10 @@ class SnapshotCache:
         self.num_restored_tokens = 0   # tokens hits skipped thanks to a snapshot
 
     # ---- look-ups ----------------------------------------------------------------
-    def lookup(self, block_hash: int, num_tokens: int) -> Snapshot | None:
-        """The committed snapshot at the end of the page `block_hash` (which ends at
+    def lookup(self, page_hash: int, num_tokens: int) -> Snapshot | None:
+        """The committed snapshot at the end of the page `page_hash` (which ends at
         num_tokens), or None."""
-        s = self._by_hash.get(block_hash)
+        s = self._by_hash.get(page_hash)
         if s is None or s.num_tokens != num_tokens:
             return None
         return s
@@ -88,15 +88,15 @@ class SnapshotCache:
         snapshot.num_hits += 1
         self.num_restored_tokens += snapshot.num_tokens
 
-    def has(self, block_hash: int) -> bool:
+    def has(self, page_hash: int) -> bool:
         """Whether a snapshot for this page exists or is being taken."""
-        return block_hash in self._by_hash or any(p.block_hash == block_hash
+        return page_hash in self._by_hash or any(p.page_hash == page_hash
                                                   for p in self._pending)
 
     # ---- takes -------------------------------------------------------------------
-    def save_rolling(self, request_id: str, src_slot: int, block_hash: int,
+    def save_rolling(self, request_id: str, src_slot: int, page_hash: int,
                      num_tokens: int) -> bool:
-        """The request's state at num_tokens (the end of page `block_hash`) goes to its
+        """The request's state at num_tokens (the end of page `page_hash`) goes to its
         rolling snapshot after the coming step. False: no slot to spare."""
         s = self._rolling.get(request_id)
         if s is None:
@@ -105,17 +105,17 @@ class SnapshotCache:
                 return False
             s.owner = request_id
             self._rolling[request_id] = s
-        self._pending.append(PendingSave(src_slot, s, block_hash, num_tokens))
+        self._pending.append(PendingSave(src_slot, s, page_hash, num_tokens))
         return True
 
-    def save_branch(self, src_slot: int, block_hash: int, num_tokens: int) -> bool:
+    def save_branch(self, src_slot: int, page_hash: int, num_tokens: int) -> bool:
         """A snapshot kept for good (until evicted) of the state at num_tokens."""
-        if self.has(block_hash):
+        if self.has(page_hash):
             return False
         s = self._new_snapshot()
         if s is None:
             return False
-        self._pending.append(PendingSave(src_slot, s, block_hash, num_tokens))
+        self._pending.append(PendingSave(src_slot, s, page_hash, num_tokens))
         return True
 
     def pending_copies(self) -> list[tuple[int, int]]:
@@ -126,13 +126,13 @@ class SnapshotCache:
         """The step ran: its snapshots hold the states they were taken for."""
         for p in self._pending:
             s = p.snapshot
-            if s.block_hash is not None and self._by_hash.get(s.block_hash) is s:
-                del self._by_hash[s.block_hash]   # a rolling snapshot moves on
-            old = self._by_hash.get(p.block_hash)
+            if s.page_hash is not None and self._by_hash.get(s.page_hash) is s:
+                del self._by_hash[s.page_hash]   # a rolling snapshot moves on
+            old = self._by_hash.get(p.page_hash)
             if old is not None and old is not s:   # (two rows took the same page)
                 self._drop(old)
-            s.block_hash, s.num_tokens, s.num_hits = p.block_hash, p.num_tokens, 0
-            self._by_hash[p.block_hash] = s
+            s.page_hash, s.num_tokens, s.num_hits = p.page_hash, p.num_tokens, 0
+            self._by_hash[p.page_hash] = s
         self._pending.clear()
 
     def discard_pending(self) -> None:
@@ -148,7 +148,7 @@ class SnapshotCache:
         s = self._rolling.pop(request_id, None)
         if s is not None:
             s.owner = None
-            if s.block_hash is None and not any(p.snapshot is s for p in self._pending):
+            if s.page_hash is None and not any(p.snapshot is s for p in self._pending):
                 self._free_slot(s)
 
     def reset(self) -> None:
@@ -157,8 +157,8 @@ class SnapshotCache:
             if s.owner is None:
                 self._drop(s)
             else:
-                del self._by_hash[s.block_hash]
-                s.block_hash = None
+                del self._by_hash[s.page_hash]
+                s.page_hash = None
 
     # ---- slots -------------------------------------------------------------------
     @property
@@ -189,9 +189,9 @@ class SnapshotCache:
         return True
 
     def _drop(self, s: Snapshot) -> None:
-        if s.block_hash is not None and self._by_hash.get(s.block_hash) is s:
-            del self._by_hash[s.block_hash]
-        s.block_hash = None
+        if s.page_hash is not None and self._by_hash.get(s.page_hash) is s:
+            del self._by_hash[s.page_hash]
+        s.page_hash = None
         if s.owner is not None:
             del self._rolling[s.owner]
             s.owner = None

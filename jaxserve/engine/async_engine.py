@@ -29,10 +29,10 @@ from jaxserve.config import EngineConfig
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.scheduler import SchedulerStats
 from jaxserve.engine.data_parallel import make_engine
-from jaxserve.engine.errors import EngineDeadError, InputError, RequestFailedError
+from jaxserve.errors import EngineDeadError, InputError, RequestFailedError
 from jaxserve.engine.input_processor import EngineRequest, InputProcessor
 from jaxserve.engine.protocol import Engine, EngineInfo
-from jaxserve.engine.startup import StartupProgress
+from jaxserve.build.startup import StartupProgress
 
 logger = logging.getLogger("jaxserve")
 

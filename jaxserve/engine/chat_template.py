@@ -10,7 +10,7 @@ import inspect
 from typing import Any
 
 from jaxserve import json_limits
-from jaxserve.engine.errors import InputError
+from jaxserve.errors import InputError
 
 
 def message_text(content: Any) -> str:

@@ -25,12 +25,12 @@ from jaxserve.config import EngineConfig
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.scheduler import SchedulerStats
 from jaxserve.engine import multihost
-from jaxserve.engine.engine_core import EngineCore, engine_seeds, prompt_block_hashes
-from jaxserve.engine.errors import InputError
+from jaxserve.engine.engine_core import EngineCore, engine_seeds, prompt_page_hashes
+from jaxserve.errors import InputError
 from jaxserve.engine.input_processor import EngineRequest
 from jaxserve.engine.protocol import Engine, EngineInfo
-from jaxserve.engine.device_pool import set_device_pool
-from jaxserve.engine.startup import READY, StartupProgress
+from jaxserve.build.device_pool import set_device_pool
+from jaxserve.build.startup import READY, StartupProgress
 from sharding import DATA, make_mesh, replica_meshes
 
 logger = logging.getLogger("jaxserve")
@@ -80,7 +80,7 @@ class DataParallelEngine:
         ok = [i for i, n in enumerate(loads) if n <= min(loads) + self.balance_slack]
         if len(ok) == 1:
             return ok[0]
-        hashes = prompt_block_hashes(prompt_token_ids, self.info.page_size, cache_salt)
+        hashes = prompt_page_hashes(prompt_token_ids, self.info.page_size, cache_salt)
         return max(ok, key=lambda i: (self.replicas[i].cached_prefix_pages(hashes),
                                       -loads[i], -i))
 

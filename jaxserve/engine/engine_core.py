@@ -1,52 +1,34 @@
-"""EngineCore: loads the model, then runs schedule -> execute -> update, step by step."""
+"""EngineCore: builds its parts (jaxserve/build/parts.py), then runs schedule -> execute ->
+update, step by step."""
 from __future__ import annotations
 
 import atexit
 import itertools
-import json
 import logging
-import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from functools import partial
 from typing import Any, Iterator
 
 import jax
 import jax.numpy as jnp
 
+from jaxserve.build.parts import EngineParts, build_parts, replica_shape, resolve_sources
+from jaxserve.build.startup import STARTING, StartupProgress
+from jaxserve.build.tokenizer import eos_token_ids, start_loading_tokenizer
 from jaxserve.config import EngineConfig
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.scheduler import Scheduler, SchedulerOutput, SchedulerStats
 from jaxserve.engine import multihost
-from jaxserve.engine.drafter_loader import load_drafter
-from jaxserve.engine.errors import EngineDeadError, InputError
 from jaxserve.engine.input_processor import EngineRequest, InputProcessor
-from jaxserve.engine.layout import engine_layout, layout_cache_plan, make_runner
-from jaxserve.engine.loader import load_model
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.protocol import EngineInfo
-from jaxserve.engine.startup import (ALLOCATING_KV_CACHE, COMPILING, LOADING_WEIGHTS,
-                                     STARTING, StartupProgress)
-from jaxserve.checkpoints.converted import resolve_converted
-from jaxserve.checkpoints.model_names import resolve_model, resolve_tokenizer
+from jaxserve.errors import EngineDeadError, InputError
 from jaxserve.multimodal.front import image_front
 from jaxserve.runner import compile_counter
-from jaxserve.speculative import MTP
 from models.config import ModelConfig
-from sharding import DATA, make_mesh
 
 logger = logging.getLogger("jaxserve")
-
-
-def enable_compilation_cache(path: str | None) -> None:
-    if not path:
-        return
-    os.makedirs(path, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 @dataclass
@@ -73,113 +55,42 @@ class EngineCore:
                  progress: StartupProgress | None = None):
         progress = progress or StartupProgress()
         progress.set_phase(STARTING, "reading the model's config and tokenizer")
-        # An alias or HF repo id becomes a local directory (downloaded when missing)
-        # before anything reads it; so does a --tokenizer that names one.
-        config = replace(
-            config, model=resolve_model(config.model, load_format=config.load_format,
-                                        revision=config.revision,
-                                        download_dir=config.download_dir),
-            tokenizer=config.tokenizer and resolve_tokenizer(config.tokenizer,
-                                                             download_dir=config.download_dir))
-        # A converted checkpoint (python -m jaxserve.convert) brings its dtype (and
-        # quantization); settings it cannot serve are refused here, before any work.
-        config = resolve_converted(config)
-        enable_compilation_cache(config.compilation_cache_dir)
-        if config.load_format != "dummy" and not os.path.isdir(config.model):
-            raise ValueError(f"model path {config.model!r} does not exist or is not a directory")
+        config = resolve_sources(config)
         self.model_config = mc = ModelConfig.from_pretrained(config.model)
-        # Importing transformers takes ~2 s of a 2-core CPU start: it overlaps the mesh,
-        # the model, its weights and the compilation, and is awaited once they are done.
-        tokenizer = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
-        tokenizer_loaded = tokenizer.submit(_load_tokenizer, config.tokenizer or config.model)
-        tokenizer.shutdown(wait=False)
-        self.mesh = mesh if mesh is not None else make_mesh(config.mesh)
-        if self.mesh.shape[DATA] != 1:
-            raise ValueError(f"EngineCore runs one replica (a 1xM mesh), got mesh "
-                             f"{dict(self.mesh.shape)}; jaxserve.engine.data_parallel."
-                             f"make_engine builds D replicas")
-        self.config = config = config.for_platform(self.mesh.devices.flat[0].platform)
-        self.layout = layout = engine_layout(config, mc, self.mesh)
-        for choice in layout.kernels:   # decided once, here: never a silent fallback
+        tokenizer = start_loading_tokenizer(config.tokenizer or config.model)
+        shape = replica_shape(config, mc, mesh)
+        self.mesh, self.config, self.layout = shape.mesh, shape.config, shape.layout
+        for choice in self.layout.kernels:   # decided once, here: never a silent fallback
             (logger.warning if choice.fallback else logger.info)("%s", choice.describe())
-        # Several processes (multi-host): process 0 schedules and publishes each step.
-        self.channel = None
-        if jax.process_count() > 1:
-            multihost.check_mesh(self.mesh)
-            self.channel = multihost.StepChannel()
-            atexit.register(self.shutdown)   # followers must not wait for ever
-
-        progress.set_phase(LOADING_WEIGHTS, f"loading the weights of {config.model}")
-        loaded = load_model(config, layout, self.mesh,
-                            on_progress=partial(_report_loading, progress))
-        self.model, self.params = loaded.model, loaded.params
-        drafter = load_drafter(config, layout, self.mesh)
-
-        self.prefix_caching = config.enable_prefix_caching
-        if mc.is_hybrid:
-            logger.info("hybrid model: %d of %d layers are linear attention with recurrent "
-                        "state, the other %d keep KV pages; prefix caching %s",
-                        len(mc.linear_attention_layers), mc.num_layers,
-                        len(mc.full_attention_layers),
-                        "keeps state snapshots at page boundaries"
-                        if self.prefix_caching else "is off")
-        progress.set_phase(ALLOCATING_KV_CACHE, "sizing and allocating the KV cache")
-        # Sized per device: each device holds kv_heads / M heads of every page.
-        plan = layout_cache_plan(config, layout, self.mesh.devices.flat[0],
-                                 drafter_specs=drafter.cache_specs if drafter else ())
-        if self.channel is not None:   # every process must build the same cache shape
-            plan = plan.with_num_pages(multihost.agree_on_min(plan.num_pages))
-        logger.info("%s", plan.describe())
-        if config.speculative_config is not None:
-            logger.info("%s", config.speculative_config.describe())
-
-        self.runner = make_runner(
-            config, layout, plan, model=self.model, params=self.params, mesh=self.mesh,
-            drafter=drafter and drafter.build(plan, config, layout, target_model=self.model,
-                                              mesh=self.mesh))
-        if config.enforce_eager:   # each program compiles when a step first needs it
-            logger.info("enforce_eager: no warmup; programs compile on first use")
-        else:
-            progress.set_phase(COMPILING, "listing the programs to compile")
-            self.runner.warmup(partial(_report_compiling, progress))
-        self.tokenizer = tokenizer_loaded.result()
-        # The runner reads it when it builds a step's inputs (stop tokens before min_tokens).
-        eos_ids = _eos_token_ids(self.tokenizer, mc, config.model)
+        self.channel = self._open_channel()
+        parts = build_parts(shape, progress, agree_num_pages=None if self.channel is None
+                            else multihost.agree_on_min)
+        self.model, self.params, self.runner = parts.model, parts.params, parts.runner
+        self.prefix_caching = self.config.enable_prefix_caching
+        self.tokenizer = tokenizer.result()
+        # The runner reads them when it builds a step's inputs (stop tokens before min_tokens).
+        self.runner.eos_token_ids = eos_ids = eos_token_ids(self.tokenizer, mc,
+                                                            self.config.model)
         self.inputs = InputProcessor(tokenizer=self.tokenizer, vocab_size=mc.vocab_size,
-                                     max_model_len=layout.max_model_len, eos_token_ids=eos_ids,
-                                     max_logprobs=config.max_logprobs,
-                                     images=image_front(config))
-        self.runner.eos_token_ids = eos_ids
-        eos = eos_ids[0] if eos_ids else None
-        self.scheduler = Scheduler(
-            num_pages=plan.num_pages, page_size=plan.page_size,
-            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.num_batched_tokens,
-            max_model_len=layout.max_model_len, enable_prefix_caching=self.prefix_caching,
-            policy=config.scheduling_policy, num_state_slots=plan.num_state_slots,
-            num_snapshot_slots=plan.num_snapshot_slots,
-            num_sliding_pages=plan.num_sliding_pages, sliding_window=plan.sliding_window,
-            num_speculative_tokens=config.speculative_config.num_speculative_tokens
-            if config.speculative_config else 0,
-            num_lookahead_tokens=config.speculative_config.num_lookahead_tokens
-            if config.speculative_config else 0,
-            drop_last_hit_page=config.speculative_config is not None
-            and config.speculative_config.method == MTP)
+                                     max_model_len=self.layout.max_model_len,
+                                     eos_token_ids=eos_ids,
+                                     max_logprobs=self.config.max_logprobs,
+                                     images=image_front(self.config))
+        self.scheduler = Scheduler(parts.scheduler_config)
         self.outputs = OutputProcessor(self.tokenizer, stream=stream_outputs)
         self.num_steps = 0
         self.num_scheduled_tokens = 0   # tokens computed on device, all steps
-        self._seed_counter = seed_counter or engine_seeds(config.seed)
-        # The engine's facts have one owner from here on (layout, loaded model, plan).
-        runner = self.runner
-        self.info = EngineInfo(
-            config=config, model_config=mc, dtype=jnp.dtype(layout.dtype).name,
-            max_model_len=layout.max_model_len, cache_plan=plan,
-            weight_bytes=loaded.weight_bytes,
-            weight_bytes_per_device=loaded.weight_bytes_per_device, eos_token_id=eos,
-            eos_token_ids=eos_ids,
-            warmup_seconds=runner.warmup_seconds,
-            warmup_compilations=runner.warmup_compilations,
-            warmup_cache_hits=runner.warmup_cache_hits,
-            warmup_fresh_compilations=runner.warmup_fresh_compilations)
+        self._seed_counter = seed_counter or engine_seeds(self.config.seed)
+        self.info = _engine_info(parts, eos_ids)
+
+    def _open_channel(self) -> multihost.StepChannel | None:
+        """Several processes (multi-host): process 0 schedules and publishes each step."""
+        if jax.process_count() == 1:
+            return None
+        multihost.check_mesh(self.mesh)
+        channel = multihost.StepChannel()
+        atexit.register(self.shutdown)   # followers must not wait for ever
+        return channel
 
     # ---- requests ------------------------------------------------------------------
     def add_request(self, request: EngineRequest) -> None:
@@ -336,14 +247,14 @@ class EngineCore:
     def num_unfinished(self) -> int:
         return self.scheduler.get_num_unfinished_requests()
 
-    def cached_prefix_pages(self, block_hashes: list[int]) -> int:
-        """How many leading pages (by chained hash, prompt_block_hashes) this replica's
+    def cached_prefix_pages(self, page_hashes: list[int]) -> int:
+        """How many leading pages (by chained hash, prompt_page_hashes) this replica's
         prefix cache holds; a read-only look-up that counts no cache statistics."""
         if not self.prefix_caching:
             return 0
-        cached = self.scheduler.kv.pool.cached_blocks
-        return next((i for i, h in enumerate(block_hashes) if h not in cached),
-                    len(block_hashes))
+        cached = self.scheduler.kv.pool.cached_pages
+        return next((i for i, h in enumerate(page_hashes) if h not in cached),
+                    len(page_hashes))
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
@@ -352,23 +263,12 @@ class EngineCore:
         self.scheduler.reset_prefix_cache()
 
 
-def _report_loading(progress: StartupProgress, done: int, total: int) -> None:
-    progress.advance(done, total, f"loaded {done / 2**30:.2f} of {total / 2**30:.2f} GiB "
-                                  "of weights")
-
-
-def _report_compiling(progress: StartupProgress, done: int, total: int) -> None:
-    detail = (f"compiling program {done + 1} of {total}" if done < total
-              else f"compiled {total} programs, running each once")
-    progress.advance(done, total, detail)
-
-
-def prompt_block_hashes(prompt_token_ids: list[int], page_size: int,
+def prompt_page_hashes(prompt_token_ids: list[int], page_size: int,
                         cache_salt: str | None = None) -> list[int]:
     """The chained hashes of the prompt's full pages, as a request with this cache salt
     (and no private scope) has them."""
     return Request("probe", prompt_token_ids, None, cache_salt=cache_salt,
-                   page_size=page_size).block_hashes
+                   page_size=page_size).page_hashes
 
 
 def engine_seeds(seed: int) -> Iterator[int]:
@@ -376,26 +276,15 @@ def engine_seeds(seed: int) -> Iterator[int]:
     return itertools.count(seed * 1_000_003 + 1)
 
 
-def _load_tokenizer(path: str):
-    from transformers import AutoTokenizer
-    try:
-        return AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as e:
-        logger.warning("no tokenizer at %s (%s): prompts must be token ids and outputs "
-                       "carry no text", path, e)
-        return None
-
-
-def _eos_token_ids(tokenizer, mc: ModelConfig, model_dir: str) -> tuple[int, ...]:
-    """Every id that ends a sequence (as vLLM): the tokenizer's eos first, then the
-    config's and generation_config.json's (Gemma 4: <eos> and <turn|>; Llama 3.1:
-    <|eot_id|> and <|eom_id|>)."""
-    ids = [tokenizer.eos_token_id] if tokenizer is not None and \
-        tokenizer.eos_token_id is not None else []
-    ids += mc.eos_token_ids
-    gen = os.path.join(model_dir, "generation_config.json")
-    if os.path.isfile(gen):
-        with open(gen) as f:
-            eos = json.load(f).get("eos_token_id")
-        ids += [eos] if isinstance(eos, int) else list(eos or ())
-    return tuple(dict.fromkeys(int(i) for i in ids))
+def _engine_info(parts: EngineParts, eos_ids: tuple[int, ...]) -> EngineInfo:
+    """The engine's facts, from their one owner each (layout, loaded model, plan)."""
+    config, layout, runner = parts.shape.config, parts.shape.layout, parts.runner
+    return EngineInfo(
+        config=config, model_config=parts.shape.model_config,
+        dtype=jnp.dtype(layout.dtype).name, max_model_len=layout.max_model_len,
+        cache_plan=parts.plan, weight_bytes=parts.weight_bytes,
+        weight_bytes_per_device=parts.weight_bytes_per_device,
+        eos_token_id=eos_ids[0] if eos_ids else None, eos_token_ids=eos_ids,
+        warmup_seconds=runner.warmup_seconds, warmup_compilations=runner.warmup_compilations,
+        warmup_cache_hits=runner.warmup_cache_hits,
+        warmup_fresh_compilations=runner.warmup_fresh_compilations)

@@ -23,7 +23,7 @@ from typing import Any, Awaitable, Callable
 
 import numpy as np
 
-from jaxserve.engine.errors import InputError
+from jaxserve.errors import InputError
 # (llguidance's own JSON parser stops at 128; the server's bodies at this one already)
 from jaxserve.json_limits import MAX_JSON_DEPTH
 from jaxserve.engine.grammar_worker import Cancelled, CompileWorkers, Job
@@ -102,6 +102,7 @@ def checked_key(so: StructuredOutputsParams) -> str:
 
 def _grammar_text(so: StructuredOutputsParams, workers: CompileWorkers) -> str:
     """The llguidance grammar of a constraint (not yet checked). Compile thread."""
+    # (llguidance loads on the first constraint: most engines never need it)
     import llguidance
     from llguidance import LLMatcher
     from llguidance.gbnf_to_lark import any_to_lark
@@ -172,14 +173,14 @@ class GrammarMatcher:
     """One sequence's position in its grammar."""
 
     def __init__(self, matcher: Any, vocab_size: int):
-        from llguidance.numpy import allocate_token_bitmask
+        from llguidance.numpy import allocate_token_bitmask   # (see _grammar_text)
         self._m = matcher
         self._bits = allocate_token_bitmask(1, vocab_size)   # reused every step
 
     def fill(self, mask_row: np.ndarray) -> None:
         """mask_row (uint32[W] of the sampler's mask) &= the tokens the grammar allows
         next; ids past the tokenizer's vocabulary are never allowed."""
-        from llguidance.numpy import fill_next_token_bitmask
+        from llguidance.numpy import fill_next_token_bitmask   # (see _grammar_text)
         fill_next_token_bitmask(self._m, self._bits, 0)
         words = self._bits[0].view(np.uint32)
         n = min(len(words), len(mask_row))
@@ -285,7 +286,7 @@ class GrammarCompiler:
     def _lltokenizer(self) -> Any:
         with self._lock:
             if self._tokenizer is None:
-                import llguidance.hf
+                import llguidance.hf   # (see _grammar_text)
                 # The grammar's end is any of the model's end-of-sequence tokens.
                 self._tokenizer = llguidance.hf.from_tokenizer(
                     self._hf, n_vocab=self.vocab_size, eos_token=self._eos or None)
@@ -308,6 +309,7 @@ class GrammarCompiler:
         thread: it may build much of the lexer), refusing a grammar that fails in either
         or on the first token it allows (a grammar with no end fails there), or whose
         next mask takes longer than MAX_MASK_S."""
+        # (see _grammar_text: llguidance loads on the first constraint)
         from llguidance import LLMatcher, LLParserLimits
         from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
         tokenizer = self._lltokenizer()

@@ -14,9 +14,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from jaxserve.engine.chat_template import render_chat
-from jaxserve.engine.errors import InputError
 from jaxserve.engine.bad_words import BadWords
+from jaxserve.engine.chat_template import render_chat
+from jaxserve.engine.grammar import GrammarCompiler
+from jaxserve.errors import InputError
 from jaxserve.multimodal.chat_parts import split_images
 from jaxserve.multimodal.config import MediaConfig
 from jaxserve.multimodal.front import (ImageFront, MultiModalInputs,
@@ -320,7 +321,6 @@ class InputProcessor:
                 if self.tokenizer is None:
                     raise InputError("structured outputs need a tokenizer; this model has none",
                                      "structured_outputs")
-                from jaxserve.engine.grammar import GrammarCompiler
                 self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size,
                                                  self.eos_token_ids)
             return self._grammars

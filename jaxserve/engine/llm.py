@@ -8,7 +8,7 @@ from tqdm.auto import tqdm
 from jaxserve.config import EngineConfig
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.engine.data_parallel import make_engine
-from jaxserve.engine.errors import RequestFailedError
+from jaxserve.errors import RequestFailedError
 from jaxserve.engine.input_processor import EngineRequest
 from jaxserve.engine.llm_kwargs import engine_kwargs
 from jaxserve.engine.protocol import Engine

@@ -4,7 +4,7 @@ LLM takes EngineConfig's fields, the keyword form of their vLLM flag aliases
 (`block_size=` for --block-size, `gpu_memory_utilization=` for
 --gpu-memory-utilization: read from the fields' metadata, so they cannot drift), and
 vLLM's other engine arguments where their value is true of jaxserve (VLLM_ONLY: the
-command line's table, jaxserve/vllm_compat.py, and LLM's own). Anything else is a
+command line's table, jaxserve/config/vllm_compat.py, and LLM's own). Anything else is a
 TypeError naming it, with the close names it may have meant.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ import typing
 from typing import Any
 
 from jaxserve.config import EngineConfig
-from jaxserve.vllm_compat import BOOL, ENGINE, Setting
+from jaxserve.config.vllm_compat import BOOL, ENGINE, Setting
 
 _FIELDS = {f.name: f for f in dataclasses.fields(EngineConfig)}
 

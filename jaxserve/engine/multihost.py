@@ -66,7 +66,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                          f"{ENV_PROCESS_ID}")
     if not 0 <= process_id < num_processes:
         raise ValueError(f"process id {process_id} must be in [0, {num_processes})")
-    from jax._src.distributed import global_state
+    from jax._src.distributed import global_state   # (jax's private state: read late)
     if global_state.client is None:
         jax.distributed.initialize(coordinator_address=address, num_processes=num_processes,
                                    process_id=process_id)
@@ -91,7 +91,7 @@ def check_mesh(mesh) -> None:
 
 def agree_on_min(value: int) -> int:
     """The smallest of every process's value (e.g. a KV page count sized from free memory)."""
-    from jax.experimental import multihost_utils
+    from jax.experimental import multihost_utils   # (only multi-host runs need it)
     return int(np.min(multihost_utils.process_allgather(np.array([value], np.int64))))
 
 
@@ -103,7 +103,7 @@ class StepChannel:
     """
 
     def __init__(self):
-        from jax._src.distributed import global_state
+        from jax._src.distributed import global_state   # (see initialize)
         self._client = global_state.client
         self._step = 0
         self._closed = False

@@ -16,7 +16,7 @@ from jaxserve.engine.input_processor import EngineRequest, InputProcessor
 from models.config import ModelConfig
 
 if TYPE_CHECKING:   # (the cache plan's module reads model specs, which import jax)
-    from jaxserve.planning.cache_plan import CachePlan
+    from jaxserve.build.cache_plan import CachePlan
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,7 @@ class EngineInfo:
     model_config: ModelConfig
     dtype: str                    # the weights' dtype name, e.g. "bfloat16"
     max_model_len: int
-    cache_plan: CachePlan         # one replica's caches (planning/cache_plan.py)
+    cache_plan: CachePlan         # one replica's caches (build/cache_plan.py)
     weight_bytes: int             # per replica
     weight_bytes_per_device: int
     eos_token_id: int | None

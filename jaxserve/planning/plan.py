@@ -4,7 +4,7 @@
     python -m jaxserve.plan --model qwen3-8b --mesh 1x8 --target tpu-v6e --compile [all] [--json]
 
 --compile builds the engine for a TPU target with abstract weights and compiles its
-warmup programs with the real XLA:TPU compiler on this host (jaxserve/plan_compile.py).
+warmup programs with the real XLA:TPU compiler on this host (planning/plan_compile.py).
 
 Every figure comes from the model config and the same code the engine runs:
 parameter shapes from the flax model (jax.eval_shape, nothing allocated), their
@@ -13,7 +13,7 @@ divide them), the KV page layout of the cache. Nothing here is a hand-typed size
 except the built-in configs (jaxserve/model_configs.py), copied from their
 published config.json.
 
-Memory: the engine's own rule (planning/kv_budget.py), as vLLM's
+Memory: the engine's own rule (build/kv_budget.py), as vLLM's
 --gpu-memory-utilization: the engine gets hbm_utilization (0.9) of the device's memory
 (--hbm, or a --target's usable HBM) for everything it holds; of that the weights come
 first, then a reserve for the programs' temporaries (the estimated peak of the forward
@@ -27,7 +27,7 @@ sliding-window layers (Gemma 4) give those layers pages of their own, enough for
 max_num_seqs windows and one step, taken from the budget before the global layers'
 pages. A model drafter (--speculative-config mtp or draft_model) adds its weights and
 its KV on every page. The plan is made from the same EngineConfig, layout and cache
-planning as the engine's (jaxserve/engine/layout.py), so the planner's "fits" is the
+planning as the engine's (jaxserve/build/layout.py), so the planner's "fits" is the
 engine's. Communication: Megatron
 tensor parallelism all-reduces the [tokens, hidden] activations twice per layer
 (after o_proj and after the MLP's down_proj) plus once for the vocab-parallel
@@ -36,19 +36,29 @@ link in each direction.
 """
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
 from typing import Any
 
+import jax
 import jax.numpy as jnp
+from flax.traverse_util import flatten_dict
 
+from jaxserve.build.drafter_loader import drafter_model
+from jaxserve.build.layout import (attention_shapes, cache_plan_for, layout_for,
+                                   tpu_kernel_limit_error)
 from jaxserve.checkpoints.model_configs import ALIASES, BUILTIN_CONFIGS  # noqa: F401  (one source)
+from jaxserve.checkpoints.model_names import load_model_config  # noqa: F401  (re-exported)
 from jaxserve.config import EngineConfig
-from jaxserve.planning.cache_plan import CachePlan
-from jaxserve.planning.kv_budget import DeviceMemory, MemorySplit, memory_split
+from jaxserve.build.cache_plan import CachePlan
+from jaxserve.build.kv_budget import DeviceMemory, MemorySplit, device_memory, memory_split
 from jaxserve.planning.plan_format import format_plan
+from models.cache_spec import PagedKVSpec, RecurrentStateSpec, SharedKVSpec
+from models.registry import build_model
+from models.weights import abstract_params, param_logical_axes
+from pallas_kernels.ragged_paged_attention import is_quantized
+from sharding import MODEL, kv_head_repeats, logical_to_mesh, mesh_rules, with_stored_kv_heads
+from sharding.mesh import parse_mesh
 
 # NVLink 4 on an H100 SXM: 18 links x 25 GB/s = 450 GB/s per direction per GPU.
 DEFAULT_LINK_GBPS = 450.0
@@ -63,20 +73,6 @@ def parse_bytes(text: str) -> int:
         raise ValueError(f"size {text!r}: expected a number with an optional unit "
                          f"(B, KB, MB, GB, KiB, MiB, GiB, ...)")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
-
-def load_model_config(model: str):
-    """An alias or its repo id (built-in config), a config.json path, a checkpoint
-    directory or a repo id in the local Hugging Face cache (config only, no weights)."""
-    from jaxserve.checkpoints.model_names import builtin_config, resolve_model
-    from models.config import ModelConfig
-    config = builtin_config(model)
-    if config is not None:
-        return ModelConfig.from_hf_dict(config)
-    if Path(model).is_file():
-        with open(model) as f:
-            return ModelConfig.from_hf_dict(json.load(f))
-    return ModelConfig.from_pretrained(resolve_model(model, load_format="dummy"))
 
 
 @dataclass(frozen=True)
@@ -95,9 +91,6 @@ def weight_figures(mc, m: int, dtype: str, weight_quant=None,
     allocated; quantized kernels in their own dtype, their scales float32, the rest in
     `dtype`; a quantized KV cache adds its float32 scales) and their placement by
     sharding/rules.py."""
-    from models.registry import build_model
-    from sharding import with_stored_kv_heads
-
     # Layers under scan: the same parameters, stacked, traced once (not once per layer).
     module = build_model(replace(with_stored_kv_heads(mc, m), weight_quant=weight_quant,
                                  kv_cache_quantized=kv_cache_quantized), dtype, "reference",
@@ -109,11 +102,6 @@ def module_weight_figures(module: Any, mc, m: int, expert_parallel: bool = False
                           ) -> WeightFigures:
     """A flax module's parameters on a 1xM mesh under `mc`'s rules table (the model's,
     or a drafter's)."""
-    from flax.traverse_util import flatten_dict
-
-    from models.weights import abstract_params, param_logical_axes
-    from sharding import MODEL, kv_head_repeats, logical_to_mesh, mesh_rules
-
     repeats = kv_head_repeats(mc, m)
     shapes = flatten_dict(abstract_params(module))
     axes = flatten_dict(param_logical_axes(module))
@@ -160,7 +148,7 @@ class Plan:
     hbm_bytes: int | None
     hbm_utilization: float
     link_gbps: float
-    # The engine's cache plan (planning/cache_plan.py) for this memory; None when the
+    # The engine's cache plan (build/cache_plan.py) for this memory; None when the
     # device memory is unknown and no cache size was given.
     cache: CachePlan | None = None
     compiler_limit: str | None = None  # TPU: why the largest step would not compile
@@ -297,18 +285,10 @@ def plan_from_config(config: EngineConfig, mc, *, hbm_bytes: int | None = None,
                      label: str | None = None) -> Plan:
     """The plan of the engine `config` would start on one `platform` ("gpu", "tpu")
     device of hbm_bytes (None: unknown): the engine's layout, model drafter and cache
-    plan (jaxserve/engine/layout.py), with abstract weights. weights: the parameter
+    plan (jaxserve/build/layout.py), with abstract weights. weights: the parameter
     figures if known (else from the flax model); cache: a running engine's plan. On
     "tpu", also the limits of the TPU compiler the kernels cannot stream around
     (compiler_limit)."""
-    from jaxserve.engine.drafter_loader import drafter_model
-    from jaxserve.engine.layout import (attention_shapes, cache_plan_for, layout_for,
-                                        tpu_kernel_limit_error)
-    from models.cache_spec import PagedKVSpec, RecurrentStateSpec, SharedKVSpec
-    from pallas_kernels.ragged_paged_attention import is_quantized
-    from sharding import with_stored_kv_heads
-    from sharding.mesh import parse_mesh
-
     config = config.for_platform(platform)
     d, m = parse_mesh(config.mesh or "1x1")
     layout = layout_for(config, mc, platform, m, check_kernels=False)
@@ -393,10 +373,6 @@ def plan_for_engine(info) -> str:
     """The plan of a running engine (its EngineInfo), for the server's start-up log: its
     own config and cache plan, the device's memory from its allocator (unknown on
     CPU)."""
-    import jax
-
-    from jaxserve.planning.kv_budget import device_memory
-
     device = jax.devices()[0]
     memory = device_memory(device) if device.platform != "cpu" else None
     plan = plan_from_config(info.config, info.model_config,
@@ -404,8 +380,3 @@ def plan_for_engine(info) -> str:
                             platform=device.platform, cache=info.cache_plan)
     return format_plan(plan)
 
-
-def main(argv: list[str] | None = None) -> None:
-    """`python -m jaxserve.plan` (planning/plan_cli.py)."""
-    from jaxserve.planning.plan_cli import main as cli_main
-    cli_main(argv)

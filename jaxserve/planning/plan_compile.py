@@ -3,7 +3,7 @@
     python -m jaxserve.plan --model qwen3.6-27b --mesh 1x8 --target tpu-v6e \\
         --max-model-len 8192 --compile [all|decode] [--decode-rows 1,64,256] [--json]
 
-One replica is built exactly as EngineCore builds it (engine/layout.py: dtypes, KV
+One replica is built exactly as EngineCore builds it (build/layout.py: dtypes, KV
 heads, attention backend for the TPU, the KV page count from the target's HBM and
 hbm_utilization; ModelRunner: buckets, shardings, donation), with abstract
 parameters and caches (nothing allocated), on a mesh of abstract TPU chips
@@ -34,14 +34,14 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
+from jaxserve.build.cache_plan import CachePlan
+from jaxserve.build.drafter_loader import load_drafter
+from jaxserve.build.kv_budget import DeviceMemory
+from jaxserve.build.layout import (EngineLayout, build_layout_model, engine_layout,
+                                   layout_cache_plan, layout_param_shardings)
+from jaxserve.build.parts import build_runner
 from jaxserve.config import EngineConfig
-from jaxserve.engine.drafter_loader import load_drafter
-from jaxserve.planning.kv_budget import DeviceMemory
-from jaxserve.engine.layout import (EngineLayout, build_layout_model, engine_layout,
-                                    layout_cache_plan, layout_param_shardings, make_runner)
-from jaxserve.planning.cache_plan import CachePlan
 from jaxserve.planning.plan import load_model_config, plan_from_config
 from jaxserve.planning.plan_format import _gib
 from jaxserve.planning.hlo_text import Module, parse_module
@@ -239,14 +239,11 @@ def build_abstract_engine(config: EngineConfig, mc, mesh, hbm_bytes: int) -> Abs
     # Speculative decoding's model drafter (mtp, draft_model): its weights and KV too.
     drafter = load_drafter(config, layout, mesh, abstract=True)
     weights = bytes_per_device(params) + (bytes_per_device(drafter.params) if drafter else 0)
-    # A TPU's pool is the chip's usable memory (engine/device_pool.py).
+    # A TPU's pool is the chip's usable memory (build/device_pool.py).
     plan = layout_cache_plan(config, layout, None, DeviceMemory(hbm_bytes, hbm_bytes, weights),
                              drafter_specs=drafter.cache_specs if drafter else ())
-    runner = make_runner(config, layout, plan, model=model, params=params, mesh=mesh,
-                         abstract=True,
-                         drafter=drafter and drafter.build(plan, config, layout,
-                                                           target_model=model, mesh=mesh,
-                                                           abstract=True))
+    runner = build_runner(config, layout, plan, model=model, params=params, mesh=mesh,
+                          drafter=drafter, abstract=True)
     return AbstractEngine(runner, layout, plan, weights, runner.warmup_programs())
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from jaxserve.planning.kv_budget import WORKSPACE_SHARE
+from jaxserve.build.kv_budget import WORKSPACE_SHARE
 
 if TYPE_CHECKING:
     from jaxserve.planning.plan import Plan
@@ -88,7 +88,7 @@ def _memory_lines(p: Plan) -> list[str]:
 
 
 def _cache_lines(p: Plan) -> list[str]:
-    """The cache plan: what the engine allocates (planning/cache_plan.py)."""
+    """The cache plan: what the engine allocates (build/cache_plan.py)."""
     d = p.mesh[0]
     c = p.cache
     seqs = p.kv_tokens // p.max_model_len

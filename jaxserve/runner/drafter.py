@@ -30,33 +30,32 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxserve.runner.layer_caches import layer_cache_specs, make_layer_caches
+from jaxserve.config.speculative import DRAFT_MODEL, MTP
+from jaxserve.runner.layer_caches import abstract_layer_caches, make_layer_caches
+from jaxserve.runner.runner_config import DrafterConfig
 from jaxserve.runner.sampler import first_argmax
-from jaxserve.speculative import DRAFT_MODEL, MTP
 from models.inputs import ModelInputs
 from sharding import replicated
 
 
 class ModelDrafter:
-    def __init__(self, *, method: str, model, params, target_model, cache_config,
-                 mesh: Mesh, num_pages: int, page_size: int, kv_dtype: Any,
-                 max_num_seqs: int, pages_per_req: int, num_speculative_tokens: int,
-                 abstract: bool = False):
+    def __init__(self, config: DrafterConfig, *, model, params, target_model, cache_config,
+                 mesh: Mesh, abstract: bool = False):
         """model / params: the draft model, or models.mtp.MTPHead and its params;
         cache_config: the ModelConfig its caches follow (the MTP's: one layer)."""
-        if method not in (DRAFT_MODEL, MTP):
-            raise ValueError(f"unknown drafter method {method!r}")
-        self.method = method
+        if config.method not in (DRAFT_MODEL, MTP):
+            raise ValueError(f"unknown drafter method {config.method!r}")
+        self.method = config.method
         self.model, self.params, self.target_model = model, params, target_model
         self.mesh = mesh
-        self.page_size = page_size
-        self.max_num_seqs = max_num_seqs
-        self.pages_per_req = pages_per_req
-        self.k = num_speculative_tokens
-        kw = dict(num_pages=num_pages, page_size=page_size, kv_dtype=kv_dtype,
-                  num_state_slots=0, conv_state_dtype=model.dtype)
+        self.page_size = config.page_size
+        self.max_num_seqs = config.max_num_seqs
+        self.pages_per_req = config.pages_per_req
+        self.k = config.num_speculative_tokens
+        kw = dict(num_pages=config.num_pages, page_size=config.page_size,
+                  kv_dtype=config.kv_dtype, num_state_slots=0, conv_state_dtype=model.dtype)
         if abstract:
-            self.caches = layer_cache_specs(cache_config, mesh, **kw)
+            self.caches = abstract_layer_caches(cache_config, mesh, **kw)
             kv_sh = jax.tree_util.tree_map(lambda s: s.sharding, self.caches)
         else:
             self.caches, kv_sh = make_layer_caches(cache_config, mesh, **kw)

@@ -23,85 +23,21 @@ row, two with speculative decoding (a rejection's rollback and the next backup).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import numpy as np
 
 from jaxserve.core.sched_output import NewRequestData, SchedulerOutput
+from jaxserve.runner.batch_sampling import BatchSampling
 from jaxserve.runner.buckets import pick_bucket
-from jaxserve.runner.sampler import SamplingTensors, mask_words, only_greedy, seed_to_key_data
+from jaxserve.runner.sampler import only_greedy
+from jaxserve.runner.sampling_tensors import PARAM_COLUMNS, mask_words, seed_to_key_data
+from jaxserve.runner.step_rows import HostBatch, ScheduledRows, state_copy_inputs
 from jaxserve.runner.token_constraints import (ALL_ALLOWED, DynamicConstraints, bias_row,
                                                static_mask)
 from jaxserve.sampling_params import MAX_BANNED_TOKENS, MAX_LOGIT_BIAS
 from models.inputs import ModelInputs
 
 
-@dataclass(frozen=True)
-class ScheduledRows:
-    """The rows one step computes, in batch order."""
-    req_ids: list[str]
-    rows: np.ndarray      # int32[n] persistent row of each batch row
-    starts: np.ndarray    # int32[n] position of each row's first token this step
-    lens: np.ndarray      # int32[n] tokens each row computes
-    sample: np.ndarray    # bool[n]  the row reaches the end of its known tokens: sample one
-    num_tokens: int
-    # (src, dst) state-slot copies before / after the forward (SchedulerOutput's, checked).
-    state_restores: list[tuple[int, int]] = field(default_factory=list)
-    state_saves: list[tuple[int, int]] = field(default_factory=list)
-    # Speculative decoding: int32[n] drafts each row computes after its known tokens (they
-    # end its chunk); None when no row has any. A row with k drafts samples k + 1 tokens.
-    num_drafts: np.ndarray | None = None
-
-    @property
-    def num_reqs(self) -> int:
-        return len(self.req_ids)
-
-    def sample_rows(self) -> tuple[np.ndarray, np.ndarray]:
-        """The sampler's rows: (batch row, position in the row's verified window: 0 at its
-        last known token, j at its j-th draft) of each, int32[S]; rows that do not sample
-        have none. Without drafts, one row per sampling batch row."""
-        picked = np.flatnonzero(self.sample).astype(np.int32)
-        if self.num_drafts is None:
-            return picked, np.zeros(len(picked), np.int32)
-        counts = self.num_drafts[picked] + 1
-        batch_row = np.repeat(picked, counts)
-        first = np.cumsum(counts) - counts
-        offset = np.arange(len(batch_row), dtype=np.int32) - np.repeat(first, counts)
-        return batch_row, offset.astype(np.int32)
-
-
-@dataclass(frozen=True)
-class HostBatch:
-    inputs: ModelInputs          # numpy arrays, token bucket T, R = max_num_seqs rows
-    # int32[max_sample_rows]: last scheduled token of each row (with drafts: of each
-    # sampler row, ScheduledRows.sample_rows)
-    logits_indices: np.ndarray
-    num_tokens: int              # real tokens (the rest of T is padding)
-    num_reqs: int
-
-
-def state_copy_inputs(restores: list[tuple[int, int]], saves: list[tuple[int, int]],
-                      k: int) -> dict[str, np.ndarray]:
-    """A hybrid step's ModelInputs state-copy fields: each list of (src, dst) pairs as
-    int32[k, 2] (padding rows 0) and its count int32[1]. Warmup passes empty lists."""
-    out = {}
-    for name, pairs in (("state_restores", restores), ("state_saves", saves)):
-        a = np.zeros((k, 2), np.int32)
-        if pairs:
-            a[:len(pairs)] = pairs
-        out[name], out["num_" + name] = a, np.array([len(pairs)], np.int32)
-    return out
-
-
-# SamplingParams fields kept per row as SamplingTensors takes them: (name, dtype, value
-# of a padding row).
-_FROM_PARAMS = (("temperature", np.float32, 0.0), ("top_k", np.int32, 0),
-                ("top_p", np.float32, 1.0), ("min_p", np.float32, 0.0),
-                ("presence_penalty", np.float32, 0.0), ("frequency_penalty", np.float32, 0.0),
-                ("repetition_penalty", np.float32, 1.0))
-
-
-class InputBatch:
+class InputBatch(BatchSampling):
     """`page_buckets` are the page-table widths a step may use: the narrowest one that
     holds the longest request is passed, so attention that reads whole page-table
     rows (the jnp reference) reads no more context than the batch needs.
@@ -149,7 +85,7 @@ class InputBatch:
         self.num_tokens = np.zeros(r, np.int32)
         self.num_prompt = np.zeros(r, np.int32)
         self.state_slots = np.zeros(r, np.int32)
-        for name, dtype, fill in _FROM_PARAMS:
+        for name, dtype, fill in PARAM_COLUMNS:
             setattr(self, name, np.full(r, fill, dtype))
         self.want_logprobs = np.zeros(r, np.bool_)
         self.keys = np.zeros((r, 2), np.uint32)
@@ -174,7 +110,7 @@ class InputBatch:
                             self.banned, self.has_penalties, self.greedy_only,
                             self.want_prompt_logprobs, self.has_mask, self.has_bias,
                             self.has_dynamic,
-                            *(getattr(self, name) for name, _, _ in _FROM_PARAMS)]
+                            *(getattr(self, name) for name, _, _ in PARAM_COLUMNS)]
         # The unconstrained mask and bias of each padded row count a step may use.
         self._free_mask: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         self._rng = np.random.default_rng()
@@ -200,7 +136,7 @@ class InputBatch:
         except KeyError as e:
             raise ValueError(f"request {e.args[0]!r} is not in the runner's batch") from None
         tables, num_pages = self._page_tables, self.num_pages
-        for row, ids in zip(rows, c.new_block_ids):
+        for row, ids in zip(rows, c.new_page_ids):
             if ids[0]:   # a new page: every page_size tokens of a decode
                 n, k = num_pages[row], len(ids[0])
                 for pt, group_ids in zip(tables, ids, strict=True):
@@ -320,15 +256,15 @@ class InputBatch:
         self.tokens[row, :n_p] = r.prompt_token_ids
         self.tokens[row, n_p:n_p + n_o] = r.output_token_ids
         self.num_prompt[row], self.num_tokens[row] = n_p, n_p + n_o
-        if len(r.block_ids) != len(self._page_tables):
-            raise ValueError(f"request {r.req_id!r} has pages in {len(r.block_ids)} KV "
+        if len(r.page_ids) != len(self._page_tables):
+            raise ValueError(f"request {r.req_id!r} has pages in {len(r.page_ids)} KV "
                              f"groups, the runner keeps {len(self._page_tables)}")
-        for pt, ids in zip(self._page_tables, r.block_ids):
+        for pt, ids in zip(self._page_tables, r.page_ids):
             pt[row, :len(ids)] = ids
-        self.num_pages[row] = len(r.block_ids[0])
+        self.num_pages[row] = len(r.page_ids[0])
         self.state_slots[row] = r.state_slot
         sp = r.sampling_params
-        for name, _, _ in _FROM_PARAMS:
+        for name, _, _ in PARAM_COLUMNS:
             getattr(self, name)[row] = getattr(sp, name)
         self.want_logprobs[row] = sp.logprobs is not None
         self.want_prompt_logprobs[row] = sp.prompt_logprobs is not None
@@ -445,88 +381,6 @@ class InputBatch:
             sliding_slot_mapping=sliding_slots.copy() if sliding else None,
             sliding_page_table=sliding_table if sliding else None, **copies)
         return HostBatch(inputs, logits_idx, num_tokens, num_reqs)
-
-    def sampling_tensors(self, step: ScheduledRows, num_rows_padded: int, *,
-                         penalties: bool, penalty_len: int) -> SamplingTensors:
-        """The sampler's per-row settings for the step's sampler rows (rows past them are
-        padding), as sampler.make_sampling_tensors builds them from SamplingRows. Without
-        drafts a sampler row is a batch row; with them, ScheduledRows.sample_rows: the
-        j-th position of a row's window samples output index (outputs so far) + j, after
-        the drafts before it."""
-        if step.num_drafts is None:
-            rows, offsets, samples = step.rows, 0, step.sample
-        else:
-            batch_row, offsets = step.sample_rows()
-            rows, samples = step.rows[batch_row], None
-        n = len(rows)
-
-        def col(a: np.ndarray, fill) -> np.ndarray:
-            out = np.full((num_rows_padded, *a.shape[1:]), fill, a.dtype)
-            out[:n] = a[rows]
-            return out
-
-        t = {name: col(getattr(self, name), fill) for name, _, fill in _FROM_PARAMS}
-        t["want_logprobs"] = col(self.want_logprobs, False)
-        known = self.num_tokens[rows] + offsets   # the tokens before each position
-        num_out = known - self.num_prompt[rows]
-        steps = np.zeros(num_rows_padded, np.int32)
-        steps[:n] = num_out
-        keys = col(self.keys, 0)
-        unseeded = np.flatnonzero(~self.seeded[rows])
-        if unseeded.size:   # not reproducible, as vLLM
-            keys[unseeded] = self._rng.integers(0, 1 << 32, size=(unseeded.size, 2),
-                                                dtype=np.uint64)
-        banned = col(self.banned, self.vocab_size)
-        banned[:n][num_out >= self.min_tokens[rows]] = self.vocab_size
-        t.update(self._constraint_tensors(step, rows, samples, num_rows_padded))
-        if penalties:
-            # Each row's prompt then outputs, padded with V (dropped by the sampler).
-            ids = np.full((num_rows_padded, penalty_len), self.vocab_size, np.int32)
-            ids[:n] = self.tokens[rows, :penalty_len]
-            ids[:n][np.arange(penalty_len)[None, :] >= known[:, None]] = self.vocab_size
-            t["penalty_token_ids"] = ids
-            t["num_prompt_tokens"] = col(self.num_prompt, 0)
-        return SamplingTensors(keys=keys, steps=steps, banned_token_ids=banned, **t)
-
-    def _constraint_tensors(self, step: ScheduledRows, rows: np.ndarray,
-                            samples: np.ndarray | None, num_rows_padded: int) -> dict:
-        """token_mask and logit bias of the sampler rows (persistent `rows`; samples: which
-        of them sample, None: all, each row's drafts after it): shared all-allowed /
-        no-bias arrays when no row has a constraint (the common case costs no copying)."""
-        free = self._free_mask.get(num_rows_padded)
-        if free is None:
-            free = self._free_mask[num_rows_padded] = (
-                np.full((num_rows_padded, self.token_mask.shape[1]), ALL_ALLOWED, np.uint32),
-                np.full((num_rows_padded, MAX_LOGIT_BIAS), self.vocab_size, np.int32),
-                np.zeros((num_rows_padded, MAX_LOGIT_BIAS), np.float32))
-        mask, bias_ids, bias = free
-        dynamic = self.has_dynamic[rows] if samples is None else \
-            self.has_dynamic[rows] & samples
-        if self.has_mask[rows].any() or dynamic.any():
-            mask = mask.copy()
-            masked = np.flatnonzero(self.has_mask[rows])
-            mask[masked] = self.token_mask[rows[masked]]
-            if samples is not None:
-                for i in np.flatnonzero(dynamic):
-                    self.dynamic[rows[i]].fill(mask[i])
-            else:
-                self._fill_windows(step, mask)
-        if self.has_bias[rows].any():
-            bias_ids, bias = bias_ids.copy(), bias.copy()
-            biased = np.flatnonzero(self.has_bias[rows])
-            bias_ids[biased], bias[biased] = self.bias_ids[rows[biased]], self.bias[rows[biased]]
-        return dict(token_mask=mask, logit_bias_ids=bias_ids, logit_bias=bias)
-
-    def _fill_windows(self, step: ScheduledRows, mask: np.ndarray) -> None:
-        """The dynamic masks of each sampling row's window of 1 + k sampler rows."""
-        first = 0
-        for i in np.flatnonzero(step.sample):
-            row, k = step.rows[i], int(step.num_drafts[i])
-            if self.has_dynamic[row]:
-                self.dynamic[row].fill_window(
-                    mask[first:first + k + 1],
-                    self.tokens[row, self.num_prompt[row]:self.num_tokens[row] + k], k)
-            first += k + 1
 
     def prompt_logprob_targets(self, step: ScheduledRows, cu: np.ndarray,
                                size: int) -> tuple[np.ndarray, list]:

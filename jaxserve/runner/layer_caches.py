@@ -5,7 +5,7 @@ each kind one array with its layers stacked (models/layer_stack.py).
 
 Everything is allocated once, zeroed, in its sharding: KV caches split by KV
 head, recurrent state by head group (models/gated_deltanet.py), so every device
-holds only the heads it computes. `layer_cache_specs` describes the same caches
+holds only the heads it computes. `abstract_layer_caches` describes the same caches
 without allocating them (shapes, dtypes and shardings), for compiling the engine's
 programs ahead of time for a device that is not here.
 """
@@ -29,9 +29,9 @@ from sharding.parallel import heads_spec
 logger = logging.getLogger("jaxserve")
 
 
-def layer_cache_specs(cfg: ModelConfig, mesh: Mesh, *, num_pages: int, page_size: int,
-                      kv_dtype: Any, num_state_slots: int, conv_state_dtype: Any,
-                      num_sliding_pages: int = 0) -> dict[str, jax.ShapeDtypeStruct]:
+def abstract_layer_caches(cfg: ModelConfig, mesh: Mesh, *, num_pages: int, page_size: int,
+                          kv_dtype: Any, num_state_slots: int, conv_state_dtype: Any,
+                          num_sliding_pages: int = 0) -> dict[str, jax.ShapeDtypeStruct]:
     """The stacked caches as ShapeDtypeStructs carrying their shardings; nothing is
     allocated. num_pages / num_sliding_pages (0: the sliding-window layers, if any, have
     num_pages too) / num_state_slots per layer; cfg.num_kv_heads is the number stored on
@@ -51,11 +51,11 @@ def make_layer_caches(cfg: ModelConfig, mesh: Mesh, *, num_pages: int, page_size
                       kv_dtype: Any, num_state_slots: int, conv_state_dtype: Any,
                       num_sliding_pages: int = 0
                       ) -> tuple[dict[str, jax.Array], dict[str, Any]]:
-    """(caches, their shardings), allocated as layer_cache_specs describes them."""
-    specs = layer_cache_specs(cfg, mesh, num_pages=num_pages, page_size=page_size,
-                              kv_dtype=kv_dtype, num_state_slots=num_state_slots,
-                              conv_state_dtype=conv_state_dtype,
-                              num_sliding_pages=num_sliding_pages)
+    """(caches, their shardings), allocated as abstract_layer_caches describes them."""
+    specs = abstract_layer_caches(cfg, mesh, num_pages=num_pages, page_size=page_size,
+                                  kv_dtype=kv_dtype, num_state_slots=num_state_slots,
+                                  conv_state_dtype=conv_state_dtype,
+                                  num_sliding_pages=num_sliding_pages)
     shardings = {kind: s.sharding for kind, s in specs.items()}
     specs = {kind: _held(kind, s, mesh) if kind in (KV, KV_SLIDING, CONV) else s
              for kind, s in specs.items()}

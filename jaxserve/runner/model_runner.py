@@ -20,7 +20,6 @@ the same programs (warmup_programs, lower), e.g. for a TPU mesh of abstract chip
 """
 from __future__ import annotations
 
-import itertools
 import logging
 from dataclasses import dataclass, field
 from functools import partial
@@ -34,16 +33,14 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxserve.runner.buckets import (page_buckets, pick_bucket, row_buckets,
                                      sampling_row_buckets, token_buckets)
 from jaxserve.runner.drafter import ModelDrafter
-from jaxserve.runner.input_batch import HostBatch, InputBatch, ScheduledRows, state_copy_inputs
-from jaxserve.runner.layer_caches import layer_cache_specs, make_layer_caches
-from jaxserve.runner.parallel_compile import compile_all, default_compile_workers
-from jaxserve.runner.programs import (DRAFT, FORWARD, GREEDY, PENALTIES, PROMPT_LOGPROBS,
-                                      RANDOM, SAMPLE, Program)
-from jaxserve.runner.sampler import compute_prompt_logprobs, make_sampling_tensors, sample
+from jaxserve.runner.input_batch import InputBatch
+from jaxserve.runner.layer_caches import abstract_layer_caches, make_layer_caches
+from jaxserve.runner.programs import GREEDY, PENALTIES, RANDOM
+from jaxserve.runner.runner_config import RunnerConfig
+from jaxserve.runner.runner_warmup import RunnerWarmup
+from jaxserve.runner.sampler import compute_prompt_logprobs, sample
 from jaxserve.runner.spec_decode import ngram_propose, num_accepted
-from jaxserve.runner.warmup_report import OnProgram, WarmupReport
-from jaxserve.sampling_params import MAX_LOGPROBS
-from jaxserve.speculative import SpeculativeConfig
+from jaxserve.runner.step_rows import HostBatch, ScheduledRows
 from models.inputs import ModelInputs
 from models.state_copies import copy_state_slots
 from sharding import make_mesh, replicated
@@ -84,63 +81,49 @@ class _InFlight:
 PROMPT_LOGPROBS_CHUNK = 256
 
 
-class ModelRunner:
-    def __init__(self, *, model, params, vocab_size: int, num_pages: int, page_size: int,
-                 max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int, kv_dtype,
-                 num_state_slots: int = 0, num_sliding_pages: int = 0,
-                 context_buckets: bool = True, mesh=None, vocab_axis: str | None = None,
-                 abstract: bool = False, max_logprobs: int = MAX_LOGPROBS,
-                 speculative_config: SpeculativeConfig | None = None,
-                 drafter: ModelDrafter | None = None):
+class ModelRunner(RunnerWarmup):
+    def __init__(self, config: RunnerConfig, *, model, params, mesh=None,
+                 abstract: bool = False, drafter: ModelDrafter | None = None):
         """model.config: the model as it runs on this mesh (KV heads as stored);
-        num_pages / num_state_slots: per layer, the null page / null slot 0 included
-        (planning/cache_plan.py; 0 slots: no recurrent layers);
-        num_sliding_pages: the sliding-window layers' KV group, pages per layer (0: no such
-        group; the step's inputs then carry no sliding slots or page table);
         abstract: params are ShapeDtypeStructs with shardings and the caches are only
         described (nothing allocated): the programs can be lowered, not run;
-        max_logprobs: the top entries the sampler and prompt logprobs compute (the
-        engine's limit, resolved: no -1), a static width of their programs;
-        speculative_config: rows verify drafts it proposes (runner/spec_decode.py); the
-        sampler's row buckets then reach max_num_seqs * (1 + num_speculative_tokens);
         drafter: its model drafter (methods mtp and draft_model; ngram needs none)."""
+        self.config = c = config
         self.model = model
         self.params = params
         self.abstract = abstract
         # No mesh: a 1x1 mesh on the default device, so one code path serves both.
         self.mesh = mesh if mesh is not None else make_mesh("1x1", jax.devices()[:1])
         self._rep = replicated(self.mesh)
-        # How the logits come out of the lm_head: split over vocab_axis (the rules table's
-        # mesh axis for "vocab"), or whole.
-        self._vocab_parallel = NamedSharding(self.mesh, PartitionSpec(None, vocab_axis))
-        self.vocab_size = vocab_size
-        self.max_logprobs = max_logprobs
+        # How the logits come out of the lm_head: split over vocab_axis, or whole.
+        self._vocab_parallel = NamedSharding(self.mesh, PartitionSpec(None, c.vocab_axis))
+        self.vocab_size = c.vocab_size
+        self.max_logprobs = c.max_logprobs
         # Set by the engine once its tokenizer is loaded (after warmup: no program reads it).
         self.eos_token_ids: tuple[int, ...] = ()   # held back by min_tokens
-        self.max_model_len = max_model_len
-        self.token_buckets = token_buckets(max_num_batched_tokens)
-        self.spec = speculative_config
+        self.max_model_len = c.max_model_len
+        self.token_buckets = token_buckets(c.max_num_batched_tokens)
+        self.spec = c.speculative_config
         self.drafter = drafter
-        num_spec = speculative_config.num_speculative_tokens if speculative_config else 0
-        max_sample_rows = max_num_seqs * (1 + num_spec)
+        max_sample_rows = c.max_num_seqs * (1 + c.num_speculative_tokens)
         self.row_buckets = row_buckets(max_sample_rows)
         self.sampling_row_buckets = sampling_row_buckets(max_sample_rows)
-        pages_per_req = -(-max_model_len // page_size)
         # The jnp reference attention reads whole page-table rows: bucket their width.
-        widths = page_buckets(pages_per_req) if context_buckets else None
+        widths = page_buckets(c.pages_per_req) if c.context_buckets else None
         # The requests this runner holds, kept between steps (the scheduler sends diffs).
-        self.batch = InputBatch(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                                page_size=page_size, token_buckets=self.token_buckets,
-                                vocab_size=vocab_size, page_buckets=widths,
-                                sliding=num_sliding_pages > 0, num_state_slots=num_state_slots,
-                                num_speculative_tokens=num_spec)
-        self.num_state_slots = num_state_slots
+        self.batch = InputBatch(max_num_seqs=c.max_num_seqs, max_model_len=c.max_model_len,
+                                page_size=c.page_size, token_buckets=self.token_buckets,
+                                vocab_size=c.vocab_size, page_buckets=widths,
+                                sliding=c.num_sliding_pages > 0,
+                                num_state_slots=c.num_state_slots,
+                                num_speculative_tokens=c.num_speculative_tokens)
+        self.num_state_slots = c.num_state_slots
         # The stacked caches (models/layer_stack.py): KV heads as stored on this mesh.
-        cache_kw = dict(num_pages=num_pages, page_size=page_size, kv_dtype=kv_dtype,
-                        num_state_slots=num_state_slots, num_sliding_pages=num_sliding_pages,
-                        conv_state_dtype=model.dtype)
+        cache_kw = dict(num_pages=c.num_pages, page_size=c.page_size, kv_dtype=c.kv_dtype,
+                        num_state_slots=c.num_state_slots,
+                        num_sliding_pages=c.num_sliding_pages, conv_state_dtype=model.dtype)
         if abstract:
-            self.kv_caches = layer_cache_specs(model.config, self.mesh, **cache_kw)
+            self.kv_caches = abstract_layer_caches(model.config, self.mesh, **cache_kw)
             kv_sh = jax.tree_util.tree_map(lambda s: s.sharding, self.kv_caches)
         else:
             self.kv_caches, kv_sh = make_layer_caches(model.config, self.mesh, **cache_kw)
@@ -385,111 +368,3 @@ class ModelRunner:
             return None
         targets = jax.device_put(targets, self._rep)
         return self._prompt_logprobs(self.params, hidden, targets), spans
-
-    # ---- warmup ----------------------------------------------------------------------
-    def warmup_programs(self) -> list[Program]:
-        """Every program warmup compiles, in its order: the forward per token bucket and
-        page-table width, prompt logprobs, the sampler per row bucket and the penalties
-        sampler at the largest. Arguments as serving passes them: numpy batch inputs
-        (device arrays would compile other programs), device arrays for what serving takes from the
-        forward's outputs (ShapeDtypeStructs when abstract)."""
-        r_max = self.batch.max_num_seqs
-        sliding = self.batch.sliding_page_table is not None
-
-        def forward_args(t: int, p: int) -> tuple:
-            z = np.zeros(t, np.int32)
-            # A hybrid's slot copies, as InputBatch.build pads them (no pair, count 0).
-            copies = state_copy_inputs([], [], self.batch.max_state_copies) \
-                if self.num_state_slots else {}
-            inputs = ModelInputs(
-                token_ids=z, positions=z, slot_mapping=z,
-                query_start_loc=np.zeros(r_max + 1, np.int32), seq_lens=np.zeros(r_max, np.int32),
-                page_table=np.zeros((r_max, p), np.int32), num_seqs=np.zeros(1, np.int32),
-                state_slots=np.zeros(r_max, np.int32),
-                sliding_slot_mapping=z if sliding else None,
-                sliding_page_table=np.zeros((r_max, p), np.int32) if sliding else None,
-                **copies)
-            return (self.params, self.kv_caches, inputs,
-                    np.zeros(self.batch.max_sample_rows, np.int32))
-
-        def hidden(rows: int) -> Any:
-            """Hidden states [rows, E] as the forward returns them."""
-            if self._hidden_spec is None:
-                t, p = self.token_buckets[0], self.batch.page_buckets[-1]
-                self._hidden_spec = jax.eval_shape(self._forward, *forward_args(t, p))[1]
-            return self._put(np.zeros((rows, self._hidden_spec.shape[-1]),
-                                      self._hidden_spec.dtype))
-
-        def logprobs_args(t: int) -> tuple:
-            return self.params, hidden(t), self._put(np.full(t, -1, np.int32))
-
-        def sample_args(rows: int, mode: str) -> tuple:
-            tensors = make_sampling_tensors([], rows, self.vocab_size,
-                                            penalties=mode == PENALTIES,
-                                            penalty_len=self.max_model_len)
-            return self.params, hidden(self.batch.max_sample_rows), tensors, rows, mode
-
-        progs = [Program(FORWARD, self._forward, partial(forward_args, t, p), tokens=t, pages=p)
-                 for t, p in itertools.product(self.token_buckets, self.batch.page_buckets)]
-        progs.append(Program(PROMPT_LOGPROBS, self._prompt_logprobs,
-                             partial(logprobs_args, self._max_tokens), tokens=self._max_tokens))
-        if self.drafter is not None:
-            def draft_args(t: int, p: int) -> tuple:
-                return self.drafter.warmup_args(self.params, hidden(self._max_tokens),
-                                                forward_args(t, p)[2])
-            progs += [Program(DRAFT, self.drafter.program, partial(draft_args, t, p), tokens=t,
-                              pages=p)
-                      for t, p in itertools.product(self.token_buckets, self.batch.page_buckets)]
-        modes = [(GREEDY, rows) for rows in self.row_buckets] + \
-            [(RANDOM, rows) for rows in self.sampling_row_buckets] + \
-            [(PENALTIES, self.row_buckets[-1])]
-        progs += [Program(SAMPLE, self._sample, partial(sample_args, rows, mode), rows=rows,
-                          mode=mode) for mode, rows in modes]
-        return progs
-
-    def _put(self, x: np.ndarray) -> Any:
-        """x replicated on the mesh, as the forward's outputs are (abstract: its shape)."""
-        if self.abstract:
-            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self._rep)
-        return jax.device_put(x, self._rep)
-
-    def lower(self, program: Program) -> Any:
-        """The program lowered for this runner's mesh (jax.stages.Lowered)."""
-        with jax.set_mesh(self.mesh):
-            return program.fn.lower(*program.args())
-
-    def warmup(self, on_program: OnProgram | None = None) -> None:
-        """Compile every program of warmup_programs now.
-        on_program(done, total): called before the first program and after each."""
-        if self.abstract:
-            raise ValueError("an abstract runner cannot run: lower its warmup_programs instead")
-        with jax.set_mesh(self.mesh):
-            self._warmup(on_program)
-
-    def _warmup(self, on_program: OnProgram | None = None) -> None:
-        programs = self.warmup_programs()
-        report = WarmupReport(len(programs), on_program)
-        # Compile them all, several at a time (nothing runs yet, so no cache is donated
-        # while another program is lowered with it), lowered one by one in this thread
-        # (lowering puts arrays on the mesh, which a multi-host run checks across
-        # processes, so every process must lower in the same order) ...
-        compile_all(programs, lambda lowered: lowered.compile(), prepare=self.lower,
-                    workers=default_compile_workers(),
-                    on_done=lambda prog, _, seconds: report.program_done(prog, seconds))
-        # ... then run each once, from jax's in-memory caches: the calls serving makes.
-        for prog in programs:
-            out = prog.fn(*prog.args())
-            if prog.kind == FORWARD:
-                self.kv_caches = out[2]     # the old ones were donated
-            elif prog.kind == DRAFT:
-                self.drafter.caches = out[1]
-            jax.block_until_ready(out)
-        summary = report.finish()
-        self.warmup_seconds = summary.seconds
-        self.warmup_compilations = summary.counts.lowered
-        # XLA compilations during warmup: from the persistent compilation cache, and fresh.
-        self.warmup_cache_hits = summary.counts.cache_hits
-        self.warmup_fresh_compilations = summary.counts.fresh
-        logger.info("warmup: token buckets %s, page-table widths %s, row buckets %s (greedy), "
-                    "%s (sampling)", list(self.token_buckets), list(self.batch.page_buckets),
-                    list(self.row_buckets), list(self.sampling_row_buckets))

@@ -35,48 +35,23 @@ compile per bucket.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import flax.struct
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from jaxserve.runner.buckets import power_of_two_at_least
-from jaxserve.runner.token_constraints import bias_row, static_mask
-from jaxserve.sampling_params import (MAX_BANNED_TOKENS, MAX_LOGIT_BIAS, MAX_LOGPROBS,
-                                      SAMPLING_EPS, SamplingParams)
+# (SamplingRow, SamplingTensors, make_sampling_tensors, mask_words, seed_to_key_data: the
+# tensors' one builder, sampling_tensors.py; re-exported here for the sampler's callers)
+from jaxserve.runner.sampling_tensors import (SamplingRow, SamplingTensors,  # noqa: F401
+                                              make_sampling_tensors, mask_words,
+                                              seed_to_key_data)
+from jaxserve.sampling_params import MAX_LOGPROBS, SAMPLING_EPS, SamplingParams
 
-_MIN_PENALTY_LEN = 16
 # Most likely tokens per row that top-k / top-p are decided on (without sorting the
 # vocabulary): top_k up to this, and any nucleus of fewer tokens, is exact on them.
 TOP_CANDIDATES = 256
 _KEY_IMPL = "threefry2x32"
-_U32 = 0xFFFFFFFF
-
-
-@flax.struct.dataclass
-class SamplingTensors:
-    temperature: jax.Array  # f32[R]; < SAMPLING_EPS => greedy row
-    top_k: jax.Array  # int32[R]; <= 0 => off
-    top_p: jax.Array  # f32[R]; 1 => off
-    min_p: jax.Array  # f32[R]; 0 => off
-    keys: jax.Array  # uint32[R, 2]; raw threefry key data of PRNGKey(seed)
-    steps: jax.Array  # int32[R]; index of the token being sampled, folded into keys
-    presence_penalty: jax.Array  # f32[R]
-    frequency_penalty: jax.Array  # f32[R]
-    repetition_penalty: jax.Array  # f32[R]
-    banned_token_ids: jax.Array  # int32[R, MAX_BANNED_TOKENS]; V = none (min_tokens stops)
-    want_logprobs: jax.Array  # bool[R]; the row asked for logprobs
-    penalty_token_ids: jax.Array | None = None  # int32[R, L]: prompt ids, output ids, V pad
-    num_prompt_tokens: jax.Array | None = None  # int32[R]
-    # Which tokens each row may sample: bit b of word w allows token 32 w + b (as the
-    # grammar libraries lay their bitmasks out); all ones = unconstrained. The runner
-    # always passes it (one program whatever the rows ask), None only in direct calls.
-    token_mask: jax.Array | None = None  # uint32[R, mask_words(V)]
-    logit_bias_ids: jax.Array | None = None  # int32[R, MAX_LOGIT_BIAS]; V = none
-    logit_bias: jax.Array | None = None  # f32[R, MAX_LOGIT_BIAS]
 
 
 @flax.struct.dataclass
@@ -90,30 +65,6 @@ class SamplerOutput:
     sampled_rank: jax.Array  # int32[R]; 1 = most likely
 
 
-@dataclass(frozen=True, slots=True)
-class SamplingRow:
-    """What the sampler needs to know about one request this step.
-
-    seed: the effective seed (defaults to params.seed). When both are None the
-    row gets a fresh random key each step (not reproducible, as vLLM). The
-    engine may instead give every request a random seed at arrival, which also
-    makes preempted-and-recomputed requests draw the same tokens.
-    prompt/output ids are read only when penalties are on.
-    """
-
-    params: SamplingParams
-    num_output_tokens: int
-    seed: int | None = None
-    prompt_token_ids: Sequence[int] = ()
-    output_token_ids: Sequence[int] = ()
-    banned_token_ids: Sequence[int] = ()  # may not be sampled now (stop tokens < min_tokens)
-
-
-def mask_words(vocab_size: int) -> int:
-    """32-bit words of a row of the token mask."""
-    return -(-vocab_size // 32)
-
-
 def allowed_tokens(token_mask: jax.Array, vocab_size: int) -> jax.Array:
     """uint32[R, W] bitmask -> bool[R, V]: shifts and a reshape (no gather), so XLA fuses
     it into the select that applies it."""
@@ -124,87 +75,6 @@ def allowed_tokens(token_mask: jax.Array, vocab_size: int) -> jax.Array:
 def only_greedy(params: Sequence[SamplingParams]) -> bool:
     """Whether a batch can take the greedy program (argmax, no logprobs, no penalties)."""
     return all(p.is_greedy and p.logprobs is None and not p.has_penalties for p in params)
-
-
-def seed_to_key_data(seed: int) -> tuple[int, int]:
-    """Key data of jax.random.PRNGKey(seed) (64-bit seed semantics), without jax."""
-    return (seed >> 32) & _U32, seed & _U32
-
-
-def make_sampling_tensors(
-    rows: Sequence[SamplingRow],
-    num_rows_padded: int,
-    vocab_size: int,
-    *,
-    penalties: bool = False,
-    penalty_len: int | None = None,
-    rng: np.random.Generator | None = None,
-) -> SamplingTensors:
-    """Host-side (numpy) batch of per-row settings; rows past len(rows) are padding.
-
-    Padding rows are greedy with neutral settings and no penalty tokens.
-    `penalties` must match the flag passed to `sample`. `penalty_len` fixes
-    the padded length L of the token history (default: a power-of-two bucket).
-    """
-    r = len(rows)
-    if r > num_rows_padded:
-        raise ValueError(f"{r} rows do not fit num_rows_padded={num_rows_padded}")
-    pad = num_rows_padded - r
-    f32, i32 = np.float32, np.int32
-
-    def col(values: list, fill, dtype) -> np.ndarray:
-        return np.asarray(values + [fill] * pad, dtype=dtype)
-
-    ps = [row.params for row in rows]
-    keys = np.zeros((num_rows_padded, 2), np.uint32)
-    for i, row in enumerate(rows):
-        seed = row.seed if row.seed is not None else row.params.seed
-        if seed is None:
-            rng = rng if rng is not None else np.random.default_rng()
-            keys[i] = rng.integers(0, 1 << 32, size=2, dtype=np.uint64)
-        else:
-            keys[i] = seed_to_key_data(seed)
-    banned = np.full((num_rows_padded, MAX_BANNED_TOKENS), vocab_size, np.int32)
-    for i, row in enumerate(rows):
-        if row.banned_token_ids:
-            if len(row.banned_token_ids) > MAX_BANNED_TOKENS:
-                raise ValueError(f"at most {MAX_BANNED_TOKENS} stop tokens can be held back "
-                                 f"by min_tokens, got {len(row.banned_token_ids)}")
-            banned[i, :len(row.banned_token_ids)] = row.banned_token_ids
-    tensors = dict(
-        banned_token_ids=banned,
-        temperature=col([p.temperature for p in ps], 0.0, f32),
-        top_k=col([p.top_k for p in ps], 0, i32),
-        top_p=col([p.top_p for p in ps], 1.0, f32),
-        min_p=col([p.min_p for p in ps], 0.0, f32),
-        keys=keys,
-        steps=col([row.num_output_tokens for row in rows], 0, i32),
-        presence_penalty=col([p.presence_penalty for p in ps], 0.0, f32),
-        frequency_penalty=col([p.frequency_penalty for p in ps], 0.0, f32),
-        repetition_penalty=col([p.repetition_penalty for p in ps], 1.0, f32),
-        want_logprobs=col([p.logprobs is not None for p in ps], False, np.bool_),
-        token_mask=np.full((num_rows_padded, mask_words(vocab_size)), _U32, np.uint32),
-        logit_bias_ids=np.full((num_rows_padded, MAX_LOGIT_BIAS), vocab_size, np.int32),
-        logit_bias=np.zeros((num_rows_padded, MAX_LOGIT_BIAS), np.float32),
-    )
-    for i, p in enumerate(ps):   # the fixed constraints (no grammar: the runner's job)
-        static_mask(p, tensors["token_mask"][i])
-        bias_row(p, vocab_size, tensors["logit_bias_ids"][i], tensors["logit_bias"][i])
-    if penalties:
-        lengths = [len(row.prompt_token_ids) + len(row.output_token_ids) for row in rows]
-        need = max(lengths, default=0)
-        length = (power_of_two_at_least(need, _MIN_PENALTY_LEN) if penalty_len is None
-                  else penalty_len)
-        if need > length:
-            raise ValueError(f"penalty_len={length} is shorter than a row's {need} tokens")
-        ids = np.full((num_rows_padded, length), vocab_size, dtype=i32)
-        for i, row in enumerate(rows):
-            n_prompt = len(row.prompt_token_ids)
-            ids[i, :n_prompt] = row.prompt_token_ids
-            ids[i, n_prompt : lengths[i]] = row.output_token_ids
-        tensors["penalty_token_ids"] = ids
-        tensors["num_prompt_tokens"] = col([len(row.prompt_token_ids) for row in rows], 0, i32)
-    return SamplingTensors(**tensors)
 
 
 def apply_penalties(logits: jax.Array, t: SamplingTensors) -> jax.Array:

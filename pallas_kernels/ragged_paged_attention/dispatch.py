@@ -9,7 +9,7 @@ impl="pallas": the kernel for the platform the computation is *lowered* for,
     cuda -> gpu.py (Mosaic GPU) when gpu.supports(...) (bf16/f16 at head_dim
             64/128/256/512, fp8/int8 at 64/128/256), else the reference
             (kv_cache_dtype_error says so, for the engine's start-up, which refuses
-            or logs it: jaxserve/engine/kernel_choice.py; traced on a GPU, the
+            or logs it: jaxserve/build/kernel_choice.py; traced on a GPU, the
             fallback is also logged here);
     tpu  -> tpu.py (Mosaic TPU);
     anything else (cpu, rocm) -> the reference.

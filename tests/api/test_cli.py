@@ -62,7 +62,7 @@ def test_alias_with_dummy_weights_gets_as_far_as_building_the_model(tmp_path, mo
     weights is where this test stops it. The engine is built while the server listens:
     its failure stops the server, is logged, and the exit status is 1."""
     from jaxserve.api.cli import main
-    from jaxserve.engine import loader
+    from jaxserve.build import loader
     from tests.api.conftest import free_port
     monkeypatch.setenv("JAXSERVE_CACHE", str(tmp_path))
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))

@@ -10,7 +10,7 @@ import pytest
 from jaxserve.api.cli import engine_config, parse_args, parser
 from jaxserve.config import ConfigError, EngineConfig
 from jaxserve.engine.llm_kwargs import engine_kwargs
-from jaxserve.speculative import SpeculativeConfig
+from jaxserve.config.speculative import SpeculativeConfig
 from tests.api.test_vllm_flags import SERVE, config_of
 
 FLAG = "--speculative-config"

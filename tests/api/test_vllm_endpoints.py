@@ -20,7 +20,7 @@ from jaxserve.api.metrics import Metrics
 from jaxserve.api.server import create_app
 from jaxserve.api.settings import ServerSettings
 from jaxserve.engine.async_engine import AsyncEngine
-from jaxserve.engine.engine_core import prompt_block_hashes
+from jaxserve.engine.engine_core import prompt_page_hashes
 from jaxserve.engine.input_processor import InputProcessor
 from jaxserve.engine.startup import StartupProgress
 from tests.api.conftest import API_KEY, SERVER_ARGS
@@ -278,7 +278,7 @@ def test_reset_prefix_cache_empties_the_cache_while_requests_run(engine, llm):
     app = app_for(engine, served_model_names=("m",))
     core = llm.engine
     prompt = list(range(3, 3 + 40))       # two full pages of 16
-    hashes = prompt_block_hashes(prompt, core.info.config.page_size)
+    hashes = prompt_page_hashes(prompt, core.info.config.page_size)
     assert call(app, "POST", "/v1/completions",
                 json={"prompt": prompt, "max_tokens": 1}).status_code == 200
     assert core.cached_prefix_pages(hashes) == 2

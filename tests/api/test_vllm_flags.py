@@ -8,8 +8,8 @@ import pytest
 
 from jaxserve.api.cli import checked_config, engine_config, parse_args, parser
 from jaxserve.config import EngineConfig
-from jaxserve.engine_args import human_readable_int
-from jaxserve.vllm_compat import ENGINE, FRONTEND
+from jaxserve.config.engine_args import human_readable_int
+from jaxserve.config.vllm_compat import ENGINE, FRONTEND
 from tests.api.vllm_serve_flags import NO, NOOP, OLDER_VLLM_FLAGS, VLLM_SERVE_FLAGS, WORKS
 
 SERVE = "jaxserve serve"
@@ -190,7 +190,7 @@ def _spellings() -> dict[str, object]:
 
 
 def _compat(action) -> bool:
-    """Whether the flag is one of vLLM's without a jaxserve knob (jaxserve/vllm_compat.py)."""
+    """Whether the flag is one of vLLM's without a jaxserve knob (jaxserve/config/vllm_compat.py)."""
     return action.dest.startswith("vllm_compat:")
 
 

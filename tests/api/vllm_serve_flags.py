@@ -6,7 +6,7 @@ checks jaxserve against this list.
 
 What jaxserve does:
 - WORKS: a jaxserve flag (EngineConfig's, or the server's own).
-- IF: vLLM's setting for a part jaxserve does not have (jaxserve/vllm_compat.py): the
+- IF: vLLM's setting for a part jaxserve does not have (jaxserve/config/vllm_compat.py): the
   values that are true of jaxserve are taken, any other exits 2 naming the flag and why.
 - NOOP: the same, where every value is true of jaxserve (a knob of a part it has not).
 - NO: every value exits 2 naming the flag and why.

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from jaxserve.bench import latency, offline, throughput
-from jaxserve.engine_args import engine_kwargs
+from jaxserve.config.engine_args import engine_kwargs
 from tests.checkpoints import make_tiny_checkpoint
 
 ENGINE = ["--dtype", "float32", "--max-model-len", "64", "--max-num-seqs", "4",

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from jaxserve.core.request import Request, RequestStatus
-from jaxserve.core.scheduler import Scheduler
+from jaxserve.core.scheduler import Scheduler, SchedulerConfig
 from jaxserve.sampling_params import SamplingParams
 
 PS = 4
@@ -30,8 +30,9 @@ def req(rid, prompt, t=0.0, priority=0, salt=None, scope=None, **kw):
 
 
 def sched(num_pages=65, max_num_seqs=8, budget=64, max_model_len=64, **kw):
-    return Scheduler(num_pages=num_pages, page_size=PS, max_num_seqs=max_num_seqs,
-                     max_num_batched_tokens=budget, max_model_len=max_model_len, **kw)
+    return Scheduler(SchedulerConfig(
+        num_pages=num_pages, page_size=PS, max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget, max_model_len=max_model_len, **kw))
 
 
 def token_for(rid, k):
@@ -56,14 +57,14 @@ class Mirror:
         c = out.cached_reqs
         views = []
         for rid, start, n, new_pages in zip(c.req_ids, c.num_computed_tokens,
-                                            c.num_new_tokens, c.new_block_ids):
+                                            c.num_new_tokens, c.new_page_ids):
             self.pages[rid] = tuple(p + n for p, n in zip(self.pages[rid], new_pages, strict=True))
             views.append(self._view(rid, start, n))
         for r in out.new_reqs:
             assert r.req_id not in self.tokens, "a held request sent whole again"
             self.tokens[r.req_id] = list(r.prompt_token_ids) + list(r.output_token_ids)
             self.num_prompt[r.req_id] = len(r.prompt_token_ids)
-            self.pages[r.req_id] = tuple(list(ids) for ids in r.block_ids)
+            self.pages[r.req_id] = tuple(list(ids) for ids in r.page_ids)
             views.append(self._view(r.req_id, r.num_computed_tokens, r.num_new_tokens))
         return views
 
@@ -71,8 +72,8 @@ class Mirror:
         toks = self.tokens[rid]
         assert start + n <= len(toks), "asked to compute a token the runner cannot know"
         return SimpleNamespace(req_id=rid, start_pos=start, token_ids=toks[start:start + n],
-                               block_ids=list(self.pages[rid][0]), sample=start + n == len(toks),
-                               group_block_ids=tuple(list(p) for p in self.pages[rid]),
+                               page_ids=list(self.pages[rid][0]), sample=start + n == len(toks),
+                               group_page_ids=tuple(list(p) for p in self.pages[rid]),
                                num_output_tokens=len(toks) - self.num_prompt[rid])
 
     def sampled(self, tokens: dict[str, int]):
@@ -113,19 +114,19 @@ def test_chunked_prefill_token_accounting():
     out, got = step(s)
     assert got == [("a", 0, 8, False)]
     assert out.requests[0].token_ids == list(range(100, 108))
-    assert out.requests[0].block_ids == [1, 2]
+    assert out.requests[0].page_ids == [1, 2]
     _, got = step(s)
     assert got == [("a", 8, 8, False)]
     out, got = step(s)
     assert got == [("a", 16, 4, True)]
     assert out.requests[0].num_output_tokens == 0
-    assert out.requests[0].block_ids == [1, 2, 3, 4, 5]
+    assert out.requests[0].page_ids == [1, 2, 3, 4, 5]
     assert a.output_token_ids == [token_for("a", 0)]
     out, got = step(s)
     assert got == [("a", 20, 1, True)]
     assert out.requests[0].token_ids == [token_for("a", 0)]
     assert out.out.new_reqs == []  # running: a delta, no copy of its token history
-    assert out.requests[0].block_ids == [1, 2, 3, 4, 5, 6]
+    assert out.requests[0].page_ids == [1, 2, 3, 4, 5, 6]
     _, got = step(s)
     assert got == [("a", 21, 1, True)]
     assert a.status == RequestStatus.FINISHED_LENGTH_CAPPED
@@ -202,15 +203,15 @@ def test_preemption_and_resumption_fcfs():
     s.add_request(a)
     s.add_request(b)
     assert step(s)[1] == [("a", 0, 7, True), ("b", 0, 7, True)]
-    assert s.kv.get_block_ids("a") == [1, 2] and s.kv.get_block_ids("b") == [3, 4]
+    assert s.kv.get_page_ids("a") == [1, 2] and s.kv.get_page_ids("b") == [3, 4]
     assert step(s)[1] == [("a", 7, 1, True), ("b", 7, 1, True)]
     # a needs a third page: b (last in running order) is preempted
     out, got = step(s)
     assert got == [("a", 8, 1, True)]
     assert out.preempted_req_ids == ["b"]
     assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0
-    assert b.num_preemptions == 1 and s.kv.get_block_ids("b") == []
-    assert s.kv.get_block_ids("a") == [1, 2, 4]  # b's tail page evicted first
+    assert b.num_preemptions == 1 and s.kv.get_page_ids("b") == []
+    assert s.kv.get_page_ids("a") == [1, 2, 4]  # b's tail page evicted first
     # b (9 tokens, 3 pages) cannot come back while a holds 3 of 4 pages
     out, got = step(s)
     assert got == [("a", 9, 1, True)] and a.status == RequestStatus.FINISHED_LENGTH_CAPPED
@@ -219,7 +220,7 @@ def test_preemption_and_resumption_fcfs():
     assert got == [("b", 4, 5, True)]
     r = out.requests[0]
     assert r.token_ids == [34, 35, 36, token_for("b", 0), token_for("b", 1)]
-    assert r.num_output_tokens == 2 and r.block_ids[0] == 3
+    assert r.num_output_tokens == 2 and r.page_ids[0] == 3
     assert b.num_cached_tokens == 0  # recorded at the first schedule only
     while s.has_unfinished_requests():
         step(s)
@@ -241,18 +242,18 @@ def test_a_salted_request_keeps_its_salt_through_preemption():
     step(s)
     out, _ = step(s)
     assert out.preempted_req_ids == ["b"] and b.status == RequestStatus.PREEMPTED
-    hashes = list(b.block_hashes)
+    hashes = list(b.page_hashes)
     for salt in (None, "t2"):   # b's first page is cached, but not for them
         c = req("c", list(range(30, 37)), salt=salt)
-        assert s.kv.get_computed_blocks(c)[1] == 0
+        assert s.kv.get_computed_pages(c)[1] == 0
     step(s)                     # a finishes
     out, got = step(s)
-    assert got == [("b", 4, 5, True)] and out.requests[0].block_ids[0] == 3
-    assert b.block_hashes[:len(hashes)] == hashes
+    assert got == [("b", 4, 5, True)] and out.requests[0].page_ids[0] == 3
+    assert b.page_hashes[:len(hashes)] == hashes
     while s.has_unfinished_requests():
         step(s)
     c = req("c", b.all_token_ids[:9], salt="t1")   # b's two full pages, and one more
-    assert s.kv.get_computed_blocks(c)[1] == 8
+    assert s.kv.get_computed_pages(c)[1] == 8
 
 
 def test_preempting_itself_fcfs():
@@ -268,7 +269,7 @@ def test_preempting_itself_fcfs():
     assert s.num_waiting == 1 and s.num_running == 0  # a finished this step
     out, got = step(s)
     assert got == [("b", 8, 1, True)]  # both its full pages were still cached
-    assert out.requests[0].block_ids == [2, 3, 1]  # its own pages, then a's
+    assert out.requests[0].page_ids == [2, 3, 1]  # its own pages, then a's
     while s.has_unfinished_requests():
         step(s)
     assert b.output_token_ids == [token_for("b", k) for k in range(3)]
@@ -329,7 +330,7 @@ def test_undone_victim_forgets_pages_it_would_have_filled():
     assert step(s)[1] == [("e", 0, 5, True), ("b", 0, 2, True)]
     s.add_request(c)
     assert step(s)[1] == [("e", 5, 1, True), ("b", 2, 1, True), ("c", 0, 8, False)]
-    assert s.kv.get_block_ids("b") == [3]
+    assert s.kv.get_page_ids("b") == [3]
     # b's decode fills its page 3 (registered at allocation); then c needs two
     # pages: b is undone and preempted, which is not enough, so c yields too.
     out, got = step(s)
@@ -337,10 +338,10 @@ def test_undone_victim_forgets_pages_it_would_have_filled():
     assert b.num_computed_tokens == 0 and c.num_computed_tokens == 0
     # page 3 is free and will never hold b's 4th token: its hash must be gone
     pool = s.kv.pool
-    assert pool.blocks[3].ref_cnt == 0 and pool.blocks[3].block_hash is None
-    assert pool.get_cached_block(b.block_hashes[0]) is None
+    assert pool.pages[3].ref_cnt == 0 and pool.pages[3].page_hash is None
+    assert pool.get_cached_page(b.page_hashes[0]) is None
     # c's computed pages stay shareable
-    assert [pool.get_cached_block(h).block_id for h in c.block_hashes[:2]] == [4, 5]
+    assert [pool.get_cached_page(h).page_id for h in c.page_hashes[:2]] == [4, 5]
     while s.has_unfinished_requests():
         step(s)
     for r in (e, b, c):
@@ -413,7 +414,7 @@ def test_abort_frees_pages():
     s.add_request(a)
     s.add_request(b)
     out = s.schedule()
-    assert s.kv.get_block_ids("a") == [1, 2, 3]
+    assert s.kv.get_page_ids("a") == [1, 2, 3]
     s.abort_requests(["a", "b", "nope"])
     assert a.status == RequestStatus.FINISHED_ABORTED and a.get_finish_reason() == "abort"
     assert b.status == RequestStatus.FINISHED_ABORTED
@@ -436,11 +437,11 @@ def test_same_step_prefix_sharing_and_scoped_siblings():
         b = out.requests[1]
         if shared:
             assert got == [("a", 0, 9, True), ("b", 8, 1, True)]
-            assert b.block_ids == [1, 2, 4] and s.get_request("b").num_cached_tokens == 8
+            assert b.page_ids == [1, 2, 4] and s.get_request("b").num_cached_tokens == 8
             assert s.stats().prefix_cache_hits == 8
         else:
             assert got == [("a", 0, 9, True), ("b", 0, 9, True)]
-            assert b.block_ids == [4, 5, 6]
+            assert b.page_ids == [4, 5, 6]
 
 
 def test_pool_smaller_than_max_model_len_caps_length():
@@ -522,24 +523,24 @@ def test_random_workload_against_a_fake_kv_cache(policy, caching, window):
         for r in views:  # "layer 0 writes K/V for the whole batch"
             for k, tok in enumerate(r.token_ids):
                 pos = r.start_pos + k
-                kv_slots[(r.block_ids[pos // PS], pos % PS)] = tok
+                kv_slots[(r.page_ids[pos // PS], pos % PS)] = tok
                 if window:
-                    sliding_slots[(r.group_block_ids[SLIDING][pos // PS], pos % PS)] = tok
+                    sliding_slots[(r.group_page_ids[SLIDING][pos // PS], pos % PS)] = tok
         for r in views:  # "then attention reads each request's context"
             req_obj = s.get_request(r.req_id)
             end = r.start_pos + len(r.token_ids)
             assert r.token_ids == req_obj.all_token_ids[r.start_pos:end]
-            assert len(r.block_ids) == -(-end // PS)
-            got = [kv_slots.get((r.block_ids[p // PS], p % PS)) for p in range(end)]
+            assert len(r.page_ids) == -(-end // PS)
+            got = [kv_slots.get((r.page_ids[p // PS], p % PS)) for p in range(end)]
             assert got == req_obj.all_token_ids[:end], r.req_id
             if window:   # the keys this step's queries see, through the runner's table
                 lo = max(r.start_pos - window + 1, 0)
-                ids = r.group_block_ids[SLIDING]
-                assert len(ids) == len(r.block_ids) and 0 not in ids[lo // PS:]
+                ids = r.group_page_ids[SLIDING]
+                assert len(ids) == len(r.page_ids) and 0 not in ids[lo // PS:]
                 got = [sliding_slots.get((ids[p // PS], p % PS)) for p in range(lo, end)]
                 assert got == req_obj.all_token_ids[lo:end], r.req_id
         for group, usable in ((0, 12), (SLIDING, num_sliding - 1))[:2 if window else 1]:
-            held = [s.kv.get_block_ids(x.request_id, group) for x in s.running]
+            held = [s.kv.get_page_ids(x.request_id, group) for x in s.running]
             used = {b for ids_ in held for b in ids_} - {0}
             assert s.kv.get_num_free_pages(group) == usable - len(used)
             if group == SLIDING:
@@ -557,8 +558,8 @@ def test_random_workload_against_a_fake_kv_cache(policy, caching, window):
             assert r.output_token_ids == [token_for("a", k) for k in range(expected[r.request_id])]
     assert s.kv.get_num_free_pages() == 12 and s.kv_cache_usage == 0.0
     for pool in s.kv.pools:   # no page leaked, in either group
-        assert pool.get_num_free_blocks() == pool.num_blocks - 1
-        assert all(b.ref_cnt == 0 for b in pool.blocks)
+        assert pool.get_num_free_pages() == pool.num_pages - 1
+        assert all(b.ref_cnt == 0 for b in pool.pages)
     assert s.stats().num_preemptions > 0
     if caching:
         assert s.stats().prefix_cache_hits > 0

@@ -18,8 +18,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from jaxserve.core.request import Request, RequestStatus, hash_block_tokens
-from jaxserve.core.scheduler import Scheduler
+from jaxserve.core.request import Request, RequestStatus, hash_page_tokens
+from jaxserve.core.scheduler import Scheduler, SchedulerConfig
 
 PS = 4
 EOS = 2
@@ -40,9 +40,10 @@ def req(rid, prompt, t=0.0, priority=0, **kw):
 
 def sched(num_pages=65, max_num_seqs=4, budget=64, max_model_len=64, k=3, **kw):
     """num_pages includes the null page: num_pages - 1 usable."""
-    return Scheduler(num_pages=num_pages, page_size=PS, max_num_seqs=max_num_seqs,
-                     max_num_batched_tokens=budget, max_model_len=max_model_len,
-                     num_speculative_tokens=k, **kw)
+    return Scheduler(SchedulerConfig(
+        num_pages=num_pages, page_size=PS, max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget, max_model_len=max_model_len, num_speculative_tokens=k,
+        **kw))
 
 
 def cols(out):
@@ -75,8 +76,8 @@ def test_drafts_follow_the_last_known_token():
     assert out.spec_token_ids == {"a": [51, 52, 53]}
     assert a.num_computed_tokens == 10 and a.num_tokens == 7
     # Its pages cover the drafts' positions too (0..9: 3 pages).
-    assert len(s.kv.get_block_ids("a")) == 3
-    assert out.cached_reqs.new_block_ids[0] == ([3],)
+    assert len(s.kv.get_page_ids("a")) == 3
+    assert out.cached_reqs.new_page_ids[0] == ([3],)
 
 
 def test_rows_short_of_their_last_token_get_no_drafts():
@@ -182,8 +183,9 @@ def test_no_running_row_starves_while_the_others_draft(budget, want):
     # Every step all 4 rows propose 3 drafts; whatever they accept, each row gets at
     # least its one token every step (before, with a budget of 10 d got none: a and b
     # took 4 each and c the 2 left).
-    s = Scheduler(num_pages=65, page_size=PS, max_num_seqs=4, max_num_batched_tokens=budget,
-                  max_model_len=64, num_speculative_tokens=3)
+    s = Scheduler(SchedulerConfig(
+        num_pages=65, page_size=PS, max_num_seqs=4, max_num_batched_tokens=budget,
+        max_model_len=64, num_speculative_tokens=3))
     rs = [req(r, 1) for r in "abcd"]
     drafts = [70, 71, 72]
     start(s, *rs, proposals={r: drafts for r in "abcd"})
@@ -265,10 +267,10 @@ def test_rejected_draft_positions_keep_their_pages():
     a = req("a", 4)
     start(s, a, proposals={"a": [1, 1, 1]})
     out = s.schedule()   # positions 4..7: page 2
-    assert s.kv.get_block_ids("a") == [1, 2]
+    assert s.kv.get_page_ids("a") == [1, 2]
     s.update_from_output(out, {"a": [9]}, {"a": [1, 1, 1]})
     out = s.schedule()   # positions 5..8: page 3
-    assert cols(out) == {"a": (5, 4)} and s.kv.get_block_ids("a") == [1, 2, 3]
+    assert cols(out) == {"a": (5, 4)} and s.kv.get_page_ids("a") == [1, 2, 3]
 
 
 def test_stop_inside_the_accepted_run_truncates():
@@ -589,7 +591,7 @@ def test_dropping_drafts_avoids_preemption_fcfs():
     assert out.state_restores == [(bb, sb)]
     assert a.spec_token_ids == [55, 56, 57] and a.num_computed_tokens == 8
     assert b.spec_token_ids == [71] and b.num_computed_tokens == 5
-    assert len(s.kv.get_block_ids("a")) == 2 and s.kv.get_num_free_pages() == 0
+    assert len(s.kv.get_page_ids("a")) == 2 and s.kv.get_num_free_pages() == 0
     # Neither verified drafts: each answers with a plain token.
     s.update_from_output(out, {"a": 58, "b": 72}, {"a": [59], "b": []})
     assert a.output_token_ids == [50, 51, 52, 53, 54, 58] and a.spec_token_ids == [59]
@@ -619,7 +621,7 @@ def test_preemption_drops_drafts_and_pending_copies_fcfs():
     assert b.spec_token_ids == [] and b.num_computed_tokens == 0
     assert b.status == RequestStatus.PREEMPTED
     assert s.kv.state_slots.num_free == 8 - 2
-    assert len(s.kv.get_block_ids("a")) == 3 and s.kv.get_num_free_pages() == 1
+    assert len(s.kv.get_page_ids("a")) == 3 and s.kv.get_num_free_pages() == 1
 
 
 def test_preemption_undoes_a_victim_scheduled_with_drafts_priority():
@@ -645,7 +647,7 @@ def test_preemption_undoes_a_victim_scheduled_with_drafts_priority():
     assert y.spec_token_ids == [61, 62, 63]   # pending, verified in a later step
     assert x.spec_token_ids == [] and x.status == RequestStatus.PREEMPTED
     assert "x" not in s.kv.req_pages and s.kv.state_slots.num_free == 8 - 2
-    assert len(s.kv.get_block_ids("y")) == 2 and s.kv.get_num_free_pages() == 1
+    assert len(s.kv.get_page_ids("y")) == 2 and s.kv.get_num_free_pages() == 1
     s.update_from_output(out, {"y": 64}, {"y": [65, 66, 67]})
     out = s.schedule()   # y: 5..8 would need a 3rd page, the free one: its drafts fit
     assert cols(out) == {"y": (5, 4)} and out.spec_token_ids == {"y": [65, 66, 67]}
@@ -663,7 +665,7 @@ def test_dropping_drafts_avoids_preemption_non_hybrid():
     assert out.preempted_req_ids == [] and s.num_preemptions == 0
     assert cols(out) == {"y": (8, 4), "x": (3, 1)}
     assert out.spec_token_ids == {"y": [61, 62, 63]}
-    assert x.spec_token_ids == [51, 52, 53] and len(s.kv.get_block_ids("x")) == 1
+    assert x.spec_token_ids == [51, 52, 53] and len(s.kv.get_page_ids("x")) == 1
     s.update_from_output(out, {"y": [64], "x": 51}, {"y": [], "x": [52]})
     assert x.output_token_ids == [50, 51] and y.output_token_ids == [60, 64]
 
@@ -691,7 +693,7 @@ def test_preemption_drops_drafts_non_hybrid():
 # ---- lookahead pages (a model drafter writes its KV past the step's tokens) ---------------
 
 def pages(s, rid):
-    return len(s.kv.get_block_ids(rid))
+    return len(s.kv.get_page_ids(rid))
 
 
 def test_lookahead_pages_past_a_chunk_that_reaches_the_last_token():
@@ -701,7 +703,7 @@ def test_lookahead_pages_past_a_chunk_that_reaches_the_last_token():
     # The prompt (0..5) reaches its end: pages for 3 positions more (6..8), 3 pages.
     assert pages(s, "a") == 3
     out = s.schedule()   # 6..9 (the drafts' positions too) and 10..12 ahead: 4 pages
-    assert cols(out) == {"a": (6, 4)} and out.cached_reqs.new_block_ids[0] == ([4],)
+    assert cols(out) == {"a": (6, 4)} and out.cached_reqs.new_page_ids[0] == ([4],)
     assert pages(s, "a") == 4
     s.update_from_output(out, {"a": [51, 52, 53, 54]}, {})
     out = s.schedule()   # no drafts: 10 and 11..13 ahead, still 4 pages
@@ -778,7 +780,7 @@ def test_lookahead_pages_go_before_anyone_is_preempted():
 # ---- the prefix cache ------------------------------------------------------------------
 
 def cached_hashes(s):
-    return set(s.kv.pool.cached_blocks)
+    return set(s.kv.pool.cached_pages)
 
 
 def test_prefix_cache_never_registers_draft_positions():
@@ -786,10 +788,10 @@ def test_prefix_cache_never_registers_draft_positions():
     p = list(range(100, 106))
     a = req("a", p)
     start(s, a, proposals={"a": [51, 52, 53]})
-    assert cached_hashes(s) == set(a.block_hashes[:1])
+    assert cached_hashes(s) == set(a.page_hashes[:1])
     out = s.schedule()   # positions 6..9; 7..9 are drafts: page 1 (4..7) is not full of
     assert cols(out) == {"a": (6, 4)}     # known tokens
-    assert cached_hashes(s) == set(a.block_hashes[:1])
+    assert cached_hashes(s) == set(a.page_hashes[:1])
     # A request whose prompt continues with a's drafts finds only the first page.
     b = req("b", p + [50, 51, 52, 53, 54])
     s.add_request(b)
@@ -800,12 +802,12 @@ def test_prefix_cache_never_registers_draft_positions():
     s.update_from_output(out_b, {"b": 70}, {})
     out = s.schedule()
     assert cols(out) == {"a": (7, 4), "b": (11, 1)}
-    want = hash_block_tokens(a.block_hashes[0], (104, 105, 50, 60))
-    assert a.block_hashes[1] == want
+    want = hash_page_tokens(a.page_hashes[0], (104, 105, 50, 60))
+    assert a.page_hashes[1] == want
     assert want in cached_hashes(s)
-    assert hash_block_tokens(a.block_hashes[0], (104, 105, 50, 51)) == b.block_hashes[1]
+    assert hash_page_tokens(a.page_hashes[0], (104, 105, 50, 51)) == b.page_hashes[1]
     # Every registered page is full of some request's known tokens.
-    known = set(a.block_hashes) | set(b.block_hashes)
+    known = set(a.page_hashes) | set(b.page_hashes)
     assert cached_hashes(s) <= known
     assert s.kv.req_pages["a"].num_cached == 2 == a.num_tokens // PS
 
@@ -819,9 +821,9 @@ def test_prefix_cache_registers_accepted_drafts_as_known_tokens():
     assert a.num_tokens == 11 and a.num_computed_tokens == 10
     # Pages 1 (4..7) and 2 (8..11): page 1 is full of known tokens now, registered
     # when the next step is scheduled (its KV was written by the verifying step).
-    assert cached_hashes(s) == set(a.block_hashes[:1])
+    assert cached_hashes(s) == set(a.page_hashes[:1])
     s.schedule()
-    assert cached_hashes(s) == set(a.block_hashes[:2])
+    assert cached_hashes(s) == set(a.page_hashes[:2])
 
 
 # ---- statistics ------------------------------------------------------------------------

@@ -5,7 +5,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from jaxserve.core.request import Request
-from jaxserve.core.scheduler import Scheduler, SchedulerStats
+from jaxserve.core.scheduler import Scheduler, SchedulerConfig, SchedulerStats
 
 PS = 4
 
@@ -27,15 +27,15 @@ def test_totals_count_each_prompt_once_and_every_token():
     # 4 usable pages of 4 tokens: the two requests cannot both grow, one is preempted
     # after its first token (its prompt is not counted again when it resumes); the
     # 20-token prompt is prefilled in chunks of 8 and counted once, when done.
-    s = Scheduler(num_pages=5, page_size=PS, max_num_seqs=4, max_num_batched_tokens=8,
-                  max_model_len=16)
+    s = Scheduler(SchedulerConfig(
+        num_pages=5, page_size=PS, max_num_seqs=4, max_num_batched_tokens=8, max_model_len=16))
     prompts = {"a": list(range(10, 17)), "b": list(range(30, 37))}
     for rid, p in prompts.items():
         s.add_request(_request(rid, p, max_tokens=4))
     _run(s)
     assert s.stats().num_preemptions >= 1
-    big = Scheduler(num_pages=17, page_size=PS, max_num_seqs=4, max_num_batched_tokens=8,
-                    max_model_len=32)
+    big = Scheduler(SchedulerConfig(
+        num_pages=17, page_size=PS, max_num_seqs=4, max_num_batched_tokens=8, max_model_len=32))
     big.add_request(_request("c", list(range(40, 60)), max_tokens=3))
     _run(big)
     for sched, prompt_tokens, generated in ((s, 14, 8), (big, 20, 3)):

@@ -190,11 +190,11 @@ def test_a_failed_step_forgets_its_snapshots():
 
 def test_eviction_keeps_the_long_shared_prefix():
     c = SnapshotCache(first_slot=5, num_slots=2)
-    assert c.save_branch(1, block_hash=11, num_tokens=400)
-    assert c.save_branch(2, block_hash=22, num_tokens=16)
+    assert c.save_branch(1, page_hash=11, num_tokens=400)
+    assert c.save_branch(2, page_hash=22, num_tokens=16)
     c.commit()
     assert c.num_free == 0
-    assert c.save_branch(3, block_hash=33, num_tokens=64)   # evicts the 16-token one
+    assert c.save_branch(3, page_hash=33, num_tokens=64)   # evicts the 16-token one
     c.commit()
     assert c.lookup(11, 400) is not None and c.lookup(22, 16) is None
     assert c.lookup(33, 64) is not None
@@ -207,11 +207,11 @@ def test_snapshot_cache_refuses_bad_slots():
 
 def test_eviction_keeps_a_shared_prefix_over_longer_unused_ones():
     c = SnapshotCache(first_slot=5, num_slots=2)
-    c.save_branch(1, block_hash=11, num_tokens=32)    # a shared system prompt
-    c.save_branch(2, block_hash=22, num_tokens=48)    # one request's own prompt
+    c.save_branch(1, page_hash=11, num_tokens=32)    # a shared system prompt
+    c.save_branch(2, page_hash=22, num_tokens=48)    # one request's own prompt
     c.commit()
     c.use(c.lookup(11, 32))
     c.use(c.lookup(11, 32))
-    c.save_branch(3, block_hash=33, num_tokens=64)
+    c.save_branch(3, page_hash=33, num_tokens=64)
     c.commit()
     assert c.lookup(11, 32) is not None and c.lookup(22, 48) is None

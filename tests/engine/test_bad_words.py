@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jaxserve.engine.bad_words import BadWords
-from jaxserve.engine.errors import InputError
+from jaxserve.errors import InputError
 from jaxserve.engine.input_processor import InputProcessor
 from jaxserve.runner.token_constraints import ALL_ALLOWED, DynamicConstraints, static_mask
 from jaxserve.sampling_params import (MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, MAX_BAD_WORDS_CHARS,

@@ -8,7 +8,7 @@ import logging
 import pytest
 
 from jaxserve import LLM
-from jaxserve.planning.cache_plan import plan_caches
+from jaxserve.build.cache_plan import plan_caches
 from jaxserve.planning.plan import load_model_config, make_plan, plan_for_engine
 from models.cache_spec import PagedKVSpec, RecurrentStateSpec, SharedKVSpec
 from sharding import bytes_per_device
@@ -108,7 +108,7 @@ def test_the_planner_plans_speculation_on_a_hybrid_as_the_engine(mtp_checkpoint,
     import dataclasses
     import json
 
-    from jaxserve.planning.plan_cli import main
+    from jaxserve.cli.plan import main
     path = mtp_checkpoint
     core = LLM(path, kv_cache_memory_bytes=BUDGET, speculative_config=spec,
                enforce_eager=True, **ENGINE).engine

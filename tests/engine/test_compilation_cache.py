@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 
-from jaxserve.engine import startup
+from jaxserve.build import startup
 
 # Builds the built-in tiny model's engine (few buckets: few programs) through make_engine
 # with a StartupProgress, and prints what it reports.
@@ -18,7 +18,7 @@ logging.basicConfig(level=logging.INFO)
 from jaxserve.config import EngineConfig
 from jaxserve.checkpoints.default_model import default_model_dir
 from jaxserve.engine.data_parallel import make_engine
-from jaxserve.engine.startup import StartupProgress
+from jaxserve.build.startup import StartupProgress
 seen = []
 progress = StartupProgress(on_change=lambda s: seen.append([s.phase, s.done, s.total]))
 core = make_engine(EngineConfig(

@@ -20,8 +20,8 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.checkpoints.converted import MANIFEST, PARAMS_DIR, read_manifest, resolve_converted
 from jaxserve.config import EngineConfig
 from jaxserve.convert import convert
-from jaxserve.engine.layout import engine_layout, layout_param_shardings
-from jaxserve.engine.loader import load_model, load_weights
+from jaxserve.build.layout import engine_layout, layout_param_shardings
+from jaxserve.build.loader import load_model, load_weights
 from jaxserve.planning.plan import load_model_config
 from models.config import ModelConfig
 from sharding import make_mesh
@@ -289,7 +289,7 @@ def test_restore_reads_no_leaf_through_the_host_as_float(checkpoint, tmp_path, m
     def spy(path, target, **kw):
         seen.update({p: (x.dtype, x.sharding) for p, x in flatten_dict(target).items()})
         return real(path, target, **kw)
-    monkeypatch.setattr("jaxserve.engine.loader.restore_params", spy)
+    monkeypatch.setattr("jaxserve.build.loader.restore_params", spy)
     _load(str(out), "1x2")
     assert seen and {str(d) for d, _ in seen.values()} == {"bfloat16"}
     assert all(isinstance(s, jax.sharding.NamedSharding) for _, s in seen.values())

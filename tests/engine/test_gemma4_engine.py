@@ -116,9 +116,9 @@ def test_pages_leaving_the_window_go_back_to_the_pool(checkpoint, expected):
             if o.finished:
                 tokens = o.outputs[0].token_ids
         if engine.has_unfinished_requests():
-            held = [p for p in kv.get_block_ids("long", SLIDING) if p != 0]
+            held = [p for p in kv.get_page_ids("long", SLIDING) if p != 0]
             most_held = max(most_held, len(held))
-            most_global = max(most_global, len(kv.get_block_ids("long")))
+            most_global = max(most_global, len(kv.get_page_ids("long")))
             assert kv.get_num_free_pages(SLIDING) == sliding_total - len(held)
     assert tokens[:NUM_NEW] == expected[kind][2]
     assert most_global == -(-(70 + 80 - 1) // 16)           # every page of the sequence

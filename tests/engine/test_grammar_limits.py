@@ -13,7 +13,7 @@ import threading
 import pytest
 
 from jaxserve.engine import grammar
-from jaxserve.engine.errors import InputError
+from jaxserve.errors import InputError
 from jaxserve.engine.grammar import GrammarCompiler, short_error
 from jaxserve.engine.grammar_worker import Cancelled, CompileWorkers
 from jaxserve.structured_outputs import StructuredOutputsParams as SO

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from jaxserve.engine.errors import InputError
+from jaxserve.errors import InputError
 from jaxserve.engine.input_processor import EngineRequest, InputProcessor
 from jaxserve.sampling_params import SamplingParams
 

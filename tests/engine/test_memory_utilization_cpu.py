@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.planning import kv_budget
+from jaxserve.build import kv_budget
 
 FREE_RAM = 64 << 20   # what the test says the host has free
 

@@ -9,7 +9,7 @@ import pytest
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.config import EngineConfig
-from jaxserve.engine.layout import engine_layout
+from jaxserve.build.layout import engine_layout
 from models.config import ModelConfig
 from sharding import make_mesh
 from sharding.tpu_targets import abstract_tpu_mesh

@@ -193,7 +193,7 @@ def _snapshot(engine, req) -> dict:
     n = len(tokens) - 1 + len(drafts) - 1
     cache = np.asarray(engine.runner.drafter.caches["kv"])
     ps = cache.shape[2]
-    pages = engine.scheduler.kv.get_block_ids(req.request_id)
+    pages = engine.scheduler.kv.get_page_ids(req.request_id)
     rows = np.stack([cache[pages[p // ps], :, p % ps, :] for p in range(n)])
     return dict(tokens=tokens, drafts=drafts, k=rows[:, 0::2], v=rows[:, 1::2])
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import threading
 
-from jaxserve.engine.startup import COMPILING, LOADING_WEIGHTS, STARTING, StartupProgress
+from jaxserve.build.startup import COMPILING, LOADING_WEIGHTS, STARTING, StartupProgress
 
 
 def test_phases_counts_and_callback():

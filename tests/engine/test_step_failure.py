@@ -12,7 +12,7 @@ import pytest
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.core.outputs import RequestOutput
-from jaxserve.engine.errors import EngineDeadError, RequestFailedError
+from jaxserve.errors import EngineDeadError, RequestFailedError
 from tests.engine.conftest import add, assert_no_leaks
 
 BUDGET = 32

@@ -9,10 +9,11 @@ from types import SimpleNamespace
 import pytest
 
 from jaxserve.config import EngineConfig
-from jaxserve.engine import data_parallel, device_pool
-from jaxserve.engine.device_pool import POOL_ENV, set_device_pool
-from jaxserve.engine.layout import cache_plan_for, layout_for
-from jaxserve.planning.kv_budget import WORKSPACE_SHARE, cache_budget_bytes
+from jaxserve.build import device_pool
+from jaxserve.engine import data_parallel
+from jaxserve.build.device_pool import POOL_ENV, set_device_pool
+from jaxserve.build.layout import cache_plan_for, layout_for
+from jaxserve.build.kv_budget import WORKSPACE_SHARE, cache_budget_bytes
 from jaxserve.planning.plan import WeightFigures, load_model_config, plan_from_config
 
 GIB = 2**30
@@ -116,7 +117,7 @@ def test_the_planner_budget_is_the_engines_on_that_device(monkeypatch, spec):
 
 def test_cpu_keeps_its_meaning():
     """On CPU the share is of the free host RAM (the memory the engine can have there)."""
-    from jaxserve.planning import kv_budget
+    from jaxserve.build import kv_budget
     cpu = SimpleNamespace(platform="cpu")
     free = kv_budget.available_host_bytes()
     budget, capped = cache_budget_bytes(kv_cache_memory_bytes=None, hbm_utilization=0.5,

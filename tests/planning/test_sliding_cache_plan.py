@@ -10,8 +10,8 @@ import jax
 import pytest
 
 from jaxserve.config import EngineConfig
-from jaxserve.engine.layout import engine_layout, layout_cache_plan
-from jaxserve.planning.cache_plan import plan_caches
+from jaxserve.build.layout import engine_layout, layout_cache_plan
+from jaxserve.build.cache_plan import plan_caches
 from jaxserve.planning.plan import WeightFigures, make_plan
 from jaxserve.planning.plan_format import format_plan
 from models.cache_spec import PagedKVSpec, RecurrentStateSpec, SharedKVSpec
@@ -117,15 +117,16 @@ def test_the_planner_and_the_engine_make_the_same_sliding_plan():
 def test_sliding_pages_cover_a_lone_request(window):
     """The planned group always holds one request's window and a full step, so the
     scheduler accepts it (it refuses a pool that could loop on preemption)."""
-    from jaxserve.core.scheduler import Scheduler
+    from jaxserve.core.scheduler import Scheduler, SchedulerConfig
     spec = replace(SLIDING, sliding_window=window)
     plan = plan_caches([spec, GLOBAL], num_pages=200, model_axis=1, page_size=16,
                        max_num_seqs=1, max_model_len=2048, max_num_batched_tokens=64)
-    Scheduler(num_pages=plan.num_pages, page_size=16, max_num_seqs=1,
-              max_num_batched_tokens=64, max_model_len=2048,
-              num_sliding_pages=plan.num_sliding_pages, sliding_window=plan.sliding_window)
+    Scheduler(SchedulerConfig(
+        num_pages=plan.num_pages, page_size=16, max_num_seqs=1, max_num_batched_tokens=64,
+        max_model_len=2048, num_sliding_pages=plan.num_sliding_pages,
+        sliding_window=plan.sliding_window))
     with pytest.raises(ValueError, match="num_sliding_pages"):
-        Scheduler(num_pages=plan.num_pages, page_size=16, max_num_seqs=1,
-                  max_num_batched_tokens=64, max_model_len=2048,
-                  num_sliding_pages=plan.num_sliding_pages - 2,
-                  sliding_window=plan.sliding_window)
+        Scheduler(SchedulerConfig(
+            num_pages=plan.num_pages, page_size=16, max_num_seqs=1, max_num_batched_tokens=64,
+            max_model_len=2048, num_sliding_pages=plan.num_sliding_pages - 2,
+            sliding_window=plan.sliding_window))

@@ -13,7 +13,7 @@ import pytest
 
 from jaxserve.core.kv_cache_manager import SLIDING
 from jaxserve.core.request import Request
-from jaxserve.core.scheduler import CachedRequestData, Scheduler, SchedulerOutput
+from jaxserve.core.scheduler import CachedRequestData, Scheduler, SchedulerConfig, SchedulerOutput
 from jaxserve.engine.bad_words import BadWords
 from jaxserve.runner.buckets import pick_bucket, power_of_two_buckets
 from jaxserve.runner.input_batch import InputBatch
@@ -33,7 +33,7 @@ def full_copy_inputs(sched: Scheduler, out, width: int, group: int = 0
     state = np.zeros(R, np.int32)
     for i, (rid, start, n) in enumerate(out.scheduled()):
         req = sched.get_request(rid)
-        pages = sched.kv.get_block_ids(rid, group)
+        pages = sched.kv.get_page_ids(rid, group)
         tokens += req.all_token_ids[start:start + n]
         pos += range(start, start + n)
         slots += [pages[p // PS] * PS + p % PS for p in range(start, start + n)]
@@ -113,9 +113,10 @@ def check_sliding(sched: Scheduler, out, inputs, num_reqs: int) -> int:
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
 def test_diffs_rebuild_the_full_copy(policy, hybrid, window):
     rng = random.Random(7)
-    sched = Scheduler(num_pages=11, page_size=PS, max_num_seqs=R, max_num_batched_tokens=16,
-                      max_model_len=MML, policy=policy, num_state_slots=R + 1 if hybrid else 0,
-                      num_sliding_pages=10 if window else 0, sliding_window=window)
+    sched = Scheduler(SchedulerConfig(
+        num_pages=11, page_size=PS, max_num_seqs=R, max_num_batched_tokens=16, max_model_len=MML,
+        policy=policy, num_state_slots=R + 1 if hybrid else 0,
+        num_sliding_pages=10 if window else 0, sliding_window=window))
     batch = InputBatch(max_num_seqs=R, max_model_len=MML, page_size=PS, token_buckets=BUCKETS,
                        vocab_size=V, page_buckets=(4, 8, 12), sliding=window is not None)
     prefixes = [[rng.randrange(3, V) for _ in range(9)] for _ in range(2)]
@@ -181,8 +182,8 @@ def test_diffs_rebuild_the_full_copy(policy, hybrid, window):
 
 
 def test_a_diff_the_batch_cannot_apply_is_refused():
-    sched = Scheduler(num_pages=11, page_size=PS, max_num_seqs=R, max_num_batched_tokens=16,
-                      max_model_len=MML)
+    sched = Scheduler(SchedulerConfig(
+        num_pages=11, page_size=PS, max_num_seqs=R, max_num_batched_tokens=16, max_model_len=MML))
     new_batch = lambda: InputBatch(max_num_seqs=R, max_model_len=MML, page_size=PS,  # noqa: E731
                                    token_buckets=BUCKETS, vocab_size=V)
     batch = new_batch()

@@ -10,8 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.runner.layer_caches import layer_cache_specs
+from jaxserve.runner.layer_caches import abstract_layer_caches
 from jaxserve.runner.model_runner import ModelRunner
+from jaxserve.runner.runner_config import RunnerConfig
 from jaxserve.runner.programs import FORWARD
 from models.config import ModelConfig
 from models.gemma4_config import gemma4_fields
@@ -37,26 +38,27 @@ def llama_config() -> ModelConfig:
 
 def test_sliding_cache_has_its_own_pages_and_the_kv_sharding():
     mesh = make_mesh("1x4", jax.devices()[:4])
-    specs = layer_cache_specs(gemma_config(), mesh, num_pages=50, page_size=PS,
-                              kv_dtype=jnp.float32, num_state_slots=0,
-                              conv_state_dtype=jnp.float32, num_sliding_pages=9)
+    specs = abstract_layer_caches(gemma_config(), mesh, num_pages=50, page_size=PS,
+                                  kv_dtype=jnp.float32, num_state_slots=0,
+                                  conv_state_dtype=jnp.float32, num_sliding_pages=9)
     kv, sliding = specs[KV], specs[KV_SLIDING]
     assert kv.shape[0] == 1 * 50 and sliding.shape[0] == 5 * 9   # 1 global, 5 sliding layers
     assert sliding.sharding == kv.sharding
     assert sliding.sharding.spec != jax.sharding.PartitionSpec()   # split by KV head
-    same = layer_cache_specs(gemma_config(), mesh, num_pages=50, page_size=PS,
-                             kv_dtype=jnp.float32, num_state_slots=0,
-                             conv_state_dtype=jnp.float32)
+    same = abstract_layer_caches(gemma_config(), mesh, num_pages=50, page_size=PS,
+                                 kv_dtype=jnp.float32, num_state_slots=0,
+                                 conv_state_dtype=jnp.float32)
     assert same[KV_SLIDING].shape[0] == 5 * 50   # no group: the global page count
 
 
 def abstract_runner(cfg: ModelConfig, num_sliding_pages: int) -> ModelRunner:
     """Nothing allocated or run: the caches are described, the params empty."""
     model = SimpleNamespace(config=cfg, dtype=jnp.float32)
-    return ModelRunner(model=model, params={}, vocab_size=cfg.vocab_size, num_pages=40,
-                       page_size=PS, max_num_seqs=4, max_model_len=256,
-                       max_num_batched_tokens=32, kv_dtype=jnp.float32,
-                       num_sliding_pages=num_sliding_pages, abstract=True)
+    return ModelRunner(RunnerConfig(vocab_size=cfg.vocab_size, num_pages=40, page_size=PS,
+                                    max_num_seqs=4, max_model_len=256,
+                                    max_num_batched_tokens=32, kv_dtype=jnp.float32,
+                                    num_sliding_pages=num_sliding_pages),
+                       model=model, params={}, abstract=True)
 
 
 @pytest.mark.parametrize("cfg,num_sliding", [(gemma_config, 12), (gemma_config, 0),

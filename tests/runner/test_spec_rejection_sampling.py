@@ -28,13 +28,13 @@ import pytest
 from scipy import stats
 
 from jaxserve.core.request import Request
-from jaxserve.core.scheduler import Scheduler
+from jaxserve.core.scheduler import Scheduler, SchedulerConfig
 from jaxserve.runner.input_batch import InputBatch
 from jaxserve.runner.model_runner import ModelRunner, ModelRunnerOutput
 from jaxserve.runner.sampler import sample
 from jaxserve.runner.spec_decode import num_accepted
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.speculative import SpeculativeConfig
+from jaxserve.config.speculative import SpeculativeConfig
 
 V = 5            # vocabulary
 L = 4            # output tokens per request (max_tokens)
@@ -184,9 +184,9 @@ def run(params: SamplingParams, k: int, n: int = N, seed0: int = 0,
     step (0: no speculation) from `proposer` (ngram: the runner's own,
     ModelRunner._propose; close: propose_close). -> (outputs [n, L], the scheduler), or
     with full=True (outputs as lists, the scheduler, {req_id: per-token logprob entries})."""
-    sched = Scheduler(num_pages=n * (-(-MML // PS)) + 1, page_size=PS, max_num_seqs=n,
-                      max_num_batched_tokens=n * MML, max_model_len=MML,
-                      num_speculative_tokens=k)
+    sched = Scheduler(SchedulerConfig(
+        num_pages=n * (-(-MML // PS)) + 1, page_size=PS, max_num_seqs=n,
+        max_num_batched_tokens=n * MML, max_model_len=MML, num_speculative_tokens=k))
     batch = InputBatch(max_num_seqs=n, max_model_len=MML, page_size=PS, token_buckets=(16,),
                        vocab_size=V, num_speculative_tokens=k)
     spec = SpeculativeConfig(num_speculative_tokens=k, prompt_lookup_min=1,

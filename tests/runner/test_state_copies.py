@@ -17,6 +17,7 @@ from jaxserve.core.sched_output import CachedRequestData, NewRequestData, Schedu
 from jaxserve.runner.compile_counter import num_compilations
 from jaxserve.runner.input_batch import InputBatch
 from jaxserve.runner.model_runner import ModelRunner
+from jaxserve.runner.runner_config import RunnerConfig
 from jaxserve.runner.programs import FORWARD
 from models.config import ModelConfig
 from models.layer_stack import CONV, KV, RECURRENT
@@ -162,9 +163,10 @@ def test_warmup_forwards_take_the_pairs_only_on_a_hybrid():
     cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=512, hidden_size=64,
                       intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=4,
                       head_dim=16)
-    runner = ModelRunner(model=SimpleNamespace(config=cfg, dtype=jnp.float32), params={},
-                         vocab_size=512, num_pages=40, page_size=16, max_num_seqs=K,
-                         max_model_len=256, max_num_batched_tokens=32, kv_dtype=jnp.float32,
+    runner = ModelRunner(RunnerConfig(vocab_size=512, num_pages=40, page_size=16,
+                                      max_num_seqs=K, max_model_len=256,
+                                      max_num_batched_tokens=32, kv_dtype=jnp.float32),
+                         model=SimpleNamespace(config=cfg, dtype=jnp.float32), params={},
                          abstract=True)
     for prog in (p for p in runner.warmup_programs() if p.kind == FORWARD):
         assert prog.args()[2].state_restores is None and prog.args()[2].state_saves is None

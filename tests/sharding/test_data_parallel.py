@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 from jaxserve.engine.data_parallel import DataParallelEngine
-from jaxserve.engine.engine_core import prompt_block_hashes
+from jaxserve.engine.engine_core import prompt_page_hashes
 from jaxserve.engine.input_processor import InputProcessor
 from jaxserve.sampling_params import SamplingParams
 from tests.engine.conftest import add
@@ -20,8 +20,8 @@ class FakeReplica:
     def num_unfinished(self) -> int:
         return self.load
 
-    def cached_prefix_pages(self, block_hashes) -> int:
-        return min(self.cached_pages, len(block_hashes))
+    def cached_prefix_pages(self, page_hashes) -> int:
+        return min(self.cached_pages, len(page_hashes))
 
     def add_request(self, request):   # no validate: the front door did that
         self.added.append(request.request_id)
@@ -89,4 +89,4 @@ def test_prompt_hashes_match_the_prefix_cache():
     from jaxserve.core.request import Request
     prompt = list(range(3, 40))
     req = Request("r", prompt, SamplingParams(), page_size=16)
-    assert prompt_block_hashes(prompt, 16) == req.block_hashes and len(req.block_hashes) == 2
+    assert prompt_page_hashes(prompt, 16) == req.page_hashes and len(req.page_hashes) == 2

@@ -11,16 +11,16 @@ from jaxserve.planning.plan import (
     WeightFigures,
     format_plan,
     load_model_config,
-    main,
     make_plan,
     parse_bytes,
 )
+from jaxserve.plan import main
 
 GIB = 2**30
 
 
 def paged_tokens(budget: int, per_token: int, page_size: int = 16) -> int:
-    """The engine's rule (planning/cache_plan.py): whole pages, less the null page."""
+    """The engine's rule (build/cache_plan.py): whole pages, less the null page."""
     return max(budget // (per_token * page_size) - 1, 0) * page_size
 
 
@@ -139,7 +139,7 @@ def test_qwen36_27b_analytic_count():
 
 def snapshot_slots(budget: int, per_slot: int, max_num_seqs: int) -> int:
     """The prefix cache's state snapshots: their share of the budget, capped per sequence."""
-    from jaxserve.planning.cache_plan import MAX_SNAPSHOTS_PER_SEQ, SNAPSHOT_BUDGET_SHARE
+    from jaxserve.build.cache_plan import MAX_SNAPSHOTS_PER_SEQ, SNAPSHOT_BUDGET_SHARE
     return min(int(budget * SNAPSHOT_BUDGET_SHARE) // per_slot, MAX_SNAPSHOTS_PER_SEQ * max_num_seqs)
 
 
@@ -239,7 +239,7 @@ def test_the_cache_leaves_room_for_the_sampler():
     shrinks by as much; with 8 rows the 5 % floor stands. The penalties' token history
     [rows, max_model_len] int32 comes on top (XLA:TPU: +260 MB of arguments at 262,144
     tokens, which took the default-context flagship past the chip)."""
-    from jaxserve.planning.kv_budget import SAMPLER_COPIES, WORKSPACE_SHARE, memory_split
+    from jaxserve.build.kv_budget import SAMPLER_COPIES, WORKSPACE_SHARE, memory_split
     mc = load_model_config("qwen3.6-27b")
     kw = dict(model="qwen3.6-27b", mesh="1x8", max_model_len=8192, hbm_bytes=int(31.25 * GIB))
     p = make_plan(mc, **kw)

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from jaxserve.planning.plan import main
+from jaxserve.plan import main
 from tests.checkpoints import make_tiny_checkpoint
 
 pytest.importorskip("libtpu")
@@ -155,7 +155,7 @@ def test_a_step_past_a_compiler_limit_is_refused(tmp_path, capsys):
     import jax
 
     from jaxserve.config import EngineConfig
-    from jaxserve.engine.layout import engine_layout
+    from jaxserve.build.layout import engine_layout
     from jaxserve.planning.plan import load_model_config
     from sharding.tpu_targets import abstract_tpu_mesh
 

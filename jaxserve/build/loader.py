@@ -1,8 +1,8 @@
 """The model of one engine replica, built and loaded onto its 1xM mesh.
 
 `load_model` is the only bring-up step that touches weights: it builds the flax model
-for the layout's choices (engine/layout.py), reads the checkpoint (or draws dummy
-weights, or restores a converted checkpoint: jaxserve/convert.py) straight into the
+for the layout's choices (build/layout.py), reads the checkpoint (or draws dummy
+weights, or restores a converted checkpoint: jaxserve/cli/convert.py) straight into the
 parameter shardings, and unties a tied lm_head on CPU.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 from jaxserve.checkpoints.converted import (PARAMS_DIR, check_settings, check_tree,
                                             is_converted, read_manifest, tree_settings)
 from jaxserve.config import EngineConfig
-from jaxserve.engine.layout import EngineLayout, build_layout_model, layout_param_shardings
+from jaxserve.build.layout import EngineLayout, build_layout_model, layout_param_shardings
 from models.kv_scales import calculates_scales, kv_scales
 from models.orbax_io import restore_params
 from models.weights import abstract_params, load_params, param_bytes, untie_lm_head, widen_params

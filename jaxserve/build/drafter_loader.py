@@ -16,14 +16,15 @@ from typing import Any
 from jax.sharding import Mesh
 
 from jaxserve.checkpoints.model_names import resolve_model
-from jaxserve.planning.plan import load_model_config
+from jaxserve.checkpoints.model_names import load_model_config
 from jaxserve.config import EngineConfig
-from jaxserve.engine.layout import (EngineLayout, build_layout_model, layout_for,
-                                    layout_param_shardings)
-from jaxserve.engine.loader import load_model
-from jaxserve.planning.cache_plan import CachePlan
+from jaxserve.build.layout import (EngineLayout, build_layout_model, layout_for,
+                                   layout_param_shardings)
+from jaxserve.build.loader import load_model
+from jaxserve.build.cache_plan import CachePlan
 from jaxserve.runner.drafter import ModelDrafter
-from jaxserve.speculative import DRAFT_MODEL, MTP, NGRAM
+from jaxserve.runner.runner_config import DrafterConfig
+from jaxserve.config.speculative import DRAFT_MODEL, MTP, NGRAM
 from models.cache_spec import CacheSpec, layer_cache_specs
 from models.config import ModelConfig
 from models.mtp import MTP_PREFIX, MTPHead, mtp_config
@@ -46,13 +47,14 @@ class DrafterParts:
 
     def build(self, plan: CachePlan, config: EngineConfig, layout: EngineLayout, *,
               target_model, mesh: Mesh, abstract: bool = False) -> ModelDrafter:
-        return ModelDrafter(
-            method=self.method, model=self.model, params=self.params, target_model=target_model,
-            cache_config=self.cache_config, mesh=mesh, num_pages=plan.num_pages,
-            page_size=plan.page_size, kv_dtype=self.kv_dtype, max_num_seqs=config.max_num_seqs,
+        dconfig = DrafterConfig(
+            method=self.method, num_pages=plan.num_pages, page_size=plan.page_size,
+            kv_dtype=self.kv_dtype, max_num_seqs=config.max_num_seqs,
             pages_per_req=-(-layout.max_model_len // plan.page_size),
-            num_speculative_tokens=config.speculative_config.num_speculative_tokens,
-            abstract=abstract)
+            num_speculative_tokens=config.speculative_config.num_speculative_tokens)
+        return ModelDrafter(dconfig, model=self.model, params=self.params,
+                            target_model=target_model, cache_config=self.cache_config, mesh=mesh,
+                            abstract=abstract)
 
 
 @dataclass(frozen=True)

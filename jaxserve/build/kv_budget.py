@@ -1,7 +1,7 @@
 """The memory the caches may take. On an accelerator, as vLLM's --gpu-memory-utilization:
 the engine gets hbm_utilization of the device's memory for everything it holds, and the
 caches get that share less the weights and a reserve for the programs' temporaries
-(memory_split). On CPU: a share of the free host RAM. planning/cache_plan.py turns the
+(memory_split). On CPU: a share of the free host RAM. build/cache_plan.py turns the
 budget into pages and state slots; the planner makes the same split for a device that is
 not here."""
 from __future__ import annotations
@@ -11,6 +11,8 @@ import os
 from dataclasses import dataclass
 
 import jax
+
+from jaxserve.build.device_pool import pool_fraction
 
 logger = logging.getLogger("jaxserve")
 
@@ -77,8 +79,7 @@ class DeviceMemory:
 
 def device_memory(device: jax.Device) -> DeviceMemory | None:
     """From the device's allocator (None where it reports none): the pool is
-    bytes_limit, a share of the device (jaxserve/engine/device_pool.py)."""
-    from jaxserve.engine.device_pool import pool_fraction
+    bytes_limit, a share of the device (build/device_pool.py)."""
     stats = device.memory_stats() or {}
     if "bytes_limit" not in stats:
         return None

@@ -1,7 +1,7 @@
 """EngineConfig: every engine knob in one frozen, validated dataclass.
 
 A knob with a command-line flag carries its help text (and flag aliases, choices) as
-field metadata: jaxserve/engine_args.py makes the flags of the server, the planner and
+field metadata: jaxserve/config/engine_args.py makes the flags of the server, the planner and
 `python -m jaxserve.generate` from these fields, so a flag's name, type and default
 are the field's own."""
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 from models.config import SERVING_DTYPES, WEIGHT_QUANT_DTYPES
 from pallas_kernels.kv_cache_dtypes import KV_QUANT_DTYPE_NAMES
 from jaxserve.sampling_params import MAX_LOGPROBS
-from jaxserve.speculative import SpeculativeConfig
+from jaxserve.config.speculative import SpeculativeConfig
 
 # vLLM's other spellings of --dtype, taken as the dtype they name.
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}

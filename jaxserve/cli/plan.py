@@ -1,7 +1,7 @@
 """`python -m jaxserve.plan` / `jaxserve plan`: the planner's command line.
 
 It takes every engine flag the server takes (EngineConfig's, made by
-jaxserve/engine_args.py, speculation included, and vLLM's engine flags without a
+jaxserve/config/engine_args.py, speculation included, and vLLM's engine flags without a
 jaxserve knob), builds the same EngineConfig, and plans it with the engine's own layout
 and cache planning (planning/plan.py); its own flags say what device to plan for.
 """
@@ -13,11 +13,13 @@ import sys
 
 from jaxserve.checkpoints.model_configs import ALIASES
 from jaxserve.config import ConfigError, EngineConfig, default_max_num_seqs
-from jaxserve.engine_args import (FLAGS, add_engine_args, add_vllm_compat_args,
-                                  check_vllm_compat, config_error, engine_kwargs)
+from jaxserve.config.engine_args import (FLAGS, dashed, add_engine_args, add_vllm_compat_args,
+                                         check_vllm_compat, config_error, engine_kwargs)
 from jaxserve.planning.plan import (DEFAULT_LINK_GBPS, format_plan, load_model_config,
                                     parse_bytes, plan_from_config)
-from jaxserve.vllm_compat import ENGINE
+from jaxserve.config.vllm_compat import ENGINE
+from jaxserve.planning.plan_compile import compile_plan, format_report
+from sharding.tpu_targets import tpu_target
 
 
 def parser() -> argparse.ArgumentParser:
@@ -55,7 +57,6 @@ def parse_args(ap: argparse.ArgumentParser,
                argv: list[str] | None = None) -> tuple[argparse.Namespace, EngineConfig]:
     """The flags and the EngineConfig they make (exit 2 naming a bad flag, as the
     server)."""
-    from jaxserve.api.cli_args import dashed
     args = ap.parse_args(dashed(sys.argv[1:] if argv is None else list(argv)))
     check_vllm_compat(ap, args, ENGINE)
     try:
@@ -109,7 +110,6 @@ def decode_rows(args: argparse.Namespace, config: EngineConfig) -> tuple[int, ..
 
 def _target_hbm(target: str) -> int:
     """What the engine would see as the chip's memory (the runtime keeps the rest)."""
-    from sharding.tpu_targets import tpu_target
     return tpu_target(target).usable_hbm_bytes
 
 
@@ -120,8 +120,6 @@ _COMPILE_OWN = ("mesh", "tensor_parallel_size", "data_parallel_size", "load_form
 
 def _compile(args: argparse.Namespace, config: EngineConfig, rows: tuple[int, ...]) -> None:
     """--compile: build the engine for --target, compile, print the report."""
-    from jaxserve.planning.plan_compile import compile_plan, format_report
-
     def progress(r) -> None:   # flagship programs take minutes each: say what is done
         state = "compiled" if r.compiled else "FAILED"
         print(f"[plan] {r.name} {r.tokens or r.rows}: {state} in {r.compile_seconds:.1f} s",

@@ -1,10 +1,10 @@
 """What an engine replica builds before any weight exists: one owner for the choices
 EngineCore makes from its config, the model config and its mesh.
 
-EngineCore builds its model, KV pages and ModelRunner through these functions, and
-`python -m jaxserve.plan --compile` builds the same things for a mesh of abstract
-TPU chips (abstract params, caches never allocated), so the planner compiles exactly
-the programs the engine would run.
+EngineCore builds its model, KV pages and ModelRunner through these functions
+(build/parts.py), and `python -m jaxserve.plan --compile` builds the same things for a
+mesh of abstract TPU chips (abstract params, caches never allocated), so the planner
+compiles exactly the programs the engine would run.
 """
 from __future__ import annotations
 
@@ -16,12 +16,10 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxserve.config import EngineConfig
-from jaxserve.engine.kernel_choice import (KernelChoice, choose_attention,
-                                           choose_linear_attention, choose_matmul)
-from jaxserve.planning.cache_plan import CachePlan, plan_caches, require_one_sequence
-from jaxserve.planning.kv_budget import DeviceMemory, activation_bytes, cache_budget_bytes
-from jaxserve.runner.model_runner import ModelRunner
-from jaxserve.sampling_params import logprobs_limit
+from jaxserve.build.cache_plan import CachePlan, plan_caches, require_one_sequence
+from jaxserve.build.kernel_choice import (KernelChoice, choose_attention,
+                                          choose_linear_attention, choose_matmul)
+from jaxserve.build.kv_budget import DeviceMemory, activation_bytes, cache_budget_bytes
 from models.cache_spec import CacheSpec, layer_cache_specs
 from models.config import ModelConfig, WeightQuant, resolve_weight_quant
 from models.registry import build_model, compute_dtype, resolve_dtype, resolve_kv_dtype
@@ -54,7 +52,7 @@ class EngineLayout:
     # dtype (XLA:CPU has no 16-bit float arithmetic: models/weights.widen_params).
     # The weights are read and converted in `dtype`; the KV cache stays kv_dtype.
     compute_dtype: Any = None
-    # What runs each part, per layer group (engine/kernel_choice.py), for the start-up log.
+    # What runs each part, per layer group (build/kernel_choice.py), for the start-up log.
     kernels: tuple[KernelChoice, ...] = ()
 
     @property
@@ -98,7 +96,7 @@ def layout_for(config: EngineConfig, mc: ModelConfig, platform: str, m: int, *,
     compute = compute_dtype(dtype, platform)
     specs = layer_cache_specs(stored, kv_dtype=kv_dtype, conv_state_dtype=compute)
     # Every kernel is chosen here, once: a combination no kernel takes is refused or
-    # falls back with a log line (engine/kernel_choice.py), never silently.
+    # falls back with a log line (build/kernel_choice.py), never silently.
     backend, attention = choose_attention(
         stored, platform=platform, requested=config.attention_backend,
         backend=resolve_backend(config.attention_backend, platform), kv_dtype=kv_dtype,
@@ -137,6 +135,7 @@ def tpu_kernel_limit_error(mc: ModelConfig, kv_heads: int, *, num_tokens: int, r
     """Why the engine's largest step would not compile for TPU (a compiler limit the
     kernels cannot stream around), with the fix; None when it compiles. kv_heads: as
     stored on the mesh."""
+    # (the TPU kernels' modules load Mosaic: only a TPU layout needs them)
     from pallas_kernels.gated_delta import tpu as gdn_tpu
     from pallas_kernels.ragged_paged_attention import tpu as rpa_tpu
     return (rpa_tpu.smem_limit_error(num_tokens, rows, mc.num_heads // kv_heads,
@@ -157,7 +156,7 @@ def layout_param_shardings(model, mesh: Mesh, layout: EngineLayout) -> Any:
 def layout_cache_plan(config: EngineConfig, layout: EngineLayout, device: Any,
                       memory: DeviceMemory | None = None,
                       drafter_specs: tuple[CacheSpec, ...] = ()) -> CachePlan:
-    """The replica's cache plan (planning/cache_plan.py); ValueError when one sequence of
+    """The replica's cache plan (build/cache_plan.py); ValueError when one sequence of
     max_model_len does not fit."""
     return require_one_sequence(cache_plan_for(config, layout, device, memory, drafter_specs))
 
@@ -168,7 +167,7 @@ def cache_plan_for(config: EngineConfig, layout: EngineLayout, device: Any,
     """The cache plan of the engine and of the planner, which may not fit one sequence.
     memory: the device's memory and what the weights hold of it; None asks `device`.
     drafter_specs: a speculative model drafter's KV layers, which keep KV on the same
-    pages (engine/drafter_loader.py)."""
+    pages (build/drafter_loader.py)."""
     if config.num_pages is not None:
         budget, cap = None, False
     else:
@@ -184,21 +183,3 @@ def cache_plan_for(config: EngineConfig, layout: EngineLayout, device: Any,
         prefix_caching=config.enable_prefix_caching,
         spec_backups=config.speculative_config is not None)
 
-
-def make_runner(config: EngineConfig, layout: EngineLayout, cache_plan: CachePlan, *, model,
-                params, mesh: Mesh, abstract: bool = False, drafter=None) -> ModelRunner:
-    mc = layout.model_config
-    return ModelRunner(
-        model=model, params=params, vocab_size=mc.vocab_size,
-        # The snapshot slots follow the running requests' in the same state arrays.
-        num_state_slots=cache_plan.num_state_slots + cache_plan.num_snapshot_slots,
-        num_pages=cache_plan.num_pages,
-        num_sliding_pages=cache_plan.num_sliding_pages,
-        page_size=cache_plan.page_size, max_num_seqs=config.max_num_seqs,
-        max_model_len=layout.max_model_len, max_num_batched_tokens=config.num_batched_tokens,
-        kv_dtype=layout.kv_dtype,
-        # Only the reference reads whole page-table rows; the others stop at kv_len.
-        context_buckets=layout.attention_backend == "reference", mesh=mesh,
-        vocab_axis=layout.rules["vocab"], abstract=abstract,
-        max_logprobs=logprobs_limit(config.max_logprobs, mc.vocab_size),
-        speculative_config=config.speculative_config, drafter=drafter)

@@ -4,7 +4,7 @@ vLLM's --gpu-memory-utilization is the share of the whole device the engine may 
 weights, KV cache and the programs' temporaries. On a GPU every byte JAX allocates comes
 from its client's pool, which is XLA_PYTHON_CLIENT_MEM_FRACTION of the device's memory
 (JAX's default: 75%), fixed when the backend is made. So the engine sets that fraction to
-hbm_utilization first, and its cache plan then splits the pool (planning/kv_budget.py).
+hbm_utilization first, and its cache plan then splits the pool (build/kv_budget.py).
 A TPU's pool is the chip's memory less what the runtime keeps; the CPU has no pool
 (there hbm_utilization keeps its own meaning: a share of the free host RAM).
 """
@@ -22,7 +22,7 @@ JAX_DEFAULT_GPU_FRACTION = 0.75   # JAX's GPU pool without POOL_ENV
 
 
 def _backends_ready() -> bool:
-    from jax._src import xla_bridge
+    from jax._src import xla_bridge   # (this module is read before jax starts)
     return xla_bridge.backends_are_initialized()
 
 

@@ -1,6 +1,6 @@
 """Command-line flags made from EngineConfig's fields, so that a flag's name, type,
 default and help have one owner: the field (its help, vLLM aliases and choices are the
-field's metadata, jaxserve/config.py). The server, the planner and
+field's metadata, jaxserve/config/engine_config.py). The server, the planner and
 `python -m jaxserve.generate` add the flags they take with `add_engine_args`; their
 other flags (host, port, API key, ...) are their own."""
 from __future__ import annotations
@@ -15,8 +15,8 @@ from collections.abc import Iterable, Mapping
 from typing import Any, NoReturn
 
 from jaxserve.config import DTYPE_ALIASES, ConfigError, EngineConfig
-from jaxserve.speculative import SpeculativeConfig
-from jaxserve.vllm_compat import BOOL, FLOAT, INT, JSON, LIST, OPTIONAL, SWITCH, Setting, \
+from jaxserve.config.speculative import SpeculativeConfig
+from jaxserve.config.vllm_compat import BOOL, FLOAT, INT, JSON, LIST, OPTIONAL, SWITCH, Setting, \
     parse_json
 
 _FIELDS = {f.name: f for f in dataclasses.fields(EngineConfig)}
@@ -42,6 +42,13 @@ def _cache_dir(value: str) -> str | None:
 # Size suffixes as vLLM reads them: lower case decimal, upper case binary.
 _DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 _BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def dashed(argv: list[str]) -> list[str]:
+    """vLLM's flags may be spelt with underscores (--max_model_len 4k): the same flags
+    with dashes. Values are left as they are."""
+    return [re.sub(r"^--[^=]+", lambda m: m.group(0).replace("_", "-"), arg)
+            if arg.startswith("--") else arg for arg in argv]
 
 
 def human_readable_int(text: str) -> int:
@@ -177,7 +184,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-# ---- vLLM's flags that have no jaxserve knob (jaxserve/vllm_compat.py) ----------------
+# ---- vLLM's flags that have no jaxserve knob (jaxserve/config/vllm_compat.py) ----------------
 
 _COMPAT_DEST = "vllm_compat:"
 _COMPAT_PARSE: dict[str, typing.Callable[[str], Any]] = {INT: int, FLOAT: float}

@@ -1,0 +1,153 @@
+"""An engine replica's parts, built from its EngineConfig: where the model comes from,
+the mesh and layout, the weights, the model drafter, the cache plan, the runner (its
+programs compiled) and the scheduler's settings. EngineCore builds through here, then
+runs its loop; `python -m jaxserve.plan --compile` builds the same parts abstractly
+(planning/plan_compile.py)."""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, replace
+from functools import partial
+from typing import Any, Callable
+
+import jax
+from jax.sharding import Mesh
+
+from jaxserve.build.cache_plan import CachePlan
+from jaxserve.build.drafter_loader import DrafterParts, load_drafter
+from jaxserve.build.layout import EngineLayout, engine_layout, layout_cache_plan
+from jaxserve.build.loader import load_model
+from jaxserve.build.slices import runner_config, scheduler_config
+from jaxserve.build.startup import (ALLOCATING_KV_CACHE, COMPILING, LOADING_WEIGHTS,
+                                    StartupProgress)
+from jaxserve.checkpoints.converted import resolve_converted
+from jaxserve.checkpoints.model_names import resolve_model, resolve_tokenizer
+from jaxserve.config import EngineConfig
+from jaxserve.core.scheduler_config import SchedulerConfig
+from jaxserve.runner.model_runner import ModelRunner
+from models.config import ModelConfig
+from sharding import DATA, make_mesh
+
+logger = logging.getLogger("jaxserve")
+
+
+def enable_compilation_cache(path: str | None) -> None:
+    if not path:
+        return
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def resolve_sources(config: EngineConfig) -> EngineConfig:
+    """The config with local directories for its model and tokenizer (an alias or HF repo
+    id is downloaded when missing) and a converted checkpoint's settings (refused here,
+    before any work, when it cannot serve them); turns on the compilation cache."""
+    config = replace(
+        config, model=resolve_model(config.model, load_format=config.load_format,
+                                    revision=config.revision,
+                                    download_dir=config.download_dir),
+        tokenizer=config.tokenizer and resolve_tokenizer(config.tokenizer,
+                                                         download_dir=config.download_dir))
+    config = resolve_converted(config)
+    enable_compilation_cache(config.compilation_cache_dir)
+    if config.load_format != "dummy" and not os.path.isdir(config.model):
+        raise ValueError(f"model path {config.model!r} does not exist or is not a directory")
+    return config
+
+
+@dataclass(frozen=True)
+class ReplicaShape:
+    """One replica before any weight: its config (platform defaults resolved), model
+    config, 1xM mesh and layout."""
+    config: EngineConfig
+    model_config: ModelConfig
+    mesh: Mesh
+    layout: EngineLayout
+
+
+def replica_shape(config: EngineConfig, mc: ModelConfig, mesh: Mesh | None) -> ReplicaShape:
+    """mesh None: make_mesh(config.mesh), which must then have D = 1."""
+    mesh = mesh if mesh is not None else make_mesh(config.mesh)
+    if mesh.shape[DATA] != 1:
+        raise ValueError(f"EngineCore runs one replica (a 1xM mesh), got mesh "
+                         f"{dict(mesh.shape)}; jaxserve.engine.data_parallel."
+                         f"make_engine builds D replicas")
+    config = config.for_platform(mesh.devices.flat[0].platform)
+    return ReplicaShape(config, mc, mesh, engine_layout(config, mc, mesh))
+
+
+@dataclass(frozen=True)
+class EngineParts:
+    """What EngineCore runs: the replica, its loaded model, cache plan and runner (its
+    programs compiled unless enforce_eager), and the scheduler's settings."""
+    shape: ReplicaShape
+    model: Any
+    params: Any
+    weight_bytes: int
+    weight_bytes_per_device: int
+    plan: CachePlan
+    runner: ModelRunner
+    scheduler_config: SchedulerConfig
+
+
+def build_parts(shape: ReplicaShape, progress: StartupProgress, *,
+                agree_num_pages: Callable[[int], int] | None = None) -> EngineParts:
+    """Loads the weights (and a model drafter's), sizes the caches, builds the runner and
+    compiles its programs, telling `progress` each phase. agree_num_pages: several
+    processes must build the same cache shape (multi-host: the smallest count of all)."""
+    config, mc, mesh, layout = shape.config, shape.model_config, shape.mesh, shape.layout
+    progress.set_phase(LOADING_WEIGHTS, f"loading the weights of {config.model}")
+    loaded = load_model(config, layout, mesh, on_progress=partial(_report_loading, progress))
+    drafter = load_drafter(config, layout, mesh)
+    if mc.is_hybrid:
+        logger.info("hybrid model: %d of %d layers are linear attention with recurrent "
+                    "state, the other %d keep KV pages; prefix caching %s",
+                    len(mc.linear_attention_layers), mc.num_layers,
+                    len(mc.full_attention_layers),
+                    "keeps state snapshots at page boundaries"
+                    if config.enable_prefix_caching else "is off")
+    progress.set_phase(ALLOCATING_KV_CACHE, "sizing and allocating the KV cache")
+    # Sized per device: each device holds kv_heads / M heads of every page.
+    plan = layout_cache_plan(config, layout, mesh.devices.flat[0],
+                             drafter_specs=drafter.cache_specs if drafter else ())
+    if agree_num_pages is not None:
+        plan = plan.with_num_pages(agree_num_pages(plan.num_pages))
+    logger.info("%s", plan.describe())
+    if config.speculative_config is not None:
+        logger.info("%s", config.speculative_config.describe())
+    runner = build_runner(config, layout, plan, model=loaded.model, params=loaded.params,
+                          mesh=mesh, drafter=drafter)
+    if config.enforce_eager:   # each program compiles when a step first needs it
+        logger.info("enforce_eager: no warmup; programs compile on first use")
+    else:
+        progress.set_phase(COMPILING, "listing the programs to compile")
+        runner.warmup(partial(_report_compiling, progress))
+    return EngineParts(shape, loaded.model, loaded.params, loaded.weight_bytes,
+                       loaded.weight_bytes_per_device, plan, runner,
+                       scheduler_config(config, layout, plan))
+
+
+def build_runner(config: EngineConfig, layout: EngineLayout, plan: CachePlan, *, model: Any,
+                 params: Any, mesh: Mesh, drafter: DrafterParts | None,
+                 abstract: bool = False) -> ModelRunner:
+    """The replica's runner (and its model drafter's, if any); abstract: nothing
+    allocated, for lowering only."""
+    return ModelRunner(
+        runner_config(config, layout, plan), model=model, params=params, mesh=mesh,
+        abstract=abstract,
+        drafter=drafter and drafter.build(plan, config, layout, target_model=model, mesh=mesh,
+                                          abstract=abstract))
+
+
+def _report_loading(progress: StartupProgress, done: int, total: int) -> None:
+    progress.advance(done, total, f"loaded {done / 2**30:.2f} of {total / 2**30:.2f} GiB "
+                                  "of weights")
+
+
+def _report_compiling(progress: StartupProgress, done: int, total: int) -> None:
+    detail = (f"compiling program {done + 1} of {total}" if done < total
+              else f"compiled {total} programs, running each once")
+    progress.advance(done, total, detail)

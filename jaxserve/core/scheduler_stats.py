@@ -1,0 +1,50 @@
+"""SchedulerStats: what the scheduler counts, the engine's one statistics record."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerStats:
+    """What the scheduler counts; the one statistics record (the engines add to it)."""
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0   # tokens looked up
+    prefix_cache_hits: int = 0      # tokens found
+    num_preemptions: int = 0
+    # Totals since start (monotonic, for counters): prompt tokens of prefills that
+    # completed (a prompt counts once per completion, again if preempted before its
+    # first token) and tokens generated.
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    # Speculative decoding totals (vLLM's spec_decode counters): rows that verified
+    # drafts, drafts verified, drafts accepted, and drafts accepted at each position.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries \
+            else 0.0
+
+    @staticmethod
+    def merge(parts: list[SchedulerStats]) -> SchedulerStats:
+        """Several schedulers as one (data-parallel replicas): counts summed, KV usage the
+        mean of theirs (every replica has a pool of the same size)."""
+        return SchedulerStats(
+            num_running=sum(p.num_running for p in parts),
+            num_waiting=sum(p.num_waiting for p in parts),
+            kv_cache_usage=sum(p.kv_cache_usage for p in parts) / len(parts),
+            prefix_cache_queries=sum(p.prefix_cache_queries for p in parts),
+            prefix_cache_hits=sum(p.prefix_cache_hits for p in parts),
+            num_preemptions=sum(p.num_preemptions for p in parts),
+            num_prompt_tokens=sum(p.num_prompt_tokens for p in parts),
+            num_generation_tokens=sum(p.num_generation_tokens for p in parts),
+            spec_num_drafts=sum(p.spec_num_drafts for p in parts),
+            spec_num_draft_tokens=sum(p.spec_num_draft_tokens for p in parts),
+            spec_num_accepted_tokens=sum(p.spec_num_accepted_tokens for p in parts),
+            spec_accepted_per_pos=tuple(map(sum, zip(*(p.spec_accepted_per_pos
+                                                       for p in parts)))))

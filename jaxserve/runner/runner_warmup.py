@@ -1,0 +1,133 @@
+"""The runner's warmup: every program serving can call, listed with the arguments it
+will get, compiled several at a time and run once, so nothing compiles after it (and the
+planner lowers the same list for a TPU, planning/plan_compile.py)."""
+from __future__ import annotations
+
+import itertools
+import logging
+from functools import partial
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxserve.runner.parallel_compile import compile_all, default_compile_workers
+from jaxserve.runner.programs import (DRAFT, FORWARD, GREEDY, PENALTIES, PROMPT_LOGPROBS,
+                                      RANDOM, SAMPLE, Program)
+from jaxserve.runner.sampling_tensors import make_sampling_tensors
+from jaxserve.runner.step_rows import state_copy_inputs
+from jaxserve.runner.warmup_report import OnProgram, WarmupReport
+from models.inputs import ModelInputs
+
+logger = logging.getLogger("jaxserve")
+
+
+class RunnerWarmup:
+    """ModelRunner's warmup (a mixin: it lists and compiles the runner's own programs)."""
+
+    def warmup_programs(self) -> list[Program]:
+        """Every program warmup compiles, in its order: the forward per token bucket and
+        page-table width, prompt logprobs, the sampler per row bucket and the penalties
+        sampler at the largest. Arguments as serving passes them: numpy batch inputs
+        (device arrays would compile other programs), device arrays for what serving takes from the
+        forward's outputs (ShapeDtypeStructs when abstract)."""
+        r_max = self.batch.max_num_seqs
+        sliding = self.batch.sliding_page_table is not None
+
+        def forward_args(t: int, p: int) -> tuple:
+            z = np.zeros(t, np.int32)
+            # A hybrid's slot copies, as InputBatch.build pads them (no pair, count 0).
+            copies = state_copy_inputs([], [], self.batch.max_state_copies) \
+                if self.num_state_slots else {}
+            inputs = ModelInputs(
+                token_ids=z, positions=z, slot_mapping=z,
+                query_start_loc=np.zeros(r_max + 1, np.int32), seq_lens=np.zeros(r_max, np.int32),
+                page_table=np.zeros((r_max, p), np.int32), num_seqs=np.zeros(1, np.int32),
+                state_slots=np.zeros(r_max, np.int32),
+                sliding_slot_mapping=z if sliding else None,
+                sliding_page_table=np.zeros((r_max, p), np.int32) if sliding else None,
+                **copies)
+            return (self.params, self.kv_caches, inputs,
+                    np.zeros(self.batch.max_sample_rows, np.int32))
+
+        def hidden(rows: int) -> Any:
+            """Hidden states [rows, E] as the forward returns them."""
+            if self._hidden_spec is None:
+                t, p = self.token_buckets[0], self.batch.page_buckets[-1]
+                self._hidden_spec = jax.eval_shape(self._forward, *forward_args(t, p))[1]
+            return self._put(np.zeros((rows, self._hidden_spec.shape[-1]),
+                                      self._hidden_spec.dtype))
+
+        def logprobs_args(t: int) -> tuple:
+            return self.params, hidden(t), self._put(np.full(t, -1, np.int32))
+
+        def sample_args(rows: int, mode: str) -> tuple:
+            tensors = make_sampling_tensors([], rows, self.vocab_size,
+                                            penalties=mode == PENALTIES,
+                                            penalty_len=self.max_model_len)
+            return self.params, hidden(self.batch.max_sample_rows), tensors, rows, mode
+
+        progs = [Program(FORWARD, self._forward, partial(forward_args, t, p), tokens=t, pages=p)
+                 for t, p in itertools.product(self.token_buckets, self.batch.page_buckets)]
+        progs.append(Program(PROMPT_LOGPROBS, self._prompt_logprobs,
+                             partial(logprobs_args, self._max_tokens), tokens=self._max_tokens))
+        if self.drafter is not None:
+            def draft_args(t: int, p: int) -> tuple:
+                return self.drafter.warmup_args(self.params, hidden(self._max_tokens),
+                                                forward_args(t, p)[2])
+            progs += [Program(DRAFT, self.drafter.program, partial(draft_args, t, p), tokens=t,
+                              pages=p)
+                      for t, p in itertools.product(self.token_buckets, self.batch.page_buckets)]
+        modes = [(GREEDY, rows) for rows in self.row_buckets] + \
+            [(RANDOM, rows) for rows in self.sampling_row_buckets] + \
+            [(PENALTIES, self.row_buckets[-1])]
+        progs += [Program(SAMPLE, self._sample, partial(sample_args, rows, mode), rows=rows,
+                          mode=mode) for mode, rows in modes]
+        return progs
+
+    def _put(self, x: np.ndarray) -> Any:
+        """x replicated on the mesh, as the forward's outputs are (abstract: its shape)."""
+        if self.abstract:
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self._rep)
+        return jax.device_put(x, self._rep)
+
+    def lower(self, program: Program) -> Any:
+        """The program lowered for this runner's mesh (jax.stages.Lowered)."""
+        with jax.set_mesh(self.mesh):
+            return program.fn.lower(*program.args())
+
+    def warmup(self, on_program: OnProgram | None = None) -> None:
+        """Compile every program of warmup_programs now.
+        on_program(done, total): called before the first program and after each."""
+        if self.abstract:
+            raise ValueError("an abstract runner cannot run: lower its warmup_programs instead")
+        with jax.set_mesh(self.mesh):
+            self._warmup(on_program)
+
+    def _warmup(self, on_program: OnProgram | None = None) -> None:
+        programs = self.warmup_programs()
+        report = WarmupReport(len(programs), on_program)
+        # Compile them all, several at a time (nothing runs yet, so no cache is donated
+        # while another program is lowered with it), lowered one by one in this thread
+        # (lowering puts arrays on the mesh, which a multi-host run checks across
+        # processes, so every process must lower in the same order) ...
+        compile_all(programs, lambda lowered: lowered.compile(), prepare=self.lower,
+                    workers=default_compile_workers(),
+                    on_done=lambda prog, _, seconds: report.program_done(prog, seconds))
+        # ... then run each once, from jax's in-memory caches: the calls serving makes.
+        for prog in programs:
+            out = prog.fn(*prog.args())
+            if prog.kind == FORWARD:
+                self.kv_caches = out[2]     # the old ones were donated
+            elif prog.kind == DRAFT:
+                self.drafter.caches = out[1]
+            jax.block_until_ready(out)
+        summary = report.finish()
+        self.warmup_seconds = summary.seconds
+        self.warmup_compilations = summary.counts.lowered
+        # XLA compilations during warmup: from the persistent compilation cache, and fresh.
+        self.warmup_cache_hits = summary.counts.cache_hits
+        self.warmup_fresh_compilations = summary.counts.fresh
+        logger.info("warmup: token buckets %s, page-table widths %s, row buckets %s (greedy), "
+                    "%s (sampling)", list(self.token_buckets), list(self.batch.page_buckets),
+                    list(self.row_buckets), list(self.sampling_row_buckets))
