@@ -31,7 +31,7 @@ from typing import Any
 from benchmarks.results_io import ProgressiveResults
 from jaxserve.bench import offline, throughput
 from jaxserve.bench.datasets import Prompt, random_ids
-from jaxserve.engine_args import FLAGS, add_engine_args, engine_kwargs
+from jaxserve.config.engine_args import FLAGS, add_engine_args, engine_kwargs
 
 LOG_LINES = 200   # the engine's start-up log kept in the JSON (its kernel choices are there)
 

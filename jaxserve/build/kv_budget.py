@@ -99,7 +99,7 @@ def cache_budget_bytes(*, kv_cache_memory_bytes: int | None, hbm_utilization: fl
                        activation_bytes: int, device: jax.Device | None,
                        memory: DeviceMemory | None = None) -> tuple[int, bool]:
     """(bytes per device the caches may take, whether to stop at what max_num_seqs
-    sequences need) for planning.cache_plan.plan_caches: kv_cache_memory_bytes when
+    sequences need) for build.cache_plan.plan_caches: kv_cache_memory_bytes when
     given; on a CPU device hbm_utilization of the host's free RAM (None: a quarter, taken
     only as far as needed); else memory_split's cache bytes of `memory` (or the
     device's)."""

@@ -1,7 +1,7 @@
 """The host tier's bookkeeping: which page hash sits in which host slot (docs/TIERED_CACHE.md).
 
 Pages the device pool evicts are copied to host memory under the same chained page
-hash (Request.block_hashes), into one of a fixed number of host page slots; a hybrid
+hash (Request.page_hashes), into one of a fixed number of host page slots; a hybrid
 model's state snapshot at the end of that page (core/state_snapshots.py) travels with it
 into a host state slot of its own, beside the page. Arrays live elsewhere
 (jaxserve/runner/host_tier.py); this is plain Python, so the scheduler can own it.
@@ -24,7 +24,7 @@ from typing import Iterable
 
 @dataclass(slots=True)
 class HostPage:
-    block_hash: int
+    page_hash: int
     slot: int
     state_slot: int | None = None   # the snapshot at this page's end (hybrid models)
     ready: bool = False             # the device->host copy landed
@@ -64,26 +64,26 @@ class HostPageIndex:
     def __len__(self) -> int:
         return len(self._lru)
 
-    def __contains__(self, block_hash: int) -> bool:
-        return block_hash in self._lru
+    def __contains__(self, page_hash: int) -> bool:
+        return page_hash in self._lru
 
     @property
     def num_free(self) -> int:
         return len(self._free)
 
     # ---- look-ups ----------------------------------------------------------------
-    def lookup(self, block_hash: int) -> HostPage | None:
-        """The landed entry for block_hash (now the most recently used), or None."""
-        page = self._lru.get(block_hash)
+    def lookup(self, page_hash: int) -> HostPage | None:
+        """The landed entry for page_hash (now the most recently used), or None."""
+        page = self._lru.get(page_hash)
         if page is None or not page.ready:
             return None
-        self._lru.move_to_end(block_hash)
+        self._lru.move_to_end(page_hash)
         return page
 
-    def match(self, block_hashes: Iterable[int]) -> list[HostPage]:
-        """The landed entries of the longest run of block_hashes from its start."""
+    def match(self, page_hashes: Iterable[int]) -> list[HostPage]:
+        """The landed entries of the longest run of page_hashes from its start."""
         out = []
-        for h in block_hashes:
+        for h in page_hashes:
             page = self.lookup(h)
             if page is None:
                 break
@@ -91,21 +91,21 @@ class HostPageIndex:
         return out
 
     # ---- device -> host ------------------------------------------------------------
-    def begin_offload(self, block_hash: int, with_state: bool = False) -> HostPage | None:
+    def begin_offload(self, page_hash: int, with_state: bool = False) -> HostPage | None:
         """A slot (and with_state: a state slot) for a page about to be copied here,
         pinned until finish_offload / abort_offload. None: nothing to copy (the hash is
         here already, or in flight) or no room (every entry is pinned)."""
-        if block_hash in self._lru:
-            self._lru.move_to_end(block_hash)
+        if page_hash in self._lru:
+            self._lru.move_to_end(page_hash)
             return None
         if with_state and not self.num_state_slots:
             raise ValueError("with_state: this host tier has no state slots")
         if not self._free and not self._evict_page():
             return None
-        page = HostPage(block_hash, self._free.pop(), pins=1)
+        page = HostPage(page_hash, self._free.pop(), pins=1)
         if with_state and (self._free_states or self._evict_state()):
             page.state_slot = self._free_states.pop()
-        self._lru[block_hash] = page
+        self._lru[page_hash] = page
         return page
 
     def finish_offload(self, pages: Iterable[HostPage]) -> None:
@@ -126,13 +126,13 @@ class HostPageIndex:
         """A restore reads these until unpin: they are neither evicted nor reused."""
         for page in pages:
             if not page.ready or page.dropped:
-                raise ValueError(f"host page {page.block_hash} is not restorable")
+                raise ValueError(f"host page {page.page_hash} is not restorable")
             page.pins += 1
 
     def unpin(self, pages: Iterable[HostPage]) -> None:
         for page in pages:
             if page.pins <= 0:
-                raise ValueError(f"host page {page.block_hash} is not pinned")
+                raise ValueError(f"host page {page.page_hash} is not pinned")
             page.pins -= 1
             if page.dropped and page.pins == 0:
                 self._free_slots(page)
@@ -166,7 +166,7 @@ class HostPageIndex:
         if page.dropped:
             return
         page.dropped = True
-        del self._lru[page.block_hash]
+        del self._lru[page.page_hash]
         if page.pins == 0:
             self._free_slots(page)
 

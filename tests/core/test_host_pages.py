@@ -59,7 +59,7 @@ def test_match_is_the_longest_landed_run_from_the_start():
     index = HostPageIndex(8)
     offloaded(index, 1, 2, 4)
     index.begin_offload(3)                           # in flight: ends the run
-    assert [p.block_hash for p in index.match([1, 2, 3, 4])] == [1, 2]
+    assert [p.page_hash for p in index.match([1, 2, 3, 4])] == [1, 2]
     assert index.match([9, 1]) == []
 
 

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import pytest
 
 from jaxserve.config import EngineConfig
-from jaxserve.engine.layout import layout_for
+from jaxserve.build.layout import layout_for
 from jaxserve.planning.plan import load_model_config
 from pallas_kernels.ragged_paged_attention import dispatch
 

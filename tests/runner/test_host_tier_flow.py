@@ -19,7 +19,7 @@ def offload(index, copier, host, caches, evicted, snapshot=None):
                for h, p in evicted]
     started = [(e, p) for e, p in started if e is not None]
     states = [(e.state_slot, snapshot[1]) for e, _ in started
-              if snapshot and e.block_hash == snapshot[0] and e.state_slot is not None]
+              if snapshot and e.page_hash == snapshot[0] and e.state_slot is not None]
     pending = copier.offload(caches, {KV: [p for _, p in started], KV_SLIDING: [p for _, p in started]},
                              [e.slot for e, _ in started], [s for _, s in states],
                              [h for h, _ in states])
@@ -41,7 +41,7 @@ def test_evicted_prefix_comes_back_from_host():
 
     # A request with that prefix: host hit of three pages and the snapshot.
     hit = index.match([101, 102, 103, 104])
-    assert [e.block_hash for e in hit] == [101, 102, 103] and hit[-1].state_slot is not None
+    assert [e.page_hash for e in hit] == [101, 102, 103] and hit[-1].state_slot is not None
     index.pin(hit)
     new_pages, new_slot = [6, 1, 4], 2
     caches = copier.restore(caches, host, [e.slot for e in hit],
