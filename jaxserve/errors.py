@@ -29,3 +29,11 @@ class InputError(ValueError):
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
         self.param = param
+
+
+class ConfigError(ValueError):
+    """An invalid EngineConfig value; `field` names the knob (a CLI names its flag)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field

@@ -14,8 +14,10 @@ from typing import Any
 # (no jax: plain modules of model and cache-dtype facts)
 from models.config import SERVING_DTYPES, WEIGHT_QUANT_DTYPES
 from pallas_kernels.kv_cache_dtypes import KV_QUANT_DTYPE_NAMES
-from jaxserve.sampling_params import MAX_LOGPROBS
+from jaxserve.config.media import MediaConfig
 from jaxserve.config.speculative import SpeculativeConfig
+from jaxserve.errors import ConfigError  # noqa: F401 (its old home: callers import it here)
+from jaxserve.sampling_params import MAX_LOGPROBS
 
 # vLLM's other spellings of --dtype, taken as the dtype they name.
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}
@@ -44,14 +46,6 @@ def default_max_num_seqs(platform: str) -> int:
     and compile checks are made at 256), so one number cannot serve both. LLM, the
     server and the planner all take it from here."""
     return 64 if platform == "cpu" else 256
-
-
-class ConfigError(ValueError):
-    """An invalid EngineConfig value; `field` names the knob (a CLI names its flag)."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(message)
-        self.field = field
 
 
 def _knob(default: Any = dataclasses.MISSING, *, help: str, aliases: tuple[str, ...] = (),
@@ -208,8 +202,6 @@ class EngineConfig:
 
         if not self.model:
             raise ConfigError("model", "model must name a checkpoint directory")
-        # (late: jaxserve.multimodal.config imports this module's ConfigError)
-        from jaxserve.multimodal.config import MediaConfig
         MediaConfig.from_settings(limit_mm_per_prompt=self.limit_mm_per_prompt,
                                   allowed_local_media_path=self.allowed_local_media_path,
                                   mm_processor_kwargs=self.mm_processor_kwargs)

@@ -5,7 +5,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from jaxserve.config import ConfigError
+from jaxserve.errors import ConfigError
 
 # Modalities jaxserve does not take at all; their limit may only be 0.
 REFUSED_MODALITIES = ("video", "audio")

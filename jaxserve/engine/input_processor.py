@@ -19,7 +19,7 @@ from jaxserve.engine.chat_template import render_chat
 from jaxserve.engine.grammar import GrammarCompiler
 from jaxserve.errors import InputError
 from jaxserve.multimodal.chat_parts import split_images
-from jaxserve.multimodal.config import MediaConfig
+from jaxserve.config.media import MediaConfig
 from jaxserve.multimodal.front import (ImageFront, MultiModalInputs,
                                        check_engine_serves_images)
 from jaxserve.sampling_params import (MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS_TOKENS,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jaxserve.engine.errors import InputError
+from jaxserve.errors import InputError
 
 # The part the chat templates read as "an image here"; only this module writes it.
 IMAGE_PART = {"type": "image"}

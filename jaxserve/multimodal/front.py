@@ -14,9 +14,9 @@ from typing import Any, Sequence
 
 from PIL import Image
 
-from jaxserve.config import ConfigError
-from jaxserve.engine.errors import InputError
-from jaxserve.multimodal.config import MediaConfig
+from jaxserve.errors import ConfigError
+from jaxserve.errors import InputError
+from jaxserve.config.media import MediaConfig
 from jaxserve.multimodal.media import load_image, to_rgb
 from models.vision.processing import (ImageTokens, expand_image_tokens, load_image_processor,
                                       preprocess, vision_family)

@@ -15,8 +15,8 @@ from typing import Any
 import httpx
 from PIL import Image
 
-from jaxserve.engine.errors import InputError
-from jaxserve.multimodal.config import MediaConfig
+from jaxserve.errors import InputError
+from jaxserve.config.media import MediaConfig
 
 # What PIL may decode: the formats browsers and the openai client send.
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")

@@ -12,10 +12,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from jaxserve.engine.errors import InputError
+from jaxserve.errors import InputError
 from jaxserve.engine.input_processor import InputProcessor
 from jaxserve.engine.llm import LLM
-from jaxserve.multimodal.config import MediaConfig
+from jaxserve.config.media import MediaConfig
 from jaxserve.multimodal.front import ImageFront
 from jaxserve.sampling_params import SamplingParams
 from tests.checkpoints import VISION_MARKERS, make_tiny_vision_serving_checkpoint
