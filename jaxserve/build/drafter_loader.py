@@ -140,7 +140,7 @@ def _mtp(config: EngineConfig, layout: EngineLayout) -> DrafterModel:
 
 def _draft_config(config: EngineConfig, path: str, layout: EngineLayout) -> EngineConfig:
     # Expert parallel for the target: the draft's experts too; a dense draft has none.
-    is_moe = load_model_config(path).is_moe
+    is_moe = load_model_config(path).num_experts > 0
     return replace(config, model=path, tokenizer=None, speculative_config=None,
                    max_model_len=layout.max_model_len,
                    enable_expert_parallel=config.enable_expert_parallel and is_moe)
@@ -157,7 +157,7 @@ def _draft_model(config: EngineConfig, layout: EngineLayout, platform: str,
     if draft.vocab_size != target.vocab_size:
         raise ValueError(f"{what}: its vocabulary has {draft.vocab_size} tokens, the target's "
                          f"{target.vocab_size}; a draft model must share the target's tokenizer")
-    if draft.is_hybrid or draft.has_sliding_layers or draft.num_kv_shared_layers:
+    if draft.linear_attention_layers or draft.has_sliding_layers or draft.num_kv_shared_layers:
         raise ValueError(f"{what} ({draft.architecture}): a draft model must have full "
                          f"attention in every layer (no recurrent state, sliding window or "
                          f"shared KV); its KV rides on the target's pages")

@@ -192,7 +192,8 @@ class Plan:
         return self.memory.reserve_bytes if self.memory else 0
 
     @property
-    def is_hybrid(self) -> bool:
+    def has_state(self) -> bool:
+        """The caches hold recurrent state beside the KV pages (state slots to size)."""
         return self.state_bytes_per_seq > 0
 
     @property
@@ -219,9 +220,9 @@ class Plan:
         """Full-length (max_model_len) sequences that fit at once; a hybrid model also
         runs at most max_num_seqs (one state slot each)."""
         seqs = self.kv_tokens // self.max_model_len
-        if self.is_hybrid and self.state_budget_bytes > self.kv_budget_bytes:
+        if self.has_state and self.state_budget_bytes > self.kv_budget_bytes:
             return 0
-        return min(seqs, self.max_num_seqs) if self.is_hybrid else seqs
+        return min(seqs, self.max_num_seqs) if self.has_state else seqs
 
     @property
     def memory_fits(self) -> bool:
@@ -361,7 +362,7 @@ def _state_layout(mc, dtype: str) -> str:
     """What a hybrid model's recurrent state is made of, for the printout ("" if none).
     The conv state is in the model dtype, the delta-rule state float32; both are split
     by key-head group over M (sharding.check_model_axis requires M to divide them)."""
-    if not mc.is_hybrid:
+    if not mc.linear_attention_layers:
         return ""
     return (f"{len(mc.linear_attention_layers)} linear-attention layers x (conv "
             f"{mc.linear_conv_kernel_dim - 1} x {mc.linear_conv_dim} {dtype} + delta rule "

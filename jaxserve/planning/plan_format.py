@@ -29,7 +29,7 @@ def format_plan(p: Plan) -> str:
         f"  weights per device         {_gib(p.weight_bytes_per_device)} "
         f"(of which replicated on every device: {_gib(p.replicated_param_bytes)})",
     ]
-    if p.is_hybrid:
+    if p.has_state:
         lines.append(f"  layers                     {p.num_layers}: {p.full_attention_layers} full "
                      f"attention (KV cache), {p.num_layers - p.full_attention_layers} linear "
                      f"attention (recurrent state)")
@@ -50,14 +50,14 @@ def format_plan(p: Plan) -> str:
         lines.append(f"  global layers' KV heads    {p.global_kv_heads}"
                      + (f", each replicated {repeat}x" if repeat > 1 else "")
                      + f", {p.global_kv_heads_stored // m} per device")
-    kind = "full-attention layers" if p.is_hybrid else \
+    kind = "full-attention layers" if p.has_state else \
         "global layers" if p.sliding_attention_layers else "layers"
     lines.append(f"  KV cache per token/device  {p.kv_bytes_per_token_per_device / 2**10:.1f} KiB "
                  f"({p.full_attention_layers} {kind} x K and V)"
                  + (f" + {p.sliding_kv_bytes_per_token_per_device / 2**10:.1f} KiB "
                     f"({p.sliding_attention_layers} sliding-window layers, for the tokens in "
                     f"a window only)" if p.sliding_attention_layers else ""))
-    if p.is_hybrid:
+    if p.has_state:
         split = p.state_bytes_per_seq // p.state_bytes_per_seq_per_device
         lines.append(f"  state per sequence         {_gib(p.state_bytes_per_seq)} ({p.state_layout}), "
                      f"{_gib(p.state_bytes_per_seq_per_device)} per device"
@@ -75,7 +75,7 @@ def _memory_lines(p: Plan) -> list[str]:
     m = p.memory
     drafter = (f" (+ drafter {_gib(p.drafter_weight_bytes_per_device)})"
                if p.drafter_weight_bytes_per_device else "")
-    cache = ("KV cache and state " if p.is_hybrid else "KV ") + _gib(p.kv_budget_bytes) \
+    cache = ("KV cache and state " if p.has_state else "KV ") + _gib(p.kv_budget_bytes) \
         + (" (--kv-cache-memory-bytes)" if p.kv_cache_memory_bytes is not None else "")
     return [
         f"  device memory              {_gib(m.device_bytes)}, of which the engine takes "
@@ -93,7 +93,7 @@ def _cache_lines(p: Plan) -> list[str]:
     c = p.cache
     seqs = p.kv_tokens // p.max_model_len
     lines = []
-    if p.is_hybrid:
+    if p.has_state:
         snaps = c.num_snapshot_slots
         held = (f" + {snaps} prefix-cache snapshots (their share of the caches: "
                 f"{_gib(c.snapshot_bytes)})" if snaps else "")
@@ -145,7 +145,7 @@ def _allreduce_lines(p: Plan) -> list[str]:
         return ["  all-reduce                 none (M = 1)"]
     per_layer = p.allreduce_seconds(ar)
     step = p.allreduce_seconds(ar * p.num_layers + ar // 2)
-    mixer = "o_proj or out_proj" if p.is_hybrid else "o_proj"
+    mixer = "o_proj or out_proj" if p.has_state else "o_proj"
     return [
         f"  all-reduce per token/layer {ar / 2**10:.1f} KiB (2 x hidden {p.hidden_size} x "
         f"{p.dtype}: after {mixer} and down_proj) = {per_layer * 1e9:.1f} ns at "
