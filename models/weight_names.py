@@ -70,7 +70,7 @@ def hf_names(path: Path_, cfg: ModelConfig, prefix: str = "model.") -> np.ndarra
     return names if scanned else names[0, ...]
 
 
-def _group_by_key_head(w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+def group_by_key_head(w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
     """DeltaNet channels on the last axis, [all q | all k | all v] -> [Hk, 2 Dk + r Dv]
     (each key head's q, k and its value heads together: models/gated_deltanet.py)."""
     hk, dk = cfg.linear_num_key_heads, cfg.linear_key_head_dim
@@ -86,11 +86,11 @@ def to_param_layout(w: np.ndarray, path: Path_, shape: tuple[int, ...], name: st
     if path[-2:] == ("conv1d", "kernel"):   # HF depthwise [C, 1, kernel] -> [kernel, Hk, G]
         if w.ndim != 3 or w.shape[1] != 1:
             raise ValueError(f"tensor {name!r} has shape {w.shape}; expected [channels, 1, kernel]")
-        w = _group_by_key_head(w[:, 0, :].T, cfg)
+        w = group_by_key_head(w[:, 0, :].T, cfg)
     elif path[-2:] == ("in_proj_qkv", "kernel"):
         if w.ndim != 2:
             raise ValueError(f"tensor {name!r} has shape {w.shape}; expected a 2-D [out, in] weight")
-        w = _group_by_key_head(w.T, cfg)
+        w = group_by_key_head(w.T, cfg)
     elif path[-2:-1] == ("experts",) and w.ndim == 3:   # Gemma 4's [X, out, in] experts
         if kind in dict(cfg.family.fused_expert_leaves):   # gate_up_proj: gate rows, then up rows
             half = w.shape[1] // 2

@@ -23,7 +23,7 @@ from flax.traverse_util import flatten_dict
 from models.config import ModelConfig
 from models.lora.adapter import PeftAdapter
 from models.lora.ops import projection_split
-from models.weight_names import _group_by_key_head
+from models.weight_names import group_by_key_head
 from models.weights import abstract_params, hf_names, param_logical_axes
 from sharding.rules import RULES
 
@@ -123,7 +123,7 @@ def adapter_weights(adapter: PeftAdapter, targets: dict[str, LoRATarget], cfg: M
                              f"for another base model ({adapter.base_model[:200]!r})")
         b_t = np.asarray(b, np.float32).T
         if target.regroup_qkv:   # the base kernel's [all q | all k | all v] regrouping
-            b_t = _group_by_key_head(b_t, cfg).reshape(adapter.rank, -1)
+            b_t = group_by_key_head(b_t, cfg).reshape(adapter.rank, -1)
         out[name] = (np.ascontiguousarray(np.asarray(a, np.float32).T), np.ascontiguousarray(b_t))
     return out
 

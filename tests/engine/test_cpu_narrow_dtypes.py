@@ -55,13 +55,17 @@ def test_bf16_computes_in_float32_on_cpu_with_a_bf16_cache(engines, bf16_checkpo
 def test_bf16_is_about_as_fast_as_float32_on_cpu(engines):
     """A ratio in one run, interleaved, asserted loosely (the figure is in
     benchmarks/README.md): bf16 was 0.016x float32 before the cache was held as bits
-    and the model computed in float32. The process's CPU time, not the wall clock: other
-    processes on a loaded machine stretch the wall clock of one side more than the other's."""
-    best = {name: float("inf") for name in engines}
-    for _ in range(3):
+    and the model computed in float32. The process's CPU time, in rounds that interleave
+    the two engines."""
+    ratios = []
+    for _ in range(5):
+        spent = {}
         for name, llm in engines.items():
             t = time.process_time()
             _generate(llm)
-            best[name] = min(best[name], time.process_time() - t)
-    # 3x: the regression this guards was 60x; 2x failed once under a load of 15 on 2 cores
-    assert best["auto"] < 3.0 * best["float32"], best
+            spent[name] = time.process_time() - t
+        ratios.append(spent["auto"] / spent["float32"])
+    # Both run the same float32 programs on a bf16 cache, so a quiet round reads ~1; the
+    # best round, since a loaded machine (load 15 on 2 cores) stretched single rounds 2-4x.
+    # The regression this guards was 60x.
+    assert min(ratios) < 2.0, ratios
