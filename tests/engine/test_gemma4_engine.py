@@ -30,10 +30,22 @@ def expected(checkpoint):
             for kind in GEMMA4_KINDS}
 
 
+@pytest.fixture(scope="module")
+def chunked(checkpoint):
+    """kind -> an engine with a 16-token step budget, built once for this module."""
+    made: dict[str, LLM] = {}
+
+    def get(kind: str) -> LLM:
+        if kind not in made:
+            made[kind] = LLM(checkpoint(kind), dtype="float32", max_model_len=160,
+                             max_num_seqs=4, max_num_batched_tokens=16)
+        return made[kind]
+    return get
+
+
 @pytest.mark.parametrize("kind", GEMMA4_KINDS)
-def test_greedy_matches_transformers_under_chunked_batching(kind, checkpoint, expected):
-    engine = LLM(checkpoint(kind), dtype="float32", max_model_len=160, max_num_seqs=4,
-                 max_num_batched_tokens=16).engine
+def test_greedy_matches_transformers_under_chunked_batching(kind, chunked, expected):
+    engine = chunked(kind).engine
     results = run_staggered(engine, _prompts(), GREEDY, every=2)
     assert [results[str(i)] for i in range(len(PROMPT_LENS))] == expected[kind]
     assert_no_leaks(engine)
@@ -97,14 +109,16 @@ def test_fp8_weights_and_kv_as_the_vllm_guide(checkpoint):
             assert (s > 0).all() and len(np.unique(s)) == s.size, (kv, name)
 
 
-def test_pages_leaving_the_window_go_back_to_the_pool(checkpoint, expected):
+def test_pages_leaving_the_window_go_back_to_the_pool(chunked, expected):
     """A long generation holds at most the window's sliding pages (window 8 over pages of
     16: the page being written and the one before), while the global layers keep every
     page; the tokens are still transformers'."""
     from jaxserve.core.kv_cache_manager import SLIDING, window_pages
     kind = "gemma4"
-    engine = LLM(checkpoint(kind), dtype="float32", max_model_len=160, max_num_seqs=4,
-                 max_num_batched_tokens=16).engine
+    llm = chunked(kind)
+    llm.reset_prefix_cache()     # (the batching test ran this prompt): computed afresh
+    engine = llm.engine
+    assert_no_leaks(engine)
     kv = engine.scheduler.kv
     sliding_total = kv.get_num_free_pages(SLIDING)
     prompt = _prompts()[2]                                   # 70 tokens

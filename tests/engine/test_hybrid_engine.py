@@ -62,9 +62,9 @@ def test_preemption_resumes_to_the_same_tokens(checkpoint, expected):
 def test_state_slots_come_back_on_abort_and_n_greater_than_one(checkpoint, expected):
     kind = "qwen3_5"
     path, prompts, want = checkpoint(kind), _prompts(), expected[kind]
-    engine = LLM(path, dtype="float32", max_model_len=256, max_num_seqs=4,
-                 max_num_batched_tokens=256).engine
-    kv = engine.scheduler.kv
+    llm = LLM(path, dtype="float32", max_model_len=256, max_num_seqs=4,
+              max_num_batched_tokens=256)
+    engine, kv = llm.engine, llm.engine.scheduler.kv
     add(engine, "a", prompts[3], GREEDY)
     add(engine, "b", prompts[2], GREEDY)
     engine.step()
@@ -76,8 +76,10 @@ def test_state_slots_come_back_on_abort_and_n_greater_than_one(checkpoint, expec
     while engine.has_unfinished_requests():
         engine.step()
     assert_no_leaks(engine)
-    # n=2 greedy: both completions computed in full (no shared prompt pages on a hybrid).
-    out = LLM(path, dtype="float32", max_model_len=256, max_num_seqs=4).generate(
+    # n=2 greedy on the same engine, its prefix cache emptied (prompts[2] ran above):
+    # both completions computed in full (no shared prompt pages on a hybrid).
+    assert llm.reset_prefix_cache()
+    out = llm.generate(
         {"prompt_token_ids": prompts[2]}, SamplingParams(n=2, temperature=0.0, max_tokens=NUM_NEW,
                                                           ignore_eos=True), use_tqdm=False)[0]
     assert [c.token_ids for c in out.outputs] == [want[2], want[2]]

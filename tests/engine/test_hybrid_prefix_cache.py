@@ -43,11 +43,22 @@ def long_checkpoint(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="module")
+def engines(long_checkpoint):
+    """(kind, caching) -> an engine of `engine`'s defaults, built once for the module."""
+    made: dict[tuple[str, bool], LLM] = {}
+
+    def get(kind: str, caching: bool) -> LLM:
+        if (kind, caching) not in made:
+            made[kind, caching] = engine(long_checkpoint(kind), caching)
+        return made[kind, caching]
+    return get
+
+
 @pytest.fixture(scope="module", params=HYBRID_KINDS)
-def pair(request, long_checkpoint):
+def pair(request, engines):
     """(cached engine, uncached engine) of one kind."""
-    path = long_checkpoint(request.param)
-    return engine(path, True), engine(path, False)
+    return engines(request.param, True), engines(request.param, False)
 
 
 @pytest.mark.parametrize("system_len", [40, 530])
@@ -56,7 +67,7 @@ def test_shared_system_prompt(pair, system_len):
     rng = random.Random(system_len)
     system = toks(rng, system_len)
     prompts = [system + toks(rng, rng.randrange(3, 30)) for _ in range(5)]
-    want = [run(plain, [p])[0][0] for p in prompts]
+    want, _ = run(plain, prompts)   # (the uncached engine's tokens: batched, no hits)
     got, hits = [], []
     for p in prompts:   # one after another, as the requests of a server arrive
         g, h = run(cached, [p])
@@ -117,15 +128,15 @@ def test_n_greater_than_one_and_sampling(pair):
     assert_no_leaks(cached.engine)
 
 
-def test_preemption_in_the_middle(checkpoint):
-    path = checkpoint("qwen3_5")
+def test_preemption_in_the_middle(long_checkpoint, engines):
     rng = random.Random(9)
     system = toks(rng, 50)
     prompts = [system + toks(rng, rng.randrange(20, 60)) for _ in range(4)]
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    # The tokens of the uncached engine, which has pages enough for all four at once.
+    want, _ = run(engines("qwen3_5", False), prompts, params)
     small = dict(num_pages=22, max_model_len=160, max_num_batched_tokens=64)
-    want, _ = run(engine(path, False, **small), prompts, params)
-    cached = engine(path, True, **small)
+    cached = engine(long_checkpoint("qwen3_5"), True, **small)
     run(cached, prompts[:1], params)   # its pages and snapshots are cached first
     got, hits = run(cached, prompts, params)
     assert cached.engine.scheduler.num_preemptions > 0
@@ -133,14 +144,13 @@ def test_preemption_in_the_middle(checkpoint):
     assert_no_leaks(cached.engine)
 
 
-def test_data_parallel_replicas(long_checkpoint):
+def test_data_parallel_replicas(long_checkpoint, engines):
     """Two replicas (mesh 2x1), each with its own snapshots: a shared system prompt."""
-    path = long_checkpoint("qwen3_5")
     rng = random.Random(13)
     system = toks(rng, 70)
     prompts = [system + toks(rng, rng.randrange(3, 20)) for _ in range(8)]
-    want, _ = run(engine(path, False), prompts)
-    dp = engine(path, True, mesh="2x1")
+    want, _ = run(engines("qwen3_5", False), prompts)
+    dp = engine(long_checkpoint("qwen3_5"), True, mesh="2x1")
     got, hits = [], []
     for p in prompts:
         g, h = run(dp, [p])

@@ -12,10 +12,12 @@ from tests.engine.conftest import assert_no_leaks
 
 
 # qwen3_5_moe: a hybrid (recurrent-state slots, DeltaNet chunk loops) with a shared-expert
-# MoE; half the requests (its CPU steps cost several times the dense model's, and the
-# random features are the same); gemma4_e: sliding-window and global KV groups, per-layer
-# embeddings and KV-sharing layers.
-@pytest.mark.parametrize("kind,num_requests", [("qwen3_moe", 200), ("qwen3_5_moe", 100),
+# MoE; a quarter of the requests (its CPU steps cost several times the dense model's, and
+# the random features are the same: the first 50 hold each at least 4 times and reach
+# every forward program that 100 reach; the sampler's programs are the engine's, not the
+# model's, and qwen3_moe's 200 reach more of them than 100 do here); gemma4_e:
+# sliding-window and global KV groups, per-layer embeddings and KV-sharing layers.
+@pytest.mark.parametrize("kind,num_requests", [("qwen3_moe", 200), ("qwen3_5_moe", 50),
                                                ("gemma4_e", 60)])
 def test_random_requests_compile_nothing_new(checkpoint, kind, num_requests):
     llm = LLM(checkpoint(kind), dtype="float32", max_model_len=128, max_num_seqs=16,
