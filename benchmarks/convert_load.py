@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
     import jax
 
     from jaxserve.config import EngineConfig
-    from jaxserve.convert import convert
+    from jaxserve.cli.convert import convert
 
     src = Path(args.model) if args.model else write_checkpoint(Path(args.checkpoint_dir))
     file_bytes = sum(f.stat().st_size for f in src.glob("*.safetensors"))

@@ -8,7 +8,7 @@ import typing
 
 import pytest
 
-from jaxserve.api import cli
+from jaxserve.cli import serve as cli
 from jaxserve.config import EngineConfig, default_max_num_seqs
 from jaxserve.config.engine_args import FLAGS, NOT_FLAGS, flag_name
 from jaxserve.config.vllm_compat import ENGINE
@@ -114,7 +114,7 @@ def test_the_planner_takes_every_engine_flag_of_the_server():
 
 
 def test_convert_flags_are_engine_config_fields():
-    from jaxserve import convert
+    from jaxserve.cli import convert
     actions = engine_actions(convert.parser())
     # --scan-layers is convert's own (EngineConfig.scan_layers has no engine flag).
     assert set(actions) == set(convert.CONVERT_ENGINE_FLAGS) | {"scan_layers"}
@@ -125,7 +125,7 @@ def test_convert_flags_are_engine_config_fields():
 
 
 def test_generate_defaults_are_engine_config_defaults_but_its_rows():
-    from jaxserve import generate
+    from jaxserve.cli import generate
     actions = engine_actions(generate.parser())
     assert set(actions) == set(generate.GENERATE_ENGINE_FLAGS)
     for name, action in actions.items():

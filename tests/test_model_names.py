@@ -215,8 +215,8 @@ def test_every_builtin_config_parses():
 
 
 def test_help_texts_mention_aliases_and_repo_ids(capsys):
-    from jaxserve.api.cli import parser
-    from jaxserve.generate import main as generate_main
+    from jaxserve.cli.serve import parser
+    from jaxserve.cli.generate import main as generate_main
     helps = [a.help for a in parser()._actions if a.dest == "model"]
     with pytest.raises(SystemExit):
         generate_main(["--help"])

@@ -1,3 +1,3 @@
-from jaxserve.api.cli import main
+from jaxserve.cli.serve import main
 
 main()

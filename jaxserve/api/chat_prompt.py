@@ -10,7 +10,7 @@ from typing import Protocol
 from jaxserve.api.protocol import CHAT_ONLY_TOKENIZE_FIELDS, ChatMessage, TokenizeRequest
 from jaxserve.api.tools import tool_setup
 from jaxserve.engine.chat_template import message_text
-from jaxserve.engine.errors import InputError
+from jaxserve.errors import InputError
 from jaxserve.engine.input_processor import InputProcessor
 from jaxserve.multimodal.front import MultiModalInputs
 

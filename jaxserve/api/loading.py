@@ -21,7 +21,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from jaxserve.api.errors import error_body
 from jaxserve.api.metrics import Metrics
-from jaxserve.engine.startup import FAILED, StartupProgress
+from jaxserve.build.startup import FAILED, StartupProgress
 
 if TYPE_CHECKING:   # (not at run time: the port opens before the engine's modules load)
     from jaxserve.api.serving.base import OpenAIServing

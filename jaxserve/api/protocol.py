@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
 from jaxserve.api.unsupported import refused_field
-from jaxserve.engine.errors import InputError
+from jaxserve.errors import InputError
 from jaxserve.engine.input_processor import MAX_CACHE_SALT_CHARS
 from jaxserve.sampling_params import (INT32_MAX, INT64_MAX, INT64_MIN, MAX_N,
                                       RequestOutputKind, SamplingParams)

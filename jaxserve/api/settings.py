@@ -1,5 +1,5 @@
 """ServerSettings: what the HTTP server was told (its flags), as opposed to the engine's
-EngineConfig. Built once by the CLI (api/cli.py) and read by every endpoint family."""
+EngineConfig. Built once by the CLI (cli/serve.py) and read by every endpoint family."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from jaxserve.api.tool_parsers import ToolParser, get_tool_parser
-from jaxserve.engine.errors import InputError
+from jaxserve.errors import InputError
 from jaxserve.structured_outputs import StructuredOutputsParams
 
 # Compact JSON inside the forced grammar: arguments come out as clients print them.

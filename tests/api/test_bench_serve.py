@@ -9,7 +9,7 @@ import json
 import httpx
 import pytest
 
-from jaxserve.console import main as jaxserve
+from jaxserve.cli.main import main as jaxserve
 from tests.api.conftest import API_KEY
 from tests.api.test_metrics_vllm import samples, value
 

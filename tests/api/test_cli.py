@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from jaxserve.api.cli import engine_config, generation_defaults, parser
+from jaxserve.cli.serve import engine_config, generation_defaults, parser
 from jaxserve.api.protocol import CompletionRequest, sampling_params
 
 
@@ -61,7 +61,7 @@ def test_alias_with_dummy_weights_gets_as_far_as_building_the_model(tmp_path, mo
     generated directory and the 8B flax model is built; loading its 16 GB of random
     weights is where this test stops it. The engine is built while the server listens:
     its failure stops the server, is logged, and the exit status is 1."""
-    from jaxserve.api.cli import main
+    from jaxserve.cli.serve import main
     from jaxserve.build import loader
     from tests.api.conftest import free_port
     monkeypatch.setenv("JAXSERVE_CACHE", str(tmp_path))
@@ -86,7 +86,7 @@ def test_alias_with_dummy_weights_gets_as_far_as_building_the_model(tmp_path, mo
 
 
 def test_missing_model_is_a_clean_error(tmp_path, monkeypatch, capsys):
-    from jaxserve.api.cli import main
+    from jaxserve.cli.serve import main
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
     with pytest.raises(SystemExit) as e:
         main(["--model", "qwen3.6-27b"])

@@ -340,7 +340,7 @@ def spin(text):
         pass
     return convert(text)
 gbnf_to_lark.any_to_lark = grammar_from.any_to_lark = spin
-from jaxserve.api.cli import main
+from jaxserve.cli.serve import main
 main(sys.argv[1:])
 """
 
@@ -408,7 +408,7 @@ def collect(self, step):
     raise RuntimeError("injected: the device went away")
 ModelRunner.collect = collect
 ModelRunner.device_state_ok = lambda self: False
-from jaxserve.api.cli import main
+from jaxserve.cli.serve import main
 main(sys.argv[1:])
 """
 

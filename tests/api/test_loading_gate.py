@@ -10,7 +10,7 @@ from fastapi import FastAPI
 
 from jaxserve.api.loading import LoadingGate
 from jaxserve.api.metrics import Metrics
-from jaxserve.engine.startup import COMPILING, StartupProgress
+from jaxserve.build.startup import COMPILING, StartupProgress
 
 
 class FakeEngine:

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from jaxserve.api.cli import engine_config, parse_args, parser
+from jaxserve.cli.serve import engine_config, parse_args, parser
 from jaxserve.config import ConfigError, EngineConfig
 from jaxserve.engine.llm_kwargs import engine_kwargs
 from jaxserve.config.speculative import SpeculativeConfig

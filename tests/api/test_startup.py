@@ -11,7 +11,7 @@ import time
 
 import httpx
 
-from jaxserve.engine import startup
+from jaxserve.build import startup
 from tests.api.conftest import Server
 
 PHASES = {startup.STARTING, startup.LOADING_WEIGHTS, startup.ALLOCATING_KV_CACHE,

@@ -22,7 +22,7 @@ from jaxserve.api.settings import ServerSettings
 from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.engine.engine_core import prompt_page_hashes
 from jaxserve.engine.input_processor import InputProcessor
-from jaxserve.engine.startup import StartupProgress
+from jaxserve.build.startup import StartupProgress
 from tests.api.conftest import API_KEY, SERVER_ARGS
 from tests.engine.conftest import assert_no_leaks
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from jaxserve.api.cli import checked_config, engine_config, parse_args, parser
+from jaxserve.cli.serve import checked_config, engine_config, parse_args, parser
 from jaxserve.config import EngineConfig
 from jaxserve.config.engine_args import human_readable_int
 from jaxserve.config.vllm_compat import ENGINE, FRONTEND
@@ -134,7 +134,7 @@ def test_chat_template_file_is_read(tmp_path):
 
 
 def test_override_generation_config_goes_over_the_models(tmp_path):
-    from jaxserve.api.cli import generation_defaults
+    from jaxserve.cli.serve import generation_defaults
     (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.6,
                                                                  "top_k": 20}))
     assert generation_defaults("auto", str(tmp_path), {"temperature": 0.1, "min_p": 0.05}) == \
@@ -317,7 +317,7 @@ def test_log_requests_and_api_keys():
 def test_server_flags_reach_uvicorn_and_the_log():
     import logging
 
-    from jaxserve.api.cli import _uvicorn_config, log_level
+    from jaxserve.cli.serve import _uvicorn_config, log_level
     args = parse_args(parser(SERVE), [
         "/m", "--uds", "/tmp/jaxserve.sock", "--disable-uvicorn-access-log", "--ssl-ciphers",
         "ECDHE-RSA-AES256-GCM-SHA384", "--h11-max-incomplete-event-size", "1024",

@@ -23,7 +23,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from jaxserve.api import cli
+from jaxserve.cli import serve as cli
 from jaxserve.api.metrics import Metrics
 from jaxserve.engine import multihost
 

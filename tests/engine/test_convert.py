@@ -19,7 +19,7 @@ from flax.traverse_util import flatten_dict
 from jaxserve import LLM, SamplingParams
 from jaxserve.checkpoints.converted import MANIFEST, PARAMS_DIR, read_manifest, resolve_converted
 from jaxserve.config import EngineConfig
-from jaxserve.convert import convert
+from jaxserve.cli.convert import convert
 from jaxserve.build.layout import engine_layout, layout_param_shardings
 from jaxserve.build.loader import load_model, load_weights
 from jaxserve.planning.plan import load_model_config

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from jaxserve.api.cli import engine_config, parser
+from jaxserve.cli.serve import engine_config, parser
 from jaxserve.runner.programs import FORWARD, PROMPT_LOGPROBS, SAMPLE
 
 FLAGSHIP_BUDGET, TINY_BUDGET = 48, 24

@@ -166,7 +166,7 @@ def decode_report(tmp_path_factory) -> dict:
     small enough to compile in seconds, with tables too big for a TPU core's VMEM (as a
     served model's: XLA then streams them from HBM instead of prefetching them whole)."""
     pytest.importorskip("libtpu")
-    from jaxserve.plan import main
+    from jaxserve.cli.plan import main
     path = tmp_path_factory.mktemp("step_bytes") / "config.json"
     path.write_text(json.dumps({
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128000,
@@ -215,7 +215,7 @@ def test_decode_step_bytes_are_within_15_percent_of_the_roofline(decode_report):
 ])
 def test_decode_flags_are_refused_where_they_would_do_nothing(argv, message, capsys):
     """Refused before anything is built or compiled, naming the flag."""
-    from jaxserve.plan import main
+    from jaxserve.cli.plan import main
     with pytest.raises(SystemExit) as e:
         main(["--model", "llama-3.1-8b", *argv])
     assert e.value.code == 2 and message in capsys.readouterr().err

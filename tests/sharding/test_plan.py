@@ -14,7 +14,7 @@ from jaxserve.planning.plan import (
     make_plan,
     parse_bytes,
 )
-from jaxserve.plan import main
+from jaxserve.cli.plan import main
 
 GIB = 2**30
 

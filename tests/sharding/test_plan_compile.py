@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from jaxserve.plan import main
+from jaxserve.cli.plan import main
 from tests.checkpoints import make_tiny_checkpoint
 
 pytest.importorskip("libtpu")

@@ -22,7 +22,7 @@ from jaxserve.api.serving.logprobs import chat_logprobs
 from jaxserve.api.serving.streaming import data, sse
 from jaxserve.api.tools import ToolSetup, tool_setup
 from jaxserve.core.outputs import RequestOutput
-from jaxserve.engine.errors import InputError
+from jaxserve.errors import InputError
 from jaxserve.engine.input_processor import EngineRequest
 from jaxserve.sampling_params import SamplingParams
 
