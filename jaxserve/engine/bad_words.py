@@ -3,7 +3,7 @@
 A bad word of one token is banned everywhere (the sampler's fixed mask); one of several
 tokens bans its last token wherever the output ends with its other tokens. Checking
 every word against the output's end costs O(words) per row and step on the engine
-thread (3 s a step for 64 rows x 10k words, benchmarks/bad_words.py), so the front
+thread (3 s a step for 64 rows x 10k words, benchmarks/structured/bad_words.py), so the front
 door (engine/input_processor.py, in the caller's thread) builds this automaton
 instead. Its state is the longest end of the output that begins some word; an accepted
 token moves it along one edge, or down the suffix ("fail") links first, each of which

@@ -19,7 +19,7 @@ stop strings, `update` only records ids and `finalize()` decodes them in one go
 strings force incremental mode, since they must be detected as tokens arrive.
 
 Why not `tokenizers.decoders.DecodeStream` (the same window algorithm in Rust;
-benchmarks/detokenizer.py, README "Incremental detokenization"): the decoding is not
+benchmarks/step/detokenizer.py, README "Incremental detokenization"): the decoding is not
 where a token's time goes. DecodeStream alone is 2-3x faster per token than this
 class, but with what the engine needs on top (stop strings, lazy mode, the held-back
 tail that DecodeStream never flushes) it is 1.1x faster when streaming and 0.7x in

@@ -35,7 +35,7 @@ from jaxserve.structured_outputs import StructuredOutputsParams
 # long: it bounds the depth of llguidance's native recursion, which takes at most ~810
 # bytes of stack per character of the most stack-hungry grammar measured (Lark rules
 # chained through 28 nested groups each; a $ref chain ~100-130; benchmarks/README.md
-# "Grammar limits", benchmarks/grammar_limits.py).
+# "Grammar limits", benchmarks/structured/grammar_limits.py).
 MAX_CONSTRAINT_CHARS = 65_536
 # The compile threads' stack: 5x the ~51 MiB the worst grammar within the limit needs
 # (virtual: only what a compile touches is ever resident).

@@ -1,5 +1,5 @@
 """jaxserve.bench's pieces that need no server: the datasets `jaxserve bench` adds to
-the ones benchmarks/serve.py had (a shared random prefix, prefix repetition, bursty
+the ones benchmarks/serving/serve.py had (a shared random prefix, prefix repetition, bursty
 arrivals), goodput, peak concurrency, vLLM's result keys and file name, and the
 `jaxserve bench` command's dispatch."""
 from __future__ import annotations

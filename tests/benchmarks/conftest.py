@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.common import make_qwen3
+from benchmarks.shared.common import make_qwen3
 
 # initializer_range 0.2 rather than 0.02: greedy outputs then vary token to token, so
 # an agreement check between two systems compares something (0.02 repeats one token).

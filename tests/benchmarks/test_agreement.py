@@ -1,9 +1,9 @@
-"""benchmarks.agreement: exact counts, and a divergence is found where it is."""
+"""benchmarks.shared.agreement: exact counts, and a divergence is found where it is."""
 from __future__ import annotations
 
 import pytest
 
-from benchmarks.agreement import compare_outputs, summary
+from benchmarks.shared.agreement import compare_outputs, summary
 
 
 def test_identical():

@@ -1,9 +1,9 @@
-"""benchmarks.checkpoint: which directory both systems load."""
+"""benchmarks.shared.checkpoint: which directory both systems load."""
 from __future__ import annotations
 
 import pytest
 
-from benchmarks.checkpoint import default_dtype, prepare, resolve
+from benchmarks.shared.checkpoint import default_dtype, prepare, resolve
 
 
 def test_directory_is_used_as_is(tiny_qwen3, tmp_path):

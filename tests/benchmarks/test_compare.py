@@ -1,4 +1,4 @@
-"""benchmarks.compare end to end on a tiny Qwen3: files, fields, agreement, ratio."""
+"""benchmarks.offline.compare end to end on a tiny Qwen3: files, fields, agreement, ratio."""
 from __future__ import annotations
 
 import json
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.compare import main
+from benchmarks.offline.compare import main
 from tests.benchmarks.conftest import assert_figure
 
 
@@ -17,7 +17,7 @@ def check_files(out, name: str) -> dict:
     assert_figure(out / f"{name}.png")
     doc = json.loads((out / f"{name}.json").read_text())
     assert doc["benchmark"] == "compare"
-    assert doc["command"].startswith("python -m benchmarks.compare")
+    assert doc["command"].startswith("python -m benchmarks.offline.compare")
     m = doc["machine"]
     assert m["cpu"] and m["versions"]["jax"] and m["versions"]["torch"] and m["git"]["commit"]
     return doc

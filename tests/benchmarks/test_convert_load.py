@@ -1,10 +1,10 @@
-"""benchmarks.convert_load end to end on a tiny Qwen3 (one mesh, to stay quick): both
+"""benchmarks.loading.convert_load end to end on a tiny Qwen3 (one mesh, to stay quick): both
 ways load the same tree, and the results carry every run, the conversion and the ratio."""
 from __future__ import annotations
 
 import json
 
-from benchmarks.convert_load import main, quantizations
+from benchmarks.loading.convert_load import main, quantizations
 
 
 def test_convert_load(tiny_qwen3, tmp_path):

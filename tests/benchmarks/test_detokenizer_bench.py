@@ -1,4 +1,4 @@
-"""benchmarks.detokenizer on the tiny tokenizer, and the decoders it measures on a small
+"""benchmarks.step.detokenizer on the tiny tokenizer, and the decoders it measures on a small
 SentencePiece-style tokenizer (byte fallback, leading-space strip): every one's text
 equals a full decode after the prompt's context (so the first output token keeps its
 leading space), special tokens skipped or kept."""
@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from benchmarks.detokenizer import (StreamDetokenizer, main, make_sp_tokenizer, run_updates,
-                                    text_after, token_stream)
-from benchmarks.grammar_tokenizer import corpus
+from benchmarks.step.detokenizer import (StreamDetokenizer, main, make_sp_tokenizer, run_updates,
+                                         text_after, token_stream)
+from benchmarks.structured.grammar_tokenizer import corpus
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 
 

@@ -1,4 +1,4 @@
-"""benchmarks.grammar_backends at toy size, llguidance only (xgrammar is never needed):
+"""benchmarks.structured.grammar_backends at toy size, llguidance only (xgrammar is never needed):
 the trained tokenizer, the structure of the results, every figure positive, and every
 mask of the drive allowing the instance's next token."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("llguidance")
 pytest.importorskip("tokenizers")
 
-import benchmarks.grammar_backends as gb  # noqa: E402
+import benchmarks.structured.grammar_backends as gb  # noqa: E402
 
 VOCAB = 2000
 

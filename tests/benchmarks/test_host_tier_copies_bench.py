@@ -1,4 +1,4 @@
-"""benchmarks.host_tier_copies at toy size: the results' structure and its refusal of a
+"""benchmarks.cache.host_tier_copies at toy size: the results' structure and its refusal of a
 copy that does not fit beside the source pages."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-import benchmarks.host_tier_copies as htc
+import benchmarks.cache.host_tier_copies as htc
 
 
 def test_toy_run(tmp_path):

@@ -1,4 +1,4 @@
-"""benchmarks.hybrid_prefix_cache at toy size (the tests' tiny Qwen3.5, two conversations
+"""benchmarks.cache.hybrid_prefix_cache at toy size (the tests' tiny Qwen3.5, two conversations
 of two turns, four questions on a 100-token system prompt, one run of each engine): the
 results' structure, greedy outputs identical with and without the cache, hits in the
 cached run only; and the align rule's simulation and block sizes by hand."""
@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-import benchmarks.hybrid_prefix_cache as hpc
+import benchmarks.cache.hybrid_prefix_cache as hpc
 from tests.checkpoints import make_tiny_checkpoint
 
 WORKLOADS = ["chat", "system", "system-burst2"]
@@ -57,7 +57,7 @@ def test_main_writes_results(tiny, tmp_path):
                     "--max-model-len", "256", "--repeats", "1"])
     doc = json.loads((tmp_path / "hybrid_prefix_cache.json").read_text())
     assert doc["benchmark"] == "hybrid_prefix_cache"
-    assert doc["command"].startswith("python -m benchmarks.hybrid_prefix_cache --model")
+    assert doc["command"].startswith("python -m benchmarks.cache.hybrid_prefix_cache --model")
     r = doc["results"]
     assert r["qwen3_6_27b"] is None and r["page_size"] == 16
     plans = r["cache_plan"]

@@ -1,4 +1,4 @@
-"""benchmarks.latency end to end on a tiny Qwen3, with a roofline file: files, fields,
+"""benchmarks.offline.latency end to end on a tiny Qwen3, with a roofline file: files, fields,
 agreement of the batch-1 greedy outputs, TPOT ratio and roofline percentages."""
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from benchmarks.latency import main
-from benchmarks.model_stats import model_stats
+from benchmarks.offline.latency import main
+from benchmarks.shared.model_stats import model_stats
 from tests.benchmarks.conftest import assert_figure
 
 

@@ -1,4 +1,4 @@
-"""benchmarks.quantization at toy size, each part on one tiny llama (head_dim 128, lane-
+"""benchmarks.quant.quantization at toy size, each part on one tiny llama (head_dim 128, lane-
 aligned on TPU as a served model's). The accuracy and speed parts build engines with the
 same settings (max_model_len 48, 8 rows), so the second part's warmup finds the first's
 programs in the persistent compilation cache."""
@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from benchmarks.quantization import main
+from benchmarks.quant.quantization import main
 from tests.checkpoints import make_tiny_checkpoint
 
 

@@ -1,11 +1,11 @@
-"""benchmarks.reference: batch sizes to try, out-of-memory fallback, model sizes."""
+"""benchmarks.shared.reference: batch sizes to try, out-of-memory fallback, model sizes."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from benchmarks import reference
-from benchmarks.model_stats import model_stats
+from benchmarks.shared import reference
+from benchmarks.shared.model_stats import model_stats
 
 
 def test_candidate_sizes():

@@ -1,4 +1,4 @@
-"""benchmarks.results_io: the shared format (strict JSON, Markdown, machine record)."""
+"""benchmarks.shared.results_io: the shared format (strict JSON, Markdown, machine record)."""
 from __future__ import annotations
 
 import json
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.results_io import (clean, cpu_snapshot, markdown_table, new_figure, other_load,
-                                   write_results)
+from benchmarks.shared.results_io import (clean, cpu_snapshot, markdown_table, new_figure, other_load,
+                                          write_results)
 
 
 def test_write_results(tmp_path, capsys):
@@ -55,7 +55,7 @@ def test_clean_nested():
 
 
 def test_a_disturbed_run_is_flagged(tmp_path, monkeypatch):
-    from benchmarks import results_io
+    from benchmarks.shared import results_io
     monkeypatch.setattr(results_io, "other_load", lambda start: 1.5)
     paths = write_results(str(tmp_path), "z", benchmark="demo", argv=[], config={},
                           results={}, table="t", notes=["mine"])

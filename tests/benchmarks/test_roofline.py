@@ -1,4 +1,4 @@
-"""benchmarks.roofline on tiny sizes: the files, positive figures, and load_roofline."""
+"""benchmarks.shared.roofline on tiny sizes: the files, positive figures, and load_roofline."""
 from __future__ import annotations
 
 import json
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from benchmarks.roofline import load_roofline, main
+from benchmarks.shared.roofline import load_roofline, main
 from tests.benchmarks.conftest import assert_figure
 
 
@@ -38,11 +38,11 @@ def test_load_roofline_rejects_other_results(tmp_path):
 
 
 def test_cli_without_matplotlib_exits_0_with_results_and_a_warning(tmp_path):
-    """`python -m benchmarks.roofline` in a Python where matplotlib cannot be imported:
+    """`python -m benchmarks.shared.roofline` in a Python where matplotlib cannot be imported:
     the measurement succeeded, so JSON and table are written and the exit status is 0."""
     block = ("import runpy, sys; sys.modules['matplotlib'] = None; "
              "sys.argv = ['roofline', *sys.argv[1:]]; "
-             "runpy.run_module('benchmarks.roofline', run_name='__main__')")
+             "runpy.run_module('benchmarks.shared.roofline', run_name='__main__')")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     run = subprocess.run([sys.executable, "-c", block, "--copy-mib", "1", "--matmul-sizes",
                           "64", "--iters", "1", "--output-dir", str(tmp_path)],

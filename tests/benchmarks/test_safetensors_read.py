@@ -1,4 +1,4 @@
-"""benchmarks.safetensors_read on a tiny Qwen3 (one mesh, one dtype): every reader loads
+"""benchmarks.loading.safetensors_read on a tiny Qwen3 (one mesh, one dtype): every reader loads
 the same params (the benchmark raises otherwise) and the results carry each run, and
 PackageSlices' index mapping reads exactly numpy's slices."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import json
 import numpy as np
 from safetensors.numpy import save_file
 
-from benchmarks.safetensors_read import PackageSlices, main
+from benchmarks.loading.safetensors_read import PackageSlices, main
 
 
 def test_safetensors_read(tiny_qwen3, tmp_path):

@@ -1,5 +1,5 @@
 """jaxserve.bench (the client, datasets and metrics of `jaxserve bench serve` and
-benchmarks/serve.py) and benchmarks/serve.py's sweep CLI: metric maths on synthetic timestamps (exact), SSE parsing, datasets,
+benchmarks/serving/serve.py) and benchmarks/serving/serve.py's sweep CLI: metric maths on synthetic timestamps (exact), SSE parsing, datasets,
 arrivals, and whole runs against a fake streaming server on 127.0.0.1 whose sleeps are
 known (the timing checks are lower bounds or wide bands, never tight)."""
 from __future__ import annotations
@@ -21,7 +21,7 @@ import uvicorn  # noqa: E402
 from fastapi import FastAPI, Request  # noqa: E402  (module level: FastAPI resolves annotations here)
 from fastapi.responses import JSONResponse, StreamingResponse  # noqa: E402
 
-from benchmarks.serve import format_summary, format_sweep_table, main
+from benchmarks.serving.serve import format_summary, format_sweep_table, main
 from jaxserve.bench.client import (CHAT, COMPLETIONS, BenchConfig, RequestRecord, build_payload,
                                    feed_line, run_benchmark)
 from jaxserve.bench.datasets import Prompt, arrival_times, random_dataset, sharegpt_dataset
@@ -293,7 +293,7 @@ def test_cli_sweep_writes_json_and_plot(server, tmp_path, capsys):
           "--random-output-len", "2", "--sweep", "inf,50", "--plot", str(png),
           "--result-json", str(out)])
     doc = json.loads(out.read_text())
-    assert doc["benchmark"] == "serve" and doc["command"].startswith("python -m benchmarks.serve")
+    assert doc["benchmark"] == "serve" and doc["command"].startswith("python -m benchmarks.serving.serve")
     assert doc["machine"]["versions"]["python"] and doc["ratio"] is None
     assert doc["config"]["request_rate"] == "inf"
     report = doc["results"]

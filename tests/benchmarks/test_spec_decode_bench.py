@@ -1,4 +1,4 @@
-"""benchmarks.spec_decode at toy size (the tests' tiny llama, two code prompts of one
+"""benchmarks.spec_decode.spec_decode at toy size (the tests' tiny llama, two code prompts of one
 function, two random prompts, 24 output tokens, one run of each engine): the results'
 structure, greedy outputs identical with and without speculation, the engine's
 speculative counters equal to the lookup replayed over the final tokens; and the
@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 
-import benchmarks.spec_decode as sd
+import benchmarks.spec_decode.spec_decode as sd
 from jaxserve.runner.spec_decode import ngram_propose
 from tests.checkpoints import make_tiny_checkpoint
 
@@ -67,7 +67,7 @@ def test_main_writes_results(tiny, tmp_path):
                    "--max-model-len", "512", "--repeats", "1"])
     doc = json.loads((tmp_path / "spec_decode.json").read_text())
     assert doc["benchmark"] == "spec_decode"
-    assert doc["command"].startswith("python -m benchmarks.spec_decode --model")
+    assert doc["command"].startswith("python -m benchmarks.spec_decode.spec_decode --model")
     r = doc["results"]
     assert r["speculative_config"]["num_speculative_tokens"] == 3
     assert [w["workload"] for w in r["workloads"]] == WORKLOADS

@@ -1,8 +1,8 @@
-"""benchmarks.startup reads the engine's own warmup summary back (a real run starts
+"""benchmarks.serving.startup reads the engine's own warmup summary back (a real run starts
 the server twice, see benchmarks/README.md; too slow for a smoke test)."""
 from __future__ import annotations
 
-from benchmarks.startup import warmup_counts
+from benchmarks.serving.startup import warmup_counts
 from jaxserve.runner.compile_counter import CompileCounts
 from jaxserve.runner.warmup_report import WarmupSummary
 

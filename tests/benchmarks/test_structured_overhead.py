@@ -1,4 +1,4 @@
-"""benchmarks.structured_overhead at toy size (a tiny Qwen3 with its byte tokenizer, 2
+"""benchmarks.structured.structured_overhead at toy size (a tiny Qwen3 with its byte tokenizer, 2
 rows, a few steps, two scenarios): the structure of the results, every timing positive,
 steps really counted, and the grammar rows' outputs valid JSON prefixes."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("llguidance")
 
-import benchmarks.structured_overhead as so  # noqa: E402
+import benchmarks.structured.structured_overhead as so  # noqa: E402
 from jaxserve.api.tool_parsers.json_call import JsonScanner  # noqa: E402
 from tests.checkpoints import make_tiny_checkpoint  # noqa: E402
 
@@ -113,7 +113,7 @@ def test_main_writes_results(tiny, tmp_path):
              "--max-num-batched-tokens", "64"])
     doc = json.loads((tmp_path / "structured_overhead.json").read_text())
     assert doc["benchmark"] == "structured_overhead"
-    assert doc["command"].startswith("python -m benchmarks.structured_overhead --model")
+    assert doc["command"].startswith("python -m benchmarks.structured.structured_overhead --model")
     assert [s["scenario"] for s in doc["results"]["steps"]] == ["none", "allowed_token_ids"]
     assert all(s["steps_counted"] >= 3 for s in doc["results"]["steps"])
     assert doc["results"]["compile"]["cold_median_ms"] > 0

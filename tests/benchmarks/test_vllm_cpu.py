@@ -1,4 +1,4 @@
-"""The parts of the vLLM CPU comparison (benchmarks/vllm_cpu*.py) that need no vLLM:
+"""The parts of the vLLM CPU comparison (benchmarks/vllm_cpu/) that need no vLLM:
 the run order, the medians and flags, the load bookkeeping, the venv's metadata alias
 and run-time environment, the shared checkpoint, the worker's workload file."""
 from __future__ import annotations
@@ -10,8 +10,8 @@ from importlib import metadata
 
 import pytest
 
-from benchmarks import vllm_cpu, vllm_cpu_env, vllm_cpu_online, vllm_cpu_run, vllm_cpu_stats
-from benchmarks.vllm_cpu_stats import Proc
+from benchmarks.vllm_cpu import vllm_cpu, vllm_cpu_env, vllm_cpu_online, vllm_cpu_run, vllm_cpu_stats
+from benchmarks.vllm_cpu.vllm_cpu_stats import Proc
 
 
 def test_runs_alternate_the_systems_within_each_case():

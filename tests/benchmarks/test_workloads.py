@@ -1,4 +1,4 @@
-"""benchmarks.workloads: seeded, the stated lengths, ShareGPT's shape, ShareGPT files."""
+"""benchmarks.shared.workloads: seeded, the stated lengths, ShareGPT's shape, ShareGPT files."""
 from __future__ import annotations
 
 import json
@@ -6,8 +6,8 @@ import statistics
 
 import pytest
 
-from benchmarks.common import make_word_tokenizer
-from benchmarks.workloads import SHAREGPT_LIKE, make_workload
+from benchmarks.shared.common import make_word_tokenizer
+from benchmarks.shared.workloads import SHAREGPT_LIKE, make_workload
 
 
 def wl(spec: str, **kw):

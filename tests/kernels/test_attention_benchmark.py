@@ -1,4 +1,4 @@
-"""benchmarks/attention_gpu.py imports on CPU and its accounting is right (the timed
+"""benchmarks/gpu/attention_gpu.py imports on CPU and its accounting is right (the timed
 part needs a GPU; `--dry-run` runs it in interpret mode)."""
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import os
 import jax.numpy as jnp
 import numpy as np
 
-_PATH = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "attention_gpu.py")
+_PATH = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "gpu",
+                     "attention_gpu.py")
 
 
 def _load():
