@@ -69,7 +69,8 @@ def selection(programs: list) -> list:
 
 
 def run_case(case: Case) -> dict[str, Any]:
-    from jaxserve.planning.plan import load_model_config, make_plan
+    from jaxserve.checkpoints.model_names import load_model_config
+    from jaxserve.planning.plan import make_plan
     from jaxserve.planning.plan_compile import compile_plan
     from jaxserve.runner.buckets import pick_bucket
     from sharding.tpu_targets import tpu_target

@@ -64,7 +64,8 @@ def _kv_cell(row: dict, max_model_len: int) -> str:
 
 def gemma4_plan() -> str:
     """Gemma-4-31B on one 96 GiB device at the vLLM guide's 32,767 tokens x 8."""
-    from jaxserve.planning.plan import load_model_config, make_plan
+    from jaxserve.checkpoints.model_names import load_model_config
+    from jaxserve.planning.plan import make_plan
 
     mc = load_model_config("gemma-4-31b")
     lines = ["| weights / KV | weights | KV per token: global + sliding | sliding group (8 "
@@ -95,7 +96,8 @@ def gemma4_plan() -> str:
 
 def qwen3_8b_plan() -> str:
     """`python -m jaxserve.plan --model qwen3-8b --mesh 1x8 --hbm 80GiB`, as printed."""
-    from jaxserve.planning.plan import format_plan, load_model_config, make_plan
+    from jaxserve.checkpoints.model_names import load_model_config
+    from jaxserve.planning.plan import format_plan, make_plan
 
     cmd = "python -m jaxserve.plan --model qwen3-8b --mesh 1x8 --hbm 80GiB"
     p = make_plan(load_model_config("qwen3-8b"), model="qwen3-8b", mesh="1x8",

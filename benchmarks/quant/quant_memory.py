@@ -50,7 +50,8 @@ def scheme_kw(weights: str, kv: str) -> dict[str, Any]:
 def planner_row(case: Case, weights: str, kv: str, max_model_len: int) -> dict[str, Any]:
     """make_plan exactly as `python -m jaxserve.plan` runs it for these flags."""
     from jaxserve.config import default_max_num_seqs
-    from jaxserve.planning.plan import load_model_config, make_plan
+    from jaxserve.checkpoints.model_names import load_model_config
+    from jaxserve.planning.plan import make_plan
     from sharding.tpu_targets import tpu_target
 
     hbm = tpu_target(case.target).usable_hbm_bytes if case.target else case.hbm_bytes

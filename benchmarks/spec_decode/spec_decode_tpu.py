@@ -24,7 +24,7 @@ import time
 import jax
 
 from jaxserve.config import EngineConfig
-from jaxserve.planning.plan import load_model_config
+from jaxserve.checkpoints.model_names import load_model_config
 from jaxserve.planning.plan_compile import build_abstract_engine
 from jaxserve.runner.programs import DRAFT, FORWARD, SAMPLE
 from sharding import replica_meshes

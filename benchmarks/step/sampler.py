@@ -70,20 +70,21 @@ def cpu_times(old, rows: int, iters: int, kind: str) -> list[dict[str, Any]]:
     import jax
 
     from jaxserve.runner import sampler as new
+    from jaxserve.runner import sampling_tensors as tensors_of
     rng = np.random.default_rng(0)
     logits = (rng.standard_normal((rows, CPU_VOCAB)) * LOGIT_SCALES[kind]).astype(np.float32)
     old_fn = jax.jit(old.sample, static_argnames=("variant",))
     new_fn = jax.jit(new.sample, static_argnames=("penalties", "greedy"))
     out = []
     for name, params in batches().items():
-        sampling_rows = [new.SamplingRow(params, 0, seed=i) for i in range(rows)]
+        sampling_rows = [tensors_of.SamplingRow(params, 0, seed=i) for i in range(rows)]
         variant = old.choose_variant([params])
         mode = {"greedy": True} if new.only_greedy([params]) else {}
         calls = {
             "baseline": lambda: old_fn(logits, old.make_sampling_tensors(
                 [old.SamplingRow(params, 0, seed=i) for i in range(rows)], rows, CPU_VOCAB),
                 variant=variant),
-            "current": lambda: new_fn(logits, new.make_sampling_tensors(
+            "current": lambda: new_fn(logits, tensors_of.make_sampling_tensors(
                 sampling_rows, rows, CPU_VOCAB), **mode),
         }
         seconds = {}
@@ -107,6 +108,7 @@ def tpu_compiles(old) -> list[dict[str, Any]]:
     from jax.sharding import NamedSharding, PartitionSpec
 
     from jaxserve.runner import sampler as new
+    from jaxserve.runner import sampling_tensors as tensors_of
     from sharding.tpu_targets import abstract_tpu_mesh
     mesh = abstract_tpu_mesh("tpu-v6e", "1x8")
     rep = NamedSharding(mesh, PartitionSpec())
@@ -145,8 +147,8 @@ def tpu_compiles(old) -> list[dict[str, Any]]:
         out.append({"sampler": "baseline", "program": str(flags), **compile_one(old_program(v), tensors)})
         print(f"  tpu {out[-1]}", flush=True)
     for mode in ("greedy", "random", "penalties"):
-        tensors = new.make_sampling_tensors([], TPU_ROWS, TPU_VOCAB,
-                                            penalties=mode == "penalties", penalty_len=16)
+        tensors = tensors_of.make_sampling_tensors([], TPU_ROWS, TPU_VOCAB,
+                                                   penalties=mode == "penalties", penalty_len=16)
         out.append({"sampler": "current", "program": mode,
                     **compile_one(new_program(mode), tensors)})
         print(f"  tpu {out[-1]}", flush=True)

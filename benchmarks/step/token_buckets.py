@@ -88,7 +88,8 @@ def measure_cpu(iters: int) -> dict[int, float]:
 
 def roofline(model: str, mesh: str, target_name: str):
     """Seconds of a step of n tokens per device on the chip's roofline."""
-    from jaxserve.planning.plan import load_model_config, make_plan
+    from jaxserve.checkpoints.model_names import load_model_config
+    from jaxserve.planning.plan import make_plan
     from sharding.tpu_targets import tpu_target
     target = tpu_target(target_name)
     plan = make_plan(load_model_config(model), model=model, mesh=mesh,

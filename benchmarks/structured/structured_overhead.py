@@ -250,7 +250,7 @@ def compile_times(llm: Any, repeats: int) -> dict[str, Any]:
     same schema again), and of the first mask of the cold grammar (matcher() + fill),
     then of another matcher of it; the process's first compile and mask apart."""
     from jaxserve import StructuredOutputsParams as SO
-    from jaxserve.runner.sampler import mask_words
+    from jaxserve.runner.sampling_tensors import mask_words
     from jaxserve.runner.token_constraints import ALL_ALLOWED
     compiler = llm.engine.inputs.grammar_compiler()
     words = mask_words(llm.engine.inputs.vocab_size)

@@ -37,8 +37,9 @@ from jaxserve.checkpoints.converted import (FORMAT_VERSION, PARAMS_DIR, Leaf, Ma
                                             is_converted, tree_settings, write_manifest)
 from jaxserve.checkpoints.model_configs import ALIASES
 from jaxserve.checkpoints.model_names import TOKENIZER_FILES, resolve_model
-from jaxserve.config import ConfigError, EngineConfig
+from jaxserve.config import EngineConfig
 from jaxserve.config.engine_args import add_engine_args, config_error, engine_kwargs
+from jaxserve.errors import ConfigError
 
 logger = logging.getLogger("jaxserve")
 

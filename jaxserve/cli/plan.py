@@ -12,12 +12,13 @@ import json
 import sys
 
 from jaxserve.checkpoints.model_configs import ALIASES
-from jaxserve.config import ConfigError, EngineConfig, default_max_num_seqs
+from jaxserve.checkpoints.model_names import load_model_config
+from jaxserve.config import EngineConfig, default_max_num_seqs
 from jaxserve.config.engine_args import (FLAGS, dashed, add_engine_args, add_vllm_compat_args,
                                          check_vllm_compat, config_error, engine_kwargs)
-from jaxserve.planning.plan import (DEFAULT_LINK_GBPS, format_plan, load_model_config,
-                                    parse_bytes, plan_from_config)
 from jaxserve.config.vllm_compat import ENGINE
+from jaxserve.errors import ConfigError
+from jaxserve.planning.plan import DEFAULT_LINK_GBPS, format_plan, parse_bytes, plan_from_config
 from jaxserve.planning.plan_compile import compile_plan, format_report
 from sharding.tpu_targets import tpu_target
 

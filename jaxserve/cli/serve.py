@@ -15,15 +15,15 @@ import uvicorn
 from starlette.middleware.cors import CORSMiddleware
 
 import jaxserve
-from jaxserve.cli.serve_args import (GENERATION_DEFAULTS, chat_template, log_level,  # noqa: F401
-                                     parse_args, parser)
+from jaxserve.cli.serve_args import GENERATION_DEFAULTS, log_level, parse_args, parser
 from jaxserve.api.loading import LoadingGate
 from jaxserve.api.metrics import Metrics
-from jaxserve.config import ConfigError, EngineConfig
+from jaxserve.config import EngineConfig
 from jaxserve.config.engine_args import config_error, engine_kwargs
 from jaxserve.checkpoints.default_model import DEFAULT_MODEL_NAME, default_model_dir
 from jaxserve.build.startup import STARTING, StartupProgress
 from jaxserve.checkpoints.model_names import resolve_model
+from jaxserve.errors import ConfigError
 
 logger = logging.getLogger("jaxserve")
 

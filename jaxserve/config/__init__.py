@@ -5,7 +5,6 @@ RunnerConfig) live beside the parts and are derived in jaxserve/build/slices.py.
 from __future__ import annotations
 
 from jaxserve.config.engine_config import (DEFAULT_HBM_UTILIZATION, DTYPE_ALIASES,
-                                           ConfigError, EngineConfig, default_max_num_seqs)
+                                           EngineConfig, default_max_num_seqs)
 
-__all__ = ["DEFAULT_HBM_UTILIZATION", "DTYPE_ALIASES", "ConfigError", "EngineConfig",
-           "default_max_num_seqs"]
+__all__ = ["DEFAULT_HBM_UTILIZATION", "DTYPE_ALIASES", "EngineConfig", "default_max_num_seqs"]

@@ -14,10 +14,11 @@ import typing
 from collections.abc import Iterable, Mapping
 from typing import Any, NoReturn
 
-from jaxserve.config import DTYPE_ALIASES, ConfigError, EngineConfig
+from jaxserve.config import DTYPE_ALIASES, EngineConfig
 from jaxserve.config.speculative import SpeculativeConfig
 from jaxserve.config.vllm_compat import BOOL, FLOAT, INT, JSON, LIST, OPTIONAL, SWITCH, Setting, \
     parse_json
+from jaxserve.errors import ConfigError
 
 _FIELDS = {f.name: f for f in dataclasses.fields(EngineConfig)}
 

@@ -16,7 +16,7 @@ from models.config import SERVING_DTYPES, WEIGHT_QUANT_DTYPES
 from pallas_kernels.kv_cache_dtypes import KV_QUANT_DTYPE_NAMES
 from jaxserve.config.media import MediaConfig
 from jaxserve.config.speculative import SpeculativeConfig
-from jaxserve.errors import ConfigError  # noqa: F401 (its old home: callers import it here)
+from jaxserve.errors import ConfigError
 from jaxserve.sampling_params import MAX_LOGPROBS
 
 # vLLM's other spellings of --dtype, taken as the dtype they name.

@@ -47,8 +47,6 @@ from flax.traverse_util import flatten_dict
 from jaxserve.build.drafter_loader import drafter_model
 from jaxserve.build.layout import (attention_shapes, cache_plan_for, layout_for,
                                    tpu_kernel_limit_error)
-from jaxserve.checkpoints.model_configs import ALIASES, BUILTIN_CONFIGS  # noqa: F401  (one source)
-from jaxserve.checkpoints.model_names import load_model_config  # noqa: F401  (re-exported)
 from jaxserve.config import EngineConfig
 from jaxserve.build.cache_plan import CachePlan
 from jaxserve.build.kv_budget import DeviceMemory, MemorySplit, device_memory, memory_split

@@ -42,7 +42,8 @@ from jaxserve.build.layout import (EngineLayout, build_layout_model, engine_layo
                                    layout_cache_plan, layout_param_shardings)
 from jaxserve.build.parts import build_runner
 from jaxserve.config import EngineConfig
-from jaxserve.planning.plan import load_model_config, plan_from_config
+from jaxserve.checkpoints.model_names import load_model_config
+from jaxserve.planning.plan import plan_from_config
 from jaxserve.planning.plan_format import _gib
 from jaxserve.planning.hlo_text import Module, parse_module
 from jaxserve.planning.step_bytes import decode_step, roofline

@@ -41,11 +41,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-# (SamplingRow, SamplingTensors, make_sampling_tensors, mask_words, seed_to_key_data: the
-# tensors' one builder, sampling_tensors.py; re-exported here for the sampler's callers)
-from jaxserve.runner.sampling_tensors import (SamplingRow, SamplingTensors,  # noqa: F401
-                                              make_sampling_tensors, mask_words,
-                                              seed_to_key_data)
+from jaxserve.runner.sampling_tensors import SamplingTensors
 from jaxserve.sampling_params import MAX_LOGPROBS, SAMPLING_EPS, SamplingParams
 
 # Most likely tokens per row that top-k / top-p are decided on (without sorting the

@@ -8,8 +8,9 @@ import json
 import pytest
 
 from jaxserve.cli.serve import engine_config, parse_args, parser
-from jaxserve.config import ConfigError, EngineConfig
+from jaxserve.config import EngineConfig
 from jaxserve.engine.llm_kwargs import engine_kwargs
+from jaxserve.errors import ConfigError
 from jaxserve.config.speculative import SpeculativeConfig
 from tests.api.test_vllm_flags import SERVE, config_of
 

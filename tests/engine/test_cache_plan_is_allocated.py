@@ -9,7 +9,8 @@ import pytest
 
 from jaxserve import LLM
 from jaxserve.build.cache_plan import plan_caches
-from jaxserve.planning.plan import load_model_config, make_plan, plan_for_engine
+from jaxserve.checkpoints.model_names import load_model_config
+from jaxserve.planning.plan import make_plan, plan_for_engine
 from models.cache_spec import PagedKVSpec, RecurrentStateSpec, SharedKVSpec
 from sharding import bytes_per_device
 from tests.checkpoints import make_tiny_checkpoint

@@ -22,7 +22,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.cli.convert import convert
 from jaxserve.build.layout import engine_layout, layout_param_shardings
 from jaxserve.build.loader import load_model, load_weights
-from jaxserve.planning.plan import load_model_config
+from jaxserve.checkpoints.model_names import load_model_config
 from models.config import ModelConfig
 from sharding import make_mesh
 from tests.engine.conftest import assert_no_leaks

@@ -12,7 +12,7 @@ import pytest
 
 from jaxserve.config import EngineConfig
 from jaxserve.build.layout import layout_for
-from jaxserve.planning.plan import load_model_config
+from jaxserve.checkpoints.model_names import load_model_config
 from pallas_kernels.ragged_paged_attention import dispatch
 
 

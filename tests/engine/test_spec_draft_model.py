@@ -11,7 +11,7 @@ import random
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.config import ConfigError
+from jaxserve.errors import ConfigError
 from tests.checkpoints import make_tiny_checkpoint
 from tests.engine.conftest import assert_no_leaks
 

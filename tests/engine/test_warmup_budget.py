@@ -22,7 +22,7 @@ def test_flagship_on_tpu_within_budget():
     """Qwen3.6-27B as the engine builds it for a v6e 1x8 at its defaults (262,144 tokens,
     256 rows): counted on the abstract engine, nothing compiled."""
     from jaxserve.config import EngineConfig, default_max_num_seqs
-    from jaxserve.planning.plan import load_model_config
+    from jaxserve.checkpoints.model_names import load_model_config
     from jaxserve.planning.plan_compile import build_abstract_engine
     from sharding import replica_meshes
     from sharding.tpu_targets import abstract_tpu_mesh, tpu_target

@@ -14,7 +14,8 @@ from jaxserve.engine import data_parallel
 from jaxserve.build.device_pool import POOL_ENV, set_device_pool
 from jaxserve.build.layout import cache_plan_for, layout_for
 from jaxserve.build.kv_budget import WORKSPACE_SHARE, cache_budget_bytes
-from jaxserve.planning.plan import WeightFigures, load_model_config, plan_from_config
+from jaxserve.checkpoints.model_names import load_model_config
+from jaxserve.planning.plan import WeightFigures, plan_from_config
 
 GIB = 2**30
 

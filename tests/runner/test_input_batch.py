@@ -17,7 +17,7 @@ from jaxserve.core.scheduler import CachedRequestData, Scheduler, SchedulerConfi
 from jaxserve.engine.bad_words import BadWords
 from jaxserve.runner.buckets import pick_bucket, power_of_two_buckets
 from jaxserve.runner.input_batch import InputBatch
-from jaxserve.runner.sampler import SamplingRow, make_sampling_tensors
+from jaxserve.runner.sampling_tensors import SamplingRow, make_sampling_tensors
 from jaxserve.sampling_params import SamplingParams
 
 PS, V, EOS, MML, R = 4, 97, 2, 48, 4

@@ -7,19 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.runner.sampler import (
-    TOP_CANDIDATES,
-    SamplingRow,
-    _keep_mask,
-    _thresholds,
-    apply_penalties,
-    compute_prompt_logprobs,
-    first_argmax,
-    make_sampling_tensors,
-    only_greedy,
-    sample,
-    seed_to_key_data,
-)
+from jaxserve.runner.sampler import (TOP_CANDIDATES, _keep_mask, _thresholds, apply_penalties,
+                                     compute_prompt_logprobs, first_argmax, only_greedy, sample)
+from jaxserve.runner.sampling_tensors import SamplingRow, make_sampling_tensors, seed_to_key_data
 from jaxserve.engine.logprobs import make_logprob_dict
 from jaxserve.sampling_params import MAX_LOGPROBS, SamplingParams
 

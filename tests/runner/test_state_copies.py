@@ -282,7 +282,7 @@ def test_hybrid_forward_with_copies_compiles_for_tpu(tmp_path):
     one v6e chip: the state arrays are updated in place, never copied whole."""
     pytest.importorskip("libtpu")
     from jaxserve.config import EngineConfig
-    from jaxserve.planning.plan import load_model_config
+    from jaxserve.checkpoints.model_names import load_model_config
     from jaxserve.planning.plan_compile import build_abstract_engine
     from sharding.tpu_targets import abstract_tpu_mesh, tpu_target
     from tests.sharding.test_forward_tpu_hlo import CHECKPOINTS, TARGET, whole_cache_copies

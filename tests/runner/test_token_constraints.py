@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from jaxserve.engine.bad_words import BadWords
-from jaxserve.runner.sampler import (SamplingRow, allowed_tokens, make_sampling_tensors,
-                                     mask_words, sample)
+from jaxserve.runner.sampler import allowed_tokens, sample
+from jaxserve.runner.sampling_tensors import SamplingRow, make_sampling_tensors, mask_words
 from jaxserve.runner.token_constraints import (ALL_ALLOWED, DynamicConstraints, set_tokens,
                                                static_mask)
 from jaxserve.sampling_params import MAX_LOGIT_BIAS, SamplingParams

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import pytest
 
 from jaxserve.config import EngineConfig
-from jaxserve.planning.plan import load_model_config
+from jaxserve.checkpoints.model_names import load_model_config
 from jaxserve.planning.plan_compile import build_abstract_engine
 from jaxserve.runner.programs import FORWARD
 from sharding.tpu_targets import abstract_tpu_mesh, tpu_target

@@ -6,14 +6,9 @@ from dataclasses import replace
 
 import pytest
 
-from jaxserve.planning.plan import (
-    BUILTIN_CONFIGS,
-    WeightFigures,
-    format_plan,
-    load_model_config,
-    make_plan,
-    parse_bytes,
-)
+from jaxserve.checkpoints.model_configs import BUILTIN_CONFIGS
+from jaxserve.checkpoints.model_names import load_model_config
+from jaxserve.planning.plan import WeightFigures, format_plan, make_plan, parse_bytes
 from jaxserve.cli.plan import main
 
 GIB = 2**30

@@ -156,7 +156,7 @@ def test_a_step_past_a_compiler_limit_is_refused(tmp_path, capsys):
 
     from jaxserve.config import EngineConfig
     from jaxserve.build.layout import engine_layout
-    from jaxserve.planning.plan import load_model_config
+    from jaxserve.checkpoints.model_names import load_model_config
     from sharding.tpu_targets import abstract_tpu_mesh
 
     path = make_tiny_checkpoint("llama", tmp_path, num_attention_heads=16,
@@ -184,7 +184,8 @@ def test_a_step_past_a_compiler_limit_is_refused(tmp_path, capsys):
 
 def test_too_many_rows_for_the_gated_delta_kernel_are_refused():
     """The hybrid's decode kernel keeps 12 bytes per row in SMEM (its budget: 256 KiB)."""
-    from jaxserve.planning.plan import load_model_config, make_plan
+    from jaxserve.checkpoints.model_names import load_model_config
+    from jaxserve.planning.plan import make_plan
     mc = load_model_config("qwen3.6-27b")
     kw = dict(model="qwen3.6-27b", mesh="1x8", max_model_len=4096, platform="tpu")
     p = make_plan(mc, max_num_seqs=22_000, max_num_batched_tokens=22_000, **kw)

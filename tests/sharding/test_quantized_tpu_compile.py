@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from jaxserve.planning.plan import load_model_config, make_plan
+from jaxserve.checkpoints.model_names import load_model_config
+from jaxserve.planning.plan import make_plan
 from jaxserve.planning.plan_compile import compile_plan
 from tests.checkpoints import make_tiny_checkpoint
 

@@ -13,7 +13,7 @@ import pytest
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.engine.async_engine import AsyncEngine
-from jaxserve.runner.sampler import make_sampling_tensors
+from jaxserve.runner.sampling_tensors import make_sampling_tensors
 from pallas_kernels.ragged_paged_attention import KV_CACHE_NDIM, KV_HEAD_AXIS
 from sharding import kv_cache_sharding
 from tests.engine.conftest import assert_no_leaks
