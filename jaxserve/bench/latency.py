@@ -9,8 +9,6 @@ The prefix cache is reset before each run, so no run reuses another's prompt pag
 from __future__ import annotations
 
 import argparse
-import json
-import logging
 import random
 from typing import Any
 
@@ -75,11 +73,4 @@ def report(res: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None, prog: str = "jaxserve bench latency",
          llm: Any = None) -> dict[str, Any]:
     """llm: an engine already built from these flags (tests share one)."""
-    args = parse(argv, prog)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    res = run(llm if llm is not None else offline.make_llm(args), args)
-    print(report(res))
-    if args.output_json:
-        with open(args.output_json, "w", encoding="utf-8") as f:
-            json.dump(res, f, indent=4)
-    return res
+    return offline.run_command(parse(argv, prog), llm, run, report)

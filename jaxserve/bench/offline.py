@@ -5,9 +5,10 @@ max_tokens and both engines do the same work)."""
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from jaxserve.bench.datasets import Prompt
@@ -69,3 +70,18 @@ def generate(llm: Any, prompts: Sequence[Prompt], n: int, detokenize: bool,
             raise RuntimeError(f"request {o.request_id} produced {got} tokens, "
                                f"wanted {n} x {p.output_len}")
     return seconds, outs
+
+
+def run_command(args: argparse.Namespace, llm: Any,
+                run: Callable[[Any, argparse.Namespace], dict[str, Any]],
+                report: Callable[[dict[str, Any]], str]) -> dict[str, Any]:
+    """The body of `bench latency` and `bench throughput` once their flags are read: the
+    engine (`llm`, or one built from the flags), the run, its printed report and
+    --output-json."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    res = run(llm if llm is not None else make_llm(args), args)
+    print(report(res))
+    if args.output_json:
+        with open(args.output_json, "w", encoding="utf-8") as f:
+            json.dump(res, f, indent=4)
+    return res

@@ -10,8 +10,6 @@ run are counted (0 expected: a compile there is counted as serving time).
 from __future__ import annotations
 
 import argparse
-import json
-import logging
 from typing import Any
 
 from jaxserve.bench import offline
@@ -106,11 +104,4 @@ def parse(argv: list[str] | None, prog: str = "jaxserve bench throughput") -> ar
 def main(argv: list[str] | None = None, prog: str = "jaxserve bench throughput",
          llm: Any = None) -> dict[str, Any]:
     """llm: an engine already built from these flags (tests share one)."""
-    args = parse(argv, prog)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    res = run(llm if llm is not None else offline.make_llm(args), args)
-    print(report(res))
-    if args.output_json:
-        with open(args.output_json, "w", encoding="utf-8") as f:
-            json.dump(res, f, indent=4)
-    return res
+    return offline.run_command(parse(argv, prog), llm, run, report)
