@@ -45,12 +45,6 @@ CONFIG: dict[str, Any] = dict(
 def write_checkpoint(path: Path) -> Path:
     """A random bf16 Qwen3 (CONFIG) at `path`, unless one is already there."""
     return Path(make_qwen3(str(path), CONFIG, dtype="bfloat16"))
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-    torch.manual_seed(0)
-    model = Qwen3ForCausalLM._from_config(Qwen3Config(**CONFIG), torch_dtype=torch.bfloat16)
-    model.save_pretrained(str(path), safe_serialization=True)
-    return path
 
 
 def old_serial(path: Path, mc: Any, model: Any, dtype: str, *, shardings: Any,
