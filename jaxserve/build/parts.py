@@ -23,7 +23,7 @@ from jaxserve.build.startup import (ALLOCATING_KV_CACHE, COMPILING, LOADING_WEIG
                                     StartupProgress)
 from jaxserve.checkpoints.converted import resolve_converted
 from jaxserve.checkpoints.model_names import resolve_model, resolve_tokenizer
-from jaxserve.config import EngineConfig
+from jaxserve.config import ConfigError, EngineConfig
 from jaxserve.core.scheduler_config import SchedulerConfig
 from jaxserve.runner.model_runner import ModelRunner
 from models.config import ModelConfig
@@ -99,6 +99,8 @@ def build_parts(shape: ReplicaShape, progress: StartupProgress, *,
     compiles its programs, telling `progress` each phase. agree_num_pages: several
     processes must build the same cache shape (multi-host: the smallest count of all)."""
     config, mc, mesh, layout = shape.config, shape.model_config, shape.mesh, shape.layout
+    if config.kv_offloading_size:   # (the scheduler's hooks come in the next change)
+        raise ConfigError("kv_offloading_size", "the host tier is not wired in yet")
     progress.set_phase(LOADING_WEIGHTS, f"loading the weights of {config.model}")
     loaded = load_model(config, layout, mesh, on_progress=partial(_report_loading, progress))
     drafter = load_drafter(config, layout, mesh)
