@@ -27,11 +27,6 @@ GIB = 2**30
 NOMINAL = {"cpu": (10e9, 50e-6, 2e11), "gpu": (25e9, 50e-6, 4e14), "tpu": (16e9, 50e-6, 4e14)}
 
 
-def host_tier_bytes(config: EngineConfig) -> int:
-    """The tier's bytes (0: none)."""
-    return int((config.kv_offloading_size or 0) * GIB)
-
-
 def check_host_tier(config: EngineConfig, plan: CachePlan) -> None:
     """ConfigError naming the flag where this engine cannot keep a host tier."""
     why = None
@@ -45,7 +40,7 @@ def check_host_tier(config: EngineConfig, plan: CachePlan) -> None:
         why = f"not with a model drafter ({spec.method}): its own KV is not copied"
     elif jax.process_count() > 1:
         why = "not on a multi-host mesh"
-    elif host_tier_bytes(config) > available_host_bytes():
+    elif config.kv_offloading_bytes > available_host_bytes():
         why = (f"more than the host's available memory "
                f"({available_host_bytes() / GIB:.1f} GiB)")
     if why is not None:
@@ -54,7 +49,7 @@ def check_host_tier(config: EngineConfig, plan: CachePlan) -> None:
 
 def attach_host_tier(config: EngineConfig, runner: ModelRunner) -> HostTier:
     try:
-        return runner.attach_host_tier(host_tier_bytes(config))
+        return runner.attach_host_tier(config.kv_offloading_bytes)
     except ValueError as e:
         raise ConfigError("kv_offloading_size", f"{FLAG} {config.kv_offloading_size}: "
                           f"{e}") from None

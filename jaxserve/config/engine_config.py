@@ -309,6 +309,11 @@ class EngineConfig:
                                              f"{self.tensor_parallel_size or 1}")
 
     @property
+    def kv_offloading_bytes(self) -> int:
+        """The prefix cache's host tier in bytes (0: none)."""
+        return int((self.kv_offloading_size or 0) * 2**30)
+
+    @property
     def num_batched_tokens(self) -> int:
         """The per-step token budget (max_num_batched_tokens with its default)."""
         return self.max_num_batched_tokens or max(2048, self.max_num_seqs or 0)

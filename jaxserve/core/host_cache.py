@@ -24,8 +24,10 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, slots=True)
 class HostCacheStats:
-    """Totals since start: tokens prefix hits took from the host tier, pages and state
-    snapshots copied each way, and their bytes."""
+    """Totals since start: tokens looked up in the host tier (a look-up's tokens past its
+    device hit) and found there, pages and state snapshots copied each way, their bytes,
+    and the host's time to dispatch restores (the runner's)."""
+    queries: int = 0
     hits: int = 0
     pages_offloaded: int = 0
     pages_restored: int = 0
@@ -35,6 +37,15 @@ class HostCacheStats:
     bytes_restored: int = 0
     num_pages: int = 0        # host page slots in use (landed or in flight)
     capacity: int = 0         # host page slots, the dummy left out
+    restore_seconds: float = 0.0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+    @property
+    def usage(self) -> float:
+        return self.num_pages / self.capacity if self.capacity else 0.0
 
 
 @dataclass
@@ -57,7 +68,7 @@ class HostCache:
         self.page_bytes, self.state_bytes = page_bytes, state_bytes
         self._next = _Step()        # the step being scheduled
         self._in_flight = _Step()   # dispatched, not yet settled
-        self.hits = 0
+        self.queries = self.hits = 0
         self._counts = [0, 0, 0, 0]   # pages out, pages in, states out, states in
 
     @classmethod
@@ -88,6 +99,11 @@ class HostCache:
     def match(self, page_hashes: list[int]) -> list[HostPage]:
         return self.index.match(page_hashes)
 
+    def note_lookup(self, queried: int, found: int) -> None:
+        """A prefix look-up asked the host tier for `queried` tokens and found `found`."""
+        self.queries += queried
+        self.hits += found
+
     def worth_restoring(self, num_tokens: int) -> bool:
         return num_tokens > 0 and (self.cost is None or self.cost.worth_restoring(num_tokens))
 
@@ -102,11 +118,9 @@ class HostCache:
         self._next.restoring.extend(entries)
 
     def restore(self, request_id: str, entries: list[HostPage], page_ids: list[int],
-                first_token: int, num_tokens: int, state: tuple[int, int] | None = None
-                ) -> None:
-        """Copy the pinned entries (num_tokens of the request's prompt) into device pages
-        page_ids (the request's pages from first_token on); state: (host state slot, the
-        request's state slot)."""
+                first_token: int, state: tuple[int, int] | None = None) -> None:
+        """Copy the pinned entries into device pages page_ids (the request's pages from
+        first_token on); state: (host state slot, the request's state slot)."""
         c = self._next.copies
         c.restore_slots.extend(e.slot for e in entries)
         c.restore_pages.extend(page_ids)
@@ -114,7 +128,6 @@ class HostCache:
             c.restore_state_slots.append(state[0])
             c.restore_state_ids.append(state[1])
         self._next.restored_from.append((request_id, first_token))
-        self.hits += num_tokens
 
     # ---- a step's life -------------------------------------------------------------
     def take_copies(self) -> HostCopies | None:
@@ -154,7 +167,7 @@ class HostCache:
     def stats(self) -> HostCacheStats:
         po, pi, so, si = self._counts
         return HostCacheStats(
-            hits=self.hits, pages_offloaded=po, pages_restored=pi, states_offloaded=so,
+            queries=self.queries, hits=self.hits, pages_offloaded=po, pages_restored=pi, states_offloaded=so,
             states_restored=si, bytes_offloaded=po * self.page_bytes + so * self.state_bytes,
             bytes_restored=pi * self.page_bytes + si * self.state_bytes,
             num_pages=len(self.index), capacity=self.index.num_slots - 1)

@@ -43,7 +43,13 @@ class HostHits:
             return []
         return self.host.match(hashes[num_device:max_pages])
 
-    def _note_host_hit(self, request: Request, extra: list[HostPage]) -> None:
+    def _note_host_hit(self, request: Request, num_device: int, extra: list[HostPage]
+                       ) -> None:
+        """The host part of the request's hit (after num_device device pages), kept for
+        allocate_slots, and counted."""
+        if self.host is not None:
+            ps = self.page_size
+            self.host.note_lookup(request.num_tokens - num_device * ps, len(extra) * ps)
         if extra:
             self._host_hits[request.request_id] = extra
             return
@@ -88,5 +94,5 @@ class HostHits:
         ps = self.page_size
         state = (extra[-1].state_slot, rp.state_slot) if state_from_host else None
         self.host.restore(request.request_id, extra, new_ids[:len(extra)], first_page * ps,
-                          len(extra) * ps, state)
+                          state)
         del self._host_hits[request.request_id]

@@ -135,11 +135,11 @@ class KVCacheManager(HostHits):
             extra = []   # recomputing them is cheaper
             if self.snapshots is not None:
                 hit, _ = self._snapshot_hit(request, hashes, hit, extra)
-        self._note_host_hit(request, extra)
+        self._note_host_hit(request, len(hit), extra)
         pages = (hit,) if self.sliding_pool is None else self._sliding_hit(hashes, hit)
         num_tokens = (len(pages[GLOBAL]) + len(extra)) * self.page_size
         self._queries += request.num_tokens
-        self._hits += num_tokens
+        self._hits += len(pages[GLOBAL]) * self.page_size   # the device's (vLLM's "local")
         return pages, num_tokens
 
     def _snapshot_hit(self, request: Request, hashes: list[int], hit: list[KVCachePage],
