@@ -3,7 +3,7 @@ p90 TTFT with a small device pool alone, with the host tier, and with a device p
 holds every conversation (the ceiling).
 
     python -m benchmarks.tiered_cache_trace [--output-dir benchmarks/results] \\
-        [--conversations 8 --turns 4] [--pool-pages 48] [--host-gib 0.25] [--model DIR]
+        [--conversations 6 --turns 3] [--pool-pages 24] [--host-gib 0.25] [--model DIR]
 
 Model: a random Llama (tests.checkpoints.make_tiny_checkpoint("llama") at hidden 256,
 8 layers, float32), written once to $TMPDIR/jaxserve-bench-llama-tiered (or --model
@@ -48,12 +48,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--output-dir", default="benchmarks/results")
     p.add_argument("--model", default=None, help="checkpoint dir (default: written once)")
-    p.add_argument("--conversations", type=int, default=8)
-    p.add_argument("--turns", type=int, default=4)
-    p.add_argument("--first-len", type=int, default=400)
-    p.add_argument("--reply-len", type=int, default=32)
-    p.add_argument("--user-len", type=int, default=64)
-    p.add_argument("--pool-pages", type=int, default=48)
+    p.add_argument("--conversations", type=int, default=6)
+    p.add_argument("--turns", type=int, default=3)
+    p.add_argument("--first-len", type=int, default=200)
+    p.add_argument("--reply-len", type=int, default=16)
+    p.add_argument("--user-len", type=int, default=48)
+    p.add_argument("--pool-pages", type=int, default=24)
     p.add_argument("--host-gib", type=float, default=0.25)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)

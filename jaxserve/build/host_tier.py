@@ -20,6 +20,7 @@ from jaxserve.config.speculative import NGRAM
 from jaxserve.core.restore_cost import RestoreCost
 from jaxserve.runner.host_tier import HostTier
 from jaxserve.runner.model_runner import ModelRunner
+from sharding.mesh import parse_mesh
 
 FLAG = "--kv-offloading-size"
 GIB = 2**30
@@ -31,6 +32,7 @@ def check_host_tier(config: EngineConfig, plan: CachePlan) -> None:
     """ConfigError naming the flag where this engine cannot keep a host tier."""
     why = None
     spec = config.speculative_config
+    replicas = parse_mesh(config.mesh or "1x1")[0]   # each holds a tier of this size
     if not config.enable_prefix_caching:
         why = "the host tier is a second tier of the prefix cache: --enable-prefix-caching"
     elif plan.has_sliding:
@@ -40,9 +42,10 @@ def check_host_tier(config: EngineConfig, plan: CachePlan) -> None:
         why = f"not with a model drafter ({spec.method}): its own KV is not copied"
     elif jax.process_count() > 1:
         why = "not on a multi-host mesh"
-    elif config.kv_offloading_bytes > available_host_bytes():
-        why = (f"more than the host's available memory "
-               f"({available_host_bytes() / GIB:.1f} GiB)")
+    elif replicas * config.kv_offloading_bytes > available_host_bytes():
+        # (numpy's zeroed pools take their memory as they fill: counted up front here)
+        why = (f"{replicas} replica(s) x {config.kv_offloading_size} GiB is more than the "
+               f"host's available memory ({available_host_bytes() / GIB:.1f} GiB)")
     if why is not None:
         raise ConfigError("kv_offloading_size", f"{FLAG} {config.kv_offloading_size}: {why}")
 

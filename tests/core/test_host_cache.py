@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 from jaxserve.core.host_cache import HostCache
 from jaxserve.core.kv_cache_manager import KVCacheManager
-from jaxserve.core.request import Request
+from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.restore_cost import RestoreCost
 
 PS = 4
@@ -121,3 +121,30 @@ def test_reset_empties_the_host_tier():
     host.commit()
     kv.reset_prefix_cache()
     assert len(host.index) == 0 and settled(host)
+
+
+def test_a_failed_step_forgets_the_pages_its_restores_were_to_fill():
+    """Scheduler.fail_step with a restore in flight: the restored pages' hashes go (their
+    KV may never have been written), the host entries are unpinned and still there."""
+    from jaxserve.core.scheduler import Scheduler, SchedulerConfig
+    sched = Scheduler(SchedulerConfig(num_pages=5, page_size=PS, max_num_seqs=2,
+                                      max_num_batched_tokens=64, max_model_len=16,
+                                      num_host_pages=16))
+    kv, host = sched.kv, sched.kv.host
+
+    def finish(rid: str, tokens) -> None:
+        sched.add_request(make(rid, tokens))
+        out = sched.schedule()
+        sched.update_from_output(out, {rid: 1})
+        sched.finish_requests(rid, RequestStatus.FINISHED_STOPPED)
+
+    a = list(range(10, 23))
+    finish("a", a)
+    finish("b", range(100, 113))            # a's pages go to host
+    assert len(host.index) == 3
+    sched.add_request(make("a2", a))
+    out = sched.schedule()
+    assert out.host_copies.restore_pages and out.new_reqs[0].num_computed_tokens == 12
+    sched.fail_step(out, ["a2"])
+    assert not any(h in kv.pool.cached_pages for h in make("x", a).page_hashes)
+    assert len(host.index) == 3 and settled(host) and not host.restored_in_flight

@@ -161,3 +161,23 @@ def test_the_flags_reach_the_config():
                                      num_gpu_blocks_override=64))
     assert (config.kv_offloading_size, config.kv_offloading_backend, config.num_pages) == \
         (2.5, "native", 64)
+
+
+def test_data_parallel_replicas_each_keep_their_own_tier(checkpoint, engines):
+    """mesh 2x1: each replica's evictions go to its own host tier, of the full size; the
+    trace's tokens are the single engine's, with hits from the tiers."""
+    kind, plain, _ = engines
+    if kind != "llama":
+        pytest.skip("one kind is enough for the replicas' bookkeeping")
+    dp = LLM(checkpoint("llama"), kv_offloading_size=0.02, mesh="2x1", **SIZES)
+    want, _ = trace(plain)
+    got, _ = trace(dp)
+    assert got == want
+    tiers = [r.scheduler.kv.host for r in dp.engine.replicas]
+    assert tiers[0] is not tiers[1]
+    assert all(t.index.num_slots == tiers[0].index.num_slots for t in tiers)
+    # (one request at a time: the router may keep every conversation on one replica)
+    assert sum(r.stats().host.pages_restored for r in dp.engine.replicas) > 0
+    assert dp.engine.stats().host.hits == sum(r.stats().host.hits for r in dp.engine.replicas)
+    for replica in dp.engine.replicas:
+        assert not replica.scheduler.requests
