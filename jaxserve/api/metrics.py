@@ -68,8 +68,27 @@ _SPEC_TOTALS = {
 _SPEC_PER_POS = ("vllm:spec_decode_num_accepted_tokens_per_pos",
                  "Accepted tokens per draft position.")
 
+# The prefix cache's host tier (--kv-offloading-size), registered with the first snapshot
+# that has one: HostCacheStats field -> (counter name, help). vLLM counts an offloading
+# connector's hits as "external" (vllm:prefix_cache_hits are then the device's alone).
+_HOST_TOTALS = {
+    "queries": ("vllm:external_prefix_cache_queries",
+                "Tokens looked up in the host tier (past each look-up's device hit)."),
+    "hits": ("vllm:external_prefix_cache_hits", "Tokens the host tier had."),
+    "bytes_offloaded": ("jaxserve:host_cache_offloaded_bytes",
+                        "Bytes of KV pages and state snapshots copied device -> host."),
+    "bytes_restored": ("jaxserve:host_cache_restored_bytes",
+                       "Bytes of KV pages and state snapshots copied host -> device."),
+    "restore_seconds": ("jaxserve:host_cache_restore_seconds",
+                        "Host time spent dispatching restores (gathering the host rows and "
+                        "starting their transfer)."),
+}
+
 
 class Metrics:
+    # The host tier's counters, seen totals and usage gauge, registered by the first
+    # snapshot that has a host tier (_add_host).
+    _host: dict | None = None
     def __init__(self, model_name: str, num_speculative_tokens: int = 0):
         """num_speculative_tokens: the speculative config's (0: off, or not known yet;
         the spec_decode counters then appear with the first snapshot that has them)."""
@@ -174,6 +193,8 @@ class Metrics:
         if stats.spec_accepted_per_pos and not self.num_speculative_tokens:
             self.enable_spec_decode(len(stats.spec_accepted_per_pos))
         self._add_totals(stats)
+        if stats.host is not None:
+            self._add_host(stats.host)
         self.compilations.set(stats.num_compilations)
         self.admitted.set(admitted)
         self.processed.set(processed)
@@ -191,6 +212,18 @@ class Metrics:
         for i, (counter, value) in enumerate(zip(self._spec_per_pos,
                                                  stats.spec_accepted_per_pos)):
             seen[i] = _advance(counter, seen[i], value)
+
+    def _add_host(self, host) -> None:
+        if self._host is None:
+            self._host = {f: self._counter(name, doc) for f, (name, doc) in _HOST_TOTALS.items()}
+            self._host_seen = dict.fromkeys(_HOST_TOTALS, 0)
+            self.host_usage = Gauge("jaxserve:host_cache_usage_perc", "Fraction of the host "
+                                    "tier's page slots in use (0-1).", ["model_name"],
+                                    registry=self.registry).labels(model_name=self._model_name)
+        for field, counter in self._host.items():
+            self._host_seen[field] = _advance(counter, self._host_seen[field],
+                                              getattr(host, field))
+        self.host_usage.set(host.usage)
 
     # ---- per request ---------------------------------------------------------------
     def track(self, num_prompt_tokens: int, n: int) -> RequestTracker:

@@ -45,7 +45,9 @@ def stats_line(stats: SchedulerStats, prompt_tps: float, generation_tps: float,
             f"Avg generation throughput: {generation_tps:.1f} tokens/s, "
             f"Running: {stats.num_running} reqs, Waiting: {stats.num_waiting} reqs, "
             f"KV cache usage: {stats.kv_cache_usage * 100:.1f}%, "
-            f"Prefix cache hit rate: {stats.prefix_cache_hit_rate * 100:.1f}%")
+            f"Prefix cache hit rate: {stats.prefix_cache_hit_rate * 100:.1f}%"
+            + ("" if stats.host is None else
+               f", External prefix cache hit rate: {stats.host.hit_rate * 100:.1f}%"))
 
 
 def spec_decoding_line(last: SchedulerStats, stats: SchedulerStats,

@@ -133,6 +133,15 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = _knob(
         None, help="the KV cache's bytes per device, in place of --gpu-memory-utilization",
         default_help="sized by --gpu-memory-utilization")
+    kv_offloading_size: float | None = _knob(
+        None, help="GiB of host memory for a second tier of the prefix cache (vLLM's flag): "
+                   "KV pages (and a hybrid's state snapshots) the device pool evicts are "
+                   "copied there and restored on a later prefix hit instead of recomputed; "
+                   "each data-parallel replica holds its own tier of this size",
+        default_help="none: evicted pages are dropped")
+    kv_offloading_backend: str = _knob(
+        "native", choices=("native",),
+        help="the host tier's implementation: only native (jaxserve's own copies)")
     mesh: str | None = _knob(None, help="device mesh 'DxM': D data-parallel replicas, each "
                                         "tensor parallel over M devices", default_help="1x1")
     tensor_parallel_size: int | None = _knob(
@@ -239,6 +248,11 @@ class EngineConfig:
             raise bad("hbm_utilization", "must be in (0, 1]")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise bad("kv_cache_memory_bytes", "must be > 0")
+        if self.kv_offloading_size is not None and not self.kv_offloading_size >= 0:
+            raise bad("kv_offloading_size", "must be >= 0 GiB (0 or unset: no host tier)")
+        if self.kv_offloading_backend != "native":
+            raise bad("kv_offloading_backend", "only 'native' (jaxserve's own host tier) is "
+                      "implemented; vLLM's KV connectors are not")
         if self.max_num_seqs is not None and self.num_batched_tokens < self.max_num_seqs:
             raise bad("max_num_batched_tokens", f"must be >= max_num_seqs ({self.max_num_seqs})")
         if self.max_logprobs < -1:
@@ -293,6 +307,11 @@ class EngineConfig:
         if self.mesh is None and (self.tensor_parallel_size or self.data_parallel_size):
             object.__setattr__(self, "mesh", f"{self.data_parallel_size or 1}x"
                                              f"{self.tensor_parallel_size or 1}")
+
+    @property
+    def kv_offloading_bytes(self) -> int:
+        """The prefix cache's host tier in bytes (0: none)."""
+        return int((self.kv_offloading_size or 0) * 2**30)
 
     @property
     def num_batched_tokens(self) -> int:

@@ -158,8 +158,6 @@ ENGINE: dict[str, Setting] = {
     "enable_mamba_shared_prefix_checkpoint": Setting(BOOL, (False,), WHY_MAMBA),
     "replayssm_buffer_len": Setting(INT, ANY, WHY_MAMBA),
     "use_replayssm": Setting(BOOL, (False,), WHY_MAMBA),
-    "kv_offloading_size": Setting(FLOAT, (None, 0), WHY_OFFLOAD),
-    "kv_offloading_backend": Setting(STR, ANY, WHY_OFFLOAD),
     "offload_backend": Setting(STR, ANY, WHY_OFFLOAD),
     "cpu_offload_gb": Setting(FLOAT, (0,), WHY_OFFLOAD),
     "cpu_offload_params": Setting(LIST, (None, [], set()), WHY_OFFLOAD),

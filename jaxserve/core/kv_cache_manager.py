@@ -11,9 +11,11 @@ page 0 where it gave a page back, or never needed one (a prefix hit).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+from jaxserve.core.host_cache import HostCache
+from jaxserve.core.host_pages import HostPage
+from jaxserve.core.host_hits import HostHits
 from jaxserve.core.page_pool import PagePool, KVCachePage
+from jaxserve.core.req_pages import PrefixCacheStats, ReqPages, window_pages
 from jaxserve.core.request import Request
 from jaxserve.core.state_slots import StateSlotPool
 from jaxserve.core.state_snapshots import SnapshotCache
@@ -24,39 +26,7 @@ GLOBAL, SLIDING = 0, 1   # KV group indices
 GroupPages = tuple[list[KVCachePage], ...]
 
 
-def window_pages(window: int, page_size: int) -> int:
-    """Most pages `window` consecutive positions can span: the window - 1 keys before a
-    query take at most ceil((window - 1) / page_size) pages, the query's own one more."""
-    return -(-(window - 1) // page_size) + 1
-
-
-class _ReqPages:
-    """A request's pages per KV group, their ids (kept in step to copy cheaply), how many
-    of its leading pages have been offered to the prefix cache and, in a sliding group,
-    how many leading entries are the null page."""
-
-    __slots__ = ("pages", "ids", "num_cached", "state_slot", "num_dropped", "backup_slot")
-
-    def __init__(self, num_groups: int, state_slot: int = 0, backup_slot: int = 0) -> None:
-        self.pages: list[list[KVCachePage]] = [[] for _ in range(num_groups)]
-        self.ids: list[list[int]] = [[] for _ in range(num_groups)]
-        self.num_cached = 0
-        self.state_slot = state_slot
-        self.num_dropped = 0
-        self.backup_slot = backup_slot   # speculative decoding: its state before a step
-
-
-@dataclass(frozen=True, slots=True)
-class PrefixCacheStats:
-    queries: int  # tokens looked up
-    hits: int  # tokens found in the cache
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.queries if self.queries else 0.0
-
-
-class KVCacheManager:
+class KVCacheManager(HostHits):
     """Hands out fixed-size pages to requests; shares full pages by hash.
 
     Caching applies when `enable_caching` is on, or per request when it has a
@@ -82,12 +52,16 @@ class KVCacheManager:
     drop_last_hit_page (speculative decoding with an MTP layer): a prefix hit leaves out
     its last page, whose last position's MTP KV was computed from the token after the
     page, which the page's hash does not cover (another request's continuation).
+
+    host: the prefix cache's host tier (core/host_hits.py), None: evicted pages are
+    dropped. Not with a sliding-window group or drop_last_hit_page (build/ refuses).
     """
 
     def __init__(self, num_pages: int, page_size: int, enable_caching: bool = True,
                  num_state_slots: int = 0, *, num_sliding_pages: int = 0,
                  sliding_window: int | None = None, num_snapshot_slots: int = 0,
-                 spec_backups: bool = False, drop_last_hit_page: bool = False) -> None:
+                 spec_backups: bool = False, drop_last_hit_page: bool = False,
+                 host: HostCache | None = None) -> None:
         if page_size <= 0:
             raise ValueError(f"page_size must be positive, got {page_size}")
         if num_state_slots < 0:
@@ -97,6 +71,8 @@ class KVCacheManager:
                              f"{num_sliding_pages} and {sliding_window}")
         if sliding_window is not None and sliding_window <= 0:
             raise ValueError(f"sliding_window must be positive, got {sliding_window}")
+        if host is not None and (num_sliding_pages or drop_last_hit_page):
+            raise ValueError("the host tier takes no sliding-window group or MTP drafter")
         self.num_pages = num_pages
         self.page_size = page_size
         self.enable_caching = enable_caching
@@ -116,9 +92,10 @@ class KVCacheManager:
         self.sliding_window = sliding_window
         self.pools: tuple[PagePool, ...] = (self.pool,) if self.sliding_pool is None else \
             (self.pool, self.sliding_pool)
-        self.req_pages: dict[str, _ReqPages] = {}
+        self.req_pages: dict[str, ReqPages] = {}
         self._queries = 0
         self._hits = 0
+        self._init_host(host)
 
     @property
     def num_groups(self) -> int:
@@ -151,29 +128,37 @@ class KVCacheManager:
             hit.append(b)
         if self.drop_last_hit_page and hit:
             hit.pop()
+        extra = self._host_match(hashes, len(hit), min(max_pages, len(hashes)))
         if self.snapshots is not None:
-            hit = self._snapshot_hit(request, hashes, hit)
+            hit, extra = self._snapshot_hit(request, hashes, hit, extra)
+        if extra and not self.host.worth_restoring(len(extra) * self.page_size):
+            extra = []   # recomputing them is cheaper
+            if self.snapshots is not None:
+                hit, _ = self._snapshot_hit(request, hashes, hit, extra)
+        self._note_host_hit(request, len(hit), extra)
         pages = (hit,) if self.sliding_pool is None else self._sliding_hit(hashes, hit)
-        num_tokens = len(pages[GLOBAL]) * self.page_size
+        num_tokens = (len(pages[GLOBAL]) + len(extra)) * self.page_size
         self._queries += request.num_tokens
-        self._hits += num_tokens
+        self._hits += len(pages[GLOBAL]) * self.page_size   # the device's (vLLM's "local")
         return pages, num_tokens
 
-    def _snapshot_hit(self, request: Request, hashes: list[int], hit: list[KVCachePage]
-                      ) -> list[KVCachePage]:
-        """A hybrid's hit: the longest prefix of the cached pages with a snapshot of the
-        state at its end. Cached pages past it mark a branch point: the request keeps a
-        snapshot there while it computes them again, for the next request that shares
-        them (a shared system prompt hits from the third request on)."""
-        ps = self.page_size
-        n = len(hit)
-        while n and self.snapshots.lookup(hashes[n - 1], n * ps) is None:
+    def _snapshot_hit(self, request: Request, hashes: list[int], hit: list[KVCachePage],
+                      extra: list[HostPage]) -> tuple[list[KVCachePage], list[HostPage]]:
+        """A hybrid's hit: the longest prefix of the cached pages (device, then host: extra)
+        with a snapshot of the state at its end (a device one, or a host entry's). Cached
+        pages past it mark a branch point: the request keeps a snapshot there while it
+        computes them again, for the next request that shares them (a shared system
+        prompt hits from the third request on)."""
+        ps, d = self.page_size, len(hit)
+        n = total = d + len(extra)
+        while n and self.snapshots.lookup(hashes[n - 1], n * ps) is None and not (
+                n > d and extra[n - d - 1].state_slot is not None):
             n -= 1
-        if len(hit) > n:
-            self._branch[request.request_id] = len(hit) * ps
+        if total > n:
+            self._branch[request.request_id] = total * ps
         else:
             self._branch.pop(request.request_id, None)
-        return hit[:n]
+        return hit[:n], extra[:max(n - d, 0)]
 
     def state_cut(self, request: Request, start: int) -> int | None:
         """Hybrid prefix caching: the first position past `start` where the request's
@@ -244,7 +229,7 @@ class KVCacheManager:
                 return hit[:n], sliding
         return [], []
 
-    def _out_of_window(self, request: Request, rp: _ReqPages) -> tuple[int, int]:
+    def _out_of_window(self, request: Request, rp: ReqPages) -> tuple[int, int]:
         """[lo, hi): the sliding pages of the request, not yet given back, that lie wholly
         before its window (position num_computed_tokens - W + 1): no query of it reads
         them again."""
@@ -252,7 +237,7 @@ class KVCacheManager:
         hi = min(max(start, 0) // self.page_size, len(rp.pages[SLIDING]))
         return rp.num_dropped, max(hi, rp.num_dropped)
 
-    def _drop_out_of_window(self, request: Request, rp: _ReqPages) -> None:
+    def _drop_out_of_window(self, request: Request, rp: ReqPages) -> None:
         """Gives the out-of-window sliding pages back to the pool (keeping their hashes, so
         a prefix hit may still find them until they are evicted) and puts the null page
         in their place."""
@@ -298,19 +283,21 @@ class KVCacheManager:
                 return [], []
         hit = new_computed_pages if new_computed_pages and new_computed_pages[GLOBAL] \
             else None
+        extra = self._pending_host_hit(request, rp, num_new_computed_tokens)
         sliding = self.sliding_pool is not None
         num_have = 0 if rp is None else len(rp.ids[GLOBAL])
         num_hit = 0 if hit is None else len(hit[GLOBAL])
         num_new_pages = -(-total // ps) - num_have - num_hit
-        if (num_new_pages > 0 or hit) and not self._can_supply(request, rp, hit,
+        if (num_new_pages > 0 or hit or extra) and not self._can_supply(request, rp, hit,
                                                                  num_new_pages):
             return None
         if rp is None:
             rp = self._new_req_pages(rid)
             if rp is None:
                 return None
-        if hit:
-            self._take_hit(request, rp, hit)
+        from_host = False
+        if hit or extra:
+            from_host = self._take_hit(request, rp, hit or self._no_pages(), extra)
         elif sliding:
             self._drop_out_of_window(request, rp)
         new_pages = self._no_pages()
@@ -319,6 +306,9 @@ class KVCacheManager:
             for g, pages in enumerate(new_pages):
                 rp.pages[g].extend(pages)
                 rp.ids[g].extend(b.page_id for b in pages)
+        if extra:
+            self._restore_host_hit(request, rp, extra, num_have + num_hit,
+                                   rp.ids[GLOBAL][num_have + num_hit:], from_host)
         # Register pages that become full with this step's tokens now, so a
         # request scheduled later in the same step can already share them (drafts are
         # not known tokens: a page is full once its known tokens fill it).
@@ -330,7 +320,7 @@ class KVCacheManager:
                 rp.num_cached = num_full
         return new_pages
 
-    def _can_supply(self, request: Request, rp: _ReqPages | None, hit: GroupPages | None,
+    def _can_supply(self, request: Request, rp: ReqPages | None, hit: GroupPages | None,
                     num_new_pages: int) -> bool:
         """Whether every pool can hand out num_new_pages after taking the hit's pages."""
         for g, pool in enumerate(self.pools):
@@ -344,7 +334,7 @@ class KVCacheManager:
                 return False
         return True
 
-    def _new_req_pages(self, rid: str) -> _ReqPages | None:
+    def _new_req_pages(self, rid: str) -> ReqPages | None:
         """A new request's entry, with its state slot (and backup) when the model has
         recurrent state; None when no slot is free."""
         state_slot = backup_slot = 0
@@ -354,18 +344,24 @@ class KVCacheManager:
             state_slot = self.state_slots.allocate()
             if self.spec_backups:
                 backup_slot = self.state_slots.allocate()
-        rp = self.req_pages[rid] = _ReqPages(len(self.pools), state_slot, backup_slot)
+        rp = self.req_pages[rid] = ReqPages(len(self.pools), state_slot, backup_slot)
         return rp
 
-    def _take_hit(self, request: Request, rp: _ReqPages, hit: GroupPages) -> None:
+    def _take_hit(self, request: Request, rp: ReqPages, hit: GroupPages,
+                  extra: list[HostPage] | None) -> bool:
         """A new request's prefix hit: its pages (and a hybrid's state snapshot at the
-        hit's end, restored first) become the request's."""
+        hit's end, restored first) become the request's; the host entries of its host
+        part (extra) stay pinned until the step that restores them ends. -> whether the
+        state comes from the host entry at the hit's end."""
         if rp.pages[GLOBAL]:
             raise ValueError(f"request {request.request_id!r} already has pages; prefix hits "
                              f"only apply to new requests")
-        if self.snapshots is not None:   # its state at the hit's end, restored first
-            end = len(hit[GLOBAL]) * self.page_size
-            snap = self.snapshots.lookup(request.page_hashes[len(hit[GLOBAL]) - 1], end)
+        n = len(hit[GLOBAL]) + len(extra or ())
+        from_host = self._state_from_host(request, n, extra)
+        if extra:
+            self.host.pin(extra)
+        if self.snapshots is not None and not from_host:   # restored before the forward
+            snap = self.snapshots.lookup(request.page_hashes[n - 1], n * self.page_size)
             self.snapshots.use(snap)
             self._restores.append((snap.slot, rp.state_slot))
         for g, pool in enumerate(self.pools):
@@ -374,6 +370,7 @@ class KVCacheManager:
             rp.ids[g].extend(b.page_id for b in hit[g])
         if self.sliding_pool is not None:
             rp.num_dropped = sum(1 for b in hit[SLIDING] if b.page_id == 0)
+        return from_host
 
     def uncache_unwritten(self, request: Request, num_written_tokens: int,
                           shared_too: bool = False) -> None:
@@ -414,6 +411,7 @@ class KVCacheManager:
         if self.snapshots is not None:
             self.snapshots.release(request.request_id)
             self._branch.pop(request.request_id, None)
+        self._host_hits.pop(request.request_id, None)
 
     def get_page_ids(self, request_id: str, group: int = GLOBAL) -> list[int]:
         """A copy of the request's page ids in one KV group, in order."""
@@ -447,3 +445,5 @@ class KVCacheManager:
             pool.reset_prefix_cache()
         if self.snapshots is not None:
             self.snapshots.reset()
+        if self.host is not None:
+            self.host.reset()

@@ -3,7 +3,7 @@ hash -> page map for automatic prefix caching."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 if TYPE_CHECKING:
     from jaxserve.core.request import Request
@@ -94,6 +94,9 @@ class PagePool:
         self.null_page = self.pages[0]
         self.free_queue = FreePageQueue(self.pages[1:])
         self.cached_pages: dict[int, KVCachePage] = {}
+        # Told of each cached page get_new_pages evicts, before its hash goes (the host
+        # tier copies it out: core/host_cache.py).
+        self.on_evict: Callable[[KVCachePage], None] | None = None
 
     def get_num_free_pages(self) -> int:
         return self.free_queue.num_free
@@ -112,6 +115,8 @@ class PagePool:
         for _ in range(n):
             b = self.free_queue.popleft()
             if b.page_hash is not None:
+                if self.on_evict is not None and self.cached_pages.get(b.page_hash) is b:
+                    self.on_evict(b)
                 self._evict(b)
             b.ref_cnt = 1
             out.append(b)

@@ -53,6 +53,33 @@ class CachedRequestData:
 
 
 @dataclass(frozen=True, slots=True)
+class HostCopies:
+    """One step's copies between the device caches and the host tier (core/host_cache.py),
+    dispatched before its forward, offloads first (a restore may write a page an offload
+    reads). Offloads: device page offload_pages[i] (in every KV array) into host slot
+    offload_slots[i], device state slot offload_state_ids[j] (a snapshot) into host state
+    slot offload_state_slots[j]. Restores: host slot restore_slots[i] into device page
+    restore_pages[i], host state slot restore_state_slots[j] into the request's state slot
+    restore_state_ids[j]."""
+    offload_pages: list[int] = field(default_factory=list)
+    offload_slots: list[int] = field(default_factory=list)
+    offload_state_ids: list[int] = field(default_factory=list)
+    offload_state_slots: list[int] = field(default_factory=list)
+    restore_slots: list[int] = field(default_factory=list)
+    restore_pages: list[int] = field(default_factory=list)
+    restore_state_slots: list[int] = field(default_factory=list)
+    restore_state_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_offloads(self) -> int:
+        return len(self.offload_slots) + len(self.offload_state_slots)
+
+    @property
+    def num_restores(self) -> int:
+        return len(self.restore_slots) + len(self.restore_state_slots)
+
+
+@dataclass(frozen=True, slots=True)
 class SchedulerOutput:
     new_reqs: list[NewRequestData]
     cached_reqs: CachedRequestData
@@ -68,6 +95,8 @@ class SchedulerOutput:
     # Speculative decoding: req_id -> the draft tokens its row computes after its known
     # tokens (running requests only; their count is in num_new_tokens).
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # The prefix cache's host tier: this step's offloads and restores (None: no tier).
+    host_copies: HostCopies | None = None
 
     @property
     def req_ids(self) -> list[str]:

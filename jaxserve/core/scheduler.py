@@ -4,33 +4,20 @@ next device step computes. Host only; hands the runner a SchedulerOutput."""
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Container, Iterable
 
+from jaxserve.core.host_cache import HostCache
 from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
 from jaxserve.core.scheduler_config import SchedulerConfig
 from jaxserve.core.scheduler_stats import SchedulerStats
+from jaxserve.core.step_draft import StepDraft as _StepDraft
 from jaxserve.core.stopping import check_stop
 from jaxserve.core.waiting_queue import PriorityQueue
 
 __all__ = ["CachedRequestData", "NewRequestData", "Scheduler", "SchedulerConfig",
            "SchedulerOutput", "SchedulerStats"]
-
-
-@dataclass(eq=False)
-class _StepDraft:
-    """A step while the scheduler fills it: the token budget left, the running rows it
-    took (as columns), the new rows, the preempted ids and the drafts to verify."""
-    budget: int
-    ids: list[str] = field(default_factory=list)
-    starts: list[int] = field(default_factory=list)
-    lens: list[int] = field(default_factory=list)
-    pages: list[tuple[list[int], ...]] = field(default_factory=list)
-    new_reqs: list[NewRequestData] = field(default_factory=list)
-    preempted: list[str] = field(default_factory=list)
-    spec: dict[str, list[int]] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -49,7 +36,8 @@ class Scheduler:
                                  sliding_window=c.sliding_window,
                                  num_snapshot_slots=c.num_snapshot_slots,
                                  spec_backups=c.num_speculative_tokens > 0,
-                                 drop_last_hit_page=c.drop_last_hit_page)
+                                 drop_last_hit_page=c.drop_last_hit_page,
+                                 host=HostCache.for_config(c))
         self.requests: dict[str, Request] = {}  # unfinished only
         self.running: list[Request] = []
         self.waiting: deque[Request] | PriorityQueue = (
@@ -130,6 +118,8 @@ class Scheduler:
                 self.kv.uncache_unwritten(req, start, shared_too=True)
         if self.kv.snapshots is not None:
             self.kv.snapshots.discard_pending()
+        if self.kv.host is not None:   # its restores and offloads may not have run either
+            self.kv.fail_host_copies(self.requests)
         done = self.abort_requests(req_ids)
         # update_from_output may have stopped (and released) some before it failed,
         # leaving finished requests in `running`.
@@ -250,7 +240,10 @@ class Scheduler:
         while waiting and budget > 0 and len(running) < self.max_num_seqs:
             req = self._peek_waiting()
             hit, num_hit = kv.get_computed_pages(req)
-            num_new = min(req.num_tokens - num_hit, budget)
+            restore = kv.restore_budget(req, self.max_num_batched_tokens - 1)
+            if restore >= budget:
+                break
+            num_new = min(req.num_tokens - num_hit, budget - restore)
             if cuts and (cut := kv.state_cut(req, num_hit)) is not None:
                 num_new = min(num_new, cut - num_hit)
             ahead = self._lookahead(req, num_hit + num_new)
@@ -267,7 +260,8 @@ class Scheduler:
             step.new_reqs.append(NewRequestData(
                 rid, req.prompt_token_ids, req.output_token_ids[:], req.sampling_params,
                 kv.get_group_page_ids(rid), num_hit, num_new, kv.get_state_slot(rid)))
-            budget -= num_new
+            budget -= num_new + restore
+            step.restore_tokens += restore
         step.budget = budget
 
     def _close_step(self, step: _StepDraft) -> SchedulerOutput:
@@ -291,9 +285,11 @@ class Scheduler:
             restores, saves = kv.take_state_copies()
         return SchedulerOutput(
             state_restores=restores, state_saves=saves, spec_token_ids=step.spec,
+            host_copies=None if kv.host is None else kv.host.take_copies(),
             new_reqs=step.new_reqs,
             cached_reqs=CachedRequestData(step.ids, step.starts, step.lens, step.pages),
-            num_scheduled_tokens=self.max_num_batched_tokens - step.budget,
+            num_scheduled_tokens=(self.max_num_batched_tokens - step.budget
+                                  - step.restore_tokens),
             preempted_req_ids=step.preempted,
             finished_req_ids=finished,
         )
@@ -328,6 +324,8 @@ class Scheduler:
         running_status = RequestStatus.RUNNING
         if self.kv.snapshots is not None:   # the step ran: its snapshots are taken
             self.kv.snapshots.commit()
+        if self.kv.host is not None:   # its offloads landed, its restores were read
+            self.kv.host.commit()
         requests = self.requests
         for rid in scheduler_output.req_ids:
             req = requests.get(rid)
@@ -445,4 +443,5 @@ class Scheduler:
             spec_num_draft_tokens=self.spec_num_draft_tokens,
             spec_num_accepted_tokens=sum(self.spec_accepted_per_pos),
             spec_accepted_per_pos=tuple(self.spec_accepted_per_pos),
+            host=None if self.kv.host is None else self.kv.host.stats(),
         )

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from jaxserve.core.kv_cache_manager import window_pages
+from jaxserve.core.req_pages import window_pages
+from jaxserve.core.restore_cost import RestoreCost
 
 POLICIES = ("fcfs", "priority")
 
@@ -18,7 +19,10 @@ class SchedulerConfig:
     no speculative decoding); a hybrid then holds two state slots per request.
     num_lookahead_tokens: a request whose chunk reaches its last token also gets pages for
     this many positions past the chunk (a model drafter writes its KV there).
-    drop_last_hit_page: see KVCacheManager (an MTP drafter)."""
+    drop_last_hit_page: see KVCacheManager (an MTP drafter).
+    num_host_pages / num_host_state_slots: the prefix cache's host tier (0: none; the
+    dummy slot 0 of each included), host_page_bytes / host_state_bytes one slot's bytes,
+    restore_cost its restore-or-recompute model (None: always restore)."""
     num_pages: int
     page_size: int
     max_num_seqs: int
@@ -33,6 +37,11 @@ class SchedulerConfig:
     num_speculative_tokens: int = 0
     num_lookahead_tokens: int = 0
     drop_last_hit_page: bool = False
+    num_host_pages: int = 0
+    num_host_state_slots: int = 0
+    host_page_bytes: int = 0
+    host_state_bytes: int = 0
+    restore_cost: RestoreCost | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_pages", "page_size", "max_num_seqs", "max_num_batched_tokens",
@@ -42,6 +51,9 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
+        if self.num_host_pages and (self.sliding_window is not None or self.drop_last_hit_page):
+            raise ValueError("the host tier takes no sliding-window KV group (Gemma 4) and "
+                             "no MTP drafter yet")
         per_seq = 2 if self.num_speculative_tokens else 1
         if self.num_state_slots and self.num_state_slots - 1 < per_seq * self.max_num_seqs:
             raise ValueError(f"num_state_slots={self.num_state_slots} (the null slot included) "

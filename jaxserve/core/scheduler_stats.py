@@ -1,7 +1,9 @@
 """SchedulerStats: what the scheduler counts, the engine's one statistics record."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+
+from jaxserve.core.host_cache import HostCacheStats
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,6 +26,8 @@ class SchedulerStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: tuple[int, ...] = ()
+    # The prefix cache's host tier (None: none; core/host_cache.py).
+    host: HostCacheStats | None = None
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -47,4 +51,14 @@ class SchedulerStats:
             spec_num_draft_tokens=sum(p.spec_num_draft_tokens for p in parts),
             spec_num_accepted_tokens=sum(p.spec_num_accepted_tokens for p in parts),
             spec_accepted_per_pos=tuple(map(sum, zip(*(p.spec_accepted_per_pos
-                                                       for p in parts)))))
+                                                       for p in parts)))),
+            host=_merge_host([p.host for p in parts]))
+
+
+def _merge_host(parts: list[HostCacheStats | None]) -> HostCacheStats | None:
+    """Each replica's host tier summed (each has its own)."""
+    given = [p for p in parts if p is not None]
+    if not given:
+        return None
+    return HostCacheStats(**{f.name: sum(getattr(p, f.name) for p in given)
+                             for f in fields(HostCacheStats)})

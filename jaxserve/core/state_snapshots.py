@@ -81,6 +81,10 @@ class SnapshotCache:
             return None
         return s
 
+    def get(self, page_hash: int) -> Snapshot | None:
+        """The committed snapshot at the end of the page `page_hash`, or None."""
+        return self._by_hash.get(page_hash)
+
     def use(self, snapshot: Snapshot) -> None:
         """A hit restores `snapshot` in the coming step."""
         self._clock += 1

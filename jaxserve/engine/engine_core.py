@@ -249,15 +249,24 @@ class EngineCore:
 
     def cached_prefix_pages(self, page_hashes: list[int]) -> int:
         """How many leading pages (by chained hash, prompt_page_hashes) this replica's
-        prefix cache holds; a read-only look-up that counts no cache statistics."""
+        prefix cache holds, on device and then in its host tier; a read-only look-up that
+        counts no cache statistics."""
         if not self.prefix_caching:
             return 0
-        cached = self.scheduler.kv.pool.cached_pages
-        return next((i for i, h in enumerate(page_hashes) if h not in cached),
-                    len(page_hashes))
+        kv = self.scheduler.kv
+        cached = kv.pool.cached_pages
+        n = next((i for i, h in enumerate(page_hashes) if h not in cached), len(page_hashes))
+        if kv.host is not None:
+            n += next((i for i, h in enumerate(page_hashes[n:]) if h not in kv.host.index),
+                      len(page_hashes) - n)
+        return n
 
     def stats(self) -> SchedulerStats:
-        return self.scheduler.stats()
+        stats = self.scheduler.stats()
+        if stats.host is not None:   # the runner times the restores it dispatches
+            stats = replace(stats, host=replace(
+                stats.host, restore_seconds=self.runner.host_tier.restore_seconds))
+        return stats
 
     def reset_prefix_cache(self) -> None:
         self.scheduler.reset_prefix_cache()

@@ -5,12 +5,11 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 from tqdm.auto import tqdm
 
-from jaxserve.config import EngineConfig
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.engine.data_parallel import make_engine
 from jaxserve.errors import RequestFailedError
 from jaxserve.engine.input_processor import EngineRequest
-from jaxserve.engine.llm_kwargs import engine_kwargs
+from jaxserve.engine.llm_kwargs import engine_config
 from jaxserve.engine.protocol import Engine
 from jaxserve.inputs import TextPrompt, TokensPrompt, parse_prompt
 from jaxserve.multimodal.front import MultiModalInputs
@@ -34,8 +33,7 @@ class LLM:
     """
 
     def __init__(self, model: str, **engine_args: Any):
-        self.engine: Engine = make_engine(EngineConfig(model=model,
-                                                       **engine_kwargs(engine_args)))
+        self.engine: Engine = make_engine(engine_config(model, engine_args))
         self.tokenizer = self.engine.tokenizer
         self._next_id = 0   # request ids "0", "1", ...: one per prompt the engine ran
 

@@ -14,7 +14,7 @@ import difflib
 import typing
 from typing import Any
 
-from jaxserve.config import EngineConfig
+from jaxserve.config import ConfigError, EngineConfig
 from jaxserve.config.vllm_compat import BOOL, ENGINE, Setting
 
 _FIELDS = {f.name: f for f in dataclasses.fields(EngineConfig)}
@@ -71,6 +71,19 @@ def engine_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
         given_as[field] = name
         out[field] = value
     return out
+
+
+def engine_config(model: str, kwargs: dict[str, Any]) -> EngineConfig:
+    """LLM's EngineConfig; a bad value's ConfigError names the keyword it was given as
+    (num_gpu_blocks_override=, not the field num_pages)."""
+    fields = engine_kwargs(kwargs)
+    try:
+        return EngineConfig(model=model, **fields)
+    except ConfigError as e:
+        given = next((k for k in kwargs if ALIASES.get(k) == e.field and k != e.field), None)
+        if given is None:
+            raise
+        raise ConfigError(e.field, f"LLM({given}=...): {e}") from None
 
 
 def _suggestion(name: str) -> str:

@@ -164,6 +164,7 @@ class Plan:
     speculative: str | None = None
     drafter_weight_bytes_per_device: int = 0
     kv_cache_memory_bytes: int | None = None   # given in place of the memory rule
+    host_tier_bytes: int = 0          # the prefix cache's host tier (--kv-offloading-size)
 
     @property
     def memory(self) -> MemorySplit | None:
@@ -340,7 +341,8 @@ def plan_from_config(config: EngineConfig, mc, *, hbm_bytes: int | None = None,
         kv_shared_layers=sum(isinstance(s, SharedKVSpec) for s in specs),
         expert_parallel=ep, speculative=spec.describe() if spec else None,
         drafter_weight_bytes_per_device=drafter_bytes,
-        kv_cache_memory_bytes=config.kv_cache_memory_bytes)
+        kv_cache_memory_bytes=config.kv_cache_memory_bytes,
+        host_tier_bytes=config.kv_offloading_bytes)
 
 
 def make_plan(mc, *, model: str, mesh: str, hbm_bytes: int | None = None,

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from jaxserve.core.host_pages import size_host_tier
 from jaxserve.build.kv_budget import WORKSPACE_SHARE
 
 if TYPE_CHECKING:
@@ -123,6 +124,8 @@ def _cache_lines(p: Plan) -> list[str]:
         + ("fits" if p.memory_fits else f"does NOT fit: at most {p.max_sequences} full-length "
            f"sequences, or {p.kv_tokens // p.max_num_seqs:,} tokens each for {p.max_num_seqs}"),
     ]
+    if p.host_tier_bytes:
+        lines.append(_host_tier_line(p))
     if p.compiler_limit:
         lines.append(f"  does NOT compile for TPU: {p.compiler_limit}")
     if p.hbm_bytes and p.kv_budget_bytes == 0:
@@ -137,6 +140,21 @@ def _cache_lines(p: Plan) -> list[str]:
                      f"tokens of KV cache, the cache holds {p.kv_tokens:,}; lower "
                      f"max_num_seqs or max_model_len")
     return lines
+
+
+def _host_tier_line(p: Plan) -> str:
+    """The prefix cache's host tier: what --kv-offloading-size holds (whole pages of every
+    KV head: the host keeps a replica's pages, not one device's share)."""
+    c, m = p.cache, p.mesh[1]
+    if c.has_sliding:
+        return "  host tier                  refused: not yet for sliding-window layers"
+    page_bytes = p.kv_bytes_per_token_per_device * m * c.page_size
+    state_bytes = p.state_bytes_per_seq if p.has_state else 0
+    pages, states = size_host_tier(p.host_tier_bytes, page_bytes, state_bytes)
+    snaps = f", {max(states - 1, 0):,} state snapshots" if state_bytes else ""
+    return (f"  host tier                  {_gib(p.host_tier_bytes)} of host memory per replica: "
+            f"{max(pages - 1, 0):,} pages ({max(pages - 1, 0) * c.page_size:,} tokens){snaps}, "
+            f"restored into free device pages on a prefix hit")
 
 
 def _allreduce_lines(p: Plan) -> list[str]:

@@ -18,6 +18,7 @@ longer list is split into several calls; a short one is padded with id 0 (the nu
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -223,3 +224,49 @@ class HostCopier:
 
 def _pad(ids: list[int], n: int) -> np.ndarray:
     return np.asarray(list(ids) + [0] * (n - len(ids)), np.int32)
+
+
+class HostTier:
+    """The runner's host tier: the arrays, the copy programs, and what was copied. The
+    scheduler decides every copy (core/host_cache.py); the runner dispatches a step's
+    before its forward and lands its offloads when it collects the step."""
+
+    def __init__(self, caches: Mapping[str, jax.Array], layers: Mapping[str, int],
+                 budget_bytes: int, device: jax.Device) -> None:
+        self.layout = HostTierLayout.of(caches, layers)
+        self.arrays = HostPageArrays.for_budget(self.layout, budget_bytes)
+        self.copier = HostCopier(self.layout, {k: caches[k].sharding for k in self.layout.rows},
+                                 memory_kind=host_memory_kind(device))
+        self.page_kinds = [k for k in PAGE_KINDS if k in self.layout.rows]
+        self.restore_seconds = 0.0   # host time to gather and send restores (asynchronous)
+
+    def dispatch(self, caches: dict[str, jax.Array], copies
+                 ) -> tuple[dict[str, jax.Array], PendingOffload | None]:
+        """copies (core/sched_output.HostCopies): the offloads issued (their reads go
+        before any later write of those pages), then the restores (caches donated) ->
+        (the caches, the offloads to land)."""
+        pending = None
+        if copies.num_offloads:
+            pending = self.copier.offload(
+                caches, {k: copies.offload_pages for k in self.page_kinds},
+                copies.offload_slots, copies.offload_state_ids, copies.offload_state_slots)
+        if copies.num_restores:
+            t0 = time.perf_counter()
+            caches = self.copier.restore(
+                caches, self.arrays, copies.restore_slots,
+                {k: copies.restore_pages for k in self.page_kinds},
+                copies.restore_state_slots, copies.restore_state_ids)
+            self.restore_seconds += time.perf_counter() - t0
+        return caches, pending
+
+    def warmup(self, caches: dict[str, jax.Array]) -> dict[str, jax.Array]:
+        """Compiles both programs (a copy of the null page / slot to and from the dummy
+        slot: what padding does anyway)."""
+        has_state = self.arrays.num_state_slots > 0
+        state = [0] if has_state else []
+        self.copier.offload(caches, {k: [0] for k in self.page_kinds}, [0], state,
+                            state).land(self.arrays)
+        caches = self.copier.restore(caches, self.arrays, [0], {k: [0] for k in self.page_kinds},
+                                     state, state)
+        jax.block_until_ready(caches)
+        return caches

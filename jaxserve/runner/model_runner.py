@@ -33,6 +33,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxserve.runner.buckets import (page_buckets, pick_bucket, row_buckets,
                                      sampling_row_buckets, token_buckets)
 from jaxserve.runner.drafter import ModelDrafter
+from jaxserve.runner.host_tier import HostTier, PendingOffload
 from jaxserve.runner.input_batch import InputBatch
 from jaxserve.runner.layer_caches import abstract_layer_caches, make_layer_caches
 from jaxserve.runner.programs import GREEDY, PENALTIES, RANDOM
@@ -42,6 +43,7 @@ from jaxserve.runner.sampler import compute_prompt_logprobs, sample
 from jaxserve.runner.spec_decode import ngram_propose, num_accepted
 from jaxserve.runner.step_rows import HostBatch, ScheduledRows
 from models.inputs import ModelInputs
+from models.layer_stack import CONV, KV, KV_SLIDING, RECURRENT
 from models.state_copies import copy_state_slots
 from sharding import make_mesh, replicated
 
@@ -74,6 +76,7 @@ class _InFlight:
     sampled: Any = None          # SamplerOutput on device, or None
     logprobs: bool = False       # whether a request wants the sampler's logprobs
     prompt_lps: Any = None       # (device arrays, spans), or None
+    offloads: PendingOffload | None = None   # the host tier's copies to land
 
 
 # Prompt logprobs take the lm_head and the vocabulary's log_softmax over this many
@@ -146,6 +149,17 @@ class ModelRunner(RunnerWarmup):
         self.warmup_cache_hits = 0
         self.warmup_fresh_compilations = 0
         self._hidden_spec = None    # the forward's hidden states, traced on first need
+        self.host_tier: HostTier | None = None   # the prefix cache's (attach_host_tier)
+
+    def attach_host_tier(self, budget_bytes: int) -> HostTier:
+        """Gives the runner a host tier of budget_bytes (before warmup, which compiles its
+        copy programs); ValueError when that holds no page."""
+        c, caches = self.config, self.kv_caches
+        per_kind = {KV: c.num_pages, KV_SLIDING: c.num_sliding_pages or c.num_pages,
+                    CONV: c.num_state_slots, RECURRENT: c.num_state_slots}
+        layers = {k: caches[k].shape[0] // n for k, n in per_kind.items() if k in caches}
+        self.host_tier = HostTier(caches, layers, budget_bytes, self.mesh.devices.flat[0])
+        return self.host_tier
 
     # ---- jitted bodies -------------------------------------------------------------
     def _forward_fn(self, params, kv_caches, inputs: ModelInputs, logits_indices):
@@ -211,11 +225,19 @@ class ModelRunner(RunnerWarmup):
         as finished ids and are dropped at the next dispatch."""
         rows = self.batch.update(scheduler_output, self.eos_token_ids)
         with jax.set_mesh(self.mesh):
-            return self._dispatch(rows)
+            offloads = None
+            if scheduler_output.host_copies is not None:   # before the forward, in order
+                self.kv_caches, offloads = self.host_tier.dispatch(
+                    self.kv_caches, scheduler_output.host_copies)
+            step = self._dispatch(rows)
+        step.offloads = offloads
+        return step
 
     def collect(self, step: _InFlight) -> ModelRunnerOutput:
         """Waits for a dispatched step and reads its results back to the host."""
         out = ModelRunnerOutput()
+        if step.offloads is not None:   # stored before the scheduler makes them visible
+            step.offloads.land(self.host_tier.arrays)
         if step.prompt_lps is not None:
             arrays, spans = step.prompt_lps
             lp, rank, top_lp, top_ids = jax.device_get(arrays)

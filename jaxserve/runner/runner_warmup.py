@@ -122,6 +122,8 @@ class RunnerWarmup:
             elif prog.kind == DRAFT:
                 self.drafter.caches = out[1]
             jax.block_until_ready(out)
+        if self.host_tier is not None:   # its offload and restore programs
+            self.kv_caches = self.host_tier.warmup(self.kv_caches)
         summary = report.finish()
         self.warmup_seconds = summary.seconds
         self.warmup_compilations = summary.counts.lowered

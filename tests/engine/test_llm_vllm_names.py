@@ -83,6 +83,10 @@ def test_aliases_come_from_the_fields_metadata():
     (dict(tokenizer_mode="slow"), ValueError, "tokenizer_mode='slow'"),
     (dict(enable_lora=True), ValueError, "LoRA"),
     (dict(cpu_offload_gb=4), ValueError, "cpu_offload_gb"),
+    (dict(kv_offloading_size=-1.0), ValueError, "kv_offloading_size=-1.0: must be >= 0"),
+    (dict(kv_offloading_backend="lmcache"), ValueError, "kv_offloading_backend='lmcache'"),
+    (dict(num_gpu_blocks_override=1), ValueError, r"LLM\(num_gpu_blocks_override=...\): "
+                                                  "num_pages=1"),
 ])
 def test_kwargs_llm_cannot_honour_are_refused_by_name(kwargs, error, message):
     with pytest.raises(error, match=message):

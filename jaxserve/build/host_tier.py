@@ -1,0 +1,85 @@
+"""The prefix cache's host tier at build time (--kv-offloading-size; docs/TIERED_CACHE.md):
+what it is refused with, its arrays on the runner, and the scheduler's share of it (slot
+counts, slot bytes, the restore-or-recompute cost model).
+
+The cost model's figures are nominal, per platform: a host->device bandwidth and a copy's
+fixed latency, and a prefill's cost from the model's size (2 FLOPs per parameter per
+token, attention's 4 * layers * heads * head_dim per pair of tokens) over a nominal
+throughput. They only decide which short prefixes are recomputed rather than restored.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from jaxserve.build.cache_plan import CachePlan
+from jaxserve.build.kv_budget import available_host_bytes
+from jaxserve.config import ConfigError, EngineConfig
+from jaxserve.config.speculative import NGRAM
+from jaxserve.core.restore_cost import RestoreCost
+from jaxserve.runner.host_tier import HostTier
+from jaxserve.runner.model_runner import ModelRunner
+from sharding.mesh import parse_mesh
+
+FLAG = "--kv-offloading-size"
+GIB = 2**30
+# platform -> (host->device bytes/s, fixed seconds per restore, model FLOP/s)
+NOMINAL = {"cpu": (10e9, 50e-6, 2e11), "gpu": (25e9, 50e-6, 4e14), "tpu": (16e9, 50e-6, 4e14)}
+
+
+def check_host_tier(config: EngineConfig, plan: CachePlan) -> None:
+    """ConfigError naming the flag where this engine cannot keep a host tier."""
+    why = None
+    spec = config.speculative_config
+    replicas = parse_mesh(config.mesh or "1x1")[0]   # each holds a tier of this size
+    if not config.enable_prefix_caching:
+        why = "the host tier is a second tier of the prefix cache: --enable-prefix-caching"
+    elif plan.has_sliding:
+        why = ("not yet for models with sliding-window layers (Gemma 4): their pages leave "
+               "the window on their own schedule")
+    elif spec is not None and spec.method != NGRAM:
+        why = f"not with a model drafter ({spec.method}): its own KV is not copied"
+    elif jax.process_count() > 1:
+        why = "not on a multi-host mesh"
+    elif replicas * config.kv_offloading_bytes > available_host_bytes():
+        # (numpy's zeroed pools take their memory as they fill: counted up front here)
+        why = (f"{replicas} replica(s) x {config.kv_offloading_size} GiB is more than the "
+               f"host's available memory ({available_host_bytes() / GIB:.1f} GiB)")
+    if why is not None:
+        raise ConfigError("kv_offloading_size", f"{FLAG} {config.kv_offloading_size}: {why}")
+
+
+def attach_host_tier(config: EngineConfig, runner: ModelRunner) -> HostTier:
+    try:
+        return runner.attach_host_tier(config.kv_offloading_bytes)
+    except ValueError as e:
+        raise ConfigError("kv_offloading_size", f"{FLAG} {config.kv_offloading_size}: "
+                          f"{e}") from None
+
+
+def host_tier_slice(tier: HostTier, plan: CachePlan, params: Any, mc: Any,
+                    platform: str) -> dict[str, Any]:
+    """SchedulerConfig's host-tier fields."""
+    bandwidth, latency, flops = NOMINAL.get(platform, NOMINAL["gpu"])
+    num_params = sum(x.size for x in jax.tree_util.tree_leaves(params))
+    layout = tier.layout
+    pair_flops = 4 * len(mc.full_attention_layers) * mc.num_heads * mc.head_dim
+    cost = RestoreCost(bytes_per_token=layout.page_bytes / plan.page_size,
+                       bandwidth_bytes_per_s=bandwidth, prefill_s_per_token=2 * num_params / flops,
+                       attention_s_per_pair=pair_flops / flops, latency_s=latency,
+                       state_bytes=layout.state_bytes)
+    return dict(num_host_pages=tier.arrays.num_slots,
+                num_host_state_slots=tier.arrays.num_state_slots,
+                host_page_bytes=layout.page_bytes, host_state_bytes=layout.state_bytes,
+                restore_cost=cost)
+
+
+def describe(tier: HostTier, plan: CachePlan) -> str:
+    """The start-up log's line (and the planner's)."""
+    pages = tier.arrays.num_slots - 1
+    states = tier.arrays.num_state_slots - 1 if tier.arrays.num_state_slots else 0
+    total = sum(a.nbytes for a in tier.arrays.arrays.values())
+    snaps = f", {states} state snapshots" if states > 0 else ""
+    return (f"host tier: {total / GIB:.2f} GiB, {pages} pages "
+            f"({pages * plan.page_size} tokens){snaps}")

@@ -1,0 +1,173 @@
+"""The scheduler's side of the prefix cache's host tier (docs/TIERED_CACHE.md).
+
+The KV cache manager tells it which cached pages the device pool evicts (`offload`) and
+which host entries a prefix hit restores into fresh device pages (`pin`, then
+`restore`); it turns them into the step's HostCopies, which the runner dispatches before
+the step's forward, and settles them when the step's results come back: landed offloads
+become visible to look-ups (`commit`), a failed step's are dropped unlanded (`fail`).
+Only one step is in flight per scheduler, so everything taken with a step's copies is
+settled by that step's commit or fail. Plain Python: the arrays are the runner's
+(jaxserve/runner/host_tier.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from jaxserve.core.host_pages import HostPage, HostPageIndex
+from jaxserve.core.restore_cost import RestoreCost
+from jaxserve.core.sched_output import HostCopies
+
+if TYPE_CHECKING:
+    from jaxserve.core.scheduler_config import SchedulerConfig
+
+
+@dataclass(frozen=True, slots=True)
+class HostCacheStats:
+    """Totals since start: tokens looked up in the host tier (a look-up's tokens past its
+    device hit) and found there, pages and state snapshots copied each way, their bytes,
+    and the host's time to dispatch restores (the runner's)."""
+    queries: int = 0
+    hits: int = 0
+    pages_offloaded: int = 0
+    pages_restored: int = 0
+    states_offloaded: int = 0
+    states_restored: int = 0
+    bytes_offloaded: int = 0
+    bytes_restored: int = 0
+    num_pages: int = 0        # host page slots in use (landed or in flight)
+    capacity: int = 0         # host page slots, the dummy left out
+    restore_seconds: float = 0.0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+    @property
+    def usage(self) -> float:
+        return self.num_pages / self.capacity if self.capacity else 0.0
+
+
+@dataclass
+class _Step:
+    copies: HostCopies = field(default_factory=HostCopies)
+    offloading: list[HostPage] = field(default_factory=list)
+    restoring: list[HostPage] = field(default_factory=list)
+    restored_from: list[tuple[str, int]] = field(default_factory=list)
+
+
+class HostCache:
+    """num_slots / num_state_slots: the host tier's (the dummy slot 0 of each included);
+    page_bytes / state_bytes: one host slot's bytes, for the statistics; cost: restore or
+    recompute (None: always restore)."""
+
+    def __init__(self, num_slots: int, num_state_slots: int = 0, *, page_bytes: int = 0,
+                 state_bytes: int = 0, cost: RestoreCost | None = None) -> None:
+        self.index = HostPageIndex(num_slots, num_state_slots)
+        self.cost = cost
+        self.page_bytes, self.state_bytes = page_bytes, state_bytes
+        self._next = _Step()        # the step being scheduled
+        self._in_flight = _Step()   # dispatched, not yet settled
+        self.queries = self.hits = 0
+        self._counts = [0, 0, 0, 0]   # pages out, pages in, states out, states in
+
+    @classmethod
+    def for_config(cls, c: SchedulerConfig) -> HostCache | None:
+        """The scheduler's host tier, or None when its config has none."""
+        if not c.num_host_pages:
+            return None
+        return cls(c.num_host_pages, c.num_host_state_slots, page_bytes=c.host_page_bytes,
+                   state_bytes=c.host_state_bytes, cost=c.restore_cost)
+
+    # ---- device -> host ------------------------------------------------------------
+    def offload(self, page_hash: int, page_id: int, state_slot: int | None = None) -> None:
+        """The device pool evicts page_id (cached as page_hash; state_slot: the snapshot of
+        the state at its end, if one is kept): copy it to host, unless it is there."""
+        with_state = state_slot is not None and self.index.num_state_slots > 0
+        entry = self.index.begin_offload(page_hash, with_state=with_state)
+        if entry is None:
+            return
+        c = self._next.copies
+        c.offload_pages.append(page_id)
+        c.offload_slots.append(entry.slot)
+        if entry.state_slot is not None:
+            c.offload_state_ids.append(state_slot)
+            c.offload_state_slots.append(entry.state_slot)
+        self._next.offloading.append(entry)
+
+    # ---- host -> device ------------------------------------------------------------
+    def match(self, page_hashes: list[int]) -> list[HostPage]:
+        return self.index.match(page_hashes)
+
+    def note_lookup(self, queried: int, found: int) -> None:
+        """A prefix look-up asked the host tier for `queried` tokens and found `found`."""
+        self.queries += queried
+        self.hits += found
+
+    def worth_restoring(self, num_tokens: int) -> bool:
+        return num_tokens > 0 and (self.cost is None or self.cost.worth_restoring(num_tokens))
+
+    def budget_tokens(self, num_tokens: int) -> int:
+        """What restoring num_tokens takes of a step's token budget."""
+        return self.cost.budget_tokens(num_tokens) if self.cost is not None and num_tokens \
+            else 0
+
+    def pin(self, entries: list[HostPage]) -> None:
+        """A hit is taken: its entries stay put until the step that restores them ends."""
+        self.index.pin(entries)
+        self._next.restoring.extend(entries)
+
+    def restore(self, request_id: str, entries: list[HostPage], page_ids: list[int],
+                first_token: int, state: tuple[int, int] | None = None) -> None:
+        """Copy the pinned entries into device pages page_ids (the request's pages from
+        first_token on); state: (host state slot, the request's state slot)."""
+        c = self._next.copies
+        c.restore_slots.extend(e.slot for e in entries)
+        c.restore_pages.extend(page_ids)
+        if state is not None:
+            c.restore_state_slots.append(state[0])
+            c.restore_state_ids.append(state[1])
+        self._next.restored_from.append((request_id, first_token))
+
+    # ---- a step's life -------------------------------------------------------------
+    def take_copies(self) -> HostCopies | None:
+        """The scheduled step's copies (None: none); in flight until commit / fail."""
+        step, self._next = self._next, _Step()
+        fl = self._in_flight
+        fl.offloading += step.offloading
+        fl.restoring += step.restoring
+        fl.restored_from += step.restored_from
+        c = step.copies
+        counts = (len(c.offload_slots), len(c.restore_slots), len(c.offload_state_slots),
+                  len(c.restore_state_slots))
+        self._counts = [a + b for a, b in zip(self._counts, counts)]
+        return c if c.num_offloads or c.num_restores else None
+
+    @property
+    def restored_in_flight(self) -> list[tuple[str, int]]:
+        """(request id, first restored token) of the restores in flight."""
+        return self._in_flight.restored_from
+
+    def commit(self) -> None:
+        """The step ran: its offloads landed (the runner stored them), its restores read
+        their entries."""
+        fl, self._in_flight = self._in_flight, _Step()
+        self.index.finish_offload(fl.offloading)
+        self.index.unpin(fl.restoring)
+
+    def fail(self) -> None:
+        """The step failed: its offloads are dropped unlanded, its entries unpinned."""
+        fl, self._in_flight = self._in_flight, _Step()
+        self.index.abort_offload(fl.offloading)
+        self.index.unpin(fl.restoring)
+
+    def reset(self) -> None:
+        self.index.reset()
+
+    def stats(self) -> HostCacheStats:
+        po, pi, so, si = self._counts
+        return HostCacheStats(
+            queries=self.queries, hits=self.hits, pages_offloaded=po, pages_restored=pi, states_offloaded=so,
+            states_restored=si, bytes_offloaded=po * self.page_bytes + so * self.state_bytes,
+            bytes_restored=pi * self.page_bytes + si * self.state_bytes,
+            num_pages=len(self.index), capacity=self.index.num_slots - 1)

@@ -1,0 +1,52 @@
+"""The host tier's metrics (--kv-offloading-size): vLLM's external_prefix_cache counters
+and jaxserve's bytes, restore time and usage on /metrics only when there is a tier, the
+stats line's external hit rate, and data-parallel replicas' tiers summed."""
+from __future__ import annotations
+
+from jaxserve.api.metrics import Metrics
+from jaxserve.api.stats_logger import stats_line
+from jaxserve.core.host_cache import HostCacheStats
+from jaxserve.core.scheduler_stats import SchedulerStats
+from jaxserve.engine.async_engine import EngineStats
+from tests.api.test_metrics_vllm import samples, value
+
+HOST = HostCacheStats(queries=400, hits=96, pages_offloaded=10, pages_restored=6,
+                      states_offloaded=2, states_restored=1, bytes_offloaded=5000,
+                      bytes_restored=3000, num_pages=10, capacity=40, restore_seconds=0.25)
+
+
+def test_no_host_metrics_without_a_host_tier():
+    text = Metrics("m").render(EngineStats(prefix_cache_queries=9), admitted=0).decode()
+    assert "external_prefix_cache" not in text and "host_cache" not in text
+    assert "External" not in stats_line(SchedulerStats(), 0.0, 0.0)
+
+
+def test_host_metrics_follow_the_engine_totals():
+    metrics = Metrics("m")
+    snap = samples(metrics.render(EngineStats(host=HOST), admitted=0).decode())
+    assert value(snap, "vllm:external_prefix_cache_queries_total") == 400
+    assert value(snap, "vllm:external_prefix_cache_hits_total") == 96
+    assert value(snap, "jaxserve:host_cache_offloaded_bytes_total") == 5000
+    assert value(snap, "jaxserve:host_cache_restored_bytes_total") == 3000
+    assert value(snap, "jaxserve:host_cache_restore_seconds_total") == 0.25
+    assert value(snap, "jaxserve:host_cache_usage_perc") == 0.25
+    later = HostCacheStats(queries=500, hits=196, bytes_offloaded=5000, bytes_restored=4000,
+                           num_pages=20, capacity=40, restore_seconds=0.5)
+    snap = samples(metrics.render(EngineStats(host=later), admitted=0).decode())
+    assert value(snap, "vllm:external_prefix_cache_hits_total") == 196
+    assert value(snap, "jaxserve:host_cache_restored_bytes_total") == 4000
+    assert value(snap, "jaxserve:host_cache_usage_perc") == 0.5
+
+
+def test_the_stats_line_shows_the_external_hit_rate():
+    line = stats_line(SchedulerStats(prefix_cache_queries=400, prefix_cache_hits=100,
+                                     host=HOST), 1.0, 2.0)
+    assert line.endswith("Prefix cache hit rate: 25.0%, External prefix cache hit rate: 24.0%")
+
+
+def test_replicas_tiers_are_summed():
+    merged = SchedulerStats.merge([SchedulerStats(host=HOST), SchedulerStats(host=HOST),
+                                   SchedulerStats()])
+    assert merged.host.hits == 192 and merged.host.capacity == 80
+    assert merged.host.restore_seconds == 0.5
+    assert SchedulerStats.merge([SchedulerStats(), SchedulerStats()]).host is None

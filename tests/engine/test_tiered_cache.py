@@ -1,0 +1,183 @@
+"""The prefix cache's host tier (--kv-offloading-size) on a multi-turn trace whose
+conversations need several times the device pool (--num-gpu-blocks-override): greedy
+tokens are those of the same engine without the tier, the later turns hit pages the host
+tier kept (its metrics say so), preemption and an abort while the step's copies are in
+flight leak nothing, and nothing compiles after warmup. Llama and the Qwen3.5 hybrid
+(whose state snapshots travel with their pages)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.config import ConfigError
+from jaxserve.engine.llm_kwargs import engine_config
+from jaxserve.runner.compile_counter import num_compilations
+from tests.engine.conftest import add, assert_no_leaks
+
+PS, POOL = 16, 12        # device pool: 11 pages of 16 tokens (+ the null page)
+CONVERSATIONS, TURNS = 8, 3
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+SIZES = dict(dtype="float32", max_model_len=160, max_num_seqs=4, max_num_batched_tokens=64,
+             page_size=PS, num_gpu_blocks_override=POOL, compilation_cache_dir=None)
+
+
+def assert_tier_settled(llm: LLM) -> None:
+    """No request left, every device page free, and the host tier has nothing in flight:
+    no pin, every slot free or holding one entry."""
+    assert_no_leaks(llm.engine)
+    host = llm.engine.scheduler.kv.host
+    if host is None:
+        return
+    index = host.index
+    assert not host.restored_in_flight
+    assert all(e.pins == 0 and e.ready for e in index._lru.values())
+    assert index.num_free + len(index) == index.num_slots - 1
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3_5"])
+def engines(request, checkpoint):
+    """(kind, engine without the tier, engine with it), for the module."""
+    path = checkpoint(request.param)
+    return request.param, LLM(path, **SIZES), LLM(path, kv_offloading_size=0.02, **SIZES)
+
+
+def trace(llm: LLM) -> tuple[list[list[int]], list[int]]:
+    """CONVERSATIONS chats of TURNS turns, taken round-robin (every conversation's
+    history is evicted from the device pool before its next turn): each turn sends the
+    whole history, the answer and a new user message. -> tokens, cached tokens per turn."""
+    rng = random.Random(0)
+    history = [[rng.randrange(3, 250) for _ in range(30)] for _ in range(CONVERSATIONS)]
+    tokens, cached = [], []
+    for _ in range(TURNS):
+        for i in range(CONVERSATIONS):
+            out = llm.generate({"prompt_token_ids": history[i]}, GREEDY, use_tqdm=False)[0]
+            tokens.append(out.outputs[0].token_ids)
+            cached.append(out.num_cached_tokens)
+            history[i] = history[i] + list(tokens[-1]) + [rng.randrange(3, 250)
+                                                          for _ in range(20)]
+    return tokens, cached
+
+
+def test_the_trace_needs_several_times_the_device_pool():
+    rng_len = 30 + (TURNS - 1) * 28 + 8   # a conversation's last length
+    assert CONVERSATIONS * -(-rng_len // PS) >= 4 * (POOL - 1)
+
+
+def test_a_trace_over_the_host_tier_gives_the_same_tokens_and_hits_it(engines):
+    kind, plain, tiered = engines
+    compiled = num_compilations()
+    want, plain_cached = trace(plain)
+    got, tier_cached = trace(tiered)
+    assert got == want
+    # The device pool alone keeps (almost) nothing between a conversation's turns.
+    stats = tiered.engine.stats()
+    assert stats.host is not None and stats.host.hits > 0
+    assert stats.host.pages_offloaded > 0 and stats.host.pages_restored > 0
+    assert stats.host.bytes_restored == stats.host.pages_restored * \
+        tiered.engine.scheduler.kv.host.page_bytes + stats.host.states_restored * \
+        tiered.engine.scheduler.kv.host.state_bytes
+    if kind == "qwen3_5":   # hybrid: the state snapshots travel with their pages
+        assert stats.host.states_offloaded > 0 and stats.host.states_restored > 0
+    # num_cached_tokens counts hits from either tier; later turns hit the host's pages.
+    assert sum(tier_cached) >= sum(plain_cached) + stats.host.hits
+    assert all(c > 0 for c in tier_cached[CONVERSATIONS:])
+    assert plain.engine.stats().host is None
+    assert num_compilations() == compiled   # the copy programs were compiled at warmup
+    assert_tier_settled(plain)
+    assert_tier_settled(tiered)
+
+
+def test_preemption_with_copies_in_the_same_steps(engines):
+    """Four long conversations at once in 11 pages: requests preempt one another while
+    pages go out to the host tier and come back."""
+    _, plain, tiered = engines
+    rng = random.Random(5)
+    prompts = [{"prompt_token_ids": [rng.randrange(3, 250) for _ in range(60)]}
+               for _ in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    before = tiered.engine.stats()
+    for _ in range(2):   # the second time over, hits come from the host tier
+        got = [o.outputs[0].token_ids for o in tiered.generate(prompts, params,
+                                                                use_tqdm=False)]
+        assert got == want
+    after = tiered.engine.stats()
+    assert after.num_preemptions > before.num_preemptions
+    assert after.host.pages_restored > before.host.pages_restored
+    assert_tier_settled(tiered)
+
+
+def test_an_abort_while_its_restore_is_in_flight_leaks_nothing(engines):
+    """A request aborted between the dispatch of the step that restores its pages and
+    that step's results: its pages and the host entries' pins all come back, and the
+    next request over the same prefix still gets the right tokens."""
+    _, plain, tiered = engines
+    rng = random.Random(9)
+    prompt = [rng.randrange(3, 250) for _ in range(70)]
+    others = [[rng.randrange(3, 250) for _ in range(70)] for _ in range(3)]
+    want = plain.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)[0]
+    # From empty caches (the device's snapshot slots keep the earlier tests' snapshots,
+    # which may outweigh this prompt's before its pages leave the device).
+    tiered.reset_prefix_cache()
+    tiered.generate([{"prompt_token_ids": p} for p in [prompt, *others]], GREEDY,
+                    use_tqdm=False)   # the prompt's pages are evicted to host by the others
+    engine = tiered.engine
+    add(engine, "x", prompt, GREEDY)
+    step = engine.begin_step()
+    copies = step.sched_out.host_copies
+    assert copies is not None and copies.restore_slots   # its pages come from the host
+    engine.abort_request("x")
+    engine.finish_step(step)
+    assert_tier_settled(tiered)
+    again = tiered.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)[0]
+    assert again.outputs[0].token_ids == want.outputs[0].token_ids
+    assert again.num_cached_tokens > 0
+    assert_tier_settled(tiered)
+
+
+def test_reset_prefix_cache_empties_both_tiers(engines):
+    _, _, tiered = engines
+    tiered.generate({"prompt_token_ids": list(range(3, 60))}, GREEDY, use_tqdm=False)
+    assert tiered.reset_prefix_cache()
+    assert len(tiered.engine.scheduler.kv.host.index) == 0
+    assert not tiered.engine.scheduler.kv.pool.cached_pages
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(kv_offloading_size=0.02, enable_prefix_caching=False), "--enable-prefix-caching"),
+    (dict(kv_offloading_size=1e-7), "holds no page"),
+])
+def test_a_host_tier_the_engine_cannot_keep_is_refused_naming_the_flag(checkpoint, kwargs,
+                                                                      message):
+    with pytest.raises(ConfigError, match=f"--kv-offloading-size.*{message}") as e:
+        LLM(checkpoint("llama"), **{**SIZES, **kwargs})
+    assert e.value.field == "kv_offloading_size"
+
+
+def test_the_flags_reach_the_config():
+    config = engine_config("m", dict(kv_offloading_size=2.5, kv_offloading_backend="native",
+                                     num_gpu_blocks_override=64))
+    assert (config.kv_offloading_size, config.kv_offloading_backend, config.num_pages) == \
+        (2.5, "native", 64)
+
+
+def test_data_parallel_replicas_each_keep_their_own_tier(checkpoint, engines):
+    """mesh 2x1: each replica's evictions go to its own host tier, of the full size; the
+    trace's tokens are the single engine's, with hits from the tiers."""
+    kind, plain, _ = engines
+    if kind != "llama":
+        pytest.skip("one kind is enough for the replicas' bookkeeping")
+    dp = LLM(checkpoint("llama"), kv_offloading_size=0.02, mesh="2x1", **SIZES)
+    want, _ = trace(plain)
+    got, _ = trace(dp)
+    assert got == want
+    tiers = [r.scheduler.kv.host for r in dp.engine.replicas]
+    assert tiers[0] is not tiers[1]
+    assert all(t.index.num_slots == tiers[0].index.num_slots for t in tiers)
+    # (one request at a time: the router may keep every conversation on one replica)
+    assert sum(r.stats().host.pages_restored for r in dp.engine.replicas) > 0
+    assert dp.engine.stats().host.hits == sum(r.stats().host.hits for r in dp.engine.replicas)
+    for replica in dp.engine.replicas:
+        assert not replica.scheduler.requests

@@ -1,0 +1,35 @@
+"""The planner's line for the prefix cache's host tier (--kv-offloading-size): the pages
+and snapshots its memory holds (whole pages: every KV head), as core/host_pages sizes
+them, and the refusal for sliding-window models."""
+from __future__ import annotations
+
+from jaxserve.core.host_pages import size_host_tier
+from jaxserve.planning.plan import load_model_config, make_plan
+from jaxserve.planning.plan_format import format_plan
+
+
+def plan(alias: str, **engine):
+    mc = load_model_config(alias)
+    return make_plan(mc, model=alias, mesh="1x2", hbm_bytes=80 * 2**30, **engine)
+
+
+def test_no_host_tier_line_without_the_flag():
+    assert "host tier" not in format_plan(plan("qwen3-8b"))
+
+
+def test_the_host_tier_line_counts_whole_pages_and_snapshots():
+    for alias in ("qwen3-8b", "qwen3.6-27b"):
+        p = plan(alias, kv_offloading_size=64)
+        assert p.host_tier_bytes == 64 * 2**30
+        page_bytes = p.kv_bytes_per_token_per_device * 2 * p.cache.page_size
+        state = p.state_bytes_per_seq if p.has_state else 0
+        pages, states = size_host_tier(64 * 2**30, page_bytes, state)
+        line = next(ln for ln in format_plan(p).splitlines() if "host tier" in ln)
+        assert f"{pages - 1:,} pages ({(pages - 1) * 16:,} tokens)" in line, line
+        assert (f"{states - 1:,} state snapshots" in line) == p.has_state, line
+
+
+def test_sliding_window_models_are_refused():
+    line = next(ln for ln in format_plan(plan("gemma-4-31b", kv_offloading_size=8)
+                                         ).splitlines() if "host tier" in ln)
+    assert "refused" in line
