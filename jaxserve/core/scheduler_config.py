@@ -18,7 +18,8 @@ class SchedulerConfig:
     no speculative decoding); a hybrid then holds two state slots per request.
     num_lookahead_tokens: a request whose chunk reaches its last token also gets pages for
     this many positions past the chunk (a model drafter writes its KV there).
-    drop_last_hit_page: see KVCacheManager (an MTP drafter)."""
+    drop_last_hit_page: see KVCacheManager (an MTP drafter). max_loras: LoRA adapters
+    resident on the device at once (0: LoRA off; core/lora_slots.py)."""
     num_pages: int
     page_size: int
     max_num_seqs: int
@@ -33,6 +34,7 @@ class SchedulerConfig:
     num_speculative_tokens: int = 0
     num_lookahead_tokens: int = 0
     drop_last_hit_page: bool = False
+    max_loras: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_pages", "page_size", "max_num_seqs", "max_num_batched_tokens",
