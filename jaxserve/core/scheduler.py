@@ -412,4 +412,12 @@ class Scheduler(SchedulerLoRA, SpecScheduling):
             spec_num_draft_tokens=self.spec_num_draft_tokens,
             spec_num_accepted_tokens=sum(self.spec_accepted_per_pos),
             spec_accepted_per_pos=tuple(self.spec_accepted_per_pos),
+            max_lora=self.lora.max_loras if self.lora else 0,
+            running_lora_adapters=_adapter_names(self.running) if self.lora else (),
+            waiting_lora_adapters=_adapter_names(self.waiting) if self.lora else (),
         )
+
+
+def _adapter_names(requests) -> tuple[str, ...]:
+    """The LoRA adapters some of `requests` use, by name (sorted)."""
+    return tuple(sorted({r.lora_request.lora_name for r in requests if r.lora_request}))

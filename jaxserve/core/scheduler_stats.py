@@ -24,6 +24,11 @@ class SchedulerStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: tuple[int, ...] = ()
+    # LoRA (vLLM's lora_requests_info): device slots (0: LoRA off) and the adapters of
+    # the running and the waiting requests, by name.
+    max_lora: int = 0
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -47,4 +52,11 @@ class SchedulerStats:
             spec_num_draft_tokens=sum(p.spec_num_draft_tokens for p in parts),
             spec_num_accepted_tokens=sum(p.spec_num_accepted_tokens for p in parts),
             spec_accepted_per_pos=tuple(map(sum, zip(*(p.spec_accepted_per_pos
-                                                       for p in parts)))))
+                                                       for p in parts)))),
+            max_lora=parts[0].max_lora,
+            running_lora_adapters=_union(p.running_lora_adapters for p in parts),
+            waiting_lora_adapters=_union(p.waiting_lora_adapters for p in parts))
+
+
+def _union(names) -> tuple[str, ...]:
+    return tuple(sorted(set().union(*names)))

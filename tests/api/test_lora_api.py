@@ -185,7 +185,15 @@ def test_an_adapter_in_use_is_not_unloaded(lora_server, client):
     t.start()
     assert started.wait(120)
     r = httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "a1"}, headers=auth)
+    # vLLM's gauge of the adapters in use (its value: the time of the snapshot, which
+    # the engine publishes after each step): it shows a1 running.
+    seen = []
+    while not done.is_set() and not any('running_lora_adapters="a1"' in x for x in seen):
+        seen = [line for line in httpx.get(url + "/metrics").text.splitlines()
+                if line.startswith("vllm:lora_requests_info{")]
     t.join()
+    assert len(seen) == 1 and 'max_lora="2"' in seen[0], seen
+    assert 'running_lora_adapters="a1"' in seen[0], seen
     assert done.is_set()
     assert r.status_code == 400 and "in use" in r.text
     assert "a1" in {m.id for m in client.models.list().data}
