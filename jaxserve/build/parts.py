@@ -112,6 +112,9 @@ def build_parts(shape: ReplicaShape, progress: StartupProgress, *,
                     len(mc.full_attention_layers),
                     "keeps state snapshots at page boundaries"
                     if config.enable_prefix_caching else "is off")
+    lora = lora_store(config, layout, loaded.model)
+    if lora is not None:   # before the caches are sized from the memory left
+        lora.allocate(mesh)
     progress.set_phase(ALLOCATING_KV_CACHE, "sizing and allocating the KV cache")
     # Sized per device: each device holds kv_heads / M heads of every page.
     plan = layout_cache_plan(config, layout, mesh.devices.flat[0],
@@ -122,7 +125,7 @@ def build_parts(shape: ReplicaShape, progress: StartupProgress, *,
     if config.speculative_config is not None:
         logger.info("%s", config.speculative_config.describe())
     runner = build_runner(config, layout, plan, model=loaded.model, params=loaded.params,
-                          mesh=mesh, drafter=drafter)
+                          mesh=mesh, drafter=drafter, lora=lora)
     if config.enforce_eager:   # each program compiles when a step first needs it
         logger.info("enforce_eager: no warmup; programs compile on first use")
     else:
@@ -135,12 +138,13 @@ def build_parts(shape: ReplicaShape, progress: StartupProgress, *,
 
 def build_runner(config: EngineConfig, layout: EngineLayout, plan: CachePlan, *, model: Any,
                  params: Any, mesh: Mesh, drafter: DrafterParts | None,
-                 abstract: bool = False) -> ModelRunner:
+                 abstract: bool = False, lora: LoRAStore | None = None) -> ModelRunner:
     """The replica's runner (and its model drafter's, if any); abstract: nothing
-    allocated, for lowering only."""
+    allocated, for lowering only. lora: the adapters' store (default: made here when
+    LoRA is on)."""
     return ModelRunner(
         runner_config(config, layout, plan), model=model, params=params, mesh=mesh,
-        abstract=abstract, lora=lora_store(config, layout, model),
+        abstract=abstract, lora=lora or lora_store(config, layout, model),
         drafter=drafter and drafter.build(plan, config, layout, target_model=model, mesh=mesh,
                                           abstract=abstract))
 

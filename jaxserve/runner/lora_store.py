@@ -20,6 +20,7 @@ import numpy as np
 from jaxserve.core.lora_slots import AdapterCache
 from jaxserve.lora_request import LoRARequest
 from models.lora.adapter import load_peft_adapter
+from models.lora.ops import SPLIT_IN, SPLIT_OUT
 from models.lora.slots import init_stacks, slot_weights, stack_shapes, stack_shardings
 from models.lora.targets import LoRATarget, adapter_weights, lora_targets
 
@@ -63,6 +64,7 @@ class LoRAStore:
                                                                        self._fit)
         self._lock = threading.Lock()
         self._known: dict[int, LoRARequest] = {}   # lora_int_id -> the adapter it names
+        self._stacks = None   # allocated ahead of the runner (allocate)
 
     def _fit(self, req: LoRARequest) -> _Fitted:
         adapter = load_peft_adapter(req.lora_path)
@@ -103,11 +105,24 @@ class LoRAStore:
         """A slot's rows with no adapter (zeros): warmup writes it into slot 0."""
         return slot_weights({}, 0.0, self.targets, self.config.max_rank, np.float32)
 
+    def allocate(self, mesh) -> None:
+        """Allocates the device stacks now (before the KV cache is sized from the memory
+        left: build/parts.py); the runner takes them (init_stacks)."""
+        self._stacks = self.init_stacks(mesh)
+
     def init_stacks(self, mesh) -> dict:
-        """Every slot empty, on `mesh` as stack_shardings places them."""
+        """Every slot empty, on `mesh` as stack_shardings places them (those allocate()
+        made, the first time)."""
+        stacks, self._stacks = self._stacks, None
+        if stacks is not None:
+            return stacks
         c = self.config
         return init_stacks(self.targets, c.max_loras, c.max_rank, c.dtype,
                            stack_shardings(self.targets, mesh))
+
+    def bytes_per_device(self, m: int) -> int:
+        """The stacks' bytes on each device of a model axis of m (the planner's)."""
+        return stack_bytes_per_device(self.targets, self.config, m)
 
     def abstract_stacks(self, mesh) -> dict:
         """The stacks as ShapeDtypeStructs with their shardings (an abstract runner)."""
@@ -119,3 +134,16 @@ class LoRAStore:
 
     def shardings(self, mesh) -> dict:
         return stack_shardings(self.targets, mesh)
+
+
+def stack_bytes_per_device(targets: dict[str, LoRATarget], config: LoRAConfig, m: int) -> int:
+    """Bytes the stacks of `targets` take on each device of a model axis of m: A split
+    on its input where the base kernel's input is, B on its output where its output is
+    (slots.stack_shardings), the rest and the scales on every device."""
+    item = np.dtype(config.dtype).itemsize
+    s, r = config.max_loras + 1, config.max_rank
+    total = 4 * s   # the scales, float32
+    for t in targets.values():
+        total += s * r * item * (t.in_dim // (m if t.split == SPLIT_IN else 1)
+                                 + t.out_dim // (m if t.split == SPLIT_OUT else 1))
+    return total
