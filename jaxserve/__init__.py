@@ -18,6 +18,7 @@ _EXPORTS = {
     "RequestOutputKind": "jaxserve.sampling_params",
     "TextPrompt": "jaxserve.inputs",
     "TokensPrompt": "jaxserve.inputs",
+    "LoRARequest": "jaxserve.lora_request",
 }
 
 __all__ = list(_EXPORTS)

@@ -30,3 +30,6 @@ class ModelInputs:
     # page table, as above. None: they use slot_mapping / page_table.
     sliding_slot_mapping: jax.Array | None = None   # int32[T]
     sliding_page_table: jax.Array | None = None     # int32[R, P]
+    # LoRA (None: off): each token's adapter slot (0 = none, padding too); the runner
+    # turns it into the forward's LoRA variables (models/lora/slots.forward_variables).
+    lora_slot_ids: jax.Array | None = None          # int32[T]

@@ -44,7 +44,7 @@ def test_server_flags_are_engine_config_fields():
             assert isinstance(action, argparse.BooleanOptionalAction), name
         elif name not in ("compilation_cache_dir", "dtype", "speculative_config",
                           "max_model_len", "max_num_batched_tokens", "kv_cache_memory_bytes",
-                          "limit_mm_per_prompt", "mm_processor_kwargs"):
+                          "limit_mm_per_prompt", "mm_processor_kwargs", "lora_modules"):
             # ('' / 'none' = off; half; JSON text, parsed by EngineConfig; sizes as 32k;
             # JSON objects)
             assert action.type is value_type, name

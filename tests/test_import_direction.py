@@ -47,7 +47,7 @@ def test_the_host_core_imports_no_device_code():
 # and the layers below, never one above; no two units import each other, even in a layer.
 LAYERS = (
     {"errors", "json_limits"},                                # imports nothing of jaxserve
-    {"structured_outputs", "sampling_params", "inputs"},      # request data
+    {"structured_outputs", "sampling_params", "inputs", "lora_request"},   # request data
     {"config", "checkpoints"},                                # settings, where models are
     {"multimodal"},                                           # images in (host only)
     {"core"},                                                 # host-only scheduling

@@ -23,6 +23,8 @@ Where the numbers come from:
 """
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from jaxserve.core.outputs import RequestOutput
@@ -89,6 +91,8 @@ class Metrics:
     # The host tier's counters, seen totals and usage gauge, registered by the first
     # snapshot that has a host tier (_add_host).
     _host: dict | None = None
+    _lora: Gauge | None = None   # vllm:lora_requests_info, registered once LoRA reports
+
     def __init__(self, model_name: str, num_speculative_tokens: int = 0):
         """num_speculative_tokens: the speculative config's (0: off, or not known yet;
         the spec_decode counters then appear with the first snapshot that has them)."""
@@ -164,7 +168,7 @@ class Metrics:
                              "Engine requests the input processor refused (400s).")
 
         # ---- vLLM's: speculative decoding (only when it is on) ----
-        self._spec_per_pos: list = []   # one counter per draft position
+        self._spec_per_pos: list = []     # one counter per draft position
         self._spec_per_pos_seen: list[int] = []
         self.num_speculative_tokens = 0
         if num_speculative_tokens:
@@ -199,7 +203,22 @@ class Metrics:
         self.admitted.set(admitted)
         self.processed.set(processed)
         self.refused.set(refused)
+        if stats.max_lora:
+            self._lora_info(stats)
         return generate_latest(self.registry)
+
+    def _lora_info(self, stats: SchedulerStats) -> None:
+        """vLLM's vllm:lora_requests_info: one sample, its labels the adapters running
+        and waiting (comma-separated names) and the slots, its value the time."""
+        if self._lora is None:   # registered with the first snapshot of a LoRA engine
+            self._lora = Gauge("vllm:lora_requests_info", "Running stats on lora requests.",
+                               ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+                               registry=self.registry)
+        self._lora.clear()
+        self._lora.labels(max_lora=str(stats.max_lora),
+                          waiting_lora_adapters=",".join(stats.waiting_lora_adapters),
+                          running_lora_adapters=",".join(stats.running_lora_adapters)
+                          ).set(time.time())
 
     def render_idle(self) -> bytes:
         """Before the engine exists: every gauge and counter at zero."""

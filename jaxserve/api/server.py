@@ -11,9 +11,10 @@ from jaxserve.api import error_handlers, openapi
 from jaxserve.api.api_key import APIKey
 from jaxserve.api.body_limit import BodyLimit
 from jaxserve.api.internal_errors import InternalErrors
+from jaxserve.api.lora_adapters import runtime_updates_allowed
 from jaxserve.api.metrics import Metrics
 from jaxserve.api.openapi import error_responses
-from jaxserve.api.routers import admin, chat, completions, deps, probes, tokenize
+from jaxserve.api.routers import admin, chat, completions, deps, lora, probes, tokenize
 from jaxserve.api.serving.base import OpenAIServing
 from jaxserve.api.settings import ServerSettings
 from jaxserve.api.stats_logger import StatsLogger
@@ -64,6 +65,8 @@ def create_app(engine: AsyncEngine, settings: ServerSettings,
 
 
 def _keyed_routers(settings: ServerSettings) -> list[APIRouter]:
-    """The routers behind --api-key (/tokenizer_info only when it is enabled, as vLLM)."""
+    """The routers behind --api-key (/tokenizer_info only when it is enabled, the LoRA
+    load / unload endpoints only with runtime updates allowed, as vLLM)."""
     info = [tokenize.info_router] if settings.enable_tokenizer_info_endpoint else []
-    return [admin.router, *info, completions.router, chat.router, tokenize.router]
+    loras = [lora.router] if runtime_updates_allowed() else []
+    return [admin.router, *info, *loras, completions.router, chat.router, tokenize.router]

@@ -12,6 +12,7 @@ from functools import partial
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxserve.build.cache_plan import CachePlan
@@ -27,6 +28,8 @@ from jaxserve.checkpoints.converted import resolve_converted
 from jaxserve.checkpoints.model_names import resolve_model, resolve_tokenizer
 from jaxserve.config import EngineConfig
 from jaxserve.core.scheduler_config import SchedulerConfig
+from jaxserve.errors import ConfigError
+from jaxserve.runner.lora_store import LoRAConfig, LoRAStore
 from jaxserve.runner.model_runner import ModelRunner
 from models.config import ModelConfig
 from sharding import DATA, make_mesh
@@ -111,6 +114,9 @@ def build_parts(shape: ReplicaShape, progress: StartupProgress, *,
                     len(mc.full_attention_layers),
                     "keeps state snapshots at page boundaries"
                     if config.enable_prefix_caching else "is off")
+    lora = lora_store(config, layout, loaded.model)
+    if lora is not None:   # before the caches are sized from the memory left
+        lora.allocate(mesh)
     progress.set_phase(ALLOCATING_KV_CACHE, "sizing and allocating the KV cache")
     # Sized per device: each device holds kv_heads / M heads of every page.
     plan = layout_cache_plan(config, layout, mesh.devices.flat[0],
@@ -123,7 +129,7 @@ def build_parts(shape: ReplicaShape, progress: StartupProgress, *,
     if config.kv_offloading_size:
         check_host_tier(config, plan)
     runner = build_runner(config, layout, plan, model=loaded.model, params=loaded.params,
-                          mesh=mesh, drafter=drafter)
+                          mesh=mesh, drafter=drafter, lora=lora)
     sched = scheduler_config(config, layout, plan)
     if config.kv_offloading_size:   # before warmup, which compiles its copy programs
         tier = attach_host_tier(config, runner)
@@ -141,14 +147,34 @@ def build_parts(shape: ReplicaShape, progress: StartupProgress, *,
 
 def build_runner(config: EngineConfig, layout: EngineLayout, plan: CachePlan, *, model: Any,
                  params: Any, mesh: Mesh, drafter: DrafterParts | None,
-                 abstract: bool = False) -> ModelRunner:
+                 abstract: bool = False, lora: LoRAStore | None = None) -> ModelRunner:
     """The replica's runner (and its model drafter's, if any); abstract: nothing
-    allocated, for lowering only."""
+    allocated, for lowering only. lora: the adapters' store (default: made here when
+    LoRA is on)."""
     return ModelRunner(
         runner_config(config, layout, plan), model=model, params=params, mesh=mesh,
-        abstract=abstract,
+        abstract=abstract, lora=lora or lora_store(config, layout, model),
         drafter=drafter and drafter.build(plan, config, layout, target_model=model, mesh=mesh,
                                           abstract=abstract))
+
+
+def lora_store(config: EngineConfig, layout: EngineLayout, model: Any) -> LoRAStore | None:
+    """The served adapters' store (runner/lora_store.py), None with LoRA off. The stacks'
+    dtype: --lora-dtype, auto = what the model computes in."""
+    if not config.enable_lora:
+        return None
+    mc = layout.model_config
+    if layout.kv_heads != mc.num_kv_heads or layout.global_kv_heads != mc.full_num_kv_heads:
+        # The loader repeats each KV head's kernel columns; adapters' B would need the same.
+        raise ConfigError("enable_lora", f"LoRA with KV heads repeated over the model axis "
+                          f"(the model's {mc.num_kv_heads} KV heads stored as "
+                          f"{layout.kv_heads} on {layout.model_axis} devices) is not "
+                          f"supported yet: use a model axis that divides the KV heads")
+    dtype = (layout.compute_dtype or layout.dtype) if config.lora_dtype == "auto" \
+        else jnp.dtype(config.lora_dtype)
+    return LoRAStore(LoRAConfig(config.max_loras, config.max_lora_rank,
+                                config.max_cpu_loras or config.max_loras, dtype),
+                     model, layout.rules, config.model)
 
 
 def _report_loading(progress: StartupProgress, done: int, total: int) -> None:

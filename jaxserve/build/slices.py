@@ -22,7 +22,8 @@ def scheduler_config(config: EngineConfig, layout: EngineLayout,
         num_sliding_pages=plan.num_sliding_pages, sliding_window=plan.sliding_window,
         num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
         num_lookahead_tokens=spec.num_lookahead_tokens if spec else 0,
-        drop_last_hit_page=spec is not None and spec.method == MTP)
+        drop_last_hit_page=spec is not None and spec.method == MTP,
+        max_loras=config.max_loras if config.enable_lora else 0)
 
 
 def runner_config(config: EngineConfig, layout: EngineLayout, plan: CachePlan) -> RunnerConfig:

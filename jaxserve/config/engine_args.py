@@ -88,6 +88,7 @@ _PARSERS: dict[str, typing.Callable[[str], Any]] = {
     "max_num_batched_tokens": human_readable_int,
     "kv_cache_memory_bytes": human_readable_int,
     "limit_mm_per_prompt": lambda text: _json(text),
+    "lora_modules": str,   # name=path or JSON, parsed (and checked) by EngineConfig
     "mm_processor_kwargs": lambda text: _json(text)}
 
 
@@ -147,6 +148,8 @@ def add_engine_args(parser: argparse.ArgumentParser, fields: Iterable[str] = FLA
             kw["action"] = EnableDisableAction
         else:
             kw["type"] = _PARSERS.get(name, value_type)
+            if meta.get("nargs"):
+                kw["nargs"] = meta["nargs"]
             if meta["choices"]:
                 kw["choices"] = meta["choices"]
         parser.add_argument(flag_name(name), *meta["aliases"], **kw)

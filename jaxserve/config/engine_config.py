@@ -14,6 +14,7 @@ from typing import Any
 # (no jax: plain modules of model and cache-dtype facts)
 from models.config import SERVING_DTYPES, WEIGHT_QUANT_DTYPES
 from pallas_kernels.kv_cache_dtypes import KV_QUANT_DTYPE_NAMES
+from jaxserve.config.lora import LORA_DTYPES, check_lora_settings
 from jaxserve.config.media import MediaConfig
 from jaxserve.config.speculative import SpeculativeConfig
 from jaxserve.errors import ConfigError
@@ -50,12 +51,13 @@ def default_max_num_seqs(platform: str) -> int:
 
 def _knob(default: Any = dataclasses.MISSING, *, help: str, aliases: tuple[str, ...] = (),
           choices: tuple[str, ...] | None = None, default_help: str | None = None,
-          default_factory: Any = dataclasses.MISSING) -> Any:
+          default_factory: Any = dataclasses.MISSING, nargs: str | None = None) -> Any:
     """A field with a command-line flag: --field-name, plus `aliases` (vLLM spellings).
-    default_help: what the default means where the value alone would not say."""
+    default_help: what the default means where the value alone would not say; nargs:
+    the flag takes several values (argparse's nargs)."""
     return dataclasses.field(default=default, default_factory=default_factory,
                              metadata={"help": help, "aliases": aliases, "choices": choices,
-                                       "default_help": default_help})
+                                       "default_help": default_help, "nargs": nargs})
 
 
 def _compilation_cache_default() -> str:
@@ -199,6 +201,23 @@ class EngineConfig:
     language_model_only: bool = _knob(
         False, help="serve the text model alone of a vision-language checkpoint: images are "
                     "refused")
+    # LoRA adapters (docs/LORA.md), vLLM's flags.
+    enable_lora: bool = _knob(
+        False, help="serve LoRA adapters on the base model: a request names one (the "
+                    "server's `model`, LLM.generate's lora_request) and adapters of "
+                    "different requests run in the same step")
+    lora_modules: tuple[Any, ...] | None = _knob(
+        None, nargs="+", help="adapters served by name: name=path, or vLLM's JSON "
+                              "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'; "
+                              "needs --enable-lora", default_help="none")
+    max_loras: int = _knob(1, help="adapters on the device at once (slots; a request whose "
+                                   "adapter finds no free slot waits)")
+    max_lora_rank: int = _knob(16, help="largest adapter rank served (the slots' width; a "
+                                        "higher rank is refused)")
+    max_cpu_loras: int | None = _knob(None, help="adapters kept loaded on the host (at least "
+                                                 "--max-loras)", default_help="--max-loras")
+    lora_dtype: str = _knob("auto", choices=LORA_DTYPES,
+                            help="the adapters' dtype on the device; auto = the model's")
     compilation_cache_dir: str | None = _knob(
         default_factory=_compilation_cache_default,
         help="persistent XLA compilation cache: a second start loads the programs compiled "
@@ -262,6 +281,7 @@ class EngineConfig:
                                SpeculativeConfig.parse(self.speculative_config))
         except (ValueError, TypeError) as e:
             raise ConfigError("speculative_config", str(e)) from None
+        check_lora_settings(self, bad)
         self._check_refused(bad)
         self._resolve_mesh(bad)
 

@@ -2,7 +2,7 @@
 and said at start-up) and why any other is refused.
 
 `vllm serve` has some three hundred flags; most tune parts jaxserve does not have (CUDA
-graphs, NCCL, Ray, LoRA, multimodal encoders, KV transfer, ...). A vLLM command line must
+graphs, NCCL, Ray, multimodal encoders, KV transfer, ...). A vLLM command line must
 still start jaxserve or stop it with a reason, never "unrecognized arguments": every flag
 of vLLM's that is not an EngineConfig field or a server setting of jaxserve's is listed
 here. ENGINE holds vLLM's engine arguments (flags of the server and the planner, and
@@ -13,7 +13,7 @@ from __future__ import annotations
 from jaxserve.config.vllm_engine import ENGINE
 # (the Setting names re-exported: vllm_compat is the tables' public module)
 from jaxserve.config.vllm_settings import (ANY, BOOL, FLOAT, INT, JSON, LIST, OPTIONAL, STR,
-                                           SWITCH, Setting, WHY_DP, WHY_LORA, WHY_MULTI, WHY_NOT,
+                                           SWITCH, Setting, WHY_DP, WHY_MULTI, WHY_NOT,
                                            WHY_PLUGIN, WHY_POOL, WHY_TEXT, parse_json)
 
 __all__ = ["ENGINE", "FRONTEND", "Setting", "parse_json", "ANY", "BOOL", "FLOAT", "INT",
@@ -28,7 +28,6 @@ FRONTEND: dict[str, Setting] = {
                                 "runs in its own thread)", short=("-asc",)),
     "grpc": Setting(SWITCH, (False,), "no gRPC server: the OpenAI-compatible HTTP API only"),
     "grpc_port": Setting(INT, (None,), "no gRPC server: the OpenAI-compatible HTTP API only"),
-    "lora_modules": Setting(LIST, (None, []), WHY_LORA),
     "chat_template_content_format": Setting(STR, ("string",), "message content is given to "
                                             "the chat template as a string (text parts "
                                             "joined)"),

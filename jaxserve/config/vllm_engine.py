@@ -190,14 +190,10 @@ ENGINE: dict[str, Setting] = {
     "mm_device_do_normalize": Setting(BOOL, ANY, WHY_TEXT),
     "disable_chunked_mm_input": Setting(BOOL, ANY, WHY_TEXT),
     # LoRA
-    "enable_lora": Setting(BOOL, (None, False), WHY_LORA),
-    "max_loras": Setting(INT, ANY, WHY_LORA),
-    "max_lora_rank": Setting(INT, ANY, WHY_LORA),
-    "lora_dtype": Setting(STR, ANY, WHY_LORA),
     "enable_tower_connector_lora": Setting(BOOL, (False,), WHY_LORA),
-    "max_cpu_loras": Setting(INT, ANY, WHY_LORA),
     "fully_sharded_loras": Setting(BOOL, ANY, WHY_LORA),
-    "lora_target_modules": Setting(LIST, ANY, WHY_LORA),
+    "lora_target_modules": Setting(LIST, (None, []), "each adapter's own target_modules "
+                                   "(adapter_config.json) choose the modules it adapts"),
     "default_mm_loras": Setting(JSON, (None, {}), WHY_LORA),
     "specialize_active_lora": Setting(BOOL, ANY, WHY_LORA),
     "enable_mixed_moe_lora_format": Setting(BOOL, ANY, WHY_LORA),

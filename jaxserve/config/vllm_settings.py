@@ -90,7 +90,8 @@ WHY_EP = "no expert-parallel load balancing, micro-batching or all-to-all kernel
 WHY_TEXT = ("jaxserve takes images (not video or audio) with its own settings only: "
             "--limit-mm-per-prompt, --allowed-local-media-path, --mm-processor-kwargs, "
             "--language-model-only")
-WHY_LORA = "LoRA adapters are not implemented"
+WHY_LORA = ("not a part of jaxserve's LoRA (docs/LORA.md: --enable-lora, --lora-modules, "
+            "--max-loras, --max-lora-rank, --max-cpu-loras, --lora-dtype)")
 WHY_OFFLOAD = "weights and KV pages stay in device memory; nothing is offloaded to the host"
 WHY_SLEEP = "sleep mode is not implemented"
 WHY_POOL = ("jaxserve generates text; pooling (embedding, classification, scoring) is not "

@@ -120,3 +120,45 @@ class AdapterCache(Generic[K, V]):
     def keys(self) -> list[K]:
         """Cached keys, least recently used first."""
         return list(self._items)
+
+
+class SchedulerLoRA:
+    """The scheduler's side of LoRA (a mixin of core/scheduler.Scheduler): a request
+    holds its adapter's slot (Request.lora_slot) from when it is scheduled out of the
+    waiting queue until it finishes or is preempted."""
+
+    lora: LoRASlotManager | None
+
+    def _take_lora_slot(self, req, loads: list) -> bool:
+        """A slot for a waiting request's adapter (kept on the request; an adapter that
+        was not resident joins `loads` as (slot, adapter)). False: every slot is pinned
+        by running requests' other adapters, so the request waits."""
+        if req.lora_request is None:
+            return True
+        if self.lora is None:
+            raise ValueError(f"request {req.request_id!r} names LoRA adapter "
+                             f"{req.lora_request.lora_name!r}, but the scheduler has no "
+                             f"LoRA slots (LoRA is off)")
+        grant = self.lora.acquire(req.lora_request.lora_int_id)
+        if grant is None:
+            return False
+        if grant.load:
+            loads.append((grant.slot, req.lora_request))
+        req.lora_slot = grant.slot
+        return True
+
+    def _drop_lora_slot(self, req) -> None:
+        """The request stops running: its adapter's slot may be evicted once unused."""
+        if req.lora_slot:
+            self.lora.release(req.lora_request.lora_int_id)
+            req.lora_slot = 0
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        """Unloads an adapter (its slot freed). ValueError while a request, running or
+        waiting, uses it."""
+        users = [r for r in self.requests.values() if r.lora_id == lora_int_id]
+        if users:
+            raise ValueError(f"LoRA adapter {users[0].lora_request.lora_name!r} is in use by "
+                             f"{len(users)} unfinished request(s)")
+        if self.lora is not None:
+            self.lora.remove(lora_int_id)

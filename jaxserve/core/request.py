@@ -69,6 +69,11 @@ class Request:
     - cache_scope: the engine's, for a prefix cache private to one request's n
       completions (they share its id as scope), which applies even with prefix
       caching off.
+    - its LoRA adapter's id (lora_request.lora_int_id): KV computed under one adapter
+      is never another's, nor the base model's.
+
+    lora_request: its adapter (jaxserve.lora_request.LoRARequest, duck-typed) or None;
+    lora_slot: the device slot the scheduler acquired for it while it runs (0: none).
     """
 
     __slots__ = (
@@ -76,7 +81,7 @@ class Request:
         "arrival_time", "priority", "cache_salt", "cache_scope", "page_size",
         "output_token_ids", "all_token_ids", "num_computed_tokens",
         "num_cached_tokens", "num_preemptions", "status", "stop_reason",
-        "page_hashes", "spec_token_ids",
+        "page_hashes", "spec_token_ids", "lora_request", "lora_slot",
     )
 
     def __init__(
@@ -91,6 +96,7 @@ class Request:
         *,
         page_size: int,
         cache_scope: str | None = None,
+        lora_request: Any = None,
     ) -> None:
         prompt = [int(t) for t in prompt_token_ids]
         if not prompt:
@@ -107,6 +113,8 @@ class Request:
         self.priority = priority
         self.cache_salt = cache_salt
         self.cache_scope = cache_scope
+        self.lora_request = lora_request
+        self.lora_slot = 0
         self.page_size = page_size
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt)
@@ -149,9 +157,16 @@ class Request:
         self._extend_page_hashes()
 
     @property
-    def salt_key(self) -> tuple[str | None, str | None] | None:
-        """What the first page's hash mixes in: None for a request with neither key (its
+    def lora_id(self) -> int:
+        """Its adapter's lora_int_id; 0: the base model."""
+        return 0 if self.lora_request is None else self.lora_request.lora_int_id
+
+    @property
+    def salt_key(self) -> tuple | None:
+        """What the first page's hash mixes in: None for a request with no key (its
         hashes are prompt_page_hashes', the data-parallel router's)."""
+        if self.lora_request is not None:
+            return self.cache_salt, self.cache_scope, self.lora_request.lora_int_id
         if self.cache_salt is None and self.cache_scope is None:
             return None
         return self.cache_salt, self.cache_scope

@@ -37,6 +37,7 @@ class NewRequestData:
     num_computed_tokens: int      # tokens already in the KV cache (prefix-cache hit)
     num_new_tokens: int           # tokens to compute this step
     state_slot: int = 0           # hybrid models: its recurrent-state slot (0 = none)
+    lora_slot: int = 0            # its LoRA adapter's device slot (0 = the base model)
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +98,9 @@ class SchedulerOutput:
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # The prefix cache's host tier: this step's offloads and restores (None: no tier).
     host_copies: HostCopies | None = None
+    # LoRA: (slot, adapter) whose weights the runner writes into that device slot before
+    # this step (the adapter is a LoRARequest: plain data a follower host loads too).
+    lora_loads: list[tuple[int, Any]] = field(default_factory=list)
 
     @property
     def req_ids(self) -> list[str]:
@@ -114,4 +118,4 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         """Nothing for a runner to do (no rows to add, advance or drop)."""
         return not (self.new_reqs or self.cached_reqs.req_ids or self.preempted_req_ids
-                    or self.finished_req_ids)
+                    or self.finished_req_ids or self.lora_loads)

@@ -8,6 +8,8 @@ from typing import Container, Iterable
 
 from jaxserve.core.host_cache import HostCache
 from jaxserve.core.kv_cache_manager import KVCacheManager
+from jaxserve.core.lora_slots import LoRASlotManager, SchedulerLoRA
+from jaxserve.core.spec_scheduling import SpecScheduling
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
 from jaxserve.core.scheduler_config import SchedulerConfig
@@ -20,7 +22,7 @@ __all__ = ["CachedRequestData", "NewRequestData", "Scheduler", "SchedulerConfig"
            "SchedulerOutput", "SchedulerStats"]
 
 
-class Scheduler:
+class Scheduler(SchedulerLoRA, SpecScheduling):
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = c = config
         self.page_size = c.page_size
@@ -38,6 +40,7 @@ class Scheduler:
                                  spec_backups=c.num_speculative_tokens > 0,
                                  drop_last_hit_page=c.drop_last_hit_page,
                                  host=HostCache.for_config(c))
+        self.lora = LoRASlotManager(c.max_loras) if c.max_loras else None
         self.requests: dict[str, Request] = {}  # unfinished only
         self.running: list[Request] = []
         self.waiting: deque[Request] | PriorityQueue = (
@@ -127,6 +130,7 @@ class Scheduler:
         return done
 
     def _release(self, req: Request) -> None:
+        self._drop_lora_slot(req)
         self.kv.free(req)
         del self.requests[req.request_id]
         self._finished_ids.append(req.request_id)
@@ -154,6 +158,7 @@ class Scheduler:
         return max(self.running, key=lambda r: (r.priority, r.arrival_time))
 
     def _preempt(self, req: Request) -> None:
+        self._drop_lora_slot(req)
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
@@ -234,14 +239,20 @@ class Scheduler:
     def _schedule_waiting(self, step: _StepDraft) -> None:
         """Waiting requests, in the policy's order, while the budget, the row cap and the
         pages allow: each goes out whole (new to the runner, or resumed: preemption
-        dropped its row), after its cached prefix."""
+        dropped its row), after its cached prefix. One whose LoRA adapter finds no slot
+        stays waiting, in its place, and the next is tried."""
         kv, running, waiting, budget = self.kv, self.running, self.waiting, step.budget
         cuts = kv.snapshots is not None
+        skipped: list[Request] = []
         while waiting and budget > 0 and len(running) < self.max_num_seqs:
             req = self._peek_waiting()
+            if not self._take_lora_slot(req, step.lora_loads):
+                skipped.append(self._pop_waiting())
+                continue
             hit, num_hit = kv.get_computed_pages(req)
             restore = kv.restore_budget(req, self.max_num_batched_tokens - 1)
             if restore >= budget:
+                self._drop_lora_slot(req)
                 break
             num_new = min(req.num_tokens - num_hit, budget - restore)
             if cuts and (cut := kv.state_cut(req, num_hit)) is not None:
@@ -249,6 +260,7 @@ class Scheduler:
             ahead = self._lookahead(req, num_hit + num_new)
             if kv.allocate_slots(req, num_new + ahead, hit, num_hit) is None and (
                     not ahead or kv.allocate_slots(req, num_new, hit, num_hit) is None):
+                self._drop_lora_slot(req)
                 break   # (the drafter's pages ahead are dropped first)
             self._pop_waiting()
             if req.num_cached_tokens < 0:
@@ -259,9 +271,12 @@ class Scheduler:
             rid = req.request_id
             step.new_reqs.append(NewRequestData(
                 rid, req.prompt_token_ids, req.output_token_ids[:], req.sampling_params,
-                kv.get_group_page_ids(rid), num_hit, num_new, kv.get_state_slot(rid)))
+                kv.get_group_page_ids(rid), num_hit, num_new, kv.get_state_slot(rid),
+                req.lora_slot))
             budget -= num_new + restore
             step.restore_tokens += restore
+        for req in reversed(skipped):
+            self._push_waiting(req, front=True)
         step.budget = budget
 
     def _close_step(self, step: _StepDraft) -> SchedulerOutput:
@@ -286,28 +301,13 @@ class Scheduler:
         return SchedulerOutput(
             state_restores=restores, state_saves=saves, spec_token_ids=step.spec,
             host_copies=None if kv.host is None else kv.host.take_copies(),
-            new_reqs=step.new_reqs,
+            lora_loads=step.lora_loads, new_reqs=step.new_reqs,
             cached_reqs=CachedRequestData(step.ids, step.starts, step.lens, step.pages),
             num_scheduled_tokens=(self.max_num_batched_tokens - step.budget
                                   - step.restore_tokens),
             preempted_req_ids=step.preempted,
             finished_req_ids=finished,
         )
-
-    def _lookahead(self, req: Request, end: int) -> int:
-        """Positions past `end` (where the request's chunk ends) to allocate pages for."""
-        if not self.num_lookahead_tokens or end < req.num_tokens:
-            return 0
-        return max(min(self.num_lookahead_tokens, self.max_len - end), 0)
-
-    def _num_drafts(self, req: Request, budget: int) -> int:
-        """How many of the request's drafts a step can verify: within the step's budget,
-        the model length and its max_tokens (the token sampled after them counts too)."""
-        n = min(len(req.spec_token_ids), budget, self.max_len - 1 - req.num_tokens)
-        max_tokens = req.sampling_params.max_tokens
-        if max_tokens is not None:
-            n = min(n, max_tokens - req.num_output_tokens - 1)
-        return max(n, 0)
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, sampled: dict[str, int | list[int]],
@@ -368,39 +368,6 @@ class Scheduler:
             self.running = [r for r in self.running if r.status == running_status]
         return out
 
-    def _append_verified(self, req: Request, tokens: list[int],
-                         scheduler_output: SchedulerOutput) -> bool:
-        """A row that verified drafts: its accepted drafts and the token after them, each
-        checked for a stop (what follows a stop is dropped). The rejected drafts' KV
-        positions count as not computed (they are written over); a hybrid's state goes
-        back to its backup and the accepted tokens are computed again. -> stopped."""
-        drafts = scheduler_output.spec_token_ids.get(req.request_id, ())
-        accepted = len(tokens) - 1
-        if accepted > len(drafts) or tokens[:accepted] != drafts[:accepted]:
-            raise ValueError(f"request {req.request_id!r}: the runner accepted {tokens} "
-                             f"for drafts {drafts}")
-        if drafts:
-            self.spec_num_drafts += 1
-            self.spec_num_draft_tokens += len(drafts)
-            per_pos = self.spec_accepted_per_pos
-            for j in range(accepted):
-                per_pos[j] += 1
-        rejected = len(drafts) - accepted
-        if rejected and self.kv.spec_backups:
-            c = scheduler_output.cached_reqs
-            req.num_computed_tokens = c.num_computed_tokens[c.req_ids.index(req.request_id)]
-            self.kv.rollback_state(req)
-        else:
-            req.num_computed_tokens -= rejected
-        for tok in tokens:
-            req.append_output_token_ids(tok)
-            self.num_generation_tokens += 1
-            if check_stop(req, tok, self.max_len):
-                return True
-        if rejected and self.kv.spec_backups:   # all but the token sampled last, again
-            self.spec_num_recomputed_tokens += req.num_tokens - 1 - req.num_computed_tokens
-        return False
-
     # ---- queries -------------------------------------------------------
 
     def has_unfinished_requests(self) -> bool:
@@ -444,4 +411,12 @@ class Scheduler:
             spec_num_accepted_tokens=sum(self.spec_accepted_per_pos),
             spec_accepted_per_pos=tuple(self.spec_accepted_per_pos),
             host=None if self.kv.host is None else self.kv.host.stats(),
+            max_lora=self.lora.max_loras if self.lora else 0,
+            running_lora_adapters=_adapter_names(self.running) if self.lora else (),
+            waiting_lora_adapters=_adapter_names(self.waiting) if self.lora else (),
         )
+
+
+def _adapter_names(requests) -> tuple[str, ...]:
+    """The LoRA adapters some of `requests` use, by name (sorted)."""
+    return tuple(sorted({r.lora_request.lora_name for r in requests if r.lora_request}))

@@ -22,7 +22,9 @@ class SchedulerConfig:
     drop_last_hit_page: see KVCacheManager (an MTP drafter).
     num_host_pages / num_host_state_slots: the prefix cache's host tier (0: none; the
     dummy slot 0 of each included), host_page_bytes / host_state_bytes one slot's bytes,
-    restore_cost its restore-or-recompute model (None: always restore)."""
+    restore_cost its restore-or-recompute model (None: always restore).
+    max_loras: LoRA adapters resident on the device at once (0: LoRA off;
+    core/lora_slots.py)."""
     num_pages: int
     page_size: int
     max_num_seqs: int
@@ -42,6 +44,7 @@ class SchedulerConfig:
     host_page_bytes: int = 0
     host_state_bytes: int = 0
     restore_cost: RestoreCost | None = None
+    max_loras: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_pages", "page_size", "max_num_seqs", "max_num_batched_tokens",

@@ -28,6 +28,11 @@ class SchedulerStats:
     spec_accepted_per_pos: tuple[int, ...] = ()
     # The prefix cache's host tier (None: none; core/host_cache.py).
     host: HostCacheStats | None = None
+    # LoRA (vLLM's lora_requests_info): device slots (0: LoRA off) and the adapters of
+    # the running and the waiting requests, by name.
+    max_lora: int = 0
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -52,7 +57,10 @@ class SchedulerStats:
             spec_num_accepted_tokens=sum(p.spec_num_accepted_tokens for p in parts),
             spec_accepted_per_pos=tuple(map(sum, zip(*(p.spec_accepted_per_pos
                                                        for p in parts)))),
-            host=_merge_host([p.host for p in parts]))
+            host=_merge_host([p.host for p in parts]),
+            max_lora=parts[0].max_lora,
+            running_lora_adapters=_union(p.running_lora_adapters for p in parts),
+            waiting_lora_adapters=_union(p.waiting_lora_adapters for p in parts))
 
 
 def _merge_host(parts: list[HostCacheStats | None]) -> HostCacheStats | None:
@@ -62,3 +70,7 @@ def _merge_host(parts: list[HostCacheStats | None]) -> HostCacheStats | None:
         return None
     return HostCacheStats(**{f.name: sum(getattr(p, f.name) for p in given)
                              for f in fields(HostCacheStats)})
+
+
+def _union(names) -> tuple[str, ...]:
+    return tuple(sorted(set().union(*names)))

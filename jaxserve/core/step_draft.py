@@ -19,3 +19,4 @@ class StepDraft:
     preempted: list[str] = field(default_factory=list)
     spec: dict[str, list[int]] = field(default_factory=dict)
     restore_tokens: int = 0   # the budget host-tier restores took
+    lora_loads: list[tuple[int, object]] = field(default_factory=list)   # (slot, adapter)

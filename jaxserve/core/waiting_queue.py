@@ -27,5 +27,9 @@ class PriorityQueue:
         self._heap = [e for e in self._heap if e[3] is not req]
         heapq.heapify(self._heap)
 
+    def __iter__(self):
+        """The waiting requests, in no particular order."""
+        return (e[3] for e in self._heap)
+
     def __len__(self) -> int:
         return len(self._heap)

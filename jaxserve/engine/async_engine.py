@@ -23,7 +23,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, fields, replace
-from typing import AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.outputs import RequestOutput
@@ -127,13 +127,21 @@ class AsyncEngine:
         """Forgets every cached prompt page (as LLM.reset_prefix_cache), in the engine
         thread between two steps: the scheduler is that thread's alone. Returns once done;
         EngineDeadError when the engine is not running."""
+        await self._in_engine_thread("reset_prefix_cache")
+
+    async def remove_lora(self, lora_int_id: int) -> None:
+        """Unloads a LoRA adapter (EngineCore.remove_lora), in the engine thread;
+        ValueError while a request uses it."""
+        await self._in_engine_thread("remove_lora", lora_int_id)
+
+    async def _in_engine_thread(self, command: str, *args: Any) -> None:
         loop = asyncio.get_running_loop()
         waiter = (loop, loop.create_future())
         with self._lock:
             if self.dead or self._stopping.is_set():
                 raise self._dead_error()
             self._waiters.add(waiter)
-        self._commands.put(("reset_prefix_cache", waiter))
+        self._commands.put((command, waiter, *args))
         await waiter[1]
 
     def shutdown(self, timeout: float = 10.0) -> None:
@@ -177,6 +185,13 @@ class AsyncEngine:
         elif cmd[0] == "reset_prefix_cache":
             core.reset_prefix_cache()   # a failure here is the engine's: fatal
             self._resolve(cmd[1], None)
+        elif cmd[0] == "remove_lora":
+            try:
+                core.remove_lora(cmd[2])
+            except ValueError as e:   # in use: refused, the engine goes on
+                self._resolve(cmd[1], e)
+            else:
+                self._resolve(cmd[1], None)
 
     def _resolve(self, waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future],
                  error: BaseException | None) -> None:

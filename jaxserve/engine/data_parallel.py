@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.outputs import RequestOutput
@@ -75,12 +75,13 @@ class DataParallelEngine:
 
     # ---- requests ------------------------------------------------------------------
     def choose_replica(self, prompt_token_ids: Sequence[int],
-                       cache_salt: str | None = None) -> int:
+                       cache_salt: str | None = None, lora_request: Any = None) -> int:
         loads = [r.num_unfinished() for r in self.replicas]
         ok = [i for i, n in enumerate(loads) if n <= min(loads) + self.balance_slack]
         if len(ok) == 1:
             return ok[0]
-        hashes = prompt_page_hashes(prompt_token_ids, self.info.page_size, cache_salt)
+        hashes = prompt_page_hashes(prompt_token_ids, self.info.page_size, cache_salt,
+                                    lora_request)
         return max(ok, key=lambda i: (self.replicas[i].cached_prefix_pages(hashes),
                                       -loads[i], -i))
 
@@ -90,7 +91,8 @@ class DataParallelEngine:
         rid = request.request_id
         if rid in self._replica_of:
             raise InputError(f"request id {rid!r} is already in use")
-        d = self.choose_replica(request.prompt_token_ids, request.cache_salt)
+        d = self.choose_replica(request.prompt_token_ids, request.cache_salt,
+                                request.lora_request)
         self.replicas[d].add_request(request)
         self._replica_of[rid] = d
 
@@ -125,6 +127,15 @@ class DataParallelEngine:
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats.merge([r.stats() for r in self.replicas])
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        """Unloads an adapter from every replica; ValueError while a request uses it
+        (checked on all first, so none is half unloaded)."""
+        for r in self.replicas:
+            if any(q.lora_id == lora_int_id for q in r.scheduler.requests.values()):
+                r.remove_lora(lora_int_id)   # raises, naming the adapter
+        for r in self.replicas:
+            r.remove_lora(lora_int_id)
 
     def reset_prefix_cache(self) -> None:
         for r in self.replicas:

@@ -75,7 +75,7 @@ class EngineCore:
                                      max_model_len=self.layout.max_model_len,
                                      eos_token_ids=eos_ids,
                                      max_logprobs=self.config.max_logprobs,
-                                     images=image_front(self.config))
+                                     images=image_front(self.config), lora=self.runner.lora)
         self.scheduler = Scheduler(parts.scheduler_config)
         self.outputs = OutputProcessor(self.tokenizer, stream=stream_outputs)
         self.num_steps = 0
@@ -128,7 +128,7 @@ class EngineCore:
                     cid, prompt_token_ids, child, eos_token_id=self.info.eos_token_ids,
                     arrival_time=arrival, priority=request.priority,
                     cache_salt=request.cache_salt, cache_scope=scope,
-                    page_size=self.config.page_size))
+                    page_size=self.config.page_size, lora_request=request.lora_request))
                 added.append(cid)
         except BaseException as e:
             # Whatever went wrong, leave no half-added request behind.
@@ -268,16 +268,23 @@ class EngineCore:
                 stats.host, restore_seconds=self.runner.host_tier.restore_seconds))
         return stats
 
+    def remove_lora(self, lora_int_id: int) -> None:
+        """Unloads an adapter from the device slots and the host cache; ValueError while
+        a request uses it."""
+        self.scheduler.remove_lora(lora_int_id)
+        if self.runner.lora is not None:
+            self.runner.lora.forget(lora_int_id)
+
     def reset_prefix_cache(self) -> None:
         self.scheduler.reset_prefix_cache()
 
 
 def prompt_page_hashes(prompt_token_ids: list[int], page_size: int,
-                        cache_salt: str | None = None) -> list[int]:
+                        cache_salt: str | None = None, lora_request: Any = None) -> list[int]:
     """The chained hashes of the prompt's full pages, as a request with this cache salt
-    (and no private scope) has them."""
+    and adapter (and no private scope) has them."""
     return Request("probe", prompt_token_ids, None, cache_salt=cache_salt,
-                   page_size=page_size).page_hashes
+                   page_size=page_size, lora_request=lora_request).page_hashes
 
 
 def engine_seeds(seed: int) -> Iterator[int]:

@@ -18,6 +18,7 @@ from jaxserve.engine.bad_words import BadWords
 from jaxserve.engine.chat_template import render_chat
 from jaxserve.engine.grammar import GrammarCompiler
 from jaxserve.errors import InputError
+from jaxserve.lora_request import LoRARequest
 from jaxserve.multimodal.chat_parts import split_images
 from jaxserve.config.media import MediaConfig
 from jaxserve.multimodal.front import (ImageFront, MultiModalInputs,
@@ -51,6 +52,8 @@ class EngineRequest:
     cache_salt: str | None = None
     # The prompt's images (their placeholder spans are in prompt_token_ids), or None.
     multi_modal: MultiModalInputs | None = None
+    # Its LoRA adapter (checked: the engine serves it), or None for the base model.
+    lora_request: LoRARequest | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -80,10 +83,13 @@ class InputProcessor:
 
     def __init__(self, *, tokenizer, vocab_size: int, max_model_len: int,
                  eos_token_ids: tuple[int, ...] = (), max_logprobs: int = MAX_LOGPROBS,
-                 images: ImageFront | None = None):
+                 images: ImageFront | None = None, lora: Any = None):
         """max_logprobs: EngineConfig.max_logprobs (-1: the vocabulary size); images: the
-        model's image front (None: images are refused, as for a text-only model)."""
+        model's image front (None: images are refused, as for a text-only model); lora:
+        the runner's adapter store (runner/lora_store.LoRAStore: check(adapter) raises
+        ValueError naming why it cannot be served), None with LoRA off."""
         self.tokenizer = tokenizer
+        self.lora = lora
         self.images = images
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -174,7 +180,8 @@ class InputProcessor:
                 *, text: str | None = None, priority: int = 0,
                 arrival_time: float | None = None, cache_salt: str | None = None,
                 add_special_tokens: bool = True,
-                multi_modal: MultiModalInputs | None = None) -> EngineRequest:
+                multi_modal: MultiModalInputs | None = None,
+                lora_request: LoRARequest | None = None) -> EngineRequest:
         """Checks one request against every limit; the only way to an EngineRequest.
 
         prompt: text (tokenized here, with the tokenizer's special tokens unless
@@ -193,6 +200,8 @@ class InputProcessor:
                                      "expanded, and no truncate_prompt_tokens", "prompt")
                 check_engine_serves_images(multi_modal)
                 request = replace(request, multi_modal=multi_modal)
+            if lora_request is not None:
+                request = replace(request, lora_request=self.checked_lora(lora_request))
         except InputError:
             with self._count_lock:
                 self.num_refused += 1
@@ -200,6 +209,22 @@ class InputProcessor:
         with self._count_lock:
             self.num_processed += 1
         return request
+
+    def checked_lora(self, lora_request: Any) -> LoRARequest:
+        """The adapter, once the engine has checked it can serve it (read, fitted to the
+        model, within --max-lora-rank); InputError naming the cause otherwise."""
+        if not isinstance(lora_request, LoRARequest):
+            raise InputError(f"lora_request must be a jaxserve.LoRARequest, got "
+                             f"{type(lora_request).__name__}", "lora_request")
+        if self.lora is None:
+            raise InputError(f"LoRA adapter {lora_request.lora_name!r} was asked for, but "
+                             f"the engine runs without LoRA: start it with --enable-lora "
+                             f"(LLM(..., enable_lora=True))", "lora_request")
+        try:
+            self.lora.check(lora_request)
+        except ValueError as e:
+            raise InputError(str(e), "lora_request") from None
+        return lora_request
 
     def _process(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
                  text: str | None, priority: int, arrival_time: float | None,

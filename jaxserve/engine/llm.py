@@ -12,6 +12,7 @@ from jaxserve.engine.input_processor import EngineRequest
 from jaxserve.engine.llm_kwargs import engine_config
 from jaxserve.engine.protocol import Engine
 from jaxserve.inputs import TextPrompt, TokensPrompt, parse_prompt
+from jaxserve.lora_request import LoRARequest
 from jaxserve.multimodal.front import MultiModalInputs
 from jaxserve.sampling_params import SamplingParams
 
@@ -49,12 +50,14 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: UseTqdm = True, priority: Sequence[int] | None = None
+                 use_tqdm: UseTqdm = True, priority: Sequence[int] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
                  ) -> list[RequestOutput]:
         """Runs every prompt to the end; outputs in the prompts' order, final whatever
         each SamplingParams.output_kind (that is for streams). use_tqdm: a progress bar
         ("Processed prompts", with the input and output tokens per second), or the tqdm
-        class to make it with."""
+        class to make it with. lora_request: the LoRA adapter of every prompt, or one per
+        prompt (None: the base model); needs LLM(..., enable_lora=True)."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -67,10 +70,11 @@ class LLM:
                              "prompts; give one, or one per prompt")
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+        loras = _per_prompt_loras(lora_request, len(prompts))
         # Process (validate) everything before adding anything, so a bad prompt harms
         # no other; the ids are taken only once all passed.
         requests = [self._process(str(self._next_id + i), p, sp,
-                                  0 if priority is None else priority[i])
+                                  0 if priority is None else priority[i], loras[i])
                     for i, (p, sp) in enumerate(zip(prompts, sampling_params))]
         self._next_id += len(requests)
         order = {}
@@ -84,7 +88,9 @@ class LLM:
              use_tqdm: UseTqdm = True, chat_template: str | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
              chat_template_kwargs: dict[str, Any] | None = None,
-             tools: list[dict] | None = None) -> list[RequestOutput]:
+             tools: list[dict] | None = None,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+             ) -> list[RequestOutput]:
         """chat_template_kwargs: extra template variables (vLLM's name), e.g.
         {"enable_thinking": False}; tools: OpenAI tool definitions for the template (the
         output is the model's text: parse it, or force a call with structured_outputs);
@@ -96,16 +102,17 @@ class LLM:
             continue_final_message=continue_final_message,
             template_kwargs=chat_template_kwargs, tools=tools) for conv in conversations]
         prompts = [_Rendered(ids, mm) for ids, mm in rendered]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm,
+                             lora_request=lora_request)
 
     def _process(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                 priority: int) -> EngineRequest:
+                 priority: int, lora: LoRARequest | None = None) -> EngineRequest:
         """Text, a TextPrompt or a TokensPrompt (jaxserve/inputs.py), through the
         engine's input processor."""
         inputs = self.engine.inputs
         if isinstance(prompt, _Rendered):    # a chat, rendered by chat()
             return inputs.process(request_id, prompt.ids, params, priority=priority,
-                                  multi_modal=prompt.multi_modal)
+                                  multi_modal=prompt.multi_modal, lora_request=lora)
         prompt, text, salt, images = parse_prompt(prompt)
         multi_modal = None
         if images:
@@ -114,7 +121,7 @@ class LLM:
                 text = prompt
             prompt, multi_modal = inputs.image_front.expand(ids, images, "multi_modal_data")
         return inputs.process(request_id, prompt, params, text=text, priority=priority,
-                              cache_salt=salt, multi_modal=multi_modal)
+                              cache_salt=salt, multi_modal=multi_modal, lora_request=lora)
 
     def _run(self, order: dict[str, int], use_tqdm: UseTqdm) -> list[RequestOutput]:
         results: list[RequestOutput | None] = [None] * len(order)
@@ -138,6 +145,17 @@ class LLM:
         finally:
             bar.close()
         return results
+
+
+def _per_prompt_loras(lora_request: Any, n: int) -> list[LoRARequest | None]:
+    """generate()'s lora_request as one entry per prompt."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * n
+    loras = list(lora_request)
+    if len(loras) != n:
+        raise ValueError(f"got {len(loras)} LoRA requests for {n} prompts; give one, or "
+                         f"one per prompt")
+    return loras
 
 
 class _Rendered(NamedTuple):

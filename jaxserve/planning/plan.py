@@ -45,8 +45,9 @@ import jax.numpy as jnp
 from flax.traverse_util import flatten_dict
 
 from jaxserve.build.drafter_loader import drafter_model
-from jaxserve.build.layout import (attention_shapes, cache_plan_for, layout_for,
-                                   tpu_kernel_limit_error)
+from jaxserve.build.layout import (attention_shapes, build_layout_model, cache_plan_for,
+                                   layout_for, tpu_kernel_limit_error)
+from jaxserve.build.parts import lora_store
 from jaxserve.config import EngineConfig
 from jaxserve.build.cache_plan import CachePlan
 from jaxserve.build.kv_budget import DeviceMemory, MemorySplit, device_memory, memory_split
@@ -165,6 +166,10 @@ class Plan:
     drafter_weight_bytes_per_device: int = 0
     kv_cache_memory_bytes: int | None = None   # given in place of the memory rule
     host_tier_bytes: int = 0          # the prefix cache's host tier (--kv-offloading-size)
+    # LoRA (--enable-lora): the adapters' slots (what they are) and their stacks' bytes
+    # per device, held beside the weights (runner/lora_store.py).
+    lora: str | None = None
+    lora_bytes_per_device: int = 0
 
     @property
     def memory(self) -> MemorySplit | None:
@@ -172,8 +177,8 @@ class Plan:
         if self.hbm_bytes is None:
             return None
         return memory_split(self.hbm_bytes, self.hbm_utilization,
-                            self.weight_bytes_per_device + self.drafter_weight_bytes_per_device,
-                            self.activation_bytes, self.hbm_bytes)
+                            self.weight_bytes_per_device + self.drafter_weight_bytes_per_device
+                            + self.lora_bytes_per_device, self.activation_bytes, self.hbm_bytes)
 
     @property
     def kv_budget_bytes(self) -> int:
@@ -301,8 +306,10 @@ def plan_from_config(config: EngineConfig, mc, *, hbm_bytes: int | None = None,
                             check_kernels=False)
     drafter_bytes = module_weight_figures(drafter.model, drafter.layout.model_config, m
                                           ).bytes_per_device if drafter else 0
+    lora, lora_bytes = _lora_slots(config, layout, m)
     if cache is None and (config.num_pages or config.kv_cache_memory_bytes or hbm_bytes):
-        memory = DeviceMemory(hbm_bytes, hbm_bytes, w.bytes_per_device + drafter_bytes) \
+        memory = DeviceMemory(hbm_bytes, hbm_bytes,
+                              w.bytes_per_device + drafter_bytes + lora_bytes) \
             if hbm_bytes else None
         cache = cache_plan_for(config, layout, None, memory,
                                drafter.cache_specs if drafter else ())
@@ -342,7 +349,20 @@ def plan_from_config(config: EngineConfig, mc, *, hbm_bytes: int | None = None,
         expert_parallel=ep, speculative=spec.describe() if spec else None,
         drafter_weight_bytes_per_device=drafter_bytes,
         kv_cache_memory_bytes=config.kv_cache_memory_bytes,
-        host_tier_bytes=config.kv_offloading_bytes)
+        host_tier_bytes=config.kv_offloading_bytes, lora=lora,
+        lora_bytes_per_device=lora_bytes)
+
+
+def _lora_slots(config: EngineConfig, layout, m: int) -> tuple[str | None, int]:
+    """With --enable-lora: what the adapters' slots are, and their bytes per device."""
+    if not config.enable_lora:
+        return None, 0
+    store = lora_store(config, layout, build_layout_model(layout))
+    c = store.config
+    nbytes = store.bytes_per_device(m)
+    return (f"LoRA: {c.max_loras} adapter slot(s) (+ the empty slot 0) of rank "
+            f"{c.max_rank} over {len(store.targets)} projections, "
+            f"{jnp.dtype(c.dtype).name}: {nbytes / 2**30:.3f} GiB per device"), nbytes
 
 
 def make_plan(mc, *, model: str, mesh: str, hbm_bytes: int | None = None,

@@ -69,13 +69,16 @@ def format_plan(p: Plan) -> str:
         "  device memory              unknown (give --hbm to size the KV cache)"]
     if p.speculative:
         lines.append(f"  {p.speculative}")
+    if p.lora:
+        lines.append(f"  {p.lora}")
     return "\n".join(lines + _allreduce_lines(p))
 
 
 def _memory_lines(p: Plan) -> list[str]:
     m = p.memory
     drafter = (f" (+ drafter {_gib(p.drafter_weight_bytes_per_device)})"
-               if p.drafter_weight_bytes_per_device else "")
+               if p.drafter_weight_bytes_per_device else "") + (
+        f" (+ LoRA slots {_gib(p.lora_bytes_per_device)})" if p.lora_bytes_per_device else "")
     cache = ("KV cache and state " if p.has_state else "KV ") + _gib(p.kv_budget_bytes) \
         + (" (--kv-cache-memory-bytes)" if p.kv_cache_memory_bytes is not None else "")
     return [

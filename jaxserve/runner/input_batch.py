@@ -51,7 +51,8 @@ class InputBatch(BatchSampling):
     def __init__(self, *, max_num_seqs: int, max_model_len: int, page_size: int,
                  token_buckets: tuple[int, ...], vocab_size: int,
                  page_buckets: tuple[int, ...] | None = None, sliding: bool = False,
-                 num_state_slots: int = 0, num_speculative_tokens: int = 0):
+                 num_state_slots: int = 0, num_speculative_tokens: int = 0,
+                 lora: bool = False):
         self.max_num_seqs = r = max_num_seqs
         # The sampler's rows at most: every row with all its drafts.
         self.max_sample_rows = max_num_seqs * (1 + num_speculative_tokens)
@@ -85,6 +86,8 @@ class InputBatch(BatchSampling):
         self.num_tokens = np.zeros(r, np.int32)
         self.num_prompt = np.zeros(r, np.int32)
         self.state_slots = np.zeros(r, np.int32)
+        # LoRA: each row's adapter slot (0 = none); None when LoRA is off.
+        self.lora_slots = np.zeros(r, np.int32) if lora else None
         for name, dtype, fill in PARAM_COLUMNS:
             setattr(self, name, np.full(r, fill, dtype))
         self.want_logprobs = np.zeros(r, np.bool_)
@@ -109,7 +112,7 @@ class InputBatch(BatchSampling):
                             self.want_logprobs, self.keys, self.seeded, self.min_tokens,
                             self.banned, self.has_penalties, self.greedy_only,
                             self.want_prompt_logprobs, self.has_mask, self.has_bias,
-                            self.has_dynamic,
+                            self.has_dynamic, *([self.lora_slots] if lora else []),
                             *(getattr(self, name) for name, _, _ in PARAM_COLUMNS)]
         # The unconstrained mask and bias of each padded row count a step may use.
         self._free_mask: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
@@ -263,6 +266,10 @@ class InputBatch(BatchSampling):
             pt[row, :len(ids)] = ids
         self.num_pages[row] = len(r.page_ids[0])
         self.state_slots[row] = r.state_slot
+        if self.lora_slots is not None:
+            self.lora_slots[row] = r.lora_slot
+        elif r.lora_slot:
+            raise ValueError(f"request {r.req_id!r} has LoRA slot {r.lora_slot}; LoRA is off")
         sp = r.sampling_params
         for name, _, _ in PARAM_COLUMNS:
             getattr(self, name)[row] = getattr(sp, name)
@@ -371,6 +378,10 @@ class InputBatch(BatchSampling):
             batch_row, offset = step.sample_rows()
             logits_idx[:len(batch_row)] = (cu[batch_row + 1] - 1 - step.num_drafts[batch_row]
                                            + offset)
+        lora_ids = None
+        if self.lora_slots is not None:   # padding tokens: slot 0, no adapter
+            lora_ids = np.zeros(t, np.int32)
+            lora_ids[:num_tokens] = self.lora_slots[row_of_token]
         copies = (state_copy_inputs(step.state_restores, step.state_saves,
                                     self.max_state_copies)
                   if self.num_state_slots else {})
@@ -379,7 +390,8 @@ class InputBatch(BatchSampling):
             query_start_loc=cu.copy(), seq_lens=seq_lens, page_table=page_table,
             num_seqs=np.array([num_reqs], np.int32), state_slots=state_slots,
             sliding_slot_mapping=sliding_slots.copy() if sliding else None,
-            sliding_page_table=sliding_table if sliding else None, **copies)
+            sliding_page_table=sliding_table if sliding else None, lora_slot_ids=lora_ids,
+            **copies)
         return HostBatch(inputs, logits_idx, num_tokens, num_reqs)
 
     def prompt_logprob_targets(self, step: ScheduledRows, cu: np.ndarray,

@@ -36,6 +36,7 @@ from jaxserve.runner.drafter import ModelDrafter
 from jaxserve.runner.host_tier import HostTier, PendingOffload
 from jaxserve.runner.input_batch import InputBatch
 from jaxserve.runner.layer_caches import abstract_layer_caches, make_layer_caches
+from jaxserve.runner.lora_store import LoRAStore
 from jaxserve.runner.programs import GREEDY, PENALTIES, RANDOM
 from jaxserve.runner.runner_config import RunnerConfig
 from jaxserve.runner.runner_warmup import RunnerWarmup
@@ -44,6 +45,7 @@ from jaxserve.runner.spec_decode import ngram_propose, num_accepted
 from jaxserve.runner.step_rows import HostBatch, ScheduledRows
 from models.inputs import ModelInputs
 from models.layer_stack import CONV, KV, KV_SLIDING, RECURRENT
+from models.lora.slots import forward_variables, set_slot
 from models.state_copies import copy_state_slots
 from sharding import make_mesh, replicated
 
@@ -86,11 +88,14 @@ PROMPT_LOGPROBS_CHUNK = 256
 
 class ModelRunner(RunnerWarmup):
     def __init__(self, config: RunnerConfig, *, model, params, mesh=None,
-                 abstract: bool = False, drafter: ModelDrafter | None = None):
+                 abstract: bool = False, drafter: ModelDrafter | None = None,
+                 lora: LoRAStore | None = None):
         """model.config: the model as it runs on this mesh (KV heads as stored);
         abstract: params are ShapeDtypeStructs with shardings and the caches are only
         described (nothing allocated): the programs can be lowered, not run;
-        drafter: its model drafter (methods mtp and draft_model; ngram needs none)."""
+        drafter: its model drafter (methods mtp and draft_model; ngram needs none);
+        lora: the served adapters (None: LoRA off): the forward then takes the device
+        stacks of their slots and each token's slot."""
         self.config = c = config
         self.model = model
         self.params = params
@@ -119,7 +124,8 @@ class ModelRunner(RunnerWarmup):
                                 vocab_size=c.vocab_size, page_buckets=widths,
                                 sliding=c.num_sliding_pages > 0,
                                 num_state_slots=c.num_state_slots,
-                                num_speculative_tokens=c.num_speculative_tokens)
+                                num_speculative_tokens=c.num_speculative_tokens,
+                                lora=lora is not None)
         self.num_state_slots = c.num_state_slots
         # The stacked caches (models/layer_stack.py): KV heads as stored on this mesh.
         cache_kw = dict(num_pages=c.num_pages, page_size=c.page_size, kv_dtype=c.kv_dtype,
@@ -132,8 +138,9 @@ class ModelRunner(RunnerWarmup):
             self.kv_caches, kv_sh = make_layer_caches(model.config, self.mesh, **cache_kw)
         p_sh = jax.tree_util.tree_map(lambda x: x.sharding, params)
         rep = self._rep
+        self._init_lora(lora)
         self._forward = jax.jit(self._forward_fn, donate_argnums=(1,),
-                                in_shardings=(p_sh, kv_sh, rep, rep),
+                                in_shardings=(p_sh, kv_sh, rep, rep, *self._lora_sh),
                                 out_shardings=(rep, rep, kv_sh))
         # (num_rows, mode) are static; jit takes no keyword arguments with in_shardings.
         self._sample = jax.jit(self._sample_fn, static_argnums=(3, 4),
@@ -161,8 +168,33 @@ class ModelRunner(RunnerWarmup):
         self.host_tier = HostTier(caches, layers, budget_bytes, self.mesh.devices.flat[0])
         return self.host_tier
 
+    def _init_lora(self, lora: LoRAStore | None) -> None:
+        """The adapters' device stacks (not donated to the forward: written between
+        steps, in place, by their own program)."""
+        self.lora = lora
+        self.lora_stacks, self._lora_sh = None, ()
+        if lora is None:
+            return
+        sh = lora.shardings(self.mesh)
+        self._lora_sh = (sh,)
+        self.lora_stacks = (lora.abstract_stacks(self.mesh) if self.abstract
+                            else lora.init_stacks(self.mesh))
+        self._write_lora = jax.jit(set_slot, donate_argnums=0,
+                                   in_shardings=(sh, self._rep, self._rep), out_shardings=sh)
+
+    @property
+    def _lora_args(self) -> tuple:
+        """The forward's last argument: the stacks, when LoRA is on."""
+        return () if self.lora is None else (self.lora_stacks,)
+
+    def _load_adapters(self, loads: list) -> None:
+        """Writes each (slot, adapter) of the step's lora_loads into its slot."""
+        for slot, req in loads:
+            self.lora_stacks = self._write_lora(self.lora_stacks, np.int32(slot),
+                                                self.lora.slot_rows(req))
+
     # ---- jitted bodies -------------------------------------------------------------
-    def _forward_fn(self, params, kv_caches, inputs: ModelInputs, logits_indices):
+    def _forward_fn(self, params, kv_caches, inputs: ModelInputs, logits_indices, lora=None):
         """-> (every token's hidden state padded to the largest token bucket, the rows at
         logits_indices, the caches). The padding (a [T_max, E] write, ~13 us of a v6e's
         HBM bandwidth at E=5120) lets one prompt-logprobs program serve every bucket.
@@ -171,7 +203,10 @@ class ModelRunner(RunnerWarmup):
         if inputs.state_restores is not None:
             kv_caches = copy_state_slots(kv_caches, inputs.state_restores,
                                          inputs.num_state_restores, self.num_state_slots)
-        hidden, kv_caches = self.model.apply({"params": params}, kv_caches, inputs)
+        variables = {"params": params}
+        if lora is not None:   # each token's adapter delta (models/lora)
+            variables.update(forward_variables(lora, inputs.lora_slot_ids))
+        hidden, kv_caches = self.model.apply(variables, kv_caches, inputs)
         if inputs.state_saves is not None:
             kv_caches = copy_state_slots(kv_caches, inputs.state_saves, inputs.num_state_saves,
                                          self.num_state_slots)
@@ -225,6 +260,8 @@ class ModelRunner(RunnerWarmup):
         as finished ids and are dropped at the next dispatch."""
         rows = self.batch.update(scheduler_output, self.eos_token_ids)
         with jax.set_mesh(self.mesh):
+            if scheduler_output.lora_loads:
+                self._load_adapters(scheduler_output.lora_loads)
             offloads = None
             if scheduler_output.host_copies is not None:   # before the forward, in order
                 self.kv_caches, offloads = self.host_tier.dispatch(
@@ -357,7 +394,7 @@ class ModelRunner(RunnerWarmup):
         # numpy straight into the jitted call: its C++ path copies them in faster than a
         # separate jax.device_put of the pytree (~0.1 vs ~0.5 ms a step on CPU).
         hidden, hidden_rows, self.kv_caches = self._forward(
-            self.params, self.kv_caches, hb.inputs, hb.logits_indices)
+            self.params, self.kv_caches, hb.inputs, hb.logits_indices, *self._lora_args)
         if self.drafter is not None:
             step.hb, step.hidden = hb, hidden
 

@@ -13,13 +13,15 @@ from typing import Any
 FORWARD, PROMPT_LOGPROBS, SAMPLE = "forward", "prompt_logprobs", "sample"
 # Speculative decoding's model drafter: its catch-up and k draft steps (runner/drafter.py).
 DRAFT = "draft"
+# LoRA: an adapter's weights written into its device slot (models/lora/slots.py).
+LORA_SLOT = "lora_slot"
 # The sampler's programs: greedy rows only; any rows; any rows with penalties.
 GREEDY, RANDOM, PENALTIES = "greedy", "random", "penalties"
 
 
 @dataclass(frozen=True)
 class Program:
-    kind: str                             # FORWARD, PROMPT_LOGPROBS, SAMPLE or DRAFT
+    kind: str                             # FORWARD, PROMPT_LOGPROBS, SAMPLE, DRAFT, LORA_SLOT
     fn: Any                               # the jitted function (jax.jit(...))
     args: Callable[[], tuple]             # its arguments, built when called: the forward
                                           # takes the KV caches of that moment (donated)

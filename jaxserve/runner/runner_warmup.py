@@ -12,8 +12,8 @@ import jax
 import numpy as np
 
 from jaxserve.runner.parallel_compile import compile_all, default_compile_workers
-from jaxserve.runner.programs import (DRAFT, FORWARD, GREEDY, PENALTIES, PROMPT_LOGPROBS,
-                                      RANDOM, SAMPLE, Program)
+from jaxserve.runner.programs import (DRAFT, FORWARD, GREEDY, LORA_SLOT, PENALTIES,
+                                      PROMPT_LOGPROBS, RANDOM, SAMPLE, Program)
 from jaxserve.runner.sampling_tensors import make_sampling_tensors
 from jaxserve.runner.step_rows import state_copy_inputs
 from jaxserve.runner.warmup_report import OnProgram, WarmupReport
@@ -46,9 +46,9 @@ class RunnerWarmup:
                 state_slots=np.zeros(r_max, np.int32),
                 sliding_slot_mapping=z if sliding else None,
                 sliding_page_table=np.zeros((r_max, p), np.int32) if sliding else None,
-                **copies)
+                lora_slot_ids=z if self.lora is not None else None, **copies)
             return (self.params, self.kv_caches, inputs,
-                    np.zeros(self.batch.max_sample_rows, np.int32))
+                    np.zeros(self.batch.max_sample_rows, np.int32), *self._lora_args)
 
         def hidden(rows: int) -> Any:
             """Hidden states [rows, E] as the forward returns them."""
@@ -83,6 +83,9 @@ class RunnerWarmup:
             [(PENALTIES, self.row_buckets[-1])]
         progs += [Program(SAMPLE, self._sample, partial(sample_args, rows, mode), rows=rows,
                           mode=mode) for mode, rows in modes]
+        if self.lora is not None:   # slot 0 (no adapter) written with its own zeros
+            progs.append(Program(LORA_SLOT, self._write_lora, lambda: (
+                self.lora_stacks, np.int32(0), self.lora.empty_slot_rows())))
         return progs
 
     def _put(self, x: np.ndarray) -> Any:
@@ -121,6 +124,8 @@ class RunnerWarmup:
                 self.kv_caches = out[2]     # the old ones were donated
             elif prog.kind == DRAFT:
                 self.drafter.caches = out[1]
+            elif prog.kind == LORA_SLOT:
+                self.lora_stacks = out      # the old ones were donated
             jax.block_until_ready(out)
         if self.host_tier is not None:   # its offload and restore programs
             self.kv_caches = self.host_tier.warmup(self.kv_caches)

@@ -111,12 +111,16 @@ def _at_slot(row: Any) -> tuple:
     return (slice(None),) * max(np.ndim(row) - 2, 0)
 
 
-@partial(jax.jit, donate_argnums=0)
-def write_slot(stacks: dict, slot: jax.Array, one: dict) -> dict:
-    """stacks with slot `slot` set to `one` (slot_weights); the stacks are donated and
-    updated in place. slot is traced: one compilation serves every slot."""
+def set_slot(stacks: dict, slot: jax.Array, one: dict) -> dict:
+    """stacks with slot `slot` set to `one` (slot_weights): write_slot's body, for a
+    caller that jits it with its own shardings (the engine's runner)."""
     return jax.tree_util.tree_map(
         lambda s, w: s.at[(*_at_slot(w), slot)].set(w.astype(s.dtype)), stacks, one)
+
+
+# The stacks are donated and updated in place; slot is traced: one compilation serves
+# every slot.
+write_slot = jax.jit(set_slot, donate_argnums=0)
 
 
 @partial(jax.jit, donate_argnums=0)

@@ -26,11 +26,13 @@ def free_port() -> int:
 class Server:
     """launcher: the command before the flags (a test may start the CLI from a script
     that first patches something in). model None: the built-in tiny model (then give
-    log_dir). wait: return once /health answers 200 (else see wait_ready)."""
+    log_dir). wait: return once /health answers 200 (else see wait_ready). env: variables
+    set for the server (over this process's)."""
 
     def __init__(self, model: str | None, *extra: str, api_key: str | None = API_KEY,
                  launcher: tuple[str, ...] = (sys.executable, "-m", "jaxserve.api"),
-                 wait: bool = True, log_dir: str | None = None, https: bool = False):
+                 wait: bool = True, log_dir: str | None = None, https: bool = False,
+                 env: dict[str, str] | None = None):
         self.port = free_port()
         self.url = f"{'https' if https else 'http'}://127.0.0.1:{self.port}"
         self.verify = not https   # (a test's certificate is self-signed)
@@ -38,7 +40,7 @@ class Server:
         args = [*launcher, *model_args, "--port", str(self.port), *SERVER_ARGS, *extra]
         if api_key:
             args += ["--api-key", api_key]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         env.pop("JAXSERVE_API_KEY", None)
         log_dir = log_dir or os.path.dirname(model)
         self.log = open(os.path.join(log_dir, f"server-{self.port}.log"), "w+")

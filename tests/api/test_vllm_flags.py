@@ -10,6 +10,7 @@ from jaxserve.cli.serve import checked_config, engine_config, parse_args, parser
 from jaxserve.config import EngineConfig
 from jaxserve.config.engine_args import human_readable_int
 from jaxserve.config.vllm_compat import ENGINE, FRONTEND
+from jaxserve.lora_request import LoRARequest
 from tests.api.vllm_serve_flags import NO, NOOP, OLDER_VLLM_FLAGS, VLLM_SERVE_FLAGS, WORKS
 
 SERVE = "jaxserve serve"
@@ -264,6 +265,10 @@ def test_sizes_read_as_vllm_reads_them(text, value):
     (["--device-memory-utilization", "0.7"], {"hbm_utilization": 0.7}),
     (["--max_model_len", "2k", "--max_num_seqs=8"], {"max_model_len": 2000, "max_num_seqs": 8}),
     (["--disable-prefix-caching"], {"enable_prefix_caching": False}),
+    (["--enable-lora", "--max-loras", "2", "--max-lora-rank", "8", "--lora-modules", "a=/x",
+      '{"name": "b", "path": "/y", "base_model_name": "m"}'],
+     {"enable_lora": True, "max_loras": 2, "max_lora_rank": 8,
+      "lora_modules": (LoRARequest("a", 1, "/x"), LoRARequest("b", 2, "/y", "m"))}),
     (["--no-enable-prefix-caching"], {"enable_prefix_caching": False}),
     (["-sc", '{"method": "ngram", "num_speculative_tokens": 2}'],
      {"speculative_config.num_speculative_tokens": 2}),
@@ -295,7 +300,12 @@ def test_vllm_spellings_reach_the_engine_config(argv, expected):
                                                 "audio inputs are not served"),
     (["--max-num-partial-prefills", "4"], "argument --max-num-partial-prefills: 4 is not "
                                           "supported by jaxserve"),
-    (["--enable-lora"], "argument --enable-lora: True is not supported by jaxserve: LoRA"),
+    (["--lora-target-modules", "q_proj"], "argument --lora-target-modules: ['q_proj'] is not "
+                                          "supported by jaxserve: each adapter's own"),
+    (["--max-loras", "2", "--max-cpu-loras", "1"], "argument --max-cpu-loras: max_cpu_loras=1: "
+                                                   "must be an int >= max_loras (2)"),
+    (["--lora-modules", "a=/x"], "argument --lora-modules: lora_modules: adapters are "
+                                  "served only with --enable-lora"),
     (["--api-server-count", "x"], "argument --api-server-count/-asc: invalid int value: 'x'"),
     (["--hf-overrides", "{"], "argument --hf-overrides: not JSON: '{'"),
 ])

@@ -81,7 +81,8 @@ def test_aliases_come_from_the_fields_metadata():
     (dict(seed=None), ValueError, r"seed=None"),
     (dict(disable_log_stats=False), ValueError, "disable_log_stats=False.*statistics"),
     (dict(tokenizer_mode="slow"), ValueError, "tokenizer_mode='slow'"),
-    (dict(enable_lora=True), ValueError, "LoRA"),
+    (dict(enable_lora=True, max_loras=0), ValueError, "max_loras=0: must be an int >= 1"),
+    (dict(lora_target_modules=["q_proj"]), ValueError, "lora_target_modules"),
     (dict(cpu_offload_gb=4), ValueError, "cpu_offload_gb"),
     (dict(kv_offloading_size=-1.0), ValueError, "kv_offloading_size=-1.0: must be >= 0"),
     (dict(kv_offloading_backend="lmcache"), ValueError, "kv_offloading_backend='lmcache'"),
@@ -97,7 +98,7 @@ def test_every_vllm_only_argument_has_a_value_it_takes():
     """vLLM's engine arguments without a jaxserve knob (the command line's table) and
     LLM's own: each takes a value that is true of jaxserve and passes nothing on."""
     taken = {name: s.taken for name, s in VLLM_ONLY.items() if s.holds(s.taken)}
-    assert {"disable_log_stats", "tokenizer_mode", "cpu_offload_gb", "enable_lora",
+    assert {"disable_log_stats", "tokenizer_mode", "cpu_offload_gb",
             "compilation_config", "hf_token", "enable_mm_embeds"} <= set(taken)
     assert engine_kwargs(taken) == {}
     assert not set(VLLM_ONLY) & {f.name for f in dataclasses.fields(EngineConfig)}

@@ -33,13 +33,18 @@ class AdminServing:
         return {"version": jaxserve.__version__}
 
     def models(self) -> dict:
-        """The served names (each an alias of the one model), OpenAI's model list."""
+        """The served names (each an alias of the one model), then the LoRA adapters
+        (parent: the model they adapt), OpenAI's model list."""
         base = self.base
         settings = base.settings
-        return {"object": "list", "data": [{
-            "id": name, "object": "model", "created": base.created,
-            "owned_by": "jaxserve", "root": base.engine.config.model,
-            "max_model_len": settings.max_model_len} for name in settings.served_model_names]}
+        card = {"object": "model", "created": base.created, "owned_by": "jaxserve",
+                "max_model_len": settings.max_model_len}
+        models = [{"id": name, **card, "root": base.engine.config.model}
+                  for name in settings.served_model_names]
+        models += [{"id": name, **card, "root": a.lora_path,
+                    "parent": a.base_model_name or settings.served_model_name}
+                   for name, a in base.loras.by_name.items()]
+        return {"object": "list", "data": models}
 
     async def reset_prefix_cache(self) -> None:
         """Forgets every cached prompt page; requests in flight go on, their pages no

@@ -24,6 +24,7 @@ from fastapi import Request
 from jaxserve.api.chat_prompt import ChatPromptFields
 from jaxserve.api.errors import APIError, bad_request
 from jaxserve.api.log_values import loggable
+from jaxserve.api.lora_adapters import LoRAAdapters
 from jaxserve.api.metrics import Metrics
 from jaxserve.api.protocol import constraint_field
 from jaxserve.api.serving.choices import Choice, accumulate
@@ -31,6 +32,7 @@ from jaxserve.api.settings import ServerSettings
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.engine.async_engine import AsyncEngine, EngineDeadError
 from jaxserve.engine.input_processor import EngineRequest
+from jaxserve.lora_request import LoRARequest
 from jaxserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("jaxserve")
@@ -80,6 +82,10 @@ class OpenAIServing:
         self.tokenizer = engine.tokenizer
         self.inputs = engine.inputs
         self.created = int(time.time())   # the served models' `created`
+        # (an engine client without a config, as tests' stubs: LoRA off)
+        config = getattr(engine, "config", None)
+        self.loras = LoRAAdapters(getattr(config, "lora_modules", None) or (),
+                                  bool(getattr(config, "enable_lora", False)), self.inputs)
         # Sequences (n per prompt) admitted and not finished; event-loop thread only.
         self.num_in_flight = 0
         self.shutting_down = False
@@ -91,12 +97,22 @@ class OpenAIServing:
         return len(self.answers)
 
     # ---- checks ----------------------------------------------------------------------
-    def check_model(self, name: str | None) -> None:
+    def check_model(self, name: str | None) -> LoRARequest | None:
+        """The LoRA adapter a request's `model` names (None: the base model); 404 for a
+        name the server does not serve."""
         names = self.settings.served_model_names
-        if name is not None and name not in names:
-            served = ", ".join(f"`{n}`" for n in names)
+        if name is None or name in names:
+            return None
+        adapter = self.loras.get(name)
+        if adapter is None:
+            served = ", ".join(f"`{n}`" for n in (*names, *self.loras.by_name))
             raise APIError(404, f"The model `{name}` does not exist; this server serves "
                                 f"{served}.", "model")
+        return adapter
+
+    def model_name(self, name: str | None) -> str:
+        """What an answer says served it: the adapter asked for, else the model."""
+        return name if self.loras.get(name) is not None else self.settings.served_model_name
 
     def check_open(self) -> None:
         if self.shutting_down:

@@ -24,6 +24,7 @@ from jaxserve.api.tools import ToolSetup, tool_setup
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.errors import InputError
 from jaxserve.engine.input_processor import EngineRequest
+from jaxserve.lora_request import LoRARequest
 from jaxserve.sampling_params import SamplingParams
 
 # A factory of ChoiceReaders, one per choice of an answer.
@@ -38,7 +39,7 @@ class ChatServing:
                                      raw: Request) -> Response:
         base = self.base
         base.check_open()
-        base.check_model(req.model)
+        lora = base.check_model(req.model)
         top = req.top_logprobs
         if top is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
@@ -46,7 +47,7 @@ class ChatServing:
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         params = await base.with_grammar(req, raw, params)
         prompts, in_reasoning = await base.in_worker(req, self._prompts, rid, req,
-                                                     params, tools)
+                                                     params, tools, lora)
         reader = self._reader(tools, in_reasoning, response_role(req))
         answer = base.admit(1, params.n)
         stream = base.generate(rid, prompts, params, answer)
@@ -61,7 +62,7 @@ class ChatServing:
         echo = echoed_text(req) if req.echo else ""
         return JSONResponse({
             "id": rid, "object": "chat.completion", "created": int(time.time()),
-            "model": base.settings.served_model_name,
+            "model": base.model_name(req.model),
             "choices": [{"index": c.index, "message": _echoed(r.message(c.text), echo),
                          "logprobs": chat_logprobs(c.logprobs, top or 0)
                          if req.logprobs else None,
@@ -88,7 +89,8 @@ class ChatServing:
             raise bad_request(e)
 
     def _prompts(self, rid: str, req: ChatCompletionRequest, params: SamplingParams,
-                 tools: ToolSetup) -> tuple[list[EngineRequest], bool]:
+                 tools: ToolSetup, lora: LoRARequest | None = None
+                 ) -> tuple[list[EngineRequest], bool]:
         """Worker thread: the conversation rendered by the chat template, as one engine
         request ("{rid}-0"), and whether the template opened a think block. Then (with
         --reasoning-parser) a structured output applies after the model closes it."""
@@ -102,8 +104,8 @@ class ChatServing:
             end = base.inputs.tokenize(REASONING_END, add_special_tokens=False)
             params = replace(params, grammar_after_ids=tuple(end))
         return [base.inputs.process(f"{rid}-0", ids, params, priority=req.priority,
-                                    cache_salt=req.cache_salt,
-                                    multi_modal=multi_modal)], in_reasoning
+                                    cache_salt=req.cache_salt, multi_modal=multi_modal,
+                                    lora_request=lora)], in_reasoning
 
     def _reader(self, tools: ToolSetup, in_reasoning: bool, role: str) -> ReaderFactory:
         """A factory of ChoiceReaders (one per choice) for this request's answer."""
@@ -114,7 +116,7 @@ class ChatServing:
     async def _chunks(self, rid: str, prompts: list[EngineRequest], req: ChatCompletionRequest,
                       stream: AsyncIterator[tuple[int, RequestOutput]], include_usage: bool,
                       reader: ReaderFactory) -> AsyncIterator[str]:
-        created, model = int(time.time()), self.base.settings.served_model_name
+        created, model = int(time.time()), self.base.model_name(req.model)
         head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
         choices: dict[int, Choice] = {}
         readers: dict[int, ChoiceReader] = {}

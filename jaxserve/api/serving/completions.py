@@ -18,6 +18,7 @@ from jaxserve.api.serving.logprobs import completion_logprobs, end_offset
 from jaxserve.api.serving.streaming import data, sse
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.engine.input_processor import EngineRequest
+from jaxserve.lora_request import LoRARequest
 from jaxserve.sampling_params import SamplingParams
 
 
@@ -28,7 +29,7 @@ class CompletionsServing:
     async def create_completion(self, req: CompletionRequest, raw: Request) -> Response:
         base = self.base
         base.check_open()
-        base.check_model(req.model)
+        lora = base.check_model(req.model)
         if req.max_tokens == 0 and not req.echo:
             # (vLLM refuses it too) an answer of nothing is surely not what was meant
             raise APIError(400, "max_tokens=0 generates nothing: it is for scoring the prompt, "
@@ -44,7 +45,7 @@ class CompletionsServing:
         # before any prompt is processed: a million prompts are not tokenized to be refused
         base.check_size(len(prompt_list(req.prompt)), params.n)
         params = await base.with_grammar(req, raw, params)
-        prompts = await base.in_worker(req, self._prompts, rid, req, params)
+        prompts = await base.in_worker(req, self._prompts, rid, req, params, lora)
         answer = base.admit(len(prompts), params.n)
         stream = base.generate(rid, prompts, params, answer)
         if req.stream:
@@ -57,16 +58,16 @@ class CompletionsServing:
             answer.close()
         return JSONResponse({
             "id": rid, "object": "text_completion", "created": int(time.time()),
-            "model": base.settings.served_model_name,
+            "model": base.model_name(req.model),
             "choices": [self._choice(c, c.index // params.n, prompts, prompt_lps, req)
                         for c in choices],
             "usage": usage(prompts, choices)})
 
-    def _prompts(self, rid: str, req: CompletionRequest,
-                 params: SamplingParams) -> list[EngineRequest]:
+    def _prompts(self, rid: str, req: CompletionRequest, params: SamplingParams,
+                 lora: LoRARequest | None) -> list[EngineRequest]:
         """Worker thread: the request's prompts, one engine request each ("{rid}-{i}")."""
         return [self.base.inputs.process(f"{rid}-{i}", p, params, priority=req.priority,
-                                         cache_salt=req.cache_salt,
+                                         cache_salt=req.cache_salt, lora_request=lora,
                                          add_special_tokens=req.add_special_tokens)
                 for i, p in enumerate(prompt_list(req.prompt))]
 
@@ -95,7 +96,7 @@ class CompletionsServing:
                       req: CompletionRequest,
                       stream: AsyncIterator[tuple[int, RequestOutput]],
                       include_usage: bool) -> AsyncIterator[str]:
-        created, model, n = int(time.time()), self.base.settings.served_model_name, params.n
+        created, model, n = int(time.time()), self.base.model_name(req.model), params.n
         head = {"id": rid, "object": "text_completion", "created": created, "model": model}
         choices: dict[int, Choice] = {}
         echoed: set[int] = set()
