@@ -70,6 +70,9 @@ class ModelConfig:
     linear_value_head_dim: int = 0
     linear_conv_kernel_dim: int = 0
     partial_rotary_factor: float = 1.0               # RoPE on the first head_dim * this dims
+    # Qwen3.5/3.6: rotary frequencies per position axis (temporal, row, column) of images'
+    # 3-axis positions, interleaved (models/vision/mrope.py); () = one position axis.
+    mrope_section: tuple[int, ...] = ()
     attn_output_gate: bool = False                   # q_proj also gives a sigmoid output gate
     norm_plus_one: bool = False                      # RMSNorm weight applied as (1 + w)
     # As published: the checkpoint's quantization_config. In the engine's run config

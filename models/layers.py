@@ -194,13 +194,34 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
     """Rotate-half RoPE on the first 2 * len(inv_freq) dims of x [T, n, H] (dim i pairs
-    with i + len(inv_freq)); the rest pass through (partial RoPE) at positions int32[T]."""
+    with i + len(inv_freq)); the rest pass through (partial RoPE) at positions int32[T],
+    or int32[T, rot/2]: a position per frequency (mrope_positions)."""
     rot = 2 * len(inv_freq)
-    freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]   # [T, rot/2]
+    if positions.ndim == 1:
+        positions = positions[:, None]
+    freqs = positions.astype(jnp.float32) * jnp.asarray(inv_freq)[None, :]   # [T, rot/2]
     cos, sin = jnp.cos(freqs)[:, None, :], jnp.sin(freqs)[:, None, :]
     x1, x2 = jnp.split(x[..., :rot].astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
     return out if rot == x.shape[-1] else jnp.concatenate([out, x[..., rot:]], axis=-1)
+
+
+def mrope_axes(section: tuple[int, ...], num_freqs: int) -> np.ndarray:
+    """Qwen3.5's interleaved 3-axis RoPE: the position axis (0 temporal, 1 row, 2 column)
+    each frequency rotates by (transformers' recomposition_frequencies)."""
+    i = np.arange(num_freqs)
+    axes = np.zeros(num_freqs, np.int32)
+    axes[(i % 3 == 1) & (i < 3 * section[1])] = 1
+    axes[(i % 3 == 2) & (i < 3 * section[2])] = 2
+    return axes
+
+
+def mrope_positions(inputs: ModelInputs, section: tuple[int, ...], num_freqs: int) -> jax.Array:
+    """Each token's position per rotary frequency, int32[T, num_freqs], from the step's
+    3-axis positions; the plain positions when the step has none or the model uses one axis."""
+    if not section or inputs.mrope_positions is None:
+        return inputs.positions
+    return inputs.mrope_positions[jnp.asarray(mrope_axes(section, num_freqs))].T
 
 
 # ---- attention and MLP -------------------------------------------------------
@@ -246,8 +267,9 @@ class Attention(nn.Module):
             q = RMSNorm(H, cfg.rms_norm_eps, dt, cfg.norm_plus_one, name="q_norm")(q)
             k = RMSNorm(H, cfg.rms_norm_eps, dt, cfg.norm_plus_one, name="k_norm")(k)
         inv_freq = rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling)
-        q = apply_rope(q, inputs.positions, inv_freq)
-        k = apply_rope(k, inputs.positions, inv_freq)
+        positions = mrope_positions(inputs, cfg.mrope_section, len(inv_freq))
+        q = apply_rope(q, positions, inv_freq)
+        k = apply_rope(k, positions, inv_freq)
         if self.is_initializing():
             # init only needs parameter shapes; the cache layout belongs to the kernel
             # module, so init callers may pass any placeholder cache.

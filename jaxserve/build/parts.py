@@ -19,12 +19,15 @@ from jaxserve.build.drafter_loader import DrafterParts, load_drafter
 from jaxserve.build.layout import EngineLayout, engine_layout, layout_cache_plan
 from jaxserve.build.loader import load_model
 from jaxserve.build.slices import runner_config, scheduler_config
+from jaxserve.build.vision import vision_parts
 from jaxserve.build.startup import (ALLOCATING_KV_CACHE, COMPILING, LOADING_WEIGHTS,
                                     StartupProgress)
 from jaxserve.checkpoints.converted import resolve_converted
 from jaxserve.checkpoints.model_names import resolve_model, resolve_tokenizer
 from jaxserve.config import EngineConfig
 from jaxserve.core.scheduler_config import SchedulerConfig
+from jaxserve.multimodal.front import ImageFront
+from jaxserve.runner.image_encoder import VisionParts
 from jaxserve.runner.model_runner import ModelRunner
 from models.config import ModelConfig
 from sharding import DATA, make_mesh
@@ -94,14 +97,17 @@ class EngineParts:
 
 
 def build_parts(shape: ReplicaShape, progress: StartupProgress, *,
-                agree_num_pages: Callable[[int], int] | None = None) -> EngineParts:
+                agree_num_pages: Callable[[int], int] | None = None,
+                images: ImageFront | None = None) -> EngineParts:
     """Loads the weights (and a model drafter's), sizes the caches, builds the runner and
     compiles its programs, telling `progress` each phase. agree_num_pages: several
-    processes must build the same cache shape (multi-host: the smallest count of all)."""
+    processes must build the same cache shape (multi-host: the smallest count of all).
+    images: the front door's image side; the vision tower is loaded when it takes images."""
     config, mc, mesh, layout = shape.config, shape.model_config, shape.mesh, shape.layout
     progress.set_phase(LOADING_WEIGHTS, f"loading the weights of {config.model}")
     loaded = load_model(config, layout, mesh, on_progress=partial(_report_loading, progress))
     drafter = load_drafter(config, layout, mesh)
+    vision = images and vision_parts(images, layout.dtype, config.num_batched_tokens)
     if mc.linear_attention_layers:
         logger.info("hybrid model: %d of %d layers are linear attention with recurrent "
                     "state, the other %d keep KV pages; prefix caching %s",
@@ -119,7 +125,7 @@ def build_parts(shape: ReplicaShape, progress: StartupProgress, *,
     if config.speculative_config is not None:
         logger.info("%s", config.speculative_config.describe())
     runner = build_runner(config, layout, plan, model=loaded.model, params=loaded.params,
-                          mesh=mesh, drafter=drafter)
+                          mesh=mesh, drafter=drafter, vision=vision)
     if config.enforce_eager:   # each program compiles when a step first needs it
         logger.info("enforce_eager: no warmup; programs compile on first use")
     else:
@@ -127,17 +133,17 @@ def build_parts(shape: ReplicaShape, progress: StartupProgress, *,
         runner.warmup(partial(_report_compiling, progress))
     return EngineParts(shape, loaded.model, loaded.params, loaded.weight_bytes,
                        loaded.weight_bytes_per_device, plan, runner,
-                       scheduler_config(config, layout, plan))
+                       scheduler_config(config, layout, plan, vision))
 
 
 def build_runner(config: EngineConfig, layout: EngineLayout, plan: CachePlan, *, model: Any,
                  params: Any, mesh: Mesh, drafter: DrafterParts | None,
-                 abstract: bool = False) -> ModelRunner:
+                 abstract: bool = False, vision: VisionParts | None = None) -> ModelRunner:
     """The replica's runner (and its model drafter's, if any); abstract: nothing
     allocated, for lowering only."""
     return ModelRunner(
         runner_config(config, layout, plan), model=model, params=params, mesh=mesh,
-        abstract=abstract,
+        abstract=abstract, vision=vision,
         drafter=drafter and drafter.build(plan, config, layout, target_model=model, mesh=mesh,
                                           abstract=abstract))
 

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any, Iterator
 
+from jaxserve.core.encoder_cache import EncoderJob
+
 # One list of page ids per KV group, in group order.
 GroupPageIds = tuple[list[int], ...]
 
@@ -37,6 +39,7 @@ class NewRequestData:
     num_computed_tokens: int      # tokens already in the KV cache (prefix-cache hit)
     num_new_tokens: int           # tokens to compute this step
     state_slot: int = 0           # hybrid models: its recurrent-state slot (0 = none)
+    multi_modal: Any = None       # its images (multimodal MultiModalInputs), or None
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +71,10 @@ class SchedulerOutput:
     # Speculative decoding: req_id -> the draft tokens its row computes after its known
     # tokens (running requests only; their count is in num_new_tokens).
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Images: what the runner encodes into its encoder cache before this step's forward,
+    # after forgetting the evicted hashes (core/encoder_cache.py).
+    encoder_jobs: list[EncoderJob] = field(default_factory=list)
+    encoder_frees: list[str] = field(default_factory=list)
 
     @property
     def req_ids(self) -> list[str]:

@@ -7,11 +7,13 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Container, Iterable
 
+from jaxserve.core.encoder_cache import EncoderCache
 from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
 from jaxserve.core.scheduler_config import SchedulerConfig
 from jaxserve.core.scheduler_stats import SchedulerStats
+from jaxserve.core.spec_scheduling import SpecDecodeScheduling
 from jaxserve.core.stopping import check_stop
 from jaxserve.core.waiting_queue import PriorityQueue
 
@@ -33,7 +35,7 @@ class _StepDraft:
     spec: dict[str, list[int]] = field(default_factory=dict)
 
 
-class Scheduler:
+class Scheduler(SpecDecodeScheduling):
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = c = config
         self.page_size = c.page_size
@@ -50,6 +52,9 @@ class Scheduler:
                                  num_snapshot_slots=c.num_snapshot_slots,
                                  spec_backups=c.num_speculative_tokens > 0,
                                  drop_last_hit_page=c.drop_last_hit_page)
+        # Vision-language models serving images: which embeddings the runner holds.
+        self.encoder = EncoderCache(c.encoder_cache_rows, c.encoder_budget) \
+            if c.encoder_cache_rows else None
         self.requests: dict[str, Request] = {}  # unfinished only
         self.running: list[Request] = []
         self.waiting: deque[Request] | PriorityQueue = (
@@ -138,6 +143,8 @@ class Scheduler:
 
     def _release(self, req: Request) -> None:
         self.kv.free(req)
+        if self.encoder is not None:
+            self.encoder.release(req)
         del self.requests[req.request_id]
         self._finished_ids.append(req.request_id)
 
@@ -165,6 +172,8 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
+        if self.encoder is not None:
+            self.encoder.release(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.spec_token_ids = []
@@ -183,7 +192,7 @@ class Scheduler:
         """Running requests, in order: decodes and unfinished prefill chunks (preempting
         from the back when pages run out). They go out as columns: the runner holds the
         rest of them."""
-        kv, running, budget = self.kv, self.running, step.budget
+        kv, running, budget, enc = self.kv, self.running, step.budget, self.encoder
         ids, starts, lens, pages, spec = step.ids, step.starts, step.lens, step.pages, step.spec
         # Hybrid prefix caching: chunks end where a state snapshot is to be kept.
         cuts = kv.snapshots is not None
@@ -204,6 +213,10 @@ class Scheduler:
                 num_new += self._num_drafts(req, budget - num_new - (len(running) - i - 1))
             if cuts and (cut := kv.state_cut(req, start)) is not None:
                 num_new = min(num_new, cut - start)
+            if (images := enc is not None and req.multi_modal is not None) and \
+                    (num_new := enc.fit(req, start, num_new)) <= 0:
+                i += 1   # its next image is not encoded and does not fit this step
+                continue
             ahead = self._lookahead(req, start + num_new) if self.num_lookahead_tokens else 0
             while (new_pages := kv.allocate_slots(req, num_new + ahead)) is None:
                 if ahead or start + num_new > req.num_tokens:
@@ -227,6 +240,8 @@ class Scheduler:
                     break
             else:
                 req.num_computed_tokens = start + num_new
+                if images:
+                    enc.commit(req, start, num_new)
                 if (num_drafts := start + num_new - req.num_tokens) > 0:
                     spec[req.request_id] = req.spec_token_ids[:num_drafts]
                     if kv.spec_backups:
@@ -246,13 +261,16 @@ class Scheduler:
         pages allow: each goes out whole (new to the runner, or resumed: preemption
         dropped its row), after its cached prefix."""
         kv, running, waiting, budget = self.kv, self.running, self.waiting, step.budget
-        cuts = kv.snapshots is not None
+        cuts, enc = kv.snapshots is not None, self.encoder
         while waiting and budget > 0 and len(running) < self.max_num_seqs:
             req = self._peek_waiting()
             hit, num_hit = kv.get_computed_pages(req)
             num_new = min(req.num_tokens - num_hit, budget)
             if cuts and (cut := kv.state_cut(req, num_hit)) is not None:
                 num_new = min(num_new, cut - num_hit)
+            if (images := enc is not None and req.multi_modal is not None) and \
+                    (num_new := enc.fit(req, num_hit, num_new)) <= 0:
+                break   # its first image waits for encoder budget or rows
             ahead = self._lookahead(req, num_hit + num_new)
             if kv.allocate_slots(req, num_new + ahead, hit, num_hit) is None and (
                     not ahead or kv.allocate_slots(req, num_new, hit, num_hit) is None):
@@ -261,12 +279,15 @@ class Scheduler:
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
             req.num_computed_tokens = num_hit + num_new
+            if images:
+                enc.commit(req, num_hit, num_new)
             req.status = RequestStatus.RUNNING
             running.append(req)
             rid = req.request_id
             step.new_reqs.append(NewRequestData(
                 rid, req.prompt_token_ids, req.output_token_ids[:], req.sampling_params,
-                kv.get_group_page_ids(rid), num_hit, num_new, kv.get_state_slot(rid)))
+                kv.get_group_page_ids(rid), num_hit, num_new, kv.get_state_slot(rid),
+                req.multi_modal))
             budget -= num_new
         step.budget = budget
 
@@ -289,7 +310,9 @@ class Scheduler:
             kv.plan_state_saves(ends)
         if kv.snapshots is not None or kv.spec_backups:
             restores, saves = kv.take_state_copies()
+        jobs, frees = self.encoder.take() if self.encoder is not None else ([], [])
         return SchedulerOutput(
+            encoder_jobs=jobs, encoder_frees=frees,
             state_restores=restores, state_saves=saves, spec_token_ids=step.spec,
             new_reqs=step.new_reqs,
             cached_reqs=CachedRequestData(step.ids, step.starts, step.lens, step.pages),
@@ -297,21 +320,6 @@ class Scheduler:
             preempted_req_ids=step.preempted,
             finished_req_ids=finished,
         )
-
-    def _lookahead(self, req: Request, end: int) -> int:
-        """Positions past `end` (where the request's chunk ends) to allocate pages for."""
-        if not self.num_lookahead_tokens or end < req.num_tokens:
-            return 0
-        return max(min(self.num_lookahead_tokens, self.max_len - end), 0)
-
-    def _num_drafts(self, req: Request, budget: int) -> int:
-        """How many of the request's drafts a step can verify: within the step's budget,
-        the model length and its max_tokens (the token sampled after them counts too)."""
-        n = min(len(req.spec_token_ids), budget, self.max_len - 1 - req.num_tokens)
-        max_tokens = req.sampling_params.max_tokens
-        if max_tokens is not None:
-            n = min(n, max_tokens - req.num_output_tokens - 1)
-        return max(n, 0)
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, sampled: dict[str, int | list[int]],
@@ -369,39 +377,6 @@ class Scheduler:
         if finished_any:
             self.running = [r for r in self.running if r.status == running_status]
         return out
-
-    def _append_verified(self, req: Request, tokens: list[int],
-                         scheduler_output: SchedulerOutput) -> bool:
-        """A row that verified drafts: its accepted drafts and the token after them, each
-        checked for a stop (what follows a stop is dropped). The rejected drafts' KV
-        positions count as not computed (they are written over); a hybrid's state goes
-        back to its backup and the accepted tokens are computed again. -> stopped."""
-        drafts = scheduler_output.spec_token_ids.get(req.request_id, ())
-        accepted = len(tokens) - 1
-        if accepted > len(drafts) or tokens[:accepted] != drafts[:accepted]:
-            raise ValueError(f"request {req.request_id!r}: the runner accepted {tokens} "
-                             f"for drafts {drafts}")
-        if drafts:
-            self.spec_num_drafts += 1
-            self.spec_num_draft_tokens += len(drafts)
-            per_pos = self.spec_accepted_per_pos
-            for j in range(accepted):
-                per_pos[j] += 1
-        rejected = len(drafts) - accepted
-        if rejected and self.kv.spec_backups:
-            c = scheduler_output.cached_reqs
-            req.num_computed_tokens = c.num_computed_tokens[c.req_ids.index(req.request_id)]
-            self.kv.rollback_state(req)
-        else:
-            req.num_computed_tokens -= rejected
-        for tok in tokens:
-            req.append_output_token_ids(tok)
-            self.num_generation_tokens += 1
-            if check_stop(req, tok, self.max_len):
-                return True
-        if rejected and self.kv.spec_backups:   # all but the token sampled last, again
-            self.spec_num_recomputed_tokens += req.num_tokens - 1 - req.num_computed_tokens
-        return False
 
     # ---- queries -------------------------------------------------------
 

@@ -18,7 +18,9 @@ class SchedulerConfig:
     no speculative decoding); a hybrid then holds two state slots per request.
     num_lookahead_tokens: a request whose chunk reaches its last token also gets pages for
     this many positions past the chunk (a model drafter writes its KV there).
-    drop_last_hit_page: see KVCacheManager (an MTP drafter)."""
+    drop_last_hit_page: see KVCacheManager (an MTP drafter). encoder_cache_rows /
+    encoder_budget: image embedding rows the runner's encoder cache holds, and the most a
+    step encodes (core/encoder_cache.py); 0: the engine serves no images."""
     num_pages: int
     page_size: int
     max_num_seqs: int
@@ -33,6 +35,8 @@ class SchedulerConfig:
     num_speculative_tokens: int = 0
     num_lookahead_tokens: int = 0
     drop_last_hit_page: bool = False
+    encoder_cache_rows: int = 0
+    encoder_budget: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_pages", "page_size", "max_num_seqs", "max_num_batched_tokens",

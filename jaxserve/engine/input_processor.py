@@ -191,7 +191,7 @@ class InputProcessor:
                 if isinstance(prompt, str) or params.truncate_prompt_tokens is not None:
                     raise InputError("images need prompt token ids with their placeholders "
                                      "expanded, and no truncate_prompt_tokens", "prompt")
-                check_engine_serves_images(multi_modal)
+                check_engine_serves_images(self.image_front, multi_modal)
                 request = replace(request, multi_modal=multi_modal)
         except InputError:
             with self._count_lock:

@@ -20,6 +20,7 @@ from jaxserve.config.media import MediaConfig
 from jaxserve.multimodal.media import load_image, to_rgb
 from models.vision.processing import (ImageTokens, expand_image_tokens, load_image_processor,
                                       preprocess, vision_family)
+from models.vision.tower import VisionTower
 
 
 # Threads that fetch and decode a request's images (shared by all requests).
@@ -42,13 +43,11 @@ class MultiModalInputs:
     images: tuple[ImageInput, ...]
 
 
-def check_engine_serves_images(multi_modal: MultiModalInputs | None) -> None:
-    """THE one place that refuses images which passed every check: the engine does not
-    consume them yet (issue 42 part 3 wires the encoder into the step and removes this)."""
-    if multi_modal is not None and multi_modal.images:
-        raise InputError("image inputs are parsed but not yet served by the engine: this "
-                         "jaxserve checks and preprocesses images, but its engine does not "
-                         "run the vision tower yet", "messages")
+def check_engine_serves_images(front: ImageFront, multi_modal: MultiModalInputs | None) -> None:
+    """THE one place that refuses images which passed every check: the engine serves
+    Qwen3.5/3.6's images; a tower it does not serve yet says why (VisionTower.not_served)."""
+    if multi_modal is not None and multi_modal.images and front.not_served is not None:
+        raise InputError(front.not_served, "messages")
 
 
 def content_hash(image: Any, processor_kwargs: dict[str, Any]) -> str:
@@ -71,9 +70,11 @@ class ImageFront:
         self._processor = None
         self._fetchers: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
+        self.not_served: str | None = None
         if refusal is None:
             self.family = vision_family(model_config)
             self.tokens = ImageTokens.from_config(model_config)
+            self.not_served = VisionTower.from_config(model_config).not_served()
 
     @classmethod
     def for_model(cls, model_dir: str, media: MediaConfig, *,

@@ -13,17 +13,20 @@ from typing import Any
 FORWARD, PROMPT_LOGPROBS, SAMPLE = "forward", "prompt_logprobs", "sample"
 # Speculative decoding's model drafter: its catch-up and k draft steps (runner/drafter.py).
 DRAFT = "draft"
+# Images: the vision tower on one bucket, into the encoder cache (runner/image_encoder.py).
+ENCODE = "encode"
 # The sampler's programs: greedy rows only; any rows; any rows with penalties.
 GREEDY, RANDOM, PENALTIES = "greedy", "random", "penalties"
 
 
 @dataclass(frozen=True)
 class Program:
-    kind: str                             # FORWARD, PROMPT_LOGPROBS, SAMPLE or DRAFT
+    kind: str                             # FORWARD, PROMPT_LOGPROBS, SAMPLE, DRAFT or ENCODE
     fn: Any                               # the jitted function (jax.jit(...))
     args: Callable[[], tuple]             # its arguments, built when called: the forward
                                           # takes the KV caches of that moment (donated)
-    tokens: int | None = None             # token bucket (forward, prompt logprobs)
+    tokens: int | None = None             # token bucket (forward, prompt logprobs; encode:
+                                          # its patch or image bucket)
     rows: int | None = None               # row bucket (sampler)
     pages: int | None = None              # page-table width (forward)
     mode: str | None = None               # sampler: GREEDY, RANDOM or PENALTIES

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 
 from jaxserve.runner.parallel_compile import compile_all, default_compile_workers
-from jaxserve.runner.programs import (DRAFT, FORWARD, GREEDY, PENALTIES, PROMPT_LOGPROBS,
+from jaxserve.runner.programs import (DRAFT, ENCODE, FORWARD, GREEDY, PENALTIES, PROMPT_LOGPROBS,
                                       RANDOM, SAMPLE, Program)
 from jaxserve.runner.sampling_tensors import make_sampling_tensors
 from jaxserve.runner.step_rows import state_copy_inputs
@@ -46,7 +46,7 @@ class RunnerWarmup:
                 state_slots=np.zeros(r_max, np.int32),
                 sliding_slot_mapping=z if sliding else None,
                 sliding_page_table=np.zeros((r_max, p), np.int32) if sliding else None,
-                **copies)
+                **copies, **self._image_inputs(t))
             return (self.params, self.kv_caches, inputs,
                     np.zeros(self.batch.max_sample_rows, np.int32))
 
@@ -69,6 +69,8 @@ class RunnerWarmup:
 
         progs = [Program(FORWARD, self._forward, partial(forward_args, t, p), tokens=t, pages=p)
                  for t, p in itertools.product(self.token_buckets, self.batch.page_buckets)]
+        if self.encoder is not None:
+            progs += self.encoder.programs()
         progs.append(Program(PROMPT_LOGPROBS, self._prompt_logprobs,
                              partial(logprobs_args, self._max_tokens), tokens=self._max_tokens))
         if self.drafter is not None:
@@ -84,6 +86,16 @@ class RunnerWarmup:
         progs += [Program(SAMPLE, self._sample, partial(sample_args, rows, mode), rows=rows,
                           mode=mode) for mode, rows in modes]
         return progs
+
+    def _image_inputs(self, t: int) -> dict[str, Any]:
+        """A forward's image fields as InputBatch.build and dispatch fill them (no image
+        token), or none when the runner serves no images."""
+        if self.encoder is None:
+            return {}
+        out = {"image_rows": np.full(t, -1, np.int32), "image_embeds": self.encoder.cache}
+        if self.batch.images.mrope is not None:
+            out["mrope_positions"] = np.zeros((3, t), np.int32)
+        return out
 
     def _put(self, x: np.ndarray) -> Any:
         """x replicated on the mesh, as the forward's outputs are (abstract: its shape)."""
@@ -121,6 +133,8 @@ class RunnerWarmup:
                 self.kv_caches = out[2]     # the old ones were donated
             elif prog.kind == DRAFT:
                 self.drafter.caches = out[1]
+            elif prog.kind == ENCODE:
+                self.encoder.cache = out
             jax.block_until_ready(out)
         summary = report.finish()
         self.warmup_seconds = summary.seconds
