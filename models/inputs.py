@@ -36,6 +36,9 @@ class ModelInputs:
     # image_rows: the row of image_embeds holding each token's embedding, -1 for a text
     # token; image_embeds: the runner's encoder cache [C, E] (read only here).
     mrope_positions: jax.Array | None = None        # int32[3, T]
+    # Gemma 4 (use_bidirectional_attention "vision"): the last position each token sees on
+    # the sliding layers (an image token: its image's last; others: their own).
+    image_horizon: jax.Array | None = None          # int32[T]
     image_rows: jax.Array | None = None             # int32[T]
     image_embeds: jax.Array | None = None           # [C, E]
 

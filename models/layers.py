@@ -286,8 +286,8 @@ class Attention(nn.Module):
 
 @partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "impl", "interpret"))
 def _write_and_attend(q, k, v, cache, kv_scale, slots, seq_lens, page_table, query_start_loc,
-                      num_seqs, first_page, *, sm_scale: float, sliding_window: int | None,
-                      impl: str, interpret: Any):
+                      num_seqs, first_page, horizon, *, sm_scale: float,
+                      sliding_window: int | None, impl: str, interpret: Any):
     """One device's part of paged_attention. A jit of its own: jax traces it once per
     shape, not once per layer (most of a forward's tracing on CPU, where the layers are
     a Python loop), and XLA inlines it, so the compiled program is the same."""
@@ -299,19 +299,22 @@ def _write_and_attend(q, k, v, cache, kv_scale, slots, seq_lens, page_table, que
         cache = write_kv(cache, k, v, slots, kv_scale=kv_scale)
     o = ragged_paged_attention(q, cache, seq_lens, page_table + first_page, query_start_loc,
                                num_seqs, sm_scale=sm_scale, sliding_window=sliding_window,
-                               impl=impl, interpret=interpret, kv_scale=kv_scale)
+                               impl=impl, interpret=interpret, kv_scale=kv_scale,
+                               horizon=horizon)
     return o, cache
 
 
 def paged_attention(q: jax.Array, k: jax.Array | None, v: jax.Array | None, cache: jax.Array,
                     inputs: ModelInputs, first_page: Any = 0, *, sm_scale: float, backend: str,
-                    kv_scale: jax.Array | None = None, sliding_window: int | None = None
-                    ) -> tuple[jax.Array, jax.Array]:
+                    kv_scale: jax.Array | None = None, sliding_window: int | None = None,
+                    horizon: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Writes k, v [T, K, H] into the cache (None: nothing to write, a KV-sharing layer),
     then attends q [T, N, H] over it. The inputs' page ids count from first_page: the
     layer's own pages of a stacked cache. sliding_window: a sliding-window layer, which
     sees the last `sliding_window` positions and whose pages are the sliding KV group's
     (inputs.sliding_slot_mapping / sliding_page_table, when the batch has them).
+    horizon: int32[T] the last position each token sees (Gemma 4's image tokens on its
+    sliding layers: their whole image); None: causal.
 
     Under a mesh each device does this for its own heads only (shard_map over the
     model axis): attention is independent per KV head, so no collective is needed
@@ -326,10 +329,10 @@ def paged_attention(q: jax.Array, k: jax.Array | None, v: jax.Array | None, cach
     heads, kv = heads_spec(3, 1), heads_spec(cache.ndim, KV_HEAD_AXIS)
     rep = PartitionSpec()
     scale = rep if kv_scale is None else heads_spec(2, 0)
-    fn = over_model_axis(local, in_specs=(heads, heads, heads, kv, scale, rep, rep, rep, rep, rep, rep),
-                         out_specs=(heads, kv))
+    fn = over_model_axis(local, in_specs=(heads, heads, heads, kv, scale, rep, rep, rep, rep, rep, rep,
+                                          rep), out_specs=(heads, kv))
     return fn(q, k, v, cache, kv_scale, slots, inputs.seq_lens, page_table,
-              inputs.query_start_loc, inputs.num_seqs, jnp.asarray(first_page, jnp.int32))
+              inputs.query_start_loc, inputs.num_seqs, jnp.asarray(first_page, jnp.int32), horizon)
 
 
 def activation(cfg: ModelConfig) -> Callable[[jax.Array], jax.Array]:

@@ -25,7 +25,8 @@ def scheduler_config(config: EngineConfig, layout: EngineLayout, plan: CachePlan
         num_lookahead_tokens=spec.num_lookahead_tokens if spec else 0,
         drop_last_hit_page=spec is not None and spec.method == MTP,
         encoder_cache_rows=vision.num_rows if vision else 0,
-        encoder_budget=vision.budget if vision else 0)
+        encoder_budget=vision.budget if vision else 0,
+        whole_images=bool(vision) and layout.model_config.image_attention_both_ways)
 
 
 def runner_config(config: EngineConfig, layout: EngineLayout, plan: CachePlan) -> RunnerConfig:

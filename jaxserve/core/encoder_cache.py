@@ -39,12 +39,13 @@ class _Entry:
 
 
 class EncoderCache:
-    def __init__(self, num_rows: int, budget: int) -> None:
+    def __init__(self, num_rows: int, budget: int, whole_images: bool = False) -> None:
         if num_rows <= 0 or budget <= 0:
             raise ValueError(f"encoder cache rows and budget must be positive, got "
                              f"{num_rows} and {budget}")
         self.num_rows = num_rows
         self.budget = budget
+        self.whole_images = whole_images   # a chunk never ends inside an image (Gemma 4)
         self._free_rows = list(range(num_rows - 1, -1, -1))
         self._entries: dict[str, _Entry] = {}
         self._unused: OrderedDict[str, None] = OrderedDict()   # LRU of entries no one holds
@@ -59,7 +60,8 @@ class EncoderCache:
     def fit(self, request: Request, start: int, num_new: int) -> int:
         """How many of the num_new tokens from `start` the step can compute given the
         images they reach: up to the first image that is neither cached nor fits this
-        step's budget and the free (or evictable) rows. Changes nothing."""
+        step's budget and the free (or evictable) rows (with whole_images, or that the
+        chunk would end inside). Changes nothing."""
         reached = [im for im in request.images
                    if im.offset < start + num_new and im.offset + im.length > start]
         if not reached:
@@ -69,6 +71,8 @@ class EncoderCache:
         spare = len(self._free_rows) + sum(len(self._entries[h].rows) for h in self._unused
                                            if h not in hits)
         for im in reached:
+            if self.whole_images and start <= im.offset < start + num_new < im.offset + im.length:
+                return im.offset - start
             if im.content_hash in hits:
                 continue
             if im.length > budget or im.length > spare:

@@ -166,6 +166,10 @@ class Request:
         """Its images' spans and hashes (multimodal ImageInput), () for a text prompt."""
         return () if self.multi_modal is None else self.multi_modal.images
 
+    def splits_image(self, position: int) -> bool:
+        """Whether `position` falls strictly inside an image's placeholder tokens."""
+        return any(im.offset < position < im.offset + im.length for im in self.images)
+
     def _images_in(self, start: int, end: int) -> tuple[str, ...]:
         """Content hashes of the images whose placeholder tokens overlap [start, end)."""
         return tuple(im.content_hash for im in self.images

@@ -51,9 +51,10 @@ class Scheduler(SpecDecodeScheduling):
                                  sliding_window=c.sliding_window,
                                  num_snapshot_slots=c.num_snapshot_slots,
                                  spec_backups=c.num_speculative_tokens > 0,
-                                 drop_last_hit_page=c.drop_last_hit_page)
+                                 drop_last_hit_page=c.drop_last_hit_page,
+                                 whole_images=c.whole_images)
         # Vision-language models serving images: which embeddings the runner holds.
-        self.encoder = EncoderCache(c.encoder_cache_rows, c.encoder_budget) \
+        self.encoder = EncoderCache(c.encoder_cache_rows, c.encoder_budget, c.whole_images) \
             if c.encoder_cache_rows else None
         self.requests: dict[str, Request] = {}  # unfinished only
         self.running: list[Request] = []

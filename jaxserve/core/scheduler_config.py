@@ -20,7 +20,8 @@ class SchedulerConfig:
     this many positions past the chunk (a model drafter writes its KV there).
     drop_last_hit_page: see KVCacheManager (an MTP drafter). encoder_cache_rows /
     encoder_budget: image embedding rows the runner's encoder cache holds, and the most a
-    step encodes (core/encoder_cache.py); 0: the engine serves no images."""
+    step encodes (core/encoder_cache.py); 0: the engine serves no images. whole_images:
+    a chunk (and a prefix hit) never ends inside an image (Gemma 4)."""
     num_pages: int
     page_size: int
     max_num_seqs: int
@@ -37,6 +38,7 @@ class SchedulerConfig:
     drop_last_hit_page: bool = False
     encoder_cache_rows: int = 0
     encoder_budget: int = 0
+    whole_images: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_pages", "page_size", "max_num_seqs", "max_num_batched_tokens",

@@ -20,8 +20,7 @@ from jaxserve.engine.grammar import GrammarCompiler
 from jaxserve.errors import InputError
 from jaxserve.multimodal.chat_parts import split_images
 from jaxserve.config.media import MediaConfig
-from jaxserve.multimodal.front import (ImageFront, MultiModalInputs,
-                                       check_engine_serves_images)
+from jaxserve.multimodal.front import ImageFront, MultiModalInputs
 from jaxserve.sampling_params import (MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS_TOKENS,
                                       MAX_BANNED_TOKENS, MAX_LOGPROBS, SamplingParams, is_int,
                                       logprobs_limit)
@@ -191,7 +190,6 @@ class InputProcessor:
                 if isinstance(prompt, str) or params.truncate_prompt_tokens is not None:
                     raise InputError("images need prompt token ids with their placeholders "
                                      "expanded, and no truncate_prompt_tokens", "prompt")
-                check_engine_serves_images(self.image_front, multi_modal)
                 request = replace(request, multi_modal=multi_modal)
         except InputError:
             with self._count_lock:

@@ -20,7 +20,6 @@ from jaxserve.config.media import MediaConfig
 from jaxserve.multimodal.media import load_image, to_rgb
 from models.vision.processing import (ImageTokens, expand_image_tokens, load_image_processor,
                                       preprocess, vision_family)
-from models.vision.tower import VisionTower
 
 
 # Threads that fetch and decode a request's images (shared by all requests).
@@ -43,13 +42,6 @@ class MultiModalInputs:
     images: tuple[ImageInput, ...]
 
 
-def check_engine_serves_images(front: ImageFront, multi_modal: MultiModalInputs | None) -> None:
-    """THE one place that refuses images which passed every check: the engine serves
-    Qwen3.5/3.6's images; a tower it does not serve yet says why (VisionTower.not_served)."""
-    if multi_modal is not None and multi_modal.images and front.not_served is not None:
-        raise InputError(front.not_served, "messages")
-
-
 def content_hash(image: Any, processor_kwargs: dict[str, Any]) -> str:
     h = hashlib.sha256()
     h.update(f"{image.mode} {image.size} ".encode())
@@ -60,7 +52,8 @@ def content_hash(image: Any, processor_kwargs: dict[str, Any]) -> str:
 
 class ImageFront:
     """refusal: why this server takes no images (text-only model, --language-model-only,
-    no image processor), or None. Any thread may call it."""
+    no image processor, an attention backend without the model's image mask:
+    build/vision.py), or None. Any thread may call it."""
 
     def __init__(self, model_dir: str | None, model_config: dict[str, Any], media: MediaConfig,
                  refusal: str | None = None):
@@ -70,11 +63,9 @@ class ImageFront:
         self._processor = None
         self._fetchers: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
-        self.not_served: str | None = None
         if refusal is None:
             self.family = vision_family(model_config)
             self.tokens = ImageTokens.from_config(model_config)
-            self.not_served = VisionTower.from_config(model_config).not_served()
 
     @classmethod
     def for_model(cls, model_dir: str, media: MediaConfig, *,

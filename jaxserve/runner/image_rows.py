@@ -9,6 +9,9 @@ Qwen3.5/3.6 (mrope): a prompt's positions come from models/vision/mrope.py, comp
 when its row is added and kept with the row; every later token (generated, or past the
 prompt of a resumed request) is at index + delta on all three axes. A row without
 images has delta 0: its three axes are the plain position.
+
+Gemma 4 (image_attention_both_ways): each token's horizon, the last position it sees on
+the sliding layers: an image token's image's last position, any other token's own.
 """
 from __future__ import annotations
 
@@ -22,10 +25,11 @@ from models.vision.mrope import mrope_positions
 
 class ImageRows:
     """mrope: (image token id, spatial merge size) when the model takes 3-axis positions
-    (Qwen3.5/3.6), else None."""
+    (Qwen3.5/3.6), else None; horizon: the step carries image_horizon (Gemma 4)."""
 
-    def __init__(self, max_num_seqs: int, mrope: tuple[int, int] | None):
-        self.mrope = mrope
+    def __init__(self, max_num_seqs: int, mrope: tuple[int, int] | None,
+                 horizon: bool = False):
+        self.mrope, self.horizon = mrope, horizon
         # Per row: its images as (offset, length, content hash), and its prompt's 3-axis
         # positions int32[3, prompt] (None: a row without images).
         self.spans: list[tuple[tuple[int, int, str], ...]] = [()] * max_num_seqs
@@ -63,11 +67,14 @@ class ImageRows:
     def step_inputs(self, rows: np.ndarray, cu: np.ndarray, row_of_token: np.ndarray,
                     positions: np.ndarray, t: int) -> dict[str, np.ndarray]:
         """The step's ModelInputs image fields for its tokens (the first len(positions)
-        of t; cu: each batch row's first token): image_rows int32[t] (-1: text) and, for
-        an mrope model, mrope_positions int32[3, t]."""
+        of t; cu: each batch row's first token): image_rows int32[t] (-1: text), for an
+        mrope model mrope_positions int32[3, t], with horizon image_horizon int32[t]."""
         n = len(positions)
         image_rows = np.full(t, -1, np.int32)
         out = {"image_rows": image_rows}
+        if self.horizon:
+            horizon = out["image_horizon"] = np.zeros(t, np.int32)
+            horizon[:n] = positions
         if self.mrope is not None:
             mrope = np.zeros((3, t), np.int32)
             mrope[:, :n] = positions + self.delta[row_of_token]
@@ -85,4 +92,6 @@ class ImageRows:
                 sel = (pos >= offset) & (pos < offset + length)
                 if sel.any():
                     image_rows[a:b][sel] = self.rows_of[h][pos[sel] - offset]
+                    if self.horizon:
+                        horizon[a:b][sel] = offset + length - 1
         return out

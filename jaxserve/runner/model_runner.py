@@ -124,7 +124,9 @@ class ModelRunner(RunnerWarmup):
                                 sliding=c.num_sliding_pages > 0,
                                 num_state_slots=c.num_state_slots,
                                 num_speculative_tokens=c.num_speculative_tokens,
-                                images=vision and ImageRows(c.max_num_seqs, _mrope(vision, model)))
+                                images=vision and ImageRows(
+                                    c.max_num_seqs, _mrope(vision, model),
+                                    horizon=model.config.image_attention_both_ways))
         self.num_state_slots = c.num_state_slots
         # The stacked caches (models/layer_stack.py): KV heads as stored on this mesh.
         cache_kw = dict(num_pages=c.num_pages, page_size=c.page_size, kv_dtype=c.kv_dtype,

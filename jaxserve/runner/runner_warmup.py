@@ -95,6 +95,8 @@ class RunnerWarmup:
         out = {"image_rows": np.full(t, -1, np.int32), "image_embeds": self.encoder.cache}
         if self.batch.images.mrope is not None:
             out["mrope_positions"] = np.zeros((3, t), np.int32)
+        if self.batch.images.horizon:
+            out["image_horizon"] = np.zeros(t, np.int32)
         return out
 
     def _put(self, x: np.ndarray) -> Any:

@@ -21,9 +21,6 @@ from models.vision.processing import GEMMA4, ImageTokens, ProcessedImage, vision
 
 # The smallest patch bucket of a Qwen encoder call (4 image tokens).
 _SMALLEST_PATCHES = 16
-_NOT_SERVED = {GEMMA4: "Gemma 4 image inputs are parsed but not yet served by the engine: "
-                       "its sliding layers' bidirectional image mask is not wired into the "
-                       "attention yet"}
 
 
 def _ladder(smallest: int, largest: int) -> tuple[int, ...]:
@@ -84,10 +81,6 @@ class VisionTower:
         return self._module.encode(params, self.config, pixels, inputs)
 
     # ---- serving: buckets, warmup images and where each output row goes ----------------
-    def not_served(self) -> str | None:
-        """Why the engine does not serve this tower's images yet, or None."""
-        return _NOT_SERVED.get(self.family)
-
     def max_tokens(self, processor: Any) -> int:
         """The most image tokens (tower output rows) the processor gives one image: Gemma 4's
         max_soft_tokens; Qwen's max_pixels (its resize keeps h x w under it, both multiples

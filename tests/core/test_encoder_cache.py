@@ -98,3 +98,28 @@ def test_scheduler_stops_a_chunk_before_an_image_that_waits_for_the_encoder():
     # into the rows a leaves.
     assert list(out.scheduled()) == [("r", 14, 1), ("s", 2, 19)]
     assert out.encoder_frees == ["a"] and [j.image.content_hash for j in out.encoder_jobs] == ["b"]
+
+
+def test_whole_images_chunks_and_hits_never_end_inside_an_image():
+    """Gemma 4: image tokens see their whole image, so a chunk stops before an image it
+    cannot hold whole (cached or not) and a prefix hit ends outside every image."""
+    cache = EncoderCache(num_rows=64, budget=64, whole_images=True)
+    r = request("r", 40, image(6, 10, "a"), image(20, 12, "b"))
+    assert cache.fit(r, 0, 12) == 6            # would end inside a
+    assert cache.fit(r, 0, 18) == 18           # holds a whole, stops before b
+    assert cache.fit(r, 0, 25) == 20           # would end inside b
+    cache.commit(r, 0, 18)
+    assert cache.fit(r, 6, 8) == 0             # a cached, still not split
+    sched = Scheduler(SchedulerConfig(num_pages=64, page_size=PAGE, max_num_seqs=4,
+                                      max_num_batched_tokens=40, max_model_len=64,
+                                      encoder_cache_rows=64, encoder_budget=40,
+                                      whole_images=True))
+    first = request("first", 30, image(6, 10, "a"))
+    sched.add_request(first)
+    out = sched.schedule()
+    sched.update_from_output(out, {"first": 5})
+    again = request("again", 30, image(6, 10, "a"))
+    hit_pages, num_hit = sched.kv.get_computed_pages(again)
+    assert num_hit == 28 and not again.splits_image(num_hit)   # 7 full pages, past a
+    cut = request("cut", 14, image(6, 10, "a"))                 # 3 full pages, image to 16
+    assert sched.kv.get_computed_pages(cut)[1] == 4             # 8 and 12 are inside a

@@ -45,18 +45,21 @@ def llm(checkpoint) -> LLM:
                max_num_batched_tokens=BUDGET)
 
 
-def reference(path: str, ids: list[int], images: list) -> tuple[list[int], list[float]]:
-    """transformers' generate (float32, greedy) on the prompt ids and the images'
-    pixels from the checkpoint's image processor: (tokens, their logprobs)."""
+def reference(path: str, ids: list[int], images: list, kind: str = "qwen3_5"
+              ) -> tuple[list[int], list[float]]:
+    """transformers' generate (float32, greedy) of the full vision-language model on the
+    prompt ids and the images' pixels from the checkpoint's image processor: (tokens,
+    their logprobs)."""
     from transformers import AutoImageProcessor
-    model = model_class("qwen3_5").from_pretrained(path, dtype=torch.float32).eval()
+    model = model_class(kind).from_pretrained(path, dtype=torch.float32).eval()
     input_ids = torch.tensor([ids])
     kw = {}
     if images:
         px = AutoImageProcessor.from_pretrained(path, backend="pil")(images=images,
                                                                       return_tensors="pt")
-        kw = dict(pixel_values=px["pixel_values"], image_grid_thw=px["image_grid_thw"],
-                  mm_token_type_ids=(input_ids == model.config.image_token_id).int())
+        kw = {k: px[k] for k in ("pixel_values", "image_grid_thw", "image_position_ids")
+              if k in px}
+        kw["mm_token_type_ids"] = (input_ids == model.config.image_token_id).int()
     with torch.no_grad():
         out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
                              max_new_tokens=NUM_NEW, do_sample=False, output_logits=True,

@@ -2,8 +2,7 @@
 messages with image_url parts and offline multi_modal_data become prompt ids whose image
 placeholders are expanded exactly as transformers' chat template + image processor +
 replace_image_token give, plus a payload (pixels, spans, content hashes); every bad image
-is an InputError naming the field; the offline paths hand the engine the same payload;
-Gemma 4's images are still refused (its sliding layers' image mask is not wired yet)."""
+is an InputError naming the field; the offline paths hand the engine the same payload."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -239,9 +238,8 @@ def test_http_urls_with_size_and_time_limits(checkpoints):
         srv.close()
 
 
-def test_engine_request_refuses_images_until_served(inputs):
-    p = inputs["gemma4_vl"]
-    ids, mm = p.render_chat_mm([{"role": "user", "content": parts("hi", A)}])
-    with pytest.raises(InputError, match="not yet served by the engine"):
-        p.process("r", ids, SamplingParams(max_tokens=4), multi_modal=mm)
-    assert p.process("r", ids[:3], SamplingParams(max_tokens=4)).multi_modal is None
+def test_engine_request_carries_the_images(inputs):
+    for p in inputs.values():
+        ids, mm = p.render_chat_mm([{"role": "user", "content": parts("hi", A)}])
+        assert p.process("r", ids, SamplingParams(max_tokens=4), multi_modal=mm).multi_modal is mm
+        assert p.process("r", ids[:3], SamplingParams(max_tokens=4)).multi_modal is None
