@@ -70,6 +70,9 @@ class ModelConfig:
     linear_value_head_dim: int = 0
     linear_conv_kernel_dim: int = 0
     partial_rotary_factor: float = 1.0               # RoPE on the first head_dim * this dims
+    # Qwen3.5/3.6: rotary frequencies per position axis (temporal, row, column) of images'
+    # 3-axis positions, interleaved (models/vision/mrope.py); () = one position axis.
+    mrope_section: tuple[int, ...] = ()
     attn_output_gate: bool = False                   # q_proj also gives a sigmoid output gate
     norm_plus_one: bool = False                      # RMSNorm weight applied as (1 + w)
     # As published: the checkpoint's quantization_config. In the engine's run config
@@ -98,6 +101,11 @@ class ModelConfig:
     use_double_wide_mlp: bool = False
     hidden_size_per_layer_input: int = 0             # per-layer embeddings (0: none)
     vocab_size_per_layer_input: int = 0
+    pad_token_id: int = 0                            # per-layer embeddings' id at image tokens
+    # Image tokens see their whole image on the sliding layers (Gemma 4's
+    # use_bidirectional_attention "vision"): chunks never cut an image, prefix hits end
+    # outside images, the step carries ModelInputs.image_horizon.
+    image_attention_both_ways: bool = False
     # Qwen3.5/3.6: multi-token-prediction layers the checkpoint ships (tensors mtp.*,
     # models/mtp.py; served for speculative decoding), and whether they bring their own
     # embedding (not supported).

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from models.config import SLIDING_ATTENTION, ModelConfig
-from models.inputs import ModelInputs
+from models.inputs import ModelInputs, merge_image_embeds
 from models.layer_stack import KV_KIND, KV_SCALES, per_layer
 from models.layers import (MLP, Einsum, Embed, RMSNorm, activation, apply_rope, kv_heads_axis,
                            logical_param, paged_attention, rope_inv_freq)
@@ -77,7 +77,8 @@ class Gemma4Attention(nn.Module):
         else:
             o, cache = paged_attention(q, k, v, cache, inputs, first_page, sm_scale=1.0,
                                        backend=self.attention_backend, kv_scale=kv_scale,
-                                       sliding_window=cfg.sliding_window if sliding else None)
+                                       sliding_window=cfg.sliding_window if sliding else None,
+                                       horizon=inputs.image_horizon if sliding else None)
         out = Einsum("TNH,NHE->TE", (N, H, E), ("heads", "head_dim", "embed"), 2, bias, dt,
                      quant=wq, name="o_proj")(o)
         return out, cache
@@ -170,13 +171,17 @@ class Gemma4ForCausalLM(LlamaForCausalLM):
     def embed(self, inputs: ModelInputs) -> tuple[jax.Array, dict[str, Any]]:
         cfg, dt = self.config, self.dtype
         E = cfg.hidden_size
-        # transformers scales in the weights' dtype (sqrt(E) rounded to it in bfloat16).
-        x = self.embed_tokens(inputs.token_ids) * jnp.asarray(E ** 0.5, dt)
+        # transformers scales in the weights' dtype (sqrt(E) rounded to it in bfloat16);
+        # image tokens take their (unscaled) soft tokens.
+        x = merge_image_embeds(self.embed_tokens(inputs.token_ids) * jnp.asarray(E ** 0.5, dt),
+                               inputs)
         P = cfg.hidden_size_per_layer_input
         if not P:
             return x, {}
         L = cfg.num_layers
-        tokens = self.embed_tokens_per_layer(inputs.token_ids) * jnp.asarray(P ** 0.5, dt)
+        ids = inputs.token_ids if inputs.image_rows is None else \
+            jnp.where(inputs.image_rows >= 0, cfg.pad_token_id, inputs.token_ids)   # as HF
+        tokens = self.embed_tokens_per_layer(ids) * jnp.asarray(P ** 0.5, dt)
         proj = self.per_layer_model_projection(x) * jnp.asarray(E ** -0.5, dt)   # [T, L*P]
         proj = self.per_layer_projection_norm(proj.reshape(-1, L, P))
         combined = (proj + tokens.reshape(-1, L, P)) * jnp.asarray(2 ** -0.5, dt)

@@ -92,6 +92,8 @@ def gemma4_fields(architecture: str, d: dict[str, Any], t: dict[str, Any]) -> di
         use_double_wide_mlp=bool(t.get("use_double_wide_mlp", False)),
         hidden_size_per_layer_input=ple,
         vocab_size_per_layer_input=int(t.get("vocab_size_per_layer_input") or 0) if ple else 0,
+        pad_token_id=int(t.get("pad_token_id") or 0),
+        image_attention_both_ways=t.get("use_bidirectional_attention") == "vision",
     )
 
 

@@ -98,6 +98,7 @@ def _fields(architecture: str, d: dict[str, Any], t: dict[str, Any]) -> dict[str
         bos_token_id=t.get("bos_token_id", d.get("bos_token_id")),
         **_moe_fields(t, hybrid),
         partial_rotary_factor=rotary_factor,
+        mrope_section=_mrope_section(t) if hybrid else (),
         **_linear_attention_fields(t, num_layers, hybrid),
     )
 
@@ -135,6 +136,12 @@ def _linear_attention_fields(t: dict[str, Any], num_layers: int, hybrid: bool) -
         num_mtp_layers=int(t.get("mtp_num_hidden_layers") or 0) if hybrid else 0,
         mtp_dedicated_embeddings=bool(t.get("mtp_use_dedicated_embeddings", False)),
     )
+
+
+def _mrope_section(t: dict[str, Any]) -> tuple[int, ...]:
+    """Qwen3.5's frequencies per position axis (transformers' default when absent)."""
+    params = t.get("rope_parameters") or t.get("rope_scaling") or {}
+    return tuple(int(n) for n in params.get("mrope_section") or (11, 11, 10))
 
 
 def _parse_rope(t: dict[str, Any], max_pos: int, allow_partial: bool = False

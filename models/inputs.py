@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from flax import struct
 
 
@@ -33,3 +34,22 @@ class ModelInputs:
     # LoRA (None: off): each token's adapter slot (0 = none, padding too); the runner
     # turns it into the forward's LoRA variables (models/lora/slots.forward_variables).
     lora_slot_ids: jax.Array | None = None          # int32[T]
+    # Vision-language models serving images (None otherwise). mrope_positions: Qwen3.5's
+    # 3-axis positions (temporal, row, column; text tokens: `positions` on each axis).
+    # image_rows: the row of image_embeds holding each token's embedding, -1 for a text
+    # token; image_embeds: the runner's encoder cache [C, E] (read only here).
+    mrope_positions: jax.Array | None = None        # int32[3, T]
+    # Gemma 4 (use_bidirectional_attention "vision"): the last position each token sees on
+    # the sliding layers (an image token: its image's last; others: their own).
+    image_horizon: jax.Array | None = None          # int32[T]
+    image_rows: jax.Array | None = None             # int32[T]
+    image_embeds: jax.Array | None = None           # [C, E]
+
+
+def merge_image_embeds(x: jax.Array, inputs: ModelInputs) -> jax.Array:
+    """Token embeddings x [T, E] with each image token's row taken from the encoder cache
+    (unscaled, as both families put them in)."""
+    if inputs.image_rows is None or inputs.image_embeds is None:
+        return x
+    rows = inputs.image_embeds[jnp.maximum(inputs.image_rows, 0)].astype(x.dtype)
+    return jnp.where((inputs.image_rows >= 0)[:, None], rows, x)

@@ -194,13 +194,34 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
     """Rotate-half RoPE on the first 2 * len(inv_freq) dims of x [T, n, H] (dim i pairs
-    with i + len(inv_freq)); the rest pass through (partial RoPE) at positions int32[T]."""
+    with i + len(inv_freq)); the rest pass through (partial RoPE) at positions int32[T],
+    or int32[T, rot/2]: a position per frequency (mrope_positions)."""
     rot = 2 * len(inv_freq)
-    freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]   # [T, rot/2]
+    if positions.ndim == 1:
+        positions = positions[:, None]
+    freqs = positions.astype(jnp.float32) * jnp.asarray(inv_freq)[None, :]   # [T, rot/2]
     cos, sin = jnp.cos(freqs)[:, None, :], jnp.sin(freqs)[:, None, :]
     x1, x2 = jnp.split(x[..., :rot].astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
     return out if rot == x.shape[-1] else jnp.concatenate([out, x[..., rot:]], axis=-1)
+
+
+def mrope_axes(section: tuple[int, ...], num_freqs: int) -> np.ndarray:
+    """Qwen3.5's interleaved 3-axis RoPE: the position axis (0 temporal, 1 row, 2 column)
+    each frequency rotates by (transformers' recomposition_frequencies)."""
+    i = np.arange(num_freqs)
+    axes = np.zeros(num_freqs, np.int32)
+    axes[(i % 3 == 1) & (i < 3 * section[1])] = 1
+    axes[(i % 3 == 2) & (i < 3 * section[2])] = 2
+    return axes
+
+
+def mrope_positions(inputs: ModelInputs, section: tuple[int, ...], num_freqs: int) -> jax.Array:
+    """Each token's position per rotary frequency, int32[T, num_freqs], from the step's
+    3-axis positions; the plain positions when the step has none or the model uses one axis."""
+    if not section or inputs.mrope_positions is None:
+        return inputs.positions
+    return inputs.mrope_positions[jnp.asarray(mrope_axes(section, num_freqs))].T
 
 
 # ---- attention and MLP -------------------------------------------------------
@@ -246,8 +267,9 @@ class Attention(nn.Module):
             q = RMSNorm(H, cfg.rms_norm_eps, dt, cfg.norm_plus_one, name="q_norm")(q)
             k = RMSNorm(H, cfg.rms_norm_eps, dt, cfg.norm_plus_one, name="k_norm")(k)
         inv_freq = rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling)
-        q = apply_rope(q, inputs.positions, inv_freq)
-        k = apply_rope(k, inputs.positions, inv_freq)
+        positions = mrope_positions(inputs, cfg.mrope_section, len(inv_freq))
+        q = apply_rope(q, positions, inv_freq)
+        k = apply_rope(k, positions, inv_freq)
         if self.is_initializing():
             # init only needs parameter shapes; the cache layout belongs to the kernel
             # module, so init callers may pass any placeholder cache.
@@ -264,8 +286,8 @@ class Attention(nn.Module):
 
 @partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "impl", "interpret"))
 def _write_and_attend(q, k, v, cache, kv_scale, slots, seq_lens, page_table, query_start_loc,
-                      num_seqs, first_page, *, sm_scale: float, sliding_window: int | None,
-                      impl: str, interpret: Any):
+                      num_seqs, first_page, horizon, *, sm_scale: float,
+                      sliding_window: int | None, impl: str, interpret: Any):
     """One device's part of paged_attention. A jit of its own: jax traces it once per
     shape, not once per layer (most of a forward's tracing on CPU, where the layers are
     a Python loop), and XLA inlines it, so the compiled program is the same."""
@@ -277,19 +299,22 @@ def _write_and_attend(q, k, v, cache, kv_scale, slots, seq_lens, page_table, que
         cache = write_kv(cache, k, v, slots, kv_scale=kv_scale)
     o = ragged_paged_attention(q, cache, seq_lens, page_table + first_page, query_start_loc,
                                num_seqs, sm_scale=sm_scale, sliding_window=sliding_window,
-                               impl=impl, interpret=interpret, kv_scale=kv_scale)
+                               impl=impl, interpret=interpret, kv_scale=kv_scale,
+                               horizon=horizon)
     return o, cache
 
 
 def paged_attention(q: jax.Array, k: jax.Array | None, v: jax.Array | None, cache: jax.Array,
                     inputs: ModelInputs, first_page: Any = 0, *, sm_scale: float, backend: str,
-                    kv_scale: jax.Array | None = None, sliding_window: int | None = None
-                    ) -> tuple[jax.Array, jax.Array]:
+                    kv_scale: jax.Array | None = None, sliding_window: int | None = None,
+                    horizon: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Writes k, v [T, K, H] into the cache (None: nothing to write, a KV-sharing layer),
     then attends q [T, N, H] over it. The inputs' page ids count from first_page: the
     layer's own pages of a stacked cache. sliding_window: a sliding-window layer, which
     sees the last `sliding_window` positions and whose pages are the sliding KV group's
     (inputs.sliding_slot_mapping / sliding_page_table, when the batch has them).
+    horizon: int32[T] the last position each token sees (Gemma 4's image tokens on its
+    sliding layers: their whole image); None: causal.
 
     Under a mesh each device does this for its own heads only (shard_map over the
     model axis): attention is independent per KV head, so no collective is needed
@@ -304,10 +329,10 @@ def paged_attention(q: jax.Array, k: jax.Array | None, v: jax.Array | None, cach
     heads, kv = heads_spec(3, 1), heads_spec(cache.ndim, KV_HEAD_AXIS)
     rep = PartitionSpec()
     scale = rep if kv_scale is None else heads_spec(2, 0)
-    fn = over_model_axis(local, in_specs=(heads, heads, heads, kv, scale, rep, rep, rep, rep, rep, rep),
-                         out_specs=(heads, kv))
+    fn = over_model_axis(local, in_specs=(heads, heads, heads, kv, scale, rep, rep, rep, rep, rep, rep,
+                                          rep), out_specs=(heads, kv))
     return fn(q, k, v, cache, kv_scale, slots, inputs.seq_lens, page_table,
-              inputs.query_start_loc, inputs.num_seqs, jnp.asarray(first_page, jnp.int32))
+              inputs.query_start_loc, inputs.num_seqs, jnp.asarray(first_page, jnp.int32), horizon)
 
 
 def activation(cfg: ModelConfig) -> Callable[[jax.Array], jax.Array]:

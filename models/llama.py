@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from models.config import FULL_ATTENTION, ModelConfig
-from models.inputs import ModelInputs
+from models.inputs import ModelInputs, merge_image_embeds
 from models.layer_stack import (KV, KV_KIND, KV_SCALE, KV_SCALES, cache_index, layer_period,
                                 num_owners, per_layer)
 from models.lora.ops import LORA, LORA_STEP
@@ -150,7 +150,7 @@ class LlamaForCausalLM(nn.Module):
 
     def embed(self, inputs: ModelInputs) -> tuple[jax.Array, dict[str, Any]]:
         """The token embeddings [T, E] and the riders the layers read (none here)."""
-        return self.embed_tokens(inputs.token_ids), {}
+        return merge_image_embeds(self.embed_tokens(inputs.token_ids), inputs), {}
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         """[N, E] final-normed hidden rows -> float32 logits [N, V]."""

@@ -22,6 +22,7 @@ from jaxserve.build.host_tier import (attach_host_tier, check_host_tier, describ
 from jaxserve.build.layout import EngineLayout, engine_layout, layout_cache_plan
 from jaxserve.build.loader import load_model
 from jaxserve.build.slices import runner_config, scheduler_config
+from jaxserve.build.vision import vision_parts
 from jaxserve.build.startup import (ALLOCATING_KV_CACHE, COMPILING, LOADING_WEIGHTS,
                                     StartupProgress)
 from jaxserve.checkpoints.converted import resolve_converted
@@ -29,6 +30,8 @@ from jaxserve.checkpoints.model_names import resolve_model, resolve_tokenizer
 from jaxserve.config import EngineConfig
 from jaxserve.core.scheduler_config import SchedulerConfig
 from jaxserve.errors import ConfigError
+from jaxserve.multimodal.front import ImageFront
+from jaxserve.runner.image_encoder import VisionParts
 from jaxserve.runner.lora_store import LoRAConfig, LoRAStore
 from jaxserve.runner.model_runner import ModelRunner
 from models.config import ModelConfig
@@ -99,14 +102,18 @@ class EngineParts:
 
 
 def build_parts(shape: ReplicaShape, progress: StartupProgress, *,
-                agree_num_pages: Callable[[int], int] | None = None) -> EngineParts:
+                agree_num_pages: Callable[[int], int] | None = None,
+                images: ImageFront | None = None) -> EngineParts:
     """Loads the weights (and a model drafter's), sizes the caches, builds the runner and
     compiles its programs, telling `progress` each phase. agree_num_pages: several
-    processes must build the same cache shape (multi-host: the smallest count of all)."""
+    processes must build the same cache shape (multi-host: the smallest count of all).
+    images: the front door's image side; the vision tower is loaded when it takes images."""
     config, mc, mesh, layout = shape.config, shape.model_config, shape.mesh, shape.layout
     progress.set_phase(LOADING_WEIGHTS, f"loading the weights of {config.model}")
     loaded = load_model(config, layout, mesh, on_progress=partial(_report_loading, progress))
     drafter = load_drafter(config, layout, mesh)
+    vision = images and vision_parts(images, layout.dtype, config.num_batched_tokens,
+                                     mc.image_attention_both_ways, layout.attention_backend)
     if mc.linear_attention_layers:
         logger.info("hybrid model: %d of %d layers are linear attention with recurrent "
                     "state, the other %d keep KV pages; prefix caching %s",
@@ -129,8 +136,8 @@ def build_parts(shape: ReplicaShape, progress: StartupProgress, *,
     if config.kv_offloading_size:
         check_host_tier(config, plan)
     runner = build_runner(config, layout, plan, model=loaded.model, params=loaded.params,
-                          mesh=mesh, drafter=drafter, lora=lora)
-    sched = scheduler_config(config, layout, plan)
+                          mesh=mesh, drafter=drafter, lora=lora, vision=vision)
+    sched = scheduler_config(config, layout, plan, vision)
     if config.kv_offloading_size:   # before warmup, which compiles its copy programs
         tier = attach_host_tier(config, runner)
         logger.info("%s", describe(tier, plan))
@@ -147,13 +154,14 @@ def build_parts(shape: ReplicaShape, progress: StartupProgress, *,
 
 def build_runner(config: EngineConfig, layout: EngineLayout, plan: CachePlan, *, model: Any,
                  params: Any, mesh: Mesh, drafter: DrafterParts | None,
-                 abstract: bool = False, lora: LoRAStore | None = None) -> ModelRunner:
+                 abstract: bool = False, lora: LoRAStore | None = None,
+                 vision: VisionParts | None = None) -> ModelRunner:
     """The replica's runner (and its model drafter's, if any); abstract: nothing
     allocated, for lowering only. lora: the adapters' store (default: made here when
     LoRA is on)."""
     return ModelRunner(
         runner_config(config, layout, plan), model=model, params=params, mesh=mesh,
-        abstract=abstract, lora=lora or lora_store(config, layout, model),
+        abstract=abstract, lora=lora or lora_store(config, layout, model), vision=vision,
         drafter=drafter and drafter.build(plan, config, layout, target_model=model, mesh=mesh,
                                           abstract=abstract))
 

@@ -6,13 +6,14 @@ from jaxserve.build.cache_plan import CachePlan
 from jaxserve.build.layout import EngineLayout
 from jaxserve.config import EngineConfig
 from jaxserve.core.scheduler_config import SchedulerConfig
+from jaxserve.runner.image_encoder import VisionParts
 from jaxserve.runner.runner_config import RunnerConfig
 from jaxserve.sampling_params import logprobs_limit
 from jaxserve.config.speculative import MTP
 
 
-def scheduler_config(config: EngineConfig, layout: EngineLayout,
-                     plan: CachePlan) -> SchedulerConfig:
+def scheduler_config(config: EngineConfig, layout: EngineLayout, plan: CachePlan,
+                     vision: VisionParts | None = None) -> SchedulerConfig:
     spec = config.speculative_config
     return SchedulerConfig(
         num_pages=plan.num_pages, page_size=plan.page_size, max_num_seqs=config.max_num_seqs,
@@ -23,7 +24,10 @@ def scheduler_config(config: EngineConfig, layout: EngineLayout,
         num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
         num_lookahead_tokens=spec.num_lookahead_tokens if spec else 0,
         drop_last_hit_page=spec is not None and spec.method == MTP,
-        max_loras=config.max_loras if config.enable_lora else 0)
+        max_loras=config.max_loras if config.enable_lora else 0,
+        encoder_cache_rows=vision.num_rows if vision else 0,
+        encoder_budget=vision.budget if vision else 0,
+        whole_images=bool(vision) and layout.model_config.image_attention_both_ways)
 
 
 def runner_config(config: EngineConfig, layout: EngineLayout, plan: CachePlan) -> RunnerConfig:

@@ -52,6 +52,7 @@ class KVCacheManager(HostHits):
     drop_last_hit_page (speculative decoding with an MTP layer): a prefix hit leaves out
     its last page, whose last position's MTP KV was computed from the token after the
     page, which the page's hash does not cover (another request's continuation).
+    whole_images (Gemma 4): a hit never ends inside an image (its tokens see each other).
 
     host: the prefix cache's host tier (core/host_hits.py), None: evicted pages are
     dropped. Not with a sliding-window group or drop_last_hit_page (build/ refuses).
@@ -61,7 +62,7 @@ class KVCacheManager(HostHits):
                  num_state_slots: int = 0, *, num_sliding_pages: int = 0,
                  sliding_window: int | None = None, num_snapshot_slots: int = 0,
                  spec_backups: bool = False, drop_last_hit_page: bool = False,
-                 host: HostCache | None = None) -> None:
+                 host: HostCache | None = None, whole_images: bool = False) -> None:
         if page_size <= 0:
             raise ValueError(f"page_size must be positive, got {page_size}")
         if num_state_slots < 0:
@@ -78,7 +79,7 @@ class KVCacheManager(HostHits):
         self.enable_caching = enable_caching
         self.state_slots = StateSlotPool(num_state_slots) if num_state_slots else None
         self.spec_backups = spec_backups and num_state_slots > 0
-        self.drop_last_hit_page = drop_last_hit_page
+        self.drop_last_hit_page, self.whole_images = drop_last_hit_page, whole_images
         # Hybrid prefix caching: snapshot slots follow the running requests' slots.
         self.snapshots = SnapshotCache(num_state_slots, num_snapshot_slots) \
             if num_state_slots and num_snapshot_slots else None
@@ -102,7 +103,7 @@ class KVCacheManager(HostHits):
         return len(self.pools)
 
     def _no_pages(self) -> GroupPages:
-        return ([],) if self.sliding_pool is None else ([], [])
+        return tuple([] for _ in self.pools)
 
     def _shares_pages(self, request: Request) -> bool:
         """Whether the request takes part in the prefix cache (hybrid models: only with
@@ -127,6 +128,8 @@ class KVCacheManager(HostHits):
                 break
             hit.append(b)
         if self.drop_last_hit_page and hit:
+            hit.pop()
+        while self.whole_images and hit and request.splits_image(len(hit) * self.page_size):
             hit.pop()
         extra = self._host_match(hashes, len(hit), min(max_pages, len(hashes)))
         if self.snapshots is not None:
@@ -395,8 +398,7 @@ class KVCacheManager(HostHits):
                     b.page_hash = None
 
     def free(self, request: Request) -> None:
-        """Give back all pages of the request, tail first, so that its last
-        pages are evicted before its (more shareable) first ones."""
+        """Give back the request's pages tail first (its last are evicted first)."""
         rp = self.req_pages.pop(request.request_id, None)
         if rp is not None:
             for pool, pages in zip(self.pools, rp.pages):
@@ -432,8 +434,7 @@ class KVCacheManager(HostHits):
 
     @property
     def usage(self) -> float:
-        """The global group's: the plan sizes a sliding group for max_num_seqs windows,
-        so the global one is what fills up."""
+        """The global group's (a sliding group is sized for max_num_seqs windows)."""
         return self.pool.get_usage()
 
     @property

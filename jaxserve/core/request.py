@@ -81,7 +81,7 @@ class Request:
         "arrival_time", "priority", "cache_salt", "cache_scope", "page_size",
         "output_token_ids", "all_token_ids", "num_computed_tokens",
         "num_cached_tokens", "num_preemptions", "status", "stop_reason",
-        "page_hashes", "spec_token_ids", "lora_request", "lora_slot",
+        "page_hashes", "spec_token_ids", "lora_request", "lora_slot", "multi_modal",
     )
 
     def __init__(
@@ -97,6 +97,7 @@ class Request:
         page_size: int,
         cache_scope: str | None = None,
         lora_request: Any = None,
+        multi_modal: Any = None,
     ) -> None:
         prompt = [int(t) for t in prompt_token_ids]
         if not prompt:
@@ -127,6 +128,10 @@ class Request:
         # Speculative decoding: tokens proposed to follow the last one, verified by the
         # next step that computes it (the runner's proposal; [] when none).
         self.spec_token_ids: list[int] = []
+        # Its images (multimodal.front.MultiModalInputs, read as `.images`, each with
+        # offset, length and content_hash) or None.
+        self.multi_modal = multi_modal if multi_modal is not None and multi_modal.images \
+            else None
         self._extend_page_hashes()
 
     @property
@@ -171,8 +176,24 @@ class Request:
             return None
         return self.cache_salt, self.cache_scope
 
+    @property
+    def images(self) -> tuple:
+        """Its images' spans and hashes (multimodal ImageInput), () for a text prompt."""
+        return () if self.multi_modal is None else self.multi_modal.images
+
+    def splits_image(self, position: int) -> bool:
+        """Whether `position` falls strictly inside an image's placeholder tokens."""
+        return any(im.offset < position < im.offset + im.length for im in self.images)
+
+    def _images_in(self, start: int, end: int) -> tuple[str, ...]:
+        """Content hashes of the images whose placeholder tokens overlap [start, end)."""
+        return tuple(im.content_hash for im in self.images
+                     if im.offset < end and im.offset + im.length > start)
+
     def _extend_page_hashes(self) -> None:
-        # Hash only the pages that became full; earlier ones never change.
+        # Hash only the pages that became full; earlier ones never change. A page holding
+        # image tokens mixes in those images' content hashes: the same placeholder ids
+        # with other pixels must never share a page (or a state snapshot keyed by it).
         ps = self.page_size
         hashes = self.page_hashes
         tokens = self.all_token_ids
@@ -180,6 +201,8 @@ class Request:
         while start + ps <= len(tokens):
             parent = hashes[-1] if hashes else None
             extra = self.salt_key if not hashes else None
+            if self.multi_modal is not None and (images := self._images_in(start, start + ps)):
+                extra = (extra, images)
             hashes.append(hash_page_tokens(parent, tuple(tokens[start:start + ps]), extra))
             start += ps
 

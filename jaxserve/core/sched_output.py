@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any, Iterator
 
+from jaxserve.core.encoder_cache import EncoderJob
+
 # One list of page ids per KV group, in group order.
 GroupPageIds = tuple[list[int], ...]
 
@@ -38,6 +40,7 @@ class NewRequestData:
     num_new_tokens: int           # tokens to compute this step
     state_slot: int = 0           # hybrid models: its recurrent-state slot (0 = none)
     lora_slot: int = 0            # its LoRA adapter's device slot (0 = the base model)
+    multi_modal: Any = None       # its images (multimodal MultiModalInputs), or None
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +104,10 @@ class SchedulerOutput:
     # LoRA: (slot, adapter) whose weights the runner writes into that device slot before
     # this step (the adapter is a LoRARequest: plain data a follower host loads too).
     lora_loads: list[tuple[int, Any]] = field(default_factory=list)
+    # Images: what the runner encodes into its encoder cache before this step's forward,
+    # after forgetting the evicted hashes (core/encoder_cache.py).
+    encoder_jobs: list[EncoderJob] = field(default_factory=list)
+    encoder_frees: list[str] = field(default_factory=list)
 
     @property
     def req_ids(self) -> list[str]:

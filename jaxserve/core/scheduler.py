@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Container, Iterable
 
+from jaxserve.core.encoder_cache import EncoderCache
 from jaxserve.core.host_cache import HostCache
 from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.lora_slots import LoRASlotManager, SchedulerLoRA
@@ -39,8 +40,11 @@ class Scheduler(SchedulerLoRA, SpecScheduling):
                                  num_snapshot_slots=c.num_snapshot_slots,
                                  spec_backups=c.num_speculative_tokens > 0,
                                  drop_last_hit_page=c.drop_last_hit_page,
-                                 host=HostCache.for_config(c))
+                                 host=HostCache.for_config(c), whole_images=c.whole_images)
         self.lora = LoRASlotManager(c.max_loras) if c.max_loras else None
+        # Vision-language models serving images: which embeddings the runner holds.
+        self.encoder = EncoderCache(c.encoder_cache_rows, c.encoder_budget, c.whole_images) \
+            if c.encoder_cache_rows else None
         self.requests: dict[str, Request] = {}  # unfinished only
         self.running: list[Request] = []
         self.waiting: deque[Request] | PriorityQueue = (
@@ -132,6 +136,8 @@ class Scheduler(SchedulerLoRA, SpecScheduling):
     def _release(self, req: Request) -> None:
         self._drop_lora_slot(req)
         self.kv.free(req)
+        if self.encoder is not None:
+            self.encoder.release(req)
         del self.requests[req.request_id]
         self._finished_ids.append(req.request_id)
 
@@ -160,6 +166,8 @@ class Scheduler(SchedulerLoRA, SpecScheduling):
     def _preempt(self, req: Request) -> None:
         self._drop_lora_slot(req)
         self.kv.free(req)
+        if self.encoder is not None:
+            self.encoder.release(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.spec_token_ids = []
@@ -178,7 +186,7 @@ class Scheduler(SchedulerLoRA, SpecScheduling):
         """Running requests, in order: decodes and unfinished prefill chunks (preempting
         from the back when pages run out). They go out as columns: the runner holds the
         rest of them."""
-        kv, running, budget = self.kv, self.running, step.budget
+        kv, running, budget, enc = self.kv, self.running, step.budget, self.encoder
         ids, starts, lens, pages, spec = step.ids, step.starts, step.lens, step.pages, step.spec
         # Hybrid prefix caching: chunks end where a state snapshot is to be kept.
         cuts = kv.snapshots is not None
@@ -199,6 +207,10 @@ class Scheduler(SchedulerLoRA, SpecScheduling):
                 num_new += self._num_drafts(req, budget - num_new - (len(running) - i - 1))
             if cuts and (cut := kv.state_cut(req, start)) is not None:
                 num_new = min(num_new, cut - start)
+            if (images := enc is not None and req.multi_modal is not None) and \
+                    (num_new := enc.fit(req, start, num_new)) <= 0:
+                i += 1   # its next image is not encoded and does not fit this step
+                continue
             ahead = self._lookahead(req, start + num_new) if self.num_lookahead_tokens else 0
             while (new_pages := kv.allocate_slots(req, num_new + ahead)) is None:
                 if ahead or start + num_new > req.num_tokens:
@@ -222,6 +234,8 @@ class Scheduler(SchedulerLoRA, SpecScheduling):
                     break
             else:
                 req.num_computed_tokens = start + num_new
+                if images:
+                    enc.commit(req, start, num_new)
                 if (num_drafts := start + num_new - req.num_tokens) > 0:
                     spec[req.request_id] = req.spec_token_ids[:num_drafts]
                     if kv.spec_backups:
@@ -242,7 +256,7 @@ class Scheduler(SchedulerLoRA, SpecScheduling):
         dropped its row), after its cached prefix. One whose LoRA adapter finds no slot
         stays waiting, in its place, and the next is tried."""
         kv, running, waiting, budget = self.kv, self.running, self.waiting, step.budget
-        cuts = kv.snapshots is not None
+        cuts, enc = kv.snapshots is not None, self.encoder
         skipped: list[Request] = []
         while waiting and budget > 0 and len(running) < self.max_num_seqs:
             req = self._peek_waiting()
@@ -257,6 +271,10 @@ class Scheduler(SchedulerLoRA, SpecScheduling):
             num_new = min(req.num_tokens - num_hit, budget - restore)
             if cuts and (cut := kv.state_cut(req, num_hit)) is not None:
                 num_new = min(num_new, cut - num_hit)
+            if (images := enc is not None and req.multi_modal is not None) and \
+                    (num_new := enc.fit(req, num_hit, num_new)) <= 0:
+                self._drop_lora_slot(req)
+                break   # its first image waits for encoder budget or rows
             ahead = self._lookahead(req, num_hit + num_new)
             if kv.allocate_slots(req, num_new + ahead, hit, num_hit) is None and (
                     not ahead or kv.allocate_slots(req, num_new, hit, num_hit) is None):
@@ -266,13 +284,15 @@ class Scheduler(SchedulerLoRA, SpecScheduling):
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
             req.num_computed_tokens = num_hit + num_new
+            if images:
+                enc.commit(req, num_hit, num_new)
             req.status = RequestStatus.RUNNING
             running.append(req)
             rid = req.request_id
             step.new_reqs.append(NewRequestData(
                 rid, req.prompt_token_ids, req.output_token_ids[:], req.sampling_params,
                 kv.get_group_page_ids(rid), num_hit, num_new, kv.get_state_slot(rid),
-                req.lora_slot))
+                req.lora_slot, req.multi_modal))
             budget -= num_new + restore
             step.restore_tokens += restore
         for req in reversed(skipped):
@@ -298,7 +318,9 @@ class Scheduler(SchedulerLoRA, SpecScheduling):
             kv.plan_state_saves(ends)
         if kv.snapshots is not None or kv.spec_backups:
             restores, saves = kv.take_state_copies()
+        jobs, frees = self.encoder.take() if self.encoder is not None else ([], [])
         return SchedulerOutput(
+            encoder_jobs=jobs, encoder_frees=frees,
             state_restores=restores, state_saves=saves, spec_token_ids=step.spec,
             host_copies=None if kv.host is None else kv.host.take_copies(),
             lora_loads=step.lora_loads, new_reqs=step.new_reqs,

@@ -24,7 +24,10 @@ class SchedulerConfig:
     dummy slot 0 of each included), host_page_bytes / host_state_bytes one slot's bytes,
     restore_cost its restore-or-recompute model (None: always restore).
     max_loras: LoRA adapters resident on the device at once (0: LoRA off;
-    core/lora_slots.py)."""
+    core/lora_slots.py).
+    encoder_cache_rows / encoder_budget: image embedding rows the runner's encoder cache
+    holds, and the most a step encodes (core/encoder_cache.py); 0: the engine serves no
+    images. whole_images: a chunk (and a prefix hit) never ends inside an image (Gemma 4)."""
     num_pages: int
     page_size: int
     max_num_seqs: int
@@ -45,6 +48,9 @@ class SchedulerConfig:
     host_state_bytes: int = 0
     restore_cost: RestoreCost | None = None
     max_loras: int = 0
+    encoder_cache_rows: int = 0
+    encoder_budget: int = 0
+    whole_images: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_pages", "page_size", "max_num_seqs", "max_num_batched_tokens",

@@ -57,6 +57,9 @@ class EngineCore:
         progress.set_phase(STARTING, "reading the model's config and tokenizer")
         config = resolve_sources(config)
         self.model_config = mc = ModelConfig.from_pretrained(config.model)
+        # Before the tokenizer's thread: two threads resolving transformers' lazy imports
+        # at once can fail ("cannot import name 'AutoImageProcessor'").
+        images = image_front(config)
         tokenizer = start_loading_tokenizer(config.tokenizer or config.model)
         shape = replica_shape(config, mc, mesh)
         self.mesh, self.config, self.layout = shape.mesh, shape.config, shape.layout
@@ -64,7 +67,7 @@ class EngineCore:
             (logger.warning if choice.fallback else logger.info)("%s", choice.describe())
         self.channel = self._open_channel()
         parts = build_parts(shape, progress, agree_num_pages=None if self.channel is None
-                            else multihost.agree_on_min)
+                            else multihost.agree_on_min, images=images)
         self.model, self.params, self.runner = parts.model, parts.params, parts.runner
         self.prefix_caching = self.config.enable_prefix_caching
         self.tokenizer = tokenizer.result()
@@ -75,7 +78,7 @@ class EngineCore:
                                      max_model_len=self.layout.max_model_len,
                                      eos_token_ids=eos_ids,
                                      max_logprobs=self.config.max_logprobs,
-                                     images=image_front(self.config), lora=self.runner.lora)
+                                     images=images, lora=self.runner.lora)
         self.scheduler = Scheduler(parts.scheduler_config)
         self.outputs = OutputProcessor(self.tokenizer, stream=stream_outputs)
         self.num_steps = 0
@@ -128,7 +131,8 @@ class EngineCore:
                     cid, prompt_token_ids, child, eos_token_id=self.info.eos_token_ids,
                     arrival_time=arrival, priority=request.priority,
                     cache_salt=request.cache_salt, cache_scope=scope,
-                    page_size=self.config.page_size, lora_request=request.lora_request))
+                    page_size=self.config.page_size, lora_request=request.lora_request,
+                    multi_modal=request.multi_modal))
                 added.append(cid)
         except BaseException as e:
             # Whatever went wrong, leave no half-added request behind.

@@ -21,8 +21,7 @@ from jaxserve.errors import InputError
 from jaxserve.lora_request import LoRARequest
 from jaxserve.multimodal.chat_parts import split_images
 from jaxserve.config.media import MediaConfig
-from jaxserve.multimodal.front import (ImageFront, MultiModalInputs,
-                                       check_engine_serves_images)
+from jaxserve.multimodal.front import ImageFront, MultiModalInputs
 from jaxserve.sampling_params import (MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS_TOKENS,
                                       MAX_BANNED_TOKENS, MAX_LOGPROBS, SamplingParams, is_int,
                                       logprobs_limit)
@@ -198,7 +197,6 @@ class InputProcessor:
                 if isinstance(prompt, str) or params.truncate_prompt_tokens is not None:
                     raise InputError("images need prompt token ids with their placeholders "
                                      "expanded, and no truncate_prompt_tokens", "prompt")
-                check_engine_serves_images(multi_modal)
                 request = replace(request, multi_modal=multi_modal)
             if lora_request is not None:
                 request = replace(request, lora_request=self.checked_lora(lora_request))

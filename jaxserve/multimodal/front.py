@@ -42,15 +42,6 @@ class MultiModalInputs:
     images: tuple[ImageInput, ...]
 
 
-def check_engine_serves_images(multi_modal: MultiModalInputs | None) -> None:
-    """THE one place that refuses images which passed every check: the engine does not
-    consume them yet (issue 42 part 3 wires the encoder into the step and removes this)."""
-    if multi_modal is not None and multi_modal.images:
-        raise InputError("image inputs are parsed but not yet served by the engine: this "
-                         "jaxserve checks and preprocesses images, but its engine does not "
-                         "run the vision tower yet", "messages")
-
-
 def content_hash(image: Any, processor_kwargs: dict[str, Any]) -> str:
     h = hashlib.sha256()
     h.update(f"{image.mode} {image.size} ".encode())
@@ -61,7 +52,8 @@ def content_hash(image: Any, processor_kwargs: dict[str, Any]) -> str:
 
 class ImageFront:
     """refusal: why this server takes no images (text-only model, --language-model-only,
-    no image processor), or None. Any thread may call it."""
+    no image processor, an attention backend without the model's image mask:
+    build/vision.py), or None. Any thread may call it."""
 
     def __init__(self, model_dir: str | None, model_config: dict[str, Any], media: MediaConfig,
                  refusal: str | None = None):

@@ -28,6 +28,7 @@ import numpy as np
 from jaxserve.core.sched_output import NewRequestData, SchedulerOutput
 from jaxserve.runner.batch_sampling import BatchSampling
 from jaxserve.runner.buckets import pick_bucket
+from jaxserve.runner.image_rows import ImageRows
 from jaxserve.runner.sampler import only_greedy
 from jaxserve.runner.sampling_tensors import PARAM_COLUMNS, mask_words, seed_to_key_data
 from jaxserve.runner.step_rows import HostBatch, ScheduledRows, state_copy_inputs
@@ -46,13 +47,15 @@ class InputBatch(BatchSampling):
     num_state_slots: recurrent-state slots per layer, null slot included (0: not a
     hybrid); the step's inputs then carry its state-slot copies.
     num_speculative_tokens: most drafts a row verifies (spec_decode.py); each is one more
-    sampler row, so logits_indices has max_num_seqs * (1 + it) entries."""
+    sampler row, so logits_indices has max_num_seqs * (1 + it) entries.
+    images: the rows' image side (runner/image_rows.py) when the engine serves images; the
+    step's inputs then carry each token's encoder-cache row (and Qwen's 3-axis positions)."""
 
     def __init__(self, *, max_num_seqs: int, max_model_len: int, page_size: int,
                  token_buckets: tuple[int, ...], vocab_size: int,
                  page_buckets: tuple[int, ...] | None = None, sliding: bool = False,
                  num_state_slots: int = 0, num_speculative_tokens: int = 0,
-                 lora: bool = False):
+                 lora: bool = False, images: ImageRows | None = None):
         self.max_num_seqs = r = max_num_seqs
         # The sampler's rows at most: every row with all its drafts.
         self.max_sample_rows = max_num_seqs * (1 + num_speculative_tokens)
@@ -60,6 +63,7 @@ class InputBatch(BatchSampling):
         # speculative decoding also a rollback and a backup per running row.
         self.max_state_copies = max_num_seqs * (2 if num_speculative_tokens else 1)
         self.num_state_slots = num_state_slots
+        self.images = images
         self.max_model_len = max_model_len
         self.page_size = page_size
         self.vocab_size = vocab_size
@@ -219,6 +223,8 @@ class InputBatch(BatchSampling):
                 for pt in self._page_tables:
                     pt[row, :self.num_pages[row]] = 0
                 self.num_pages[row] = 0
+                if self.images is not None:
+                    self.images.clear(row)
                 holes.append(row)
         if not holes:
             return
@@ -245,6 +251,8 @@ class InputBatch(BatchSampling):
             self.bias_ids[dst], self.bias[dst] = self.bias_ids[src], self.bias[src]
         self.dynamic[dst], self.dynamic[src] = self.dynamic[src], None
         self.num_pages[src] = 0
+        if self.images is not None:
+            self.images.move(src, dst)
 
     def _add(self, r: NewRequestData, eos_token_ids: tuple[int, ...]) -> int:
         if r.req_id in self.row_of:
@@ -270,6 +278,8 @@ class InputBatch(BatchSampling):
             self.lora_slots[row] = r.lora_slot
         elif r.lora_slot:
             raise ValueError(f"request {r.req_id!r} has LoRA slot {r.lora_slot}; LoRA is off")
+        if self.images is not None:
+            self.images.add(row, r.prompt_token_ids, r.multi_modal)
         sp = r.sampling_params
         for name, _, _ in PARAM_COLUMNS:
             getattr(self, name)[row] = getattr(sp, name)
@@ -385,6 +395,8 @@ class InputBatch(BatchSampling):
         copies = (state_copy_inputs(step.state_restores, step.state_saves,
                                     self.max_state_copies)
                   if self.num_state_slots else {})
+        if self.images is not None:
+            copies.update(self.images.step_inputs(rows, cu, row_of_token, positions_real, t))
         inputs = ModelInputs(
             token_ids=token_ids.copy(), positions=positions.copy(), slot_mapping=slots.copy(),
             query_start_loc=cu.copy(), seq_lens=seq_lens, page_table=page_table,

@@ -15,6 +15,8 @@ FORWARD, PROMPT_LOGPROBS, SAMPLE = "forward", "prompt_logprobs", "sample"
 DRAFT = "draft"
 # LoRA: an adapter's weights written into its device slot (models/lora/slots.py).
 LORA_SLOT = "lora_slot"
+# Images: the vision tower on one bucket, into the encoder cache (runner/image_encoder.py).
+ENCODE = "encode"
 # The sampler's programs: greedy rows only; any rows; any rows with penalties.
 GREEDY, RANDOM, PENALTIES = "greedy", "random", "penalties"
 
@@ -22,10 +24,12 @@ GREEDY, RANDOM, PENALTIES = "greedy", "random", "penalties"
 @dataclass(frozen=True)
 class Program:
     kind: str                             # FORWARD, PROMPT_LOGPROBS, SAMPLE, DRAFT, LORA_SLOT
+                                          # or ENCODE
     fn: Any                               # the jitted function (jax.jit(...))
     args: Callable[[], tuple]             # its arguments, built when called: the forward
                                           # takes the KV caches of that moment (donated)
-    tokens: int | None = None             # token bucket (forward, prompt logprobs)
+    tokens: int | None = None             # token bucket (forward, prompt logprobs; encode:
+                                          # its patch or image bucket)
     rows: int | None = None               # row bucket (sampler)
     pages: int | None = None              # page-table width (forward)
     mode: str | None = None               # sampler: GREEDY, RANDOM or PENALTIES

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 
 from jaxserve.runner.parallel_compile import compile_all, default_compile_workers
-from jaxserve.runner.programs import (DRAFT, FORWARD, GREEDY, LORA_SLOT, PENALTIES,
+from jaxserve.runner.programs import (DRAFT, ENCODE, FORWARD, GREEDY, LORA_SLOT, PENALTIES,
                                       PROMPT_LOGPROBS, RANDOM, SAMPLE, Program)
 from jaxserve.runner.sampling_tensors import make_sampling_tensors
 from jaxserve.runner.step_rows import state_copy_inputs
@@ -46,7 +46,8 @@ class RunnerWarmup:
                 state_slots=np.zeros(r_max, np.int32),
                 sliding_slot_mapping=z if sliding else None,
                 sliding_page_table=np.zeros((r_max, p), np.int32) if sliding else None,
-                lora_slot_ids=z if self.lora is not None else None, **copies)
+                lora_slot_ids=z if self.lora is not None else None,
+                **copies, **self._image_inputs(t))
             return (self.params, self.kv_caches, inputs,
                     np.zeros(self.batch.max_sample_rows, np.int32), *self._lora_args)
 
@@ -69,6 +70,8 @@ class RunnerWarmup:
 
         progs = [Program(FORWARD, self._forward, partial(forward_args, t, p), tokens=t, pages=p)
                  for t, p in itertools.product(self.token_buckets, self.batch.page_buckets)]
+        if self.encoder is not None:
+            progs += self.encoder.programs()
         progs.append(Program(PROMPT_LOGPROBS, self._prompt_logprobs,
                              partial(logprobs_args, self._max_tokens), tokens=self._max_tokens))
         if self.drafter is not None:
@@ -87,6 +90,18 @@ class RunnerWarmup:
             progs.append(Program(LORA_SLOT, self._write_lora, lambda: (
                 self.lora_stacks, np.int32(0), self.lora.empty_slot_rows())))
         return progs
+
+    def _image_inputs(self, t: int) -> dict[str, Any]:
+        """A forward's image fields as InputBatch.build and dispatch fill them (no image
+        token), or none when the runner serves no images."""
+        if self.encoder is None:
+            return {}
+        out = {"image_rows": np.full(t, -1, np.int32), "image_embeds": self.encoder.cache}
+        if self.batch.images.mrope is not None:
+            out["mrope_positions"] = np.zeros((3, t), np.int32)
+        if self.batch.images.horizon:
+            out["image_horizon"] = np.zeros(t, np.int32)
+        return out
 
     def _put(self, x: np.ndarray) -> Any:
         """x replicated on the mesh, as the forward's outputs are (abstract: its shape)."""
@@ -126,6 +141,8 @@ class RunnerWarmup:
                 self.drafter.caches = out[1]
             elif prog.kind == LORA_SLOT:
                 self.lora_stacks = out      # the old ones were donated
+            elif prog.kind == ENCODE:
+                self.encoder.cache = out
             jax.block_until_ready(out)
         if self.host_tier is not None:   # its offload and restore programs
             self.kv_caches = self.host_tier.warmup(self.kv_caches)

@@ -19,6 +19,19 @@ from models.vision.common import Params
 from models.vision.processing import GEMMA4, ImageTokens, ProcessedImage, vision_family
 
 
+# The smallest patch bucket of a Qwen encoder call (4 image tokens).
+_SMALLEST_PATCHES = 16
+
+
+def _ladder(smallest: int, largest: int) -> tuple[int, ...]:
+    """Powers of two from `smallest` below `largest`, then `largest`."""
+    out, b = [], smallest
+    while b < largest:
+        out.append(b)
+        b *= 2
+    return tuple(out) + (largest,)
+
+
 @dataclass(frozen=True)
 class VisionTower:
     family: str
@@ -66,6 +79,50 @@ class VisionTower:
     def encode(self, params: Params, pixels: jax.Array, inputs: dict[str, jax.Array]) -> jax.Array:
         """Jittable with `self` static."""
         return self._module.encode(params, self.config, pixels, inputs)
+
+    # ---- serving: buckets, warmup images and where each output row goes ----------------
+    def max_tokens(self, processor: Any) -> int:
+        """The most image tokens (tower output rows) the processor gives one image: Gemma 4's
+        max_soft_tokens; Qwen's max_pixels (its resize keeps h x w under it, both multiples
+        of patch x merge) over a merged patch's pixels."""
+        if self.family == GEMMA4:
+            return int(processor.max_soft_tokens)
+        size = processor.size
+        max_pixels = size["longest_edge"] if size.get("longest_edge") else processor.max_pixels
+        return int(max_pixels) // (self.config.patch_size ** 2 * self.config.merge_unit)
+
+    def buckets(self, max_tokens: int, budget: int) -> tuple[int, ...]:
+        """What encoder calls pad to: Qwen the patch count (powers of two from 16 patches
+        up to one largest image's), Gemma 4 the image count (1, 2, 4, ... up to a step's
+        budget of whole images)."""
+        if self.family == GEMMA4:
+            return _ladder(1, max(budget // max_tokens, 1))
+        largest = max_tokens * self.config.merge_unit
+        return _ladder(min(_SMALLEST_PATCHES, largest), largest)
+
+    def out_rows(self, images: Sequence[ProcessedImage], rows: Sequence[Sequence[int]],
+                 bucket: int, max_tokens: int, pad: int) -> np.ndarray:
+        """int32: for each row `encode` returns on these images packed into `bucket`, the
+        row of `rows` it goes to (`pad` for padding rows)."""
+        if self.family == GEMMA4:
+            dest = np.full((bucket, max_tokens), pad, np.int32)
+            for i, r in enumerate(rows):
+                dest[i, :len(r)] = r
+            return dest.reshape(-1)
+        dest = np.full(bucket // self.config.merge_unit, pad, np.int32)
+        flat = [x for r in rows for x in r]
+        dest[:len(flat)] = flat
+        return dest
+
+    def warmup_images(self, bucket: int, max_tokens: int) -> list[ProcessedImage]:
+        """Zero images that fill `bucket`, with the shapes serving's have."""
+        cfg = self.config
+        if self.family == GEMMA4:
+            n = max_tokens * cfg.pooling_kernel_size ** 2
+            return [ProcessedImage(np.zeros((n, 3 * cfg.patch_size ** 2), np.float32), 1,
+                                   position_ids=np.zeros((n, 2), np.int32))] * bucket
+        return [ProcessedImage(np.zeros((bucket, cfg.patch_dim), np.float32),
+                               bucket // cfg.merge_unit, grid=(1, 2, bucket // 2))]
 
     def unpack(self, out: Any, images: Sequence[ProcessedImage]) -> list[Any]:
         """Each image's embeddings [num_tokens, text_hidden] from `encode`'s output."""

@@ -45,7 +45,7 @@ def max_items(num_tokens: int, num_rows: int, block_q: int) -> int:
 def plan_items(query_start_loc: jax.Array, kv_lens: jax.Array, num_seqs: jax.Array, *,
                num_tokens: int, block_q: int, kv_step: int, page_size: int,
                sliding_window: int | None, row_mask: jax.Array | None = None,
-               num_items: int | None = None):
+               num_items: int | None = None, horizon: jax.Array | None = None):
     """-> (meta int32[I, NUM_FIELDS], token_item int32[T], token_row int32[T], token_valid bool[T]).
 
     kv_step is the kernel's KV block in tokens: an item loops over NUM_STEPS
@@ -55,6 +55,8 @@ def plan_items(query_start_loc: jax.Array, kv_lens: jax.Array, num_seqs: jax.Arr
     row_mask (bool[R]) plans only those rows: the others get no items and their
     tokens are invalid. num_items overrides the static item count I when the
     caller knows a smaller bound (e.g. R for one-token rows with block_q = 1).
+    horizon (int32[T]): the last position each token sees, when some see past their own
+    (the item's steps then reach its tokens' largest horizon).
     """
     num_rows = kv_lens.shape[0]
     n_items = num_items or max_items(num_tokens, num_rows, block_q)
@@ -78,6 +80,11 @@ def plan_items(query_start_loc: jax.Array, kv_lens: jax.Array, num_seqs: jax.Arr
     kv_len = kv_len_row[req]
     q_pos = kv_len - q_len[req] + j * block_q                    # position of the block's first token
     last_pos = q_pos + q_count - 1
+    if horizon is not None:   # the block's tokens' largest horizon (its own positions at least)
+        tok = q_start[:, None] + jnp.arange(block_q, dtype=jnp.int32)[None, :]
+        seen = jnp.where(jnp.arange(block_q)[None, :] < q_count[:, None],
+                         horizon[jnp.minimum(tok, num_tokens - 1)], 0)
+        last_pos = jnp.maximum(last_pos, jnp.max(seen, axis=1))
     if kv_step % page_size and page_size % kv_step:
         raise ValueError(f"kv_step {kv_step} and page_size {page_size}: one must divide the other")
     grain = min(kv_step, page_size)

@@ -105,33 +105,38 @@ def ragged_paged_attention(
     impl: str = "pallas",
     interpret: bool | str = False,
     kv_scale: jax.Array | None = None,   # float32[K, 2] for a quantized cache (quant.py)
+    horizon: jax.Array | None = None,    # int32[T] the last position each token sees
 ) -> jax.Array:                   # [T, N, H]
-    """Causal attention of each packed token over its own request's pages (see reference.py)."""
+    """Causal attention of each packed token over its own request's pages (see reference.py;
+    horizon: Gemma 4's image tokens see their whole image, reference and xla only)."""
     _validate(q, cache, kv_lens, page_table, query_start_loc, num_seqs, sliding_window, soft_cap)
     check_kv_scale(cache, kv_scale)
+    if horizon is not None and impl == "pallas":
+        raise ValueError("the Pallas attention kernels take no horizon (Gemma 4's "
+                         "bidirectional image mask): use attention_backend 'xla' or "
+                         "'reference' to serve Gemma 4 images")
+    kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, impl=impl,
+              interpret=interpret, horizon=horizon)
     if kv_scale is None:
-        return _attend(q, cache, kv_lens, page_table, query_start_loc, num_seqs, sm_scale=sm_scale,
-                       sliding_window=sliding_window, soft_cap=soft_cap, impl=impl,
-                       interpret=interpret)
+        return _attend(q, cache, kv_lens, page_table, query_start_loc, num_seqs, **kw)
     # Query head n reads kv head n // G: its scales, repeated per head of the group.
     scale = jnp.repeat(kv_scale.astype(jnp.float32), q.shape[1] // kv_scale.shape[0], axis=0)
     k_scale, v_scale = scale[:, 0, None], scale[:, 1, None]            # [N, 1]
     q = (q.astype(jnp.float32) * k_scale).astype(q.dtype)
-    out = _attend(q, cache, kv_lens, page_table, query_start_loc, num_seqs, sm_scale=sm_scale,
-                  sliding_window=sliding_window, soft_cap=soft_cap, impl=impl, interpret=interpret)
+    out = _attend(q, cache, kv_lens, page_table, query_start_loc, num_seqs, **kw)
     return (out.astype(jnp.float32) * v_scale).astype(q.dtype)
 
 
 def _attend(q, cache, kv_lens, page_table, query_start_loc, num_seqs, *, sm_scale, sliding_window,
-            soft_cap, impl, interpret):
+            soft_cap, impl, interpret, horizon=None):
     """The impl on a cache whose values are used as stored (scales already folded)."""
     args = (q, cache, kv_lens.astype(jnp.int32), page_table.astype(jnp.int32),
             query_start_loc.astype(jnp.int32), num_seqs.astype(jnp.int32))
     kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
     if impl == "reference":
-        return reference.ragged_paged_attention(*args, **kw)
+        return reference.ragged_paged_attention(*args, **kw, horizon=horizon)
     if impl == "xla":
-        return paged_loop.ragged_paged_attention(*args, **kw)
+        return paged_loop.ragged_paged_attention(*args, **kw, horizon=horizon)
     if impl != "pallas":
         raise ValueError(f"impl={impl!r}: expected one of {IMPLS}")
     # The kernels read float caches as they are: one held as bits (a CPU engine's,

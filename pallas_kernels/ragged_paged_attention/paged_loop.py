@@ -33,8 +33,9 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.ragged_paged_attention.blocks import (KV_LEN, KV_LO, NUM_STEPS, Q_COUNT,
-                                                          Q_POS, REQ, gather_queries, plan_items,
-                                                          scatter_outputs, window_start)
+                                                          Q_POS, Q_START, REQ, gather_queries,
+                                                          plan_items, scatter_outputs,
+                                                          window_start)
 from pallas_kernels.held_dtypes import as_values
 from pallas_kernels.ragged_paged_attention.cache import cache_dims
 
@@ -61,10 +62,13 @@ def ragged_paged_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     block_q: int | None = None,   # tokens per item; default 1 when T <= R, else BLOCK_Q
+    horizon: jax.Array | None = None,   # int32[T] the last position each token sees
 ) -> jax.Array:                   # [T, N, H]
+    """horizon: see reference.py (default: each token's own position)."""
     num_tokens, num_rows = q.shape[0], page_table.shape[0]
     common = (q, cache, kv_lens, page_table, query_start_loc, num_seqs)
-    kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+              horizon=horizon)
     if block_q or num_tokens <= num_rows:
         return _attend(*common, block=block_q or 1, **kw)
     # A mixed batch: one-token rows (decodes) as one-token items, the rest (prefill
@@ -78,7 +82,7 @@ def ragged_paged_attention(
 
 
 def _attend(q, cache, kv_lens, page_table, query_start_loc, num_seqs, *, block, sm_scale,
-            sliding_window, soft_cap, row_mask=None, num_items=None):
+            sliding_window, soft_cap, horizon, row_mask=None, num_items=None):
     """The rows row_mask selects (all by default) with `block` tokens per item; other
     tokens get zeros."""
     num_tokens, num_heads, head_dim = q.shape
@@ -91,7 +95,7 @@ def _attend(q, cache, kv_lens, page_table, query_start_loc, num_seqs, *, block, 
     meta, token_item, token_row, token_valid = plan_items(
         query_start_loc, kv_lens, num_seqs, num_tokens=num_tokens, block_q=block,
         kv_step=kv_step, page_size=page_size, sliding_window=sliding_window,
-        row_mask=row_mask, num_items=num_items)
+        row_mask=row_mask, num_items=num_items, horizon=horizon)
     qb = gather_queries(q, meta, num_kv_heads=num_kv, block_q=block, rows=rows)
     qb = qb.astype(jnp.float32) * sm_scale                       # [I, K, M, H]
 
@@ -139,8 +143,10 @@ def _attend(q, cache, kv_lens, page_table, query_start_loc, num_seqs, *, block, 
             # selected away like those past KV_LEN (the first page's may be garbage).
             slot_ok &= slot >= window_start(mt[:, Q_POS, None], sliding_window)
         row_pos = mt[:, Q_POS, None] + tok[None, :]                           # [L, M]
+        row_last = row_pos if horizon is None else jnp.maximum(
+            row_pos, horizon[jnp.minimum(mt[:, Q_START, None] + tok[None, :], num_tokens - 1)])
         mask = (slot_ok[:, None, :] & (tok[None, :] < mt[:, Q_COUNT, None])[:, :, None]
-                & (slot[:, None, :] <= row_pos[:, :, None]))                  # [L, M, C]
+                & (slot[:, None, :] <= row_last[:, :, None]))                 # [L, M, C]
         if sliding_window is not None:
             mask &= slot[:, None, :] > row_pos[:, :, None] - sliding_window
         return item, page, slot_ok, mask

@@ -5,7 +5,10 @@ Semantics: the packed queries q [T, N, H] hold the new tokens of requests
 (its last q_len positions: kv_lens[r] - q_len .. kv_lens[r] - 1; their K/V are
 already in the cache). Each token attends causally to its own request's
 positions, optionally only to the last `sliding_window` of them, with scores
-sm_scale * q.k, soft-capped as soft_cap * tanh(s / soft_cap). Tokens past
+sm_scale * q.k, soft-capped as soft_cap * tanh(s / soft_cap). horizon (int32[T],
+optional) lets a token see later positions of its request up to horizon[t] (Gemma 4's
+image tokens see their whole image; the window still bounds the past side); the
+default is its own position. Tokens past
 query_start_loc[num_seqs] are padding and give zeros.
 
 Only the first cdiv(kv_lens[r], S) entries of page_table[r] are request r's
@@ -56,6 +59,7 @@ def ragged_paged_attention(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    horizon: jax.Array | None = None,   # int32[T] the last position each token sees
 ) -> jax.Array:                   # [T, N, H]
     num_tokens, num_heads, head_dim = q.shape
     num_pages, page_size, num_kv, _ = cache_dims(cache)
@@ -64,6 +68,7 @@ def ragged_paged_attention(
     num_pages_per_req = page_table.shape[1]
     ctx = num_pages_per_req * page_size
     row, pos, valid = token_metadata(query_start_loc, kv_lens, num_seqs, num_tokens)
+    last = pos if horizon is None else jnp.maximum(horizon, pos)
 
     bytes_per_token = 2 * ctx * num_kv * head_dim * jnp.dtype(cache.dtype).itemsize
     block = num_tokens
@@ -72,7 +77,7 @@ def ragged_paged_attention(
     nblk = num_tokens // block
 
     def attend(args):
-        qb, rb, pb, vb = args                                   # [B,N,H], [B], [B], [B]
+        qb, rb, pb, hb, vb = args                               # [B,N,H], [B], [B], [B], [B]
         kv_len = kv_lens[rb]                                    # [B]
         # Unlisted page slots point at page 0; whatever they hold is selected away below.
         page_no = jnp.arange(num_pages_per_req)[None, :]
@@ -85,7 +90,7 @@ def ragged_paged_attention(
         kv = as_values(cache[pages])                            # [B, P, K, 2, S, H]
         kv = kv.transpose(0, 3, 2, 1, 4, 5).reshape(block, 2, num_kv, ctx, head_dim)
         slot = jnp.arange(ctx, dtype=jnp.int32)[None, :]
-        mask = (slot <= pb[:, None]) & (slot < kv_len[:, None]) & vb[:, None]   # [B, L]
+        mask = (slot <= hb[:, None]) & (slot < kv_len[:, None]) & vb[:, None]   # [B, L]
         if sliding_window is not None:
             mask &= slot > pb[:, None] - sliding_window
         k = kv[:, 0].astype(jnp.float32)                        # [B, K, L, H]
@@ -104,5 +109,5 @@ def ragged_paged_attention(
         return o.reshape(block, num_heads, head_dim).astype(q.dtype)
 
     split = lambda x: x.reshape(nblk, block, *x.shape[1:])
-    out = jax.lax.map(attend, (split(q), split(row), split(pos), split(valid)))
+    out = jax.lax.map(attend, (split(q), split(row), split(pos), split(last), split(valid)))
     return out.reshape(num_tokens, num_heads, head_dim)

@@ -1,8 +1,9 @@
 """Images through the server (issue 42 part 2), with the openai client: image_url parts
 (data URLs, http(s) URLs from a local server, file:// under --allowed-local-media-path)
 become the same expanded prompt ids as transformers gives (checked through /tokenize);
-every bad image is a 400 naming `messages`; an image that passes every check is still a
-400 until the engine runs the vision tower -- never a 200 that ignores it."""
+every bad image is a 400 naming `messages`; a good image is served (part 3): the answer
+is transformers' greedy generation on the same image, streamed or not, for a data URL,
+an http URL and a file:// URL alike."""
 from __future__ import annotations
 
 import json
@@ -13,6 +14,7 @@ import pytest
 
 from tests.api.conftest import API_KEY, Server
 from tests.checkpoints import make_tiny_vision_serving_checkpoint
+from tests.engine.test_image_engine import NUM_NEW, reference
 from tests.engine.test_image_inputs_offline import A, B, as_template, parts, reference_ids
 from tests.image_server import ImageServer, data_url, encoded
 
@@ -79,14 +81,25 @@ def test_tokenize_gives_transformers_ids_for_data_and_http_urls(vl_server, media
     assert got[0] == got[1] == got[2]
 
 
-def test_a_good_image_is_refused_until_the_engine_serves_it(vl_server, media):
-    for content in (parts("what is this?", A), [url_part(media[1].url + "/a.png")],
-                    [url_part(f"file://{media[0]}/a.png")]):
-        assert "parsed but not yet served by the engine" in chat_error(vl_server, content)
-    with pytest.raises(openai.BadRequestError, match="not yet served"):
-        list(client(vl_server).chat.completions.create(
-            model=srv_model(vl_server), max_tokens=4, stream=True,
-            messages=[{"role": "user", "content": parts(A)}]))
+def test_a_chat_with_an_image_is_answered_as_transformers_does(vl_server, media):
+    from transformers import AutoTokenizer
+    path = vl_server.checkpoint
+    messages = [{"role": "user", "content": parts("what is this?", A)}]
+    ids = reference_ids("qwen3_5", path, as_template(messages), [A])
+    want = AutoTokenizer.from_pretrained(path).decode(reference(path, ids, [A])[0],
+                                                      skip_special_tokens=True)
+    greedy = dict(model=srv_model(vl_server), max_tokens=NUM_NEW, temperature=0.0,
+                  extra_body={"ignore_eos": True})
+    for content in (parts("what is this?", A),
+                    [{"type": "text", "text": "what is this?"}, url_part(media[1].url + "/a.png")],
+                    [{"type": "text", "text": "what is this?"},
+                     url_part(f"file://{media[0]}/a.png")]):
+        out = client(vl_server).chat.completions.create(
+            messages=[{"role": "user", "content": content}], **greedy)
+        assert out.choices[0].message.content == want
+        assert out.usage.prompt_tokens == len(ids) and out.usage.completion_tokens == NUM_NEW
+    chunks = client(vl_server).chat.completions.create(messages=messages, stream=True, **greedy)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
     # Text alone still runs.
     out = client(vl_server).chat.completions.create(
         model=srv_model(vl_server), max_tokens=3, messages=[{"role": "user", "content": "hi"}])

@@ -2,8 +2,7 @@
 messages with image_url parts and offline multi_modal_data become prompt ids whose image
 placeholders are expanded exactly as transformers' chat template + image processor +
 replace_image_token give, plus a payload (pixels, spans, content hashes); every bad image
-is an InputError naming the field; an image that passes every check is still refused
-(the engine does not run the tower yet)."""
+is an InputError naming the field; the offline paths hand the engine the same payload."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -124,10 +123,13 @@ def test_pixels_are_the_reference_processors_transparency_included(checkpoints, 
                 mm.images[0].processed.pixels.shape))
 
 
-def test_offline_generate_and_chat_parse_the_same_payload_then_refuse(inputs):
+def test_offline_generate_and_chat_hand_the_engine_the_same_payload(inputs):
     p = inputs["qwen3_5"]
-    llm = LLM.__new__(LLM)      # the parsing half of LLM: no engine is needed to refuse
-    llm.engine, llm._next_id = SimpleNamespace(inputs=p), 0
+    llm = LLM.__new__(LLM)      # the parsing half of LLM: the engine only records requests
+    added = []
+    llm.engine = SimpleNamespace(inputs=p, add_request=added.append,
+                                 has_unfinished_requests=lambda: False)
+    llm._next_id = 0
     chat_ids, chat_mm = p.render_chat_mm([{"role": "user", "content": parts("x", A)}])
     marker = "".join(m for m, _ in VISION_MARKERS["qwen3_5"])
     text = p.tokenizer.apply_chat_template([{"role": "user", "content": "x" + marker}],
@@ -139,8 +141,12 @@ def test_offline_generate_and_chat_parse_the_same_payload_then_refuse(inputs):
                  lambda: llm.generate({"prompt_token_ids": p.tokenize(text, add_special_tokens=False),
                                        "multi_modal_data": {"image": [A]}}),
                  lambda: llm.chat([{"role": "user", "content": parts("x", A)}])):
-        with pytest.raises(InputError, match="parsed but not yet served by the engine"):
-            call()
+        call()
+    # (the text prompt is tokenized with the tokenizer's special tokens: a BOS first)
+    assert [list(r.prompt_token_ids[-len(chat_ids):]) for r in added] == [chat_ids] * 3
+    assert [list(r.prompt_token_ids) for r in added[1:]] == [chat_ids] * 2
+    assert [[i.content_hash for i in r.multi_modal.images] for r in added] == \
+        [[i.content_hash for i in chat_mm.images]] * 3
     with pytest.raises(InputError, match="2 image.* given but the prompt has 1"):
         llm.generate({"prompt": text, "multi_modal_data": {"image": [A, B]}})
     with pytest.raises(InputError, match="'video'.*not served"):
@@ -232,9 +238,8 @@ def test_http_urls_with_size_and_time_limits(checkpoints):
         srv.close()
 
 
-def test_engine_request_refuses_images_until_served(inputs):
-    p = inputs["gemma4_vl"]
-    ids, mm = p.render_chat_mm([{"role": "user", "content": parts("hi", A)}])
-    with pytest.raises(InputError, match="not yet served by the engine"):
-        p.process("r", ids, SamplingParams(max_tokens=4), multi_modal=mm)
-    assert p.process("r", ids[:3], SamplingParams(max_tokens=4)).multi_modal is None
+def test_engine_request_carries_the_images(inputs):
+    for p in inputs.values():
+        ids, mm = p.render_chat_mm([{"role": "user", "content": parts("hi", A)}])
+        assert p.process("r", ids, SamplingParams(max_tokens=4), multi_modal=mm).multi_modal is mm
+        assert p.process("r", ids[:3], SamplingParams(max_tokens=4)).multi_modal is None

@@ -102,8 +102,10 @@ def make_batch(reqs, *, page_size: int, num_kv_heads: int, group: int, head_dim:
                  np.array([len(reqs)], np.int32), dtype)
 
 
-def oracle(b: Batch, *, sm_scale: float, sliding_window=None, soft_cap=None) -> np.ndarray:
-    """float64 attention, one request and one token at a time; padding tokens -> 0."""
+def oracle(b: Batch, *, sm_scale: float, sliding_window=None, soft_cap=None,
+           horizon=None) -> np.ndarray:
+    """float64 attention, one request and one token at a time; padding tokens -> 0.
+    horizon[t]: the last position token t sees (default: its own)."""
     num_tokens, num_heads, head_dim = b.q.shape
     num_pages, kv2, page_size, _ = b.cache.shape
     num_kv = kv2 // 2
@@ -116,7 +118,7 @@ def oracle(b: Batch, *, sm_scale: float, sliding_window=None, soft_cap=None) -> 
         kv = cache[b.page_table[r, pos // page_size], :, :, pos % page_size].astype(np.float64)
         for t in range(lo, hi):
             qpos = kv_len - (hi - lo) + (t - lo)
-            keep = pos <= qpos
+            keep = pos <= (qpos if horizon is None else max(qpos, horizon[t]))
             if sliding_window is not None:
                 keep &= pos > qpos - sliding_window
             for n in range(num_heads):

@@ -1,0 +1,133 @@
+"""Images served end to end (issue 42 part 3), Qwen3.5 on CPU: LLM.chat with one and two
+images gives transformers' full vision-language model's greedy tokens and float32
+logprobs (`generate` on the same safetensors), alone and in a batch with a text-only
+row; a prefill chunk cuts through an image (the chunk budget is smaller than the
+prompt); each image is encoded once; a repeated image is a prefix hit, the same
+placeholder ids with other pixels are not; nothing compiles after warmup."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from jaxserve import LLM, SamplingParams
+from tests.checkpoints import make_tiny_vision_serving_checkpoint, model_class
+from tests.engine.conftest import assert_no_leaks
+from tests.image_server import data_url, noise_image
+
+NUM_NEW = 10
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True, logprobs=0)
+BUDGET = 32           # tokens a step: prompts of ~60-90 tokens take several chunks
+ATOL = 1e-4
+A, B, C, D = (noise_image(50, 70, 0), noise_image(120, 40, 1), noise_image(128, 128, 2),
+              noise_image(50, 70, 3))
+TAIL = " tell me about it, in a few words please"
+
+
+def chat(*items) -> list[dict]:
+    return [{"role": "user", "content": [
+        {"type": "text", "text": x} if isinstance(x, str)
+        else {"type": "image_url", "image_url": {"url": data_url(x)}} for x in items]}]
+
+
+ONE, TWO, TEXT = chat("What is ", A, TAIL), chat("Compare ", B, " and", C, TAIL), \
+    [{"role": "user", "content": "no image here, just text" + TAIL}]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> str:
+    return make_tiny_vision_serving_checkpoint("qwen3_5", tmp_path_factory.mktemp("qvl") / "q")
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoint) -> LLM:
+    return LLM(checkpoint, dtype="float32", max_model_len=256, max_num_seqs=4,
+               max_num_batched_tokens=BUDGET)
+
+
+def reference(path: str, ids: list[int], images: list, kind: str = "qwen3_5"
+              ) -> tuple[list[int], list[float]]:
+    """transformers' generate (float32, greedy) of the full vision-language model on the
+    prompt ids and the images' pixels from the checkpoint's image processor: (tokens,
+    their logprobs)."""
+    from transformers import AutoImageProcessor
+    model = model_class(kind).from_pretrained(path, dtype=torch.float32).eval()
+    input_ids = torch.tensor([ids])
+    kw = {}
+    if images:
+        px = AutoImageProcessor.from_pretrained(path, backend="pil")(images=images,
+                                                                      return_tensors="pt")
+        kw = {k: px[k] for k in ("pixel_values", "image_grid_thw", "image_position_ids")
+              if k in px}
+        kw["mm_token_type_ids"] = (input_ids == model.config.image_token_id).int()
+    with torch.no_grad():
+        out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                             max_new_tokens=NUM_NEW, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True, **kw)
+    tokens = out.sequences[0, len(ids):].tolist()
+    lps = [torch.log_softmax(lg[0].float(), -1)[t].item() for lg, t in zip(out.logits, tokens)]
+    return tokens, lps
+
+
+@pytest.fixture(scope="module")
+def expected(llm, checkpoint) -> dict[str, tuple[list[int], list[float]]]:
+    render = llm.engine.inputs.render_chat_mm
+    return {name: reference(checkpoint, render(msgs)[0], images) for name, msgs, images in
+            (("one", ONE, [A]), ("two", TWO, [B, C]), ("text", TEXT, []))}
+
+
+def check(out, want: tuple[list[int], list[float]]) -> None:
+    tokens = out.outputs[0].token_ids
+    assert tokens == want[0]
+    got = [lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, tokens)]
+    np.testing.assert_allclose(got, want[1], atol=ATOL, rtol=0)
+
+
+def test_images_match_transformers_alone_and_batched(llm, expected):
+    engine = llm.engine
+    engine.reset_prefix_cache()
+    before, encoded = engine.num_compilations, engine.scheduler.encoder.num_encoded
+    chunks = []
+    schedule = engine.scheduler.schedule
+
+    def recording():
+        out = schedule()
+        chunks.extend(out.scheduled())
+        return out
+    engine.scheduler.schedule = recording
+    try:
+        check(llm.chat(ONE, GREEDY, use_tqdm=False)[0], expected["one"])
+        check(llm.chat(TWO, GREEDY, use_tqdm=False)[0], expected["two"])
+        engine.reset_prefix_cache()
+        outs = llm.chat([TWO, TEXT, ONE], GREEDY, use_tqdm=False)
+    finally:
+        engine.scheduler.schedule = schedule
+    for out, name in zip(outs, ("two", "text", "one")):
+        check(out, expected[name])
+    # Alone: A, B, C once each; batched: all three again (the cache was reset in between
+    # only for pages, so the images are encoder-cache hits).
+    assert engine.scheduler.encoder.num_encoded - encoded == 3
+    # Some chunk starts strictly inside an image's span (prefill continues across it).
+    spans = [(im.offset, im.offset + im.length)
+             for im in engine.inputs.render_chat_mm(TWO)[1].images]
+    assert any(lo < start < hi for _, start, _ in chunks for lo, hi in spans)
+    assert engine.num_compilations == before, "something compiled after warmup"
+    assert_no_leaks(engine)
+
+
+def test_prefix_hit_needs_the_same_image(llm, checkpoint, expected):
+    engine = llm.engine
+    engine.reset_prefix_cache()
+    ids, mm = engine.inputs.render_chat_mm(ONE)
+    other_ids, other = engine.inputs.render_chat_mm(chat("What is ", D, TAIL))
+    assert ids == other_ids and mm.images[0].content_hash != other.images[0].content_hash
+    first = llm.chat(ONE, GREEDY, use_tqdm=False)[0]
+    again = llm.chat(ONE, GREEDY, use_tqdm=False)[0]
+    check(again, expected["one"])
+    image_end = mm.images[0].offset + mm.images[0].length
+    assert first.num_cached_tokens == 0 and again.num_cached_tokens >= image_end
+    swapped = llm.chat(chat("What is ", D, TAIL), GREEDY, use_tqdm=False)[0]
+    assert swapped.num_cached_tokens <= mm.images[0].offset
+    check(swapped, reference(checkpoint, ids, [D]))
+    assert swapped.outputs[0].token_ids != first.outputs[0].token_ids
+    assert_no_leaks(engine)
