@@ -15,7 +15,8 @@ import jax
 
 from jaxserve.build.cache_plan import CachePlan
 from jaxserve.build.kv_budget import available_host_bytes
-from jaxserve.config import ConfigError, EngineConfig
+from jaxserve.config import EngineConfig
+from jaxserve.errors import ConfigError
 from jaxserve.config.speculative import NGRAM
 from jaxserve.core.restore_cost import RestoreCost
 from jaxserve.runner.host_tier import HostTier

@@ -14,7 +14,8 @@ import difflib
 import typing
 from typing import Any
 
-from jaxserve.config import ConfigError, EngineConfig
+from jaxserve.config import EngineConfig
+from jaxserve.errors import ConfigError
 from jaxserve.config.vllm_compat import BOOL, ENGINE, Setting
 
 _FIELDS = {f.name: f for f in dataclasses.fields(EngineConfig)}

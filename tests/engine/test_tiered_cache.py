@@ -11,7 +11,7 @@ import random
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.config import ConfigError
+from jaxserve.errors import ConfigError
 from jaxserve.engine.llm_kwargs import engine_config
 from jaxserve.runner.compile_counter import num_compilations
 from tests.engine.conftest import add, assert_no_leaks

@@ -4,7 +4,8 @@ them, and the refusal for sliding-window models."""
 from __future__ import annotations
 
 from jaxserve.core.host_pages import size_host_tier
-from jaxserve.planning.plan import load_model_config, make_plan
+from jaxserve.checkpoints.model_names import load_model_config
+from jaxserve.planning.plan import make_plan
 from jaxserve.planning.plan_format import format_plan
 
 

@@ -1,7 +1,7 @@
 """A mixed batch of LoRA adapters through the engine on CPU: the base model alone against
 1, 4 and 16 distinct adapters.
 
-    python benchmarks/lora_engine.py [--prompts 32] [--prompt-len 64] [--max-tokens 32]
+    python -m benchmarks.lora.lora_engine [--prompts 32] [--prompt-len 64] [--max-tokens 32]
                                      [--rank 16] [--repeats 2]
 
 The small Qwen3 of the CPU figures (hidden 512, 8 layers), float32. Two engines, each
@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors.numpy import save_file
 
-from common import make_small_qwen3
+from benchmarks.shared.common import make_small_qwen3
 from jaxserve import LLM, LoRARequest, SamplingParams
 from models.config import ModelConfig
 from models.lora.targets import lora_targets

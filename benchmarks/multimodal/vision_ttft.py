@@ -1,7 +1,7 @@
 """Time to first token on CPU: a text prompt vs the same-length prompt holding one image,
 and the image again (an encoder-cache and prefix-cache hit), against transformers.
 
-    python -m benchmarks.vision_ttft [--model DIR] [--size 448] [--repeats 3] [--json]
+    python -m benchmarks.multimodal.vision_ttft [--model DIR] [--size 448] [--repeats 3] [--json]
 
 Model: the tests' tiny Qwen3.5 vision-language checkpoint
 (tests.checkpoints.make_tiny_vision_serving_checkpoint("qwen3_5"), float32, 4096

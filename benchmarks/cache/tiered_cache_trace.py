@@ -2,7 +2,7 @@
 p90 TTFT with a small device pool alone, with the host tier, and with a device pool that
 holds every conversation (the ceiling).
 
-    python -m benchmarks.tiered_cache_trace [--output-dir benchmarks/results] \\
+    python -m benchmarks.cache.tiered_cache_trace [--output-dir benchmarks/results] \\
         [--conversations 6 --turns 3] [--pool-pages 24] [--host-gib 0.25] [--model DIR]
 
 Model: a random Llama (tests.checkpoints.make_tiny_checkpoint("llama") at hidden 256,
@@ -35,7 +35,7 @@ import sys
 import tempfile
 from typing import Any
 
-from benchmarks.results_io import cpu_snapshot, markdown_table, other_load, write_results
+from benchmarks.shared.results_io import cpu_snapshot, markdown_table, other_load, write_results
 
 MODEL_DIR = os.path.join(tempfile.gettempdir(), "jaxserve-bench-llama-tiered")
 MODEL_CONFIG = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=8,
