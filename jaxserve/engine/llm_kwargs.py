@@ -43,6 +43,13 @@ VLLM_ONLY: dict[str, Setting] = {
                                  "them"),
 }
 
+# EngineConfig fields only the server reads: LLM refuses them rather than ignore them.
+SERVER_ONLY: dict[str, str] = {
+    "lora_modules": "adapters named for the server's `model` field (--lora-modules); "
+                    "offline, pass lora_request=LoRARequest(name, int_id, path) to "
+                    "generate() or chat()",
+}
+
 
 def engine_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     """LLM's keyword arguments as EngineConfig keyword arguments. TypeError for a name
@@ -58,6 +65,8 @@ def engine_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
                 raise ValueError(f"LLM({name}={value!r}) is not supported by jaxserve: "
                                  f"{setting.why} (it takes {setting.accepted_text()})")
             continue
+        if name in SERVER_ONLY and value:
+            raise ValueError(f"LLM({name}=...) is not taken offline: {SERVER_ONLY[name]}")
         field = ALIASES.get(name, name)
         if field not in _FIELDS or field == "model":
             raise TypeError(f"LLM() got an unexpected keyword argument {name!r}"

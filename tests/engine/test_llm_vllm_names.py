@@ -83,6 +83,8 @@ def test_aliases_come_from_the_fields_metadata():
     (dict(tokenizer_mode="slow"), ValueError, "tokenizer_mode='slow'"),
     (dict(enable_lora=True, max_loras=0), ValueError, "max_loras=0: must be an int >= 1"),
     (dict(lora_target_modules=["q_proj"]), ValueError, "lora_target_modules"),
+    (dict(enable_lora=True, lora_modules="a=/x"), ValueError,
+     r"lora_modules=\.\.\.\) is not taken offline.*lora_request=LoRARequest"),
     (dict(cpu_offload_gb=4), ValueError, "cpu_offload_gb"),
     (dict(kv_offloading_size=-1.0), ValueError, "kv_offloading_size=-1.0: must be >= 0"),
     (dict(kv_offloading_backend="lmcache"), ValueError, "kv_offloading_backend='lmcache'"),
