@@ -28,9 +28,10 @@ import time
 from typing import Any
 
 from benchmarks.shared.results_io import write_results
-from benchmarks.spec_decode.spec_decode import (ENGINES, agreement, instrument, make_params,
-                                                model_dir, model_vocab, pooled, run_once,
-                                                summarize, warm_up)
+from benchmarks.spec_decode.spec_decode import model_dir, model_vocab
+from benchmarks.spec_decode.spec_decode_runs import (ENGINES, agreement, instrument,
+                                                     make_params, pooled, run_once, summarize,
+                                                     warm_up)
 
 CASES = ("qwen3_5+mtp", "llama+draft_model")
 

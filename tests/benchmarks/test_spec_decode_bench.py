@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 
 import benchmarks.spec_decode.spec_decode as sd
+from benchmarks.spec_decode.spec_decode_replay import match_ends, simulate
+from benchmarks.spec_decode.spec_decode_workload import code_prompts
 from jaxserve.runner.spec_decode import ngram_propose
 from tests.checkpoints import make_tiny_checkpoint
 
@@ -28,7 +30,7 @@ def test_match_ends_find_where_ngram_propose_matched():
     for _ in range(300):
         toks = rng.integers(3, 7, size=int(rng.integers(1, 40)))
         drafts = ngram_propose(toks, 2, 5, 3)
-        ends = sd.match_ends(toks, drafts, 2, 5)
+        ends = match_ends(toks, drafts, 2, 5)
         assert bool(ends) == bool(drafts), (toks, drafts)
         for e in ends:
             assert toks[e + 1:e + 1 + len(drafts)].tolist() == drafts
@@ -38,22 +40,22 @@ def test_match_ends_find_where_ngram_propose_matched():
 def test_simulate_by_hand():
     # After the prefill's token (3) the suffix 1 2 3 recurs in the prompt (ending at 2):
     # drafts 1 2 3, the next tokens 1 2 9 accept two; 9 is the step's own token.
-    sim = sd.simulate([1, 2, 3, 1, 2], [3, 1, 2, 9], 2, 5, 3, max_tokens=100)
+    sim = simulate([1, 2, 3, 1, 2], [3, 1, 2, 9], 2, 5, 3, max_tokens=100)
     assert (sim["drafts"], sim["draft_tokens"], sim["accepted"]) == (1, 3, 2)
     assert sim["per_pos"] == [1, 1, 0] and sim["steps"] == 2
     assert (sim["prompt_drafts"], sim["prompt_accepted"]) == (1, 2)
     # max_tokens 4: one output so far, so at most 4 - 1 - 1 = 2 drafts are verified.
-    sim = sd.simulate([1, 2, 3, 1, 2], [3, 1, 2, 9], 2, 5, 3, max_tokens=4)
+    sim = simulate([1, 2, 3, 1, 2], [3, 1, 2, 9], 2, 5, 3, max_tokens=4)
     assert (sim["draft_tokens"], sim["accepted"]) == (2, 2)
     # A loop of the output's own: matched in the output, not the prompt.
-    sim = sd.simulate([9, 8], [5, 5, 5, 5, 5], 2, 5, 3, max_tokens=100)
+    sim = simulate([9, 8], [5, 5, 5, 5, 5], 2, 5, 3, max_tokens=100)
     assert sim["accepted"] > 0 and sim["prompt_drafts"] == 0
 
 
 def test_code_prompts_are_seeded(tiny):
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(tiny)
-    a, b = sd.code_prompts(tok, 2, 4, 0), sd.code_prompts(tok, 2, 4, 0)
+    a, b = code_prompts(tok, 2, 4, 0), code_prompts(tok, 2, 4, 0)
     assert a == b and a[0] != a[1]
     text = tok.decode(a[0])
     assert text.startswith("```python\ndef ") and "renamed to" in text
