@@ -53,18 +53,17 @@ boundary cached, unlimited), what jaxserve's snapshots approach.
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from typing import Any
 
-from benchmarks.shared.results_io import cpu_snapshot, markdown_table, other_load, write_results
+from benchmarks.cache.hybrid_prefix_cache_align import align_blocks, plan_27b, simulate_align
+from benchmarks.cache.hybrid_prefix_cache_report import notes, tables
+from benchmarks.shared.results_io import cpu_snapshot, other_load, write_results
 
 MODEL_DIR = os.path.join(tempfile.gettempdir(), "jaxserve-bench-qwen35-hybrid")
 MROPE_64 = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
@@ -76,8 +75,6 @@ MODEL_CONFIG = dict(hidden_size=256, intermediate_size=768, num_attention_heads=
                     linear_value_head_dim=64, max_position_embeddings=4096,
                     rope_parameters=MROPE_64)
 TOKEN_LO, TOKEN_HI = 3, 256        # random prompt ids: past the tiny tokenizer's specials
-VLLM_ALIGN = 16                     # vLLM rounds B up to its attention kernel's block
-PLAN_27B = ["--model", "qwen3.6-27b", "--mesh", "1x8", "--hbm", "96GiB"]
 
 
 def model_dir(path: str = MODEL_DIR, **overrides: Any) -> str:
@@ -203,63 +200,6 @@ def agreement(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
                                                    "position": same[bad[0]]}}
 
 
-# ---- the align rule, simulated -------------------------------------------------------
-def simulate_align(rounds: list[list[tuple[list[int], list[int]]]], block: int) -> dict[str, Any]:
-    """Hits under "state only at multiples of `block`", unlimited cache, the requests
-    in the order they were sent: a request's hit is its longest cached B-multiple prefix
-    of at most len(prompt) - 1 tokens; then each B-multiple prefix of its prompt +
-    output[:-1] (the tokens whose KV was computed) is cached. A request sent together
-    with others sees theirs too: the rule's best case."""
-    cached: set[tuple[int, ...]] = set()
-    hits, given = [], 0
-    for prompt, output in (x for rnd in rounds for x in rnd):
-        n = (len(prompt) - 1) // block * block
-        while n and tuple(prompt[:n]) not in cached:
-            n -= block
-        hits.append(n)
-        given += len(prompt)
-        seq = prompt + output[:-1]
-        for n in range(block, len(seq) + 1, block):
-            cached.add(tuple(seq[:n]))
-    return {"block": block, "hit_rate": sum(hits) / given, "cached_tokens": sum(hits),
-            "hits_each": hits}
-
-
-def align_blocks(plan: dict[str, Any], page_size: int) -> dict[str, Any]:
-    """vLLM's block for a cache plan's sizes: per layer (as vLLM sizes it) and over all
-    layers (the plan's state per sequence / KV bytes per token)."""
-    kv_token = plan["bytes_per_page"] / page_size             # every attention layer
-    state = plan["bytes_per_state_slot"]                        # every DeltaNet layer
-    per_layer = (state / plan["num_state_layers"]) / (kv_token / plan["num_kv_layers"])
-    all_layers = state / kv_token
-
-    def up(x: float) -> int:   # vLLM: align * cdiv(state bytes, align * KV bytes/token)
-        return VLLM_ALIGN * max(1, math.ceil(x / VLLM_ALIGN))
-    return {"kv_bytes_per_token": kv_token, "state_bytes_per_seq": state,
-            "tokens_per_state_per_layer": per_layer, "tokens_per_state_all_layers": all_layers,
-            "block_per_layer": up(per_layer), "block_all_layers": up(all_layers)}
-
-
-def plan_27b() -> dict[str, Any] | None:
-    """Qwen3.6-27B's cache figures from the planner's JSON (None if it cannot run)."""
-    try:
-        out = subprocess.run([sys.executable, "-m", "jaxserve.plan", *PLAN_27B, "--json"],
-                             capture_output=True, text=True, timeout=300, check=True,
-                             env={**os.environ, "JAX_PLATFORMS": "cpu"}).stdout
-        doc = json.loads(out.strip().splitlines()[-1])
-    except (OSError, subprocess.SubprocessError, ValueError, IndexError) as e:
-        print(f"WARNING: jaxserve.plan for Qwen3.6-27B failed: {e}", file=sys.stderr)
-        return None
-    cache = doc["cache"]
-    return {"command": "python -m jaxserve.plan " + " ".join(PLAN_27B),
-            "state_layout": doc.get("state_layout"),
-            "kv_bytes_per_token_per_device": doc.get("kv_bytes_per_token_per_device"),
-            "state_bytes_per_seq_per_device": doc.get("state_bytes_per_seq_per_device"),
-            "num_snapshot_slots": cache.get("num_snapshot_slots"),
-            "num_kv_layers": cache["num_kv_layers"], "num_state_layers": cache["num_state_layers"],
-            **align_blocks(cache, cache["page_size"])}
-
-
 def plan_dict(llm: Any) -> dict[str, Any]:
     p = llm.engine.info.cache_plan
     return {"page_size": p.page_size, "num_pages": p.num_pages,
@@ -332,105 +272,6 @@ def run_workload(name: str, engines: dict[str, Any], max_tokens: int,
             "ttft_mean_speedup_paired": statistics.median(paired),
             "ttft_median_speedup": u["ttft_median_ms"] / c["ttft_median_ms"],
             "throughput_ratio": c["tok_s"] / u["tok_s"]}
-
-
-# ---- the report ------------------------------------------------------------------------
-def pct(x: float | None) -> str:
-    return "n/a" if x is None else f"{100 * x:.1f} %"
-
-
-def tables(res: dict[str, Any]) -> str:
-    blocks = res["align_blocks"]
-    rows = []
-    for w in res["workloads"]:
-        for k in ("uncached", "cached"):
-            r = w["runs"][k]
-            snaps = r["snapshots"]
-            rows.append([w["workload"], k, r["requests"], f"{r['prompt_tokens']} / "
-                         f"{r['computed_prompt_tokens']}", pct(r["hit_rate"]),
-                         r["ttft_mean_ms"], r["ttft_median_ms"], r["tok_s"], r["out_tok_s"],
-                         "-" if snaps is None else
-                         f"{snaps['num_slots']} / {snaps['restored_tokens']}",
-                         r["compilations"]])
-    main = markdown_table(
-        ["workload", "prefix cache", "requests", "prompt tokens given / computed",
-         "hit rate", "TTFT mean ms", "TTFT median ms", "tok/s", "out tok/s",
-         "snapshot slots / tokens restored", "compilations"], rows)
-    g27 = res.get("qwen3_6_27b") or {}
-    ratio_rows = [[w["workload"], f"{w['ttft_mean_speedup']:.2f}x",
-                   f"{w['ttft_mean_speedup_paired']:.2f}x",
-                   f"{w['ttft_median_speedup']:.2f}x", f"{w['throughput_ratio']:.2f}x",
-                   f"{w['agreement']['identical_requests']}/{w['agreement']['requests']}"
-                   + ("" if w["agreement"]["all_runs_identical"] else " (some runs differ)")]
-                  for w in res["workloads"]]
-    ratios = markdown_table(["workload", "TTFT mean, uncached / cached", "same, paired",
-                             "TTFT median, uncached / cached", "tok/s, cached / uncached",
-                             "identical greedy outputs"], ratio_rows)
-    heads = ["workload", "jaxserve snapshots (measured)",
-             f"page-granular best case (B = {res['page_size']})",
-             f"align, B = {blocks['block_per_layer']} (vLLM: per layer)",
-             f"align, B = {blocks['block_all_layers']} (all layers)"]
-    keys = ["page", "this_per_layer", "this_all_layers"]
-    if g27:
-        heads += [f"align, B = {g27['block_per_layer']} (27B per layer)",
-                  f"align, B = {g27['block_all_layers']} (27B all layers)"]
-        keys += ["q27b_per_layer", "q27b_all_layers"]
-    hit = markdown_table(heads, [[w["workload"], pct(w["runs"]["cached"]["hit_rate"]),
-                                  *(pct(w["align"][k]["hit_rate"]) for k in keys)]
-                                 for w in res["workloads"]])
-    return "\n\n".join([main, ratios, "Hit rate (cached prompt tokens / prompt tokens) on "
-                        "the same trace:", hit])
-
-
-def notes(res: dict[str, Any], args: argparse.Namespace) -> list[str]:
-    p, b = res["cache_plan"]["cached"], res["align_blocks"]
-    out = [f"model: random Qwen3.5, {res['model']['num_params'] / 1e6:.1f} M parameters, "
-           f"float32, {p['num_state_layers']} Gated DeltaNet + {p['num_kv_layers']} full "
-           f"attention layers; page {p['page_size']} tokens; max_num_seqs "
-           f"{args.max_num_seqs}, max_num_batched_tokens {args.max_num_batched_tokens}, "
-           f"max_model_len {args.max_model_len}",
-           f"state per sequence {p['bytes_per_state_slot'] / 2**10:.0f} KiB, KV "
-           f"{b['kv_bytes_per_token'] / 2**10:.1f} KiB per token: a state is worth "
-           f"{b['tokens_per_state_per_layer']:.1f} tokens of KV per layer (vLLM's block "
-           f"{b['block_per_layer']}), {b['tokens_per_state_all_layers']:.1f} over all layers "
-           f"(block {b['block_all_layers']}); the cached engine's plan has "
-           f"{p['num_snapshot_slots']} snapshot slots ({p['snapshot_bytes'] / 2**20:.1f} MiB, "
-           f"{p['num_snapshot_slots'] / args.max_num_seqs:g} per max_num_seqs), the uncached one "
-           f"{res['cache_plan']['uncached']['num_snapshot_slots']}",
-           f"timings: the median over {args.repeats} runs of each engine (the engines "
-           "alternate which runs first; every run's figures are in the JSON); TTFT: "
-           "RequestOutput.metrics first_token_time - arrival_time (a round's requests are "
-           "sent together, so theirs include the queue); tok/s: prompt + output tokens over "
-           "the workload's wall time (generate() calls back to back); paired: the median "
-           "over repeats of uncached / cached mean TTFT; snapshots: the cache's slots and the "
-           "tokens its hits restored",
-           "align: vLLM's mamba_cache_mode='align' simulated on the cached run's token "
-           "sequences with an unlimited cache, each request seeing every one sent before it "
-           "(its best case); page-granular: the same with B = the page size"]
-    g = res.get("qwen3_6_27b")
-    if g:
-        out.append(
-            f"Qwen3.6-27B (`{g['command']}`): KV {g['kv_bytes_per_token_per_device'] / 2**10:.0f}"
-            f" KiB per token per device ({g['num_kv_layers']} attention layers), state "
-            f"{g['state_bytes_per_seq_per_device'] / 2**20:.2f} MiB per sequence per device "
-            f"({g['state_layout']}): a state is worth {g['tokens_per_state_per_layer']:.0f} "
-            f"tokens of KV per layer, so vLLM's align rule would keep states every "
-            f"{g['block_per_layer']} tokens (over all layers: "
-            f"{g['tokens_per_state_all_layers']:.0f} -> {g['block_all_layers']}); jaxserve "
-            f"keeps them at 16-token page boundaries ({g['num_snapshot_slots']} snapshot "
-            f"slots in that plan). jaxserve keeps the delta-rule state in float32; vLLM's "
-            f"default (mamba_ssm_cache_dtype auto) follows the model's bfloat16, which "
-            f"about halves the state and these blocks")
-    bad = [w["workload"] for w in res["workloads"]
-           if not (w["agreement"]["identical"] and w["agreement"]["all_runs_identical"])]
-    out.append("greedy outputs of every run of both engines: " + (
-        "identical token for token in every workload" if not bad else
-        f"DIFFER in {', '.join(bad)} (see agreement in the JSON)"))
-    loads = [w["runs"][k]["other_processes_cores"] for w in res["workloads"]
-             for k in ("cached", "uncached")]
-    loads = [x for x in loads if x is not None]
-    out.append(f"most other-process load during a run: {max(loads, default=0):.2f} cores")
-    return out
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -9,6 +9,7 @@ import json
 import pytest
 
 import benchmarks.cache.hybrid_prefix_cache as hpc
+from benchmarks.cache.hybrid_prefix_cache_align import align_blocks, simulate_align
 from tests.checkpoints import make_tiny_checkpoint
 
 WORKLOADS = ["chat", "system", "system-burst2"]
@@ -24,16 +25,16 @@ def test_simulate_align():
     a = list(range(3, 40))            # 37 tokens
     b = a[:20] + [200] * 10           # shares 20 tokens with a
     rounds = [[(a, [1, 2, 3])], [(b, [4]), (a + [5, 6, 7, 8], [9])]]
-    sim = hpc.simulate_align(rounds, 8)
+    sim = simulate_align(rounds, 8)
     # b: longest cached 8-multiple of its first 29 tokens is 16; a + ...: 40 of 40 tokens
     # (a's 37 + 2 of its output: the last output token has no KV) rounds down to 32.
     assert sim["hits_each"] == [0, 16, 32]
     assert sim["cached_tokens"] == 48
     assert sim["hit_rate"] == pytest.approx(48 / (37 + 30 + 41))
     # A hit always leaves a token to compute: the same prompt again hits 36 of 37.
-    assert hpc.simulate_align([[(a, [1])], [(a, [1])]], 1)["hits_each"] == [0, 36]
+    assert simulate_align([[(a, [1])], [(a, [1])]], 1)["hits_each"] == [0, 36]
     # Requests of one round see each other (the rule's best case).
-    assert hpc.simulate_align([[(a, [1]), (a, [1])]], 8)["hits_each"] == [0, 32]
+    assert simulate_align([[(a, [1]), (a, [1])]], 8)["hits_each"] == [0, 32]
 
 
 def test_align_blocks_of_qwen36_27b():
@@ -41,7 +42,7 @@ def test_align_blocks_of_qwen36_27b():
     # of KV per token (16 layers), 18.35 MiB of state (48 layers) per device.
     cache = {"bytes_per_page": 262144, "bytes_per_state_slot": 19243008,
              "num_kv_layers": 16, "num_state_layers": 48}
-    b = hpc.align_blocks(cache, 16)
+    b = align_blocks(cache, 16)
     assert b["kv_bytes_per_token"] == 16384
     assert b["tokens_per_state_per_layer"] == pytest.approx(391.5)
     assert b["tokens_per_state_all_layers"] == pytest.approx(1174.5)
