@@ -180,6 +180,67 @@ def check_equal(ref: dict, got: dict, what: str) -> None:
             raise AssertionError(f"{what}: params differ from the first reader's")
 
 
+def time_loads(path: Path, mc: Any, readers: dict[str, type], mesh_spec: str, dtype: str,
+               repeats: int, file_bytes: int) -> list[dict[str, Any]]:
+    """Every reader loading the checkpoint onto one mesh in one dtype: one untimed load
+    each (warms the page cache, checks they agree), then `repeats` interleaved timed
+    rounds -> a row per reader."""
+    import jax
+    from models.registry import build_model
+    from models.weights import load_params, param_logical_axes
+    from sharding import kv_head_layout, make_mesh, mesh_rules, param_shardings
+
+    m = int(mesh_spec.split("x")[1])
+    stored = kv_head_layout(mc.num_heads, mc.num_kv_heads, m)
+    model = build_model(replace(mc, num_kv_heads=stored), dtype)
+    shardings = param_shardings(param_logical_axes(model), make_mesh(mesh_spec),
+                                mesh_rules(mc, m))
+    kw = dict(shardings=shardings, kv_head_repeat=stored // mc.num_kv_heads)
+
+    def load(reader: type) -> dict:
+        with mock.patch("models.weights.SafeTensorsFile", reader):
+            return jax.block_until_ready(load_params(path, mc, model, dtype, **kw))
+
+    first = None
+    for name, reader in readers.items():   # untimed: warms the page cache, checks
+        params = load(reader)
+        if first is None:
+            first = params
+        else:
+            check_equal(first, params, name)
+        del params
+    del first
+    times: dict[str, list[float]] = {name: [] for name in readers}
+    names = list(readers)
+    for i in range(repeats):   # each round in a rotated order: no reader always
+        for name in names[i % len(names):] + names[:i % len(names)]:   # runs first
+            reader = readers[name]
+            t0 = time.perf_counter()
+            params = load(reader)
+            times[name].append(time.perf_counter() - t0)
+            del params
+    base = statistics.median(next(iter(times.values())))
+    rows = []
+    for name, ts in times.items():
+        median = statistics.median(ts)
+        rows.append({"mesh": mesh_spec, "dtype": dtype, "reader": name,
+                     "median_s": median, "min_s": min(ts), "runs_s": ts,
+                     "gib_per_s": file_bytes / 2**30 / median,
+                     "vs_first": base / median})
+        print(rows[-1], flush=True)
+    return rows
+
+
+def tables(rows: list[dict[str, Any]], opens: dict[str, float], first_name: str) -> str:
+    table = markdown_table(
+        ["mesh", "dtype", "reader", "median s", "best s", "file GiB/s (median)",
+         f"median speed vs {first_name}"],
+        [[r["mesh"], r["dtype"], r["reader"], r["median_s"], r["min_s"], r["gib_per_s"],
+          f"{r['vs_first']:.2f}x"] for r in rows])
+    return table + "\n\n" + markdown_table(["reader", "open (header) ms"],
+                                            [[n, s * 1e3] for n, s in opens.items()])
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--output-dir", required=True)
@@ -193,9 +254,6 @@ def main(argv: list[str] | None = None) -> None:
     import jax
     from models.config import ModelConfig
     from models.param_placement import default_workers
-    from models.registry import build_model
-    from models.weights import load_params, param_logical_axes
-    from sharding import kv_head_layout, make_mesh, mesh_rules, param_shardings
 
     path = write_checkpoint(Path(args.checkpoint_dir))
     files = sorted(path.glob("*.safetensors"))
@@ -208,54 +266,9 @@ def main(argv: list[str] | None = None) -> None:
     readers.update({"package header + views": SafeTensorsFile,
                     "package get_tensor": PackageTensors, "package get_slice": PackageSlices})
     opens = {name: open_seconds(r, files) for name, r in readers.items()}
-    rows = []
-    for mesh_spec in args.meshes.split(","):
-        m = int(mesh_spec.split("x")[1])
-        stored = kv_head_layout(mc.num_heads, mc.num_kv_heads, m)
-        for dtype in args.dtypes.split(","):
-            model = build_model(replace(mc, num_kv_heads=stored), dtype)
-            shardings = param_shardings(param_logical_axes(model), make_mesh(mesh_spec),
-                                        mesh_rules(mc, m))
-            kw = dict(shardings=shardings, kv_head_repeat=stored // mc.num_kv_heads)
-
-            def load(reader: type) -> dict:
-                with mock.patch("models.weights.SafeTensorsFile", reader):
-                    return jax.block_until_ready(load_params(path, mc, model, dtype, **kw))
-
-            first = None
-            for name, reader in readers.items():   # untimed: warms the page cache, checks
-                params = load(reader)
-                if first is None:
-                    first = params
-                else:
-                    check_equal(first, params, name)
-                del params
-            del first
-            times: dict[str, list[float]] = {name: [] for name in readers}
-            names = list(readers)
-            for i in range(args.repeats):   # each round in a rotated order: no reader always
-                for name in names[i % len(names):] + names[:i % len(names)]:   # runs first
-                    reader = readers[name]
-                    t0 = time.perf_counter()
-                    params = load(reader)
-                    times[name].append(time.perf_counter() - t0)
-                    del params
-            base = statistics.median(next(iter(times.values())))
-            for name, ts in times.items():
-                median = statistics.median(ts)
-                rows.append({"mesh": mesh_spec, "dtype": dtype, "reader": name,
-                             "median_s": median, "min_s": min(ts), "runs_s": ts,
-                             "gib_per_s": file_bytes / 2**30 / median,
-                             "vs_first": base / median})
-                print(rows[-1], flush=True)
-    first_name = next(iter(readers))
-    table = markdown_table(
-        ["mesh", "dtype", "reader", "median s", "best s", "file GiB/s (median)",
-         f"median speed vs {first_name}"],
-        [[r["mesh"], r["dtype"], r["reader"], r["median_s"], r["min_s"], r["gib_per_s"],
-          f"{r['vs_first']:.2f}x"] for r in rows])
-    table += "\n\n" + markdown_table(["reader", "open (header) ms"],
-                                     [[n, s * 1e3] for n, s in opens.items()])
+    rows = [row for mesh_spec in args.meshes.split(",") for dtype in args.dtypes.split(",")
+            for row in time_loads(path, mc, readers, mesh_spec, dtype, args.repeats,
+                                  file_bytes)]
     write_results(args.output_dir, "safetensors_read", benchmark="safetensors_read",
                   argv=sys.argv[1:] if argv is None else argv,
                   config={"checkpoint": json.loads((path / "config.json").read_text()),
@@ -263,7 +276,8 @@ def main(argv: list[str] | None = None) -> None:
                           "repeats": args.repeats, "workers": default_workers(),
                           "devices": jax.device_count(), "handwritten_commit": HANDWRITTEN_COMMIT,
                           "platform": jax.devices()[0].platform},
-                  results={"loads": rows, "open_s": opens}, table=table,
+                  results={"loads": rows, "open_s": opens},
+                  table=tables(rows, opens, next(iter(readers))),
                   notes=[f"checkpoint: {file_bytes / 2**30:.2f} GiB on disk",
                          "median (and best) of interleaved timed loads after one untimed load "
                          "of each reader: page cache warm",
