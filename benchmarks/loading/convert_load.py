@@ -79,6 +79,47 @@ def timed_load(model: str, mesh_spec: str, **engine_args: Any) -> tuple[float, i
     return seconds, nbytes
 
 
+def convert_and_load(src: Path, out: Path, mesh_spec: str, q: str | None, dtype: str,
+                     repeats: int) -> list[dict[str, Any]]:
+    """Converts `src` for one mesh (and quantization) into `out`, then loads it both ways
+    (the safetensors and the converted checkpoint) -> a row per way."""
+    from jaxserve.cli.convert import convert
+    from jaxserve.config import EngineConfig
+
+    extra = {} if q is None else {"quantization": q}
+    t0 = time.perf_counter()
+    manifest = convert(EngineConfig(model=str(src), dtype=dtype, mesh=mesh_spec, **extra), out)
+    convert_s = time.perf_counter() - t0
+    disk = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    how = "" if q is None else f" + quantize {q}"
+    ways = {f"safetensors{how}": lambda: timed_load(str(src), mesh_spec, dtype=dtype, **extra),
+            f"converted (orbax){' ' + q if q else ''}": lambda: timed_load(str(out), mesh_spec)}
+    # One untimed load each (the first in the process pays one-time costs and warms the
+    # page cache), then the repeats interleaved: a busy machine's noise falls on both
+    # ways alike.
+    first = {name: load() for name, load in ways.items()}
+    runs: dict[str, list[float]] = {name: [] for name in ways}
+    for _ in range(repeats):
+        for name, load in ways.items():
+            seconds, nbytes = load()
+            assert nbytes == first[name][1]
+            runs[name].append(seconds)
+    assert len({b for _, b in first.values()}) == 1   # the same tree in memory
+    base = statistics.median(next(iter(runs.values())))
+    rows = []
+    for name, times in runs.items():
+        median, nbytes = statistics.median(times), first[name][1]
+        rows.append({"mesh": mesh_spec, "quantization": q, "loader": name,
+                     "median_s": median, "runs_s": times, "first_s": first[name][0],
+                     "param_gib": nbytes / 2**30,
+                     "gib_per_s": nbytes / 2**30 / median,
+                     "speedup_vs_safetensors": base / median,
+                     "convert_seconds": convert_s, "converted_disk_bytes": disk,
+                     "converted_param_bytes": manifest.param_bytes})
+        print(rows[-1], flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--output-dir", required=True)
@@ -94,9 +135,6 @@ def main(argv: list[str] | None = None) -> None:
 
     import jax
 
-    from jaxserve.config import EngineConfig
-    from jaxserve.cli.convert import convert
-
     src = Path(args.model) if args.model else write_checkpoint(Path(args.checkpoint_dir))
     file_bytes = sum(f.stat().st_size for f in src.glob("*.safetensors"))
     work = Path(tempfile.mkdtemp(prefix="jaxserve_convert_load_"))
@@ -104,40 +142,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         for mesh_spec in args.meshes.split(","):
             for q in (None, *quantizations()):
-                extra = {} if q is None else {"quantization": q}
                 out = work / f"{mesh_spec}-{q or 'none'}"
-                t0 = time.perf_counter()
-                manifest = convert(EngineConfig(model=str(src), dtype=args.dtype, mesh=mesh_spec,
-                                                **extra), out)
-                convert_s = time.perf_counter() - t0
-                disk = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
-                how = "" if q is None else f" + quantize {q}"
-                ways = {f"safetensors{how}": lambda: timed_load(str(src), mesh_spec,
-                                                                dtype=args.dtype, **extra),
-                        f"converted (orbax){' ' + q if q else ''}":
-                            lambda: timed_load(str(out), mesh_spec)}
-                # One untimed load each (the first in the process pays one-time costs and
-                # warms the page cache), then the repeats interleaved: a busy machine's
-                # noise falls on both ways alike.
-                first = {name: load() for name, load in ways.items()}
-                runs: dict[str, list[float]] = {name: [] for name in ways}
-                for _ in range(args.repeats):
-                    for name, load in ways.items():
-                        seconds, nbytes = load()
-                        assert nbytes == first[name][1]
-                        runs[name].append(seconds)
-                assert len({b for _, b in first.values()}) == 1   # the same tree in memory
-                base = statistics.median(next(iter(runs.values())))
-                for name, times in runs.items():
-                    median, nbytes = statistics.median(times), first[name][1]
-                    rows.append({"mesh": mesh_spec, "quantization": q, "loader": name,
-                                 "median_s": median, "runs_s": times, "first_s": first[name][0],
-                                 "param_gib": nbytes / 2**30,
-                                 "gib_per_s": nbytes / 2**30 / median,
-                                 "speedup_vs_safetensors": base / median,
-                                 "convert_seconds": convert_s, "converted_disk_bytes": disk,
-                                 "converted_param_bytes": manifest.param_bytes})
-                    print(rows[-1], flush=True)
+                rows += convert_and_load(src, out, mesh_spec, q, args.dtype, args.repeats)
                 shutil.rmtree(out)
     finally:
         shutil.rmtree(work, ignore_errors=True)
