@@ -177,8 +177,7 @@ def tables(results: dict[str, Any]) -> str:
     return "\n".join(parts)
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    argv = sys.argv[1:] if argv is None else argv
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--output-dir", default="benchmarks/results")
     ap.add_argument("--vocab-size", type=int, default=32000)
@@ -198,6 +197,46 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     help="where the trained tokenizer is cached (default: a directory "
                          "under the temporary directory, per vocabulary size)")
     ap.add_argument("--name", default="grammar_backends")
+    return ap
+
+
+def report_notes(results: dict[str, Any]) -> list[str]:
+    """What each column measures, then a warning per backend whose masks failed the
+    instance (or that is not installed)."""
+    notes = [
+        "cold compile: llguidance = grammar text + LLMatcher(tokenizer, grammar); xgrammar = "
+        "a fresh GrammarCompiler's compile_* + GrammarMatcher. llguidance defers most work "
+        "to the masks (see '1st mask after cold'); xgrammar precomputes at compile",
+        "compile again: the same grammar a second time through the library alone "
+        "(xgrammar: its compiler cache; llguidance has none and builds it again); matcher "
+        "from kept: what a server does for a grammar it has cached (llguidance: deep_copy "
+        "of the kept matcher, as jaxserve.engine.grammar does; xgrammar: GrammarMatcher of "
+        "the kept CompiledGrammar)",
+        "json_object: llguidance = schema {\"type\": \"object\"}; xgrammar = "
+        "compile_builtin_json_grammar (any JSON value, as vLLM uses it); choice: llguidance "
+        "grammar_from('choice'), xgrammar an EBNF alternation; arithmetic: Lark for "
+        "llguidance, the same grammar in GBNF for xgrammar",
+        "mask step = fill the next-token bitmask + consume the token; 1 row: the "
+        "single-matcher calls, '1st request' = the first pass of the matcher just compiled "
+        "(llguidance's lazy lexer work), the other columns the later passes; batched: per "
+        "batch step, llguidance fill_next_token_bitmask_par + consume_token_par on an "
+        "LLExecutor, xgrammar BatchGrammarMatcher batch_fill_next_token_bitmask + "
+        "batch_accept_token, rows staggered along the instance",
+    ]
+    for name, r in results["backends"].items():
+        if r["installed"]:
+            bad = mask_failures(r["mask"])
+            if bad:
+                notes.append(f"WARNING: {name}: masks that disallowed the instance's next "
+                             f"token / tokens rejected, by rows: {bad}")
+        else:
+            notes.append(f"{name}: not installed (pip install {name})")
+    return notes
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    argv = sys.argv[1:] if argv is None else argv
+    ap = parser()
     args = ap.parse_args(argv)
     batch_rows = [int(x) for x in args.batch_rows.split(",") if x]
     batch_threads = ([int(x) for x in args.batch_threads.split(",") if x] if args.batch_threads
@@ -228,36 +267,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               "lark": ARITH_LARK, "gbnf": ARITH_GBNF}
     results["config"] = config
     table = tables(results)
-    notes = [
-        "cold compile: llguidance = grammar text + LLMatcher(tokenizer, grammar); xgrammar = "
-        "a fresh GrammarCompiler's compile_* + GrammarMatcher. llguidance defers most work "
-        "to the masks (see '1st mask after cold'); xgrammar precomputes at compile",
-        "compile again: the same grammar a second time through the library alone "
-        "(xgrammar: its compiler cache; llguidance has none and builds it again); matcher "
-        "from kept: what a server does for a grammar it has cached (llguidance: deep_copy "
-        "of the kept matcher, as jaxserve.engine.grammar does; xgrammar: GrammarMatcher of "
-        "the kept CompiledGrammar)",
-        "json_object: llguidance = schema {\"type\": \"object\"}; xgrammar = "
-        "compile_builtin_json_grammar (any JSON value, as vLLM uses it); choice: llguidance "
-        "grammar_from('choice'), xgrammar an EBNF alternation; arithmetic: Lark for "
-        "llguidance, the same grammar in GBNF for xgrammar",
-        "mask step = fill the next-token bitmask + consume the token; 1 row: the "
-        "single-matcher calls, '1st request' = the first pass of the matcher just compiled "
-        "(llguidance's lazy lexer work), the other columns the later passes; batched: per "
-        "batch step, llguidance fill_next_token_bitmask_par + consume_token_par on an "
-        "LLExecutor, xgrammar BatchGrammarMatcher batch_fill_next_token_bitmask + "
-        "batch_accept_token, rows staggered along the instance",
-    ]
-    for name, r in results["backends"].items():
-        if r["installed"]:
-            bad = mask_failures(r["mask"])
-            if bad:
-                notes.append(f"WARNING: {name}: masks that disallowed the instance's next "
-                             f"token / tokens rejected, by rows: {bad}")
-        else:
-            notes.append(f"{name}: not installed (pip install {name})")
     write_results(args.output_dir, args.name, benchmark="grammar_backends", argv=argv,
-                  config=config, results=results, table=table, notes=notes)
+                  config=config, results=results, table=table,
+                  notes=report_notes(results))
     return results
 
 
