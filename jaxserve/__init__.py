@@ -5,6 +5,7 @@ Imports are lazy so that `jaxserve.core` (host-only) never pulls in jax.
 from __future__ import annotations
 
 import importlib
+from typing import Any
 
 __version__ = "0.1.0"
 
@@ -24,7 +25,7 @@ _EXPORTS = {
 __all__ = list(_EXPORTS)
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
         return getattr(importlib.import_module(_EXPORTS[name]), name)
     raise AttributeError(f"module 'jaxserve' has no attribute {name!r}")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.typing import DTypeLike
 
 _BITS = {jnp.dtype(jnp.bfloat16): jnp.dtype(jnp.uint16),
          jnp.dtype(jnp.float16): jnp.dtype(jnp.int16),
@@ -21,13 +22,13 @@ _BITS = {jnp.dtype(jnp.bfloat16): jnp.dtype(jnp.uint16),
 _VALUES = {bits: value for value, bits in _BITS.items()}
 
 
-def held_dtype(dtype, platform: str) -> jnp.dtype:
+def held_dtype(dtype: DTypeLike, platform: str) -> jnp.dtype:
     """The dtype an array of `dtype` values is held in on `platform`."""
     dtype = jnp.dtype(dtype)
     return _BITS.get(dtype, dtype) if platform == "cpu" else dtype
 
 
-def value_dtype(dtype) -> jnp.dtype:
+def value_dtype(dtype: DTypeLike) -> jnp.dtype:
     """The dtype of the values an array held in `dtype` stores."""
     dtype = jnp.dtype(dtype)
     return _VALUES.get(dtype, dtype)
@@ -39,7 +40,7 @@ def as_values(x: jax.Array) -> jax.Array:
     return x if value == x.dtype else jax.lax.bitcast_convert_type(x, value)
 
 
-def as_held(x: jax.Array, held) -> jax.Array:
+def as_held(x: jax.Array, held: DTypeLike) -> jax.Array:
     """Values to write into an array held in `held`: cast to its values' dtype, then
     as bits when it holds bits."""
     held = jnp.dtype(held)

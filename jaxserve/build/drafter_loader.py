@@ -13,6 +13,7 @@ import logging
 from dataclasses import dataclass, replace
 from typing import Any
 
+import flax.linen as nn
 from jax.sharding import Mesh
 
 from jaxserve.checkpoints.model_names import resolve_model
@@ -46,7 +47,7 @@ class DrafterParts:
     kv_dtype: Any
 
     def build(self, plan: CachePlan, config: EngineConfig, layout: EngineLayout, *,
-              target_model, mesh: Mesh, abstract: bool = False) -> ModelDrafter:
+              target_model: nn.Module, mesh: Mesh, abstract: bool = False) -> ModelDrafter:
         dconfig = DrafterConfig(
             method=self.method, num_pages=plan.num_pages, page_size=plan.page_size,
             kv_dtype=self.kv_dtype, max_num_seqs=config.max_num_seqs,

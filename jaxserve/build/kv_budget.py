@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import jax
 
 from jaxserve.build.device_pool import pool_fraction
+from models.config import ModelConfig
 
 logger = logging.getLogger("jaxserve")
 
@@ -25,7 +26,7 @@ WORKSPACE_SHARE = 0.05
 SAMPLER_COPIES = 12
 
 
-def activation_bytes(mc, m: int, tokens: int, rows: int, itemsize: int,
+def activation_bytes(mc: ModelConfig, m: int, tokens: int, rows: int, itemsize: int,
                      max_model_len: int) -> int:
     """Rough peak of one program's temporaries per device, the larger of the forward's
     and the sampler's. Forward: the widest per-layer temporaries of a token bucket

@@ -12,6 +12,7 @@ import logging
 from dataclasses import dataclass, replace
 from typing import Any
 
+import flax.linen as nn
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
@@ -143,12 +144,12 @@ def tpu_kernel_limit_error(mc: ModelConfig, kv_heads: int, *, num_tokens: int, r
             or (gdn_tpu.smem_limit_error(rows) if mc.linear_attention_layers else None))
 
 
-def build_layout_model(layout: EngineLayout):
+def build_layout_model(layout: EngineLayout) -> nn.Module:
     return build_model(layout.run_config, dtype=layout.dtype,
                        attention_backend=layout.attention_backend, scan_layers=layout.scan_layers)
 
 
-def layout_param_shardings(model, mesh: Mesh, layout: EngineLayout) -> Any:
+def layout_param_shardings(model: nn.Module, mesh: Mesh, layout: EngineLayout) -> Any:
     """NamedShardings of `model`'s parameters under the layout's rules table."""
     return param_shardings(param_logical_axes(model), mesh, layout.rules)
 

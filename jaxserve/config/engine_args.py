@@ -11,7 +11,7 @@ import os
 import re
 import types
 import typing
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NoReturn
 
 from jaxserve.config import DTYPE_ALIASES, EngineConfig
@@ -98,7 +98,7 @@ class EnableDisableAction(argparse.BooleanOptionalAction):
 
     _FLIP = {"--enable-": "--disable-", "--disable-": "--enable-"}
 
-    def __init__(self, option_strings, dest, **kwargs):
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any):
         super().__init__(option_strings, dest, **kwargs)
         flipped = [new + opt[len(old):] for opt in option_strings
                    for old, new in self._FLIP.items() if opt.startswith(old)]
@@ -106,7 +106,8 @@ class EnableDisableAction(argparse.BooleanOptionalAction):
         self._off |= set(flipped)
         self.option_strings = [*self.option_strings, *flipped]
 
-    def __call__(self, parser, namespace, values, option_string=None):
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
         setattr(namespace, self.dest, option_string not in self._off)
 
 

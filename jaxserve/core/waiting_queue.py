@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import heapq
+from collections.abc import Iterator
 
 from jaxserve.core.request import Request
 
@@ -27,7 +28,7 @@ class PriorityQueue:
         self._heap = [e for e in self._heap if e[3] is not req]
         heapq.heapify(self._heap)
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Request]:
         """The waiting requests, in no particular order."""
         return (e[3] for e in self._heap)
 

@@ -19,7 +19,7 @@ of a multi-host run, engine/multihost.py) as its words alone, and rebuilt there.
 from __future__ import annotations
 
 from itertools import chain
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -70,7 +70,8 @@ class BadWords:
         return np.concatenate(parts) if len(parts) > 1 else parts[0] if parts else \
             self._tokens[:0]
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Callable[[np.ndarray, np.ndarray], BadWords],
+                                  tuple[np.ndarray, np.ndarray]]:
         # sorted and distinct already: rebuilt as they are (int32: token ids fit)
         return _rebuild, (self._flat.astype(np.int32), self._lens.astype(np.int32))
 

@@ -7,10 +7,13 @@ InputError (a ValueError) naming the field at fault, with a message for the clie
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jaxserve import json_limits
 from jaxserve.errors import InputError
+
+if TYPE_CHECKING:   # for hints only: transformers is heavy and loaded late
+    from transformers import PreTrainedTokenizerBase
 
 
 def message_text(content: Any) -> str:
@@ -92,7 +95,8 @@ def _template_message(m: dict) -> dict:
     return out
 
 
-def render_chat(tokenizer, messages: list[dict], *, chat_template: str | None = None,
+def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict], *,
+                chat_template: str | None = None,
                 add_generation_prompt: bool = True, continue_final_message: bool = False,
                 max_chars: int | None = None,
                 template_kwargs: dict[str, Any] | None = None,

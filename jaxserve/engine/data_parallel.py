@@ -21,6 +21,8 @@ import logging
 from dataclasses import replace
 from typing import Any, Iterator, Sequence
 
+from jax.sharding import Mesh
+
 from jaxserve.config import EngineConfig
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.scheduler import SchedulerStats
@@ -54,7 +56,8 @@ def make_engine(config: EngineConfig, *, stream_outputs: bool = False,
 
 
 class DataParallelEngine:
-    def __init__(self, config: EngineConfig, *, stream_outputs: bool = False, mesh=None,
+    def __init__(self, config: EngineConfig, *, stream_outputs: bool = False,
+                 mesh: Mesh | None = None,
                  balance_slack: int = 2, progress: StartupProgress | None = None):
         mesh = mesh if mesh is not None else make_mesh(config.mesh)
         self.balance_slack = balance_slack

@@ -11,6 +11,7 @@ from typing import Any, Iterator
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from jaxserve.build.parts import EngineParts, build_parts, replica_shape, resolve_sources
 from jaxserve.build.startup import STARTING, StartupProgress
@@ -50,7 +51,8 @@ class EngineCore:
     i of n), e.g. for the server's /health while it loads.
     """
 
-    def __init__(self, config: EngineConfig, *, stream_outputs: bool = False, mesh=None,
+    def __init__(self, config: EngineConfig, *, stream_outputs: bool = False,
+                 mesh: Mesh | None = None,
                  seed_counter: Iterator[int] | None = None,
                  progress: StartupProgress | None = None):
         progress = progress or StartupProgress()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, replace
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
@@ -25,6 +25,9 @@ from jaxserve.multimodal.front import ImageFront, MultiModalInputs
 from jaxserve.sampling_params import (MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS_TOKENS,
                                       MAX_BANNED_TOKENS, MAX_LOGPROBS, SamplingParams, is_int,
                                       logprobs_limit)
+
+if TYPE_CHECKING:   # for hints only: transformers is heavy and loaded late
+    from transformers import PreTrainedTokenizerBase
 
 __all__ = ["EngineRequest", "InputError", "InputProcessor", "check_unicode"]
 
@@ -80,7 +83,8 @@ class InputProcessor:
     EngineRequest. Stateless but for its counters, so any thread may call it (the
     server calls it from worker threads, never through the engine)."""
 
-    def __init__(self, *, tokenizer, vocab_size: int, max_model_len: int,
+    def __init__(self, *, tokenizer: PreTrainedTokenizerBase | None, vocab_size: int,
+                 max_model_len: int,
                  eos_token_ids: tuple[int, ...] = (), max_logprobs: int = MAX_LOGPROBS,
                  images: ImageFront | None = None, lora: Any = None):
         """max_logprobs: EngineConfig.max_logprobs (-1: the vocabulary size); images: the
@@ -338,7 +342,7 @@ class InputProcessor:
         vocab = self.vocab_size
         return BadWords(ids for ids in spellings if all(0 <= t < vocab for t in ids))
 
-    def grammar_compiler(self):
+    def grammar_compiler(self) -> GrammarCompiler:
         with self._grammars_lock:
             if self._grammars is None:
                 if self.tokenizer is None:

@@ -1,7 +1,7 @@
 """LLM: offline batch generation with vLLM's names and behaviour."""
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Sequence
 
 from tqdm.auto import tqdm
 
@@ -15,6 +15,9 @@ from jaxserve.inputs import TextPrompt, TokensPrompt, parse_prompt
 from jaxserve.lora_request import LoRARequest
 from jaxserve.multimodal.front import MultiModalInputs
 from jaxserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:   # for hints only: transformers is heavy and loaded late
+    from transformers import PreTrainedTokenizerBase
 
 PromptType = str | TextPrompt | TokensPrompt
 # use_tqdm: on/off, or a tqdm-like class to make the bar with (as vLLM's).
@@ -38,7 +41,7 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._next_id = 0   # request ids "0", "1", ...: one per prompt the engine ran
 
-    def get_tokenizer(self):
+    def get_tokenizer(self) -> PreTrainedTokenizerBase | None:
         return self.tokenizer
 
     def reset_prefix_cache(self) -> bool:

@@ -33,7 +33,9 @@ from typing import Any, Callable
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
 
+from jaxserve.core.sched_output import SchedulerOutput
 from jaxserve.engine.grammar import CompiledGrammar
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.structured_outputs import StructuredOutputsParams
@@ -80,7 +82,7 @@ def is_leader() -> bool:
     return jax.process_index() == 0
 
 
-def check_mesh(mesh) -> None:
+def check_mesh(mesh: Mesh) -> None:
     """A multi-process mesh must be one replica over every device (see the module doc)."""
     if mesh.devices.size != jax.device_count() or mesh.devices.shape[0] != 1:
         raise ValueError(f"with {jax.process_count()} processes the mesh must be 1x"
@@ -108,7 +110,7 @@ class StepChannel:
         self._step = 0
         self._closed = False
 
-    def publish(self, sched_out) -> None:
+    def publish(self, sched_out: SchedulerOutput) -> None:
         # A diff: new requests whole (once), running ones as new pages and counts.
         self._send(dumps(sched_out))
 
@@ -123,7 +125,8 @@ class StepChannel:
             self._client.key_value_set_bytes(f"{_PREFIX}/{pid}/{self._step}", payload)
         self._step += 1
 
-    def receive(self, compile_grammar: Callable[[StructuredOutputsParams], Any]):
+    def receive(self, compile_grammar: Callable[[StructuredOutputsParams], Any]
+                ) -> SchedulerOutput | None:
         """The next step's scheduler output, or None when the leader has stopped.
         compile_grammar: this process's compiler (GrammarCompiler.compile) for the
         grammars of new requests."""

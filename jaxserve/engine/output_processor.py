@@ -13,6 +13,7 @@ are known only once every sample is done.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from jaxserve.core import request_metrics
 from jaxserve.core.outputs import CompletionOutput, RequestOutput
@@ -20,7 +21,12 @@ from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.request_metrics import RequestMetrics
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.logprobs import make_logprob_dict
-from jaxserve.sampling_params import RequestOutputKind
+from jaxserve.sampling_params import RequestOutputKind, SamplingParams
+
+if TYPE_CHECKING:   # for hints only: the runner brings jax, transformers is heavy
+    from transformers import PreTrainedTokenizerBase
+
+    from jaxserve.runner.model_runner import ModelRunnerOutput
 
 
 @dataclass
@@ -53,13 +59,14 @@ class _Group:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer, *, stream: bool = False):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase | None, *, stream: bool = False):
         self.tokenizer = tokenizer
         self.stream = stream   # delta outputs after every step, else final outputs only
         self._groups: dict[str, _Group] = {}
         self._child: dict[str, tuple[_Group, _Completion]] = {}
 
-    def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params,
+    def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+            params: SamplingParams,
             child_ids: list[str], arrival_time: float | None = None) -> None:
         """arrival_time: when the request arrived, a time.monotonic() reading (None: now)."""
         kind = RequestOutputKind.FINAL_ONLY
@@ -111,7 +118,8 @@ class OutputProcessor:
             if entry is not None and entry[0].metrics.first_scheduled_time is None:
                 entry[0].metrics.first_scheduled_time = t
 
-    def process(self, updated: list[Request], runner_out) -> tuple[list[RequestOutput], list[str]]:
+    def process(self, updated: list[Request], runner_out: ModelRunnerOutput
+                ) -> tuple[list[RequestOutput], list[str]]:
         """Returns the outputs of changed groups and child ids stopped by a stop string."""
         changed: dict[str, _Group] = {}
         stopped: list[str] = []

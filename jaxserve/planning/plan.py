@@ -51,8 +51,10 @@ from jaxserve.build.parts import lora_store
 from jaxserve.config import EngineConfig
 from jaxserve.build.cache_plan import CachePlan
 from jaxserve.build.kv_budget import DeviceMemory, MemorySplit, device_memory, memory_split
+from jaxserve.engine.protocol import EngineInfo
 from jaxserve.planning.plan_format import format_plan
 from models.cache_spec import PagedKVSpec, RecurrentStateSpec, SharedKVSpec
+from models.config import ModelConfig, WeightQuant
 from models.registry import build_model
 from models.weights import abstract_params, param_logical_axes
 from pallas_kernels.ragged_paged_attention import is_quantized
@@ -83,7 +85,8 @@ class WeightFigures:
     replicated_bytes: int             # of bytes_per_device, held by every device
 
 
-def weight_figures(mc, m: int, dtype: str, weight_quant=None,
+def weight_figures(mc: ModelConfig, m: int, dtype: str,
+                   weight_quant: WeightQuant | None = None,
                    kv_cache_quantized: bool = False, expert_parallel: bool = False
                    ) -> WeightFigures:
     """From the flax model's parameter shapes and dtypes (jax.eval_shape: nothing
@@ -97,7 +100,7 @@ def weight_figures(mc, m: int, dtype: str, weight_quant=None,
     return module_weight_figures(module, mc, m, expert_parallel)
 
 
-def module_weight_figures(module: Any, mc, m: int, expert_parallel: bool = False
+def module_weight_figures(module: Any, mc: ModelConfig, m: int, expert_parallel: bool = False
                           ) -> WeightFigures:
     """A flax module's parameters on a 1xM mesh under `mc`'s rules table (the model's,
     or a drafter's)."""
@@ -284,7 +287,7 @@ class Plan:
         return 0.0 if m == 1 else 2 * (m - 1) / m * nbytes / (self.link_gbps * 1e9)
 
 
-def plan_from_config(config: EngineConfig, mc, *, hbm_bytes: int | None = None,
+def plan_from_config(config: EngineConfig, mc: ModelConfig, *, hbm_bytes: int | None = None,
                      platform: str = "gpu", link_gbps: float = DEFAULT_LINK_GBPS,
                      weights: WeightFigures | None = None, cache: CachePlan | None = None,
                      label: str | None = None) -> Plan:
@@ -365,7 +368,7 @@ def _lora_slots(config: EngineConfig, layout, m: int) -> tuple[str | None, int]:
             f"{jnp.dtype(c.dtype).name}: {nbytes / 2**30:.3f} GiB per device"), nbytes
 
 
-def make_plan(mc, *, model: str, mesh: str, hbm_bytes: int | None = None,
+def make_plan(mc: ModelConfig, *, model: str, mesh: str, hbm_bytes: int | None = None,
               link_gbps: float = DEFAULT_LINK_GBPS, weights: WeightFigures | None = None,
               platform: str | None = None, cache: CachePlan | None = None,
               prefix_caching: bool = True, **engine: Any) -> Plan:
@@ -390,7 +393,7 @@ def _state_layout(mc, dtype: str) -> str:
             f"{mc.linear_value_head_dim} float32)")
 
 
-def plan_for_engine(info) -> str:
+def plan_for_engine(info: EngineInfo) -> str:
     """The plan of a running engine (its EngineInfo), for the server's start-up log: its
     own config and cache plan, the device's memory from its allocator (unknown on
     CPU)."""

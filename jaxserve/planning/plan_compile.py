@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import jax
+from jax.sharding import Mesh
 
 from jaxserve.build.cache_plan import CachePlan
 from jaxserve.build.drafter_loader import load_drafter
@@ -51,6 +52,7 @@ from jaxserve.runner.buckets import pick_bucket
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.runner.parallel_compile import compile_all, default_compile_workers
 from jaxserve.runner.programs import DRAFT, FORWARD, GREEDY, PENALTIES, SAMPLE, Program
+from models.config import ModelConfig
 from models.weights import placed_abstract_params
 from sharding import bytes_per_device, replica_meshes
 from sharding.mesh import parse_mesh
@@ -229,7 +231,8 @@ class AbstractEngine:
     programs: list[Program]               # runner.warmup_programs()
 
 
-def build_abstract_engine(config: EngineConfig, mc, mesh, hbm_bytes: int) -> AbstractEngine:
+def build_abstract_engine(config: EngineConfig, mc: ModelConfig, mesh: Mesh,
+                          hbm_bytes: int) -> AbstractEngine:
     """mesh: one replica's 1xM mesh of abstract chips. ValueError when the engine would
     refuse to start (e.g. no room for one sequence)."""
     config = config.for_platform(mesh.devices.flat[0].platform)
@@ -315,7 +318,7 @@ def compile_plan(model: str, *, target: str, mesh: str = "1x1",
         wall_seconds=wall, decode=decode)
 
 
-def account_decode(eng: AbstractEngine, mc, rows: int, progs: list[Program],
+def account_decode(eng: AbstractEngine, mc: ModelConfig, rows: int, progs: list[Program],
                    texts: dict[str, Module], results: dict[str, ProgramResult],
                    context: int | None) -> dict[str, Any]:
     """One decode step's accounted bytes beside its roofline (planning/step_bytes.py)."""

@@ -25,6 +25,7 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -34,12 +35,14 @@ from jaxserve.config.speculative import DRAFT_MODEL, MTP
 from jaxserve.runner.layer_caches import abstract_layer_caches, make_layer_caches
 from jaxserve.runner.runner_config import DrafterConfig
 from jaxserve.runner.sampler import first_argmax
+from models.config import ModelConfig
 from models.inputs import ModelInputs
 from sharding import replicated
 
 
 class ModelDrafter:
-    def __init__(self, config: DrafterConfig, *, model, params, target_model, cache_config,
+    def __init__(self, config: DrafterConfig, *, model: nn.Module, params: dict,
+                 target_model: nn.Module, cache_config: ModelConfig,
                  mesh: Mesh, abstract: bool = False):
         """model / params: the draft model, or models.mtp.MTPHead and its params;
         cache_config: the ModelConfig its caches follow (the MTP's: one layer)."""
@@ -135,7 +138,8 @@ class ModelDrafter:
             seq_lens=jnp.where(live, pos + 1, 0), page_table=page_table, num_seqs=num_rows)
 
     # ---- host side --------------------------------------------------------------------
-    def propose(self, tparams, hidden, inputs: ModelInputs, next_ids: np.ndarray,
+    def propose(self, tparams: dict, hidden: jax.Array, inputs: ModelInputs,
+                next_ids: np.ndarray,
                 rows: list[tuple[int, int, int]], page_table: np.ndarray) -> np.ndarray:
         """rows: (last accepted token's step index, bonus token, bonus position) of each
         proposing row, page_table: their page-table rows -> drafts int32[len(rows), k].
@@ -152,7 +156,7 @@ class ModelDrafter:
                                             np.array([n], np.int32))
         return np.asarray(jax.device_get(drafts))[:n]
 
-    def warmup_args(self, tparams, hidden, inputs: ModelInputs) -> tuple:
+    def warmup_args(self, tparams: dict, hidden: jax.Array, inputs: ModelInputs) -> tuple:
         """The program's arguments for a step of `inputs` with no proposing row."""
         r, t = self.max_num_seqs, inputs.token_ids.shape[0]
         z = np.zeros(r, np.int32)

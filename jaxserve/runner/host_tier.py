@@ -26,6 +26,7 @@ import jax
 import numpy as np
 
 from jaxserve.core.host_pages import size_host_tier
+from jaxserve.core.sched_output import HostCopies
 from models.layer_stack import CONV, KV, KV_SLIDING, RECURRENT
 from models.page_copies import gather_pages, scatter_pages
 
@@ -240,7 +241,7 @@ class HostTier:
         self.page_kinds = [k for k in PAGE_KINDS if k in self.layout.rows]
         self.restore_seconds = 0.0   # host time to gather and send restores (asynchronous)
 
-    def dispatch(self, caches: dict[str, jax.Array], copies
+    def dispatch(self, caches: dict[str, jax.Array], copies: HostCopies
                  ) -> tuple[dict[str, jax.Array], PendingOffload | None]:
         """copies (core/sched_output.HostCopies): the offloads issued (their reads go
         before any later write of those pages), then the restores (caches donated) ->

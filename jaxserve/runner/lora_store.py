@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
 
 from jaxserve.core.lora_slots import AdapterCache
 from jaxserve.lora_request import LoRARequest
@@ -105,12 +106,12 @@ class LoRAStore:
         """A slot's rows with no adapter (zeros): warmup writes it into slot 0."""
         return slot_weights({}, 0.0, self.targets, self.config.max_rank, np.float32)
 
-    def allocate(self, mesh) -> None:
+    def allocate(self, mesh: Mesh) -> None:
         """Allocates the device stacks now (before the KV cache is sized from the memory
         left: build/parts.py); the runner takes them (init_stacks)."""
         self._stacks = self.init_stacks(mesh)
 
-    def init_stacks(self, mesh) -> dict:
+    def init_stacks(self, mesh: Mesh) -> dict:
         """Every slot empty, on `mesh` as stack_shardings places them (those allocate()
         made, the first time)."""
         stacks, self._stacks = self._stacks, None
@@ -124,7 +125,7 @@ class LoRAStore:
         """The stacks' bytes on each device of a model axis of m (the planner's)."""
         return stack_bytes_per_device(self.targets, self.config, m)
 
-    def abstract_stacks(self, mesh) -> dict:
+    def abstract_stacks(self, mesh: Mesh) -> dict:
         """The stacks as ShapeDtypeStructs with their shardings (an abstract runner)."""
         c = self.config
         shapes = stack_shapes(self.targets, c.max_loras, c.max_rank, c.dtype)
@@ -132,7 +133,7 @@ class LoRAStore:
             lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes,
             stack_shardings(self.targets, mesh))
 
-    def shardings(self, mesh) -> dict:
+    def shardings(self, mesh: Mesh) -> dict:
         return stack_shardings(self.targets, mesh)
 
 

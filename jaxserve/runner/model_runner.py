@@ -25,11 +25,13 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxserve.core.sched_output import SchedulerOutput
 from jaxserve.runner.buckets import (page_buckets, pick_bucket, row_buckets,
                                      sampling_row_buckets, token_buckets)
 from jaxserve.runner.drafter import ModelDrafter
@@ -56,18 +58,15 @@ logger = logging.getLogger("jaxserve")
 
 @dataclass
 class ModelRunnerOutput:
-    # req_id -> its token; a row that verified drafts: the drafts accepted, then the token
-    # sampled after them (a list)
+    # req_id -> its token; a row that verified drafts: [the drafts accepted, the next token]
     sampled: dict[str, int | list[int]] = field(default_factory=dict)
-    # req_id -> per new token, (token ids [1+K], logprobs [1+K], rank of the sampled
-    # token); K = the runner's max_logprobs
+    # req_id -> per new token: (ids [1+K], logprobs [1+K], sampled token's rank), K = max_logprobs
     logprobs: dict[str, list[tuple[np.ndarray, np.ndarray, int]]] = field(default_factory=dict)
     # Speculative decoding: req_id -> the drafts its next step is to verify
     spec_token_ids: dict[str, list[int]] | None = None
     # req_id -> (first position, target logprob [n], rank [n], top ids [n, K], top lps [n, K])
     prompt_logprobs: dict[str, tuple] = field(default_factory=dict)
-    # req_id -> why its structured-output grammar failed on the token it got this step
-    # (the request ends with finish_reason "error")
+    # req_id -> why its grammar failed on this step's token (it ends with finish_reason "error")
     failed: dict[str, str] = field(default_factory=dict)
 
 
@@ -89,7 +88,8 @@ PROMPT_LOGPROBS_CHUNK = 256
 
 
 class ModelRunner(RunnerWarmup):
-    def __init__(self, config: RunnerConfig, *, model, params, mesh=None,
+    def __init__(self, config: RunnerConfig, *, model: nn.Module, params: dict,
+                 mesh: Mesh | None = None,
                  abstract: bool = False, drafter: ModelDrafter | None = None,
                  lora: LoRAStore | None = None, vision: VisionParts | None = None):
         """model.config: the model as it runs on this mesh (KV heads as stored);
@@ -258,10 +258,10 @@ class ModelRunner(RunnerWarmup):
         return jax.tree_util.tree_map(lambda x: x.reshape(n * c, *x.shape[2:])[:t], out)
 
     # ---- one step ------------------------------------------------------------------
-    def execute(self, scheduler_output) -> ModelRunnerOutput:
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.collect(self.dispatch(scheduler_output))
 
-    def dispatch(self, scheduler_output) -> _InFlight:
+    def dispatch(self, scheduler_output: SchedulerOutput) -> _InFlight:
         """Applies the step's diff to the persistent batch, launches the step's device work
         and returns without waiting for it (data-parallel replicas dispatch in turn, then
         collect). A step that fails leaves rows the scheduler then aborts: they come back

@@ -97,7 +97,7 @@ def ragged_gated_delta_rule(
     impl: str = "reference",
     interpret: bool | str = False,
     return_loop_trips: bool = False,
-):
+) -> tuple[jax.Array, jax.Array] | tuple[jax.Array, jax.Array, jax.Array]:
     """The gated delta rule for every live row of a ragged batch, from states[slot]
     (zeros where not has_initial_state), writing each row's final state back to
     its slot. Returns (o [T, Hv, Dv] in v.dtype, zero on padding tokens; states),

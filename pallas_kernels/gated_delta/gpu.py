@@ -27,6 +27,7 @@ interpret mode both run on CPU, so CPU CI checks this kernel.
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +36,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.mosaic_gpu_params import compiler_params
+
+if TYPE_CHECKING:   # for hints only: jax keeps the class private (see interpret_params)
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
 COL_BLOCK = 32          # [Dk, 32] f32 tile: 32 registers per thread at Dk = 128
 # Persistent CTAs per SM (one warpgroup each, few registers and little shared
@@ -84,8 +88,11 @@ def _kernel(n_ref, order_ref, slot_ref, init_ref, decay_ref, beta_ref, q_ref, k_
         o_ref.at[row, h, cols][...] = jnp.sum(s * q, axis=0)
 
 
-def decode_step_gpu(states, slots, write, qd, kd, vd, gd, bd, has_initial_state, *,
-                    interpret=False, num_ctas: int | None = None):
+def decode_step_gpu(states: jax.Array, slots: jax.Array, write: jax.Array, qd: jax.Array,
+                    kd: jax.Array, vd: jax.Array, gd: jax.Array, bd: jax.Array,
+                    has_initial_state: jax.Array, *,
+                    interpret: bool | InterpretGPUParams = False, num_ctas: int | None = None
+                    ) -> tuple[jax.Array, jax.Array]:
     """ragged.DecodeStep for Hopper. interpret: False or GPU interpret-mode params."""
     num_rows, num_heads, head_k = qd.shape
     head_v = vd.shape[-1]
@@ -112,7 +119,7 @@ def decode_step_gpu(states, slots, write, qd, kd, vd, gd, bd, has_initial_state,
     return o, jax.freeze(states_ref)
 
 
-def interpret_params():
+def interpret_params() -> InterpretGPUParams:
     """Parameters for Pallas GPU interpret mode (private in jax 0.10.2)."""
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
     return InterpretGPUParams()

@@ -58,7 +58,9 @@ def plan_chunks(query_start_loc: jax.Array, num_seqs: jax.Array, chunk_size: int
     return ChunkPlan(lens, decode, num_chunks, chunk_end, chunk_end[-1])
 
 
-def decode_step_reference(states, slots, write, qd, kd, vd, gd, bd, has_initial_state):
+def decode_step_reference(states: jax.Array, slots: jax.Array, write: jax.Array, qd: jax.Array,
+                          kd: jax.Array, vd: jax.Array, gd: jax.Array, bd: jax.Array,
+                          has_initial_state: jax.Array) -> tuple[jax.Array, jax.Array]:
     num_slots = states.shape[0]
     s0 = states[slots]                                                  # [R, Hv, Dk, Dv]
     s0 = jnp.where(has_initial_state[:, None, None, None], s0, 0.0)    # select: slots may hold NaN
@@ -66,8 +68,10 @@ def decode_step_reference(states, slots, write, qd, kd, vd, gd, bd, has_initial_
     return o, states.at[jnp.where(write, slots, num_slots)].set(s1, mode="drop")
 
 
-def ragged_gated_delta(q, k, v, g, beta, states, state_slots, query_start_loc, num_seqs,
-                       has_initial_state, *, chunk_size: int, decode_step: DecodeStep,
+def ragged_gated_delta(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array,
+                       beta: jax.Array, states: jax.Array, state_slots: jax.Array,
+                       query_start_loc: jax.Array, num_seqs: jax.Array,
+                       has_initial_state: jax.Array, *, chunk_size: int, decode_step: DecodeStep,
                        decode_tokens: int = 1) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(o, states, while-loop trip count); argument conventions in dispatch.py."""
     num_tokens = q.shape[0]

@@ -70,7 +70,8 @@ def chunk_step(state: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, g: ja
     return chunk_scan_step(state, chunk_prologue(q, k, v, g, beta))
 
 
-def chunk_prologue(q, k, v, g, beta):
+def chunk_prologue(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array
+                   ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
     """The state-independent part of a chunk; works for any leading batch dims
     (e.g. [H, N, C, D] for all chunks of a sequence at once)."""
     size = g.shape[-1]
@@ -92,7 +93,8 @@ def chunk_prologue(q, k, v, g, beta):
     return u, w, attn, q_dec, k_dec, chunk_decay
 
 
-def chunk_scan_step(state, parts):
+def chunk_scan_step(state: jax.Array, parts: tuple[jax.Array, ...]
+                    ) -> tuple[jax.Array, jax.Array]:
     """The sequential part of a chunk: read the entering state, produce (o, new state)."""
     u, w, attn, q_dec, k_dec, chunk_decay = parts
     v_new = u - jnp.einsum("hck,hkv->hcv", w, state, precision=_HI)

@@ -120,8 +120,11 @@ def decode_cost(*, num_rows: int, num_heads: int, head_k: int, head_v: int,
                            bytes_accessed=2 * state + vectors + (3 * num_rows + 1) * 4)
 
 
-def decode_step_tpu(states, slots, write, qd, kd, vd, gd, bd, has_initial_state, *,
-                    interpret=False):
+def decode_step_tpu(states: jax.Array, slots: jax.Array, write: jax.Array, qd: jax.Array,
+                    kd: jax.Array, vd: jax.Array, gd: jax.Array, bd: jax.Array,
+                    has_initial_state: jax.Array, *,
+                    interpret: bool | pltpu.InterpretParams = False
+                    ) -> tuple[jax.Array, jax.Array]:
     """ragged.DecodeStep for TPU. interpret: False or pltpu.InterpretParams()."""
     num_rows, num_heads, head_k = qd.shape
     head_v = vd.shape[-1]

@@ -45,7 +45,8 @@ def max_items(num_tokens: int, num_rows: int, block_q: int) -> int:
 def plan_items(query_start_loc: jax.Array, kv_lens: jax.Array, num_seqs: jax.Array, *,
                num_tokens: int, block_q: int, kv_step: int, page_size: int,
                sliding_window: int | None, row_mask: jax.Array | None = None,
-               num_items: int | None = None, horizon: jax.Array | None = None):
+               num_items: int | None = None, horizon: jax.Array | None = None
+               ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """-> (meta int32[I, NUM_FIELDS], token_item int32[T], token_row int32[T], token_valid bool[T]).
 
     kv_step is the kernel's KV block in tokens: an item loops over NUM_STEPS
@@ -107,7 +108,7 @@ def plan_items(query_start_loc: jax.Array, kv_lens: jax.Array, num_seqs: jax.Arr
     return meta, token_item.astype(jnp.int32), token_row.astype(jnp.int32), t_valid
 
 
-def window_start(q_pos, sliding_window: int):
+def window_start(q_pos: jax.Array, sliding_window: int) -> jax.Array:
     """The first KV position the query at q_pos sees with a sliding window (may be < 0)."""
     return q_pos - (sliding_window - 1)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.typing import DTypeLike
 
 from pallas_kernels.held_dtypes import as_held, value_dtype
 from pallas_kernels.ragged_paged_attention.quant import is_quantized, quantize
@@ -27,7 +28,7 @@ KV_HEAD_AXIS = 1
 KV_CACHE_NDIM = 4
 
 def make_kv_cache(num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
-                  dtype=jnp.bfloat16) -> jax.Array:
+                  dtype: DTypeLike = jnp.bfloat16) -> jax.Array:
     for name, value in (("num_pages", num_pages), ("page_size", page_size),
                         ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
         if value < 1:

@@ -37,6 +37,7 @@ import logging
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.typing import DTypeLike
 
 from pallas_kernels.ragged_paged_attention import gpu, paged_loop, reference, tpu
 from pallas_kernels.held_dtypes import as_values
@@ -172,8 +173,8 @@ def _attend(q, cache, kv_lens, page_table, query_start_loc, num_seqs, *, sm_scal
 _FLOAT_CACHE_DTYPES = tuple(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16))
 
 
-def kv_cache_dtype_error(kv_dtype, *, platform: str, backend: str, head_dim: int, num_heads: int,
-                         num_kv_heads: int, page_size: int) -> str | None:
+def kv_cache_dtype_error(kv_dtype: DTypeLike, *, platform: str, backend: str, head_dim: int,
+                         num_heads: int,                         num_kv_heads: int, page_size: int) -> str | None:
     """Why this engine would not read a cache of kv_dtype with attention `backend`
     ("auto" resolved for `platform`: "cpu", "gpu"/"cuda", "tpu") -- including the
     silent fallback of impl="pallas" to the reference -- with the fix; None when it

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.typing import DTypeLike
 
 from pallas_kernels.kv_cache_dtypes import KV_QUANT_DTYPE_NAMES
 
@@ -21,7 +22,7 @@ _QUANTIZED = frozenset(jnp.dtype(d) for d in KV_QUANT_DTYPES.values())
 INT8_MAX = 127      # symmetric: -128 is never stored, so negation stays exact
 
 
-def is_quantized(dtype) -> bool:
+def is_quantized(dtype: DTypeLike) -> bool:
     """True for the one-byte cache dtypes that need kv_scale (fp8 e4m3 / e5m2, int8)."""
     return jnp.dtype(dtype) in _QUANTIZED
 
@@ -32,7 +33,7 @@ def _check(dtype):
                          f"{sorted(str(d) for d in _QUANTIZED)}")
 
 
-def quantize(x: jax.Array, scale: jax.Array, dtype) -> jax.Array:
+def quantize(x: jax.Array, scale: jax.Array, dtype: DTypeLike) -> jax.Array:
     """x / scale stored as dtype (scale broadcasts against x). Out-of-range values
     clip to the largest finite value: float8_e4m3fn has no inf, so an overflowing
     cast would give NaN; int8 rounds to nearest even and clips to [-127, 127]."""
@@ -44,7 +45,7 @@ def quantize(x: jax.Array, scale: jax.Array, dtype) -> jax.Array:
     return jnp.clip(y, -top, top).astype(dtype)
 
 
-def dequantize(x_q: jax.Array, scale: jax.Array, dtype=jnp.float32) -> jax.Array:
+def dequantize(x_q: jax.Array, scale: jax.Array, dtype: DTypeLike = jnp.float32) -> jax.Array:
     """x_q * scale (computed in float32) as dtype."""
     _check(x_q.dtype)
     return (x_q.astype(jnp.float32) * scale).astype(dtype)

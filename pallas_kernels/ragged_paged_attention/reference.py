@@ -36,7 +36,8 @@ from pallas_kernels.ragged_paged_attention.cache import cache_dims
 _GATHER_BUDGET_BYTES = 64 * 1024 * 1024
 
 
-def token_metadata(query_start_loc, kv_lens, num_seqs, num_tokens):
+def token_metadata(query_start_loc: jax.Array, kv_lens: jax.Array, num_seqs: jax.Array,
+                   num_tokens: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """For each packed token: its request row, its position in the sequence, validity."""
     t = jnp.arange(num_tokens, dtype=jnp.int32)
     num_rows = kv_lens.shape[0]

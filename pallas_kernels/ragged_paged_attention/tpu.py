@@ -259,10 +259,13 @@ def _kernel(meta_ref, q_ref, cache_hbm, pages_hbm, o_ref, kv_buf, sems, idx_buf,
             o_ref[h] = (acc_scr[h] / l_scr[h][:, :1]).astype(o_ref.dtype)
 
 
-def ragged_paged_attention_tpu(q, cache, kv_lens, page_table, query_start_loc, num_seqs, *,
-                               sm_scale: float, sliding_window: int | None = None,
-                               soft_cap: float | None = None, interpret=False,
-                               config: TpuConfig | None = None):
+def ragged_paged_attention_tpu(q: jax.Array, cache: jax.Array, kv_lens: jax.Array,
+                               page_table: jax.Array, query_start_loc: jax.Array,
+                               num_seqs: jax.Array, *, sm_scale: float,
+                               sliding_window: int | None = None,
+                               soft_cap: float | None = None,
+                               interpret: bool | pltpu.InterpretParams = False,
+                               config: TpuConfig | None = None) -> jax.Array:
     """interpret: False, or TPU interpret-mode params (pltpu.InterpretParams()).
     config: block sizes (tests use small ones); default choose_config(...)."""
     num_tokens, num_heads, head_dim = q.shape
