@@ -256,36 +256,22 @@ class Scheduler(SchedulerLoRA, SpecScheduling):
         dropped its row), after its cached prefix. One whose LoRA adapter finds no slot
         stays waiting, in its place, and the next is tried."""
         kv, running, waiting, budget = self.kv, self.running, self.waiting, step.budget
-        cuts, enc = kv.snapshots is not None, self.encoder
         skipped: list[Request] = []
         while waiting and budget > 0 and len(running) < self.max_num_seqs:
             req = self._peek_waiting()
             if not self._take_lora_slot(req, step.lora_loads):
                 skipped.append(self._pop_waiting())
                 continue
-            hit, num_hit = kv.get_computed_pages(req)
-            restore = kv.restore_budget(req, self.max_num_batched_tokens - 1)
-            if restore >= budget:
-                self._drop_lora_slot(req)
+            if (fit := self._fit_waiting(req, budget)) is None:
+                self._drop_lora_slot(req)   # it keeps waiting: its slot may go
                 break
-            num_new = min(req.num_tokens - num_hit, budget - restore)
-            if cuts and (cut := kv.state_cut(req, num_hit)) is not None:
-                num_new = min(num_new, cut - num_hit)
-            if (images := enc is not None and req.multi_modal is not None) and \
-                    (num_new := enc.fit(req, num_hit, num_new)) <= 0:
-                self._drop_lora_slot(req)
-                break   # its first image waits for encoder budget or rows
-            ahead = self._lookahead(req, num_hit + num_new)
-            if kv.allocate_slots(req, num_new + ahead, hit, num_hit) is None and (
-                    not ahead or kv.allocate_slots(req, num_new, hit, num_hit) is None):
-                self._drop_lora_slot(req)
-                break   # (the drafter's pages ahead are dropped first)
+            num_hit, num_new, restore, images = fit
             self._pop_waiting()
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
             req.num_computed_tokens = num_hit + num_new
             if images:
-                enc.commit(req, num_hit, num_new)
+                self.encoder.commit(req, num_hit, num_new)
             req.status = RequestStatus.RUNNING
             running.append(req)
             rid = req.request_id
@@ -298,6 +284,26 @@ class Scheduler(SchedulerLoRA, SpecScheduling):
         for req in reversed(skipped):
             self._push_waiting(req, front=True)
         step.budget = budget
+
+    def _fit_waiting(self, req: Request, budget: int) -> tuple[int, int, int, bool] | None:
+        """A waiting request's first chunk within `budget`, pages allocated -> (cached, new
+        tokens, its host-tier restore's budget, has images); None: something does not fit."""
+        kv, enc = self.kv, self.encoder
+        hit, num_hit = kv.get_computed_pages(req)
+        restore = kv.restore_budget(req, self.max_num_batched_tokens - 1)
+        if restore >= budget:
+            return None
+        num_new = min(req.num_tokens - num_hit, budget - restore)
+        if kv.snapshots is not None and (cut := kv.state_cut(req, num_hit)) is not None:
+            num_new = min(num_new, cut - num_hit)
+        if (images := enc is not None and req.multi_modal is not None) and \
+                (num_new := enc.fit(req, num_hit, num_new)) <= 0:
+            return None   # its first image waits for encoder budget or rows
+        ahead = self._lookahead(req, num_hit + num_new)
+        if kv.allocate_slots(req, num_new + ahead, hit, num_hit) is None and (
+                not ahead or kv.allocate_slots(req, num_new, hit, num_hit) is None):
+            return None   # (the drafter's pages ahead are dropped first)
+        return num_hit, num_new, restore, images
 
     def _close_step(self, step: _StepDraft) -> SchedulerOutput:
         """The step's SchedulerOutput: its rows, the requests finished since the last
