@@ -98,15 +98,22 @@ class Einsum(nn.Module):
                                  self.dtype, self.out_dtype, self.quant.dynamic_activations)
             return self._add_lora(x, self._add_bias(y))
         w = logical_param(self, "kernel", nn.initializers.normal(INIT_STD), self.shape, self.axes, self.dtype)
+        x_dtype, out_dtype = self.dtype, self.out_dtype
+        if jnp.dtype(w.dtype).itemsize < jnp.dtype(self.dtype).itemsize:
+            # A 16-bit kernel in a float32 model (CPU with native bf16 dots: models/registry.
+            # matmul_dtype): the dot takes both operands in the kernel's dtype and gives
+            # float32, as a bf16 model does on any accelerator; converting the kernel instead
+            # would cost a whole-weight convert per call.
+            x_dtype, out_dtype = w.dtype, out_dtype or self.dtype
         if n > 1:
             # x's last n axes contract with the kernel's first n (as in "TNH,NHE->TE"). One
             # merged axis instead: both reshapes are free on row-major arrays, while the
             # two-axis contraction made XLA CPU copy the whole kernel on every call.
-            y = jnp.tensordot(x.astype(self.dtype).reshape(*x.shape[:-n], -1),
+            y = jnp.tensordot(x.astype(x_dtype).reshape(*x.shape[:-n], -1),
                               w.reshape(-1, *self.shape[n:]), axes=1,
-                              preferred_element_type=self.out_dtype)
+                              preferred_element_type=out_dtype)
         else:
-            y = jnp.einsum(self.eq, x.astype(self.dtype), w, preferred_element_type=self.out_dtype)
+            y = jnp.einsum(self.eq, x.astype(x_dtype), w, preferred_element_type=out_dtype)
         return self._add_lora(x, self._add_bias(y))
 
     def _add_lora(self, x: jax.Array, y: jax.Array) -> jax.Array:

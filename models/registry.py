@@ -59,6 +59,30 @@ def compute_dtype(dtype: Any, platform: str) -> jnp.dtype:
     return jnp.dtype(jnp.float32) if platform == "cpu" and narrow else dtype
 
 
+def cpu_has_bf16_dot() -> bool:
+    """Whether this host's CPU multiplies bfloat16 natively (AVX512-BF16 or AMX-BF16),
+    where XLA:CPU's bf16 x bf16 -> float32 dot runs ~2x a float32 one (issue 38)."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f
+                          if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def matmul_dtype(dtype: Any, platform: str) -> jnp.dtype:
+    """The dtype the linear layers' dots take their operands in: `dtype`, except on a
+    CPU, where a narrow float model's dots run in float32 on upcast weights
+    (compute_dtype) unless the CPU multiplies bfloat16 natively; then a bf16 model keeps
+    its projection weights bf16 and rounds each dot's input to bf16 (float32 result), as
+    on an accelerator. float16 has no such path on CPU."""
+    dtype = jnp.dtype(dtype)
+    if platform == "cpu" and dtype == jnp.dtype(jnp.bfloat16) and cpu_has_bf16_dot():
+        return dtype
+    return compute_dtype(dtype, platform)
+
+
 def resolve_kv_dtype(kv_cache_dtype: Any, model_dtype: Any) -> jnp.dtype:
     """The KV cache's dtype: "auto" (or None) = the model's; a quantized name
     (pallas_kernels.kv_cache_dtypes: fp8, fp8_e4m3, fp8_e5m2, int8) its storage type;

@@ -39,7 +39,7 @@ from models.weight_names import (IGNORED_SUFFIXES, SKIPPED_PREFIXES, VL_TEXT_PRE
 
 __all__ = ["KVHeadRepeat", "abstract_params", "checkpoint_tasks", "dummy_inputs", "hf_names",
            "load_params", "param_bytes", "param_logical_axes", "placed_abstract_params",
-           "quantized_leaves", "untie_lm_head", "widen_params"]
+           "is_projection_kernel", "quantized_leaves", "untie_lm_head", "widen_params"]
 
 logger = logging.getLogger("jaxserve")
 
@@ -379,13 +379,27 @@ def untie_lm_head(model: nn.Module, params: dict,
     return untied, {**params, "lm_head": {"kernel": kernel}}
 
 
-def widen_params(model: nn.Module, params: dict, dtype: Any) -> tuple[nn.Module, dict]:
+def is_projection_kernel(path: tuple[str, ...]) -> bool:
+    """A linear layer's weight (models/layers.Einsum's "kernel"; not the DeltaNet conv's)."""
+    return path[-1] == "kernel" and (len(path) < 2 or path[-2] != "conv1d")
+
+
+def widen_params(model: nn.Module, params: dict, dtype: Any,
+                 keep_projections: bool = False) -> tuple[nn.Module, dict]:
     """The model computing in `dtype` (registry.compute_dtype: float32 on CPU) on its
     16-bit float weights upcast to it, exactly; quantized weights and their scales as
-    they are. Each leaf keeps its sharding; the narrow copies are freed."""
+    they are. keep_projections: the linear layers' kernels stay narrow, their dots take
+    narrow operands (registry.matmul_dtype; models/layers.Einsum). Each leaf keeps its
+    sharding; the narrow copies are freed."""
     narrow = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-    widen = lambda x: x.astype(dtype) if jnp.dtype(x.dtype) in narrow else x
+
+    def widen(path: tuple, x: jax.Array) -> jax.Array:
+        names = tuple(str(getattr(k, "key", k)) for k in path)
+        if jnp.dtype(x.dtype) not in narrow or (keep_projections and is_projection_kernel(names)):
+            return x
+        return x.astype(dtype)
+
     shardings = jax.tree_util.tree_map(lambda x: x.sharding, params)
-    params = jax.jit(lambda p: jax.tree_util.tree_map(widen, p), out_shardings=shardings,
-                     donate_argnums=0)(params)
+    params = jax.jit(lambda p: jax.tree_util.tree_map_with_path(widen, p),
+                     out_shardings=shardings, donate_argnums=0)(params)
     return model.clone(dtype=dtype), params

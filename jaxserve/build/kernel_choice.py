@@ -118,7 +118,8 @@ def choose_linear_attention(mc: ModelConfig, *, platform: str, backend: str
 
 
 def choose_matmul(mc: ModelConfig, *, dtype: Any, compute_dtype: Any,
-                  weight_quant: WeightQuant | None) -> tuple[KernelChoice, ...]:
+                  weight_quant: WeightQuant | None,
+                  matmul_dtype: Any = None) -> tuple[KernelChoice, ...]:
     """The linear layers: XLA's dot (cuBLAS / the MXU), on the weights as stored."""
     name = getattr(dtype, "name", None) or str(dtype)
     compute = getattr(compute_dtype, "name", None) or str(compute_dtype)
@@ -131,5 +132,9 @@ def choose_matmul(mc: ModelConfig, *, dtype: Any, compute_dtype: Any,
                 f"{weight_quant.dtype_name} dot (w8a8)" if weight_quant.dynamic_activations
                 else f"dequantized into a {name} dot (w8a16)")
         detail = f"{weight_quant.dtype_name} weights with {scales}, {mode}"
+    dot = getattr(matmul_dtype, "name", None) or str(matmul_dtype or compute)
     note = f"computed in {compute} (no {name} arithmetic here)" if compute != name else ""
+    if note and weight_quant is None and dot == name:
+        note = (f"{name} x {name} dots with {compute} results (native {name} dot), "
+                f"the rest in {compute}")
     return (KernelChoice("matmul", "xla dot", mc.num_layers, detail, note),)

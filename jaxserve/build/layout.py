@@ -23,7 +23,8 @@ from jaxserve.build.kernel_choice import (KernelChoice, choose_attention,
 from jaxserve.build.kv_budget import DeviceMemory, activation_bytes, cache_budget_bytes
 from models.cache_spec import CacheSpec, layer_cache_specs
 from models.config import ModelConfig, WeightQuant, resolve_weight_quant
-from models.registry import build_model, compute_dtype, resolve_dtype, resolve_kv_dtype
+from models.registry import (build_model, compute_dtype, matmul_dtype, resolve_dtype,
+                             resolve_kv_dtype)
 from models.weights import param_logical_axes
 from pallas_kernels.ragged_paged_attention import is_quantized, resolve_backend
 from sharding import (MODEL, check_model_axis, mesh_rules, param_shardings,
@@ -53,6 +54,9 @@ class EngineLayout:
     # dtype (XLA:CPU has no 16-bit float arithmetic: models/weights.widen_params).
     # The weights are read and converted in `dtype`; the KV cache stays kv_dtype.
     compute_dtype: Any = None
+    # What the projections' dots take: compute_dtype, or on a CPU with native bf16 dots
+    # a bf16 model's own dtype (models/registry.matmul_dtype; its kernels stay bf16).
+    matmul_dtype: Any = None
     # What runs each part, per layer group (build/kernel_choice.py), for the start-up log.
     kernels: tuple[KernelChoice, ...] = ()
 
@@ -104,6 +108,7 @@ def layout_for(config: EngineConfig, mc: ModelConfig, platform: str, m: int, *,
         page_size=config.page_size, num_heads=mc.num_heads, refuse=check_kernels)
     kernels = (attention + choose_linear_attention(stored, platform=platform, backend=backend)
                + choose_matmul(mc, dtype=dtype, compute_dtype=compute,
+                               matmul_dtype=matmul_dtype(dtype, platform),
                                weight_quant=weight_quant))
     for layer in attention_shapes(stored) if check_kernels else ():
         if platform == "tpu" and backend == "pallas":
@@ -119,7 +124,7 @@ def layout_for(config: EngineConfig, mc: ModelConfig, platform: str, m: int, *,
     return EngineLayout(mc, dtype, kv_dtype, weight_quant, max_model_len, m, stored.num_kv_heads,
                         stored.full_num_kv_heads, backend, mesh_rules(mc, m, ep), specs, act,
                         config.scan_layers, spec.num_speculative_tokens if spec else 0, ep,
-                        compute, kernels)
+                        compute, matmul_dtype(dtype, platform), kernels)
 
 
 def attention_shapes(mc: ModelConfig) -> list[int]:

@@ -110,14 +110,18 @@ def load_model(config: EngineConfig, layout: EngineLayout, mesh: Mesh, *,
                     "(faster decode matmul, +%.1f MiB)", param_bytes(params["lm_head"]) / 2**20)
     if layout.compute_dtype != layout.dtype:
         narrow = param_bytes(params)
-        model, params = widen_params(model, params, layout.compute_dtype)
-        logger.warning("CPU: the %s model computes in %s on its weights upcast (exact; "
-                       "%.2f -> %.2f GiB): XLA:CPU has no %s arithmetic and would convert "
+        keep = jnp.dtype(layout.matmul_dtype) == jnp.dtype(layout.dtype)
+        model, params = widen_params(model, params, layout.compute_dtype, keep_projections=keep)
+        logger.warning("CPU: the %s model computes in %s on its weights upcast%s "
+                       "(%.2f -> %.2f GiB): XLA:CPU has no %s arithmetic and would convert "
                        "every op and weight to float32 and back, about 3x slower; the KV "
                        "cache stays %s", jnp.dtype(layout.dtype).name,
-                       jnp.dtype(layout.compute_dtype).name, narrow / 2**30,
-                       param_bytes(params) / 2**30, jnp.dtype(layout.dtype).name,
-                       jnp.dtype(layout.kv_dtype).name)
+                       jnp.dtype(layout.compute_dtype).name,
+                       (", but for the linear layers, whose dots stay %s (this CPU has native "
+                        "%s dots, ~2x float32)" % ((jnp.dtype(layout.dtype).name,) * 2)
+                        if keep else " (exact)"),
+                       narrow / 2**30, param_bytes(params) / 2**30,
+                       jnp.dtype(layout.dtype).name, jnp.dtype(layout.kv_dtype).name)
     loaded = LoadedModel(model, params, param_bytes(params), bytes_per_device(params))
     # The load's time and rate are models.weights' line; this one is what is in memory.
     logger.info("model %s (%s, %s): %.2f GiB of weights, %.2f GiB per device "
