@@ -141,15 +141,20 @@ def _windowed_delta(x: jax.Array, groups: SlotGroups, a: jax.Array, b: jax.Array
     (T, _), (S, _, R), O = x.shape, a.shape, b.shape[-1]
     win = _windows(groups, T, S)
     a, b, scales = jnp.asarray(a), jnp.asarray(b), jnp.asarray(scales, jnp.float32)
+    # Narrow stacks (--lora-dtype bfloat16) under wider activations: XLA:CPU has no
+    # 16-bit arithmetic, so the window's matrices are widened (exactly) rather than the
+    # activations rounded down to them; the stacks keep the bytes the flag asked for.
+    wide = jnp.promote_types(x.dtype, a.dtype)
 
     def project_a(k, xs):   # window k's [rows, R] low-rank activations, masked
         s, at, mask = win.at(k, T)
-        h = jnp.dot(_rows(xs, at, win.rows).astype(a.dtype), a[s],
+        h = jnp.dot(_rows(xs, at, win.rows).astype(wide), a[s].astype(wide),
                     preferred_element_type=jnp.float32)
         return s, at, jnp.where(mask[:, None], h, 0.0)
 
     def project_b(s, h):
-        return jnp.dot((h * scales[s]).astype(b.dtype), b[s], preferred_element_type=jnp.float32)
+        return jnp.dot((h * scales[s]).astype(wide), b[s].astype(wide),
+                       preferred_element_type=jnp.float32)
 
     def fused(xs):
         def body(k, y):
