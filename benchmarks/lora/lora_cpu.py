@@ -80,7 +80,7 @@ def main() -> None:
             return ragged_jit(*args)
         finally:
             ops._grouped_delta = saved
-    forms = {"tiles": lora_fn, "ragged": ragged_fn} if args.ragged_too else {"tiles": lora_fn}
+    forms = {"windows": lora_fn, "ragged": ragged_fn} if args.ragged_too else {"windows": lora_fn}
     stacks = {n: _stacks(targets, n, args.rank) for n in (1, 4, 16)}
 
     def best(fn) -> float:

@@ -66,10 +66,11 @@ def group_by_slot(slot_ids: jax.Array, num_slots: int) -> SlotGroups:
 def _grouped_delta(x: jax.Array, groups: SlotGroups, a: jax.Array, b: jax.Array,
                    scales: jax.Array, sum_axis: str | None = None) -> jax.Array:
     """x [T, I] -> delta [T, O] = scale[s] * (x @ A[s]) @ B[s], s the token's slot: by
-    XLA's ragged dot where it is native (TPU, GPU), by sorted tiles on XLA:CPU, whose
-    ragged dot runs every group over all the tokens (chosen when lowering)."""
+    XLA's ragged dot where it is native (TPU, GPU), by a loop over each adapter's windows
+    of sorted tokens on XLA:CPU, whose ragged dot runs every group over all the tokens
+    (chosen when lowering)."""
     return jax.lax.platform_dependent(
-        x, groups, a, b, scales, cpu=partial(_tiled_delta, sum_axis=sum_axis),
+        x, groups, a, b, scales, cpu=partial(_windowed_delta, sum_axis=sum_axis),
         default=partial(_ragged_delta, sum_axis=sum_axis))
 
 
@@ -86,41 +87,107 @@ def _ragged_delta(x: jax.Array, groups: SlotGroups, a: jax.Array, b: jax.Array,
     return jnp.take(y, groups.inverse, axis=0).astype(x.dtype)   # back to the tokens' order
 
 
-def cpu_tile(num_tokens: int, num_slots: int) -> int:
-    """Rows per tile of the CPU form: at most 16, small enough that the padding of the
-    adapters' last tiles ((S - 1) x tile rows at most) stays within the step's tokens."""
+def cpu_window(num_tokens: int, num_slots: int) -> int:
+    """Rows per window of the CPU form: the tokens an adapter gets when the step's are
+    spread evenly over every slot, as a power of two in [1, 64] (at most T). Smaller
+    windows waste fewer rows at each adapter's end, larger ones take fewer iterations."""
     t = max(1, num_tokens // max(num_slots - 1, 1))
-    return min(16, 1 << (t.bit_length() - 1))
+    return min(64, 1 << (t.bit_length() - 1))
 
 
-def _tiled_delta(x: jax.Array, groups: SlotGroups, a: jax.Array, b: jax.Array,
-                 scales: jax.Array, sum_axis: str | None = None) -> jax.Array:
-    """The CPU form: the sorted tokens of each adapter (slot 0's skipped: no delta) laid
-    in tiles of one slot each, one slot's A and B gathered per tile, so the work grows
-    with T + S x tile rows, not T x S."""
-    (T, I), S, O = x.shape, a.shape[0], b.shape[-1]
-    tile = cpu_tile(T, S)
-    n_tiles = -(-T // tile) + S - 1                        # a static bound on the tiles used
+class _Windows(NamedTuple):
+    """The CPU form's windows over the sorted tokens: each adapter's run of tokens
+    (slot 0's skipped) cut into windows of `rows` rows, one slot per window."""
+    rows: int
+    count: jax.Array         # int32[]: windows in use this step
+    ends: jax.Array          # int32[S]: cumulative windows per slot
+    starts: jax.Array        # int32[S]: each slot's first sorted row
+    sizes: jax.Array         # int32[S]: each slot's tokens (0 for slot 0)
+
+    def at(self, k: jax.Array, num_tokens: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Window k: its slot, its first row (kept inside the T rows) and which of its
+        rows are the slot's (the others belong to neighbours: masked)."""
+        s = jnp.searchsorted(self.ends, k, side="right").astype(jnp.int32)
+        per = (self.sizes + self.rows - 1) // self.rows
+        first = self.starts[s] + (k - (self.ends[s] - per[s])) * self.rows
+        end = jnp.minimum(first + self.rows, self.starts[s] + self.sizes[s])
+        at = jnp.minimum(first, num_tokens - self.rows)
+        row = at + jnp.arange(self.rows)
+        return s, at, (row >= first) & (row < end)
+
+
+def _windows(groups: SlotGroups, num_tokens: int, num_slots: int) -> _Windows:
+    rows = min(cpu_window(num_tokens, num_slots), num_tokens)
     sizes = groups.group_sizes.at[0].set(0)
-    tiles = (sizes + tile - 1) // tile
-    tiles_end = jnp.cumsum(tiles)
-    seg_start = jnp.cumsum(groups.group_sizes) - groups.group_sizes
-    slot = groups.token_slots                              # sorted order
-    row = jnp.where(slot == 0, n_tiles * tile,             # the zero row past the tiles
-                    (tiles_end - tiles)[slot] * tile + jnp.arange(T) - seg_start[slot])
-    row = jnp.take(row, groups.inverse)                    # per token, in its order
-    src = jnp.full(n_tiles * tile + 1, T, jnp.int32).at[row].set(jnp.arange(T, dtype=jnp.int32))
-    k = jnp.arange(n_tiles)
-    tile_slot = jnp.where(k < tiles_end[-1], jnp.searchsorted(tiles_end, k, side="right"), 0)
-    xp = jnp.concatenate([x, jnp.zeros((1, I), x.dtype)])[src[:-1]].reshape(n_tiles, tile, I)
-    h = jnp.einsum("kti,kir->ktr", xp.astype(a.dtype), a[tile_slot],
-                   preferred_element_type=jnp.float32)
-    if sum_axis is not None:
-        h = jax.lax.psum(h, sum_axis)
-    h = h * scales.astype(jnp.float32)[tile_slot][:, None, None]
-    y = jnp.einsum("ktr,kro->kto", h.astype(b.dtype), b[tile_slot],
-                   preferred_element_type=jnp.float32).reshape(-1, O)
-    return jnp.concatenate([y, jnp.zeros((1, O), y.dtype)])[row].astype(x.dtype)
+    ends = jnp.cumsum((sizes + rows - 1) // rows).astype(jnp.int32)
+    starts = (jnp.cumsum(groups.group_sizes) - groups.group_sizes).astype(jnp.int32)
+    return _Windows(rows, ends[-1], ends, starts, sizes)
+
+
+def _rows(v: jax.Array, at: jax.Array, n: int) -> jax.Array:
+    return jax.lax.dynamic_slice_in_dim(v, at, n, axis=0)
+
+
+def _add_rows(v: jax.Array, at: jax.Array, d: jax.Array) -> jax.Array:
+    return jax.lax.dynamic_update_slice_in_dim(v, _rows(v, at, d.shape[0]) + d, at, axis=0)
+
+
+def _windowed_delta(x: jax.Array, groups: SlotGroups, a: jax.Array, b: jax.Array,
+                    scales: jax.Array, sum_axis: str | None = None) -> jax.Array:
+    """The CPU form: a loop over only the windows in use, each one slot's tokens (in
+    sorted order) against that slot's A and B, so the work follows the adapter rows:
+    about T_adapter x (I + O) x R plus one A and B read per window; a step with no
+    adapter row does no LoRA work at all (the cond)."""
+    (T, _), (S, _, R), O = x.shape, a.shape, b.shape[-1]
+    win = _windows(groups, T, S)
+    a, b, scales = jnp.asarray(a), jnp.asarray(b), jnp.asarray(scales, jnp.float32)
+    # Narrow stacks (--lora-dtype bfloat16) under wider activations: XLA:CPU has no
+    # 16-bit arithmetic, so the window's matrices are widened (exactly) rather than the
+    # activations rounded down to them; the stacks keep the bytes the flag asked for.
+    wide = jnp.promote_types(x.dtype, a.dtype)
+
+    def project_a(k, xs):   # window k's [rows, R] low-rank activations, masked
+        s, at, mask = win.at(k, T)
+        h = jnp.dot(_rows(xs, at, win.rows).astype(wide), a[s].astype(wide),
+                    preferred_element_type=jnp.float32)
+        return s, at, jnp.where(mask[:, None], h, 0.0)
+
+    def project_b(s, h):
+        return jnp.dot((h * scales[s]).astype(wide), b[s].astype(wide),
+                       preferred_element_type=jnp.float32)
+
+    def fused(xs):
+        def body(k, y):
+            s, at, h = project_a(k, xs)
+            return _add_rows(y, at, project_b(s, h))
+        return jax.lax.fori_loop(0, win.count, body, jnp.zeros((T, O), jnp.float32))
+
+    def low_rank(xs):
+        def body(k, h):
+            _, at, hk = project_a(k, xs)
+            return _add_rows(h, at, hk)
+        return jax.lax.fori_loop(0, win.count, body, jnp.zeros((T, R), jnp.float32))
+
+    def expand(h):
+        def body(k, y):
+            s, at, mask = win.at(k, T)
+            hk = jnp.where(mask[:, None], _rows(h, at, win.rows), 0.0)
+            return _add_rows(y, at, project_b(s, hk))
+        return jax.lax.fori_loop(0, win.count, body, jnp.zeros((T, O), jnp.float32))
+
+    def unsorted(y):
+        return jnp.take(y, groups.inverse, axis=0).astype(x.dtype)
+
+    busy = win.count > 0
+    no_delta = lambda: jnp.zeros((T, O), x.dtype)
+    if sum_axis is None:
+        return jax.lax.cond(busy, lambda: unsorted(fused(jnp.take(x, groups.order, axis=0))),
+                            no_delta)
+    # Row-parallel: each device holds a slice of I; the [T, R] partial products are
+    # summed once between the two loops (the counts are replicated: same trip counts).
+    h = jax.lax.cond(busy, lambda: low_rank(jnp.take(x, groups.order, axis=0)),
+                     lambda: jnp.zeros((T, R), jnp.float32))
+    return jax.lax.cond(busy, lambda: unsorted(expand(jax.lax.psum(h, sum_axis))), no_delta)
 
 
 def lora_delta(x: jax.Array, groups: SlotGroups, a: jax.Array, b: jax.Array,

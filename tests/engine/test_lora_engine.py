@@ -133,6 +133,24 @@ def test_mixed_batch_gives_each_request_its_adapter(served):
     assert_no_leaks(engine)
 
 
+def test_mixed_batch_on_1x2_mesh(llama):
+    """The same llama and adapters under --mesh 1x2 (the stacks split as the base
+    kernels: A on row-parallel inputs, B on column-parallel outputs): a batch mixing
+    base rows and two adapters gives each request the greedy tokens and float32
+    logprobs of transformers + peft, which the engine without a mesh gives
+    (test_mixed_batch_gives_each_request_its_adapter; the unmeshed engine is not run
+    here, so the other tests' slot state stays theirs)."""
+    meshed = LLM(llama.path, dtype="float32", enable_lora=True, max_lora_rank=8, max_loras=2,
+                 max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64, mesh="1x2",
+                 enforce_eager=True)
+    jobs = [(a, _prompt(10 + 2 * i, seed=60 + i)) for i, a in enumerate((0, 1, 2, 1))]
+    outs = meshed.generate([{"prompt_token_ids": p} for _, p in jobs], GREEDY, use_tqdm=False,
+                           lora_request=[llama.loras[a] for a, _ in jobs])
+    llama.check(jobs, [(c.token_ids, [e[t].logprob for t, e in zip(c.token_ids, c.logprobs)])
+                       for c in (o.outputs[0] for o in outs)])
+    assert_no_leaks(meshed.engine)
+
+
 def test_fewer_slots_than_adapters_wait_and_swap_without_compiling(llama):
     """3 adapters, 2 slots: a request whose adapter finds every slot in use waits while
     later ones run; slots are written again as adapters come and go; nothing compiles."""

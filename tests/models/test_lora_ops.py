@@ -77,7 +77,7 @@ def test_bad_split_is_refused(case):
 def test_cpu_tiles_and_ragged_dot_agree_with_the_gather(num_tokens, num_slots, seed):
     """Both forms (platform_dependent picks one per platform) against the per-token
     gather, for skewed slot mixes: many slots for few tokens, one adapter, empty slots."""
-    from models.lora.ops import _ragged_delta, _tiled_delta
+    from models.lora.ops import _ragged_delta, _windowed_delta
     rng = np.random.default_rng(seed)
     i, o, r = 24, 40, 4
     x = jnp.asarray(rng.standard_normal((num_tokens, i)), jnp.float32)
@@ -88,7 +88,7 @@ def test_cpu_tiles_and_ragged_dot_agree_with_the_gather(num_tokens, num_slots, s
                         jnp.int32)
     want = dense_reference(x, slots, a, b, scales)
     groups = group_by_slot(slots, num_slots)
-    for form in (_tiled_delta, _ragged_delta):
+    for form in (_windowed_delta, _ragged_delta):
         np.testing.assert_allclose(jax.jit(form)(x, groups, a, b, scales), want, rtol=1e-4,
                                    atol=1e-4, err_msg=form.__name__)
 
@@ -122,3 +122,42 @@ def test_einsum_adds_the_float_delta_to_a_quantized_base(method, num_contract):
     want = dense_reference(x.reshape(7, -1), slots, a, b, scales).reshape(base.shape)
     np.testing.assert_allclose(got - base, want, rtol=1e-4, atol=1e-4)
     assert np.abs(np.asarray(want)).max() > 1e-2
+
+
+def test_cpu_form_reads_each_slot_once_and_copies_no_stack():
+    """The CPU form's work follows the adapter rows: its temporaries hold a few [T, I+O]
+    rows, never a gathered copy of the stacks (the earlier tiled form gathered one A and
+    B per tile: 32 tiles of [I, R] and [R, O] for 16 tokens over 17 slots); and a step
+    with only base rows gives zeros."""
+    t, s, i, o, r = 16, 17, 256, 256, 16
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((t, i)), jnp.float32)
+    a = jnp.asarray(rng.standard_normal((s, i, r)), jnp.float32).at[0].set(0)
+    b = jnp.asarray(rng.standard_normal((s, r, o)), jnp.float32).at[0].set(0)
+    scales = jnp.ones(s, jnp.float32)
+    fn = jax.jit(lambda x, ids, a, b, c: lora_delta(x, group_by_slot(ids, s), a, b, c))
+    ids = jnp.asarray(np.arange(t) % (s - 1) + 1, jnp.int32)   # 16 adapters, one row each
+    temp = fn.lower(x, ids, a, b, scales).compile().memory_analysis().temp_size_in_bytes
+    assert temp < a.nbytes // 2, (temp, a.nbytes)
+    np.testing.assert_allclose(fn(x, ids, a, b, scales), dense_reference(x, ids, a, b, scales),
+                               rtol=1e-4, atol=1e-4)
+    assert not np.any(np.asarray(fn(x, jnp.zeros(t, jnp.int32), a, b, scales)))
+
+
+def test_cpu_form_widens_narrow_stacks_instead_of_rounding_the_activations():
+    """--lora-dtype bfloat16 under a float32 model on CPU: the adapters are stored in
+    bfloat16 (as asked) and the delta is that of those very weights on the float32
+    activations (XLA:CPU has no bf16 arithmetic: widening is exact; the earlier form
+    rounded the activations and the low-rank products to bf16 too: errors up to 1 % of
+    the largest delta)."""
+    rng = np.random.default_rng(6)
+    t, s, i, o, r = 24, 4, 64, 48, 8
+    x = jnp.asarray(rng.standard_normal((t, i)), jnp.float32)
+    a = jnp.asarray(rng.standard_normal((s, i, r)), jnp.bfloat16).at[0].set(0)
+    b = jnp.asarray(rng.standard_normal((s, r, o)), jnp.bfloat16).at[0].set(0)
+    scales = jnp.asarray([0, 2.0, 0.5, 1.0], jnp.float32)
+    ids = jnp.asarray(rng.integers(0, s, t), jnp.int32)
+    got = jax.jit(lambda x, ids: lora_delta(x, group_by_slot(ids, s), a, b, scales))(x, ids)
+    assert got.dtype == jnp.float32
+    want = dense_reference(x, ids, a.astype(jnp.float32), b.astype(jnp.float32), scales)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * float(jnp.abs(want).max()))
