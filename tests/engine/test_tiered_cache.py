@@ -2,8 +2,9 @@
 conversations need several times the device pool (--num-gpu-blocks-override): greedy
 tokens are those of the same engine without the tier, the later turns hit pages the host
 tier kept (its metrics say so), preemption and an abort while the step's copies are in
-flight leak nothing, and nothing compiles after warmup. Llama and the Qwen3.5 hybrid
-(whose state snapshots travel with their pages)."""
+flight leak nothing, and nothing compiles after warmup. Llama, the Qwen3.5 hybrid (whose
+state snapshots travel with their pages) and Gemma 4 (whose sliding-window pages come
+back only as far as a hit's window needs)."""
 from __future__ import annotations
 
 import random
@@ -32,11 +33,14 @@ def assert_tier_settled(llm: LLM) -> None:
         return
     index = host.index
     assert not host.restored_in_flight
-    assert all(e.pins == 0 and e.ready for e in index._lru.values())
-    assert index.num_free + len(index) == index.num_slots - 1
+    for index in (host.index, host.sliding) if host.sliding is not None else (host.index,):
+        assert all(e.pins == 0 and e.ready for e in index._lru.values())
+        assert index.num_free + len(index) == index.num_slots - 1
+    if (pool := llm.engine.scheduler.kv.sliding_pool) is not None:
+        assert pool.get_num_free_pages() == pool.num_pages - 1
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3_5"])
+@pytest.fixture(scope="module", params=["llama", "qwen3_5", "gemma4"])
 def engines(request, checkpoint):
     """(kind, engine without the tier, engine with it), for the module."""
     path = checkpoint(request.param)
@@ -75,11 +79,18 @@ def test_a_trace_over_the_host_tier_gives_the_same_tokens_and_hits_it(engines):
     stats = tiered.engine.stats()
     assert stats.host is not None and stats.host.hits > 0
     assert stats.host.pages_offloaded > 0 and stats.host.pages_restored > 0
-    assert stats.host.bytes_restored == stats.host.pages_restored * \
-        tiered.engine.scheduler.kv.host.page_bytes + stats.host.states_restored * \
-        tiered.engine.scheduler.kv.host.state_bytes
+    host = tiered.engine.scheduler.kv.host
+    assert stats.host.bytes_restored == stats.host.pages_restored * host.page_bytes + \
+        stats.host.states_restored * host.state_bytes + \
+        stats.host.sliding_pages_restored * host.sliding_page_bytes
     if kind == "qwen3_5":   # hybrid: the state snapshots travel with their pages
         assert stats.host.states_offloaded > 0 and stats.host.states_restored > 0
+    if kind == "gemma4":    # a hit's window of sliding pages, never more
+        assert stats.host.sliding_pages_offloaded > 0 and stats.host.sliding_pages_restored > 0
+        # the pages covering the W - 1 positions before a hit's end
+        window = -(-(tiered.engine.scheduler.kv.sliding_window - 1) // PS)
+        assert stats.host.sliding_pages_restored <= window * sum(c > 0 for c in tier_cached)
+        assert stats.host.sliding_pages_restored < stats.host.pages_restored
     # num_cached_tokens counts hits from either tier; later turns hit the host's pages.
     assert sum(tier_cached) >= sum(plain_cached) + stats.host.hits
     assert all(c > 0 for c in tier_cached[CONVERSATIONS:])
