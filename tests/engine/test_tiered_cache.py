@@ -4,17 +4,19 @@ tokens are those of the same engine without the tier, the later turns hit pages 
 tier kept (its metrics say so), preemption and an abort while the step's copies are in
 flight leak nothing, and nothing compiles after warmup. Llama, the Qwen3.5 hybrid (whose
 state snapshots travel with their pages) and Gemma 4 (whose sliding-window pages come
-back only as far as a hit's window needs)."""
+back only as far as a hit's window needs); an int8 KV cache travels as stored."""
 from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.errors import ConfigError
 from jaxserve.engine.llm_kwargs import engine_config
 from jaxserve.runner.compile_counter import num_compilations
+from models.layer_stack import KV
 from tests.engine.conftest import add, assert_no_leaks
 
 PS, POOL = 16, 12        # device pool: 11 pages of 16 tokens (+ the null page)
@@ -163,6 +165,24 @@ def test_reset_prefix_cache_empties_both_tiers(engines):
     assert tiered.reset_prefix_cache()
     assert len(tiered.engine.scheduler.kv.host.index) == 0
     assert not tiered.engine.scheduler.kv.pool.cached_pages
+
+
+def test_an_int8_cache_travels_as_stored_and_gives_the_same_tokens(checkpoint):
+    """kv_cache_dtype int8 (its scales per layer and head, calibrated at load, the same for
+    every page): pages go to host and back as int8 bits, and the trace's tokens are those
+    of the same int8 engine without the tier."""
+    path, sizes = checkpoint("llama"), dict(SIZES, kv_cache_dtype="int8")
+    plain, tiered = LLM(path, **sizes), LLM(path, kv_offloading_size=0.02, **sizes)
+    compiled = num_compilations()
+    want, _ = trace(plain)
+    got, cached = trace(tiered)
+    assert got == want
+    runner = tiered.engine.runner
+    assert runner.kv_caches[KV].dtype == runner.host_tier.arrays.arrays[KV].dtype == np.int8
+    assert tiered.engine.stats().host.pages_restored > 0
+    assert all(c > 0 for c in cached[CONVERSATIONS:])
+    assert num_compilations() == compiled
+    assert_tier_settled(tiered)
 
 
 @pytest.mark.parametrize("kwargs, message", [
