@@ -36,9 +36,6 @@ def check_host_tier(config: EngineConfig, plan: CachePlan) -> None:
     replicas = parse_mesh(config.mesh or "1x1")[0]   # each holds a tier of this size
     if not config.enable_prefix_caching:
         why = "the host tier is a second tier of the prefix cache: --enable-prefix-caching"
-    elif plan.has_sliding:
-        why = ("not yet for models with sliding-window layers (Gemma 4): their pages leave "
-               "the window on their own schedule")
     elif spec is not None and spec.method != NGRAM:
         why = f"not with a model drafter ({spec.method}): its own KV is not copied"
     elif jax.process_count() > 1:
@@ -66,14 +63,17 @@ def host_tier_slice(tier: HostTier, plan: CachePlan, params: Any, mc: Any,
     num_params = sum(x.size for x in jax.tree_util.tree_leaves(params))
     layout = tier.layout
     pair_flops = 4 * len(mc.full_attention_layers) * mc.num_heads * mc.head_dim
+    # A restore's fixed part: a hybrid's state, or a sliding group's window of pages.
+    fixed = layout.state_bytes + plan.sliding_pages_per_seq * layout.sliding_page_bytes
     cost = RestoreCost(bytes_per_token=layout.page_bytes / plan.page_size,
                        bandwidth_bytes_per_s=bandwidth, prefill_s_per_token=2 * num_params / flops,
                        attention_s_per_pair=pair_flops / flops, latency_s=latency,
-                       state_bytes=layout.state_bytes)
+                       state_bytes=fixed)
     return dict(num_host_pages=tier.arrays.num_slots,
                 num_host_state_slots=tier.arrays.num_state_slots,
+                num_host_sliding_pages=tier.arrays.num_sliding_slots,
                 host_page_bytes=layout.page_bytes, host_state_bytes=layout.state_bytes,
-                restore_cost=cost)
+                host_sliding_page_bytes=layout.sliding_page_bytes, restore_cost=cost)
 
 
 def describe(tier: HostTier, plan: CachePlan) -> str:
@@ -82,5 +82,7 @@ def describe(tier: HostTier, plan: CachePlan) -> str:
     states = tier.arrays.num_state_slots - 1 if tier.arrays.num_state_slots else 0
     total = sum(a.nbytes for a in tier.arrays.arrays.values())
     snaps = f", {states} state snapshots" if states > 0 else ""
+    if tier.arrays.num_sliding_slots:
+        snaps += f", {tier.arrays.num_sliding_slots - 1} sliding-window pages"
     return (f"host tier: {total / GIB:.2f} GiB, {pages} pages "
             f"({pages * plan.page_size} tokens){snaps}")

@@ -6,7 +6,9 @@ which host entries a prefix hit restores into fresh device pages (`pin`, then
 the step's forward, and settles them when the step's results come back: landed offloads
 become visible to look-ups (`commit`), a failed step's are dropped unlanded (`fail`).
 Only one step is in flight per scheduler, so everything taken with a step's copies is
-settled by that step's commit or fail. Plain Python: the arrays are the runner's
+settled by that step's commit or fail. A sliding-window KV group (Gemma 4) has an index
+of its own (`sliding`): its pages leave the device on their own schedule, and a hit
+needs only its last window's. Plain Python: the arrays are the runner's
 (jaxserve/runner/host_tier.py).
 """
 from __future__ import annotations
@@ -33,6 +35,8 @@ class HostCacheStats:
     pages_restored: int = 0
     states_offloaded: int = 0
     states_restored: int = 0
+    sliding_pages_offloaded: int = 0
+    sliding_pages_restored: int = 0
     bytes_offloaded: int = 0
     bytes_restored: int = 0
     num_pages: int = 0        # host page slots in use (landed or in flight)
@@ -54,30 +58,39 @@ class _Step:
     offloading: list[HostPage] = field(default_factory=list)
     restoring: list[HostPage] = field(default_factory=list)
     restored_from: list[tuple[str, int]] = field(default_factory=list)
+    offloading_sliding: list[HostPage] = field(default_factory=list)
+    restoring_sliding: list[HostPage] = field(default_factory=list)
 
 
 class HostCache:
-    """num_slots / num_state_slots: the host tier's (the dummy slot 0 of each included);
-    page_bytes / state_bytes: one host slot's bytes, for the statistics; cost: restore or
+    """num_slots / num_state_slots / num_sliding_slots: the host tier's (the dummy slot 0 of
+    each included; 0 sliding slots: no sliding-window group); page_bytes / state_bytes /
+    sliding_page_bytes: one host slot's bytes, for the statistics; cost: restore or
     recompute (None: always restore)."""
 
-    def __init__(self, num_slots: int, num_state_slots: int = 0, *, page_bytes: int = 0,
-                 state_bytes: int = 0, cost: RestoreCost | None = None) -> None:
+    def __init__(self, num_slots: int, num_state_slots: int = 0, *, num_sliding_slots: int = 0,
+                 page_bytes: int = 0, state_bytes: int = 0, sliding_page_bytes: int = 0,
+                 cost: RestoreCost | None = None) -> None:
         self.index = HostPageIndex(num_slots, num_state_slots)
+        self.sliding = HostPageIndex(num_sliding_slots) if num_sliding_slots else None
         self.cost = cost
         self.page_bytes, self.state_bytes = page_bytes, state_bytes
+        self.sliding_page_bytes = sliding_page_bytes
         self._next = _Step()        # the step being scheduled
         self._in_flight = _Step()   # dispatched, not yet settled
         self.queries = self.hits = 0
-        self._counts = [0, 0, 0, 0]   # pages out, pages in, states out, states in
+        # pages out, pages in, states out, states in, sliding pages out, sliding pages in
+        self._counts = [0] * 6
 
     @classmethod
     def for_config(cls, c: SchedulerConfig) -> HostCache | None:
         """The scheduler's host tier, or None when its config has none."""
         if not c.num_host_pages:
             return None
-        return cls(c.num_host_pages, c.num_host_state_slots, page_bytes=c.host_page_bytes,
-                   state_bytes=c.host_state_bytes, cost=c.restore_cost)
+        return cls(c.num_host_pages, c.num_host_state_slots,
+                   num_sliding_slots=c.num_host_sliding_pages, page_bytes=c.host_page_bytes,
+                   state_bytes=c.host_state_bytes,
+                   sliding_page_bytes=c.host_sliding_page_bytes, cost=c.restore_cost)
 
     # ---- device -> host ------------------------------------------------------------
     def offload(self, page_hash: int, page_id: int, state_slot: int | None = None) -> None:
@@ -94,6 +107,16 @@ class HostCache:
             c.offload_state_ids.append(state_slot)
             c.offload_state_slots.append(entry.state_slot)
         self._next.offloading.append(entry)
+
+    def offload_sliding(self, page_hash: int, page_id: int) -> None:
+        """The sliding group's pool evicts page_id (cached as page_hash): copy it to host,
+        unless it is there."""
+        entry = self.sliding.begin_offload(page_hash)
+        if entry is None:
+            return
+        self._next.copies.offload_sliding_pages.append(page_id)
+        self._next.copies.offload_sliding_slots.append(entry.slot)
+        self._next.offloading_sliding.append(entry)
 
     # ---- host -> device ------------------------------------------------------------
     def match(self, page_hashes: list[int]) -> list[HostPage]:
@@ -112,21 +135,29 @@ class HostCache:
         return self.cost.budget_tokens(num_tokens) if self.cost is not None and num_tokens \
             else 0
 
-    def pin(self, entries: list[HostPage]) -> None:
-        """A hit is taken: its entries stay put until the step that restores them ends."""
+    def pin(self, entries: list[HostPage], sliding: list[HostPage] = ()) -> None:
+        """A hit is taken: its entries (and sliding entries) stay put until the step that
+        restores them ends."""
         self.index.pin(entries)
         self._next.restoring.extend(entries)
+        if sliding:
+            self.sliding.pin(sliding)
+            self._next.restoring_sliding.extend(sliding)
 
     def restore(self, request_id: str, entries: list[HostPage], page_ids: list[int],
-                first_token: int, state: tuple[int, int] | None = None) -> None:
-        """Copy the pinned entries into device pages page_ids (the request's pages from
-        first_token on); state: (host state slot, the request's state slot)."""
+                first_token: int, state: tuple[int, int] | None = None,
+                sliding: tuple[list[HostPage], list[int]] = ((), ())) -> None:
+        """Copy the pinned entries into device pages page_ids; state: (host state slot, the
+        request's state slot); sliding: (sliding entries, the sliding pages they go
+        into). first_token: where the request's restored pages start (in either group)."""
         c = self._next.copies
         c.restore_slots.extend(e.slot for e in entries)
         c.restore_pages.extend(page_ids)
         if state is not None:
             c.restore_state_slots.append(state[0])
             c.restore_state_ids.append(state[1])
+        c.restore_sliding_slots.extend(e.slot for e in sliding[0])
+        c.restore_sliding_pages.extend(sliding[1])
         self._next.restored_from.append((request_id, first_token))
 
     # ---- a step's life -------------------------------------------------------------
@@ -137,9 +168,12 @@ class HostCache:
         fl.offloading += step.offloading
         fl.restoring += step.restoring
         fl.restored_from += step.restored_from
+        fl.offloading_sliding += step.offloading_sliding
+        fl.restoring_sliding += step.restoring_sliding
         c = step.copies
         counts = (len(c.offload_slots), len(c.restore_slots), len(c.offload_state_slots),
-                  len(c.restore_state_slots))
+                  len(c.restore_state_slots), len(c.offload_sliding_slots),
+                  len(c.restore_sliding_slots))
         self._counts = [a + b for a, b in zip(self._counts, counts)]
         return c if c.num_offloads or c.num_restores else None
 
@@ -154,20 +188,32 @@ class HostCache:
         fl, self._in_flight = self._in_flight, _Step()
         self.index.finish_offload(fl.offloading)
         self.index.unpin(fl.restoring)
+        if self.sliding is not None:
+            self.sliding.finish_offload(fl.offloading_sliding)
+            self.sliding.unpin(fl.restoring_sliding)
 
     def fail(self) -> None:
         """The step failed: its offloads are dropped unlanded, its entries unpinned."""
         fl, self._in_flight = self._in_flight, _Step()
         self.index.abort_offload(fl.offloading)
         self.index.unpin(fl.restoring)
+        if self.sliding is not None:
+            self.sliding.abort_offload(fl.offloading_sliding)
+            self.sliding.unpin(fl.restoring_sliding)
 
     def reset(self) -> None:
         self.index.reset()
+        if self.sliding is not None:
+            self.sliding.reset()
 
     def stats(self) -> HostCacheStats:
-        po, pi, so, si = self._counts
+        po, pi, so, si, lo, li = self._counts
         return HostCacheStats(
-            queries=self.queries, hits=self.hits, pages_offloaded=po, pages_restored=pi, states_offloaded=so,
-            states_restored=si, bytes_offloaded=po * self.page_bytes + so * self.state_bytes,
-            bytes_restored=pi * self.page_bytes + si * self.state_bytes,
+            queries=self.queries, hits=self.hits, pages_offloaded=po, pages_restored=pi,
+            states_offloaded=so, states_restored=si, sliding_pages_offloaded=lo,
+            sliding_pages_restored=li,
+            bytes_offloaded=po * self.page_bytes + so * self.state_bytes
+            + lo * self.sliding_page_bytes,
+            bytes_restored=pi * self.page_bytes + si * self.state_bytes
+            + li * self.sliding_page_bytes,
             num_pages=len(self.index), capacity=self.index.num_slots - 1)

@@ -2,38 +2,60 @@
 
 Eviction: a cached page the device pool hands out again is copied to the host tier
 first, with the snapshot of a hybrid's state at its end when one is kept
-(core/host_cache.HostCache.offload). Look-up: a prefix hit goes on past the device's
-cached pages into the host tier's; those pages are restored into fresh device pages --
-the first of the pages allocate_slots hands the request, so they count as new pages for
-the pool's supply -- when the cost model says a restore beats recomputing them. A
-hybrid's hit must end where a state is kept: a device snapshot, or a host entry's.
+(core/host_cache.HostCache.offload); a sliding-window group's pages go to the host's
+sliding index as its own pool evicts them. Look-up: a prefix hit goes on past the
+device's cached pages into the host tier's; those pages are restored into fresh device
+pages, taken with the hit, when the cost model says a restore beats recomputing them. A
+hybrid's hit must end where a state is kept: a device snapshot, or a host entry's; a
+sliding group's hit needs its last window's sliding pages, from either tier
+(core/sliding_pages.py).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from jaxserve.core.host_cache import HostCache
 from jaxserve.core.host_pages import HostPage
 from jaxserve.core.page_pool import KVCachePage
+from jaxserve.core.req_pages import GLOBAL, SLIDING
 from jaxserve.core.request import Request
 
 if TYPE_CHECKING:
     from jaxserve.core.req_pages import ReqPages
 
 
+@dataclass(slots=True)
+class HostHit:
+    """The host part of a prefix hit: the global pages after the device's hit, in order;
+    sliding-window pages by page index (those of the hit's window the device lacks); and
+    the tokens it saves computing (what its restore is priced against)."""
+    pages: list[HostPage]
+    sliding: dict[int, HostPage]
+    tokens: int
+
+
 class HostHits:
-    """Needs the manager's page_size, pool and snapshots (None: not a hybrid)."""
+    """Needs the manager's page_size, pools and snapshots (None: not a hybrid)."""
 
     def _init_host(self, host: HostCache | None) -> None:
         self.host = host
-        self._host_hits: dict[str, list[HostPage]] = {}   # request id -> its host part
+        self._host_hits: dict[str, HostHit] = {}   # request id -> its hit's host part
         if host is not None:
             self.pool.on_evict = self._offload_evicted
+            if self.sliding_pool is not None:
+                if host.sliding is None:
+                    raise ValueError("a sliding-window group needs a host tier with "
+                                     "sliding slots")
+                self.sliding_pool.on_evict = self._offload_evicted_sliding
 
     def _offload_evicted(self, page: KVCachePage) -> None:
         snapshot = None if self.snapshots is None else self.snapshots.get(page.page_hash)
         self.host.offload(page.page_hash, page.page_id,
                           None if snapshot is None else snapshot.slot)
+
+    def _offload_evicted_sliding(self, page: KVCachePage) -> None:
+        self.host.offload_sliding(page.page_hash, page.page_id)
 
     def _host_match(self, hashes: list[int], num_device: int, max_pages: int
                     ) -> list[HostPage]:
@@ -43,15 +65,15 @@ class HostHits:
             return []
         return self.host.match(hashes[num_device:max_pages])
 
-    def _note_host_hit(self, request: Request, num_device: int, extra: list[HostPage]
+    def _note_host_hit(self, request: Request, num_device: int, part: HostHit | None
                        ) -> None:
-        """The host part of the request's hit (after num_device device pages), kept for
-        allocate_slots, and counted."""
+        """The host part of the request's hit (the device alone giving num_device pages),
+        kept for allocate_slots, and counted."""
         if self.host is not None:
-            ps = self.page_size
-            self.host.note_lookup(request.num_tokens - num_device * ps, len(extra) * ps)
-        if extra:
-            self._host_hits[request.request_id] = extra
+            self.host.note_lookup(request.num_tokens - num_device * self.page_size,
+                                  part.tokens if part else 0)
+        if part is not None:
+            self._host_hits[request.request_id] = part
             return
         self._host_hits.pop(request.request_id, None)
 
@@ -59,9 +81,8 @@ class HostHits:
         """Prefill tokens of the step's budget that restoring the host part of the
         request's last looked-up hit counts as (0: none), at most `most` (a restore never
         takes a whole step)."""
-        extra = None if self.host is None else self._host_hits.get(request.request_id)
-        return min(self.host.budget_tokens(len(extra) * self.page_size), most) if extra \
-            else 0
+        part = None if self.host is None else self._host_hits.get(request.request_id)
+        return min(self.host.budget_tokens(part.tokens), most) if part else 0
 
     def fail_host_copies(self, requests: dict[str, Request]) -> None:
         """The step in flight failed: the pages its restores were to fill forget their
@@ -72,27 +93,46 @@ class HostHits:
         self.host.fail()
 
     def _pending_host_hit(self, request: Request, rp: ReqPages | None,
-                          num_new_computed_tokens: int) -> list[HostPage] | None:
+                          num_new_computed_tokens: int) -> HostHit | None:
         """The host part of the hit allocate_slots is taking (a new request's only)."""
         if self.host is None or rp is not None or not num_new_computed_tokens:
             return None
         return self._host_hits.get(request.request_id)
 
+    @staticmethod
+    def _host_fresh(part: HostHit | None, num_groups: int) -> tuple[int, ...]:
+        """Fresh pages per KV group that the hit's host part is restored into."""
+        if part is None:
+            return (0,) * num_groups
+        return (len(part.pages), len(part.sliding))[:num_groups]
+
     def _state_from_host(self, request: Request, num_pages: int,
-                         extra: list[HostPage]) -> bool:
+                         part: HostHit | None) -> bool:
         """Whether a hybrid's hit of num_pages pages takes its state from the host entry at
         its end (no device snapshot there)."""
-        if self.snapshots is None or not extra:
+        if self.snapshots is None or part is None or not part.pages:
             return False
         return self.snapshots.lookup(request.page_hashes[num_pages - 1],
                                      num_pages * self.page_size) is None
 
-    def _restore_host_hit(self, request: Request, rp: ReqPages, extra: list[HostPage],
-                          first_page: int, new_ids: list[int], state_from_host: bool) -> None:
-        """The hit's host part goes into the request's first new pages (and, state_from_host,
-        the state at its end into the request's state slot)."""
-        ps = self.page_size
-        state = (extra[-1].state_slot, rp.state_slot) if state_from_host else None
-        self.host.restore(request.request_id, extra, new_ids[:len(extra)], first_page * ps,
-                          state)
+    def _take_host_part(self, request: Request, rp: ReqPages, part: HostHit,
+                        state_from_host: bool) -> None:
+        """After the hit's device pages: its host part goes into fresh pages -- the global
+        ones after the device's, the sliding ones in the window's places (the null page
+        there) -- and, state_from_host, the state at its end into the request's state
+        slot. Its entries were pinned first, so these allocations cannot evict them."""
+        first = len(rp.ids[GLOBAL])
+        new = self.pool.get_new_pages(len(part.pages))
+        rp.pages[GLOBAL].extend(new)
+        rp.ids[GLOBAL].extend(b.page_id for b in new)
+        places = sorted(part.sliding)
+        fresh = self.sliding_pool.get_new_pages(len(places)) if places else []
+        for i, page in zip(places, fresh):
+            rp.pages[SLIDING][i], rp.ids[SLIDING][i] = page, page.page_id
+        state = (part.pages[-1].state_slot, rp.state_slot) if state_from_host else None
+        # (a failed step forgets the request's pages from its first restored one on)
+        first_token = min([first, *places]) * self.page_size
+        self.host.restore(request.request_id, part.pages, [b.page_id for b in new],
+                          first_token, state,
+                          ([part.sliding[i] for i in places], [b.page_id for b in fresh]))
         del self._host_hits[request.request_id]

@@ -17,6 +17,7 @@ read and write, never handed out.
 """
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterable
@@ -45,6 +46,28 @@ def size_host_tier(budget_bytes: int, page_bytes: int, state_bytes: int = 0,
     if pages < 2 or (state_bytes and states < 2):
         return 0, 0
     return pages, states
+
+
+def sliding_per_page(page_bytes: int, sliding_bytes: int) -> float:
+    """A sliding-window KV group's host slots per page slot: as many bytes for sliding
+    pages as for global ones (a cached prefix needs all its global pages but only its
+    last window's sliding ones: one window per W * sliding_bytes / page_bytes tokens of
+    prefix), at most one per page slot."""
+    return min(1.0, page_bytes / sliding_bytes)
+
+
+def size_sliding_host_tier(budget_bytes: int, page_bytes: int, sliding_bytes: int,
+                           per_page: float, state_bytes: int = 0) -> tuple[int, int, int]:
+    """size_host_tier for a model with a sliding-window KV group (Gemma 4): (page slots,
+    state slots, sliding page slots), per_page sliding slots per page slot (each page
+    slot takes its share of their bytes, rounded up: within the budget). (0, 0, 0): the
+    tier holds too little."""
+    if not 0 < per_page <= 1:
+        raise ValueError(f"sliding slots per page slot must be in (0, 1], got {per_page}")
+    pages, states = size_host_tier(budget_bytes, page_bytes + math.ceil(per_page * sliding_bytes),
+                                   state_bytes)
+    sliding = int(pages * per_page)
+    return (pages, states, sliding) if sliding >= 2 else (0, 0, 0)
 
 
 class HostPageIndex:
@@ -79,6 +102,11 @@ class HostPageIndex:
             return None
         self._lru.move_to_end(page_hash)
         return page
+
+    def ready(self, page_hash: int) -> bool:
+        """Whether page_hash has a landed entry (its place in the LRU order unchanged)."""
+        page = self._lru.get(page_hash)
+        return page is not None and page.ready
 
     def match(self, page_hashes: Iterable[int]) -> list[HostPage]:
         """The landed entries of the longest run of page_hashes from its start."""

@@ -13,20 +13,20 @@ from __future__ import annotations
 
 from jaxserve.core.host_cache import HostCache
 from jaxserve.core.host_pages import HostPage
-from jaxserve.core.host_hits import HostHits
+from jaxserve.core.host_hits import HostHit, HostHits
 from jaxserve.core.page_pool import PagePool, KVCachePage
-from jaxserve.core.req_pages import PrefixCacheStats, ReqPages, window_pages
+from jaxserve.core.req_pages import GLOBAL, SLIDING, PrefixCacheStats, ReqPages, window_pages
 from jaxserve.core.request import Request
+from jaxserve.core.sliding_pages import SlidingPages
 from jaxserve.core.state_slots import StateSlotPool
 from jaxserve.core.state_snapshots import SnapshotCache
 
-GLOBAL, SLIDING = 0, 1   # KV group indices
 
 # Pages per KV group, in group order.
 GroupPages = tuple[list[KVCachePage], ...]
 
 
-class KVCacheManager(HostHits):
+class KVCacheManager(SlidingPages, HostHits):
     """Hands out fixed-size pages to requests; shares full pages by hash.
 
     Caching applies when `enable_caching` is on, or per request when it has a
@@ -55,7 +55,7 @@ class KVCacheManager(HostHits):
     whole_images (Gemma 4): a hit never ends inside an image (its tokens see each other).
 
     host: the prefix cache's host tier (core/host_hits.py), None: evicted pages are
-    dropped. Not with a sliding-window group or drop_last_hit_page (build/ refuses).
+    dropped. Not with drop_last_hit_page (build/ refuses).
     """
 
     def __init__(self, num_pages: int, page_size: int, enable_caching: bool = True,
@@ -72,8 +72,8 @@ class KVCacheManager(HostHits):
                              f"{num_sliding_pages} and {sliding_window}")
         if sliding_window is not None and sliding_window <= 0:
             raise ValueError(f"sliding_window must be positive, got {sliding_window}")
-        if host is not None and (num_sliding_pages or drop_last_hit_page):
-            raise ValueError("the host tier takes no sliding-window group or MTP drafter")
+        if host is not None and drop_last_hit_page:
+            raise ValueError("the host tier takes no MTP drafter")
         self.num_pages = num_pages
         self.page_size = page_size
         self.enable_caching = enable_caching
@@ -132,17 +132,21 @@ class KVCacheManager(HostHits):
         while self.whole_images and hit and request.splits_image(len(hit) * self.page_size):
             hit.pop()
         extra = self._host_match(hashes, len(hit), min(max_pages, len(hashes)))
-        if self.snapshots is not None:
-            hit, extra = self._snapshot_hit(request, hashes, hit, extra)
-        if extra and not self.host.worth_restoring(len(extra) * self.page_size):
-            extra = []   # recomputing them is cheaper
+        if self.sliding_pool is not None:
+            pages, part, num_device = self._sliding_hit(request, hashes, hit, extra)
+        else:
             if self.snapshots is not None:
-                hit, _ = self._snapshot_hit(request, hashes, hit, extra)
-        self._note_host_hit(request, len(hit), extra)
-        pages = (hit,) if self.sliding_pool is None else self._sliding_hit(hashes, hit)
-        num_tokens = (len(pages[GLOBAL]) + len(extra)) * self.page_size
+                hit, extra = self._snapshot_hit(request, hashes, hit, extra)
+            if extra and not self.host.worth_restoring(len(extra) * self.page_size):
+                extra = []   # recomputing them is cheaper
+                if self.snapshots is not None:
+                    hit, _ = self._snapshot_hit(request, hashes, hit, extra)
+            pages, num_device = (hit,), len(hit)
+            part = HostHit(extra, {}, len(extra) * self.page_size) if extra else None
+        self._note_host_hit(request, num_device, part)
+        num_tokens = (len(pages[GLOBAL]) + (len(part.pages) if part else 0)) * self.page_size
         self._queries += request.num_tokens
-        self._hits += len(pages[GLOBAL]) * self.page_size   # the device's (vLLM's "local")
+        self._hits += num_device * self.page_size   # the device's (vLLM's "local")
         return pages, num_tokens
 
     def _snapshot_hit(self, request: Request, hashes: list[int], hit: list[KVCachePage],
@@ -213,47 +217,6 @@ class KVCacheManager(HostHits):
         rp = self.req_pages[request.request_id]
         self._restores.append((rp.backup_slot, rp.state_slot))
 
-    def _sliding_hit(self, hashes: list[int], hit: list[KVCachePage]) -> GroupPages:
-        """The longest prefix of the global hit whose window the sliding group has cached:
-        its first computed token (at L) reads keys from L - W + 1 on, so the sliding pages
-        covering [L - W + 1, L) must be cached; before them it gets the null page."""
-        cached = self.sliding_pool.cached_pages
-        ps, w = self.page_size, self.sliding_window
-        # run[i]: consecutive sliding-cached pages ending at page i.
-        run, r = [], 0
-        for h in hashes[:len(hit)]:
-            r = r + 1 if h in cached else 0
-            run.append(r)
-        for n in range(len(hit), 0, -1):
-            first = max(n * ps - w + 1, 0) // ps
-            if n - first <= run[n - 1]:
-                sliding = [self.sliding_pool.null_page] * first
-                sliding += [cached[hashes[i]] for i in range(first, n)]
-                return hit[:n], sliding
-        return [], []
-
-    def _out_of_window(self, request: Request, rp: ReqPages) -> tuple[int, int]:
-        """[lo, hi): the sliding pages of the request, not yet given back, that lie wholly
-        before its window (position num_computed_tokens - W + 1): no query of it reads
-        them again."""
-        start = request.num_computed_tokens - self.sliding_window + 1
-        hi = min(max(start, 0) // self.page_size, len(rp.pages[SLIDING]))
-        return rp.num_dropped, max(hi, rp.num_dropped)
-
-    def _drop_out_of_window(self, request: Request, rp: ReqPages) -> None:
-        """Gives the out-of-window sliding pages back to the pool (keeping their hashes, so
-        a prefix hit may still find them until they are evicted) and puts the null page
-        in their place."""
-        lo, hi = self._out_of_window(request, rp)
-        if hi == lo:
-            return
-        pages, ids = rp.pages[SLIDING], rp.ids[SLIDING]
-        dropped = pages[lo:hi]
-        pages[lo:hi] = [self.sliding_pool.null_page] * (hi - lo)
-        ids[lo:hi] = [0] * (hi - lo)
-        rp.num_dropped = hi
-        self.sliding_pool.free_pages(reversed(dropped))
-
     def allocate_slots(
         self,
         request: Request,
@@ -284,24 +247,24 @@ class KVCacheManager(HostHits):
                     return ([],)
                 self._drop_out_of_window(request, rp)
                 return [], []
-        hit = new_computed_pages if new_computed_pages and new_computed_pages[GLOBAL] \
-            else None
-        extra = self._pending_host_hit(request, rp, num_new_computed_tokens)
-        sliding = self.sliding_pool is not None
+        part = self._pending_host_hit(request, rp, num_new_computed_tokens)
+        hit = new_computed_pages if new_computed_pages and (
+            new_computed_pages[GLOBAL] or part) else None
         num_have = 0 if rp is None else len(rp.ids[GLOBAL])
-        num_hit = 0 if hit is None else len(hit[GLOBAL])
+        # (a hit's host part is restored into fresh pages taken with the hit)
+        num_hit = 0 if hit is None else len(hit[GLOBAL]) + (len(part.pages) if part else 0)
         num_new_pages = -(-total // ps) - num_have - num_hit
-        if (num_new_pages > 0 or hit or extra) and not self._can_supply(request, rp, hit,
-                                                                 num_new_pages):
+        fresh = self._host_fresh(part, self.num_groups)
+        if (num_new_pages > 0 or hit) and not self._can_supply(request, rp, hit,
+                                                               num_new_pages, fresh):
             return None
         if rp is None:
             rp = self._new_req_pages(rid)
             if rp is None:
                 return None
-        from_host = False
-        if hit or extra:
-            from_host = self._take_hit(request, rp, hit or self._no_pages(), extra)
-        elif sliding:
+        if hit:
+            self._take_hit(request, rp, hit, part)
+        elif self.sliding_pool is not None:
             self._drop_out_of_window(request, rp)
         new_pages = self._no_pages()
         if num_new_pages > 0:
@@ -309,9 +272,6 @@ class KVCacheManager(HostHits):
             for g, pages in enumerate(new_pages):
                 rp.pages[g].extend(pages)
                 rp.ids[g].extend(b.page_id for b in pages)
-        if extra:
-            self._restore_host_hit(request, rp, extra, num_have + num_hit,
-                                   rp.ids[GLOBAL][num_have + num_hit:], from_host)
         # Register pages that become full with this step's tokens now, so a
         # request scheduled later in the same step can already share them (drafts are
         # not known tokens: a page is full once its known tokens fill it).
@@ -324,8 +284,9 @@ class KVCacheManager(HostHits):
         return new_pages
 
     def _can_supply(self, request: Request, rp: ReqPages | None, hit: GroupPages | None,
-                    num_new_pages: int) -> bool:
-        """Whether every pool can hand out num_new_pages after taking the hit's pages."""
+                    num_new_pages: int, fresh: tuple[int, ...]) -> bool:
+        """Whether every pool can hand out num_new_pages, and fresh[g] for a hit's host
+        part, after taking the hit's pages."""
         for g, pool in enumerate(self.pools):
             supply = pool.free_queue.num_free
             if hit:   # free-but-cached hits leave the free queue when touched
@@ -333,7 +294,7 @@ class KVCacheManager(HostHits):
             if g == SLIDING and rp is not None:   # given back before allocating
                 lo, hi = self._out_of_window(request, rp)
                 supply += sum(1 for b in rp.pages[SLIDING][lo:hi] if b.ref_cnt == 1)
-            if num_new_pages > supply:
+            if num_new_pages + fresh[g] > supply:
                 return False
         return True
 
@@ -351,18 +312,17 @@ class KVCacheManager(HostHits):
         return rp
 
     def _take_hit(self, request: Request, rp: ReqPages, hit: GroupPages,
-                  extra: list[HostPage] | None) -> bool:
+                  part: HostHit | None) -> None:
         """A new request's prefix hit: its pages (and a hybrid's state snapshot at the
         hit's end, restored first) become the request's; the host entries of its host
-        part (extra) stay pinned until the step that restores them ends. -> whether the
-        state comes from the host entry at the hit's end."""
+        part stay pinned until the step that restores them ends."""
         if rp.pages[GLOBAL]:
             raise ValueError(f"request {request.request_id!r} already has pages; prefix hits "
                              f"only apply to new requests")
-        n = len(hit[GLOBAL]) + len(extra or ())
-        from_host = self._state_from_host(request, n, extra)
-        if extra:
-            self.host.pin(extra)
+        n = len(hit[GLOBAL]) + (len(part.pages) if part else 0)
+        from_host = self._state_from_host(request, n, part)
+        if part is not None:
+            self.host.pin(part.pages, list(part.sliding.values()))
         if self.snapshots is not None and not from_host:   # restored before the forward
             snap = self.snapshots.lookup(request.page_hashes[n - 1], n * self.page_size)
             self.snapshots.use(snap)
@@ -371,9 +331,10 @@ class KVCacheManager(HostHits):
             pool.touch(hit[g])
             rp.pages[g].extend(hit[g])
             rp.ids[g].extend(b.page_id for b in hit[g])
+        if part is not None:
+            self._take_host_part(request, rp, part, from_host)
         if self.sliding_pool is not None:
-            rp.num_dropped = sum(1 for b in hit[SLIDING] if b.page_id == 0)
-        return from_host
+            rp.num_dropped = sum(1 for b in rp.pages[SLIDING] if b.page_id == 0)
 
     def uncache_unwritten(self, request: Request, num_written_tokens: int,
                           shared_too: bool = False) -> None:

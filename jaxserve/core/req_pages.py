@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 from jaxserve.core.page_pool import KVCachePage
 
+GLOBAL, SLIDING = 0, 1   # KV group indices (core/kv_cache_manager.py)
+
 
 def window_pages(window: int, page_size: int) -> int:
     """Most pages `window` consecutive positions can span: the window - 1 keys before a

@@ -25,7 +25,7 @@ class RestoreCost:
     prefill_s_per_token: float       # a prefill's linear cost per token
     attention_s_per_pair: float = 0.0  # its quadratic cost per (query, key) pair
     latency_s: float = 0.0           # fixed cost of one restore
-    state_bytes: float = 0.0         # a hybrid's snapshot, copied with the pages
+    state_bytes: float = 0.0         # copied with any restore: a hybrid's snapshot, a sliding window
 
     def __post_init__(self) -> None:
         for name in ("bytes_per_token", "bandwidth_bytes_per_s", "prefill_s_per_token"):

@@ -64,7 +64,9 @@ class HostCopies:
     offload_slots[i], device state slot offload_state_ids[j] (a snapshot) into host state
     slot offload_state_slots[j]. Restores: host slot restore_slots[i] into device page
     restore_pages[i], host state slot restore_state_slots[j] into the request's state slot
-    restore_state_ids[j]."""
+    restore_state_ids[j]. A sliding-window KV group (Gemma 4) has its own page ids and host
+    slots: offload_sliding_pages[k] into offload_sliding_slots[k], restore_sliding_slots[k]
+    into restore_sliding_pages[k]."""
     offload_pages: list[int] = field(default_factory=list)
     offload_slots: list[int] = field(default_factory=list)
     offload_state_ids: list[int] = field(default_factory=list)
@@ -73,14 +75,20 @@ class HostCopies:
     restore_pages: list[int] = field(default_factory=list)
     restore_state_slots: list[int] = field(default_factory=list)
     restore_state_ids: list[int] = field(default_factory=list)
+    offload_sliding_pages: list[int] = field(default_factory=list)
+    offload_sliding_slots: list[int] = field(default_factory=list)
+    restore_sliding_slots: list[int] = field(default_factory=list)
+    restore_sliding_pages: list[int] = field(default_factory=list)
 
     @property
     def num_offloads(self) -> int:
-        return len(self.offload_slots) + len(self.offload_state_slots)
+        return len(self.offload_slots) + len(self.offload_state_slots) + \
+            len(self.offload_sliding_slots)
 
     @property
     def num_restores(self) -> int:
-        return len(self.restore_slots) + len(self.restore_state_slots)
+        return len(self.restore_slots) + len(self.restore_state_slots) + \
+            len(self.restore_sliding_slots)
 
 
 @dataclass(frozen=True, slots=True)

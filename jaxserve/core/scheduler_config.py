@@ -20,8 +20,9 @@ class SchedulerConfig:
     num_lookahead_tokens: a request whose chunk reaches its last token also gets pages for
     this many positions past the chunk (a model drafter writes its KV there).
     drop_last_hit_page: see KVCacheManager (an MTP drafter).
-    num_host_pages / num_host_state_slots: the prefix cache's host tier (0: none; the
-    dummy slot 0 of each included), host_page_bytes / host_state_bytes one slot's bytes,
+    num_host_pages / num_host_state_slots / num_host_sliding_pages: the prefix cache's host
+    tier (0: none; the dummy slot 0 of each included; sliding: a sliding-window group's),
+    host_page_bytes / host_state_bytes / host_sliding_page_bytes one slot's bytes,
     restore_cost its restore-or-recompute model (None: always restore).
     max_loras: LoRA adapters resident on the device at once (0: LoRA off;
     core/lora_slots.py).
@@ -46,6 +47,8 @@ class SchedulerConfig:
     num_host_state_slots: int = 0
     host_page_bytes: int = 0
     host_state_bytes: int = 0
+    num_host_sliding_pages: int = 0
+    host_sliding_page_bytes: int = 0
     restore_cost: RestoreCost | None = None
     max_loras: int = 0
     encoder_cache_rows: int = 0
@@ -60,9 +63,13 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
-        if self.num_host_pages and (self.sliding_window is not None or self.drop_last_hit_page):
-            raise ValueError("the host tier takes no sliding-window KV group (Gemma 4) and "
-                             "no MTP drafter yet")
+        if self.num_host_pages and self.drop_last_hit_page:
+            raise ValueError("the host tier takes no MTP drafter yet")
+        if self.num_host_pages and (self.sliding_window is not None) != bool(
+                self.num_host_sliding_pages):
+            raise ValueError(f"num_host_sliding_pages={self.num_host_sliding_pages}: a host "
+                             f"tier has sliding slots exactly when the model has a sliding-"
+                             f"window group (sliding_window={self.sliding_window})")
         per_seq = 2 if self.num_speculative_tokens else 1
         if self.num_state_slots and self.num_state_slots - 1 < per_seq * self.max_num_seqs:
             raise ValueError(f"num_state_slots={self.num_state_slots} (the null slot included) "

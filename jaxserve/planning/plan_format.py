@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from jaxserve.core.host_pages import size_host_tier
+from jaxserve.core.host_pages import size_host_tier, size_sliding_host_tier, sliding_per_page
 from jaxserve.build.kv_budget import WORKSPACE_SHARE
 
 if TYPE_CHECKING:
@@ -149,12 +149,18 @@ def _host_tier_line(p: Plan) -> str:
     """The prefix cache's host tier: what --kv-offloading-size holds (whole pages of every
     KV head: the host keeps a replica's pages, not one device's share)."""
     c, m = p.cache, p.mesh[1]
-    if c.has_sliding:
-        return "  host tier                  refused: not yet for sliding-window layers"
-    page_bytes = p.kv_bytes_per_token_per_device * m * c.page_size
     state_bytes = p.state_bytes_per_seq if p.has_state else 0
-    pages, states = size_host_tier(p.host_tier_bytes, page_bytes, state_bytes)
+    if c.has_sliding:   # Gemma 4: the sliding group's pages in slots of their own
+        pages, states, sliding = size_sliding_host_tier(
+            p.host_tier_bytes, c.bytes_per_page * m, c.bytes_per_sliding_page * m,
+            sliding_per_page(c.bytes_per_page, c.bytes_per_sliding_page), state_bytes)
+    else:
+        page_bytes = p.kv_bytes_per_token_per_device * m * c.page_size
+        (pages, states), sliding = size_host_tier(p.host_tier_bytes, page_bytes,
+                                                  state_bytes), 0
     snaps = f", {max(states - 1, 0):,} state snapshots" if state_bytes else ""
+    if c.has_sliding:
+        snaps += f", {max(sliding - 1, 0):,} sliding-window pages"
     return (f"  host tier                  {_gib(p.host_tier_bytes)} of host memory per replica: "
             f"{max(pages - 1, 0):,} pages ({max(pages - 1, 0) * c.page_size:,} tokens){snaps}, "
             f"restored into free device pages on a prefix hit")

@@ -2,7 +2,8 @@
 (docs/TIERED_CACHE.md; the bookkeeping is core/host_pages.HostPageIndex).
 
 HostPageArrays: numpy pools, one per cache kind: [slots, A, *row] for a KV array (a host
-page slot holds one page id's rows in all A layers), [state slots, D, *row] for the conv
+page slot holds one page id's rows in all A layers; a sliding-window KV array has slots
+of its own, fewer: a cached prefix needs only its last window's), [state slots, D, *row] for the conv
 and recurrent state (one snapshot's rows in all D linear-attention layers). Entries
 keep the cache's dtype as held (bf16 as uint16 bits on CPU, fp8 / int8 as stored); a
 quantized cache's scales (per layer and head, not per page) are kept once, and a
@@ -25,7 +26,8 @@ from typing import Any, Mapping, Sequence
 import jax
 import numpy as np
 
-from jaxserve.core.host_pages import size_host_tier
+from jaxserve.core import host_pages
+from jaxserve.core.host_pages import size_host_tier, size_sliding_host_tier
 from jaxserve.core.sched_output import HostCopies
 from models.layer_stack import CONV, KV, KV_SLIDING, RECURRENT
 from models.page_copies import gather_pages, scatter_pages
@@ -33,6 +35,8 @@ from models.page_copies import gather_pages, scatter_pages
 PAGE_KINDS = (KV, KV_SLIDING)
 STATE_KINDS = (CONV, RECURRENT)
 PINNED_HOST = "pinned_host"
+# Host slots of a copy: one list for every KV kind it names, or a list per kind.
+HostSlots = Sequence[int] | Mapping[str, Sequence[int]]
 
 
 @dataclass(frozen=True)
@@ -55,8 +59,13 @@ class HostTierLayout:
 
     @property
     def page_bytes(self) -> int:
-        """Bytes of one host page slot (every KV array's rows of one page id)."""
-        return self._bytes(PAGE_KINDS)
+        """Bytes of one host page slot (the global KV array's rows of one page id)."""
+        return self._bytes((KV,))
+
+    @property
+    def sliding_page_bytes(self) -> int:
+        """Bytes of one host sliding page slot (0: no sliding-window KV array)."""
+        return self._bytes((KV_SLIDING,))
 
     @property
     def state_bytes(self) -> int:
@@ -66,29 +75,50 @@ class HostTierLayout:
 
 class HostPageArrays:
     def __init__(self, layout: HostTierLayout, num_slots: int, num_state_slots: int = 0,
-                 kv_scales: Mapping[str, Any] | None = None) -> None:
+                 kv_scales: Mapping[str, Any] | None = None,
+                 num_sliding_slots: int | None = None) -> None:
+        """num_sliding_slots: the sliding KV array's (None: num_slots)."""
         self.layout = layout
         self.arrays = {}
+        count = {KV: num_slots, KV_SLIDING: num_slots if num_sliding_slots is None
+                 else num_sliding_slots}
         for kind, (row, dtype) in layout.rows.items():
-            n = num_slots if kind in PAGE_KINDS else num_state_slots
+            n = count.get(kind, num_state_slots)
             self.arrays[kind] = np.zeros((n, layout.layers[kind], *row), dtype)
         self.kv_scales = {k: np.asarray(v) for k, v in (kv_scales or {}).items()}
 
     @classmethod
     def for_budget(cls, layout: HostTierLayout, budget_bytes: int,
-                   kv_scales: Mapping[str, Any] | None = None) -> HostPageArrays:
-        """As many slots as budget_bytes hold (core/host_pages.size_host_tier); refused,
-        naming the sizes, when that is not one page (and one snapshot) beside the dummy."""
-        slots, states = size_host_tier(budget_bytes, layout.page_bytes, layout.state_bytes)
+                   kv_scales: Mapping[str, Any] | None = None,
+                   sliding_per_page: float | None = None) -> HostPageArrays:
+        """As many slots as budget_bytes hold (core/host_pages.size_host_tier; with a
+        sliding KV array, sliding_per_page sliding slots per page slot, None:
+        core/host_pages.sliding_per_page); refused, naming
+        the sizes, when that is not one page (and one snapshot, one sliding page) beside
+        the dummy."""
+        if layout.sliding_page_bytes:
+            per = sliding_per_page or host_pages.sliding_per_page(layout.page_bytes,
+                                                                  layout.sliding_page_bytes)
+            slots, states, sliding = size_sliding_host_tier(
+                budget_bytes, layout.page_bytes, layout.sliding_page_bytes, per,
+                layout.state_bytes)
+        else:
+            (slots, states), sliding = size_host_tier(budget_bytes, layout.page_bytes,
+                                                      layout.state_bytes), None
         if not slots:
             raise ValueError(f"a host tier of {budget_bytes} bytes holds no page of "
                              f"{layout.page_bytes} bytes (and snapshot of "
-                             f"{layout.state_bytes}) beside the dummy slot")
-        return cls(layout, slots, states, kv_scales)
+                             f"{layout.state_bytes}, sliding page of "
+                             f"{layout.sliding_page_bytes}) beside the dummy slot")
+        return cls(layout, slots, states, kv_scales, sliding)
 
     @property
     def num_slots(self) -> int:
-        return next(a.shape[0] for k, a in self.arrays.items() if k in PAGE_KINDS)
+        return self.arrays[KV].shape[0]
+
+    @property
+    def num_sliding_slots(self) -> int:
+        return self.arrays[KV_SLIDING].shape[0] if KV_SLIDING in self.arrays else 0
 
     @property
     def num_state_slots(self) -> int:
@@ -160,22 +190,27 @@ class HostCopier:
         self._restore = jax.jit(self.restore_fn, donate_argnums=0)
 
     # ---- batching -------------------------------------------------------------------
-    def _calls(self, page_ids: Mapping[str, Sequence[int]], host_slots: Sequence[int],
+    def _calls(self, page_ids: Mapping[str, Sequence[int]], host_slots: HostSlots,
                state_ids: Sequence[int], host_state_slots: Sequence[int]):
-        """Per call: (device ids per kind, padded; host slots per kind, unpadded)."""
+        """Per call: (device ids per kind, padded; host slots per kind, unpadded).
+        host_slots: one list for every kind named, or a list per kind."""
+        per_kind = {k: host_slots[k] if isinstance(host_slots, Mapping) else host_slots
+                    for k in page_ids}
         for kind, ids in page_ids.items():
             if kind not in PAGE_KINDS or kind not in self.layout.rows:
                 raise ValueError(f"page ids for {kind!r}: this model's page kinds are "
                                  f"{[k for k in PAGE_KINDS if k in self.layout.rows]}")
-            if len(ids) != len(host_slots):
-                raise ValueError(f"{kind}: {len(ids)} page ids for {len(host_slots)} host slots")
+            if len(ids) != len(per_kind[kind]):
+                raise ValueError(f"{kind}: {len(ids)} page ids for {len(per_kind[kind])} "
+                                 f"host slots")
         if len(state_ids) != len(host_state_slots):
             raise ValueError(f"{len(state_ids)} state ids for {len(host_state_slots)} slots")
         state_kinds = [k for k in STATE_KINDS if k in self.layout.rows]
         if state_ids and not state_kinds:
             raise ValueError("state ids given for a model without recurrent state")
         bp, bs = self.pages_per_call, self.states_per_call
-        calls = max(-(-len(host_slots) // bp), -(-len(state_ids) // bs), 0)
+        calls = max([-(-len(ids) // bp) for ids in page_ids.values()]
+                    + [-(-len(state_ids) // bs), 0])
         for c in range(calls):
             ids, slots = {}, {}
             for kind in (k for k in PAGE_KINDS if k in self.layout.rows):
@@ -183,7 +218,7 @@ class HostCopier:
                 named = kind in page_ids
                 part = list(page_ids[kind][c * bp:(c + 1) * bp]) if named else []
                 ids[kind] = _pad(part, bp)
-                slots[kind] = list(host_slots[c * bp:(c + 1) * bp]) if named else []
+                slots[kind] = list(per_kind[kind][c * bp:(c + 1) * bp]) if named else []
             for kind in state_kinds:
                 part = list(state_ids[c * bs:(c + 1) * bs])
                 ids[kind], slots[kind] = _pad(part, bs), list(host_state_slots[c * bs:(c + 1) * bs])
@@ -191,7 +226,7 @@ class HostCopier:
 
     # ---- the copies -------------------------------------------------------------------
     def offload(self, caches: Mapping[str, jax.Array], page_ids: Mapping[str, Sequence[int]],
-                host_slots: Sequence[int], state_ids: Sequence[int] = (),
+                host_slots: HostSlots, state_ids: Sequence[int] = (),
                 host_state_slots: Sequence[int] = ()) -> PendingOffload:
         """Starts copying pages page_ids[kind][i] (of each KV kind given, all into
         host slot host_slots[i]; a kind not given is not stored) and state slots
@@ -203,7 +238,7 @@ class HostCopier:
         return pending
 
     def restore(self, caches: Mapping[str, jax.Array], host: HostPageArrays,
-                host_slots: Sequence[int], page_ids: Mapping[str, Sequence[int]],
+                host_slots: HostSlots, page_ids: Mapping[str, Sequence[int]],
                 host_state_slots: Sequence[int] = (), state_ids: Sequence[int] = (),
                 kv_scales: Mapping[str, Any] | None = None) -> dict[str, jax.Array]:
         """caches (donated) with host slot host_slots[i] written into page
@@ -247,18 +282,28 @@ class HostTier:
         before any later write of those pages), then the restores (caches donated) ->
         (the caches, the offloads to land)."""
         pending = None
-        if copies.num_offloads:
-            pending = self.copier.offload(
-                caches, {k: copies.offload_pages for k in self.page_kinds},
-                copies.offload_slots, copies.offload_state_ids, copies.offload_state_slots)
-        if copies.num_restores:
+        c = copies
+        if c.num_offloads:
+            pages, slots = self._by_kind((c.offload_pages, c.offload_slots),
+                                         (c.offload_sliding_pages, c.offload_sliding_slots))
+            pending = self.copier.offload(caches, pages, slots, c.offload_state_ids,
+                                          c.offload_state_slots)
+        if c.num_restores:
             t0 = time.perf_counter()
-            caches = self.copier.restore(
-                caches, self.arrays, copies.restore_slots,
-                {k: copies.restore_pages for k in self.page_kinds},
-                copies.restore_state_slots, copies.restore_state_ids)
+            pages, slots = self._by_kind((c.restore_pages, c.restore_slots),
+                                         (c.restore_sliding_pages, c.restore_sliding_slots))
+            caches = self.copier.restore(caches, self.arrays, slots, pages,
+                                         c.restore_state_slots, c.restore_state_ids)
             self.restore_seconds += time.perf_counter() - t0
         return caches, pending
+
+    def _by_kind(self, glob: tuple[list[int], list[int]], sliding: tuple[list[int], list[int]]
+                 ) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
+        """(device page ids, host slots) per KV kind: the global array's, and the sliding
+        array's (its own ids and slots)."""
+        parts = {KV: glob, KV_SLIDING: sliding}
+        return ({k: parts[k][0] for k in self.page_kinds},
+                {k: parts[k][1] for k in self.page_kinds})
 
     def warmup(self, caches: dict[str, jax.Array]) -> dict[str, jax.Array]:
         """Compiles both programs (a copy of the null page / slot to and from the dummy

@@ -224,3 +224,28 @@ def test_scheduler_refuses_a_sliding_pool_one_request_cannot_fit():
         scheduler(num_pages=40, num_sliding=5, window=8, max_num_seqs=1)
     with pytest.raises(ValueError, match="together"):
         KVCacheManager(9, PS, num_sliding_pages=5)
+
+
+class _ImagesOver4And12(Request):
+    """A request whose images cover tokens 4 and 12 (strictly inside)."""
+
+    def splits_image(self, position: int) -> bool:
+        return position in (4, 12)
+
+
+def test_a_hit_cut_short_by_its_window_never_ends_inside_an_image():
+    """The window's cut comes after the image rule's: the shorter hit it falls back to
+    must not end inside an image either (here: 12 and 4 do, and the window of 8 is gone)."""
+    kv = KVCacheManager(20, PS, num_sliding_pages=5, sliding_window=5, whole_images=True)
+    tokens = list(range(10, 23))                    # 3 full pages
+    a = make("a", tokens)
+    prefill(kv, a)
+    decode(kv, a, 7)                                # sliding pages 0 and 1 leave the window
+    prefill(kv, make("b", range(50, 53)))           # takes page 1's sliding page back
+    kv.free(a)
+    again = _ImagesOver4And12("a2", tokens, SP, eos_token_id=None, arrival_time=0.0,
+                              page_size=PS)
+    assert not again.splits_image(0)
+    assert kv.get_computed_pages(again)[1] == 0     # not 4: inside an image
+    plain = make("a3", tokens)                      # without images: all 3 pages
+    assert kv.get_computed_pages(plain)[1] == 12

@@ -2,18 +2,21 @@
 conversations need several times the device pool (--num-gpu-blocks-override): greedy
 tokens are those of the same engine without the tier, the later turns hit pages the host
 tier kept (its metrics say so), preemption and an abort while the step's copies are in
-flight leak nothing, and nothing compiles after warmup. Llama and the Qwen3.5 hybrid
-(whose state snapshots travel with their pages)."""
+flight leak nothing, and nothing compiles after warmup. Llama, the Qwen3.5 hybrid (whose
+state snapshots travel with their pages) and Gemma 4 (whose sliding-window pages come
+back only as far as a hit's window needs); an int8 KV cache travels as stored."""
 from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.errors import ConfigError
 from jaxserve.engine.llm_kwargs import engine_config
 from jaxserve.runner.compile_counter import num_compilations
+from models.layer_stack import KV
 from tests.engine.conftest import add, assert_no_leaks
 
 PS, POOL = 16, 12        # device pool: 11 pages of 16 tokens (+ the null page)
@@ -32,13 +35,25 @@ def assert_tier_settled(llm: LLM) -> None:
         return
     index = host.index
     assert not host.restored_in_flight
-    assert all(e.pins == 0 and e.ready for e in index._lru.values())
-    assert index.num_free + len(index) == index.num_slots - 1
+    for index in (host.index, host.sliding) if host.sliding is not None else (host.index,):
+        assert all(e.pins == 0 and e.ready for e in index._lru.values())
+        assert index.num_free + len(index) == index.num_slots - 1
+    if (pool := llm.engine.scheduler.kv.sliding_pool) is not None:
+        assert pool.get_num_free_pages() == pool.num_pages - 1
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3_5"])
+@pytest.fixture(scope="module")
+def llama_engines(checkpoint):
+    """(engine without the tier, engine with it) for Llama, for the module."""
+    path = checkpoint("llama")
+    return LLM(path, **SIZES), LLM(path, kv_offloading_size=0.02, **SIZES)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3_5", "gemma4"])
 def engines(request, checkpoint):
     """(kind, engine without the tier, engine with it), for the module."""
+    if request.param == "llama":
+        return ("llama", *request.getfixturevalue("llama_engines"))
     path = checkpoint(request.param)
     return request.param, LLM(path, **SIZES), LLM(path, kv_offloading_size=0.02, **SIZES)
 
@@ -75,11 +90,18 @@ def test_a_trace_over_the_host_tier_gives_the_same_tokens_and_hits_it(engines):
     stats = tiered.engine.stats()
     assert stats.host is not None and stats.host.hits > 0
     assert stats.host.pages_offloaded > 0 and stats.host.pages_restored > 0
-    assert stats.host.bytes_restored == stats.host.pages_restored * \
-        tiered.engine.scheduler.kv.host.page_bytes + stats.host.states_restored * \
-        tiered.engine.scheduler.kv.host.state_bytes
+    host = tiered.engine.scheduler.kv.host
+    assert stats.host.bytes_restored == stats.host.pages_restored * host.page_bytes + \
+        stats.host.states_restored * host.state_bytes + \
+        stats.host.sliding_pages_restored * host.sliding_page_bytes
     if kind == "qwen3_5":   # hybrid: the state snapshots travel with their pages
         assert stats.host.states_offloaded > 0 and stats.host.states_restored > 0
+    if kind == "gemma4":    # a hit's window of sliding pages, never more
+        assert stats.host.sliding_pages_offloaded > 0 and stats.host.sliding_pages_restored > 0
+        # the pages covering the W - 1 positions before a hit's end
+        window = -(-(tiered.engine.scheduler.kv.sliding_window - 1) // PS)
+        assert stats.host.sliding_pages_restored <= window * sum(c > 0 for c in tier_cached)
+        assert stats.host.sliding_pages_restored < stats.host.pages_restored
     # num_cached_tokens counts hits from either tier; later turns hit the host's pages.
     assert sum(tier_cached) >= sum(plain_cached) + stats.host.hits
     assert all(c > 0 for c in tier_cached[CONVERSATIONS:])
@@ -145,6 +167,24 @@ def test_reset_prefix_cache_empties_both_tiers(engines):
     assert not tiered.engine.scheduler.kv.pool.cached_pages
 
 
+def test_an_int8_cache_travels_as_stored_and_gives_the_same_tokens(checkpoint):
+    """kv_cache_dtype int8 (its scales per layer and head, calibrated at load, the same for
+    every page): pages go to host and back as int8 bits, and the trace's tokens are those
+    of the same int8 engine without the tier."""
+    path, sizes = checkpoint("llama"), dict(SIZES, kv_cache_dtype="int8")
+    plain, tiered = LLM(path, **sizes), LLM(path, kv_offloading_size=0.02, **sizes)
+    compiled = num_compilations()
+    want, _ = trace(plain)
+    got, cached = trace(tiered)
+    assert got == want
+    runner = tiered.engine.runner
+    assert runner.kv_caches[KV].dtype == runner.host_tier.arrays.arrays[KV].dtype == np.int8
+    assert tiered.engine.stats().host.pages_restored > 0
+    assert all(c > 0 for c in cached[CONVERSATIONS:])
+    assert num_compilations() == compiled
+    assert_tier_settled(tiered)
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(kv_offloading_size=0.02, enable_prefix_caching=False), "--enable-prefix-caching"),
     (dict(kv_offloading_size=1e-7), "holds no page"),
@@ -163,12 +203,11 @@ def test_the_flags_reach_the_config():
         (2.5, "native", 64)
 
 
-def test_data_parallel_replicas_each_keep_their_own_tier(checkpoint, engines):
+def test_data_parallel_replicas_each_keep_their_own_tier(checkpoint, llama_engines):
     """mesh 2x1: each replica's evictions go to its own host tier, of the full size; the
-    trace's tokens are the single engine's, with hits from the tiers."""
-    kind, plain, _ = engines
-    if kind != "llama":
-        pytest.skip("one kind is enough for the replicas' bookkeeping")
+    trace's tokens are the single engine's, with hits from the tiers. (Llama only: the
+    replicas' bookkeeping is the same for every model.)"""
+    plain, _ = llama_engines
     dp = LLM(checkpoint("llama"), kv_offloading_size=0.02, mesh="2x1", **SIZES)
     want, _ = trace(plain)
     got, _ = trace(dp)

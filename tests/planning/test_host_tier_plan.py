@@ -1,9 +1,9 @@
 """The planner's line for the prefix cache's host tier (--kv-offloading-size): the pages
 and snapshots its memory holds (whole pages: every KV head), as core/host_pages sizes
-them, and the refusal for sliding-window models."""
+them, and a sliding-window model's sliding pages in slots of their own."""
 from __future__ import annotations
 
-from jaxserve.core.host_pages import size_host_tier
+from jaxserve.core.host_pages import size_host_tier, size_sliding_host_tier, sliding_per_page
 from jaxserve.checkpoints.model_names import load_model_config
 from jaxserve.planning.plan import make_plan
 from jaxserve.planning.plan_format import format_plan
@@ -30,7 +30,14 @@ def test_the_host_tier_line_counts_whole_pages_and_snapshots():
         assert (f"{states - 1:,} state snapshots" in line) == p.has_state, line
 
 
-def test_sliding_window_models_are_refused():
-    line = next(ln for ln in format_plan(plan("gemma-4-31b", kv_offloading_size=8)
-                                         ).splitlines() if "host tier" in ln)
-    assert "refused" in line
+def test_sliding_window_models_count_their_sliding_pages_apart():
+    p = plan("gemma-4-31b", kv_offloading_size=8)
+    c = p.cache
+    per = sliding_per_page(c.bytes_per_page, c.bytes_per_sliding_page)
+    pages, _, sliding = size_sliding_host_tier(8 * 2**30, c.bytes_per_page * 2,
+                                               c.bytes_per_sliding_page * 2, per)
+    assert 2 <= sliding < pages   # a sliding page weighs more than a global one
+    assert sliding * c.bytes_per_sliding_page <= pages * c.bytes_per_page
+    line = next(ln for ln in format_plan(p).splitlines() if "host tier" in ln)
+    assert f"{pages - 1:,} pages" in line and f"{sliding - 1:,} sliding-window pages" in line, \
+        line

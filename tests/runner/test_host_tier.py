@@ -132,7 +132,8 @@ def test_restores_under_other_scales_are_refused():
 def test_layout_bytes_and_bad_calls():
     caches = random_caches(jnp.bfloat16, np.random.default_rng(4), hybrid=True)
     layout = HostTierLayout.of(caches, LAYERS)
-    assert layout.page_bytes == 2 * (A * 4 * 4 * 8 + W * 2 * 4 * 16)
+    assert layout.page_bytes == 2 * A * 4 * 4 * 8
+    assert layout.sliding_page_bytes == 2 * W * 2 * 4 * 16
     assert layout.state_bytes == D * (24 * 2 + 2 * 4 * 4 * 4)
     copier, host = make_tier(caches)
     with pytest.raises(ValueError, match="2 page ids for 1 host slots"):
@@ -199,10 +200,19 @@ def test_an_offload_stores_only_the_kinds_it_names():
 def test_arrays_sized_from_bytes_stay_within_them():
     caches = random_caches(jnp.bfloat16, np.random.default_rng(8), hybrid=True)
     layout = HostTierLayout.of(caches, LAYERS)
-    budget = 40 * layout.page_bytes + 20 * layout.state_bytes
-    host = HostPageArrays.for_budget(layout, budget)
+    budget = 40 * (layout.page_bytes + layout.sliding_page_bytes) + 20 * layout.state_bytes
+    host = HostPageArrays.for_budget(layout, budget, sliding_per_page=1.0)
     assert sum(a.nbytes for a in host.arrays.values()) <= budget
     assert host.num_slots > 2 and host.num_state_slots >= 2
     assert host.num_slots == host.arrays[KV].shape[0] == host.arrays[KV_SLIDING].shape[0]
+    # Fewer sliding slots than page slots (a prefix needs only its window's): more pages.
+    fewer = HostPageArrays.for_budget(layout, budget, sliding_per_page=0.25)
+    assert sum(a.nbytes for a in fewer.arrays.values()) <= budget
+    assert fewer.num_slots > host.num_slots
+    assert fewer.num_sliding_slots == int(fewer.num_slots * 0.25) >= 2
+    # By default as many bytes of sliding pages as of pages (core/host_pages.py).
+    even = HostPageArrays.for_budget(layout, budget)
+    assert even.num_sliding_slots == int(even.num_slots * min(
+        1.0, layout.page_bytes / layout.sliding_page_bytes))
     with pytest.raises(ValueError, match="holds no page"):
         HostPageArrays.for_budget(layout, layout.page_bytes)
