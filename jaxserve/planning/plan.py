@@ -187,7 +187,9 @@ class Plan:
             return None
         return memory_split(self.hbm_bytes, self.hbm_utilization,
                             self.weight_bytes_per_device + self.drafter_weight_bytes_per_device
-                            + self.lora_bytes_per_device, self.activation_bytes, self.hbm_bytes)
+                            + self.lora_bytes_per_device
+                            + (self.vision.weight_bytes if self.vision else 0),
+                            self.activation_bytes, self.hbm_bytes)
 
     @property
     def kv_budget_bytes(self) -> int:
@@ -264,6 +266,7 @@ class Plan:
                 "engine_bytes": split.engine_bytes,
                 "weight_bytes": self.weight_bytes_per_device,
                 "drafter_weight_bytes": self.drafter_weight_bytes_per_device,
+                "vision_weight_bytes": self.vision.weight_bytes if self.vision else 0,
                 "kv_page_bytes": c.kv_bytes if c else 0,
                 "state_slot_bytes": (c.state_bytes - c.snapshot_bytes) if c else 0,
                 "snapshot_bytes": c.snapshot_bytes if c else 0,
@@ -316,9 +319,13 @@ def plan_from_config(config: EngineConfig, mc: ModelConfig, *, hbm_bytes: int | 
     drafter_bytes = module_weight_figures(drafter.model, drafter.layout.model_config, m
                                           ).bytes_per_device if drafter else 0
     lora, lora_bytes = _lora_slots(config, layout, m)
+    vision = _vision(config, mc, layout)
     if cache is None and (config.num_pages or config.kv_cache_memory_bytes or hbm_bytes):
+        # The tower is loaded before the caches are sized, so the engine's budget counts
+        # it as held; its encoder cache and calls come after (not in the budget).
         memory = DeviceMemory(hbm_bytes, hbm_bytes,
-                              w.bytes_per_device + drafter_bytes + lora_bytes) \
+                              w.bytes_per_device + drafter_bytes + lora_bytes
+                              + (vision.weight_bytes if vision else 0)) \
             if hbm_bytes else None
         cache = cache_plan_for(config, layout, None, memory,
                                drafter.cache_specs if drafter else ())
@@ -359,7 +366,7 @@ def plan_from_config(config: EngineConfig, mc: ModelConfig, *, hbm_bytes: int | 
         drafter_weight_bytes_per_device=drafter_bytes,
         kv_cache_memory_bytes=config.kv_cache_memory_bytes,
         host_tier_bytes=config.kv_offloading_bytes, lora=lora,
-        lora_bytes_per_device=lora_bytes, vision=_vision(config, mc, layout))
+        lora_bytes_per_device=lora_bytes, vision=vision)
 
 
 def _vision(config: EngineConfig, mc: ModelConfig, layout: Any) -> VisionFigures | None:

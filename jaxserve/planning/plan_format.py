@@ -83,7 +83,8 @@ def _memory_lines(p: Plan) -> list[str]:
     m = p.memory
     drafter = (f" (+ drafter {_gib(p.drafter_weight_bytes_per_device)})"
                if p.drafter_weight_bytes_per_device else "") + (
-        f" (+ LoRA slots {_gib(p.lora_bytes_per_device)})" if p.lora_bytes_per_device else "")
+        f" (+ LoRA slots {_gib(p.lora_bytes_per_device)})" if p.lora_bytes_per_device else "") + (
+        f" (+ vision tower {_gib(p.vision.weight_bytes)})" if p.vision else "")
     cache = ("KV cache and state " if p.has_state else "KV ") + _gib(p.kv_budget_bytes) \
         + (" (--kv-cache-memory-bytes)" if p.kv_cache_memory_bytes is not None else "")
     return [

@@ -52,3 +52,12 @@ def test_printed_and_absent_for_text_only(path):
     text = format_plan(plan(path))
     assert "vision tower" in text and "encoder cache 64 rows" in text
     assert plan(path, language_model_only=True).vision is None
+
+
+def test_the_tower_is_held_before_the_caches_are_sized(path):
+    """As in the engine, which loads the tower before it reads the device's free memory:
+    the caches get the tower's bytes less than under --language-model-only."""
+    images = plan(path, hbm_bytes=2**30)
+    text = plan(path, hbm_bytes=2**30, language_model_only=True)
+    assert images.memory.weight_bytes - text.memory.weight_bytes == images.vision.weight_bytes
+    assert images.cache.total_bytes < text.cache.total_bytes
