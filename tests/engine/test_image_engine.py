@@ -177,3 +177,20 @@ def test_a_tensor_parallel_mesh_gives_the_same_answers(checkpoint, expected):
         check(out, expected[name])
     assert engine.num_compilations == before, "something compiled after warmup"
     assert_no_leaks(engine)
+
+
+def test_ngram_speculation_keeps_the_greedy_tokens_with_images(llm, checkpoint):
+    """Speculative decoding (ngram) on image prompts: drafts verified by forwards that
+    read the image rows and Qwen's 3-axis positions give the plain engine's greedy
+    tokens, and some drafts are accepted (the verify path ran)."""
+    spec = LLM(checkpoint, dtype="float32", max_model_len=256, max_num_seqs=4,
+               max_num_batched_tokens=BUDGET, speculative_config={
+                   "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                   "prompt_lookup_max": 3})
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    msgs = [ONE, TWO, chat("Now ", D, " then", A, TAIL)]
+    want = [o.outputs[0].token_ids for o in llm.chat(msgs, params, use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in spec.chat(msgs, params, use_tqdm=False)]
+    assert got == want
+    assert spec.engine.stats().spec_num_accepted_tokens > 0
+    assert_no_leaks(spec.engine)
