@@ -1,7 +1,8 @@
 """Time to first token on CPU: a text prompt vs the same-length prompt holding one image,
 and the image again (an encoder-cache and prefix-cache hit), against transformers.
 
-    python -m benchmarks.multimodal.vision_ttft [--model DIR] [--size 448] [--repeats 3] [--json]
+    python -m benchmarks.multimodal.vision_ttft [--model DIR] [--size 448] [--repeats 3]
+        [--prefix-caching] [--json]
 
 Model: the tests' tiny Qwen3.5 vision-language checkpoint
 (tests.checkpoints.make_tiny_vision_serving_checkpoint("qwen3_5"), float32, 4096
@@ -14,8 +15,9 @@ Cases, each --repeats times after WARM untimed rounds (medians reported), one re
 at a time:
 - text: a text-only chat whose prompt has as many tokens as the image chat's;
 - image: the chat with a new image each time (encoded, no prefix hit);
-- image again: the same image as the run before (an encoder-cache hit; prefix caching
-  is off, so every case computes its whole prompt);
+- image again: the same image as the run before (an encoder-cache hit; with prefix
+  caching off, the default here, every case computes its whole prompt; with
+  --prefix-caching the text and the repeated image are prefix hits too);
 - transformers: the full model's `generate(max_new_tokens=1)` on the image chat
   (preprocessed pixels given; wall time of the call).
 TTFT is RequestOutput.metrics.time_to_first_token (arrival to first token).
@@ -75,12 +77,12 @@ def transformers_seconds(path: str, ids: list[int], image) -> float:
     return time.perf_counter() - t0
 
 
-def run(path: str, size: int, repeats: int) -> dict:
-    # No prefix caching: every case computes its whole prompt (the repeated image is an
-    # encoder-cache hit only).
+def run(path: str, size: int, repeats: int, prefix_caching: bool = False) -> dict:
+    # Without prefix caching every case computes its whole prompt (the repeated image is
+    # an encoder-cache hit only).
     llm = LLM(path, dtype="float32", max_model_len=2048, max_num_seqs=4,
               max_num_batched_tokens=2048, mm_processor_kwargs={"max_pixels": size * size},
-              enable_prefix_caching=False)
+              enable_prefix_caching=prefix_caching)
     images = [noise_image(size, size, seed) for seed in range(repeats + WARM)]
     ids, mm = llm.engine.inputs.render_chat_mm(image_chat(images[0]))
     text = text_chat(llm, len(ids))
@@ -94,7 +96,7 @@ def run(path: str, size: int, repeats: int) -> dict:
         cases["image again"].append(ttft(llm, image_chat(image)))
     cases["transformers"] = [transformers_seconds(path, ids, images[0]) for _ in range(repeats)]
     stats = llm.engine.scheduler.encoder
-    return {"image_size": size, "prompt_tokens": len(ids), "image_tokens": mm.images[0].length,
+    return {"image_size": size, "prefix_caching": prefix_caching, "prompt_tokens": len(ids), "image_tokens": mm.images[0].length,
             "ttft_ms": {k: round(1000 * statistics.median(v), 2) for k, v in cases.items()},
             "images_encoded": stats.num_encoded, "encoder_cache_hits": stats.num_hits}
 
@@ -105,17 +107,20 @@ def main() -> None:
                                                    "jaxserve-bench-qwen35-vl"))
     p.add_argument("--size", type=int, default=448)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--prefix-caching", action="store_true",
+                   help="serve with prefix caching on (the engine's default)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     if not os.path.exists(os.path.join(args.model, "config.json")):
         make_tiny_vision_serving_checkpoint("qwen3_5", args.model, max_position_embeddings=4096)
     np.random.seed(0)
-    out = run(args.model, args.size, args.repeats)
+    out = run(args.model, args.size, args.repeats, args.prefix_caching)
     if args.json:
         print(json.dumps(out))
         return
     print(f"{out['image_size']}x{out['image_size']} image: {out['image_tokens']} image tokens "
-          f"of a {out['prompt_tokens']}-token prompt")
+          f"of a {out['prompt_tokens']}-token prompt, prefix caching "
+          f"{'on' if out['prefix_caching'] else 'off'}")
     for case, ms in out["ttft_ms"].items():
         print(f"  {case:>13}: {ms:8.2f} ms")
     print(f"  images encoded {out['images_encoded']}, encoder cache hits "

@@ -113,7 +113,8 @@ def build_parts(shape: ReplicaShape, progress: StartupProgress, *,
     loaded = load_model(config, layout, mesh, on_progress=partial(_report_loading, progress))
     drafter = load_drafter(config, layout, mesh)
     vision = images and vision_parts(images, layout.dtype, config.num_batched_tokens,
-                                     mc.image_attention_both_ways, layout.attention_backend)
+                                     mc.hidden_size, mc.image_attention_both_ways,
+                                     layout.attention_backend)
     if mc.linear_attention_layers:
         logger.info("hybrid model: %d of %d layers are linear attention with recurrent "
                     "state, the other %d keep KV pages; prefix caching %s",

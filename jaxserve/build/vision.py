@@ -4,7 +4,10 @@ processor the front door uses (so --mm-processor-kwargs bound the buckets too)."
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
+
+import jax.numpy as jnp
 
 from jaxserve.multimodal.front import ImageFront
 from jaxserve.runner.image_encoder import VisionParts
@@ -18,23 +21,31 @@ logger = logging.getLogger("jaxserve")
 CACHE_STEPS = 2
 
 
-def vision_parts(front: ImageFront, dtype: Any, num_batched_tokens: int,
-                 whole_images: bool = False, attention_backend: str = "xla"
-                 ) -> VisionParts | None:
-    """None when the replica serves no images (a text-only model, --language-model-only,
-    no image processor: the front's refusal says which). A step encodes up to its token
-    budget of image tokens, or one largest image if that is more. whole_images: image
-    tokens see their whole image (Gemma 4), so a chunk holds every image it reaches and
-    the step's tokens must hold the largest; the Pallas kernels do not take that mask
-    yet, so with them the front refuses images (the text model is served)."""
-    if whole_images and front.refusal is None and \
-            backend_options(attention_backend)[0] == "pallas":
-        front.refusal = ("Gemma 4's image tokens attend to their whole image, which the "
-                         "Pallas attention kernels do not do yet: images need "
-                         "--attention-backend xla")
-        logger.warning("images are refused: %s", front.refusal)
-    if front.refusal is not None:
-        return None
+@dataclass(frozen=True)
+class VisionFigures:
+    """The vision side's sizes, for the engine and `python -m jaxserve.plan`."""
+    max_tokens: int             # the most rows one image takes (its processor's)
+    budget: int                 # the most rows a step encodes
+    buckets: tuple[int, ...]    # what an encoder call pads to (models/vision/tower.py)
+    cache_rows: int             # the encoder cache's embedding rows
+    num_params: int             # the tower's and projector's
+    weight_bytes: int           # in the serving dtype, replicated on every device
+    cache_bytes: int            # the encoder cache [cache_rows, text hidden]
+    activation_bytes: int       # rough peak of the largest bucket's encoder call
+
+    def describe(self) -> str:
+        gib = 2 ** 30
+        return (f"images: vision tower {self.num_params / 1e6:.1f} M params, "
+                f"{self.weight_bytes / gib:.3f} GiB; encoder cache {self.cache_rows} rows, "
+                f"{self.cache_bytes / gib:.3f} GiB; largest encoder call (bucket "
+                f"{self.buckets[-1]}) ~{self.activation_bytes / gib:.3f} GiB of activations; "
+                f"at most {self.max_tokens} tokens an image, {self.budget} encoded a step")
+
+
+def vision_figures(front: ImageFront, dtype: Any, num_batched_tokens: int, hidden_size: int,
+                   whole_images: bool = False) -> VisionFigures:
+    """The sizes of the vision side of a front that takes images. whole_images: a step
+    computes every image it reaches whole (Gemma 4), so its tokens must hold the largest."""
     tower = VisionTower.from_pretrained(front.model_dir)
     max_tokens = tower.max_tokens(front.processor())
     if whole_images and num_batched_tokens < max_tokens:
@@ -45,9 +56,39 @@ def vision_parts(front: ImageFront, dtype: Any, num_batched_tokens: int,
                          f"(--language-model-only)")
     budget = max(num_batched_tokens, max_tokens)
     buckets = tower.buckets(max_tokens, budget)
+    itemsize = jnp.dtype(dtype).itemsize
+    num_params = tower.num_params(front.model_dir)
+    rows = CACHE_STEPS * budget
+    return VisionFigures(max_tokens, budget, buckets, rows, num_params,
+                         num_params * itemsize, rows * hidden_size * itemsize,
+                         tower.activation_bytes(buckets[-1], max_tokens, itemsize))
+
+
+def refuse_unserved(front: ImageFront, whole_images: bool, attention_backend: str) -> None:
+    """whole_images: image tokens see their whole image (Gemma 4); the Pallas kernels do
+    not take that mask yet, so with them the front refuses images (the text model is
+    served)."""
+    if whole_images and front.refusal is None and \
+            backend_options(attention_backend)[0] == "pallas":
+        front.refusal = ("Gemma 4's image tokens attend to their whole image, which the "
+                         "Pallas attention kernels do not do yet: images need "
+                         "--attention-backend xla")
+        logger.warning("images are refused: %s", front.refusal)
+
+
+def vision_parts(front: ImageFront, dtype: Any, num_batched_tokens: int, hidden_size: int,
+                 whole_images: bool = False, attention_backend: str = "xla"
+                 ) -> VisionParts | None:
+    """None when the replica serves no images (a text-only model, --language-model-only,
+    no image processor, Gemma 4 on the Pallas kernels: the front's refusal says which).
+    A step encodes up to its token budget of image tokens, or one largest image if that
+    is more."""
+    refuse_unserved(front, whole_images, attention_backend)
+    if front.refusal is not None:
+        return None
+    fig = vision_figures(front, dtype, num_batched_tokens, hidden_size, whole_images)
+    tower = VisionTower.from_pretrained(front.model_dir)
     params = tower.load_params(front.model_dir, dtype)
-    logger.info("images: the vision tower is loaded; encoder buckets %s, at most %d tokens "
-                "an image, %d encoded a step, an encoder cache of %d rows", list(buckets),
-                max_tokens, budget, CACHE_STEPS * budget)
-    return VisionParts(tower, params, buckets, num_rows=CACHE_STEPS * budget, budget=budget,
-                       max_tokens=max_tokens)
+    logger.info("%s; encoder buckets %s", fig.describe(), list(fig.buckets))
+    return VisionParts(tower, params, fig.buckets, num_rows=fig.cache_rows, budget=fig.budget,
+                       max_tokens=fig.max_tokens)

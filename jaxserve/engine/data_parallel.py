@@ -13,7 +13,10 @@ on CPU they simply take turns.
 Routing (at add time, a request never moves): the replica with the longest
 cached prompt prefix among those within `balance_slack` unfinished requests of
 the least loaded one; ties go to the least loaded, then the lowest index. The
-slack bounds how much imbalance a prefix hit may buy.
+slack bounds how much imbalance a prefix hit may buy. The prefix is hashed as the
+replicas' prefix caches hash it, images' content included: a prompt holding an image
+is drawn to the replica that holds that image's pages, never to one that holds only
+another image behind the same placeholder ids.
 """
 from __future__ import annotations
 
@@ -78,13 +81,14 @@ class DataParallelEngine:
 
     # ---- requests ------------------------------------------------------------------
     def choose_replica(self, prompt_token_ids: Sequence[int],
-                       cache_salt: str | None = None, lora_request: Any = None) -> int:
+                       cache_salt: str | None = None, lora_request: Any = None,
+                       multi_modal: Any = None) -> int:
         loads = [r.num_unfinished() for r in self.replicas]
         ok = [i for i, n in enumerate(loads) if n <= min(loads) + self.balance_slack]
         if len(ok) == 1:
             return ok[0]
         hashes = prompt_page_hashes(prompt_token_ids, self.info.page_size, cache_salt,
-                                    lora_request)
+                                    lora_request, multi_modal)
         return max(ok, key=lambda i: (self.replicas[i].cached_prefix_pages(hashes),
                                       -loads[i], -i))
 
@@ -95,7 +99,7 @@ class DataParallelEngine:
         if rid in self._replica_of:
             raise InputError(f"request id {rid!r} is already in use")
         d = self.choose_replica(request.prompt_token_ids, request.cache_salt,
-                                request.lora_request)
+                                request.lora_request, request.multi_modal)
         self.replicas[d].add_request(request)
         self._replica_of[rid] = d
 

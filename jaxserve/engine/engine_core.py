@@ -286,11 +286,15 @@ class EngineCore:
 
 
 def prompt_page_hashes(prompt_token_ids: list[int], page_size: int,
-                        cache_salt: str | None = None, lora_request: Any = None) -> list[int]:
-    """The chained hashes of the prompt's full pages, as a request with this cache salt
-    and adapter (and no private scope) has them."""
+                        cache_salt: str | None = None, lora_request: Any = None,
+                        multi_modal: Any = None) -> list[int]:
+    """The chained hashes of the prompt's full pages, as a request with this cache salt,
+    adapter and images (and no private scope) has them: a page holding image tokens
+    mixes in its images' content hashes, so two different images behind the same
+    placeholder ids never look like a shared prefix."""
     return Request("probe", prompt_token_ids, None, cache_salt=cache_salt,
-                   page_size=page_size, lora_request=lora_request).page_hashes
+                   page_size=page_size, lora_request=lora_request,
+                   multi_modal=multi_modal).page_hashes
 
 
 def engine_seeds(seed: int) -> Iterator[int]:

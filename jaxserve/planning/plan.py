@@ -36,6 +36,7 @@ link in each direction.
 """
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -48,10 +49,12 @@ from jaxserve.build.drafter_loader import drafter_model
 from jaxserve.build.layout import (attention_shapes, build_layout_model, cache_plan_for,
                                    layout_for, tpu_kernel_limit_error)
 from jaxserve.build.parts import lora_store
+from jaxserve.build.vision import VisionFigures, refuse_unserved, vision_figures
 from jaxserve.config import EngineConfig
 from jaxserve.build.cache_plan import CachePlan
 from jaxserve.build.kv_budget import DeviceMemory, MemorySplit, device_memory, memory_split
 from jaxserve.engine.protocol import EngineInfo
+from jaxserve.multimodal.front import image_front
 from jaxserve.planning.plan_format import format_plan
 from models.cache_spec import PagedKVSpec, RecurrentStateSpec, SharedKVSpec
 from models.config import ModelConfig, WeightQuant
@@ -173,6 +176,9 @@ class Plan:
     # per device, held beside the weights (runner/lora_store.py).
     lora: str | None = None
     lora_bytes_per_device: int = 0
+    # Images (a checkpoint directory whose front takes them): the tower's weights, the
+    # encoder cache and the largest encoder call's activations, per device (replicated).
+    vision: VisionFigures | None = None
 
     @property
     def memory(self) -> MemorySplit | None:
@@ -181,7 +187,9 @@ class Plan:
             return None
         return memory_split(self.hbm_bytes, self.hbm_utilization,
                             self.weight_bytes_per_device + self.drafter_weight_bytes_per_device
-                            + self.lora_bytes_per_device, self.activation_bytes, self.hbm_bytes)
+                            + self.lora_bytes_per_device
+                            + (self.vision.weight_bytes if self.vision else 0),
+                            self.activation_bytes, self.hbm_bytes)
 
     @property
     def kv_budget_bytes(self) -> int:
@@ -258,6 +266,7 @@ class Plan:
                 "engine_bytes": split.engine_bytes,
                 "weight_bytes": self.weight_bytes_per_device,
                 "drafter_weight_bytes": self.drafter_weight_bytes_per_device,
+                "vision_weight_bytes": self.vision.weight_bytes if self.vision else 0,
                 "kv_page_bytes": c.kv_bytes if c else 0,
                 "state_slot_bytes": (c.state_bytes - c.snapshot_bytes) if c else 0,
                 "snapshot_bytes": c.snapshot_bytes if c else 0,
@@ -310,9 +319,13 @@ def plan_from_config(config: EngineConfig, mc: ModelConfig, *, hbm_bytes: int | 
     drafter_bytes = module_weight_figures(drafter.model, drafter.layout.model_config, m
                                           ).bytes_per_device if drafter else 0
     lora, lora_bytes = _lora_slots(config, layout, m)
+    vision = _vision(config, mc, layout)
     if cache is None and (config.num_pages or config.kv_cache_memory_bytes or hbm_bytes):
+        # The tower is loaded before the caches are sized, so the engine's budget counts
+        # it as held; its encoder cache and calls come after (not in the budget).
         memory = DeviceMemory(hbm_bytes, hbm_bytes,
-                              w.bytes_per_device + drafter_bytes + lora_bytes) \
+                              w.bytes_per_device + drafter_bytes + lora_bytes
+                              + (vision.weight_bytes if vision else 0)) \
             if hbm_bytes else None
         cache = cache_plan_for(config, layout, None, memory,
                                drafter.cache_specs if drafter else ())
@@ -353,7 +366,20 @@ def plan_from_config(config: EngineConfig, mc: ModelConfig, *, hbm_bytes: int | 
         drafter_weight_bytes_per_device=drafter_bytes,
         kv_cache_memory_bytes=config.kv_cache_memory_bytes,
         host_tier_bytes=config.kv_offloading_bytes, lora=lora,
-        lora_bytes_per_device=lora_bytes)
+        lora_bytes_per_device=lora_bytes, vision=vision)
+
+
+def _vision(config: EngineConfig, mc: ModelConfig, layout: Any) -> VisionFigures | None:
+    """The vision side's figures when the model is a checkpoint directory that serves
+    images (built-in configs leave the tower out: none)."""
+    if not config.model or not os.path.isdir(config.model):
+        return None
+    front = image_front(config)
+    refuse_unserved(front, mc.image_attention_both_ways, layout.attention_backend)
+    if front.refusal is not None:
+        return None
+    return vision_figures(front, layout.dtype, config.num_batched_tokens, mc.hidden_size,
+                          mc.image_attention_both_ways)
 
 
 def _lora_slots(config: EngineConfig, layout, m: int) -> tuple[str | None, int]:

@@ -30,6 +30,11 @@ def format_plan(p: Plan) -> str:
         f"  weights per device         {_gib(p.weight_bytes_per_device)} "
         f"(of which replicated on every device: {_gib(p.replicated_param_bytes)})",
     ]
+    if (v := p.vision) is not None:
+        lines.append(f"  vision tower               {v.num_params:,} params, "
+                     f"{_gib(v.weight_bytes)} on every device; encoder cache {v.cache_rows:,} "
+                     f"rows, {_gib(v.cache_bytes)}; largest encoder call ({v.buckets[-1]:,}) "
+                     f"~{_gib(v.activation_bytes)} of activations (not in the cache budget)")
     if p.has_state:
         lines.append(f"  layers                     {p.num_layers}: {p.full_attention_layers} full "
                      f"attention (KV cache), {p.num_layers - p.full_attention_layers} linear "
@@ -78,7 +83,8 @@ def _memory_lines(p: Plan) -> list[str]:
     m = p.memory
     drafter = (f" (+ drafter {_gib(p.drafter_weight_bytes_per_device)})"
                if p.drafter_weight_bytes_per_device else "") + (
-        f" (+ LoRA slots {_gib(p.lora_bytes_per_device)})" if p.lora_bytes_per_device else "")
+        f" (+ LoRA slots {_gib(p.lora_bytes_per_device)})" if p.lora_bytes_per_device else "") + (
+        f" (+ vision tower {_gib(p.vision.weight_bytes)})" if p.vision else "")
     cache = ("KV cache and state " if p.has_state else "KV ") + _gib(p.kv_budget_bytes) \
         + (" (--kv-cache-memory-bytes)" if p.kv_cache_memory_bytes is not None else "")
     return [

@@ -81,6 +81,14 @@ def linear(w: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(w.T)
 
 
+def count_params(model_dir: str | Path, prefixes: tuple[str, ...]) -> int:
+    """How many parameters the checkpoint stores under `prefixes` (from the safetensors
+    headers: no tensor is read)."""
+    from models.weights import _open_checkpoint  # the checkpoint's shard layout has one owner
+    where = _open_checkpoint(Path(model_dir))
+    return sum(int(np.prod(where[n].shape(n))) for n in where if n.startswith(prefixes))
+
+
 def stack(tensors: dict[str, np.ndarray], template: str, count: int) -> np.ndarray:
     """The `count` per-layer tensors named template.format(i), stacked on a new axis 0
     (the towers scan over their layers)."""

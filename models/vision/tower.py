@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.vision import gemma4_vision, qwen3_5_vision
-from models.vision.common import Params
+from models.vision.common import Params, count_params
 from models.vision.processing import GEMMA4, ImageTokens, ProcessedImage, vision_family
 
 
@@ -56,6 +56,27 @@ class VisionTower:
 
     def load_params(self, model_dir: str | Path, dtype: Any = jnp.float32) -> Params:
         return self._module.load_params(model_dir, self.config, dtype)
+
+    def num_params(self, model_dir: str | Path) -> int:
+        """The tower's (and projector's) parameters in the checkpoint, read from its
+        headers: what load_params loads."""
+        prefixes = (gemma4_vision.TOWER, gemma4_vision.EMBED) if self.family == GEMMA4 \
+            else (qwen3_5_vision.PREFIX,)
+        return count_params(model_dir, prefixes)
+
+    def activation_bytes(self, bucket: int, max_tokens: int, itemsize: int) -> int:
+        """Rough peak of one encoder call's temporaries at `bucket`: `encode`'s dense
+        attention holds float32 logits and probabilities plus the probabilities in the
+        model dtype, [sequences, heads, patches, patches] (Qwen: one sequence of the
+        bucket's patches; Gemma 4: `bucket` images of max_tokens x pooling^2 patches),
+        beside one layer's widest rows (q, k, v and the MLP's hidden); the layers run
+        under scan, so one layer's temporaries live at a time."""
+        cfg = self.config
+        seqs, length = (bucket, max_tokens * cfg.pooling_kernel_size ** 2) \
+            if self.family == GEMMA4 else (1, bucket)
+        scores = seqs * cfg.num_heads * length * length * (2 * 4 + itemsize)
+        rows = seqs * length * (3 * cfg.hidden_size + cfg.intermediate_size) * itemsize
+        return scores + rows
 
     def bucket_size(self, images: Sequence[ProcessedImage]) -> int:
         """What a bucket counts for these images: patches (Qwen) or images (Gemma 4)."""

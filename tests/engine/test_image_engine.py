@@ -131,3 +131,66 @@ def test_prefix_hit_needs_the_same_image(llm, checkpoint, expected):
     check(swapped, reference(checkpoint, ids, [D]))
     assert swapped.outputs[0].token_ids != first.outputs[0].token_ids
     assert_no_leaks(engine)
+
+
+def test_a_new_image_size_with_prefix_caching_runs_one_encoder_call(llm):
+    """With prefix caching on (the default), an image of a size no other test sends runs
+    one encoder call and no compilation; the same image again is a prefix hit past it
+    and runs none (the benchmark's ~1 s for a new image there was XLA:CPU's first runs
+    and a loaded machine, not a compile nor a second encoding: benchmarks/README.md)."""
+    engine = llm.engine
+    assert engine.prefix_caching
+    encoder = engine.runner.encoder
+    calls = []
+    encode = encoder._encode
+
+    def counting(*args):
+        calls.append(args[2].shape)
+        return encode(*args)
+    before = engine.num_compilations
+    msgs = chat("What is ", noise_image(90, 33, 7), TAIL)
+    image = engine.inputs.render_chat_mm(msgs)[1].images[0]
+    encoder._encode = counting
+    try:
+        first = llm.chat(msgs, GREEDY, use_tqdm=False)[0]
+        assert len(calls) == 1
+        again = llm.chat(msgs, GREEDY, use_tqdm=False)[0]
+    finally:
+        encoder._encode = encode
+    assert len(calls) == 1 and again.num_cached_tokens >= image.offset + image.length
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    assert engine.num_compilations == before, "something compiled after warmup"
+    assert_no_leaks(engine)
+
+
+def test_a_tensor_parallel_mesh_gives_the_same_answers(checkpoint, expected):
+    """Under --mesh 1x2 the tower and the encoder cache are replicated and the text model
+    is split over the model axis: the same greedy tokens and logprobs as transformers, for
+    one image and two, batched with a text-only row."""
+    llm = LLM(checkpoint, dtype="float32", max_model_len=256, max_num_seqs=4,
+              max_num_batched_tokens=BUDGET, mesh="1x2")
+    engine = llm.engine
+    assert engine.runner.mesh.shape["model"] == 2
+    before = engine.num_compilations
+    outs = llm.chat([ONE, TWO, TEXT], GREEDY, use_tqdm=False)
+    for out, name in zip(outs, ("one", "two", "text")):
+        check(out, expected[name])
+    assert engine.num_compilations == before, "something compiled after warmup"
+    assert_no_leaks(engine)
+
+
+def test_ngram_speculation_keeps_the_greedy_tokens_with_images(llm, checkpoint):
+    """Speculative decoding (ngram) on image prompts: drafts verified by forwards that
+    read the image rows and Qwen's 3-axis positions give the plain engine's greedy
+    tokens, and some drafts are accepted (the verify path ran)."""
+    spec = LLM(checkpoint, dtype="float32", max_model_len=256, max_num_seqs=4,
+               max_num_batched_tokens=BUDGET, speculative_config={
+                   "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                   "prompt_lookup_max": 3})
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    msgs = [ONE, TWO, chat("Now ", D, " then", A, TAIL)]
+    want = [o.outputs[0].token_ids for o in llm.chat(msgs, params, use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in spec.chat(msgs, params, use_tqdm=False)]
+    assert got == want
+    assert spec.engine.stats().spec_num_accepted_tokens > 0
+    assert_no_leaks(spec.engine)

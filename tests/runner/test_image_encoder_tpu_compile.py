@@ -25,7 +25,7 @@ ROWS = 1 << 20     # 128 MiB of bfloat16 at 64 columns: too large to stage in VM
 @pytest.mark.parametrize("kind", ["qwen3_5", "gemma4_vl"])
 def test_encoder_programs_compile_for_v6e_and_write_the_cache_in_place(kind, tmp_path):
     path = make_tiny_vision_serving_checkpoint(kind, tmp_path / "ckpt")
-    parts = vision_parts(ImageFront.for_model(path, MediaConfig()), jnp.bfloat16, 256)
+    parts = vision_parts(ImageFront.for_model(path, MediaConfig()), jnp.bfloat16, 256, 64)
     parts = dataclasses.replace(parts, num_rows=ROWS)
     mesh = abstract_tpu_mesh("tpu-v6e", "1x1")
     encoder = ImageEncoder(parts, hidden_size=64, dtype=jnp.bfloat16, mesh=mesh, abstract=True)

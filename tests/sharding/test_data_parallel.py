@@ -90,3 +90,44 @@ def test_prompt_hashes_match_the_prefix_cache():
     prompt = list(range(3, 40))
     req = Request("r", prompt, SamplingParams(), page_size=16)
     assert prompt_page_hashes(prompt, 16) == req.page_hashes and len(req.page_hashes) == 2
+
+
+class HashReplica(FakeReplica):
+    """Holds the pages whose chained hashes are in `held` (its prefix cache)."""
+    def __init__(self, held: list[int]):
+        super().__init__()
+        self.held = set(held)
+
+    def cached_prefix_pages(self, page_hashes) -> int:
+        return next((i for i, h in enumerate(page_hashes) if h not in self.held),
+                    len(page_hashes))
+
+
+def test_routing_hashes_the_images_content():
+    """Two images behind the same placeholder ids are two prefixes: an image prompt goes
+    to the replica holding its own image's pages, not to the first of two that hold the
+    same ids (before, the router hashed the ids alone, so neither matched past the
+    image's first page and the tie went to replica 0)."""
+    from jaxserve.multimodal.front import ImageInput, MultiModalInputs
+    prompt = [7] * 8 + [99] * 32 + [5] * 8          # an image's 32 tokens at 8: pages 0-2
+
+    def images(digest: str) -> MultiModalInputs:
+        return MultiModalInputs((ImageInput(None, offset=8, length=32, content_hash=digest),))
+
+    held_a = prompt_page_hashes(prompt, 16, multi_modal=images("a" * 64))
+    held_b = prompt_page_hashes(prompt, 16, multi_modal=images("b" * 64))
+    assert len(held_a) == 3 and not set(held_a) & set(held_b)
+    dp = front(HashReplica(held_a), HashReplica(held_b))
+    assert dp.choose_replica(prompt, multi_modal=images("b" * 64)) == 1
+    assert dp.choose_replica(prompt, multi_modal=images("a" * 64)) == 0
+    assert dp.choose_replica(prompt) == 0      # text alone: no hit anywhere, the tie
+
+
+def test_prompt_hashes_with_images_match_the_prefix_cache():
+    from jaxserve.core.request import Request
+    from jaxserve.multimodal.front import ImageInput, MultiModalInputs
+    prompt = list(range(3, 40))
+    mm = MultiModalInputs((ImageInput(None, offset=4, length=20, content_hash="c" * 64),))
+    req = Request("r", prompt, SamplingParams(), page_size=16, multi_modal=mm)
+    assert prompt_page_hashes(prompt, 16, multi_modal=mm) == req.page_hashes
+    assert req.page_hashes != prompt_page_hashes(prompt, 16)
