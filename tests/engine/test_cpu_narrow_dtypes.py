@@ -30,7 +30,7 @@ GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def bf16_checkpoint(tmp_path_factory):
-    return make_tiny_checkpoint("qwen3_5", tmp_path_factory.mktemp("bf16"), dtype=torch.bfloat16)
+    return make_tiny_checkpoint("llama", tmp_path_factory.mktemp("bf16"), dtype=torch.bfloat16)
 
 
 def _build(checkpoint, native_bf16_dot: bool | None = None, **kw) -> LLM:
@@ -110,6 +110,17 @@ def test_native_bf16_dots_keep_bf16_kernels_and_score_like_float32(engines):
     delta = np.abs(native - exact)
     assert delta.max() < 0.02 and delta.mean() < 0.005, (delta.max(), delta.mean())   # ~0.002, 0.0004
     assert not np.array_equal(native, exact)                   # the bf16 dots did run
+
+
+def test_only_linear_layers_keep_narrow_kernels():
+    """The rule widen_params(keep_projections=True) follows: Einsum kernels (lm_head
+    included) stay bf16; the DeltaNet conv's kernel, norms and embeddings are upcast
+    (a tiny Llama serves the engine tests above: ~half a hybrid's compile time)."""
+    assert is_projection_kernel(("layers_0", "self_attn", "q_proj", "kernel"))
+    assert is_projection_kernel(("lm_head", "kernel"))
+    assert not is_projection_kernel(("layers_0", "linear_attn", "conv1d", "kernel"))
+    assert not is_projection_kernel(("embed_tokens", "embedding"))
+    assert not is_projection_kernel(("layers_0", "input_layernorm", "scale"))
 
 
 def test_bf16_is_about_as_fast_as_float32_on_cpu(engines):
