@@ -98,7 +98,7 @@ def layout_for(config: EngineConfig, mc: ModelConfig, platform: str, m: int, *,
         logger.info("expert parallel: %d experts per device (of %d), each whole",
                     mc.num_experts // m, mc.num_experts)
     stored = with_stored_kv_heads(mc, m)
-    compute = compute_dtype(dtype, platform)
+    compute, matmul = compute_dtype(dtype, platform), matmul_dtype(dtype, platform)
     specs = layer_cache_specs(stored, kv_dtype=kv_dtype, conv_state_dtype=compute)
     # Every kernel is chosen here, once: a combination no kernel takes is refused or
     # falls back with a log line (build/kernel_choice.py), never silently.
@@ -108,7 +108,7 @@ def layout_for(config: EngineConfig, mc: ModelConfig, platform: str, m: int, *,
         page_size=config.page_size, num_heads=mc.num_heads, refuse=check_kernels)
     kernels = (attention + choose_linear_attention(stored, platform=platform, backend=backend)
                + choose_matmul(mc, dtype=dtype, compute_dtype=compute,
-                               matmul_dtype=matmul_dtype(dtype, platform),
+                               matmul_dtype=matmul,
                                weight_quant=weight_quant))
     for layer in attention_shapes(stored) if check_kernels else ():
         if platform == "tpu" and backend == "pallas":
@@ -124,7 +124,7 @@ def layout_for(config: EngineConfig, mc: ModelConfig, platform: str, m: int, *,
     return EngineLayout(mc, dtype, kv_dtype, weight_quant, max_model_len, m, stored.num_kv_heads,
                         stored.full_num_kv_heads, backend, mesh_rules(mc, m, ep), specs, act,
                         config.scan_layers, spec.num_speculative_tokens if spec else 0, ep,
-                        compute, matmul_dtype(dtype, platform), kernels)
+                        compute, matmul, kernels)
 
 
 def attention_shapes(mc: ModelConfig) -> list[int]:

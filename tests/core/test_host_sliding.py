@@ -10,6 +10,7 @@ from types import SimpleNamespace
 from jaxserve.core.host_cache import HostCache
 from jaxserve.core.kv_cache_manager import GLOBAL, SLIDING, KVCacheManager
 from jaxserve.core.request import Request
+from tests.core.test_host_cache import run   # a request scheduled whole, computed, freed
 
 PS, W = 4, 8   # a hit of n pages needs sliding pages n - 2 and n - 1
 SP = SimpleNamespace(max_tokens=1000, min_tokens=0, ignore_eos=True, stop_token_ids=None)
@@ -22,14 +23,6 @@ def make(rid: str, tokens) -> Request:
 def manager(host: HostCache, num_pages: int = 5, num_sliding: int = 5) -> KVCacheManager:
     return KVCacheManager(num_pages, PS, num_sliding_pages=num_sliding, sliding_window=W,
                           host=host)
-
-
-def run(kv: KVCacheManager, req: Request) -> int:
-    hit, num_hit = kv.get_computed_pages(req)
-    assert kv.allocate_slots(req, req.num_tokens - num_hit, hit, num_hit) is not None
-    req.num_computed_tokens = req.num_tokens
-    kv.free(req)
-    return num_hit
 
 
 def settle(host: HostCache) -> None:
