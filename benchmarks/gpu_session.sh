@@ -3,29 +3,42 @@
 # H100 in at most 9 minutes, every step under its own time limit so a slow one cannot
 # lose the rest, and never past the session's deadline. Results: $OUT (the device
 # tool's folder; else ./gpu_out) gets summary.json, summary.md and details.tar.gz (every
-# step's JSON and log), rewritten after each step; each figure carries device name, jax
-# version, commit and command.
-#   1. roofline: donated best-of copy bandwidth, bf16 and fp8 matmul peaks
-#   2. llama-3.1-8b dummy bf16: offline throughput, input 1024 / output 128, 1 / 64 / 256
-#      concurrent rows; batch-1 TTFT and TPOT; warmup seconds and programs;
-#      compilations after warmup (0 expected)
-#   3. the same with --quantization fp8 --kv-cache-dtype fp8
-#   4. qwen3.6-27b --quantization fp8: batch-1 TPOT and 64-row throughput
-#   5. transformers, same GPU, same shape, random weights, static cache + torch.compile:
-#      batch 1 and 64
-#   6. the HTTP server (benchmarks/serving/serve.py: vLLM's bench serve metrics), 8B, 64 concurrent
-#   7. engine correctness, bf16: llama, qwen3.5 hybrid, gemma 4 through the Pallas path vs
-#      the XLA path vs the float32 reference, with agreement floors
+# step's JSON and log, the profiles' traces), rewritten after each step; each figure
+# carries device name, jax version, commit and command.
+# Steps, in the order they run (the first session, fd1fab1 on an H100, needed ~15 min for
+# all: give the ones a session should run as arguments; the default runs them in this
+# order until the 9 minutes are spent, the most wanted first):
+#   roofline     donated best-of copy bandwidth, bf16 and fp8 matmul peaks
+#   llama_bf16   llama-3.1-8b dummy bf16: batch-1 TTFT and TPOT, a jax.profiler trace of
+#                decode steps at 1 and 64 rows summarised per kernel (where a step's
+#                time goes), offline throughput at input 1024 / output 128 for 1 / 64 /
+#                256 rows; warmup seconds and programs; compilations after warmup (0)
+#   qwen_fp8     qwen3.6-27b --quantization fp8: batch 1 (TPOT, profile) and 64 rows
+#   checks       engine correctness, bf16: llama, qwen3.5 hybrid, gemma 4 through the
+#                Pallas path vs the XLA path vs the float32 reference, with agreement
+#                floors; the three cases at once (separate processes, a quarter of the
+#                GPU each: their time is compiling, on the CPU)
+#   llama_fp8    step 2 with --quantization fp8 --kv-cache-dtype fp8
+#   transformers transformers, same GPU, same shape, random weights, static cache +
+#                torch.compile: batch 1 and 64
+#   serve_8b     the HTTP server (benchmarks/serving/serve.py: vLLM's bench serve
+#                metrics), 8B, 64 concurrent
 # Usage, from the repository root:
-#   bash benchmarks/gpu_session.sh           # on the device machine
-#   bash benchmarks/gpu_session.sh --tiny    # tiny CPU mode: every step on tiny models (CI)
+#   bash benchmarks/gpu_session.sh [STEP ...]         # on the device machine
+#   bash benchmarks/gpu_session.sh --tiny [STEP ...]  # tiny CPU mode: tiny models (CI)
 # The server step needs the web stack the GPU image lacks: run benchmarks/gpu_wheels.sh
 # here once and carry .whl (device tool: carry [".whl"]); without it the step is skipped.
 # Limits (seconds) can be overridden: SESSION_S (all), T_ROOFLINE, T_LLAMA, T_LLAMA_FP8,
-# T_QWEN, T_TORCH, T_SERVE, T_CHECK (each correctness case).
+# T_QWEN, T_TORCH, T_SERVE, T_CHECKS.
 set -u
 MODE=full
-[ "${1:-}" = "--tiny" ] && MODE=tiny
+[ "${1:-}" = "--tiny" ] && { MODE=tiny; shift; }
+ALL_STEPS="roofline llama_bf16 qwen_fp8 checks llama_fp8 transformers serve_8b"
+STEPS=${*:-$ALL_STEPS}
+for s in $STEPS; do
+  case " $ALL_STEPS " in *" $s "*) ;; *) echo "unknown step $s (steps: $ALL_STEPS)"; exit 2;; esac
+done
+wanted() { case " $STEPS " in *" $1 "*) return 0;; esac; return 1; }
 OUT=${OUT:-gpu_out}
 WORK=${WORK:-/tmp/jaxserve-gpu-session}
 CACHE=${CACHE:-/tmp/jaxserve-gpu-session-xla}   # shared by the steps: the server reuses 2.'s
@@ -39,12 +52,15 @@ if [ "$MODE" = tiny ]; then
   export JAX_PLATFORMS=cpu
   SESSION_S=${SESSION_S:-900}
   T_ROOFLINE=${T_ROOFLINE:-120} T_LLAMA=${T_LLAMA:-240} T_LLAMA_FP8=${T_LLAMA_FP8:-240}
-  T_QWEN=${T_QWEN:-240} T_TORCH=${T_TORCH:-120} T_SERVE=${T_SERVE:-240} T_CHECK=${T_CHECK:-240}
+  T_QWEN=${T_QWEN:-240} T_TORCH=${T_TORCH:-120} T_SERVE=${T_SERVE:-240} T_CHECKS=${T_CHECKS:-240}
 else
   export JAX_PLATFORMS=${JAX_PLATFORMS:-cuda,cpu}
   SESSION_S=${SESSION_S:-540}
-  T_ROOFLINE=${T_ROOFLINE:-25} T_LLAMA=${T_LLAMA:-110} T_LLAMA_FP8=${T_LLAMA_FP8:-80}
-  T_QWEN=${T_QWEN:-85} T_TORCH=${T_TORCH:-70} T_SERVE=${T_SERVE:-55} T_CHECK=${T_CHECK:-35}
+  # Measured in the first session (H100, cold caches): roofline 45 s, llama_bf16 107 s
+  # (+ ~20 s of profile), llama_fp8 > 80 s, qwen_fp8 > 85 s (23 programs of ~40 s each
+  # compiling on 16 cores), transformers > 70 s, serve_8b > 55 s, each check case > 35 s.
+  T_ROOFLINE=${T_ROOFLINE:-55} T_LLAMA=${T_LLAMA:-135} T_LLAMA_FP8=${T_LLAMA_FP8:-130}
+  T_QWEN=${T_QWEN:-200} T_TORCH=${T_TORCH:-120} T_SERVE=${T_SERVE:-90} T_CHECKS=${T_CHECKS:-150}
 fi
 DEADLINE=$((START + SESSION_S))
 
@@ -70,6 +86,20 @@ step() {
   local rc=$?
   echo "$rc $(($(date +%s) - t0)) $limit" >"$WORK/status/$name"
   grep -v -e "Writing model shards" -e "^WARNING" "$WORK/$name.log" | tail -6
+  [ -z "${NO_SUMMARY:-}" ] && summarise
+  return 0
+}
+
+# checks CASE...: the correctness cases at once, each its own step and process with a
+# share of the GPU's memory (their time is XLA compiling on the CPU).
+checks() {
+  local share=$(awk "BEGIN {print 0.9 / $#}") case
+  for case in "$@"; do
+    XLA_PYTHON_CLIENT_MEM_FRACTION=$share NO_SUMMARY=1 step "check_$case" "$T_CHECKS" \
+      $PY -m benchmarks.gpu.gpu_engine_check --cases "$case" $CHECK_ARGS \
+      --name "engine_check_$case" --out-dir "$WORK" --compilation-cache-dir "$CACHE" &
+  done
+  wait
   summarise
 }
 
@@ -81,64 +111,62 @@ cat "$WORK/env.log"
 if [ "$MODE" = tiny ]; then
   # The same steps on tiny models, seconds each: only the code paths, no figure worth keeping.
   MODELS=$($PY -m benchmarks.gpu.gpu_session tiny-models --dir "$WORK/models") || exit 1
-  LLAMA=$(echo "$MODELS" | sed -n 1p) QWEN=$(echo "$MODELS" | sed -n 2p)
-  SHAPE="--input-len 16 --output-len 4 --iters 1 --max-num-batched-tokens 16"
+  LLAMA=$(echo "$MODELS" | sed -n 1p) QWEN=$(echo "$MODELS" | sed -n 2p) BIG_LLAMA=$LLAMA
+  IO="--input-len 16 --output-len 4 --iters 1 --max-num-batched-tokens 16"
   ENGINE="--max-model-len 32 --compilation-cache-dir $CACHE"
-  step roofline "$T_ROOFLINE" $PY -m benchmarks.shared.roofline --output-dir "$WORK" --copy-mib 1 \
-    --matmul-sizes 64 --dtype float32,float8_e4m3fn --iters 1
-  step llama_bf16 "$T_LLAMA" $PY -m benchmarks.gpu.gpu_engine_bench --model "$LLAMA" \
-    --dtype bfloat16 --rows 1,2,4 $SHAPE $ENGINE --output "$WORK/llama_bf16.json"
-  step llama_fp8 "$T_LLAMA_FP8" $PY -m benchmarks.gpu.gpu_engine_bench --model "$LLAMA" \
-    --dtype bfloat16 --quantization fp8 --kv-cache-dtype fp8 --rows 1,2,4 $SHAPE $ENGINE \
-    --output "$WORK/llama_fp8.json"
-  step qwen_fp8 "$T_QWEN" $PY -m benchmarks.gpu.gpu_engine_bench --model "$QWEN" \
-    --quantization fp8 --rows 1,2 $SHAPE $ENGINE --output "$WORK/qwen_fp8.json"
-  step transformers "$T_TORCH" $PY -m benchmarks.gpu.gpu_torch_bench --model "$LLAMA" \
-    --batch-sizes 1,2 --input-len 16 --output-len 4 --iters 1 --dtype float32 \
-    --output "$WORK/transformers.json"
-  step serve_8b "$T_SERVE" $PY -m benchmarks.gpu.gpu_serve_bench --server-args "$LLAMA \
-    --load-format dummy --dtype bfloat16 --max-num-seqs 4 --max-num-batched-tokens 16 \
-    $ENGINE" --num-prompts 4 --max-concurrency 2 --input-len 16 --output-len 4 \
-    --output "$WORK/serve_8b.json"
-  step check_llama-tiny "$T_CHECK" $PY -m benchmarks.gpu.gpu_engine_check --cases llama-tiny \
-    --prompt-lens 3,9,17 --new-tokens 4 --name engine_check_llama-tiny --out-dir "$WORK" \
-    --compilation-cache-dir "$CACHE"
-  summarise; cat "$OUT/summary.md"; exit 0
+  ROWS="1,2,4" QWEN_ROWS="1,2" PROFILE="--profile-rows 1,2 --profile-steps 2"
+  QWEN_PROFILE="--profile-rows 1 --profile-steps 2"
+  ROOFLINE="--copy-mib 1 --matmul-sizes 64 --dtype float32,float8_e4m3fn --iters 1"
+  TORCH="--model $LLAMA --batch-sizes 1,2 --input-len 16 --output-len 4 --iters 1 --dtype float32"
+  SERVE="--server-args '$LLAMA --load-format dummy --dtype bfloat16 --max-num-seqs 4 \
+    --max-num-batched-tokens 16 $ENGINE' --num-prompts 4 --max-concurrency 2 --input-len 16 \
+    --output-len 4"
+  CASES="llama-tiny" CHECK_ARGS="--prompt-lens 3,9,17 --new-tokens 4"
+else
+  $PY -m pip install -q --no-deps --no-build-isolation -e . >"$WORK/install.log" 2>&1 \
+    || { echo "install failed"; cat "$WORK/install.log"; }
+  LLAMA=llama-3.1-8b QWEN=qwen3.6-27b
+  IO="--input-len 1024 --output-len 128"
+  ENGINE="--load-format dummy --compilation-cache-dir $CACHE"
+  ROWS="1,64,256" QWEN_ROWS="1,64" PROFILE="--profile-rows 1,64 --profile-steps 12"
+  QWEN_PROFILE="--profile-rows 1 --profile-steps 12"
+  ROOFLINE="--copy-mib 1024,4096 --matmul-sizes 4096,8192 --dtype bfloat16,float8_e4m3fn --iters 10"
+  TORCH="--model $LLAMA --batch-sizes 1,64 $IO"
+  # llama_bf16's engine exactly (max_num_seqs 256, max_model_len 1152): its programs come
+  # from the compilation cache when llama_bf16 ran first.
+  SERVE="--server-args '$LLAMA --dtype bfloat16 --max-num-seqs 256 --max-model-len 1152 \
+    $ENGINE' --num-prompts 128 --max-concurrency 64 $IO"
+  CASES="llama-h128 qwen3_5-h256 gemma4-h256-h512" CHECK_ARGS="--new-tokens 16"
 fi
 
-# Full mode, on the device machine.
-$PY -m pip install -q --no-deps --no-build-isolation -e . >"$WORK/install.log" 2>&1 \
-  || { echo "install failed"; cat "$WORK/install.log"; }
-IO="--input-len 1024 --output-len 128"
-ENGINE="--load-format dummy --compilation-cache-dir $CACHE"
-XLA_PYTHON_CLIENT_PREALLOCATE=false step roofline "$T_ROOFLINE" $PY -m benchmarks.shared.roofline \
-  --output-dir "$WORK" --copy-mib 1024,4096 --matmul-sizes 4096,8192 \
-  --dtype bfloat16,float8_e4m3fn --iters 10
-step llama_bf16 "$T_LLAMA" $PY -m benchmarks.gpu.gpu_engine_bench --model llama-3.1-8b \
-  --dtype bfloat16 --rows 1,64,256 $IO $ENGINE --output "$WORK/llama_bf16.json"
-step llama_fp8 "$T_LLAMA_FP8" $PY -m benchmarks.gpu.gpu_engine_bench --model llama-3.1-8b \
-  --dtype bfloat16 --quantization fp8 --kv-cache-dtype fp8 --rows 1,64,256 $IO $ENGINE \
-  --output "$WORK/llama_fp8.json"
-step qwen_fp8 "$T_QWEN" $PY -m benchmarks.gpu.gpu_engine_bench --model qwen3.6-27b \
-  --quantization fp8 --rows 1,64 $IO $ENGINE --output "$WORK/qwen_fp8.json"
-step transformers "$T_TORCH" $PY -m benchmarks.gpu.gpu_torch_bench --model llama-3.1-8b \
-  --batch-sizes 1,64 $IO --output "$WORK/transformers.json"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/jaxserve-site .whl/*.whl >"$WORK/wheels.log" 2>&1
-  # Step 2's engine exactly (max_num_seqs 256, max_model_len 1152): its programs come
-  # from the compilation cache.
-  PYTHONPATH=/tmp/jaxserve-site${PYTHONPATH:+:$PYTHONPATH} step serve_8b "$T_SERVE" \
-    $PY -m benchmarks.gpu.gpu_serve_bench --server-args "llama-3.1-8b --dtype bfloat16 \
-    --max-num-seqs 256 --max-model-len 1152 $ENGINE" --num-prompts 128 \
-    --max-concurrency 64 $IO --output "$WORK/serve_8b.json"
-else
-  echo "== serve_8b: skipped, no .whl/ (benchmarks/gpu_wheels.sh, then carry .whl)"
-  echo "-2 0 0" >"$WORK/status/serve_8b"
-fi
-for case in llama-h128 qwen3_5-h256 gemma4-h256-h512; do
-  step "check_$case" "$T_CHECK" $PY -m benchmarks.gpu.gpu_engine_check --cases "$case" \
-    --new-tokens 16 --name "engine_check_$case" --out-dir "$WORK" --compilation-cache-dir "$CACHE"
-done
+for s in $STEPS; do case $s in
+  roofline) XLA_PYTHON_CLIENT_PREALLOCATE=false step roofline "$T_ROOFLINE" \
+    $PY -m benchmarks.shared.roofline --output-dir "$WORK" $ROOFLINE ;;
+  llama_bf16) step llama_bf16 "$T_LLAMA" $PY -m benchmarks.gpu.gpu_engine_bench --model "$LLAMA" \
+    --dtype bfloat16 --rows $ROWS $IO $ENGINE $PROFILE --profile-dir "$WORK/profile_llama_bf16" \
+    --output "$WORK/llama_bf16.json" ;;
+  qwen_fp8) step qwen_fp8 "$T_QWEN" $PY -m benchmarks.gpu.gpu_engine_bench --model "$QWEN" \
+    --quantization fp8 --rows $QWEN_ROWS $IO $ENGINE $QWEN_PROFILE \
+    --profile-dir "$WORK/profile_qwen_fp8" --output "$WORK/qwen_fp8.json" ;;
+  checks) checks $CASES ;;
+  llama_fp8) step llama_fp8 "$T_LLAMA_FP8" $PY -m benchmarks.gpu.gpu_engine_bench \
+    --model "$LLAMA" --dtype bfloat16 --quantization fp8 --kv-cache-dtype fp8 --rows $ROWS $IO \
+    $ENGINE --output "$WORK/llama_fp8.json" ;;
+  transformers) step transformers "$T_TORCH" $PY -m benchmarks.gpu.gpu_torch_bench $TORCH \
+    --output "$WORK/transformers.json" ;;
+  serve_8b)
+    SITE=""
+    if [ "$MODE" = full ]; then
+      if ! ls .whl/*.whl >/dev/null 2>&1; then
+        echo "== serve_8b: skipped, no .whl/ (benchmarks/gpu_wheels.sh, then carry .whl)"
+        echo "-2 0 0" >"$WORK/status/serve_8b"; continue
+      fi
+      $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/jaxserve-site .whl/*.whl >"$WORK/wheels.log" 2>&1
+      SITE=/tmp/jaxserve-site
+    fi
+    eval "PYTHONPATH=$SITE\${PYTHONPATH:+:\$PYTHONPATH} step serve_8b \"\$T_SERVE\" \
+      \$PY -m benchmarks.gpu.gpu_serve_bench $SERVE --output \"\$WORK/serve_8b.json\"" ;;
+esac; done
 summarise
 cat "$OUT/summary.md"

@@ -21,7 +21,9 @@ prompts, the prefix cache reset before each. Sampling is vLLM's benchmark sampli
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import os
 import random
 import statistics
 import sys
@@ -58,6 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
     a("--latency", action=argparse.BooleanOptionalAction, default=True,
       help="batch-1 TTFT and TPOT")
     a("--iters", type=int, default=3, help="prompts per TTFT / TPOT median")
+    a("--profile-dir", default=None,
+      help="trace decode steps with jax.profiler into this folder and summarise them "
+           "(benchmarks/gpu/trace_summary.py): where a step's time goes")
+    a("--profile-rows", default="1", help="concurrent rows of each traced run")
+    a("--profile-steps", type=int, default=12, help="decode steps summarised per trace")
     a("--output", required=True, help="the JSON to write")
     add_engine_args(p, FLAGS, defaults={"load_format": "dummy"})
     return p
@@ -114,6 +121,29 @@ def latency_run(llm: Any, args: argparse.Namespace) -> dict[str, Any]:
             "compilations_during_run": llm.engine.num_compilations - before}
 
 
+def profile_run(llm: Any, rows: int, args: argparse.Namespace) -> dict[str, Any]:
+    """One generate() of `rows` prompts traced; its last --profile-steps decode steps
+    summarised (the prefill steps come first and are left out)."""
+    import jax
+
+    from benchmarks.gpu import trace_summary
+    vocab = llm.engine.inputs.vocab_size
+    rng = random.Random(2)
+    folder = os.path.join(args.profile_dir, f"rows{rows}")
+    prompts = [Prompt(random_ids(rng, args.input_len, vocab), args.input_len,
+                      args.profile_steps + 4) for _ in range(rows)]
+    llm.reset_prefix_cache()
+    with jax.profiler.trace(folder):
+        offline.generate(llm, prompts, rows, False)
+    path = trace_summary.trace_file(folder)
+    if path is None:
+        return {"rows": rows, "error": f"no trace written under {folder}"}
+    summary = trace_summary.summarise(path, args.profile_steps)
+    with open(os.path.join(args.profile_dir, f"rows{rows}.md"), "w") as f:
+        f.write(trace_summary.markdown(summary, f"{args.model}, {rows} rows"))
+    return {"rows": rows, **summary}
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
@@ -131,15 +161,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     llm = LLM(args.model, **kw)
     started = llm.engine.num_compilations
     out.save(startup=startup_figures(llm, time.perf_counter() - t0), log=tail.lines,
-             device=llm_device(), throughput=[])
-    for r in rows:
-        res = throughput_run(llm, r, args)
-        print(throughput.report(res), flush=True)
-        out.save(throughput=out.results["throughput"] + [res])
+             device=llm_device(), throughput=[], profile=[])
+    # Batch-1 latency and the profile first: the figures a time limit must not cut.
     if args.latency:
         lat = latency_run(llm, args)
         print(f"batch 1: TTFT {lat['ttft_ms']:.1f} ms, TPOT {lat['tpot_ms']:.2f} ms", flush=True)
         out.save(latency=lat)
+    if args.profile_dir:
+        for r in [int(x) for x in args.profile_rows.split(",") if x]:
+            prof = profile_run(llm, r, args)
+            print(f"profile, {r} rows: " + json.dumps(
+                {k: prof.get(k) for k in ("wall_ms_per_step", "host_await_ms_per_step")}),
+                flush=True)
+            out.save(profile=out.results["profile"] + [prof])
+    for r in rows:
+        res = throughput_run(llm, r, args)
+        print(throughput.report(res), flush=True)
+        out.save(throughput=out.results["throughput"] + [res])
     out.done(compilations_after_warmup=llm.engine.num_compilations - started, log=tail.lines)
     return out.results
 

@@ -21,6 +21,8 @@ from typing import Any
 from benchmarks.shared.results_io import git_commit, markdown_table, write_json
 
 KERNEL_LOG = ("attention:", "linear attention:", "matmul:")   # the engine's kernel choices
+TOP_KERNELS = 8            # a profile's kernels in the summary (all 25 in details.tar.gz)
+TRACE_MAX_BYTES = 16 << 20  # traces carried back in details.tar.gz up to this size
 
 
 def step_status(work: str) -> list[dict[str, Any]]:
@@ -65,7 +67,20 @@ def engine_figures(doc: dict[str, Any]) -> dict[str, Any]:
                        for t in r.get("throughput", [])],
         "ttft_ms": lat.get("ttft_ms"), "tpot_ms": lat.get("tpot_ms"),
         "compilations_after_warmup": r.get("compilations_after_warmup"),
-        "kernels": [ln for ln in r.get("log", []) if ln.startswith(KERNEL_LOG)]}
+        "kernels": [ln for ln in r.get("log", []) if ln.startswith(KERNEL_LOG)],
+        "profile": [profile_figures(p) for p in r.get("profile", [])]}
+
+
+def profile_figures(p: dict[str, Any]) -> dict[str, Any]:
+    """A traced run's split of a decode step (benchmarks/gpu/trace_summary.py)."""
+    if "error" in p:
+        return {"rows": p.get("rows"), "error": p["error"]}
+    dev = (p.get("devices") or [{}])[0]
+    return {"rows": p["rows"], "steps": p["steps"], "wall_ms": p["wall_ms_per_step"],
+            "host_launch_ms": p["host_launch_ms_per_step"],
+            "host_await_ms": p["host_await_ms_per_step"],
+            "device_busy_ms": dev.get("busy_ms_per_step"),
+            "kernels": dev.get("kernels_per_step"), "top": (dev.get("top") or [])[:TOP_KERNELS]}
 
 
 def figures(name: str, work: str) -> tuple[dict[str, Any] | None, str | None]:
@@ -146,6 +161,8 @@ def step_markdown(step: dict[str, Any]) -> list[str]:
             [[t["rows"], t["requests_per_second"], t["tokens_per_second"],
               t["output_tokens_per_second"], t["compilations_during_run"]]
              for t in f["throughput"]]))
+        for p in f.get("profile") or []:
+            lines += [""] + profile_markdown(p)
     elif "batches" in f:
         lines.append(markdown_table(
             ["batch", "TTFT ms", "TPOT ms", "output tok/s", "torch.compile"],
@@ -177,6 +194,23 @@ def step_markdown(step: dict[str, Any]) -> list[str]:
     return lines + [""]
 
 
+def profile_markdown(p: dict[str, Any]) -> list[str]:
+    if "error" in p:
+        return [f"profile, {p['rows']} rows: {p['error']}"]
+    launch = ", ".join(f"{k} {v:.2f}" for k, v in p["host_launch_ms"].items())
+    busy = "n/a" if p["device_busy_ms"] is None else f"{p['device_busy_ms']:.2f}"
+    lines = [f"profile, {p['rows']} rows ({p['steps']} decode steps traced): a step "
+             f"{p['wall_ms']:.2f} ms, device busy {busy} ms ({p['kernels'] or 0:.0f} kernels); "
+             f"host inside jitted calls (ms): {launch or 'none'}; awaiting results "
+             f"{p['host_await_ms']:.2f} ms", ""]
+    if p["top"]:
+        lines.append(markdown_table(
+            ["kernel", "ms a step", "calls a step", "share of busy"],
+            [[f"`{k['name'][:80]}`", f"{k['ms_per_step']:.3f}", f"{k['calls_per_step']:.1f}",
+              f"{k['share_of_busy']:.1%}"] for k in p["top"]]))
+    return lines
+
+
 def summary(work: str, out: str, mode: str) -> dict[str, Any]:
     steps = step_status(work)
     for s in steps:
@@ -203,6 +237,12 @@ def summary(work: str, out: str, mode: str) -> dict[str, Any]:
                            + glob.glob(os.path.join(work, "*.log"))
                            + glob.glob(os.path.join(work, "*.md"))):
             tar.add(path, arcname=os.path.basename(path))
+        for path in sorted(glob.glob(os.path.join(work, "profile_*", "**", "*"),
+                                     recursive=True)):
+            if os.path.isfile(path) and (path.endswith(".md") or (
+                    path.endswith(".trace.json.gz")
+                    and os.path.getsize(path) <= TRACE_MAX_BYTES)):
+                tar.add(path, arcname=os.path.relpath(path, work))
     return doc
 
 
