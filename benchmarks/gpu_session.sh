@@ -8,17 +8,24 @@
 # Steps, in the order they run (the first session, fd1fab1 on an H100, needed ~15 min for
 # all: give the ones a session should run as arguments; the default runs them in this
 # order until the 9 minutes are spent, the most wanted first):
-#   roofline     donated best-of copy bandwidth, bf16 and fp8 matmul peaks
 #   llama_bf16   llama-3.1-8b dummy bf16: batch-1 TTFT and TPOT, a jax.profiler trace of
 #                decode steps at 1 and 64 rows summarised per kernel (where a step's
 #                time goes), offline throughput at input 1024 / output 128 for 1 / 64 /
 #                256 rows; warmup seconds and programs; compilations after warmup (0)
+#   tpot_loop    batch-1 TPOT and profile of llama_bf16's model with its layers in a
+#                Python loop instead of jax.lax.scan (no while loop in the step)
+#   tpot_cmdbuf  the same with scanned layers and XLA's command buffers (CUDA graphs)
+#                extended to while loops and conditionals
+#                (the first run's TPOT was 4.4x its roofline and 2.5x transformers +
+#                torch.compile, whose CUDA graphs remove launch overhead: these two
+#                say whether launches and the layer loop are the missing 20 ms)
 #   qwen_fp8     qwen3.6-27b --quantization fp8: batch 1 (TPOT, profile) and 64 rows
 #   checks       engine correctness, bf16: llama, qwen3.5 hybrid, gemma 4 through the
 #                Pallas path vs the XLA path vs the float32 reference, with agreement
 #                floors; the three cases at once (separate processes, a quarter of the
 #                GPU each: their time is compiling, on the CPU)
-#   llama_fp8    step 2 with --quantization fp8 --kv-cache-dtype fp8
+#   roofline     donated best-of copy bandwidth, bf16 and fp8 matmul peaks
+#   llama_fp8    llama_bf16 with --quantization fp8 --kv-cache-dtype fp8
 #   transformers transformers, same GPU, same shape, random weights, static cache +
 #                torch.compile: batch 1 and 64
 #   serve_8b     the HTTP server (benchmarks/serving/serve.py: vLLM's bench serve
@@ -29,11 +36,11 @@
 # The server step needs the web stack the GPU image lacks: run benchmarks/gpu_wheels.sh
 # here once and carry .whl (device tool: carry [".whl"]); without it the step is skipped.
 # Limits (seconds) can be overridden: SESSION_S (all), T_ROOFLINE, T_LLAMA, T_LLAMA_FP8,
-# T_QWEN, T_TORCH, T_SERVE, T_CHECKS.
+# T_TPOT (each variant), T_QWEN, T_TORCH, T_SERVE, T_CHECKS.
 set -u
 MODE=full
 [ "${1:-}" = "--tiny" ] && { MODE=tiny; shift; }
-ALL_STEPS="roofline llama_bf16 qwen_fp8 checks llama_fp8 transformers serve_8b"
+ALL_STEPS="llama_bf16 tpot_loop tpot_cmdbuf qwen_fp8 checks roofline llama_fp8 transformers serve_8b"
 STEPS=${*:-$ALL_STEPS}
 for s in $STEPS; do
   case " $ALL_STEPS " in *" $s "*) ;; *) echo "unknown step $s (steps: $ALL_STEPS)"; exit 2;; esac
@@ -53,6 +60,7 @@ if [ "$MODE" = tiny ]; then
   SESSION_S=${SESSION_S:-900}
   T_ROOFLINE=${T_ROOFLINE:-120} T_LLAMA=${T_LLAMA:-240} T_LLAMA_FP8=${T_LLAMA_FP8:-240}
   T_QWEN=${T_QWEN:-240} T_TORCH=${T_TORCH:-120} T_SERVE=${T_SERVE:-240} T_CHECKS=${T_CHECKS:-240}
+  T_TPOT=${T_TPOT:-240}
 else
   export JAX_PLATFORMS=${JAX_PLATFORMS:-cuda,cpu}
   SESSION_S=${SESSION_S:-540}
@@ -61,6 +69,7 @@ else
   # compiling on 16 cores), transformers > 70 s, serve_8b > 55 s, each check case > 35 s.
   T_ROOFLINE=${T_ROOFLINE:-55} T_LLAMA=${T_LLAMA:-135} T_LLAMA_FP8=${T_LLAMA_FP8:-130}
   T_QWEN=${T_QWEN:-200} T_TORCH=${T_TORCH:-120} T_SERVE=${T_SERVE:-90} T_CHECKS=${T_CHECKS:-150}
+  T_TPOT=${T_TPOT:-90}
 fi
 DEADLINE=$((START + SESSION_S))
 
@@ -122,6 +131,9 @@ if [ "$MODE" = tiny ]; then
     --max-num-batched-tokens 16 $ENGINE' --num-prompts 4 --max-concurrency 2 --input-len 16 \
     --output-len 4"
   CASES="llama-tiny" CHECK_ARGS="--prompt-lens 3,9,17 --new-tokens 4"
+  TPOT="--input-len 16 --output-len 4 --iters 1 --max-num-seqs 4 --max-num-batched-tokens 16 \
+    --profile-rows 1 --profile-steps 2"
+  CMDBUF=""   # the GPU flag is not XLA:CPU's
 else
   $PY -m pip install -q --no-deps --no-build-isolation -e . >"$WORK/install.log" 2>&1 \
     || { echo "install failed"; cat "$WORK/install.log"; }
@@ -137,6 +149,10 @@ else
   SERVE="--server-args '$LLAMA --dtype bfloat16 --max-num-seqs 256 --max-model-len 1152 \
     $ENGINE' --num-prompts 128 --max-concurrency 64 $IO"
   CASES="llama-h128 qwen3_5-h256 gemma4-h256-h512" CHECK_ARGS="--new-tokens 16"
+  # Batch-1 latency only, few programs (8 rows, token buckets up to 512): short warmups.
+  TPOT="--input-len 1024 --output-len 64 --iters 2 --max-num-seqs 8 \
+    --max-num-batched-tokens 512 --profile-rows 1 --profile-steps 12"
+  CMDBUF="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"
 fi
 
 for s in $STEPS; do case $s in
@@ -145,6 +161,13 @@ for s in $STEPS; do case $s in
   llama_bf16) step llama_bf16 "$T_LLAMA" $PY -m benchmarks.gpu.gpu_engine_bench --model "$LLAMA" \
     --dtype bfloat16 --rows $ROWS $IO $ENGINE $PROFILE --profile-dir "$WORK/profile_llama_bf16" \
     --output "$WORK/llama_bf16.json" ;;
+  tpot_loop) step tpot_loop "$T_TPOT" $PY -m benchmarks.gpu.gpu_engine_bench --model "$LLAMA" \
+    --dtype bfloat16 --rows "" $TPOT $ENGINE --scan-layers off \
+    --profile-dir "$WORK/profile_tpot_loop" --output "$WORK/tpot_loop.json" ;;
+  tpot_cmdbuf) XLA_FLAGS="${XLA_FLAGS:-} $CMDBUF" step tpot_cmdbuf "$T_TPOT" \
+    $PY -m benchmarks.gpu.gpu_engine_bench --model "$LLAMA" --dtype bfloat16 --rows "" $TPOT \
+    $ENGINE --scan-layers on --profile-dir "$WORK/profile_tpot_cmdbuf" \
+    --output "$WORK/tpot_cmdbuf.json" ;;
   qwen_fp8) step qwen_fp8 "$T_QWEN" $PY -m benchmarks.gpu.gpu_engine_bench --model "$QWEN" \
     --quantization fp8 --rows $QWEN_ROWS $IO $ENGINE $QWEN_PROFILE \
     --profile-dir "$WORK/profile_qwen_fp8" --output "$WORK/qwen_fp8.json" ;;

@@ -65,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
            "(benchmarks/gpu/trace_summary.py): where a step's time goes")
     a("--profile-rows", default="1", help="concurrent rows of each traced run")
     a("--profile-steps", type=int, default=12, help="decode steps summarised per trace")
+    a("--scan-layers", choices=("auto", "on", "off"), default="auto",
+      help="the layers under jax.lax.scan (on) or a Python loop (off); auto: the "
+           "platform's choice (LLM's scan_layers)")
     a("--output", required=True, help="the JSON to write")
     add_engine_args(p, FLAGS, defaults={"load_format": "dummy"})
     return p
@@ -77,6 +80,8 @@ def engine_args(args: argparse.Namespace, rows: list[int]) -> dict[str, Any]:
     page = kw.get("page_size") or 16
     kw["max_model_len"] = kw.get("max_model_len") or \
         -(-(args.input_len + args.output_len) // page) * page
+    if args.scan_layers != "auto":
+        kw["scan_layers"] = args.scan_layers == "on"
     return kw
 
 

@@ -12,8 +12,8 @@ import tarfile
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-STEPS = ["roofline", "llama_bf16", "qwen_fp8", "check_llama-tiny", "llama_fp8", "transformers",
-         "serve_8b"]
+STEPS = ["llama_bf16", "tpot_loop", "tpot_cmdbuf", "qwen_fp8", "check_llama-tiny", "roofline",
+         "llama_fp8", "transformers", "serve_8b"]
 
 
 @pytest.fixture(scope="module")
@@ -77,13 +77,19 @@ def test_engine_steps_measure_what_the_issue_asks(session):
         assert any(k.startswith("matmul: xla dot for ") for k in f["kernels"])
     assert any("float8_e4m3fn cache" in k for k in steps["llama_fp8"]["kernels"])
     # the traced decode steps: each step's wall time and the host's launches in it
-    for name, rows in (("llama_bf16", [1, 2]), ("qwen_fp8", [1])):
+    for name, rows in (("llama_bf16", [1, 2]), ("qwen_fp8", [1]), ("tpot_loop", [1]),
+                       ("tpot_cmdbuf", [1])):
         prof = steps[name]["profile"]
         assert [p["rows"] for p in prof] == rows, prof
         assert all(p["wall_ms"] > 0 and any("forward" in k for k in p["host_launch_ms"])
                    for p in prof), prof
     assert any(k.startswith("linear attention: ") for k in steps["qwen_fp8"]["kernels"])
     assert [b["batch"] for b in steps["transformers"]["batches"]] == [1, 2]
+    # the layer-loop variants: batch-1 latency alone, nothing compiled after warmup
+    for name in ("tpot_loop", "tpot_cmdbuf"):
+        f = steps[name]
+        assert f["throughput"] == [] and f["ttft_ms"] > 0 and f["tpot_ms"] is not None
+        assert f["compilations_after_warmup"] == 0
     serve = steps["serve_8b"]
     assert serve["completed"] == 4 and serve["failed"] == 0 and serve["output_throughput"] > 0
     # the server's engine is llama_bf16's: its programs come from the compilation cache
