@@ -68,7 +68,7 @@ else
   # (+ ~20 s of profile), llama_fp8 > 80 s, qwen_fp8 > 85 s (23 programs of ~40 s each
   # compiling on 16 cores), transformers > 70 s, serve_8b > 55 s, each check case > 35 s.
   T_ROOFLINE=${T_ROOFLINE:-55} T_LLAMA=${T_LLAMA:-135} T_LLAMA_FP8=${T_LLAMA_FP8:-130}
-  T_QWEN=${T_QWEN:-200} T_TORCH=${T_TORCH:-120} T_SERVE=${T_SERVE:-90} T_CHECKS=${T_CHECKS:-150}
+  T_QWEN=${T_QWEN:-220} T_TORCH=${T_TORCH:-120} T_SERVE=${T_SERVE:-90} T_CHECKS=${T_CHECKS:-150}
   T_TPOT=${T_TPOT:-90}
 fi
 DEADLINE=$((START + SESSION_S))
