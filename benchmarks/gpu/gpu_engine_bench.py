@@ -127,26 +127,46 @@ def latency_run(llm: Any, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def profile_run(llm: Any, rows: int, args: argparse.Namespace) -> dict[str, Any]:
-    """One generate() of `rows` prompts traced; its last --profile-steps decode steps
-    summarised (the prefill steps come first and are left out)."""
+    """`rows` requests prefilled untraced, then --profile-steps steps traced while every
+    row decodes (the engine driven step by step), summarised per kernel; the requests
+    are aborted after."""
     import jax
 
     from benchmarks.gpu import trace_summary
-    vocab = llm.engine.inputs.vocab_size
+    from jaxserve.bench.offline import engine_prompt, sampling_params
+    engine, vocab = llm.engine, llm.engine.inputs.vocab_size
     rng = random.Random(2)
     folder = os.path.join(args.profile_dir, f"rows{rows}")
-    prompts = [Prompt(random_ids(rng, args.input_len, vocab), args.input_len,
-                      args.profile_steps + 4) for _ in range(rows)]
     llm.reset_prefix_cache()
-    with jax.profiler.trace(folder):
-        offline.generate(llm, prompts, rows, False)
+    ids = [f"profile-{rows}-{i}" for i in range(rows)]
+    # As many tokens as fit: no row finishes inside the traced steps, whenever it started
+    # (checked below: every row still decoding at the end).
+    params = sampling_params(1, engine.inputs.max_model_len - args.input_len, False)
+    for rid in ids:
+        p = Prompt(random_ids(rng, args.input_len, vocab), args.input_len, 1)
+        engine.add_request(llm._process(rid, engine_prompt(p), params, 0))
+    sched = engine.scheduler
+    try:
+        while sched.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
+                                   for r in sched.running):
+            engine.step()
+        running = len(sched.running)
+        with jax.profiler.trace(folder):
+            for _ in range(args.profile_steps + 1):
+                engine.step()
+        if len(sched.running) != rows:
+            return {"rows": rows, "error": f"{rows - len(sched.running)} of {rows} rows "
+                    "finished inside the traced steps: raise --max-model-len"}
+    finally:
+        for rid in ids:
+            engine.abort_request(rid)
     path = trace_summary.trace_file(folder)
     if path is None:
         return {"rows": rows, "error": f"no trace written under {folder}"}
     summary = trace_summary.summarise(path, args.profile_steps)
     with open(os.path.join(args.profile_dir, f"rows{rows}.md"), "w") as f:
-        f.write(trace_summary.markdown(summary, f"{args.model}, {rows} rows"))
-    return {"rows": rows, **summary}
+        f.write(trace_summary.markdown(summary, f"{args.model}, {rows} rows decoding"))
+    return {"rows": rows, "rows_at_trace_start": running, **summary}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -76,7 +76,8 @@ def profile_figures(p: dict[str, Any]) -> dict[str, Any]:
     if "error" in p:
         return {"rows": p.get("rows"), "error": p["error"]}
     dev = (p.get("devices") or [{}])[0]
-    return {"rows": p["rows"], "steps": p["steps"], "wall_ms": p["wall_ms_per_step"],
+    return {"rows": p["rows"], "rows_decoding": p.get("rows_at_trace_start"),
+            "steps": p["steps"], "wall_ms": p["wall_ms_per_step"],
             "host_launch_ms": p["host_launch_ms_per_step"],
             "host_await_ms": p["host_await_ms_per_step"],
             "device_busy_ms": dev.get("busy_ms_per_step"),

@@ -45,6 +45,19 @@ def _busy(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+def _outermost_calls(spans: list[dict], on_python) -> list[dict]:
+    """The spans less each jitted call's nested copy: jax records a call twice (the
+    Python wrapper's span and the C++ one inside it, same name)."""
+    keep, open_until = [], {}
+    for e in sorted(spans, key=lambda e: (e["ts"], -e["dur"])):
+        if on_python(e) and _PJIT.match(e["name"]):
+            if e["ts"] < open_until.get(e["name"], float("-inf")):
+                continue
+            open_until[e["name"]] = e["ts"] + e["dur"]
+        keep.append(e)
+    return keep
+
+
 def summarise(path: str, steps: int = 1, top: int = 25,
               step_fn: str = "forward") -> dict[str, Any]:
     """The module doc's figures, in milliseconds (per step where named so)."""
@@ -61,6 +74,7 @@ def summarise(path: str, steps: int = 1, top: int = 25,
         return threads.get((e["pid"], e.get("tid"))) == "python" and \
             procs.get(e["pid"], "").startswith("/host")
 
+    spans = _outermost_calls(spans, on_python)
     launches = sorted(e["ts"] for e in spans if on_python(e) and step_fn in
                       (_PJIT.match(e["name"]) or [None, ""])[1])
     if len(launches) >= 2:   # the window: from the last `steps` + 1 launches, whole periods

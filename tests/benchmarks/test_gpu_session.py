@@ -82,7 +82,7 @@ def test_engine_steps_measure_what_the_issue_asks(session):
         prof = steps[name]["profile"]
         assert [p["rows"] for p in prof] == rows, prof
         assert all(p["wall_ms"] > 0 and any("forward" in k for k in p["host_launch_ms"])
-                   for p in prof), prof
+                   and p["rows_decoding"] == p["rows"] for p in prof), prof
     assert any(k.startswith("linear attention: ") for k in steps["qwen_fp8"]["kernels"])
     assert [b["batch"] for b in steps["transformers"]["batches"]] == [1, 2]
     # the layer-loop variants: batch-1 latency alone, nothing compiled after warmup

@@ -25,6 +25,9 @@ def _trace(tmp_path) -> str:
         t = 1000 + 100 * k
         ev.append({"ph": "X", "pid": HOST, "tid": 7, "name": "PjitFunction(_forward_fn)",
                    "ts": t, "dur": 10})
+        # jax records each call twice: the C++ span nested in the wrapper's
+        ev.append({"ph": "X", "pid": HOST, "tid": 7, "name": "PjitFunction(_forward_fn)",
+                   "ts": t + 1, "dur": 8})
         ev.append({"ph": "X", "pid": HOST, "tid": 7, "name": "PjitFunction(_sample_fn)",
                    "ts": t + 10, "dur": 5})
         ev.append({"ph": "X", "pid": HOST, "tid": 7, "name": "CommonPjRtBuffer::Await",
