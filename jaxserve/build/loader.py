@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax.traverse_util import flatten_dict, unflatten_dict
 from jax.sharding import Mesh
 
+from jaxserve.build.blas_threads import limit_openblas_threads
 from jaxserve.checkpoints.converted import (PARAMS_DIR, check_settings, check_tree,
                                             is_converted, read_manifest, tree_settings)
 from jaxserve.config import EngineConfig
@@ -103,6 +104,8 @@ def load_model(config: EngineConfig, layout: EngineLayout, mesh: Mesh, *,
                        mc.num_kv_heads, m, layout.kv_heads // mc.num_kv_heads, layout.kv_heads,
                        layout.kv_heads // m)
     model, params = load_weights(config, layout, mesh, on_progress=on_progress)
+    if mesh.devices.flat[0].platform == "cpu" and (note := limit_openblas_threads()):
+        logger.info(note)
     if mc.tie_word_embeddings and mesh.devices.flat[0].platform == "cpu":
         shardings_of = lambda module: layout_param_shardings(module, mesh, layout)
         model, params = untie_lm_head(model, params, shardings_of)
