@@ -219,7 +219,7 @@ def draft_checkpoint(tmp_path_factory) -> str:
 def test_model_drafters_keep_the_greedy_tokens_with_images(llm, checkpoint, mtp_checkpoint,
                                                            draft_checkpoint, method):
     """A model drafter (an MTP layer; a draft model) drafts from the placeholder ids,
-    never the image embeddings, and with 1-D positions, so its drafts may be worse, but
+    never the image embeddings, so its drafts may be worse, but
     the target verifies each: image prompts (one image, two, an image batched beside
     text) give the plain engine's greedy tokens, and drafts were made and verified."""
     config = {"method": method, "num_speculative_tokens": 2}
