@@ -13,10 +13,13 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
+from jaxserve.api.metrics import Metrics
 from jaxserve.errors import ConfigError
+from jaxserve.engine.async_engine import EngineStats
 from jaxserve.engine.llm_kwargs import engine_config
 from jaxserve.runner.compile_counter import num_compilations
 from models.layer_stack import KV
+from tests.api.test_metrics_vllm import samples, value
 from tests.engine.conftest import add, assert_no_leaks
 
 PS, POOL = 16, 12        # device pool: 11 pages of 16 tokens (+ the null page)
@@ -102,6 +105,11 @@ def test_a_trace_over_the_host_tier_gives_the_same_tokens_and_hits_it(engines):
         window = -(-(tiered.engine.scheduler.kv.sliding_window - 1) // PS)
         assert stats.host.sliding_pages_restored <= window * sum(c > 0 for c in tier_cached)
         assert stats.host.sliding_pages_restored < stats.host.pages_restored
+        # ... and on /metrics, beside the tier's own
+        snap = samples(Metrics("m").render(EngineStats(host=stats.host), admitted=0).decode())
+        assert value(snap, "jaxserve:host_cache_sliding_restored_pages_total") == \
+            stats.host.sliding_pages_restored
+        assert 0 < value(snap, "jaxserve:host_cache_sliding_usage_perc") <= 1
     # num_cached_tokens counts hits from either tier; later turns hit the host's pages.
     assert sum(tier_cached) >= sum(plain_cached) + stats.host.hits
     assert all(c > 0 for c in tier_cached[CONVERSATIONS:])
