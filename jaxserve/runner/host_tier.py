@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -29,7 +29,7 @@ import numpy as np
 from jaxserve.core import host_pages
 from jaxserve.core.host_pages import size_host_tier, size_sliding_host_tier
 from jaxserve.core.sched_output import HostCopies
-from models.layer_stack import CONV, KV, KV_SLIDING, RECURRENT
+from models.layer_stack import CONV, KV, KV_SCALES, KV_SLIDING, RECURRENT
 from models.page_copies import gather_pages, scatter_pages
 
 PAGE_KINDS = (KV, KV_SLIDING)
@@ -85,7 +85,7 @@ class HostPageArrays:
         for kind, (row, dtype) in layout.rows.items():
             n = count.get(kind, num_state_slots)
             self.arrays[kind] = np.zeros((n, layout.layers[kind], *row), dtype)
-        self.kv_scales = {k: np.asarray(v) for k, v in (kv_scales or {}).items()}
+        self.adopt_scales(kv_scales)
 
     @classmethod
     def for_budget(cls, layout: HostTierLayout, budget_bytes: int,
@@ -124,11 +124,28 @@ class HostPageArrays:
     def num_state_slots(self) -> int:
         return next((a.shape[0] for k, a in self.arrays.items() if k in STATE_KINDS), 0)
 
+    def adopt_scales(self, kv_scales: Mapping[str, Any] | None) -> None:
+        """The KV scales the pages stored from now on are under (the arrays' contents
+        mean nothing under them: the prefix cache was reset)."""
+        self._scales_seen = dict(kv_scales or {})   # held: their ids cannot be reused
+        self.kv_scales = {k: np.asarray(v) for k, v in self._scales_seen.items()}
+
+    def same_scales(self, kv_scales: Mapping[str, Any] | None) -> bool:
+        """Whether kv_scales are those the pages were stored under: the same arrays (the
+        per-step check: no copy), else equal values (then remembered as the same)."""
+        given = dict(kv_scales or {})
+        if given.keys() == self._scales_seen.keys() and all(
+                given[k] is self._scales_seen[k] for k in given):
+            return True
+        if given.keys() != self.kv_scales.keys() or any(
+                not np.array_equal(np.asarray(given[k]), self.kv_scales[k]) for k in given):
+            return False
+        self._scales_seen = given
+        return True
+
     def check_scales(self, kv_scales: Mapping[str, Any] | None) -> None:
         """Pages stored under some scales mean other values under others."""
-        given = {k: np.asarray(v) for k, v in (kv_scales or {}).items()}
-        if given.keys() != self.kv_scales.keys() or any(
-                not np.array_equal(given[k], self.kv_scales[k]) for k in given):
+        if not self.same_scales(kv_scales):
             raise ValueError("the host tier's pages were stored under other KV scales: "
                              "reset it (reset_prefix_cache) before restoring")
 
@@ -268,19 +285,39 @@ class HostTier:
     before its forward and lands its offloads when it collects the step."""
 
     def __init__(self, caches: Mapping[str, jax.Array], layers: Mapping[str, int],
-                 budget_bytes: int, device: jax.Device) -> None:
+                 budget_bytes: int, device: jax.Device,
+                 params: Callable[[], Mapping[str, Any]] = dict) -> None:
+        """params: the runner's params now, whose KV scales (a quantized cache's) say
+        what the pages stored mean."""
+        self._params = params
         self.layout = HostTierLayout.of(caches, layers)
-        self.arrays = HostPageArrays.for_budget(self.layout, budget_bytes)
+        self.arrays = HostPageArrays.for_budget(self.layout, budget_bytes, self.kv_scales())
         self.copier = HostCopier(self.layout, {k: caches[k].sharding for k in self.layout.rows},
                                  memory_kind=host_memory_kind(device))
         self.page_kinds = [k for k in PAGE_KINDS if k in self.layout.rows]
         self.restore_seconds = 0.0   # host time to gather and send restores (asynchronous)
 
+    def kv_scales(self) -> dict[str, Any]:
+        """The runner's KV scale params now (models/kv_scales.py; none: a float cache)."""
+        params = self._params()
+        return {name: params[name] for name, _ in KV_SCALES.values() if name in params}
+
+    def follow_scales(self) -> bool:
+        """Whether the runner's KV scales changed since the pages were stored (its params
+        were replaced): then every entry is stale and the caller resets the prefix cache
+        (both tiers); the new scales are the pages' from now on. Between steps only."""
+        scales = self.kv_scales()
+        if self.arrays.same_scales(scales):
+            return False
+        self.arrays.adopt_scales(scales)
+        return True
+
     def dispatch(self, caches: dict[str, jax.Array], copies: HostCopies
                  ) -> tuple[dict[str, jax.Array], PendingOffload | None]:
         """copies (core/sched_output.HostCopies): the offloads issued (their reads go
-        before any later write of those pages), then the restores (caches donated) ->
-        (the caches, the offloads to land)."""
+        before any later write of those pages), then the restores (caches donated;
+        refused under other KV scales than their pages') -> (the caches, the offloads to
+        land)."""
         pending = None
         c = copies
         if c.num_offloads:
@@ -293,7 +330,8 @@ class HostTier:
             pages, slots = self._by_kind((c.restore_pages, c.restore_slots),
                                          (c.restore_sliding_pages, c.restore_sliding_slots))
             caches = self.copier.restore(caches, self.arrays, slots, pages,
-                                         c.restore_state_slots, c.restore_state_ids)
+                                         c.restore_state_slots, c.restore_state_ids,
+                                         self.kv_scales())
             self.restore_seconds += time.perf_counter() - t0
         return caches, pending
 
@@ -313,6 +351,6 @@ class HostTier:
         self.copier.offload(caches, {k: [0] for k in self.page_kinds}, [0], state,
                             state).land(self.arrays)
         caches = self.copier.restore(caches, self.arrays, [0], {k: [0] for k in self.page_kinds},
-                                     state, state)
+                                     state, state, self.kv_scales())
         jax.block_until_ready(caches)
         return caches

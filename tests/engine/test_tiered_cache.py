@@ -16,6 +16,7 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.api.metrics import Metrics
 from jaxserve.errors import ConfigError
 from jaxserve.engine.async_engine import EngineStats
+from jaxserve.engine.engine_core import prompt_page_hashes
 from jaxserve.engine.llm_kwargs import engine_config
 from jaxserve.runner.compile_counter import num_compilations
 from models.layer_stack import KV
@@ -190,6 +191,20 @@ def test_an_int8_cache_travels_as_stored_and_gives_the_same_tokens(checkpoint):
     assert tiered.engine.stats().host.pages_restored > 0
     assert all(c > 0 for c in cached[CONVERSATIONS:])
     assert num_compilations() == compiled
+    assert_tier_settled(tiered)
+    # Other KV scales (the params replaced, as a weight update does): pages stored under
+    # the old ones are neither restored nor shared; both tiers start over.
+    rng = random.Random(9)
+    prompt, *others = [[rng.randrange(3, 250) for _ in range(70)] for _ in range(4)]
+    tiered.generate([{"prompt_token_ids": p} for p in [prompt, *others]], GREEDY,
+                    use_tqdm=False)   # the prompt's pages are evicted to host by the others
+    host = tiered.engine.scheduler.kv.host
+    assert host.index.ready(prompt_page_hashes(prompt, PS)[0])
+    runner.params = {**runner.params, "kv_scales": runner.params["kv_scales"] * 2}
+    out = tiered.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)[0]
+    assert out.num_cached_tokens == 0
+    assert np.array_equal(runner.host_tier.arrays.kv_scales["kv_scales"],
+                          np.asarray(runner.params["kv_scales"]))
     assert_tier_settled(tiered)
 
 

@@ -3,13 +3,16 @@ in every held dtype, into other page ids, in place, the pages not named untouche
 nothing compiled after the first call of each program."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxserve.runner.compile_counter import num_compilations
-from jaxserve.runner.host_tier import (HostCopier, HostPageArrays, HostTierLayout,
+from jaxserve.core.sched_output import HostCopies
+from jaxserve.runner.host_tier import (HostCopier, HostPageArrays, HostTier, HostTierLayout,
                                        host_memory_kind)
 from models.layer_stack import CONV, KV, KV_SLIDING, RECURRENT
 from pallas_kernels.held_dtypes import held_dtype
@@ -127,6 +130,33 @@ def test_restores_under_other_scales_are_refused():
     want = rows(np.array(caches[KV]), A, [3])
     out = copier.restore(caches, host, [2], {KV: [5]}, kv_scales=scales)
     assert rows(np.array(out[KV]), A, [5]).tobytes() == want.tobytes()
+
+
+def test_the_tier_follows_the_runners_kv_scales():
+    """HostTier reads the scales off the runner's params (a getter: they may be replaced):
+    the same arrays or equal values are the same scales; other values are a change it
+    reports once (the engine then resets both tiers), and until then a restore is refused."""
+    rng = np.random.default_rng(5)
+    caches = {KV: random_caches(jnp.int8, rng)[KV]}
+    layout = HostTierLayout.of(caches, LAYERS)
+    params = {"w": jnp.zeros(3), "kv_scales": jnp.full((A, 4, 2), 0.5, jnp.float32)}
+    runner = SimpleNamespace(params=params)
+    tier = HostTier(caches, LAYERS, 8 * layout.page_bytes, jax.devices()[0],
+                    lambda: runner.params)
+    caches = tier.warmup(caches)
+    assert set(tier.kv_scales()) == {"kv_scales"}
+    caches, pending = tier.dispatch(caches, HostCopies(offload_pages=[3], offload_slots=[2]))
+    pending.land(tier.arrays)
+    restore = HostCopies(restore_slots=[2], restore_pages=[5])
+    runner.params = {**params, "kv_scales": jnp.full((A, 4, 2), 0.5, jnp.float32)}
+    assert not tier.follow_scales()   # equal values: the same scales
+    caches, _ = tier.dispatch(caches, restore)
+    runner.params = {**params, "kv_scales": jnp.full((A, 4, 2), 0.25, jnp.float32)}
+    with pytest.raises(ValueError, match="other KV scales"):
+        tier.dispatch(caches, restore)
+    assert tier.follow_scales() and not tier.follow_scales()   # reported once
+    np.testing.assert_array_equal(tier.arrays.kv_scales["kv_scales"], 0.25)
+    caches, _ = tier.dispatch(caches, restore)   # (what the reset tiers store from now)
 
 
 def test_layout_bytes_and_bad_calls():
