@@ -95,6 +95,9 @@ def test_a_trace_over_the_host_tier_gives_the_same_tokens_and_hits_it(engines):
     assert stats.host is not None and stats.host.hits > 0
     assert stats.host.pages_offloaded > 0 and stats.host.pages_restored > 0
     host = tiered.engine.scheduler.kv.host
+    runner = tiered.engine.runner   # restore or recompute by what warmup timed
+    assert host.cost.latency_s == runner.host_tier.restore_call_s > 0
+    assert host.cost.prefill_s_per_token == runner.prefill_s_per_token > 0
     assert stats.host.bytes_restored == stats.host.pages_restored * host.page_bytes + \
         stats.host.states_restored * host.state_bytes + \
         stats.host.sliding_pages_restored * host.sliding_page_bytes
