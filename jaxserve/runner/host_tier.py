@@ -36,8 +36,8 @@ PAGE_KINDS = (KV, KV_SLIDING)
 STATE_KINDS = (CONV, RECURRENT)
 PINNED_HOST = "pinned_host"
 TIMING_S = 0.05   # at most this much start-up time (past one call) timing the restore
-# Host slots of a copy: one list for every KV kind it names, or a list per kind.
-HostSlots = Sequence[int] | Mapping[str, Sequence[int]]
+# Page ids or host slots of a copy, per KV kind (a sliding-window array has slots of its own).
+PerKind = Mapping[str, Sequence[int]]
 
 
 @dataclass(frozen=True)
@@ -208,19 +208,16 @@ class HostCopier:
         self._restore = jax.jit(self.restore_fn, donate_argnums=0)
 
     # ---- batching -------------------------------------------------------------------
-    def _calls(self, page_ids: Mapping[str, Sequence[int]], host_slots: HostSlots,
-               state_ids: Sequence[int], host_state_slots: Sequence[int]):
-        """Per call: (device ids per kind, padded; host slots per kind, unpadded).
-        host_slots: one list for every kind named, or a list per kind."""
-        per_kind = {k: host_slots[k] if isinstance(host_slots, Mapping) else host_slots
-                    for k in page_ids}
+    def _calls(self, page_ids: PerKind, host_slots: PerKind, state_ids: Sequence[int],
+               host_state_slots: Sequence[int]):
+        """Per call: (device ids per kind, padded; host slots per kind, unpadded)."""
         for kind, ids in page_ids.items():
             if kind not in PAGE_KINDS or kind not in self.layout.rows:
                 raise ValueError(f"page ids for {kind!r}: this model's page kinds are "
                                  f"{[k for k in PAGE_KINDS if k in self.layout.rows]}")
-            if len(ids) != len(per_kind[kind]):
-                raise ValueError(f"{kind}: {len(ids)} page ids for {len(per_kind[kind])} "
-                                 f"host slots")
+            if len(ids) != len(host_slots.get(kind, ())):
+                raise ValueError(f"{kind}: {len(ids)} page ids for "
+                                 f"{len(host_slots.get(kind, ()))} host slots")
         if len(state_ids) != len(host_state_slots):
             raise ValueError(f"{len(state_ids)} state ids for {len(host_state_slots)} slots")
         state_kinds = [k for k in STATE_KINDS if k in self.layout.rows]
@@ -236,18 +233,18 @@ class HostCopier:
                 named = kind in page_ids
                 part = list(page_ids[kind][c * bp:(c + 1) * bp]) if named else []
                 ids[kind] = _pad(part, bp)
-                slots[kind] = list(per_kind[kind][c * bp:(c + 1) * bp]) if named else []
+                slots[kind] = list(host_slots[kind][c * bp:(c + 1) * bp]) if named else []
             for kind in state_kinds:
                 part = list(state_ids[c * bs:(c + 1) * bs])
                 ids[kind], slots[kind] = _pad(part, bs), list(host_state_slots[c * bs:(c + 1) * bs])
             yield ids, slots
 
     # ---- the copies -------------------------------------------------------------------
-    def offload(self, caches: Mapping[str, jax.Array], page_ids: Mapping[str, Sequence[int]],
-                host_slots: HostSlots, state_ids: Sequence[int] = (),
+    def offload(self, caches: Mapping[str, jax.Array], page_ids: PerKind, host_slots: PerKind,
+                state_ids: Sequence[int] = (),
                 host_state_slots: Sequence[int] = ()) -> PendingOffload:
-        """Starts copying pages page_ids[kind][i] (of each KV kind given, all into
-        host slot host_slots[i]; a kind not given is not stored) and state slots
+        """Starts copying pages page_ids[kind][i] (of each KV kind given, into host slot
+        host_slots[kind][i]; a kind not given is not stored) and state slots
         state_ids[j] into host_state_slots[j]. Issued now, in order with the steps
         around it, so a later step that rewrites those pages waits for these reads."""
         pending = PendingOffload()
@@ -256,10 +253,10 @@ class HostCopier:
         return pending
 
     def restore(self, caches: Mapping[str, jax.Array], host: HostPageArrays,
-                host_slots: HostSlots, page_ids: Mapping[str, Sequence[int]],
+                host_slots: PerKind, page_ids: PerKind,
                 host_state_slots: Sequence[int] = (), state_ids: Sequence[int] = (),
                 kv_scales: Mapping[str, Any] | None = None) -> dict[str, jax.Array]:
-        """caches (donated) with host slot host_slots[i] written into page
+        """caches (donated) with host slot host_slots[kind][i] written into page
         page_ids[kind][i] of each KV kind given (a kind not given is left alone),
         and host state slot j into state slot state_ids[j]. Every call has the same
         shapes and kinds. The host rows are gathered and sent now (asynchronously)."""
@@ -349,15 +346,14 @@ class HostTier:
         """Compiles both programs (a copy of the null page / slot to and from the dummy
         slot: what padding does anyway), then times the restore (restore_call_s)."""
         state = [0] if self.arrays.num_state_slots > 0 else []
-        self.copier.offload(caches, {k: [0] for k in self.page_kinds}, [0], state,
-                            state).land(self.arrays)
+        null = {k: [0] for k in self.page_kinds}
+        self.copier.offload(caches, null, null, state, state).land(self.arrays)
         times: list[float] = []
         # The first call compiles; then the fastest of a few (a whole call's bytes each,
         # padding included, as every call moves), within TIMING_S of start-up time.
         while len(times) < 4 and sum(times[1:]) < TIMING_S:
             t0 = time.perf_counter()
-            caches = self.copier.restore(caches, self.arrays, [0],
-                                         {k: [0] for k in self.page_kinds}, state, state,
+            caches = self.copier.restore(caches, self.arrays, null, null, state, state,
                                          self.kv_scales())
             jax.block_until_ready(caches)
             times.append(time.perf_counter() - t0)
