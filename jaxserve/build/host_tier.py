@@ -90,8 +90,10 @@ def describe_cost(tier: HostTier, cost: RestoreCost, plan: CachePlan) -> str:
     even = cost.break_even_tokens(plan.max_model_len)
     return (f"host tier restores: {cost.bandwidth_bytes_per_s / 1e9:.2f} GB/s, "
             f"{cost.latency_s * 1e3:.3f} ms per restore ({where}); prefill "
-            f"{cost.prefill_s_per_token * 1e6:.2f} us per token; prefixes "
-            + (f"under {even} tokens are recomputed" if even else "are always recomputed"))
+            f"{cost.prefill_s_per_token * 1e6:.2f} us per token; "
+            + ("host hits are always recomputed" if even is None else
+               "every host hit is restored" if even <= 1 else
+               f"host hits under {even} tokens are recomputed"))
 
 
 def host_tier_slice(tier: HostTier, plan: CachePlan, cost: RestoreCost) -> dict[str, Any]:

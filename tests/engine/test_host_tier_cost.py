@@ -32,7 +32,7 @@ def test_measured_a_restore_costs_a_call_and_a_call_more_per_call_of_pages():
     assert cost.break_even_tokens(4096) == 30
     line = describe_cost(tier(2e-3), cost, PLAN)
     assert "measured" in line and "2.00 ms" in line
-    assert f"under {cost.break_even_tokens(4096)} tokens are recomputed" in line
+    assert "host hits under 30 tokens are recomputed" in line
 
 
 def test_nominal_without_timings():
@@ -42,3 +42,5 @@ def test_nominal_without_timings():
     assert cost.prefill_s_per_token == 2 * 1000 / flops
     assert cost.state_bytes == 4096
     assert "nominal" in describe_cost(tier(0.0), cost, PLAN)
+    fast = restore_cost(tier(1e-6), PLAN, PARAMS, MC, "cpu", prefill_s_per_token=1e-3)
+    assert "every host hit is restored" in describe_cost(tier(1e-6), fast, PLAN)
