@@ -56,10 +56,10 @@ def run(layers: int, kv_heads: int, head_dim: int, page_size: int, pages: int,
     slots = list(range(1, copy_pages + 1))
 
     def offload():
-        copier.offload(caches, {KV: src}, slots).land(host)
+        copier.offload(caches, {KV: src}, {KV: slots}).land(host)
 
     def restore():
-        caches[KV] = copier.restore(caches, host, slots, {KV: dst})[KV]
+        caches[KV] = copier.restore(caches, host, {KV: slots}, {KV: dst})[KV]
         jax.block_until_ready(caches[KV])
 
     offload(), restore()                        # compile both programs

@@ -85,10 +85,19 @@ _HOST_TOTALS = {
                         "Host time spent dispatching restores (gathering the host rows and "
                         "starting their transfer)."),
 }
+# Gemma 4's sliding-window pages have a host index of their own (HostCache.sliding), its
+# slots apart from the page slots: registered with the first snapshot whose tier has one.
+_HOST_SLIDING_TOTALS = {
+    "sliding_pages_offloaded": ("jaxserve:host_cache_sliding_offloaded_pages",
+                                "Sliding-window KV pages copied device -> host."),
+    "sliding_pages_restored": ("jaxserve:host_cache_sliding_restored_pages",
+                               "Sliding-window KV pages copied host -> device (a hit's "
+                               "last window's, at most)."),
+}
 
 
 class Metrics:
-    # The host tier's counters, seen totals and usage gauge, registered by the first
+    # The host tier's counters, seen totals and usage gauges, registered by the first
     # snapshot that has a host tier (_add_host).
     _host: dict | None = None
     _lora: Gauge | None = None   # vllm:lora_requests_info, registered once LoRA reports
@@ -105,7 +114,7 @@ class Metrics:
         def counter(name: str, doc: str) -> Counter:
             return Counter(name, doc, ["model_name"], registry=r).labels(**label)
 
-        self._counter = counter
+        self._counter, self._gauge = counter, gauge
 
         def histogram(name: str, doc: str, buckets: tuple) -> Histogram:
             return Histogram(name, doc, ["model_name"], buckets=buckets,
@@ -234,15 +243,20 @@ class Metrics:
 
     def _add_host(self, host) -> None:
         if self._host is None:
-            self._host = {f: self._counter(name, doc) for f, (name, doc) in _HOST_TOTALS.items()}
-            self._host_seen = dict.fromkeys(_HOST_TOTALS, 0)
-            self.host_usage = Gauge("jaxserve:host_cache_usage_perc", "Fraction of the host "
-                                    "tier's page slots in use (0-1).", ["model_name"],
-                                    registry=self.registry).labels(model_name=self._model_name)
+            totals = {**_HOST_TOTALS, **(_HOST_SLIDING_TOTALS if host.sliding_capacity else {})}
+            self._host = {f: self._counter(name, doc) for f, (name, doc) in totals.items()}
+            self._host_seen = dict.fromkeys(totals, 0)
+            self.host_usage = self._gauge("jaxserve:host_cache_usage_perc", "Fraction of the "
+                                          "host tier's page slots in use (0-1).")
+            self.host_sliding_usage = self._gauge(
+                "jaxserve:host_cache_sliding_usage_perc", "Fraction of the host tier's "
+                "sliding-window page slots in use (0-1).") if host.sliding_capacity else None
         for field, counter in self._host.items():
             self._host_seen[field] = _advance(counter, self._host_seen[field],
                                               getattr(host, field))
         self.host_usage.set(host.usage)
+        if self.host_sliding_usage is not None:
+            self.host_sliding_usage.set(host.sliding_usage)
 
     # ---- per request ---------------------------------------------------------------
     def track(self, num_prompt_tokens: int, n: int) -> RequestTracker:

@@ -2,10 +2,15 @@
 what it is refused with, its arrays on the runner, and the scheduler's share of it (slot
 counts, slot bytes, the restore-or-recompute cost model).
 
-The cost model's figures are nominal, per platform: a host->device bandwidth and a copy's
-fixed latency, and a prefill's cost from the model's size (2 FLOPs per parameter per
-token, attention's 4 * layers * heads * head_dim per pair of tokens) over a nominal
-throughput. They only decide which short prefixes are recomputed rather than restored.
+The cost model, measured at start-up where warmup runs: a restore's cost from one timed
+restore call (HostTier.warmup; every call moves pages_per_call pages, padding included,
+so a restore costs a whole call, and a call more per pages_per_call pages), a prefill's
+per token from the largest token bucket's forward (timed as warmup runs it anyway).
+Without warmup (enforce_eager) they are nominal, per platform (NOMINAL: a host->device
+bandwidth and a copy's fixed latency; 2 FLOPs per parameter per token over a nominal
+throughput). Attention's quadratic part (4 * layers * heads * head_dim FLOPs per pair of
+tokens) is always nominal: warmup's forwards attend to nothing. The model only decides
+which short prefixes are recomputed rather than restored.
 """
 from __future__ import annotations
 
@@ -56,19 +61,44 @@ def attach_host_tier(config: EngineConfig, runner: ModelRunner) -> HostTier:
                           f"{e}") from None
 
 
-def host_tier_slice(tier: HostTier, plan: CachePlan, params: Any, mc: Any,
-                    platform: str) -> dict[str, Any]:
-    """SchedulerConfig's host-tier fields."""
+def restore_cost(tier: HostTier, plan: CachePlan, params: Any, mc: Any, platform: str,
+                 prefill_s_per_token: float = 0.0) -> RestoreCost:
+    """Restore or recompute (see the module docstring); prefill_s_per_token: measured
+    (the runner's warmup), 0: nominal."""
     bandwidth, latency, flops = NOMINAL.get(platform, NOMINAL["gpu"])
     num_params = sum(x.size for x in jax.tree_util.tree_leaves(params))
+    prefill = prefill_s_per_token or 2 * num_params / flops
     layout = tier.layout
     pair_flops = 4 * len(mc.full_attention_layers) * mc.num_heads * mc.head_dim
     # A restore's fixed part: a hybrid's state, or a sliding group's window of pages.
     fixed = layout.state_bytes + plan.sliding_pages_per_seq * layout.sliding_page_bytes
-    cost = RestoreCost(bytes_per_token=layout.page_bytes / plan.page_size,
-                       bandwidth_bytes_per_s=bandwidth, prefill_s_per_token=2 * num_params / flops,
+    if tier.restore_call_s > 0:   # measured: they ride in its first call
+        fixed, latency = 0, tier.restore_call_s
+        bandwidth = tier.copier.pages_per_call * layout.page_bytes / tier.restore_call_s
+    return RestoreCost(bytes_per_token=layout.page_bytes / plan.page_size,
+                       bandwidth_bytes_per_s=bandwidth, prefill_s_per_token=prefill,
                        attention_s_per_pair=pair_flops / flops, latency_s=latency,
                        state_bytes=fixed)
+
+
+def describe_cost(tier: HostTier, cost: RestoreCost, plan: CachePlan) -> str:
+    """The start-up log's line on the cost model."""
+    where = "nominal" if not tier.restore_call_s else (
+        f"measured: a call of {tier.copier.pages_per_call} pages "
+        f"({tier.copier.pages_per_call * tier.layout.page_bytes / 2**20:.2f} MiB) in "
+        f"{tier.restore_call_s * 1e3:.2f} ms")
+    even = cost.break_even_tokens(plan.max_model_len)
+    return (f"host tier restores: {cost.bandwidth_bytes_per_s / 1e9:.2f} GB/s, "
+            f"{cost.latency_s * 1e3:.3f} ms per restore ({where}); prefill "
+            f"{cost.prefill_s_per_token * 1e6:.2f} us per token; "
+            + ("host hits are always recomputed" if even is None else
+               "every host hit is restored" if even <= 1 else
+               f"host hits under {even} tokens are recomputed"))
+
+
+def host_tier_slice(tier: HostTier, plan: CachePlan, cost: RestoreCost) -> dict[str, Any]:
+    """SchedulerConfig's host-tier fields."""
+    layout = tier.layout
     return dict(num_host_pages=tier.arrays.num_slots,
                 num_host_state_slots=tier.arrays.num_state_slots,
                 num_host_sliding_pages=tier.arrays.num_sliding_slots,

@@ -18,7 +18,7 @@ from jax.sharding import Mesh
 from jaxserve.build.cache_plan import CachePlan
 from jaxserve.build.drafter_loader import DrafterParts, load_drafter
 from jaxserve.build.host_tier import (attach_host_tier, check_host_tier, describe,
-                                      host_tier_slice)
+                                      describe_cost, host_tier_slice, restore_cost)
 from jaxserve.build.layout import EngineLayout, engine_layout, layout_cache_plan
 from jaxserve.build.loader import load_model
 from jaxserve.build.slices import runner_config, scheduler_config
@@ -141,16 +141,20 @@ def build_parts(shape: ReplicaShape, progress: StartupProgress, *,
     runner = build_runner(config, layout, plan, model=loaded.model, params=loaded.params,
                           mesh=mesh, drafter=drafter, lora=lora, vision=vision)
     sched = scheduler_config(config, layout, plan, vision)
+    tier = None
     if config.kv_offloading_size:   # before warmup, which compiles its copy programs
         tier = attach_host_tier(config, runner)
         logger.info("%s", describe(tier, plan))
-        sched = replace(sched, **host_tier_slice(tier, plan, loaded.params, mc,
-                                                 mesh.devices.flat[0].platform))
     if config.enforce_eager:   # each program compiles when a step first needs it
         logger.info("enforce_eager: no warmup; programs compile on first use")
     else:
         progress.set_phase(COMPILING, "listing the programs to compile")
         runner.warmup(partial(_report_compiling, progress))
+    if tier is not None:   # after warmup, which times a restore
+        cost = restore_cost(tier, plan, loaded.params, mc, mesh.devices.flat[0].platform,
+                            runner.prefill_s_per_token)
+        logger.info("%s", describe_cost(tier, cost, plan))
+        sched = replace(sched, **host_tier_slice(tier, plan, cost))
     return EngineParts(shape, loaded.model, loaded.params, loaded.weight_bytes,
                        loaded.weight_bytes_per_device, plan, runner, sched)
 

@@ -41,6 +41,8 @@ class HostCacheStats:
     bytes_restored: int = 0
     num_pages: int = 0        # host page slots in use (landed or in flight)
     capacity: int = 0         # host page slots, the dummy left out
+    sliding_num_pages: int = 0  # the sliding-window index's (Gemma 4; 0: none)
+    sliding_capacity: int = 0
     restore_seconds: float = 0.0
 
     @property
@@ -50,6 +52,10 @@ class HostCacheStats:
     @property
     def usage(self) -> float:
         return self.num_pages / self.capacity if self.capacity else 0.0
+
+    @property
+    def sliding_usage(self) -> float:
+        return self.sliding_num_pages / self.sliding_capacity if self.sliding_capacity else 0.0
 
 
 @dataclass
@@ -216,4 +222,6 @@ class HostCache:
             + lo * self.sliding_page_bytes,
             bytes_restored=pi * self.page_bytes + si * self.state_bytes
             + li * self.sliding_page_bytes,
-            num_pages=len(self.index), capacity=self.index.num_slots - 1)
+            num_pages=len(self.index), capacity=self.index.num_slots - 1,
+            sliding_num_pages=len(self.sliding) if self.sliding is not None else 0,
+            sliding_capacity=self.sliding.num_slots - 1 if self.sliding is not None else 0)

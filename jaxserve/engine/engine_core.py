@@ -163,6 +163,7 @@ class EngineCore:
     def begin_step(self) -> _Step:
         """Schedules and dispatches one step; the device works while the host goes on."""
         try:
+            self._follow_kv_scales()
             sched_out = self.scheduler.schedule()
             # Followers keep the same persistent batch: every diff reaches them, even
             # one that only drops rows.
@@ -179,6 +180,15 @@ class EngineCore:
             return _Step(sched_out, self.runner.dispatch(sched_out))
         except Exception as e:   # reported by finish_step, so other replicas still collect
             return _Step(sched_out, error=e)
+
+    def _follow_kv_scales(self) -> None:
+        """Cached pages are stored under the KV scales of their time: when the runner's
+        params bring others (a weight update), both tiers of the prefix cache are reset,
+        so nothing stored under the old ones is restored or shared."""
+        tier = self.runner.host_tier
+        if tier is not None and tier.follow_scales():
+            logger.warning("the KV scales changed: the prefix cache (device and host) is reset")
+            self.scheduler.reset_prefix_cache()
 
     def finish_step(self, step: _Step) -> list[RequestOutput]:
         """Waits for a step from begin_step and applies its results."""

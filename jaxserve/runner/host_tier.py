@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -29,14 +29,15 @@ import numpy as np
 from jaxserve.core import host_pages
 from jaxserve.core.host_pages import size_host_tier, size_sliding_host_tier
 from jaxserve.core.sched_output import HostCopies
-from models.layer_stack import CONV, KV, KV_SLIDING, RECURRENT
+from models.layer_stack import CONV, KV, KV_SCALES, KV_SLIDING, RECURRENT
 from models.page_copies import gather_pages, scatter_pages
 
 PAGE_KINDS = (KV, KV_SLIDING)
 STATE_KINDS = (CONV, RECURRENT)
 PINNED_HOST = "pinned_host"
-# Host slots of a copy: one list for every KV kind it names, or a list per kind.
-HostSlots = Sequence[int] | Mapping[str, Sequence[int]]
+TIMING_S = 0.05   # at most this much start-up time (past one call) timing the restore
+# Page ids or host slots of a copy, per KV kind (a sliding-window array has slots of its own).
+PerKind = Mapping[str, Sequence[int]]
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,7 @@ class HostPageArrays:
         for kind, (row, dtype) in layout.rows.items():
             n = count.get(kind, num_state_slots)
             self.arrays[kind] = np.zeros((n, layout.layers[kind], *row), dtype)
-        self.kv_scales = {k: np.asarray(v) for k, v in (kv_scales or {}).items()}
+        self.adopt_scales(kv_scales)
 
     @classmethod
     def for_budget(cls, layout: HostTierLayout, budget_bytes: int,
@@ -124,11 +125,28 @@ class HostPageArrays:
     def num_state_slots(self) -> int:
         return next((a.shape[0] for k, a in self.arrays.items() if k in STATE_KINDS), 0)
 
+    def adopt_scales(self, kv_scales: Mapping[str, Any] | None) -> None:
+        """The KV scales the pages stored from now on are under (the arrays' contents
+        mean nothing under them: the prefix cache was reset)."""
+        self._scales_seen = dict(kv_scales or {})   # held: their ids cannot be reused
+        self.kv_scales = {k: np.asarray(v) for k, v in self._scales_seen.items()}
+
+    def same_scales(self, kv_scales: Mapping[str, Any] | None) -> bool:
+        """Whether kv_scales are those the pages were stored under: the same arrays (the
+        per-step check: no copy), else equal values (then remembered as the same)."""
+        given = dict(kv_scales or {})
+        if given.keys() == self._scales_seen.keys() and all(
+                given[k] is self._scales_seen[k] for k in given):
+            return True
+        if given.keys() != self.kv_scales.keys() or any(
+                not np.array_equal(np.asarray(given[k]), self.kv_scales[k]) for k in given):
+            return False
+        self._scales_seen = given
+        return True
+
     def check_scales(self, kv_scales: Mapping[str, Any] | None) -> None:
         """Pages stored under some scales mean other values under others."""
-        given = {k: np.asarray(v) for k, v in (kv_scales or {}).items()}
-        if given.keys() != self.kv_scales.keys() or any(
-                not np.array_equal(given[k], self.kv_scales[k]) for k in given):
+        if not self.same_scales(kv_scales):
             raise ValueError("the host tier's pages were stored under other KV scales: "
                              "reset it (reset_prefix_cache) before restoring")
 
@@ -190,19 +208,16 @@ class HostCopier:
         self._restore = jax.jit(self.restore_fn, donate_argnums=0)
 
     # ---- batching -------------------------------------------------------------------
-    def _calls(self, page_ids: Mapping[str, Sequence[int]], host_slots: HostSlots,
-               state_ids: Sequence[int], host_state_slots: Sequence[int]):
-        """Per call: (device ids per kind, padded; host slots per kind, unpadded).
-        host_slots: one list for every kind named, or a list per kind."""
-        per_kind = {k: host_slots[k] if isinstance(host_slots, Mapping) else host_slots
-                    for k in page_ids}
+    def _calls(self, page_ids: PerKind, host_slots: PerKind, state_ids: Sequence[int],
+               host_state_slots: Sequence[int]):
+        """Per call: (device ids per kind, padded; host slots per kind, unpadded)."""
         for kind, ids in page_ids.items():
             if kind not in PAGE_KINDS or kind not in self.layout.rows:
                 raise ValueError(f"page ids for {kind!r}: this model's page kinds are "
                                  f"{[k for k in PAGE_KINDS if k in self.layout.rows]}")
-            if len(ids) != len(per_kind[kind]):
-                raise ValueError(f"{kind}: {len(ids)} page ids for {len(per_kind[kind])} "
-                                 f"host slots")
+            if len(ids) != len(host_slots.get(kind, ())):
+                raise ValueError(f"{kind}: {len(ids)} page ids for "
+                                 f"{len(host_slots.get(kind, ()))} host slots")
         if len(state_ids) != len(host_state_slots):
             raise ValueError(f"{len(state_ids)} state ids for {len(host_state_slots)} slots")
         state_kinds = [k for k in STATE_KINDS if k in self.layout.rows]
@@ -218,18 +233,18 @@ class HostCopier:
                 named = kind in page_ids
                 part = list(page_ids[kind][c * bp:(c + 1) * bp]) if named else []
                 ids[kind] = _pad(part, bp)
-                slots[kind] = list(per_kind[kind][c * bp:(c + 1) * bp]) if named else []
+                slots[kind] = list(host_slots[kind][c * bp:(c + 1) * bp]) if named else []
             for kind in state_kinds:
                 part = list(state_ids[c * bs:(c + 1) * bs])
                 ids[kind], slots[kind] = _pad(part, bs), list(host_state_slots[c * bs:(c + 1) * bs])
             yield ids, slots
 
     # ---- the copies -------------------------------------------------------------------
-    def offload(self, caches: Mapping[str, jax.Array], page_ids: Mapping[str, Sequence[int]],
-                host_slots: HostSlots, state_ids: Sequence[int] = (),
+    def offload(self, caches: Mapping[str, jax.Array], page_ids: PerKind, host_slots: PerKind,
+                state_ids: Sequence[int] = (),
                 host_state_slots: Sequence[int] = ()) -> PendingOffload:
-        """Starts copying pages page_ids[kind][i] (of each KV kind given, all into
-        host slot host_slots[i]; a kind not given is not stored) and state slots
+        """Starts copying pages page_ids[kind][i] (of each KV kind given, into host slot
+        host_slots[kind][i]; a kind not given is not stored) and state slots
         state_ids[j] into host_state_slots[j]. Issued now, in order with the steps
         around it, so a later step that rewrites those pages waits for these reads."""
         pending = PendingOffload()
@@ -238,10 +253,10 @@ class HostCopier:
         return pending
 
     def restore(self, caches: Mapping[str, jax.Array], host: HostPageArrays,
-                host_slots: HostSlots, page_ids: Mapping[str, Sequence[int]],
+                host_slots: PerKind, page_ids: PerKind,
                 host_state_slots: Sequence[int] = (), state_ids: Sequence[int] = (),
                 kv_scales: Mapping[str, Any] | None = None) -> dict[str, jax.Array]:
-        """caches (donated) with host slot host_slots[i] written into page
+        """caches (donated) with host slot host_slots[kind][i] written into page
         page_ids[kind][i] of each KV kind given (a kind not given is left alone),
         and host state slot j into state slot state_ids[j]. Every call has the same
         shapes and kinds. The host rows are gathered and sent now (asynchronously)."""
@@ -268,19 +283,40 @@ class HostTier:
     before its forward and lands its offloads when it collects the step."""
 
     def __init__(self, caches: Mapping[str, jax.Array], layers: Mapping[str, int],
-                 budget_bytes: int, device: jax.Device) -> None:
+                 budget_bytes: int, device: jax.Device,
+                 params: Callable[[], Mapping[str, Any]] = dict) -> None:
+        """params: the runner's params now, whose KV scales (a quantized cache's) say
+        what the pages stored mean."""
+        self._params = params
         self.layout = HostTierLayout.of(caches, layers)
-        self.arrays = HostPageArrays.for_budget(self.layout, budget_bytes)
+        self.arrays = HostPageArrays.for_budget(self.layout, budget_bytes, self.kv_scales())
         self.copier = HostCopier(self.layout, {k: caches[k].sharding for k in self.layout.rows},
                                  memory_kind=host_memory_kind(device))
         self.page_kinds = [k for k in PAGE_KINDS if k in self.layout.rows]
         self.restore_seconds = 0.0   # host time to gather and send restores (asynchronous)
+        self.restore_call_s = 0.0    # one restore call, timed at warmup (0: not timed)
+
+    def kv_scales(self) -> dict[str, Any]:
+        """The runner's KV scale params now (models/kv_scales.py; none: a float cache)."""
+        params = self._params()
+        return {name: params[name] for name, _ in KV_SCALES.values() if name in params}
+
+    def follow_scales(self) -> bool:
+        """Whether the runner's KV scales changed since the pages were stored (its params
+        were replaced): then every entry is stale and the caller resets the prefix cache
+        (both tiers); the new scales are the pages' from now on. Between steps only."""
+        scales = self.kv_scales()
+        if self.arrays.same_scales(scales):
+            return False
+        self.arrays.adopt_scales(scales)
+        return True
 
     def dispatch(self, caches: dict[str, jax.Array], copies: HostCopies
                  ) -> tuple[dict[str, jax.Array], PendingOffload | None]:
         """copies (core/sched_output.HostCopies): the offloads issued (their reads go
-        before any later write of those pages), then the restores (caches donated) ->
-        (the caches, the offloads to land)."""
+        before any later write of those pages), then the restores (caches donated;
+        refused under other KV scales than their pages') -> (the caches, the offloads to
+        land)."""
         pending = None
         c = copies
         if c.num_offloads:
@@ -293,7 +329,8 @@ class HostTier:
             pages, slots = self._by_kind((c.restore_pages, c.restore_slots),
                                          (c.restore_sliding_pages, c.restore_sliding_slots))
             caches = self.copier.restore(caches, self.arrays, slots, pages,
-                                         c.restore_state_slots, c.restore_state_ids)
+                                         c.restore_state_slots, c.restore_state_ids,
+                                         self.kv_scales())
             self.restore_seconds += time.perf_counter() - t0
         return caches, pending
 
@@ -307,12 +344,18 @@ class HostTier:
 
     def warmup(self, caches: dict[str, jax.Array]) -> dict[str, jax.Array]:
         """Compiles both programs (a copy of the null page / slot to and from the dummy
-        slot: what padding does anyway)."""
-        has_state = self.arrays.num_state_slots > 0
-        state = [0] if has_state else []
-        self.copier.offload(caches, {k: [0] for k in self.page_kinds}, [0], state,
-                            state).land(self.arrays)
-        caches = self.copier.restore(caches, self.arrays, [0], {k: [0] for k in self.page_kinds},
-                                     state, state)
-        jax.block_until_ready(caches)
+        slot: what padding does anyway), then times the restore (restore_call_s)."""
+        state = [0] if self.arrays.num_state_slots > 0 else []
+        null = {k: [0] for k in self.page_kinds}
+        self.copier.offload(caches, null, null, state, state).land(self.arrays)
+        times: list[float] = []
+        # The first call compiles; then the fastest of a few (a whole call's bytes each,
+        # padding included, as every call moves), within TIMING_S of start-up time.
+        while len(times) < 4 and sum(times[1:]) < TIMING_S:
+            t0 = time.perf_counter()
+            caches = self.copier.restore(caches, self.arrays, null, null, state, state,
+                                         self.kv_scales())
+            jax.block_until_ready(caches)
+            times.append(time.perf_counter() - t0)
+        self.restore_call_s = min(times[1:])
         return caches

@@ -160,8 +160,7 @@ class ModelRunner(RunnerWarmup):
             drafter.jit(p_sh)
         # What the forward pads its hidden states to, for the one prompt-logprobs program.
         self._max_tokens = self.token_buckets[-1]
-        self.warmup_seconds = 0.0
-        self.warmup_compilations = 0
+        self.warmup_seconds, self.warmup_compilations = 0.0, 0
         self.warmup_cache_hits = self.warmup_fresh_compilations = 0
         self._hidden_spec = None    # the forward's hidden states, traced on first need
         self.host_tier: HostTier | None = None   # the prefix cache's (attach_host_tier)
@@ -173,7 +172,8 @@ class ModelRunner(RunnerWarmup):
         per_kind = {KV: c.num_pages, KV_SLIDING: c.num_sliding_pages or c.num_pages,
                     CONV: c.num_state_slots, RECURRENT: c.num_state_slots}
         layers = {k: caches[k].shape[0] // n for k, n in per_kind.items() if k in caches}
-        self.host_tier = HostTier(caches, layers, budget_bytes, self.mesh.devices.flat[0])
+        self.host_tier = HostTier(caches, layers, budget_bytes, self.mesh.devices.flat[0],
+                                  lambda: self.params)
         return self.host_tier
 
     def _init_lora(self, lora: LoRAStore | None) -> None:

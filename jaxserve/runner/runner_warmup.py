@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from functools import partial
 from typing import Any
 
@@ -24,6 +25,8 @@ logger = logging.getLogger("jaxserve")
 
 class RunnerWarmup:
     """ModelRunner's warmup (a mixin: it lists and compiles the runner's own programs)."""
+    # Seconds per token of the largest token bucket's forward, timed at warmup (0: none).
+    prefill_s_per_token: float = 0.0
 
     def warmup_programs(self) -> list[Program]:
         """Every program warmup compiles, in its order: the forward per token bucket and
@@ -133,7 +136,9 @@ class RunnerWarmup:
                     workers=default_compile_workers(),
                     on_done=lambda prog, _, seconds: report.program_done(prog, seconds))
         # ... then run each once, from jax's in-memory caches: the calls serving makes.
+        forward_s: dict[int, float] = {}   # token bucket -> its fastest forward's seconds
         for prog in programs:
+            t0 = time.perf_counter()
             out = prog.fn(*prog.args())
             if prog.kind == FORWARD:
                 self.kv_caches = out[2]     # the old ones were donated
@@ -144,6 +149,12 @@ class RunnerWarmup:
             elif prog.kind == ENCODE:
                 self.encoder.cache = out
             jax.block_until_ready(out)
+            if prog.kind == FORWARD:
+                seconds = time.perf_counter() - t0
+                forward_s[prog.tokens] = min(forward_s.get(prog.tokens, seconds), seconds)
+        # The largest bucket's time per token: a prefill's (the host tier's cost model).
+        self.prefill_s_per_token = forward_s[max(forward_s)] / max(forward_s) \
+            if forward_s else 0.0
         if self.host_tier is not None:   # its offload and restore programs
             self.kv_caches = self.host_tier.warmup(self.kv_caches)
         summary = report.finish()

@@ -38,6 +38,24 @@ def test_host_metrics_follow_the_engine_totals():
     assert value(snap, "jaxserve:host_cache_usage_perc") == 0.5
 
 
+def test_a_sliding_window_index_has_its_own_page_counts_and_usage():
+    """Gemma 4's sliding pages (HostCache.sliding): their counters and usage beside the
+    tier's, only when the tier has such an index."""
+    assert "sliding" not in Metrics("m").render(EngineStats(host=HOST), admitted=0).decode()
+    metrics = Metrics("m")
+    host = HostCacheStats(sliding_pages_offloaded=7, sliding_pages_restored=3,
+                          sliding_num_pages=5, sliding_capacity=20, capacity=40)
+    snap = samples(metrics.render(EngineStats(host=host), admitted=0).decode())
+    assert value(snap, "jaxserve:host_cache_sliding_offloaded_pages_total") == 7
+    assert value(snap, "jaxserve:host_cache_sliding_restored_pages_total") == 3
+    assert value(snap, "jaxserve:host_cache_sliding_usage_perc") == 0.25
+    later = HostCacheStats(sliding_pages_offloaded=9, sliding_pages_restored=3,
+                           sliding_num_pages=10, sliding_capacity=20, capacity=40)
+    snap = samples(metrics.render(EngineStats(host=later), admitted=0).decode())
+    assert value(snap, "jaxserve:host_cache_sliding_offloaded_pages_total") == 9
+    assert value(snap, "jaxserve:host_cache_sliding_usage_perc") == 0.5
+
+
 def test_the_stats_line_shows_the_external_hit_rate():
     line = stats_line(SchedulerStats(prefix_cache_queries=400, prefix_cache_hits=100,
                                      host=HOST), 1.0, 2.0)

@@ -65,6 +65,10 @@ def test_a_restored_hit_moves_its_global_pages_and_only_its_window():
     stats = host.stats()
     assert (stats.pages_restored, stats.sliding_pages_restored) == (3, 2)
     assert stats.hits == 12
+    # the sliding index's own slots in use (a's pages, then b's evicted by a2's restore)
+    assert (stats.sliding_num_pages, stats.sliding_capacity) == (len(host.sliding), 15) \
+        and stats.sliding_num_pages >= 3
+    assert stats.sliding_usage == stats.sliding_num_pages / 15
 
 
 def test_the_window_mixes_device_and_host_pages():

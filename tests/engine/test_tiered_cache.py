@@ -13,10 +13,14 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
+from jaxserve.api.metrics import Metrics
 from jaxserve.errors import ConfigError
+from jaxserve.engine.async_engine import EngineStats
+from jaxserve.engine.engine_core import prompt_page_hashes
 from jaxserve.engine.llm_kwargs import engine_config
 from jaxserve.runner.compile_counter import num_compilations
 from models.layer_stack import KV
+from tests.api.test_metrics_vllm import samples, value
 from tests.engine.conftest import add, assert_no_leaks
 
 PS, POOL = 16, 12        # device pool: 11 pages of 16 tokens (+ the null page)
@@ -91,6 +95,9 @@ def test_a_trace_over_the_host_tier_gives_the_same_tokens_and_hits_it(engines):
     assert stats.host is not None and stats.host.hits > 0
     assert stats.host.pages_offloaded > 0 and stats.host.pages_restored > 0
     host = tiered.engine.scheduler.kv.host
+    runner = tiered.engine.runner   # restore or recompute by what warmup timed
+    assert host.cost.latency_s == runner.host_tier.restore_call_s > 0
+    assert host.cost.prefill_s_per_token == runner.prefill_s_per_token > 0
     assert stats.host.bytes_restored == stats.host.pages_restored * host.page_bytes + \
         stats.host.states_restored * host.state_bytes + \
         stats.host.sliding_pages_restored * host.sliding_page_bytes
@@ -102,6 +109,11 @@ def test_a_trace_over_the_host_tier_gives_the_same_tokens_and_hits_it(engines):
         window = -(-(tiered.engine.scheduler.kv.sliding_window - 1) // PS)
         assert stats.host.sliding_pages_restored <= window * sum(c > 0 for c in tier_cached)
         assert stats.host.sliding_pages_restored < stats.host.pages_restored
+        # ... and on /metrics, beside the tier's own
+        snap = samples(Metrics("m").render(EngineStats(host=stats.host), admitted=0).decode())
+        assert value(snap, "jaxserve:host_cache_sliding_restored_pages_total") == \
+            stats.host.sliding_pages_restored
+        assert 0 < value(snap, "jaxserve:host_cache_sliding_usage_perc") <= 1
     # num_cached_tokens counts hits from either tier; later turns hit the host's pages.
     assert sum(tier_cached) >= sum(plain_cached) + stats.host.hits
     assert all(c > 0 for c in tier_cached[CONVERSATIONS:])
@@ -182,6 +194,20 @@ def test_an_int8_cache_travels_as_stored_and_gives_the_same_tokens(checkpoint):
     assert tiered.engine.stats().host.pages_restored > 0
     assert all(c > 0 for c in cached[CONVERSATIONS:])
     assert num_compilations() == compiled
+    assert_tier_settled(tiered)
+    # Other KV scales (the params replaced, as a weight update does): pages stored under
+    # the old ones are neither restored nor shared; both tiers start over.
+    rng = random.Random(9)
+    prompt, *others = [[rng.randrange(3, 250) for _ in range(70)] for _ in range(4)]
+    tiered.generate([{"prompt_token_ids": p} for p in [prompt, *others]], GREEDY,
+                    use_tqdm=False)   # the prompt's pages are evicted to host by the others
+    host = tiered.engine.scheduler.kv.host
+    assert host.index.ready(prompt_page_hashes(prompt, PS)[0])
+    runner.params = {**runner.params, "kv_scales": runner.params["kv_scales"] * 2}
+    out = tiered.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)[0]
+    assert out.num_cached_tokens == 0
+    assert np.array_equal(runner.host_tier.arrays.kv_scales["kv_scales"],
+                          np.asarray(runner.params["kv_scales"]))
     assert_tier_settled(tiered)
 
 

@@ -3,13 +3,16 @@ in every held dtype, into other page ids, in place, the pages not named untouche
 nothing compiled after the first call of each program."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxserve.runner.compile_counter import num_compilations
-from jaxserve.runner.host_tier import (HostCopier, HostPageArrays, HostTierLayout,
+from jaxserve.core.sched_output import HostCopies
+from jaxserve.runner.host_tier import (HostCopier, HostPageArrays, HostTier, HostTierLayout,
                                        host_memory_kind)
 from models.layer_stack import CONV, KV, KV_SLIDING, RECURRENT
 from pallas_kernels.held_dtypes import held_dtype
@@ -48,6 +51,11 @@ def make_tier(caches, memory_kind="auto", slots: int = 9, state_slots: int = 4, 
     return copier, HostPageArrays(layout, slots, state_slots if CONV in caches else 0, scales)
 
 
+def same(slots) -> dict:
+    """One list of host slots for every KV kind a copy names."""
+    return {KV: slots, KV_SLIDING: slots}
+
+
 def rows(cache: np.ndarray, layers: int, ids) -> np.ndarray:
     per = cache.shape[0] // layers
     return np.stack([cache[[d * per + i for d in range(layers)]] for i in ids])
@@ -61,7 +69,7 @@ def test_round_trip_is_bit_exact_and_touches_only_the_named_pages(kv_dtype, memo
     copier, host = make_tier(src, memory_kind)
     want = {k: np.array(v) for k, v in src.items()}
     # Three pages (two calls of two), sliding pages of their own ids, two snapshots.
-    pending = copier.offload(src, {KV: [3, 5, 11], KV_SLIDING: [1, 6, 2]}, [4, 1, 7],
+    pending = copier.offload(src, {KV: [3, 5, 11], KV_SLIDING: [1, 6, 2]}, same([4, 1, 7]),
                              state_ids=[2, 5], host_state_slots=[3, 1])
     pending.land(host)
     # Bits compared (random bits include NaNs).
@@ -71,7 +79,7 @@ def test_round_trip_is_bit_exact_and_touches_only_the_named_pages(kv_dtype, memo
     dst = random_caches(kv_dtype, rng, hybrid=True)
     before = {k: np.array(v) for k, v in dst.items()}
     pointers = {k: v.unsafe_buffer_pointer() for k, v in dst.items()}
-    out = copier.restore(dst, host, [4, 1, 7], {KV: [8, 2, 9], KV_SLIDING: [5, 3, 4]},
+    out = copier.restore(dst, host, same([4, 1, 7]), {KV: [8, 2, 9], KV_SLIDING: [5, 3, 4]},
                          host_state_slots=[3, 1], state_ids=[4, 1])
     got = {k: np.array(v) for k, v in out.items()}
     assert {k: v.unsafe_buffer_pointer() for k, v in out.items()} == pointers   # in place
@@ -90,13 +98,14 @@ def test_nothing_compiles_after_the_first_calls():
     rng = np.random.default_rng(1)
     caches = random_caches(jnp.bfloat16, rng, hybrid=True)
     copier, host = make_tier(caches)
-    copier.offload(caches, {KV: [1], KV_SLIDING: [1]}, [1], [1], [1]).land(host)
-    caches = copier.restore(caches, host, [1], {KV: [2]}, [1], [2])
+    copier.offload(caches, {KV: [1], KV_SLIDING: [1]}, same([1]), [1], [1]).land(host)
+    caches = copier.restore(caches, host, same([1]), {KV: [2]}, [1], [2])
     start = num_compilations()
     for n in (1, 2, 3, 5):
         ids = list(range(1, n + 1))
-        copier.offload(caches, {KV: ids}, ids, ids[:2], ids[:2]).land(host)
-        caches = copier.restore(caches, host, ids, {KV: ids, KV_SLIDING: ids}, ids[:1], ids[:1])
+        copier.offload(caches, {KV: ids}, same(ids), ids[:2], ids[:2]).land(host)
+        caches = copier.restore(caches, host, same(ids), {KV: ids, KV_SLIDING: ids}, ids[:1],
+                                ids[:1])
     jax.block_until_ready(caches)
     assert num_compilations() == start
 
@@ -107,9 +116,9 @@ def test_a_kind_not_named_is_left_alone():
     rng = np.random.default_rng(2)
     caches = random_caches(jnp.bfloat16, rng)
     copier, host = make_tier(caches)
-    copier.offload(caches, {KV: [3]}, [2]).land(host)
+    copier.offload(caches, {KV: [3]}, {KV: [2]}).land(host)
     before = np.array(caches[KV_SLIDING])
-    out = copier.restore(caches, host, [2], {KV: [5]})
+    out = copier.restore(caches, host, {KV: [2]}, {KV: [5]})
     per = SLIDING_PAGES
     real = [r for r in range(W * per) if r % per]
     assert np.array(out[KV_SLIDING])[real].tobytes() == before[real].tobytes()
@@ -120,13 +129,41 @@ def test_restores_under_other_scales_are_refused():
     caches = random_caches(jnp.int8, rng)
     scales = {"kv_scales": np.full((A, 2, 2), 0.5, np.float32)}
     copier, host = make_tier(caches, scales=scales)
-    copier.offload(caches, {KV: [3]}, [2]).land(host)
+    copier.offload(caches, {KV: [3]}, {KV: [2]}).land(host)
     with pytest.raises(ValueError, match="other KV scales"):
-        copier.restore(caches, host, [2], {KV: [5]},
+        copier.restore(caches, host, {KV: [2]}, {KV: [5]},
                        kv_scales={"kv_scales": np.full((A, 2, 2), 0.25, np.float32)})
     want = rows(np.array(caches[KV]), A, [3])
-    out = copier.restore(caches, host, [2], {KV: [5]}, kv_scales=scales)
+    out = copier.restore(caches, host, {KV: [2]}, {KV: [5]}, kv_scales=scales)
     assert rows(np.array(out[KV]), A, [5]).tobytes() == want.tobytes()
+
+
+def test_the_tier_follows_the_runners_kv_scales():
+    """HostTier reads the scales off the runner's params (a getter: they may be replaced):
+    the same arrays or equal values are the same scales; other values are a change it
+    reports once (the engine then resets both tiers), and until then a restore is refused."""
+    rng = np.random.default_rng(5)
+    caches = {KV: random_caches(jnp.int8, rng)[KV]}
+    layout = HostTierLayout.of(caches, LAYERS)
+    params = {"w": jnp.zeros(3), "kv_scales": jnp.full((A, 4, 2), 0.5, jnp.float32)}
+    runner = SimpleNamespace(params=params)
+    tier = HostTier(caches, LAYERS, 8 * layout.page_bytes, jax.devices()[0],
+                    lambda: runner.params)
+    caches = tier.warmup(caches)
+    assert tier.restore_call_s > 0   # timed once compiled (the engine's cost model)
+    assert set(tier.kv_scales()) == {"kv_scales"}
+    caches, pending = tier.dispatch(caches, HostCopies(offload_pages=[3], offload_slots=[2]))
+    pending.land(tier.arrays)
+    restore = HostCopies(restore_slots=[2], restore_pages=[5])
+    runner.params = {**params, "kv_scales": jnp.full((A, 4, 2), 0.5, jnp.float32)}
+    assert not tier.follow_scales()   # equal values: the same scales
+    caches, _ = tier.dispatch(caches, restore)
+    runner.params = {**params, "kv_scales": jnp.full((A, 4, 2), 0.25, jnp.float32)}
+    with pytest.raises(ValueError, match="other KV scales"):
+        tier.dispatch(caches, restore)
+    assert tier.follow_scales() and not tier.follow_scales()   # reported once
+    np.testing.assert_array_equal(tier.arrays.kv_scales["kv_scales"], 0.25)
+    caches, _ = tier.dispatch(caches, restore)   # (what the reset tiers store from now)
 
 
 def test_layout_bytes_and_bad_calls():
@@ -137,13 +174,13 @@ def test_layout_bytes_and_bad_calls():
     assert layout.state_bytes == D * (24 * 2 + 2 * 4 * 4 * 4)
     copier, host = make_tier(caches)
     with pytest.raises(ValueError, match="2 page ids for 1 host slots"):
-        copier.offload(caches, {KV: [1, 2]}, [1])
+        copier.offload(caches, {KV: [1, 2]}, {KV: [1]})
     with pytest.raises(ValueError, match="'conv'"):
-        copier.offload(caches, {CONV: [1]}, [1])
+        copier.offload(caches, {CONV: [1]}, {CONV: [1]})
     llama = {KV: caches[KV]}
     copier, _ = make_tier(llama)
     with pytest.raises(ValueError, match="without recurrent state"):
-        copier.offload(llama, {KV: [1]}, [1], [1], [1])
+        copier.offload(llama, {KV: [1]}, {KV: [1]}, [1], [1])
 
 
 def test_an_offload_reads_the_pages_before_a_later_restore_rewrites_them():
@@ -153,9 +190,9 @@ def test_an_offload_reads_the_pages_before_a_later_restore_rewrites_them():
     caches = random_caches(jnp.bfloat16, rng)
     copier, host = make_tier(caches)
     old = rows(np.array(caches[KV]), A, [3])
-    copier.offload(caches, {KV: [4]}, [2]).land(host)            # other bits in slot 2
-    pending = copier.offload(caches, {KV: [3]}, [5])
-    caches = copier.restore(caches, host, [2], {KV: [3]})         # page 3 rewritten
+    copier.offload(caches, {KV: [4]}, {KV: [2]}).land(host)            # other bits in slot 2
+    pending = copier.offload(caches, {KV: [3]}, {KV: [5]})
+    caches = copier.restore(caches, host, {KV: [2]}, {KV: [3]})         # page 3 rewritten
     assert rows(np.array(caches[KV]), A, [3]).tobytes() != old.tobytes()
     pending.land(host)
     assert host.arrays[KV][[5]].tobytes() == old.tobytes()
@@ -177,8 +214,9 @@ def test_caches_split_by_head_over_a_mesh_round_trip():
     copier, host = make_tier(caches)
     want = {k: np.array(v) for k, v in caches.items()}
     shardings = {k: v.sharding for k, v in caches.items()}
-    copier.offload(caches, {KV: [1, 2], KV_SLIDING: [3, 4]}, [1, 2], [1], [1]).land(host)
-    out = copier.restore(caches, host, [1, 2], {KV: [5, 6], KV_SLIDING: [5, 6]}, [1], [3])
+    copier.offload(caches, {KV: [1, 2], KV_SLIDING: [3, 4]}, same([1, 2]), [1], [1]).land(host)
+    out = copier.restore(caches, host, same([1, 2]), {KV: [5, 6], KV_SLIDING: [5, 6]}, [1],
+                         [3])
     assert {k: v.sharding for k, v in out.items()} == shardings
     got = {k: np.array(v) for k, v in out.items()}
     assert rows(got[KV], A, [5, 6]).tobytes() == rows(want[KV], A, [1, 2]).tobytes()
@@ -190,9 +228,9 @@ def test_an_offload_stores_only_the_kinds_it_names():
     rng = np.random.default_rng(7)
     caches = random_caches(jnp.bfloat16, rng)
     copier, host = make_tier(caches)
-    copier.offload(caches, {KV: [3], KV_SLIDING: [4]}, [2]).land(host)
+    copier.offload(caches, {KV: [3], KV_SLIDING: [4]}, same([2])).land(host)
     sliding = host.arrays[KV_SLIDING][2].copy()
-    copier.offload(caches, {KV: [5]}, [2]).land(host)
+    copier.offload(caches, {KV: [5]}, {KV: [2]}).land(host)
     assert host.arrays[KV][[2]].tobytes() == rows(np.array(caches[KV]), A, [5]).tobytes()
     assert host.arrays[KV_SLIDING][2].tobytes() == sliding.tobytes()
 

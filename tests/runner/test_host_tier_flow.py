@@ -10,7 +10,7 @@ import numpy as np
 
 from jaxserve.core.host_pages import HostPageIndex
 from models.layer_stack import CONV, KV, KV_SLIDING, RECURRENT
-from tests.runner.test_host_tier import A, D, W, make_tier, random_caches, rows
+from tests.runner.test_host_tier import A, D, W, make_tier, random_caches, rows, same
 
 
 def offload(index, copier, host, caches, evicted, snapshot=None):
@@ -20,8 +20,9 @@ def offload(index, copier, host, caches, evicted, snapshot=None):
     started = [(e, p) for e, p in started if e is not None]
     states = [(e.state_slot, snapshot[1]) for e, _ in started
               if snapshot and e.page_hash == snapshot[0] and e.state_slot is not None]
-    pending = copier.offload(caches, {KV: [p for _, p in started], KV_SLIDING: [p for _, p in started]},
-                             [e.slot for e, _ in started], [s for _, s in states],
+    pages = [p for _, p in started]
+    pending = copier.offload(caches, {KV: pages, KV_SLIDING: pages},
+                             same([e.slot for e, _ in started]), [s for _, s in states],
                              [h for h, _ in states])
     return pending, [e for e, _ in started]
 
@@ -44,7 +45,7 @@ def test_evicted_prefix_comes_back_from_host():
     assert [e.page_hash for e in hit] == [101, 102, 103] and hit[-1].state_slot is not None
     index.pin(hit)
     new_pages, new_slot = [6, 1, 4], 2
-    caches = copier.restore(caches, host, [e.slot for e in hit],
+    caches = copier.restore(caches, host, same([e.slot for e in hit]),
                             {KV: new_pages, KV_SLIDING: new_pages}, [hit[-1].state_slot],
                             [new_slot])
     index.unpin(hit)
