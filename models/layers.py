@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec
 
 from models.config import FULL_ATTENTION, ModelConfig, WeightQuant
 from models.inputs import ModelInputs
-from models.lora.ops import LORA, LORA_STEP, SlotGroups, projection_split, sharded_lora_delta
+from models.lora.ops import LORA, LORA_STEP, SlotGroups, projection_split, sharded_lora_add
 from models.quantization import SCALE_SUFFIX, quantized_matmul, scale_shape, storage_dtype
 from pallas_kernels.ragged_paged_attention import (KV_HEAD_AXIS, backend_options,
                                                     ragged_paged_attention, write_kv)
@@ -123,11 +123,11 @@ class Einsum(nn.Module):
             return y
         step = {k: self.get_variable(LORA_STEP, k) for k in (*SlotGroups._fields, "scales")}
         groups = SlotGroups(*(step[k] for k in SlotGroups._fields))
-        n = self.num_contract
-        delta = sharded_lora_delta(x.reshape(*x.shape[:-n], -1), groups, self.get_variable(LORA, "a"),
-                                   self.get_variable(LORA, "b"), step["scales"],
-                                   projection_split(self.axes, n, RULES))
-        return y + delta.reshape(y.shape).astype(y.dtype)
+        n, rows = self.num_contract, x.shape[:-self.num_contract]
+        out = sharded_lora_add(y.reshape(*rows, -1), x.reshape(*rows, -1), groups,
+                               self.get_variable(LORA, "a"), self.get_variable(LORA, "b"),
+                               step["scales"], projection_split(self.axes, n, RULES))
+        return out.reshape(y.shape)
 
     def _add_bias(self, y: jax.Array) -> jax.Array:
         if not self.use_bias:

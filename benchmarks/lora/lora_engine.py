@@ -11,8 +11,9 @@ random weights written as PEFT files). The same greedy workload (--prompts reque
 --prompt-len tokens, --max-tokens each, ignore_eos) runs through LLM.generate with the
 requests spread evenly over N adapters (0: the LoRA engine's base rows). Prints the
 output tokens per second (best of --repeats, prefix cache reset between runs) and the
-ratio to the LoRA-off engine, measured in one run so the machine's load affects all
-alike.
+ratio to the LoRA-off engine, measured in one run; also per second of this process's
+CPU time (every thread's), which other processes on a shared machine move less than the
+wall time, and the load average.
 """
 from __future__ import annotations
 
@@ -79,32 +80,36 @@ def main() -> None:
     engine = dict(dtype="float32", max_model_len=args.prompt_len + args.max_tokens + 16,
                   max_num_seqs=args.prompts, max_num_batched_tokens=max(2048, args.prompts))
 
-    def best(llm: LLM, loras) -> float:
-        """Output tokens per second, best of --repeats."""
-        rates = []
+    def best(llm: LLM, loras) -> tuple[float, float]:
+        """Output tokens per second of wall time and of this process's CPU time (all its
+        threads: less moved by other processes on a shared machine), best of --repeats."""
+        rates, cpu_rates = [], []
         for _ in range(args.repeats):
             llm.reset_prefix_cache()
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             outs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
-            rates.append(sum(len(o.outputs[0].token_ids) for o in outs)
-                         / (time.perf_counter() - t))
-        return max(rates)
+            n = sum(len(o.outputs[0].token_ids) for o in outs)
+            rates.append(n / (time.perf_counter() - t))
+            cpu_rates.append(n / (time.process_time() - c))
+        return max(rates), max(cpu_rates)
 
     base = LLM(path, **engine)
-    base_rate = best(base, None)
+    base_rate, base_cpu = best(base, None)
     del base
     llm = LLM(path, enable_lora=True, max_loras=max(COUNTS), max_lora_rank=args.rank, **engine)
     best(llm, [adapters[i % max(COUNTS)] for i in range(args.prompts)])   # every slot loaded
     print(f"{args.prompts} requests x ({args.prompt_len} prompt + {args.max_tokens} output) "
           f"tokens, rank {args.rank}, best of {args.repeats}")
-    print(f"  LoRA off                {base_rate:8.1f} tok/s")
+    print(f"  LoRA off                {base_rate:8.1f} tok/s  {base_cpu:8.1f} tok/CPU-s  "
+          f"(load average {os.getloadavg()[0]:.1f})")
     rows = [("LoRA on, base rows", None)] + [
         (f"LoRA on, {n:2d} adapters", [adapters[i % n] for i in range(args.prompts)])
         for n in COUNTS]
     for label, loras in rows:
-        rate = best(llm, loras)
-        print(f"  {label:22s}  {rate:8.1f} tok/s  (x{base_rate / rate:.2f} the time)",
-              flush=True)
+        rate, cpu = best(llm, loras)
+        print(f"  {label:22s}  {rate:8.1f} tok/s  {cpu:8.1f} tok/CPU-s  (x{base_rate / rate:.2f} "
+              f"the time, x{base_cpu / cpu:.2f} the CPU time; load average "
+              f"{os.getloadavg()[0]:.1f})", flush=True)
 
 
 if __name__ == "__main__":

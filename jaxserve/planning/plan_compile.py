@@ -41,7 +41,7 @@ from jaxserve.build.drafter_loader import load_drafter
 from jaxserve.build.kv_budget import DeviceMemory
 from jaxserve.build.layout import (EngineLayout, build_layout_model, engine_layout,
                                    layout_cache_plan, layout_param_shardings)
-from jaxserve.build.parts import build_runner
+from jaxserve.build.parts import build_runner, lora_store
 from jaxserve.config import EngineConfig
 from jaxserve.checkpoints.model_names import load_model_config
 from jaxserve.planning.plan import plan_from_config
@@ -95,7 +95,7 @@ class CompileReport:
     weight_bytes_per_device: int
     kv_bytes_per_device: int             # the KV pages the engine would allocate
     state_bytes_per_device: int          # hybrid: the recurrent-state slots
-    planner_bytes_per_device: int | None  # jaxserve.plan's weights + KV + state
+    planner_bytes_per_device: int | None  # jaxserve.plan's weights + LoRA + KV + state
     warmup_programs: int                 # how many programs warmup compiles here
     programs: tuple[ProgramResult, ...] = ()
     compile_workers: int = 1             # programs compiled at once (each one's seconds
@@ -103,6 +103,7 @@ class CompileReport:
     wall_seconds: float = 0.0            # compiling them all, start to end
     error: str | None = None             # why the engine could not be built
     decode: tuple[dict[str, Any], ...] = ()   # step_bytes.DecodeStep.to_json() per rows
+    lora_bytes_per_device: int = 0       # --enable-lora: the adapters' stacks
 
     @property
     def fits(self) -> bool:
@@ -152,11 +153,11 @@ def _label(p: Program) -> str:
 
 
 def _input_bytes(runner: ModelRunner, args: tuple) -> int:
-    """Per-device bytes of a program's arguments other than the resident weights and
-    caches (batch inputs, the hidden states it reads)."""
+    """Per-device bytes of a program's arguments other than the resident weights,
+    adapter stacks and caches (batch inputs, the hidden states it reads)."""
     total = 0
     for arg in args:
-        if arg is runner.params or arg is runner.kv_caches:
+        if arg is runner.params or arg is runner.kv_caches or arg is runner.lora_stacks:
             continue
         for x in jax.tree_util.tree_leaves(arg):
             if hasattr(x, "shape") and hasattr(x, "dtype"):
@@ -227,7 +228,8 @@ class AbstractEngine:
     runner: ModelRunner                   # abstract=True
     layout: EngineLayout
     cache_plan: CachePlan
-    weight_bytes_per_device: int
+    weight_bytes_per_device: int          # the model's and a model drafter's
+    lora_bytes_per_device: int            # --enable-lora: the adapters' stacks
     programs: list[Program]               # runner.warmup_programs()
 
 
@@ -243,12 +245,17 @@ def build_abstract_engine(config: EngineConfig, mc: ModelConfig, mesh: Mesh,
     # Speculative decoding's model drafter (mtp, draft_model): its weights and KV too.
     drafter = load_drafter(config, layout, mesh, abstract=True)
     weights = bytes_per_device(params) + (bytes_per_device(drafter.params) if drafter else 0)
+    # The engine allocates the adapters' stacks before it sizes the caches (parts.py);
+    # their bytes as the planner counts them (LoRAStore.bytes_per_device).
+    lora = lora_store(config, layout, model)
+    stacks = lora.bytes_per_device(layout.model_axis) if lora else 0
     # A TPU's pool is the chip's usable memory (build/device_pool.py).
-    plan = layout_cache_plan(config, layout, None, DeviceMemory(hbm_bytes, hbm_bytes, weights),
+    plan = layout_cache_plan(config, layout, None,
+                             DeviceMemory(hbm_bytes, hbm_bytes, weights + stacks),
                              drafter_specs=drafter.cache_specs if drafter else ())
     runner = build_runner(config, layout, plan, model=model, params=params, mesh=mesh,
-                          drafter=drafter, abstract=True)
-    return AbstractEngine(runner, layout, plan, weights, runner.warmup_programs())
+                          drafter=drafter, abstract=True, lora=lora)
+    return AbstractEngine(runner, layout, plan, weights, stacks, runner.warmup_programs())
 
 
 def compile_plan(model: str, *, target: str, mesh: str = "1x1",
@@ -293,7 +300,8 @@ def compile_plan(model: str, *, target: str, mesh: str = "1x1",
             chosen.append(p)
     if not chosen:
         raise ValueError("--compile decode needs --decode-rows")
-    resident = eng.weight_bytes_per_device + bytes_per_device(eng.runner.kv_caches)
+    resident = (eng.weight_bytes_per_device + eng.lora_bytes_per_device
+                + bytes_per_device(eng.runner.kv_caches))
     workers = default_compile_workers() if workers is None else workers
     start = time.perf_counter()
     gate = SerialAfterFailure()
@@ -311,9 +319,11 @@ def compile_plan(model: str, *, target: str, mesh: str = "1x1",
     return replace(
         base, num_pages=eng.cache_plan.num_pages,
         weight_bytes_per_device=eng.weight_bytes_per_device,
+        lora_bytes_per_device=eng.lora_bytes_per_device,
         kv_bytes_per_device=eng.cache_plan.kv_bytes,
         state_bytes_per_device=eng.cache_plan.state_bytes,
-        planner_bytes_per_device=plan.weight_bytes_per_device + plan.cache.total_bytes,
+        planner_bytes_per_device=(plan.weight_bytes_per_device + plan.lora_bytes_per_device
+                                  + plan.cache.total_bytes),
         warmup_programs=len(eng.programs), programs=tuple(results), compile_workers=workers,
         wall_seconds=wall, decode=decode)
 
@@ -354,7 +364,9 @@ def format_report(r: CompileReport) -> str:
     lines = [head,
              f"  HBM per chip {_gib(r.hbm_bytes)} usable (of {_gib(r.published_hbm_bytes)}): "
              f"weights {_gib(r.weight_bytes_per_device)} + "
-             f"KV {r.num_pages - 1:,} pages {_gib(r.kv_bytes_per_device)}"
+             + (f"LoRA slots {_gib(r.lora_bytes_per_device)} + " if r.lora_bytes_per_device
+                else "")
+             + f"KV {r.num_pages - 1:,} pages {_gib(r.kv_bytes_per_device)}"
              + (f" + state {_gib(r.state_bytes_per_device)}" if r.state_bytes_per_device else "")
              + f" per device (planner: {_gib(r.planner_bytes_per_device)})",
              f"  warmup compiles {r.warmup_programs} programs; compiled here {len(r.programs)}, "

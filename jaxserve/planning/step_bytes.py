@@ -15,8 +15,9 @@ the costlier branch of a conditional) and charged the bytes that really cross HB
   context (a sliding layer's window), plus its other HBM operands and outputs;
 - the gated delta decode kernel moves its CostEstimate's bytes for the step's rows
   (each row's state read and written once; the estimate is for the row bucket);
-- another Pallas kernel moves its CostEstimate's bytes; any other op its HBM operands
-  and outputs;
+- another Pallas kernel moves its CostEstimate's bytes, in the share of its operands'
+  and outputs that are in HBM (XLA:TPU's ragged dot takes all of them from VMEM, moved
+  there by the ops before it: nothing); any other op its HBM operands and outputs;
 - a loop whose trip count the program reads from its inputs (a hybrid's prefill-chunk
   loop, the state-snapshot copies: none of them runs for decode rows) is not counted,
   but listed with its bytes per trip (`dynamic_loops`).
@@ -198,6 +199,13 @@ class _Walk:
                 bucket = int(meta.get("rows") or self.rows)
                 return (ins.cost_bytes * min(self.rows, bucket) // bucket,
                         f"CostEstimate for {min(self.rows, bucket)} of {bucket} rows")
+            # The estimate counts the kernel's arrays wherever XLA placed them; those it
+            # put in VMEM (XLA:TPU's ragged dot, whose every array is) were moved by the
+            # op that put them there, charged on its own.
+            arrays = [a for arrs in operands for a in arrs] + ins.shape
+            everything, hbm = sum(a.nbytes for a in arrays), _arrays_bytes(arrays)
+            if hbm < everything:
+                return ins.cost_bytes * hbm // everything, "CostEstimate, HBM share"
             return ins.cost_bytes, "CostEstimate"
         return sum(_arrays_bytes(a) for a in operands) + _arrays_bytes(ins.shape), ""
 

@@ -75,9 +75,10 @@ def test_bad_split_is_refused(case):
 @pytest.mark.parametrize("num_tokens,num_slots,seed", [(64, 17, 0), (5, 17, 1), (256, 2, 2),
                                                        (33, 5, 3)])
 def test_cpu_tiles_and_ragged_dot_agree_with_the_gather(num_tokens, num_slots, seed):
-    """Both forms (platform_dependent picks one per platform) against the per-token
-    gather, for skewed slot mixes: many slots for few tokens, one adapter, empty slots."""
-    from models.lora.ops import _ragged_delta, _windowed_delta
+    """Both forms (platform_dependent picks one per platform), each adding the delta into
+    the base projection's output, against the per-token gather, for skewed slot mixes:
+    many slots for few tokens, one adapter, empty slots."""
+    from models.lora.ops import _ragged_add, _windowed_add
     rng = np.random.default_rng(seed)
     i, o, r = 24, 40, 4
     x = jnp.asarray(rng.standard_normal((num_tokens, i)), jnp.float32)
@@ -86,10 +87,11 @@ def test_cpu_tiles_and_ragged_dot_agree_with_the_gather(num_tokens, num_slots, s
     scales = jnp.asarray(rng.uniform(0.5, 2, num_slots), jnp.float32)
     slots = jnp.asarray(rng.integers(0, num_slots, num_tokens) * (rng.random(num_tokens) < 0.8),
                         jnp.int32)
-    want = dense_reference(x, slots, a, b, scales)
+    y = jnp.asarray(rng.standard_normal((num_tokens, o)), jnp.float32)   # the base's output
+    want = y + dense_reference(x, slots, a, b, scales)
     groups = group_by_slot(slots, num_slots)
-    for form in (_windowed_delta, _ragged_delta):
-        np.testing.assert_allclose(jax.jit(form)(x, groups, a, b, scales), want, rtol=1e-4,
+    for form in (_windowed_add, _ragged_add):
+        np.testing.assert_allclose(jax.jit(form)(y, x, groups, a, b, scales), want, rtol=1e-4,
                                    atol=1e-4, err_msg=form.__name__)
 
 

@@ -160,6 +160,47 @@ def test_more_rows_and_context_read_more_pages_only():
     assert small["y"].bytes == large["y"].bytes
 
 
+# XLA:TPU's ragged dot (LoRA's grouped matmul) with every array in VMEM, the slice of
+# the stack it multiplies prefetched there by the fusion before it; a kernel whose x is
+# in HBM and whose weights are in VMEM; and one that takes everything from HBM.
+KERNELS = """HloModule kernels
+
+%fused_slice (param_0: bf16[4,5,512,16], param_1: s32[]) -> bf16[1,5,512,16] {
+  %param_0 = bf16[4,5,512,16]{3,2,1,0} parameter(0)
+  %param_1 = s32[] parameter(1)
+  %zero = s32[] constant(0)
+  ROOT %slice = bf16[1,5,512,16]{3,2,1,0:S(1)} dynamic-slice(%param_0, %param_1, %zero, %zero, %zero), dynamic_slice_sizes={1,5,512,16}
+}
+
+ENTRY %main (stack: bf16[4,5,512,16], i: s32[], x: bf16[16,512], xh: bf16[16,512]) -> f32[16,16] {
+  %stack = bf16[4,5,512,16]{3,2,1,0} parameter(0)
+  %i = s32[] parameter(1)
+  %a = bf16[1,5,512,16]{3,2,1,0:S(1)} fusion(%stack, %i), kind=kLoop, calls=%fused_slice, metadata={op_name="jit(step)/dynamic_slice"}
+  %a.1 = bf16[5,512,16]{2,1,0:S(1)} bitcast(%a)
+  %x = bf16[16,512]{1,0:S(1)} parameter(2)
+  %rd = f32[16,16]{1,0:S(1)} custom-call(%x, %a.1), custom_call_target="tpu_custom_call", metadata={op_name="jit(step)/ragged_dot_general/ragged-dot-none"}, backend_config={"custom_call_config":{"body":"AAAA","cost_estimate":{"flops":"1","transcendentals":"0","bytes_accessed":"98304"}}}
+  %xh = bf16[16,512]{1,0} parameter(3)
+  %half = f32[16,16]{1,0:S(1)} custom-call(%xh, %a.1), custom_call_target="tpu_custom_call", backend_config={"custom_call_config":{"body":"AAAA","cost_estimate":{"flops":"1","transcendentals":"0","bytes_accessed":"98304"}}}
+  ROOT %hbm = f32[16,16]{1,0} custom-call(%xh, %stack), custom_call_target="tpu_custom_call", backend_config={"custom_call_config":{"body":"AAAA","cost_estimate":{"flops":"1","transcendentals":"0","bytes_accessed":"7777"}}}
+}
+"""
+
+
+def test_a_kernel_is_charged_its_estimate_for_its_arrays_in_hbm_only():
+    """A kernel's CostEstimate counts its VMEM operands too; the fusion that put them
+    there was charged for the move already (the LoRA step's 8B decode counted the stacks
+    twice: 0.93 GiB over the base step for 0.39 GiB of stacks)."""
+    ops, _ = account([("step", parse_module(KERNELS))], rows=1, context=16)
+    got = {o.name: o for o in ops}
+    layer_slice = 5 * 512 * 16 * 2
+    assert got["a"].bytes == layer_slice + 4   # the layer slice (and its index) read once
+    assert "rd" not in got                 # all in VMEM: moves nothing from HBM
+    x, out = 16 * 512 * 2, 16 * 16 * 4
+    assert got["half"].bytes == 98304 * x // (x + layer_slice + out)
+    assert got["half"].how == "CostEstimate, HBM share"
+    assert got["hbm"].bytes == 7777 and got["hbm"].how == "CostEstimate"
+
+
 @pytest.fixture(scope="module")
 def decode_report(tmp_path_factory) -> dict:
     """The engine's decode step at 1 and 16 rows, compiled for one v6e chip: a llama

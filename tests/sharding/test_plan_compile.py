@@ -103,6 +103,28 @@ def test_planner_agrees_on_a_hybrid_with_replicated_kv_heads(tmp_path):
     assert r.planner_bytes_per_device == pytest.approx(p.argument_bytes, rel=0.01)
 
 
+def test_lora_stacks_are_held_before_the_kv_cache_is_sized(tiny):
+    """--enable-lora: the engine allocates the adapters' stacks before it sizes the KV
+    cache from what is left, so --compile sizes it as the planner does (fewer pages than
+    LoRA off) and the forward takes weights + stacks + KV."""
+    from jaxserve.checkpoints.model_names import load_model_config
+    from jaxserve.planning.plan import make_plan
+    from jaxserve.planning.plan_compile import compile_plan, format_report
+    lora = dict(enable_lora=True, max_loras=4, max_lora_rank=16)
+    r = compile_plan(tiny, target="tpu-v6e", select=lambda progs: progs[:1], **lora)
+    kw = dict(model=tiny, mesh="1x1", platform="tpu", hbm_bytes=V6E_HBM)
+    plan = make_plan(load_model_config(tiny), **kw, **lora)
+    base = make_plan(load_model_config(tiny), **kw)
+    assert r.num_pages == plan.cache.num_pages < base.cache.num_pages
+    assert r.lora_bytes_per_device == plan.lora_bytes_per_device > 0
+    (p,) = r.programs
+    assert p.compiled, p.error
+    assert r.weight_bytes_per_device + r.lora_bytes_per_device + r.kv_bytes_per_device \
+        == pytest.approx(p.argument_bytes, rel=0.001)
+    assert r.planner_bytes_per_device == pytest.approx(p.argument_bytes, rel=0.01)
+    assert "LoRA slots" in format_report(r)
+
+
 def test_an_engine_that_cannot_start_is_reported():
     """Qwen3-8B on one 16 GiB v5e: ~15.3 GiB of weights leave no room for one
     40,960-token sequence; the engine would refuse to start."""
