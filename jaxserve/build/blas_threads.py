@@ -12,18 +12,19 @@ from __future__ import annotations
 
 import ctypes
 import glob
+import importlib.util
 import os
 
 ENV = "OPENBLAS_NUM_THREADS"
 
 
 def _scipy_openblas() -> ctypes.CDLL | None:
-    """scipy's bundled OpenBLAS (the library jaxlib's LAPACK kernels call), or None."""
-    try:
-        import scipy
-    except ImportError:
+    """scipy's bundled OpenBLAS (the library jaxlib's LAPACK kernels call), or None.
+    scipy comes with jax; its package is only located here, not imported."""
+    spec = importlib.util.find_spec("scipy")
+    if spec is None or not spec.submodule_search_locations:
         return None
-    root = os.path.dirname(os.path.dirname(scipy.__file__))
+    root = os.path.dirname(list(spec.submodule_search_locations)[0])
     for path in sorted(glob.glob(os.path.join(root, "scipy.libs", "libscipy_openblas*.so*"))):
         lib = ctypes.CDLL(path)   # the process's copy when scipy already loaded it
         if hasattr(lib, "scipy_openblas_set_num_threads"):
