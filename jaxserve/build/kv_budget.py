@@ -45,11 +45,13 @@ class MemorySplit:
     engine_bytes: int        # hbm_utilization of it, at most JAX's pool (bytes_limit)
     weight_bytes: int        # held before the caches are made (weights, a drafter's)
     reserve_bytes: int       # the programs' temporaries: activations and XLA's workspace
+    later_bytes: int = 0     # held beside the caches, made after them (the encoder cache)
 
     @property
     def cache_bytes(self) -> int:
         """What the caches (KV pages, state slots, snapshots) may take."""
-        return max(0, self.engine_bytes - self.weight_bytes - self.reserve_bytes)
+        return max(0, self.engine_bytes - self.weight_bytes - self.later_bytes
+                   - self.reserve_bytes)
 
     @property
     def outside_bytes(self) -> int:
@@ -58,15 +60,16 @@ class MemorySplit:
 
 
 def memory_split(device_bytes: int, hbm_utilization: float, weight_bytes: int,
-                 activation: int, pool_bytes: int | None = None) -> MemorySplit:
+                 activation: int, pool_bytes: int | None = None,
+                 later_bytes: int = 0) -> MemorySplit:
     """hbm_utilization of the device for the engine (never more than JAX's pool, when
     one is given), of which the reserve is the estimated activation peak, at least
-    WORKSPACE_SHARE of it."""
+    WORKSPACE_SHARE of it. later_bytes: made after the caches but held beside them."""
     engine = int(device_bytes * hbm_utilization)
     if pool_bytes is not None:
         engine = min(engine, pool_bytes)
     reserve = max(activation, int(engine * WORKSPACE_SHARE))
-    return MemorySplit(device_bytes, engine, weight_bytes, reserve)
+    return MemorySplit(device_bytes, engine, weight_bytes, reserve, later_bytes)
 
 
 @dataclass(frozen=True)
@@ -98,18 +101,22 @@ def available_host_bytes() -> int:
 
 def cache_budget_bytes(*, kv_cache_memory_bytes: int | None, hbm_utilization: float | None,
                        activation_bytes: int, device: jax.Device | None,
-                       memory: DeviceMemory | None = None) -> tuple[int, bool]:
+                       memory: DeviceMemory | None = None,
+                       later_bytes: int = 0) -> tuple[int, bool]:
     """(bytes per device the caches may take, whether to stop at what max_num_seqs
     sequences need) for build.cache_plan.plan_caches: kv_cache_memory_bytes when
     given; on a CPU device hbm_utilization of the host's free RAM (None: a quarter, taken
     only as far as needed); else memory_split's cache bytes of `memory` (or the
-    device's)."""
+    device's). later_bytes: allocated after the caches and held beside them (the
+    encoder cache): out of every budget but the one given in bytes, which is the
+    caches' own."""
     if kv_cache_memory_bytes is not None:
         return kv_cache_memory_bytes, False
     if memory is None and device.platform == "cpu":
-        if hbm_utilization is None:
-            return int(available_host_bytes() * _CPU_RAM_FRACTION), True
-        return int(available_host_bytes() * hbm_utilization), False
+        # (the host's free RAM has the weights out already, and no activation reserve)
+        share = _CPU_RAM_FRACTION if hbm_utilization is None else hbm_utilization
+        return max(0, int(available_host_bytes() * share) - later_bytes), \
+            hbm_utilization is None
     if hbm_utilization is None:
         raise ValueError("hbm_utilization: None is the CPU's default; EngineConfig."
                          "for_platform gives accelerators theirs")
@@ -118,5 +125,5 @@ def cache_budget_bytes(*, kv_cache_memory_bytes: int | None, hbm_utilization: fl
         raise ValueError(f"{device.platform} device {device} reports no memory limit: give "
                          f"--kv-cache-memory-bytes")
     split = memory_split(memory.device_bytes, hbm_utilization, memory.in_use_bytes,
-                         activation_bytes, memory.pool_bytes)
+                         activation_bytes, memory.pool_bytes, later_bytes)
     return split.cache_bytes, False

@@ -21,6 +21,7 @@ from jaxserve.build.cache_plan import CachePlan, plan_caches, require_one_sequen
 from jaxserve.build.kernel_choice import (KernelChoice, choose_attention,
                                           choose_linear_attention, choose_matmul)
 from jaxserve.build.kv_budget import DeviceMemory, activation_bytes, cache_budget_bytes
+from jaxserve.build.vision import VisionFigures, vision_budget
 from models.cache_spec import CacheSpec, layer_cache_specs
 from models.config import ModelConfig, WeightQuant, resolve_weight_quant
 from models.registry import (build_model, compute_dtype, matmul_dtype, resolve_dtype,
@@ -161,26 +162,31 @@ def layout_param_shardings(model: nn.Module, mesh: Mesh, layout: EngineLayout) -
 
 def layout_cache_plan(config: EngineConfig, layout: EngineLayout, device: Any,
                       memory: DeviceMemory | None = None,
-                      drafter_specs: tuple[CacheSpec, ...] = ()) -> CachePlan:
+                      drafter_specs: tuple[CacheSpec, ...] = (),
+                      vision: VisionFigures | None = None) -> CachePlan:
     """The replica's cache plan (build/cache_plan.py); ValueError when one sequence of
     max_model_len does not fit."""
-    return require_one_sequence(cache_plan_for(config, layout, device, memory, drafter_specs))
+    return require_one_sequence(cache_plan_for(config, layout, device, memory, drafter_specs,
+                                               vision))
 
 
 def cache_plan_for(config: EngineConfig, layout: EngineLayout, device: Any,
                    memory: DeviceMemory | None = None,
-                   drafter_specs: tuple[CacheSpec, ...] = ()) -> CachePlan:
+                   drafter_specs: tuple[CacheSpec, ...] = (),
+                   vision: VisionFigures | None = None) -> CachePlan:
     """The cache plan of the engine and of the planner, which may not fit one sequence.
     memory: the device's memory and what the weights hold of it; None asks `device`.
     drafter_specs: a speculative model drafter's KV layers, which keep KV on the same
-    pages (build/drafter_loader.py)."""
+    pages (build/drafter_loader.py). vision: the image side's figures, when it serves
+    images (its encoder cache and calls come out of the budget: build/vision.py)."""
     if config.num_pages is not None:
         budget, cap = None, False
     else:
+        later, activation = vision_budget(vision, layout.activation_bytes)
         budget, cap = cache_budget_bytes(
             kv_cache_memory_bytes=config.kv_cache_memory_bytes,
-            hbm_utilization=config.hbm_utilization, activation_bytes=layout.activation_bytes,
-            device=device, memory=memory)
+            hbm_utilization=config.hbm_utilization, activation_bytes=activation,
+            device=device, memory=memory, later_bytes=later)
     return plan_caches(
         layout.cache_specs + tuple(drafter_specs), model_axis=layout.model_axis,
         page_size=config.page_size, max_num_seqs=config.max_num_seqs,

@@ -22,7 +22,7 @@ from jaxserve.build.host_tier import (attach_host_tier, check_host_tier, describ
 from jaxserve.build.layout import EngineLayout, engine_layout, layout_cache_plan
 from jaxserve.build.loader import load_model
 from jaxserve.build.slices import runner_config, scheduler_config
-from jaxserve.build.vision import vision_parts
+from jaxserve.build.vision import load_vision
 from jaxserve.build.startup import (ALLOCATING_KV_CACHE, COMPILING, LOADING_WEIGHTS,
                                     StartupProgress)
 from jaxserve.checkpoints.converted import resolve_converted
@@ -112,9 +112,10 @@ def build_parts(shape: ReplicaShape, progress: StartupProgress, *,
     progress.set_phase(LOADING_WEIGHTS, f"loading the weights of {config.model}")
     loaded = load_model(config, layout, mesh, on_progress=partial(_report_loading, progress))
     drafter = load_drafter(config, layout, mesh)
-    vision = images and vision_parts(images, layout.dtype, config.num_batched_tokens,
-                                     mc.hidden_size, mc.image_attention_both_ways,
-                                     layout.attention_backend)
+    side = images and load_vision(images, layout.dtype, config.num_batched_tokens,
+                                  mc.hidden_size, mc.image_attention_both_ways,
+                                  layout.attention_backend)
+    vision, vision_figures = side or (None, None)
     if mc.linear_attention_layers:
         logger.info("hybrid model: %d of %d layers are linear attention with recurrent "
                     "state, the other %d keep KV pages; prefix caching %s",
@@ -128,7 +129,8 @@ def build_parts(shape: ReplicaShape, progress: StartupProgress, *,
     progress.set_phase(ALLOCATING_KV_CACHE, "sizing and allocating the KV cache")
     # Sized per device: each device holds kv_heads / M heads of every page.
     plan = layout_cache_plan(config, layout, mesh.devices.flat[0],
-                             drafter_specs=drafter.cache_specs if drafter else ())
+                             drafter_specs=drafter.cache_specs if drafter else (),
+                             vision=vision_figures)
     if agree_num_pages is not None:
         plan = plan.with_num_pages(agree_num_pages(plan.num_pages))
     logger.info("%s", plan.describe())

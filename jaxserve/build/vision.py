@@ -39,7 +39,8 @@ class VisionFigures:
                 f"{self.weight_bytes / gib:.3f} GiB; encoder cache {self.cache_rows} rows, "
                 f"{self.cache_bytes / gib:.3f} GiB; largest encoder call (bucket "
                 f"{self.buckets[-1]}) ~{self.activation_bytes / gib:.3f} GiB of activations; "
-                f"at most {self.max_tokens} tokens an image, {self.budget} encoded a step")
+                f"at most {self.max_tokens} tokens an image, {self.budget} encoded a step "
+                f"(the encoder cache and calls come out of the KV cache's budget)")
 
 
 def vision_figures(front: ImageFront, dtype: Any, num_batched_tokens: int, hidden_size: int,
@@ -64,6 +65,17 @@ def vision_figures(front: ImageFront, dtype: Any, num_batched_tokens: int, hidde
                          tower.activation_bytes(buckets[-1], max_tokens, itemsize))
 
 
+def vision_budget(fig: VisionFigures | None, step_activation: int) -> tuple[int, int]:
+    """What the vision side takes from the caches' budget, for the engine and the plan:
+    (the encoder cache, made after the caches and held beside them; the programs'
+    activation peak, the larger of a step's and the largest encoder call's: the encoder
+    runs as its own program before the step's forward, so their temporaries never live
+    at once). The tower's weights are held before the caches are sized, as weights."""
+    if fig is None:
+        return 0, step_activation
+    return fig.cache_bytes, max(step_activation, fig.activation_bytes)
+
+
 def refuse_unserved(front: ImageFront, whole_images: bool, attention_backend: str) -> None:
     """whole_images: image tokens see their whole image (Gemma 4); the Pallas kernels do
     not take that mask yet, so with them the front refuses images (the text model is
@@ -76,11 +88,12 @@ def refuse_unserved(front: ImageFront, whole_images: bool, attention_backend: st
         logger.warning("images are refused: %s", front.refusal)
 
 
-def vision_parts(front: ImageFront, dtype: Any, num_batched_tokens: int, hidden_size: int,
-                 whole_images: bool = False, attention_backend: str = "xla"
-                 ) -> VisionParts | None:
-    """None when the replica serves no images (a text-only model, --language-model-only,
-    no image processor, Gemma 4 on the Pallas kernels: the front's refusal says which).
+def load_vision(front: ImageFront, dtype: Any, num_batched_tokens: int, hidden_size: int,
+                whole_images: bool = False, attention_backend: str = "xla"
+                ) -> tuple[VisionParts, VisionFigures] | None:
+    """The runner's vision parts (the tower's weights loaded) and their figures; None
+    when the replica serves no images (a text-only model, --language-model-only, no
+    image processor, Gemma 4 on the Pallas kernels: the front's refusal says which).
     A step encodes up to its token budget of image tokens, or one largest image if that
     is more."""
     refuse_unserved(front, whole_images, attention_backend)
@@ -91,4 +104,13 @@ def vision_parts(front: ImageFront, dtype: Any, num_batched_tokens: int, hidden_
     params = tower.load_params(front.model_dir, dtype)
     logger.info("%s; encoder buckets %s", fig.describe(), list(fig.buckets))
     return VisionParts(tower, params, fig.buckets, num_rows=fig.cache_rows, budget=fig.budget,
-                       max_tokens=fig.max_tokens)
+                       max_tokens=fig.max_tokens), fig
+
+
+def vision_parts(front: ImageFront, dtype: Any, num_batched_tokens: int, hidden_size: int,
+                 whole_images: bool = False, attention_backend: str = "xla"
+                 ) -> VisionParts | None:
+    """load_vision's parts alone."""
+    side = load_vision(front, dtype, num_batched_tokens, hidden_size, whole_images,
+                       attention_backend)
+    return side and side[0]

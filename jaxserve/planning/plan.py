@@ -49,7 +49,8 @@ from jaxserve.build.drafter_loader import drafter_model
 from jaxserve.build.layout import (attention_shapes, build_layout_model, cache_plan_for,
                                    layout_for, tpu_kernel_limit_error)
 from jaxserve.build.parts import lora_store
-from jaxserve.build.vision import VisionFigures, refuse_unserved, vision_figures
+from jaxserve.build.vision import (VisionFigures, refuse_unserved, vision_budget,
+                                  vision_figures)
 from jaxserve.config import EngineConfig
 from jaxserve.build.cache_plan import CachePlan
 from jaxserve.build.kv_budget import DeviceMemory, MemorySplit, device_memory, memory_split
@@ -185,11 +186,12 @@ class Plan:
         """The device's memory as the engine splits it (None when unknown)."""
         if self.hbm_bytes is None:
             return None
+        later, activation = vision_budget(self.vision, self.activation_bytes)
         return memory_split(self.hbm_bytes, self.hbm_utilization,
                             self.weight_bytes_per_device + self.drafter_weight_bytes_per_device
                             + self.lora_bytes_per_device
                             + (self.vision.weight_bytes if self.vision else 0),
-                            self.activation_bytes, self.hbm_bytes)
+                            activation, self.hbm_bytes, later)
 
     @property
     def kv_budget_bytes(self) -> int:
@@ -270,11 +272,12 @@ class Plan:
                 "kv_page_bytes": c.kv_bytes if c else 0,
                 "state_slot_bytes": (c.state_bytes - c.snapshot_bytes) if c else 0,
                 "snapshot_bytes": c.snapshot_bytes if c else 0,
+                "encoder_cache_bytes": split.later_bytes,
                 "reserve_bytes": split.reserve_bytes,
                 "activation_estimate_bytes": self.activation_bytes,
                 # the budget's remainder below one page, or one the engine does not take
                 "unused_bytes": max(0, split.engine_bytes - split.weight_bytes
-                                    - split.reserve_bytes - held),
+                                    - split.later_bytes - split.reserve_bytes - held),
                 "outside_engine_bytes": split.outside_bytes}
 
     def to_json(self) -> dict:
@@ -322,13 +325,13 @@ def plan_from_config(config: EngineConfig, mc: ModelConfig, *, hbm_bytes: int | 
     vision = _vision(config, mc, layout)
     if cache is None and (config.num_pages or config.kv_cache_memory_bytes or hbm_bytes):
         # The tower is loaded before the caches are sized, so the engine's budget counts
-        # it as held; its encoder cache and calls come after (not in the budget).
+        # it as held; its encoder cache and calls come after (cache_plan_for takes them).
         memory = DeviceMemory(hbm_bytes, hbm_bytes,
                               w.bytes_per_device + drafter_bytes + lora_bytes
                               + (vision.weight_bytes if vision else 0)) \
             if hbm_bytes else None
         cache = cache_plan_for(config, layout, None, memory,
-                               drafter.cache_specs if drafter else ())
+                               drafter.cache_specs if drafter else (), vision)
     specs = layout.cache_specs
     sliding = [s for s in specs if isinstance(s, PagedKVSpec) and s.sliding_window is not None]
     state = sum(s.bytes_per_slot() for s in specs if isinstance(s, RecurrentStateSpec))

@@ -34,7 +34,7 @@ def format_plan(p: Plan) -> str:
         lines.append(f"  vision tower               {v.num_params:,} params, "
                      f"{_gib(v.weight_bytes)} on every device; encoder cache {v.cache_rows:,} "
                      f"rows, {_gib(v.cache_bytes)}; largest encoder call ({v.buckets[-1]:,}) "
-                     f"~{_gib(v.activation_bytes)} of activations (not in the cache budget)")
+                     f"~{_gib(v.activation_bytes)} of activations (both out of the cache budget)")
     if p.has_state:
         lines.append(f"  layers                     {p.num_layers}: {p.full_attention_layers} full "
                      f"attention (KV cache), {p.num_layers - p.full_attention_layers} linear "
@@ -93,8 +93,10 @@ def _memory_lines(p: Plan) -> list[str]:
         f"weights {_gib(p.weight_bytes_per_device)}{drafter} + reserve "
         f"{_gib(m.reserve_bytes)} (the larger of {WORKSPACE_SHARE:.0%} and the estimated "
         f"activations ~{_gib(p.activation_bytes)}: {p.max_num_batched_tokens} tokens/step, "
-        f"sampler over "
-        f"{p.max_num_seqs} rows) + {cache}; {_gib(m.outside_bytes)} left to others"]
+        f"sampler over {p.max_num_seqs} rows"
+        + (f", or the largest encoder call's ~{_gib(p.vision.activation_bytes)}) + encoder "
+           f"cache {_gib(m.later_bytes)}" if p.vision else ")")
+        + f" + {cache}; {_gib(m.outside_bytes)} left to others"]
 
 
 def _cache_lines(p: Plan) -> list[str]:

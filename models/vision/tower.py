@@ -65,16 +65,21 @@ class VisionTower:
         return count_params(model_dir, prefixes)
 
     def activation_bytes(self, bucket: int, max_tokens: int, itemsize: int) -> int:
-        """Rough peak of one encoder call's temporaries at `bucket`: `encode`'s dense
-        attention holds float32 logits and probabilities plus the probabilities in the
-        model dtype, [sequences, heads, patches, patches] (Qwen: one sequence of the
-        bucket's patches; Gemma 4: `bucket` images of max_tokens x pooling^2 patches),
-        beside one layer's widest rows (q, k, v and the MLP's hidden); the layers run
-        under scan, so one layer's temporaries live at a time."""
+        """Rough peak of one encoder call's temporaries at `bucket`, for the accelerator's
+        reserve: `encode`'s dense attention over [sequences, heads, patches, patches]
+        (Qwen: one sequence of the bucket's patches; Gemma 4: `bucket` images of
+        max_tokens x pooling^2 patches) holds, per score, up to three float32 arrays
+        (libtpu keeps the logits, their masked copy and the row maxima broadcast beside the
+        exponentials when the dot is in bfloat16), the probabilities in the model dtype
+        and the mask broadcast over the heads (a byte); beside it one layer's widest rows
+        (q, k, v and the MLP's hidden); the layers run under scan, so one layer's
+        temporaries live at a time. The compilers differ by 4x here (XLA:CPU, and libtpu
+        for most programs, keep one float32 array): this is the worst one's figure,
+        checked in tests/models/test_vision_activation.py."""
         cfg = self.config
         seqs, length = (bucket, max_tokens * cfg.pooling_kernel_size ** 2) \
             if self.family == GEMMA4 else (1, bucket)
-        scores = seqs * cfg.num_heads * length * length * (2 * 4 + itemsize)
+        scores = seqs * cfg.num_heads * length * length * (3 * 4 + itemsize + 1)
         rows = seqs * length * (3 * cfg.hidden_size + cfg.intermediate_size) * itemsize
         return scores + rows
 

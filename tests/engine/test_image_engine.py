@@ -194,3 +194,45 @@ def test_ngram_speculation_keeps_the_greedy_tokens_with_images(llm, checkpoint):
     assert got == want
     assert spec.engine.stats().spec_num_accepted_tokens > 0
     assert_no_leaks(spec.engine)
+
+
+@pytest.fixture(scope="module")
+def mtp_checkpoint(checkpoint, tmp_path_factory) -> str:
+    """The same checkpoint (tower and text model) with a random MTP layer added."""
+    import shutil
+
+    from tests.checkpoints import add_mtp_layer
+    copy = tmp_path_factory.mktemp("qvl_mtp") / "q"
+    shutil.copytree(checkpoint, copy)
+    return add_mtp_layer(copy)
+
+
+@pytest.fixture(scope="module")
+def draft_checkpoint(tmp_path_factory) -> str:
+    """A tiny full-attention Qwen3 of the vision checkpoint's vocabulary (a draft model
+    must have full attention in every layer)."""
+    from tests.checkpoints import make_tiny_checkpoint
+    return make_tiny_checkpoint("qwen3", tmp_path_factory.mktemp("draft"), vocab_size=264)
+
+
+@pytest.mark.parametrize("method", ["mtp", "draft_model"])
+def test_model_drafters_keep_the_greedy_tokens_with_images(llm, checkpoint, mtp_checkpoint,
+                                                           draft_checkpoint, method):
+    """A model drafter (an MTP layer; a draft model) drafts from the placeholder ids,
+    never the image embeddings, so its drafts may be worse, but
+    the target verifies each: image prompts (one image, two, an image batched beside
+    text) give the plain engine's greedy tokens, and drafts were made and verified."""
+    config = {"method": method, "num_speculative_tokens": 2}
+    if method == "draft_model":
+        config["model"] = draft_checkpoint
+    spec = LLM(mtp_checkpoint if method == "mtp" else checkpoint, dtype="float32",
+               max_model_len=256, max_num_seqs=4, max_num_batched_tokens=BUDGET,
+               speculative_config=config, enforce_eager=True)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    msgs = [ONE, TWO, TEXT]
+    want = [o.outputs[0].token_ids for o in llm.chat(msgs, params, use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in spec.chat(msgs, params, use_tqdm=False)]
+    assert got == want
+    s = spec.engine.scheduler.stats()
+    assert s.spec_num_drafts > 0 and s.spec_num_draft_tokens > 0, s
+    assert_no_leaks(spec.engine)

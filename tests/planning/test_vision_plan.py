@@ -61,3 +61,53 @@ def test_the_tower_is_held_before_the_caches_are_sized(path):
     text = plan(path, hbm_bytes=2**30, language_model_only=True)
     assert images.memory.weight_bytes - text.memory.weight_bytes == images.vision.weight_bytes
     assert images.cache.total_bytes < text.cache.total_bytes
+
+
+def test_the_encoder_cache_and_calls_come_out_of_the_cache_budget(path):
+    """On a device whose memory is small enough for the largest encoder call to outweigh
+    the step's activations: the caches get less than under --language-model-only by the
+    tower's weights, the encoder cache, and the reserve's growth to that call's peak; the
+    printed budget is the one the cache plan was sized from."""
+    big = {"max_pixels": LARGE}
+    images = plan(path, hbm_bytes=16 << 20, mm_processor_kwargs=big)
+    text = plan(path, hbm_bytes=16 << 20, mm_processor_kwargs=big, language_model_only=True)
+    v, m, t = images.vision, images.memory, text.memory
+    assert m.later_bytes == v.cache_bytes > 0
+    assert m.reserve_bytes == v.activation_bytes > t.reserve_bytes
+    assert images.kv_budget_bytes == text.kv_budget_bytes - v.weight_bytes - v.cache_bytes \
+        - (v.activation_bytes - t.reserve_bytes)
+    c = images.cache
+    assert images.kv_budget_bytes - c.bytes_per_page - c.bytes_per_state_slot \
+        < c.total_bytes <= images.kv_budget_bytes
+    assert images.to_json()["memory"]["encoder_cache_bytes"] == v.cache_bytes
+    # A device so large that the step's reserve (its share of the memory) covers the call.
+    roomy = plan(path, hbm_bytes=16 << 30, mm_processor_kwargs=big)
+    assert roomy.memory.reserve_bytes == plan(path, hbm_bytes=16 << 30, mm_processor_kwargs=big,
+                                              language_model_only=True).memory.reserve_bytes
+
+
+FREE_RAM = 64 << 20   # what the engine test says the host has free
+
+
+def test_the_engine_takes_the_encoder_cache_out_of_its_budget(path, monkeypatch):
+    """The engine on CPU (--gpu-memory-utilization: a share of the free RAM, which holds
+    the weights already and keeps no activation reserve): the KV pages and state get the
+    share less the encoder cache the planner prints, which is what the runner
+    allocates."""
+    from jaxserve import LLM
+    from jaxserve.build import kv_budget
+    monkeypatch.setattr(kv_budget, "available_host_bytes", lambda: FREE_RAM)
+    engine = dict(dtype="float32", max_model_len=256, max_num_seqs=4,
+                  max_num_batched_tokens=32, mm_processor_kwargs={"max_pixels": SMALL},
+                  gpu_memory_utilization=0.5, enable_prefix_caching=False,
+                  enforce_eager=True, compilation_cache_dir=None)
+    images = LLM(path, **engine).engine
+    text = LLM(path, language_model_only=True, **engine).engine
+    v = plan(path, dtype="float32").vision
+    assert images.runner.encoder.cache.nbytes == v.cache_bytes
+    assert text.runner.encoder is None
+    share = FREE_RAM // 2
+    for core, budget in ((text, share), (images, share - v.cache_bytes)):
+        c = core.info.cache_plan
+        assert budget - c.bytes_per_page - c.bytes_per_state_slot < c.total_bytes <= budget
+    assert images.info.cache_plan.num_pages < text.info.cache_plan.num_pages
