@@ -29,12 +29,26 @@ def expected(checkpoint):
     return {kind: reference_greedy(checkpoint(kind), _prompts(), NUM_NEW, kind) for kind in HYBRID_KINDS}
 
 
+@pytest.fixture(scope="module")
+def single_prefill(checkpoint):
+    """kind -> an engine whose 256-token budget takes every prompt in one prefill, built
+    once for the module (the parity test and the slot test share qwen3_5's)."""
+    made: dict[str, LLM] = {}
+
+    def get(kind: str) -> LLM:
+        if kind not in made:
+            made[kind] = LLM(checkpoint(kind), dtype="float32", max_model_len=256,
+                             max_num_seqs=4, max_num_batched_tokens=256,
+                             enable_prefix_caching=False)
+        return made[kind]
+    return get
+
+
 @pytest.mark.parametrize("kind", HYBRID_KINDS)
-def test_greedy_matches_transformers(kind, checkpoint, expected):
+def test_greedy_matches_transformers(kind, checkpoint, expected, single_prefill):
     path, prompts, want = checkpoint(kind), _prompts(), expected[kind]
     # One at a time, each prompt in a single prefill.
-    llm = LLM(path, dtype="float32", max_model_len=256, max_num_seqs=4, max_num_batched_tokens=256,
-              enable_prefix_caching=False)
+    llm = single_prefill(kind)
     for p, w in zip(prompts, want):
         assert llm.generate({"prompt_token_ids": p}, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == w
     assert_no_leaks(llm.engine)
@@ -59,11 +73,10 @@ def test_preemption_resumes_to_the_same_tokens(checkpoint, expected):
     assert_no_leaks(engine)
 
 
-def test_state_slots_come_back_on_abort_and_n_greater_than_one(checkpoint, expected):
+def test_state_slots_come_back_on_abort_and_n_greater_than_one(expected, single_prefill):
     kind = "qwen3_5"
-    path, prompts, want = checkpoint(kind), _prompts(), expected[kind]
-    llm = LLM(path, dtype="float32", max_model_len=256, max_num_seqs=4,
-              max_num_batched_tokens=256)
+    prompts, want = _prompts(), expected[kind]
+    llm = single_prefill(kind)
     engine, kv = llm.engine, llm.engine.scheduler.kv
     add(engine, "a", prompts[3], GREEDY)
     add(engine, "b", prompts[2], GREEDY)
@@ -76,8 +89,8 @@ def test_state_slots_come_back_on_abort_and_n_greater_than_one(checkpoint, expec
     while engine.has_unfinished_requests():
         engine.step()
     assert_no_leaks(engine)
-    # n=2 greedy on the same engine, its prefix cache emptied (prompts[2] ran above):
-    # both completions computed in full (no shared prompt pages on a hybrid).
+    # n=2 greedy on the same engine: both completions computed in full, each from its own
+    # state slot (no shared prompt pages on a hybrid).
     assert llm.reset_prefix_cache()
     out = llm.generate(
         {"prompt_token_ids": prompts[2]}, SamplingParams(n=2, temperature=0.0, max_tokens=NUM_NEW,
