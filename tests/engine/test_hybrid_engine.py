@@ -1,7 +1,9 @@
 """Qwen3.5 hybrids in the engine: greedy tokens equal transformers' alone, with
 prefills chunked by a small token budget, and under continuous batching with staggered
 arrivals; recurrent-state slots are handed out with the first pages and come back on
-finish, abort and preemption, and a preempted request resumes to the same tokens."""
+finish, abort and preemption, and a preempted request resumes to the same tokens.
+Numerics only: the engines skip warmup (enforce_eager; test_no_recompile.py checks a
+hybrid's warmup)."""
 from __future__ import annotations
 
 import random
@@ -39,7 +41,7 @@ def single_prefill(checkpoint):
         if kind not in made:
             made[kind] = LLM(checkpoint(kind), dtype="float32", max_model_len=256,
                              max_num_seqs=4, max_num_batched_tokens=256,
-                             enable_prefix_caching=False)
+                             enable_prefix_caching=False, enforce_eager=True)
         return made[kind]
     return get
 
@@ -55,7 +57,7 @@ def test_greedy_matches_transformers(kind, checkpoint, expected, single_prefill)
     # Together, arriving at different steps, with a 32-token budget: prefills continue
     # across steps from the slot's state and share steps with other requests' decodes.
     engine = LLM(path, dtype="float32", max_model_len=256, max_num_seqs=4,
-                 max_num_batched_tokens=32).engine
+                 max_num_batched_tokens=32, enforce_eager=True).engine
     results = run_staggered(engine, prompts, GREEDY, every=3)
     assert [results[str(i)] for i in range(len(prompts))] == want
     assert_no_leaks(engine)
@@ -66,7 +68,7 @@ def test_preemption_resumes_to_the_same_tokens(checkpoint, expected):
     path, prompts, want = checkpoint(kind), _prompts(), expected[kind]
     # 14 pages of 16 tokens: the four requests need 24 at their longest.
     engine = LLM(path, dtype="float32", max_model_len=176, max_num_seqs=4,
-                 max_num_batched_tokens=64, num_pages=15).engine
+                 max_num_batched_tokens=64, num_pages=15, enforce_eager=True).engine
     results = run_staggered(engine, prompts, GREEDY, every=1)
     assert engine.scheduler.num_preemptions > 0
     assert [results[str(i)] for i in range(len(prompts))] == want
