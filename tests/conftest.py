@@ -7,11 +7,4 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # No test may reach the real Hugging Face hub (before huggingface_hub reads it at import);
 # the download tests turn this off and point HF_ENDPOINT at tests/fake_hub.py.
 os.environ["HF_HUB_OFFLINE"] = "1"
-# Under pytest-xdist (pyproject's addopts) each worker gets its own persistent compilation
-# cache: JAX writes an entry in place, so a worker could read one the other is still writing.
-# Servers and scripts the tests start inherit the variable.
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    os.environ["JAXSERVE_COMPILATION_CACHE"] = os.path.join(
-        os.environ.get("JAXSERVE_COMPILATION_CACHE", os.path.expanduser("~/.cache/jaxserve/xla")),
-        os.environ["PYTEST_XDIST_WORKER"])
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

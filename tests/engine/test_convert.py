@@ -37,7 +37,10 @@ def _prompts() -> list[dict]:
 
 
 def _greedy(path: str, **kw) -> list[list[int]]:
-    llm = LLM(path, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64, **kw)
+    """The greedy tokens of _prompts (numerics only: no warmup, each program compiled
+    when first used)."""
+    llm = LLM(path, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64,
+              enforce_eager=True, **kw)
     outs = [o.outputs[0].token_ids for o in llm.generate(_prompts(), GREEDY, use_tqdm=False)]
     assert_no_leaks(llm.engine)
     return outs
@@ -77,7 +80,7 @@ def _assert_placed(params, shardings) -> None:
 
 # ---- serving from DIR ------------------------------------------------------------
 
-# Serving costs the warmup compilations: a dense model on one device and a hybrid on
+# Serving costs the compilations: a dense model on one device and a hybrid on
 # two (the tiny qwen3 repeats one token, too weak a check); the leaf-by-leaf tests
 # below cover the other models and meshes cheaply.
 @pytest.mark.parametrize("kind,mesh", [("llama", "1x1"), ("qwen3_5", "1x2")])

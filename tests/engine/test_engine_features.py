@@ -125,7 +125,7 @@ def test_prompt_logprobs_in_chunks_skip_the_chunks_without_targets(checkpoint, m
     from jaxserve.runner import model_runner
     monkeypatch.setattr(model_runner, "PROMPT_LOGPROBS_CHUNK", 16)
     small = LLM(checkpoint("qwen3"), dtype="float32", max_model_len=96, max_num_seqs=4,
-                max_num_batched_tokens=64, page_size=PAGE)
+                max_num_batched_tokens=64, page_size=PAGE, enforce_eager=True)
     first, second = _ids(20, seed=11), _ids(30, seed=12)
     plain = SamplingParams(temperature=0.0, max_tokens=1)
     outs = small.generate([{"prompt_token_ids": first}, {"prompt_token_ids": second}],
@@ -227,10 +227,11 @@ def test_preemption_gives_identical_output(checkpoint):
     prompts = [{"prompt_token_ids": _ids(30 + 5 * i, seed=10 + i)} for i in range(4)]
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     roomy = LLM(path, dtype="float32", max_model_len=96, max_num_seqs=4,
-                max_num_batched_tokens=32)
+                max_num_batched_tokens=32, enforce_eager=True)   # (tokens only: no warmup)
     want = [o.outputs[0].token_ids for o in roomy.generate(prompts, params, use_tqdm=False)]
     tight = LLM(path, dtype="float32", max_model_len=96, max_num_seqs=4,
-                max_num_batched_tokens=32, num_pages=13, enable_prefix_caching=False)
+                max_num_batched_tokens=32, num_pages=13, enable_prefix_caching=False,
+                enforce_eager=True)
     got = [o.outputs[0].token_ids for o in tight.generate(prompts, params, use_tqdm=False)]
     assert tight.engine.scheduler.num_preemptions > 0
     assert got == want

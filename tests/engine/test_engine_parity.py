@@ -1,5 +1,7 @@
 """Greedy generation equals transformers' generate(do_sample=False) on the same file,
-one prompt at a time and under continuous batching with chunked prefill."""
+one prompt at a time and under continuous batching with chunked prefill. Numerics only:
+the engines skip warmup (enforce_eager) and compile what greedy requests use
+(test_no_recompile.py and test_warmup_budget.py check warmup)."""
 from __future__ import annotations
 
 import random
@@ -34,7 +36,7 @@ def test_greedy_matches_transformers(kind, checkpoint):
 
     # One at a time, with a budget that holds every prompt in a single step.
     llm = LLM(path, dtype="float32", max_model_len=128, max_num_seqs=4,
-              max_num_batched_tokens=128)
+              max_num_batched_tokens=128, enforce_eager=True)
     for p, want in zip(prompts, expected):
         out = llm.generate({"prompt_token_ids": p}, GREEDY, use_tqdm=False)[0]
         assert out.outputs[0].token_ids == want
@@ -44,7 +46,8 @@ def test_greedy_matches_transformers(kind, checkpoint):
     # All together, arriving at different steps, with a 32-token budget: prefills are
     # chunked and share steps with other requests' decodes.
     engine = LLM(path, dtype="float32", max_model_len=128, max_num_seqs=4,
-                 max_num_batched_tokens=32, enable_prefix_caching=False).engine
+                 max_num_batched_tokens=32, enable_prefix_caching=False,
+                 enforce_eager=True).engine
     pending = list(enumerate(prompts))
     results: dict[str, list[int]] = {}
     step = 0

@@ -1,7 +1,8 @@
 """Gemma 4 in the engine: greedy tokens equal transformers' for every variant under
 continuous batching with staggered arrivals and prefill chunks of a 16-token budget
 (the sliding window is 8), a preempted request resumes to the same tokens, prefix-cache
-hits reproduce the uncached tokens, and nothing leaks."""
+hits reproduce the uncached tokens, and nothing leaks. Numerics only: the engines skip
+warmup (enforce_eager; test_no_recompile.py checks gemma4_e's warmup)."""
 from __future__ import annotations
 
 import random
@@ -38,7 +39,7 @@ def chunked(checkpoint):
     def get(kind: str) -> LLM:
         if kind not in made:
             made[kind] = LLM(checkpoint(kind), dtype="float32", max_model_len=160,
-                             max_num_seqs=4, max_num_batched_tokens=16)
+                             max_num_seqs=4, max_num_batched_tokens=16, enforce_eager=True)
         return made[kind]
     return get
 
@@ -55,7 +56,7 @@ def test_preemption_resumes_to_the_same_tokens(checkpoint, expected):
     kind = "gemma4_e"
     # 9 pages of 16 tokens for the global layers: the three requests need 13 at their longest.
     engine = LLM(checkpoint(kind), dtype="float32", max_model_len=112, max_num_seqs=4,
-                 max_num_batched_tokens=32, num_pages=10).engine
+                 max_num_batched_tokens=32, num_pages=10, enforce_eager=True).engine
     results = run_staggered(engine, _prompts(), GREEDY, every=1)
     assert engine.scheduler.num_preemptions > 0
     assert [results[str(i)] for i in range(len(PROMPT_LENS))] == expected[kind]
@@ -65,7 +66,7 @@ def test_preemption_resumes_to_the_same_tokens(checkpoint, expected):
 def test_prefix_cache_hit_gives_the_same_tokens(checkpoint, expected):
     kind = "gemma4_kv"
     llm = LLM(checkpoint(kind), dtype="float32", max_model_len=160, max_num_seqs=4,
-              max_num_batched_tokens=64, enable_prefix_caching=True)
+              max_num_batched_tokens=64, enable_prefix_caching=True, enforce_eager=True)
     prompt = _prompts()[2]                          # 70 tokens: 4 full pages
     first = llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)[0]
     second = llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)[0]
@@ -87,7 +88,7 @@ def test_fp8_weights_and_kv_as_the_vllm_guide(checkpoint):
     path = checkpoint("gemma4_moe")
     llm = LLM(path, dtype="float32", max_model_len=160, max_num_seqs=4,
               max_num_batched_tokens=64, quantization="fp8", kv_cache_dtype="fp8",
-              enable_prefix_caching=True)
+              enable_prefix_caching=True, enforce_eager=True)
     caches = llm.engine.runner.kv_caches
     # (held as their bits on CPU: pallas_kernels/held_dtypes.py)
     assert {value_dtype(c.dtype).name for c in caches.values()} == {"float8_e4m3fn"}

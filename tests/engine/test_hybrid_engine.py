@@ -1,7 +1,9 @@
 """Qwen3.5 hybrids in the engine: greedy tokens equal transformers' alone, with
 prefills chunked by a small token budget, and under continuous batching with staggered
 arrivals; recurrent-state slots are handed out with the first pages and come back on
-finish, abort and preemption, and a preempted request resumes to the same tokens."""
+finish, abort and preemption, and a preempted request resumes to the same tokens.
+Numerics only: the engines skip warmup (enforce_eager; test_no_recompile.py checks a
+hybrid's warmup)."""
 from __future__ import annotations
 
 import random
@@ -29,19 +31,33 @@ def expected(checkpoint):
     return {kind: reference_greedy(checkpoint(kind), _prompts(), NUM_NEW, kind) for kind in HYBRID_KINDS}
 
 
+@pytest.fixture(scope="module")
+def single_prefill(checkpoint):
+    """kind -> an engine whose 256-token budget takes every prompt in one prefill, built
+    once for the module (the parity test and the slot test share qwen3_5's)."""
+    made: dict[str, LLM] = {}
+
+    def get(kind: str) -> LLM:
+        if kind not in made:
+            made[kind] = LLM(checkpoint(kind), dtype="float32", max_model_len=256,
+                             max_num_seqs=4, max_num_batched_tokens=256,
+                             enable_prefix_caching=False, enforce_eager=True)
+        return made[kind]
+    return get
+
+
 @pytest.mark.parametrize("kind", HYBRID_KINDS)
-def test_greedy_matches_transformers(kind, checkpoint, expected):
+def test_greedy_matches_transformers(kind, checkpoint, expected, single_prefill):
     path, prompts, want = checkpoint(kind), _prompts(), expected[kind]
     # One at a time, each prompt in a single prefill.
-    llm = LLM(path, dtype="float32", max_model_len=256, max_num_seqs=4, max_num_batched_tokens=256,
-              enable_prefix_caching=False)
+    llm = single_prefill(kind)
     for p, w in zip(prompts, want):
         assert llm.generate({"prompt_token_ids": p}, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == w
     assert_no_leaks(llm.engine)
     # Together, arriving at different steps, with a 32-token budget: prefills continue
     # across steps from the slot's state and share steps with other requests' decodes.
     engine = LLM(path, dtype="float32", max_model_len=256, max_num_seqs=4,
-                 max_num_batched_tokens=32).engine
+                 max_num_batched_tokens=32, enforce_eager=True).engine
     results = run_staggered(engine, prompts, GREEDY, every=3)
     assert [results[str(i)] for i in range(len(prompts))] == want
     assert_no_leaks(engine)
@@ -52,18 +68,17 @@ def test_preemption_resumes_to_the_same_tokens(checkpoint, expected):
     path, prompts, want = checkpoint(kind), _prompts(), expected[kind]
     # 14 pages of 16 tokens: the four requests need 24 at their longest.
     engine = LLM(path, dtype="float32", max_model_len=176, max_num_seqs=4,
-                 max_num_batched_tokens=64, num_pages=15).engine
+                 max_num_batched_tokens=64, num_pages=15, enforce_eager=True).engine
     results = run_staggered(engine, prompts, GREEDY, every=1)
     assert engine.scheduler.num_preemptions > 0
     assert [results[str(i)] for i in range(len(prompts))] == want
     assert_no_leaks(engine)
 
 
-def test_state_slots_come_back_on_abort_and_n_greater_than_one(checkpoint, expected):
+def test_state_slots_come_back_on_abort_and_n_greater_than_one(expected, single_prefill):
     kind = "qwen3_5"
-    path, prompts, want = checkpoint(kind), _prompts(), expected[kind]
-    llm = LLM(path, dtype="float32", max_model_len=256, max_num_seqs=4,
-              max_num_batched_tokens=256)
+    prompts, want = _prompts(), expected[kind]
+    llm = single_prefill(kind)
     engine, kv = llm.engine, llm.engine.scheduler.kv
     add(engine, "a", prompts[3], GREEDY)
     add(engine, "b", prompts[2], GREEDY)
@@ -76,8 +91,8 @@ def test_state_slots_come_back_on_abort_and_n_greater_than_one(checkpoint, expec
     while engine.has_unfinished_requests():
         engine.step()
     assert_no_leaks(engine)
-    # n=2 greedy on the same engine, its prefix cache emptied (prompts[2] ran above):
-    # both completions computed in full (no shared prompt pages on a hybrid).
+    # n=2 greedy on the same engine: both completions computed in full, each from its own
+    # state slot (no shared prompt pages on a hybrid).
     assert llm.reset_prefix_cache()
     out = llm.generate(
         {"prompt_token_ids": prompts[2]}, SamplingParams(n=2, temperature=0.0, max_tokens=NUM_NEW,

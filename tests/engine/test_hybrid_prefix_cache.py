@@ -16,8 +16,10 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
 def engine(path: str, caching: bool, **kw) -> LLM:
+    """The engine without the cache only gives the reference tokens: it skips warmup and
+    compiles what its requests use (enforce_eager)."""
     kw = {"dtype": "float32", "max_model_len": 704, "max_num_seqs": 4,
-          "max_num_batched_tokens": 128, "page_size": PS, **kw}
+          "max_num_batched_tokens": 128, "page_size": PS, "enforce_eager": not caching, **kw}
     return LLM(path, enable_prefix_caching=caching, compilation_cache_dir=None, **kw)
 
 

@@ -1,6 +1,7 @@
 """--gpu-memory-utilization (hbm_utilization) and --kv-cache-memory-bytes on CPU: the KV
 cache gets that share of the free RAM, or those bytes; without either, a quarter of the
-free RAM, only as much as max_num_seqs sequences need."""
+free RAM, only as much as max_num_seqs sequences need. The cache is sized before warmup,
+so the engines skip it (enforce_eager): a request still runs on the cache they sized."""
 from __future__ import annotations
 
 import pytest
@@ -29,7 +30,7 @@ def run_one(llm: LLM) -> None:
 @pytest.mark.parametrize("share", [0.5])
 def test_gpu_memory_utilization_is_a_share_of_free_ram(checkpoint, small_host, share):
     llm = LLM(checkpoint("llama"), gpu_memory_utilization=share, max_model_len=64,
-              max_num_seqs=4, compilation_cache_dir=None)
+              max_num_seqs=4, compilation_cache_dir=None, enforce_eager=True)
     plan = llm.engine.info.cache_plan
     assert llm.engine.config.hbm_utilization == share
     # Every whole page of the share, and no more.
@@ -39,7 +40,7 @@ def test_gpu_memory_utilization_is_a_share_of_free_ram(checkpoint, small_host, s
 
 def test_default_takes_only_what_the_sequences_need(checkpoint, small_host):
     llm = LLM(checkpoint("llama"), max_model_len=64, max_num_seqs=4,
-              compilation_cache_dir=None)
+              compilation_cache_dir=None, enforce_eager=True)
     assert llm.engine.config.hbm_utilization is None
     plan = llm.engine.info.cache_plan
     assert kv_bytes(llm) < FREE_RAM // 4   # capped at the demand, far below the share
@@ -48,6 +49,6 @@ def test_default_takes_only_what_the_sequences_need(checkpoint, small_host):
 
 def test_kv_cache_memory_bytes(checkpoint, small_host):
     llm = LLM(checkpoint("llama"), kv_cache_memory_bytes=3 << 20, max_model_len=64,
-              max_num_seqs=4, compilation_cache_dir=None)
+              max_num_seqs=4, compilation_cache_dir=None, enforce_eager=True)
     assert (3 << 20) - llm.engine.info.cache_plan.bytes_per_page < kv_bytes(llm) <= 3 << 20
     run_one(llm)

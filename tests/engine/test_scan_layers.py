@@ -1,6 +1,7 @@
 """The scanned layers (the default on GPU/TPU) serve the same tokens as the Python
 layer loop (the default on CPU), for a dense model and a hybrid one with recurrent
-state, alone and tensor-parallel, with chunked prefill and several requests at once."""
+state, alone and tensor-parallel, with chunked prefill and several requests at once.
+Numerics only: the engines skip warmup (enforce_eager)."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -24,7 +25,7 @@ def test_scanned_layers_serve_the_loops_greedy_tokens(checkpoint, kind, mesh):
     tokens = {}
     for scan in (False, True):
         llm = LLM(checkpoint(kind), dtype="float32", max_model_len=128, max_num_seqs=4,
-                  max_num_batched_tokens=32, mesh=mesh, scan_layers=scan)
+                  max_num_batched_tokens=32, mesh=mesh, scan_layers=scan, enforce_eager=True)
         assert llm.engine.layout.scan_layers is scan
         params_tree = llm.engine.params
         assert ("layers" in params_tree) is scan and ("layers_0" in params_tree) is not scan

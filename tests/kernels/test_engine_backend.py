@@ -41,9 +41,10 @@ def checkpoint(tmp_path_factory):
 def _generate(path: str, backend: str) -> list[list[int]]:
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 256) for _ in range(n)] for n in PROMPT_LENS]
-    # One 16-token bucket (one compile): prompts are chunked and share steps with decodes.
+    # One 16-token bucket (one compile): prompts are chunked and share steps with decodes;
+    # no warmup (tokens only): the samplers greedy requests never use are not compiled.
     llm = LLM(path, dtype="float32", max_model_len=64, max_num_seqs=4,
-              max_num_batched_tokens=16, attention_backend=backend)
+              max_num_batched_tokens=16, attention_backend=backend, enforce_eager=True)
     assert llm.engine.model.attention_backend == backend
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs]

@@ -127,8 +127,9 @@ def _check_forwards(eng, mesh: str, tokens: tuple[int, ...]) -> dict[int, object
 @pytest.mark.parametrize("mesh", ["1x1", "1x4"])
 def test_forward_step_compiles_without_cache_copies(checkpoint, mesh):
     # XLA:TPU picks layouts per program: the write_kv scatter kept the kernel's layout
-    # at small buckets and asked for another one at 2048 tokens.
-    _check_forwards(_engine(checkpoint, mesh), mesh, (16, 256, 2048))
+    # at small buckets and asked for another one at 2048 tokens; the smallest bucket and
+    # the largest (each compile costs seconds; the LoRA check below compiles 256).
+    _check_forwards(_engine(checkpoint, mesh), mesh, (16, 2048))
 
 
 def test_lora_forward_step_compiles_without_copies(tmp_path):
@@ -137,7 +138,9 @@ def test_lora_forward_step_compiles_without_copies(tmp_path):
     each layer's slice of them) an argument that is neither donated nor copied, and
     temporaries over the base step's that could not hold them."""
     path = make_tiny_checkpoint("llama", tmp_path, **CHECKPOINTS["llama"])
-    tokens = (16, 256)
+    # One bucket, the larger: the adapters' temporaries grow with the tokens while the
+    # stacks do not, so 256 is where "not gathered" is the tighter bound.
+    tokens = (256,)
     base = _check_forwards(_engine(path, "1x1"), "1x1", tokens)
     eng = _engine(path, "1x1", enable_lora=True, max_loras=4, max_lora_rank=16)
     lora = _check_forwards(eng, "1x1", tokens)
