@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -265,8 +266,8 @@ def compile_plan(model: str, *, target: str, mesh: str = "1x1",
                  decode_context: int | None = None, **engine_kw: Any) -> CompileReport:
     """Build the engine for `target` and compile the selected warmup programs: "default"
     (default_selection), "all", "decode" (only the decode steps'), or a function picking
-    from warmup's list, `workers` at a time as warmup does (None:
-    parallel_compile.default_compile_workers()). decode_rows: account the decode step of
+    from warmup's list, `workers` at a time (None: one, or JAXSERVE_COMPILE_WORKERS when
+    set; see below). decode_rows: account the decode step of
     each many rows (module doc), at decode_context tokens per row (None: max_model_len,
     or the whole pages of the rows' equal share of the KV cache). engine_kw: EngineConfig fields
     (max_model_len, max_num_seqs, hbm_utilization, dtype, ...)."""
@@ -302,7 +303,12 @@ def compile_plan(model: str, *, target: str, mesh: str = "1x1",
         raise ValueError("--compile decode needs --decode-rows")
     resident = (eng.weight_bytes_per_device + eng.lora_bytes_per_device
                 + bytes_per_device(eng.runner.kv_caches))
-    workers = default_compile_workers() if workers is None else workers
+    if workers is None:
+        # One at a time unless JAXSERVE_COMPILE_WORKERS says otherwise: libtpu's deviceless
+        # compiler crashed (SIGSEGV) twice here with programs compiling at once (stop 49:
+        # this module's test in a full suite run, and a --decode-rows 1,64 plan).
+        workers = default_compile_workers() if os.environ.get("JAXSERVE_COMPILE_WORKERS") \
+            else 1
     start = time.perf_counter()
     gate = SerialAfterFailure()
     texts: dict[str, Module] = {}
