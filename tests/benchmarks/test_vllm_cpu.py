@@ -10,7 +10,8 @@ from importlib import metadata
 
 import pytest
 
-from benchmarks.vllm_cpu import vllm_cpu, vllm_cpu_env, vllm_cpu_online, vllm_cpu_run, vllm_cpu_stats
+from benchmarks.vllm_cpu import (vllm_cpu, vllm_cpu_env, vllm_cpu_online, vllm_cpu_stats,
+                                 vllm_cpu_workload)
 from benchmarks.vllm_cpu.vllm_cpu_stats import Proc
 
 
@@ -136,11 +137,11 @@ def test_kv_cache_space_holds_the_tokens_asked_for():
 def test_the_worker_reads_the_workload_and_checks_output_lengths(tmp_path):
     path = tmp_path / "w.json"
     path.write_text(json.dumps({"items": [{"prompt_token_ids": [5, 6], "max_tokens": 3}]}))
-    items = vllm_cpu_run.read_workload(str(path))
+    items = vllm_cpu_workload.read_workload(str(path))
     assert items == [{"prompt_token_ids": [5, 6], "max_tokens": 3}]
-    vllm_cpu_run.check_lengths([[1, 2, 3]], items, "x")
+    vllm_cpu_workload.check_lengths([[1, 2, 3]], items, "x")
     with pytest.raises(RuntimeError, match="produced 2 tokens, wanted 3"):
-        vllm_cpu_run.check_lengths([[1, 2]], items, "x")
+        vllm_cpu_workload.check_lengths([[1, 2]], items, "x")
 
 
 def test_both_servers_get_the_same_limits_and_the_client_the_same_workload(tmp_path):
@@ -194,12 +195,23 @@ def test_the_shared_checkpoint_renders_chat_as_the_users_words(tmp_path):
 
 def test_the_worker_imports_only_the_standard_library_at_the_top():
     """vllm_cpu_run.py starts under both venvs: vLLM's has no jax, the project's no vLLM;
-    and vLLM's engine process re-imports the main module, hence the __main__ guard."""
+    and vLLM's engine process re-imports the main module, hence the __main__ guard. Its
+    one project import, the workload module, is standard library only too."""
     import ast
-    source = open(vllm_cpu_run.__file__, encoding="utf-8").read()
-    tree = ast.parse(source)
-    top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
-    names = {a.name.split(".")[0] for n in top if isinstance(n, ast.Import) for a in n.names}
-    names |= {n.module.split(".")[0] for n in top if isinstance(n, ast.ImportFrom)}
-    assert names and names <= set(sys.stdlib_module_names) | {"__future__"}
+    folder = os.path.dirname(vllm_cpu_workload.__file__)
+
+    def top_imports(name: str) -> tuple[set[str], ast.Module]:
+        with open(os.path.join(folder, name), encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+        names = {a.name for n in top if isinstance(n, ast.Import) for a in n.names}
+        return names | {n.module for n in top if isinstance(n, ast.ImportFrom)}, tree
+
+    stdlib = set(sys.stdlib_module_names) | {"__future__"}
+    names, tree = top_imports("vllm_cpu_run.py")
+    assert names and {n.split(".")[0] for n in names} - {"benchmarks"} <= stdlib
+    assert {n for n in names if n.startswith("benchmarks")} == {
+        "benchmarks.vllm_cpu.vllm_cpu_workload"}
+    workload, _ = top_imports("vllm_cpu_workload.py")
+    assert workload and {n.split(".")[0] for n in workload} <= stdlib
     assert any(isinstance(n, ast.If) and "__main__" in ast.unparse(n.test) for n in tree.body)
