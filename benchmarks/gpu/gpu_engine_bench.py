@@ -133,7 +133,7 @@ def profile_run(llm: Any, rows: int, args: argparse.Namespace) -> dict[str, Any]
     import jax
 
     from benchmarks.gpu import trace_summary
-    from jaxserve.bench.offline import engine_prompt, sampling_params
+    from jaxserve.bench.offline import sampling_params
     engine, vocab = llm.engine, llm.engine.inputs.vocab_size
     rng = random.Random(2)
     folder = os.path.join(args.profile_dir, f"rows{rows}")
@@ -143,8 +143,8 @@ def profile_run(llm: Any, rows: int, args: argparse.Namespace) -> dict[str, Any]
     # (checked below: every row still decoding at the end).
     params = sampling_params(1, engine.inputs.max_model_len - args.input_len, False)
     for rid in ids:
-        p = Prompt(random_ids(rng, args.input_len, vocab), args.input_len, 1)
-        engine.add_request(llm._process(rid, engine_prompt(p), params, 0))
+        engine.add_request(engine.inputs.process(rid, random_ids(rng, args.input_len, vocab),
+                                                 params))
     sched = engine.scheduler
     try:
         while sched.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
