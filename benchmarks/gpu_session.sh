@@ -12,6 +12,12 @@
 #                decode steps at 1 and 64 rows summarised per kernel (where a step's
 #                time goes), offline throughput at input 1024 / output 128 for 1 / 64 /
 #                256 rows; warmup seconds and programs; compilations after warmup (0)
+#   scan_probe   benchmarks/gpu/scan_weights_probe.py: an 8B-shaped layer stack as
+#                jax.lax.scan and as a Python loop under a few XLA flags (the second
+#                session's profile: 53 % of a batch-1 step copying each layer's weights
+#                out of the stacked arrays before its gemms)
+#   tpot_best    batch-1 TPOT and profile of llama_bf16's model under the XLA flags of
+#                scan_probe's fastest scanned variant (skipped when that is the default)
 #   tpot_loop    batch-1 TPOT and profile of llama_bf16's model with its layers in a
 #                Python loop instead of jax.lax.scan (no while loop in the step)
 #   tpot_cmdbuf  the same with scanned layers and XLA's command buffers (CUDA graphs)
@@ -40,7 +46,7 @@
 set -u
 MODE=full
 [ "${1:-}" = "--tiny" ] && { MODE=tiny; shift; }
-ALL_STEPS="llama_bf16 tpot_loop tpot_cmdbuf qwen_fp8 checks roofline llama_fp8 transformers serve_8b"
+ALL_STEPS="llama_bf16 scan_probe tpot_best tpot_loop tpot_cmdbuf qwen_fp8 checks roofline llama_fp8 transformers serve_8b"
 STEPS=${*:-$ALL_STEPS}
 for s in $STEPS; do
   case " $ALL_STEPS " in *" $s "*) ;; *) echo "unknown step $s (steps: $ALL_STEPS)"; exit 2;; esac
@@ -60,7 +66,7 @@ if [ "$MODE" = tiny ]; then
   SESSION_S=${SESSION_S:-900}
   T_ROOFLINE=${T_ROOFLINE:-120} T_LLAMA=${T_LLAMA:-240} T_LLAMA_FP8=${T_LLAMA_FP8:-240}
   T_QWEN=${T_QWEN:-240} T_TORCH=${T_TORCH:-120} T_SERVE=${T_SERVE:-240} T_CHECKS=${T_CHECKS:-240}
-  T_TPOT=${T_TPOT:-240}
+  T_TPOT=${T_TPOT:-240} T_PROBE=${T_PROBE:-240}
 else
   export JAX_PLATFORMS=${JAX_PLATFORMS:-cuda,cpu}
   SESSION_S=${SESSION_S:-540}
@@ -69,7 +75,7 @@ else
   # compiling on 16 cores), transformers > 70 s, serve_8b > 55 s, each check case > 35 s.
   T_ROOFLINE=${T_ROOFLINE:-55} T_LLAMA=${T_LLAMA:-135} T_LLAMA_FP8=${T_LLAMA_FP8:-130}
   T_QWEN=${T_QWEN:-220} T_TORCH=${T_TORCH:-120} T_SERVE=${T_SERVE:-90} T_CHECKS=${T_CHECKS:-150}
-  T_TPOT=${T_TPOT:-90}
+  T_TPOT=${T_TPOT:-90} T_PROBE=${T_PROBE:-70}
 fi
 DEADLINE=$((START + SESSION_S))
 
@@ -134,6 +140,7 @@ if [ "$MODE" = tiny ]; then
   TPOT="--input-len 16 --output-len 4 --iters 1 --max-num-seqs 4 --max-num-batched-tokens 16 \
     --profile-rows 1 --profile-steps 2"
   CMDBUF=""   # the GPU flag is not XLA:CPU's
+  PROBE="--tiny --iters 2 --rows 1 --timeout 60 --variants scan+dsfusion,loop"
 else
   $PY -m pip install -q --no-deps --no-build-isolation -e . >"$WORK/install.log" 2>&1 \
     || { echo "install failed"; cat "$WORK/install.log"; }
@@ -153,6 +160,7 @@ else
   TPOT="--input-len 1024 --output-len 64 --iters 2 --max-num-seqs 8 \
     --max-num-batched-tokens 512 --profile-rows 1 --profile-steps 12"
   CMDBUF="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"
+  PROBE="--rows 1,64 --iters 30 --timeout 25"
 fi
 
 for s in $STEPS; do case $s in
@@ -161,6 +169,17 @@ for s in $STEPS; do case $s in
   llama_bf16) step llama_bf16 "$T_LLAMA" $PY -m benchmarks.gpu.gpu_engine_bench --model "$LLAMA" \
     --dtype bfloat16 --rows $ROWS $IO $ENGINE $PROFILE --profile-dir "$WORK/profile_llama_bf16" \
     --output "$WORK/llama_bf16.json" ;;
+  scan_probe) step scan_probe "$T_PROBE" $PY -m benchmarks.gpu.scan_weights_probe $PROBE \
+    --output "$WORK/scan_probe.json" --best-flags "$WORK/best_scan_flags" ;;
+  tpot_best)
+    if [ ! -s "$WORK/best_scan_flags" ]; then
+      echo "== tpot_best: skipped, scan_probe found no flags faster than the default"
+      echo "-2 0 0" >"$WORK/status/tpot_best"; continue
+    fi
+    XLA_FLAGS="${XLA_FLAGS:-} $(cat "$WORK/best_scan_flags")" step tpot_best "$T_TPOT" \
+    $PY -m benchmarks.gpu.gpu_engine_bench --model "$LLAMA" --dtype bfloat16 --rows "" $TPOT \
+    $ENGINE --scan-layers on --profile-dir "$WORK/profile_tpot_best" \
+    --output "$WORK/tpot_best.json" ;;
   tpot_loop) step tpot_loop "$T_TPOT" $PY -m benchmarks.gpu.gpu_engine_bench --model "$LLAMA" \
     --dtype bfloat16 --rows "" $TPOT $ENGINE --scan-layers off \
     --profile-dir "$WORK/profile_tpot_loop" --output "$WORK/tpot_loop.json" ;;

@@ -104,6 +104,8 @@ def figures(name: str, work: str) -> tuple[dict[str, Any] | None, str | None]:
         return {"copy_gb_per_s": r["best"]["copy_gb_per_s"],
                 "matmul_tflops_by_dtype": r["best"].get("matmul_tflops_by_dtype"),
                 "device": r["best"]["device"]}, path
+    if kind == "scan_weights_probe":
+        return {"probe": r["variants"]}, path
     if kind == "gpu_engine_bench":
         return engine_figures(doc), path
     if kind == "gpu_torch_bench":
@@ -177,6 +179,14 @@ def step_markdown(step: dict[str, Any]) -> list[str]:
               f["request_throughput"], f["output_throughput"],
               *(f"{_ms(f[k]['mean_ms'])} / {_ms(f[k]['p99_ms'])}"
                 for k in ("ttft", "tpot", "itl"))]]))
+    elif "probe" in f:
+        lines.append(markdown_table(
+            ["variant", "XLA flags", "rows", "ms a step", "weights GB/s", "HLO copies",
+             "compile s"],
+            [[v["variant"], v["xla_flags"] or "(none)", *(
+                (r["rows"], r["ms_per_step"], r["weight_GBps"], r["hlo_copies"],
+                 r["compile_s"]) if "runs" in v else ("error", v["error"][-120:], "", "", ""))]
+             for v in f["probe"] for r in (v.get("runs") or [{}])]))
     elif "rows" in f:
         table = []
         for r in f["rows"]:

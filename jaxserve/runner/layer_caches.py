@@ -47,22 +47,37 @@ def abstract_layer_caches(cfg: ModelConfig, mesh: Mesh, *, num_pages: int, page_
             for kind, s in shapes.items()}
 
 
-def make_layer_caches(cfg: ModelConfig, mesh: Mesh, *, num_pages: int, page_size: int,
+def held_layer_caches(cfg: ModelConfig, mesh: Mesh, *, num_pages: int, page_size: int,
                       kv_dtype: Any, num_state_slots: int, conv_state_dtype: Any,
-                      num_sliding_pages: int = 0
-                      ) -> tuple[dict[str, jax.Array], dict[str, Any]]:
-    """(caches, their shardings), allocated as abstract_layer_caches describes them."""
+                      num_sliding_pages: int = 0) -> dict[str, jax.ShapeDtypeStruct]:
+    """abstract_layer_caches as this platform holds them (_held): the arrays
+    allocate_layer_caches makes, and what the programs are compiled for."""
     specs = abstract_layer_caches(cfg, mesh, num_pages=num_pages, page_size=page_size,
                                   kv_dtype=kv_dtype, num_state_slots=num_state_slots,
                                   conv_state_dtype=conv_state_dtype,
                                   num_sliding_pages=num_sliding_pages)
+    return {kind: _held(kind, s, mesh) if kind in (KV, KV_SLIDING, CONV) else s
+            for kind, s in specs.items()}
+
+
+def allocate_layer_caches(specs: dict[str, jax.ShapeDtypeStruct]) -> dict[str, jax.Array]:
+    """The caches held_layer_caches describes, zeroed, on their shardings."""
     shardings = {kind: s.sharding for kind, s in specs.items()}
-    specs = {kind: _held(kind, s, mesh) if kind in (KV, KV_SLIDING, CONV) else s
-             for kind, s in specs.items()}
     # One program makes them all (a jit per array would compile once per state shape).
-    caches = jax.jit(lambda: {kind: jnp.zeros(s.shape, s.dtype) for kind, s in specs.items()},
-                     out_shardings=shardings)()
-    return caches, shardings
+    return jax.jit(lambda: {kind: jnp.zeros(s.shape, s.dtype) for kind, s in specs.items()},
+                   out_shardings=shardings)()
+
+
+def make_layer_caches(cfg: ModelConfig, mesh: Mesh, *, num_pages: int, page_size: int,
+                      kv_dtype: Any, num_state_slots: int, conv_state_dtype: Any,
+                      num_sliding_pages: int = 0
+                      ) -> tuple[dict[str, jax.Array], dict[str, Any]]:
+    """(caches, their shardings), allocated as held_layer_caches describes them."""
+    specs = held_layer_caches(cfg, mesh, num_pages=num_pages, page_size=page_size,
+                              kv_dtype=kv_dtype, num_state_slots=num_state_slots,
+                              conv_state_dtype=conv_state_dtype,
+                              num_sliding_pages=num_sliding_pages)
+    return allocate_layer_caches(specs), {kind: s.sharding for kind, s in specs.items()}
 
 
 def _held(kind: str, spec: jax.ShapeDtypeStruct, mesh: Mesh) -> jax.ShapeDtypeStruct:

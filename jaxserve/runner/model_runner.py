@@ -39,7 +39,8 @@ from jaxserve.runner.host_tier import HostTier, PendingOffload
 from jaxserve.runner.image_encoder import ImageEncoder, VisionParts
 from jaxserve.runner.image_rows import ImageRows
 from jaxserve.runner.input_batch import InputBatch
-from jaxserve.runner.layer_caches import abstract_layer_caches, make_layer_caches
+from jaxserve.runner.layer_caches import (abstract_layer_caches, allocate_layer_caches,
+                                          held_layer_caches)
 from jaxserve.runner.lora_store import LoRAStore
 from jaxserve.runner.programs import GREEDY, PENALTIES, RANDOM
 from jaxserve.runner.runner_config import RunnerConfig
@@ -91,14 +92,19 @@ class ModelRunner(RunnerWarmup):
     def __init__(self, config: RunnerConfig, *, model: nn.Module, params: dict,
                  mesh: Mesh | None = None,
                  abstract: bool = False, drafter: ModelDrafter | None = None,
-                 lora: LoRAStore | None = None, vision: VisionParts | None = None):
+                 lora: LoRAStore | None = None, vision: VisionParts | None = None,
+                 caches_after_compile: bool = False):
         """model.config: the model as it runs on this mesh (KV heads as stored);
         abstract: params are ShapeDtypeStructs with shardings and the caches are only
         described (nothing allocated): the programs can be lowered, not run;
         drafter: its model drafter (methods mtp and draft_model; ngram needs none);
         lora: the served adapters (None: LoRA off): the forward then takes the device
         stacks of their slots and each token's slot;
-        vision: the vision tower and its encoder cache's size, when it serves images."""
+        vision: the vision tower and its encoder cache's size, when it serves images;
+        caches_after_compile: the caches are only described until warmup has compiled the
+        programs, then allocated (a GPU's compiler autotunes its gemms in the device's
+        free memory, which the caches would otherwise hold: the first H100 run of
+        llama-3.1-8b ran out of memory compiling the lm_head, 8 programs at once)."""
         self.config = c = config
         self.model = model
         self.params = params
@@ -140,11 +146,12 @@ class ModelRunner(RunnerWarmup):
         cache_kw = dict(num_pages=c.num_pages, page_size=c.page_size, kv_dtype=c.kv_dtype,
                         num_state_slots=c.num_state_slots,
                         num_sliding_pages=c.num_sliding_pages, conv_state_dtype=model.dtype)
-        if abstract:
-            self.kv_caches = abstract_layer_caches(model.config, self.mesh, **cache_kw)
-            kv_sh = jax.tree_util.tree_map(lambda s: s.sharding, self.kv_caches)
-        else:
-            self.kv_caches, kv_sh = make_layer_caches(model.config, self.mesh, **cache_kw)
+        describe = abstract_layer_caches if abstract else held_layer_caches
+        self.kv_caches = describe(model.config, self.mesh, **cache_kw)
+        kv_sh = {kind: s.sharding for kind, s in self.kv_caches.items()}
+        self._caches_pending = not abstract and caches_after_compile
+        if not abstract and not caches_after_compile:
+            self.kv_caches = allocate_layer_caches(self.kv_caches)
         p_sh = jax.tree_util.tree_map(lambda x: x.sharding, params)
         rep = self._rep
         self._init_lora(lora)

@@ -12,6 +12,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxserve.runner.layer_caches import allocate_layer_caches
 from jaxserve.runner.parallel_compile import compile_all, default_compile_workers
 from jaxserve.runner.programs import (DRAFT, ENCODE, FORWARD, GREEDY, LORA_SLOT, PENALTIES,
                                       PROMPT_LOGPROBS, RANDOM, SAMPLE, Program)
@@ -27,6 +28,7 @@ class RunnerWarmup:
     """ModelRunner's warmup (a mixin: it lists and compiles the runner's own programs)."""
     # Seconds per token of the largest token bucket's forward, timed at warmup (0: none).
     prefill_s_per_token: float = 0.0
+    _caches_pending = False   # the caches are described, allocated once compiled
 
     def warmup_programs(self) -> list[Program]:
         """Every program warmup compiles, in its order: the forward per token bucket and
@@ -117,6 +119,13 @@ class RunnerWarmup:
         with jax.set_mesh(self.mesh):
             return program.fn.lower(*program.args())
 
+    def allocate_caches(self) -> None:
+        """Allocates the caches if they are only described (caches_after_compile): warmup
+        does after compiling; an engine that skips warmup, before its first step."""
+        if self._caches_pending:
+            self.kv_caches = allocate_layer_caches(self.kv_caches)
+            self._caches_pending = False
+
     def warmup(self, on_program: OnProgram | None = None) -> None:
         """Compile every program of warmup_programs now.
         on_program(done, total): called before the first program and after each."""
@@ -135,6 +144,7 @@ class RunnerWarmup:
         compile_all(programs, lambda lowered: lowered.compile(), prepare=self.lower,
                     workers=default_compile_workers(),
                     on_done=lambda prog, _, seconds: report.program_done(prog, seconds))
+        self.allocate_caches()   # compiled for them; now they may take the memory
         # ... then run each once, from jax's in-memory caches: the calls serving makes.
         forward_s: dict[int, float] = {}   # token bucket -> its fastest forward's seconds
         for prog in programs:

@@ -12,8 +12,8 @@ import tarfile
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-STEPS = ["llama_bf16", "tpot_loop", "tpot_cmdbuf", "qwen_fp8", "check_llama-tiny", "roofline",
-         "llama_fp8", "transformers", "serve_8b"]
+STEPS = ["llama_bf16", "scan_probe", "tpot_best", "tpot_loop", "tpot_cmdbuf", "qwen_fp8",
+         "check_llama-tiny", "roofline", "llama_fp8", "transformers", "serve_8b"]
 
 
 @pytest.fixture(scope="module")
