@@ -12,30 +12,30 @@
 #                decode steps at 1 and 64 rows summarised per kernel (where a step's
 #                time goes), offline throughput at input 1024 / output 128 for 1 / 64 /
 #                256 rows; warmup seconds and programs; compilations after warmup (0)
-#   scan_probe   benchmarks/gpu/scan_weights_probe.py: an 8B-shaped layer stack as
-#                jax.lax.scan and as a Python loop under a few XLA flags (the second
-#                session's profile: 53 % of a batch-1 step copying each layer's weights
-#                out of the stacked arrays before its gemms)
-#   tpot_best    batch-1 TPOT and profile of llama_bf16's model under the XLA flags of
-#                scan_probe's fastest scanned variant (skipped when that is the default)
-#   tpot_loop    batch-1 TPOT and profile of llama_bf16's model with its layers in a
-#                Python loop instead of jax.lax.scan (no while loop in the step)
-#   tpot_cmdbuf  the same with scanned layers and XLA's command buffers (CUDA graphs)
-#                extended to while loops and conditionals
-#                (the first run's TPOT was 4.4x its roofline and 2.5x transformers +
-#                torch.compile, whose CUDA graphs remove launch overhead: these two
-#                say whether launches and the layer loop are the missing 20 ms)
+#   tpot_cmdbuf  batch-1 TPOT and profile of llama_bf16's model with XLA's command
+#                buffers (CUDA graphs) extended to while loops and conditionals (the
+#                second session's profile: with cuBLAS gemms the device is busy 10 ms of
+#                a 16.7 ms step, the host launching the layer loop's ~60 kernels a
+#                layer one by one, inside the forward's call)
 #   qwen_fp8     qwen3.6-27b --quantization fp8: batch 1 (TPOT, profile) and 64 rows
+#   llama_fp8    llama_bf16 with --quantization fp8 --kv-cache-dtype fp8
 #   checks       engine correctness, bf16: llama, qwen3.5 hybrid, gemma 4 through the
 #                Pallas path vs the XLA path vs the float32 reference, with agreement
 #                floors; the three cases at once (separate processes, a quarter of the
 #                GPU each: their time is compiling, on the CPU)
-#   roofline     donated best-of copy bandwidth, bf16 and fp8 matmul peaks
-#   llama_fp8    llama_bf16 with --quantization fp8 --kv-cache-dtype fp8
 #   transformers transformers, same GPU, same shape, random weights, static cache +
 #                torch.compile: batch 1 and 64
 #   serve_8b     the HTTP server (benchmarks/serving/serve.py: vLLM's bench serve
 #                metrics), 8B, 64 concurrent
+#   tpot_triton  tpot_cmdbuf's TPOT with XLA's Triton gemms (the engine's GPU default is
+#                cuBLAS, jaxserve/build/gpu_xla_flags.py: this is the A/B)
+#   roofline     donated best-of copy bandwidth, bf16 and fp8 matmul peaks
+#   scan_probe   benchmarks/gpu/scan_weights_probe.py: an 8B-shaped layer stack as
+#                jax.lax.scan and as a Python loop under a few XLA flags (the second
+#                session found Triton gemms copying each layer's weights out of the
+#                stack: 16.1 ms a step, against 7.2 with cuBLAS or unrolled)
+#   tpot_loop    batch-1 TPOT and profile with the layers in a Python loop instead of
+#                jax.lax.scan (no while loop; 10 programs took > 90 s to compile)
 # Usage, from the repository root:
 #   bash benchmarks/gpu_session.sh [STEP ...]         # on the device machine
 #   bash benchmarks/gpu_session.sh --tiny [STEP ...]  # tiny CPU mode: tiny models (CI)
@@ -46,7 +46,8 @@
 set -u
 MODE=full
 [ "${1:-}" = "--tiny" ] && { MODE=tiny; shift; }
-ALL_STEPS="llama_bf16 scan_probe tpot_best tpot_loop tpot_cmdbuf qwen_fp8 checks roofline llama_fp8 transformers serve_8b"
+ALL_STEPS="llama_bf16 tpot_cmdbuf qwen_fp8 llama_fp8 checks transformers serve_8b tpot_triton"
+ALL_STEPS="$ALL_STEPS roofline scan_probe tpot_loop"
 STEPS=${*:-$ALL_STEPS}
 for s in $STEPS; do
   case " $ALL_STEPS " in *" $s "*) ;; *) echo "unknown step $s (steps: $ALL_STEPS)"; exit 2;; esac
@@ -73,6 +74,8 @@ else
   # Measured in the first session (H100, cold caches): roofline 45 s, llama_bf16 107 s
   # (+ ~20 s of profile), llama_fp8 > 80 s, qwen_fp8 > 85 s (23 programs of ~40 s each
   # compiling on 16 cores), transformers > 70 s, serve_8b > 55 s, each check case > 35 s.
+  # Second (5cd6e5d, cold): llama_bf16 125 s with its profiles, tpot_* 42 s, the three
+  # checks at once 122 s, scan_probe 59 s, roofline 47 s.
   T_ROOFLINE=${T_ROOFLINE:-55} T_LLAMA=${T_LLAMA:-135} T_LLAMA_FP8=${T_LLAMA_FP8:-130}
   T_QWEN=${T_QWEN:-220} T_TORCH=${T_TORCH:-120} T_SERVE=${T_SERVE:-90} T_CHECKS=${T_CHECKS:-150}
   T_TPOT=${T_TPOT:-90} T_PROBE=${T_PROBE:-70}
@@ -140,7 +143,7 @@ if [ "$MODE" = tiny ]; then
   TPOT="--input-len 16 --output-len 4 --iters 1 --max-num-seqs 4 --max-num-batched-tokens 16 \
     --profile-rows 1 --profile-steps 2"
   CMDBUF=""   # the GPU flag is not XLA:CPU's
-  PROBE="--tiny --iters 2 --rows 1 --timeout 60 --variants scan+dsfusion,loop"
+  PROBE="--tiny --iters 2 --rows 1 --timeout 60 --variants scan,loop"
 else
   $PY -m pip install -q --no-deps --no-build-isolation -e . >"$WORK/install.log" 2>&1 \
     || { echo "install failed"; cat "$WORK/install.log"; }
@@ -171,15 +174,10 @@ for s in $STEPS; do case $s in
     --output "$WORK/llama_bf16.json" ;;
   scan_probe) step scan_probe "$T_PROBE" $PY -m benchmarks.gpu.scan_weights_probe $PROBE \
     --output "$WORK/scan_probe.json" --best-flags "$WORK/best_scan_flags" ;;
-  tpot_best)
-    if [ ! -s "$WORK/best_scan_flags" ]; then
-      echo "== tpot_best: skipped, scan_probe found no flags faster than the default"
-      echo "-2 0 0" >"$WORK/status/tpot_best"; continue
-    fi
-    XLA_FLAGS="${XLA_FLAGS:-} $(cat "$WORK/best_scan_flags")" step tpot_best "$T_TPOT" \
-    $PY -m benchmarks.gpu.gpu_engine_bench --model "$LLAMA" --dtype bfloat16 --rows "" $TPOT \
-    $ENGINE --scan-layers on --profile-dir "$WORK/profile_tpot_best" \
-    --output "$WORK/tpot_best.json" ;;
+  tpot_triton) XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_triton_gemm=true" step tpot_triton \
+    "$T_TPOT" $PY -m benchmarks.gpu.gpu_engine_bench --model "$LLAMA" --dtype bfloat16 --rows "" \
+    $TPOT $ENGINE --scan-layers on --profile-dir "$WORK/profile_tpot_triton" \
+    --output "$WORK/tpot_triton.json" ;;
   tpot_loop) step tpot_loop "$T_TPOT" $PY -m benchmarks.gpu.gpu_engine_bench --model "$LLAMA" \
     --dtype bfloat16 --rows "" $TPOT $ENGINE --scan-layers off \
     --profile-dir "$WORK/profile_tpot_loop" --output "$WORK/tpot_loop.json" ;;

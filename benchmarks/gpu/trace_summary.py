@@ -71,7 +71,8 @@ def summarise(path: str, steps: int = 1, top: int = 25,
     ms = 1e-3   # trace times are microseconds
 
     def on_python(e: dict) -> bool:
-        return threads.get((e["pid"], e.get("tid"))) == "python" and \
+        # ("python" in jax 0.10's traces, "python3" in the GPU image's jax 0.11)
+        return threads.get((e["pid"], e.get("tid")), "").startswith("python") and \
             procs.get(e["pid"], "").startswith("/host")
 
     spans = _outermost_calls(spans, on_python)

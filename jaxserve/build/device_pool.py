@@ -21,7 +21,8 @@ POOL_ENV = "XLA_PYTHON_CLIENT_MEM_FRACTION"
 JAX_DEFAULT_GPU_FRACTION = 0.75   # JAX's GPU pool without POOL_ENV
 
 
-def _backends_ready() -> bool:
+def backends_ready() -> bool:
+    """Whether JAX has made its backends (after which XLA_FLAGS and the pool are fixed)."""
     from jax._src import xla_bridge   # (this module is read before jax starts)
     return xla_bridge.backends_are_initialized()
 
@@ -34,7 +35,7 @@ def set_device_pool(hbm_utilization: float | None) -> str:
     if POOL_ENV in os.environ:
         return (f"{POOL_ENV}={os.environ[POOL_ENV]} is set: JAX's GPU pool is that share of "
                 f"the device; the engine takes at most {share} of the device from it")
-    if _backends_ready():
+    if backends_ready():
         return (f"JAX started before the engine: its GPU pool keeps the share it was made "
                 f"with ({JAX_DEFAULT_GPU_FRACTION} by default); the engine takes at most "
                 f"{share} of the device from it")

@@ -12,8 +12,8 @@ import tarfile
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-STEPS = ["llama_bf16", "scan_probe", "tpot_best", "tpot_loop", "tpot_cmdbuf", "qwen_fp8",
-         "check_llama-tiny", "roofline", "llama_fp8", "transformers", "serve_8b"]
+STEPS = ["llama_bf16", "tpot_cmdbuf", "qwen_fp8", "llama_fp8", "check_llama-tiny", "transformers",
+         "serve_8b", "tpot_triton", "roofline", "scan_probe", "tpot_loop"]
 
 
 @pytest.fixture(scope="module")

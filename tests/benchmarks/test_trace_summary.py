@@ -12,9 +12,9 @@ from benchmarks.gpu import trace_summary
 HOST, GPU = 1, 2
 
 
-def _trace(tmp_path) -> str:
+def _trace(tmp_path, thread: str = "python") -> str:
     meta = [{"ph": "M", "pid": HOST, "name": "process_name", "args": {"name": "/host:CPU"}},
-            {"ph": "M", "pid": HOST, "tid": 7, "name": "thread_name", "args": {"name": "python"}},
+            {"ph": "M", "pid": HOST, "tid": 7, "name": "thread_name", "args": {"name": thread}},
             {"ph": "M", "pid": GPU, "name": "process_name", "args": {"name": "/device:GPU:0"}}]
     ev = []
     # a prefill launch at 0 (its kernel 0-500), then decode launches every 100 us from 1000
@@ -43,8 +43,9 @@ def _trace(tmp_path) -> str:
     return str(path)
 
 
-def test_decode_window_split(tmp_path):
-    path = _trace(tmp_path)
+@pytest.mark.parametrize("thread", ["python", "python3"])   # jax 0.10 / the GPU image's 0.11
+def test_decode_window_split(tmp_path, thread):
+    path = _trace(tmp_path, thread)
     assert trace_summary.trace_file(str(tmp_path)) == path
     s = trace_summary.summarise(path, steps=3)
     # three whole periods between the last four launches: the prefill is left out

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from jaxserve.config import EngineConfig
-from jaxserve.build import device_pool
+from jaxserve.build import device_pool, gpu_xla_flags
 from jaxserve.engine import data_parallel
 from jaxserve.build.device_pool import POOL_ENV, set_device_pool
 from jaxserve.build.layout import cache_plan_for, layout_for
@@ -33,7 +33,7 @@ class FakeDevice:
 
 def test_the_pool_is_set_before_jax_starts(monkeypatch):
     monkeypatch.delenv(POOL_ENV, raising=False)
-    monkeypatch.setattr(device_pool, "_backends_ready", lambda: False)
+    monkeypatch.setattr(device_pool, "backends_ready", lambda: False)
     set_device_pool(0.8)
     assert device_pool.os.environ[POOL_ENV] == "0.8"
     monkeypatch.delenv(POOL_ENV)
@@ -43,9 +43,36 @@ def test_the_pool_is_set_before_jax_starts(monkeypatch):
     monkeypatch.setenv(POOL_ENV, "0.5")
     assert "is set" in set_device_pool(0.8) and device_pool.os.environ[POOL_ENV] == "0.5"
     monkeypatch.delenv(POOL_ENV)
-    monkeypatch.setattr(device_pool, "_backends_ready", lambda: True)
+    monkeypatch.setattr(device_pool, "backends_ready", lambda: True)
     assert "JAX started before the engine" in set_device_pool(0.8)
     assert POOL_ENV not in device_pool.os.environ
+
+
+def test_gpu_xla_flags_are_set_before_jax_starts_unless_given(monkeypatch):
+    monkeypatch.setattr(gpu_xla_flags, "_cuda_plugin_installed", lambda: True)
+    monkeypatch.setattr(gpu_xla_flags, "backends_ready", lambda: False)
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    assert "--xla_gpu_enable_triton_gemm=false" in gpu_xla_flags.set_gpu_xla_flags()
+    assert gpu_xla_flags.os.environ["XLA_FLAGS"] == \
+        "--xla_force_host_platform_device_count=8 --xla_gpu_enable_triton_gemm=false"
+    # The user's own value of the flag stays.
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_triton_gemm=true")
+    assert "has the engine's GPU flags" in gpu_xla_flags.set_gpu_xla_flags()
+    assert gpu_xla_flags.os.environ["XLA_FLAGS"] == "--xla_gpu_enable_triton_gemm=true"
+    # Too late once JAX has started: said, not set.
+    monkeypatch.setenv("XLA_FLAGS", "")
+    monkeypatch.setattr(gpu_xla_flags, "backends_ready", lambda: True)
+    assert "JAX started before the engine" in gpu_xla_flags.set_gpu_xla_flags()
+    assert gpu_xla_flags.os.environ["XLA_FLAGS"] == ""
+    # No GPU wanted (JAX_PLATFORMS) or no CUDA plugin: nothing set, nothing said.
+    monkeypatch.setattr(gpu_xla_flags, "backends_ready", lambda: False)
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    assert gpu_xla_flags.set_gpu_xla_flags() is None
+    monkeypatch.setenv("JAX_PLATFORMS", "cuda,cpu")
+    monkeypatch.setattr(gpu_xla_flags, "_cuda_plugin_installed", lambda: False)
+    assert gpu_xla_flags.set_gpu_xla_flags() is None
+    assert gpu_xla_flags.os.environ["XLA_FLAGS"] == ""
 
 
 def test_make_engine_sizes_the_pool_before_the_mesh(monkeypatch):

@@ -1,0 +1,57 @@
+"""XLA:GPU flags the engine sets by default, before JAX makes its backends.
+
+`--xla_gpu_enable_triton_gemm=false`: the model's layers run as one jax.lax.scan over
+stacked weights, and XLA's Triton gemms cannot read a layer's slice of the stack in
+place, so every step copied each layer's weights out first (read + write of all the
+weights beside the gemm's own read). cuBLAS gemms read the slice where it lies. First
+H100 measurements (benchmarks/README.md, "The GPU session"): a Llama-3.1-8B-shaped
+layer stack at batch 1, 16.1 ms a step with Triton, 7.2 ms with cuBLAS, 7.2 ms unrolled;
+the engine's batch-1 TPOT on llama-3.1-8b bf16, 25.5 → 16.7 ms.
+
+A flag the user's XLA_FLAGS already names is left as given; on a host without JAX's
+CUDA plugin (or with JAX_PLATFORMS naming no GPU) nothing is set.
+"""
+from __future__ import annotations
+
+import os
+import pkgutil
+
+from jaxserve.build.device_pool import backends_ready
+
+# (flag, value): the engine's defaults on a GPU
+GPU_DEFAULTS = (("xla_gpu_enable_triton_gemm", "false"),)
+
+
+def _cuda_plugin_installed() -> bool:
+    """Whether JAX's CUDA plugin is there (found without importing jax)."""
+    try:
+        import jax_plugins   # the plugins' namespace package
+    except ImportError:
+        return False
+    return any(m.name.startswith("xla_cuda") for m in pkgutil.iter_modules(jax_plugins.__path__))
+
+
+def _gpu_wanted() -> bool:
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    if platforms and not any(p in platforms for p in ("cuda", "gpu")):
+        return False
+    return _cuda_plugin_installed()
+
+
+def set_gpu_xla_flags() -> str | None:
+    """Adds GPU_DEFAULTS to XLA_FLAGS (the ones it does not name already); a line for the
+    log, or None where there is nothing to say (no GPU). Once JAX has made its backends
+    XLA_FLAGS is read already: then only a warning is left to give."""
+    if not _gpu_wanted():
+        return None
+    given = os.environ.get("XLA_FLAGS", "")
+    missing = [f"--{name}={value}" for name, value in GPU_DEFAULTS if f"--{name}" not in given]
+    if not missing:
+        return f"XLA_FLAGS has the engine's GPU flags (or the user's values of them): {given}"
+    if backends_ready():
+        return (f"JAX started before the engine: its XLA flags stay as they were, without the "
+                f"engine's GPU defaults {' '.join(missing)} (jaxserve/build/gpu_xla_flags.py "
+                f"says why)")
+    os.environ["XLA_FLAGS"] = " ".join([given, *missing]).strip()
+    return (f"XLA:GPU flags: {' '.join(missing)} (cuBLAS gemms read each layer's weights in "
+            f"place in the scanned layer loop; XLA_FLAGS naming the flag overrides it)")
