@@ -1,12 +1,11 @@
 """The jitted model step: applies a SchedulerOutput to the persistent batch, pads the
 step into a bucket, runs, samples.
 
-Three jitted functions, each compiled for a small fixed set of shapes at
-warmup: the forward pass (one per token bucket, KV caches donated so every
-write is in place), the sampler (one per row bucket, every kind of row at once, and
-one with penalties at the largest) and prompt logprobs (one program: the forward
-hands it the hidden states padded to the largest token bucket). Nothing compiles
-after warmup.
+Three jitted functions, each compiled for a small fixed set of shapes at warmup: the
+forward pass (one per token bucket, KV caches donated so every write is in place), the
+sampler (one per row bucket, every kind of row at once, and one with penalties at the
+largest) and prompt logprobs (one program: the forward hands it the hidden states padded
+to the largest token bucket). Nothing compiles after warmup.
 
 Under a mesh (this replica's 1xM devices) every function is jitted with explicit
 shardings: parameters and KV caches as they were placed (KV split by KV head,
@@ -39,8 +38,7 @@ from jaxserve.runner.host_tier import HostTier, PendingOffload
 from jaxserve.runner.image_encoder import ImageEncoder, VisionParts
 from jaxserve.runner.image_rows import ImageRows
 from jaxserve.runner.input_batch import InputBatch
-from jaxserve.runner.layer_caches import (abstract_layer_caches, allocate_layer_caches,
-                                          held_layer_caches)
+from jaxserve.runner.layer_caches import abstract_layer_caches, held_layer_caches
 from jaxserve.runner.lora_store import LoRAStore
 from jaxserve.runner.programs import GREEDY, PENALTIES, RANDOM
 from jaxserve.runner.runner_config import RunnerConfig
@@ -90,10 +88,9 @@ PROMPT_LOGPROBS_CHUNK = 256
 
 class ModelRunner(RunnerWarmup):
     def __init__(self, config: RunnerConfig, *, model: nn.Module, params: dict,
-                 mesh: Mesh | None = None,
-                 abstract: bool = False, drafter: ModelDrafter | None = None,
-                 lora: LoRAStore | None = None, vision: VisionParts | None = None,
-                 caches_after_compile: bool = False):
+                 mesh: Mesh | None = None, abstract: bool = False,
+                 drafter: ModelDrafter | None = None, lora: LoRAStore | None = None,
+                 vision: VisionParts | None = None, caches_after_compile: bool = False):
         """model.config: the model as it runs on this mesh (KV heads as stored);
         abstract: params are ShapeDtypeStructs with shardings and the caches are only
         described (nothing allocated): the programs can be lowered, not run;
@@ -101,10 +98,7 @@ class ModelRunner(RunnerWarmup):
         lora: the served adapters (None: LoRA off): the forward then takes the device
         stacks of their slots and each token's slot;
         vision: the vision tower and its encoder cache's size, when it serves images;
-        caches_after_compile: the caches are only described until warmup has compiled the
-        programs, then allocated (a GPU's compiler autotunes its gemms in the device's
-        free memory, which the caches would otherwise hold: the first H100 run of
-        llama-3.1-8b ran out of memory compiling the lm_head, 8 programs at once)."""
+        caches_after_compile: see allocate_caches."""
         self.config = c = config
         self.model = model
         self.params = params
@@ -143,15 +137,15 @@ class ModelRunner(RunnerWarmup):
                                     horizon=model.config.image_attention_both_ways))
         self.num_state_slots = c.num_state_slots
         # The stacked caches (models/layer_stack.py): KV heads as stored on this mesh.
-        cache_kw = dict(num_pages=c.num_pages, page_size=c.page_size, kv_dtype=c.kv_dtype,
-                        num_state_slots=c.num_state_slots,
-                        num_sliding_pages=c.num_sliding_pages, conv_state_dtype=model.dtype)
         describe = abstract_layer_caches if abstract else held_layer_caches
-        self.kv_caches = describe(model.config, self.mesh, **cache_kw)
+        self.kv_caches = describe(
+            model.config, self.mesh, num_pages=c.num_pages, page_size=c.page_size,
+            kv_dtype=c.kv_dtype, num_state_slots=c.num_state_slots,
+            num_sliding_pages=c.num_sliding_pages, conv_state_dtype=model.dtype)
         kv_sh = {kind: s.sharding for kind, s in self.kv_caches.items()}
-        self._caches_pending = not abstract and caches_after_compile
-        if not abstract and not caches_after_compile:
-            self.kv_caches = allocate_layer_caches(self.kv_caches)
+        self._caches_pending = not abstract
+        if not caches_after_compile:   # (else warmup does)
+            self.allocate_caches()
         p_sh = jax.tree_util.tree_map(lambda x: x.sharding, params)
         rep = self._rep
         self._init_lora(lora)
@@ -186,8 +180,7 @@ class ModelRunner(RunnerWarmup):
     def _init_lora(self, lora: LoRAStore | None) -> None:
         """The adapters' device stacks (not donated to the forward: written between
         steps, in place, by their own program)."""
-        self.lora = lora
-        self.lora_stacks, self._lora_sh = None, ()
+        self.lora, self.lora_stacks, self._lora_sh = lora, None, ()
         if lora is None:
             return
         sh = lora.shardings(self.mesh)

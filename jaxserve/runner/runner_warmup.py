@@ -120,8 +120,11 @@ class RunnerWarmup:
             return program.fn.lower(*program.args())
 
     def allocate_caches(self) -> None:
-        """Allocates the caches if they are only described (caches_after_compile): warmup
-        does after compiling; an engine that skips warmup, before its first step."""
+        """Allocates the caches if they are only described (ModelRunner's
+        caches_after_compile): warmup does after compiling, so that XLA:GPU autotunes the
+        gemms in the memory the caches then take (the second H100 session ran out of
+        memory compiling llama-3.1-8b's lm_head with the caches allocated); an engine that
+        skips warmup, before its first step."""
         if self._caches_pending:
             self.kv_caches = allocate_layer_caches(self.kv_caches)
             self._caches_pending = False

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from pallas_kernels.sorted_search import bucket_of
 from sharding.mesh import MODEL
 from sharding.parallel import context_model_axis_size, heads_spec, over_model_axis
 
@@ -108,7 +109,7 @@ class _Windows(NamedTuple):
     def at(self, k: jax.Array, num_tokens: int) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Window k: its slot, its first row (kept inside the T rows) and which of its
         rows are the slot's (the others belong to neighbours: masked)."""
-        s = jnp.searchsorted(self.ends, k, side="right").astype(jnp.int32)
+        s = bucket_of(self.ends, k)
         per = (self.sizes + self.rows - 1) // self.rows
         first = self.starts[s] + (k - (self.ends[s] - per[s])) * self.rows
         end = jnp.minimum(first + self.rows, self.starts[s] + self.sizes[s])

@@ -17,13 +17,14 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.held_dtypes import as_held, as_values
+from pallas_kernels.sorted_search import bucket_of
 
 
 def token_rows(query_start_loc: jax.Array, num_seqs: jax.Array, num_tokens: int,
                num_rows: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Per packed token: its row, its position inside the row, and whether it is live."""
     t = jnp.arange(num_tokens, dtype=jnp.int32)
-    row = jnp.searchsorted(query_start_loc[1:], t, side="right").astype(jnp.int32)
+    row = bucket_of(query_start_loc[1:], t)
     row = jnp.minimum(row, num_rows - 1)
     valid = t < query_start_loc[num_seqs[0]]
     return row, t - query_start_loc[row], valid

@@ -33,6 +33,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.sorted_search import bucket_of
+
 # Fields of the per-item metadata.
 REQ, Q_START, Q_COUNT, Q_POS, KV_LEN, KV_LO, NUM_STEPS, NUM_PAGES, NUM_ITEMS = range(9)
 NUM_FIELDS = 9     # NUM_ITEMS (the real item count) is the same in every row
@@ -73,7 +75,7 @@ def plan_items(query_start_loc: jax.Array, kv_lens: jax.Array, num_seqs: jax.Arr
     firsts = ends - blocks
 
     i = jnp.arange(n_items, dtype=jnp.int32)
-    req = jnp.minimum(jnp.searchsorted(ends, i, side="right").astype(jnp.int32), num_rows - 1)
+    req = jnp.minimum(bucket_of(ends, i), num_rows - 1)
     valid = i < ends[-1]
     j = i - firsts[req]                                           # block index within its request
     q_start = q_start_row[req] + j * block_q
@@ -99,7 +101,7 @@ def plan_items(query_start_loc: jax.Array, kv_lens: jax.Array, num_seqs: jax.Arr
 
     # Each real token belongs to exactly one item.
     t = jnp.arange(num_tokens, dtype=jnp.int32)
-    t_req = jnp.minimum(jnp.searchsorted(query_start_loc[1:], t, side="right").astype(jnp.int32),
+    t_req = jnp.minimum(bucket_of(query_start_loc[1:], t),
                         num_rows - 1)
     t_valid = (t < query_start_loc[num_seqs[0]]) & live[t_req]
     within = t - q_start_row[t_req]

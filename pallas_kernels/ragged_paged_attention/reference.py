@@ -31,6 +31,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.held_dtypes import as_values
 from pallas_kernels.ragged_paged_attention.cache import cache_dims
+from pallas_kernels.sorted_search import bucket_of
 
 # Per-block gather budget: a block of B tokens gathers [B, K, 2, L, H] of K and V.
 _GATHER_BUDGET_BYTES = 64 * 1024 * 1024
@@ -41,7 +42,7 @@ def token_metadata(query_start_loc: jax.Array, kv_lens: jax.Array, num_seqs: jax
     """For each packed token: its request row, its position in the sequence, validity."""
     t = jnp.arange(num_tokens, dtype=jnp.int32)
     num_rows = kv_lens.shape[0]
-    row = jnp.searchsorted(query_start_loc[1:], t, side="right").astype(jnp.int32)
+    row = bucket_of(query_start_loc[1:], t)
     row = jnp.minimum(row, num_rows - 1)
     valid = t < query_start_loc[num_seqs[0]]
     q_len = query_start_loc[row + 1] - query_start_loc[row]
