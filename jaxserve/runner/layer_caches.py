@@ -12,7 +12,7 @@ programs ahead of time for a device that is not here.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -60,12 +60,19 @@ def held_layer_caches(cfg: ModelConfig, mesh: Mesh, *, num_pages: int, page_size
             for kind, s in specs.items()}
 
 
-def allocate_layer_caches(specs: dict[str, jax.ShapeDtypeStruct]) -> dict[str, jax.Array]:
-    """The caches held_layer_caches describes, zeroed, on their shardings."""
+def cache_allocator(specs: dict[str, jax.ShapeDtypeStruct]
+                    ) -> Callable[[], dict[str, jax.Array]]:
+    """The compiled program that makes the caches held_layer_caches describes, zeroed, on
+    their shardings (compiling it allocates nothing)."""
     shardings = {kind: s.sharding for kind, s in specs.items()}
     # One program makes them all (a jit per array would compile once per state shape).
     return jax.jit(lambda: {kind: jnp.zeros(s.shape, s.dtype) for kind, s in specs.items()},
-                   out_shardings=shardings)()
+                   out_shardings=shardings).lower().compile()
+
+
+def allocate_layer_caches(specs: dict[str, jax.ShapeDtypeStruct]) -> dict[str, jax.Array]:
+    """The caches held_layer_caches describes, zeroed, on their shardings."""
+    return cache_allocator(specs)()
 
 
 def make_layer_caches(cfg: ModelConfig, mesh: Mesh, *, num_pages: int, page_size: int,

@@ -7,12 +7,12 @@ import itertools
 import logging
 import time
 from functools import partial
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
 
-from jaxserve.runner.layer_caches import allocate_layer_caches
+from jaxserve.runner.layer_caches import cache_allocator
 from jaxserve.runner.parallel_compile import compile_all, default_compile_workers
 from jaxserve.runner.programs import (DRAFT, ENCODE, FORWARD, GREEDY, LORA_SLOT, PENALTIES,
                                       PROMPT_LOGPROBS, RANDOM, SAMPLE, Program)
@@ -119,14 +119,14 @@ class RunnerWarmup:
         with jax.set_mesh(self.mesh):
             return program.fn.lower(*program.args())
 
-    def allocate_caches(self) -> None:
+    def allocate_caches(self, allocate: Callable[[], dict] | None = None) -> None:
         """Allocates the caches if they are only described (ModelRunner's
         caches_after_compile): warmup does after compiling, so that XLA:GPU autotunes the
         gemms in the memory the caches then take (the second H100 session ran out of
         memory compiling llama-3.1-8b's lm_head with the caches allocated); an engine that
         skips warmup, before its first step."""
         if self._caches_pending:
-            self.kv_caches = allocate_layer_caches(self.kv_caches)
+            self.kv_caches = (allocate or cache_allocator(self.kv_caches))()
             self._caches_pending = False
 
     def warmup(self, on_program: OnProgram | None = None) -> None:
@@ -139,6 +139,9 @@ class RunnerWarmup:
 
     def _warmup(self, on_program: OnProgram | None = None) -> None:
         programs = self.warmup_programs()
+        # (the caches' zero-filling program compiles outside warmup's count, as it did
+        # when the runner allocated them at construction: serving never runs it)
+        allocate = cache_allocator(self.kv_caches) if self._caches_pending else None
         report = WarmupReport(len(programs), on_program)
         # Compile them all, several at a time (nothing runs yet, so no cache is donated
         # while another program is lowered with it), lowered one by one in this thread
@@ -147,7 +150,7 @@ class RunnerWarmup:
         compile_all(programs, lambda lowered: lowered.compile(), prepare=self.lower,
                     workers=default_compile_workers(),
                     on_done=lambda prog, _, seconds: report.program_done(prog, seconds))
-        self.allocate_caches()   # compiled for them; now they may take the memory
+        self.allocate_caches(allocate)   # compiled for them; now they may take the memory
         # ... then run each once, from jax's in-memory caches: the calls serving makes.
         forward_s: dict[int, float] = {}   # token bucket -> its fastest forward's seconds
         for prog in programs:
