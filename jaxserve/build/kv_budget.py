@@ -1,7 +1,8 @@
 """The memory the caches may take. On an accelerator, as vLLM's --gpu-memory-utilization:
 the engine gets hbm_utilization of the device's memory for everything it holds, and the
 caches get that share less the weights and a reserve for the programs' temporaries
-(memory_split). On CPU: a share of the free host RAM. build/cache_plan.py turns the
+(memory_split). On CPU: a share of the free host RAM, leaving out of it at least the
+same reserve (cpu_cache_bytes). build/cache_plan.py turns the
 budget into pages and state slots; the planner makes the same split for a device that is
 not here."""
 from __future__ import annotations
@@ -99,6 +100,18 @@ def available_host_bytes() -> int:
         return 8 << 30
 
 
+def cpu_cache_bytes(free_bytes: int, share: float, activation: int, later_bytes: int) -> int:
+    """The caches' bytes on CPU: `share` of the host's free RAM (read after the weights
+    are loaded, so it has them out already), less what is made after the caches
+    (later_bytes). The programs' temporaries (activation: the larger of the step's and
+    the largest encoder call's, as on an accelerator) live in the RAM outside the share,
+    so a share so large that the rest cannot hold them is cut to leave them room. Unlike
+    an accelerator's, the reserve is not taken from the share itself: the share is the
+    caches' alone (the rest of the host is the engine's too), and a step's temporaries
+    come and go with the step."""
+    return max(0, min(int(free_bytes * share), free_bytes - activation) - later_bytes)
+
+
 def cache_budget_bytes(*, kv_cache_memory_bytes: int | None, hbm_utilization: float | None,
                        activation_bytes: int, device: jax.Device | None,
                        memory: DeviceMemory | None = None,
@@ -106,17 +119,17 @@ def cache_budget_bytes(*, kv_cache_memory_bytes: int | None, hbm_utilization: fl
     """(bytes per device the caches may take, whether to stop at what max_num_seqs
     sequences need) for build.cache_plan.plan_caches: kv_cache_memory_bytes when
     given; on a CPU device hbm_utilization of the host's free RAM (None: a quarter, taken
-    only as far as needed); else memory_split's cache bytes of `memory` (or the
+    only as far as needed), leaving the rest room for activation_bytes (cpu_cache_bytes);
+    else memory_split's cache bytes of `memory` (or the
     device's). later_bytes: allocated after the caches and held beside them (the
     encoder cache): out of every budget but the one given in bytes, which is the
     caches' own."""
     if kv_cache_memory_bytes is not None:
         return kv_cache_memory_bytes, False
     if memory is None and device.platform == "cpu":
-        # (the host's free RAM has the weights out already, and no activation reserve)
         share = _CPU_RAM_FRACTION if hbm_utilization is None else hbm_utilization
-        return max(0, int(available_host_bytes() * share) - later_bytes), \
-            hbm_utilization is None
+        return cpu_cache_bytes(available_host_bytes(), share, activation_bytes,
+                               later_bytes), hbm_utilization is None
     if hbm_utilization is None:
         raise ValueError("hbm_utilization: None is the CPU's default; EngineConfig."
                          "for_platform gives accelerators theirs")

@@ -22,6 +22,11 @@ With decode rows (--decode-rows), the decode step of that many rows (the forward
 their token bucket and the greedy sampler at their row bucket) is compiled too and its
 HBM traffic accounted op by op (planning/step_bytes.py), beside the roofline bytes:
 `decode` in the report, each with step_bytes, roofline_bytes and top_ops.
+
+A checkpoint directory that serves images (issue 42) builds its vision side as the
+engine does (build/vision.py): the tower's weights and the encoder cache are resident
+beside the caches, the KV budget loses them and the largest encoder call's reserve, and
+the encoder programs (one per bucket) are compiled with the rest.
 """
 from __future__ import annotations
 
@@ -43,8 +48,11 @@ from jaxserve.build.kv_budget import DeviceMemory
 from jaxserve.build.layout import (EngineLayout, build_layout_model, engine_layout,
                                    layout_cache_plan, layout_param_shardings)
 from jaxserve.build.parts import build_runner, lora_store
+from jaxserve.build.vision import VisionFigures, load_vision
 from jaxserve.config import EngineConfig
 from jaxserve.checkpoints.model_names import load_model_config
+from jaxserve.multimodal.front import image_front
+from jaxserve.runner.image_encoder import VisionParts
 from jaxserve.planning.plan import plan_from_config
 from jaxserve.planning.plan_format import _gib
 from jaxserve.planning.hlo_text import Module, parse_module
@@ -52,7 +60,8 @@ from jaxserve.planning.step_bytes import decode_step, roofline
 from jaxserve.runner.buckets import pick_bucket
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.runner.parallel_compile import compile_all, default_compile_workers
-from jaxserve.runner.programs import DRAFT, FORWARD, GREEDY, PENALTIES, SAMPLE, Program
+from jaxserve.runner.programs import (DRAFT, ENCODE, FORWARD, GREEDY, PENALTIES, SAMPLE,
+                                      Program)
 from models.config import ModelConfig
 from models.weights import placed_abstract_params
 from sharding import bytes_per_device, replica_meshes
@@ -105,6 +114,11 @@ class CompileReport:
     error: str | None = None             # why the engine could not be built
     decode: tuple[dict[str, Any], ...] = ()   # step_bytes.DecodeStep.to_json() per rows
     lora_bytes_per_device: int = 0       # --enable-lora: the adapters' stacks
+    # Images (build/vision.py's figures): the tower's weights and the encoder cache,
+    # resident on every device, and the largest encoder call's activation reserve.
+    vision_weight_bytes_per_device: int = 0
+    encoder_cache_bytes_per_device: int = 0
+    encoder_activation_bytes: int = 0
 
     @property
     def fits(self) -> bool:
@@ -122,8 +136,8 @@ class CompileReport:
 
 def default_selection(programs: list[Program]) -> list[Program]:
     """The smallest and the largest forward token bucket (at the widest page table), the
-    costliest sampler (the penalties one) at the largest row bucket, and a model
-    drafter's program at those two token buckets."""
+    costliest sampler (the penalties one) at the largest row bucket, a model drafter's
+    program at those two token buckets, and the smallest and largest encoder bucket."""
     forwards = [p for p in programs if p.kind == FORWARD]
     widest = max(p.pages for p in forwards)
     tokens = sorted({p.tokens for p in forwards})
@@ -134,6 +148,8 @@ def default_selection(programs: list[Program]) -> list[Program]:
     # A model drafter's program (speculative decoding), as the forward.
     picked += [p for p in programs if p.kind == DRAFT and p.pages == widest
                and p.tokens in (tokens[0], tokens[-1])]
+    encode = sorted((p for p in programs if p.kind == ENCODE), key=lambda p: p.tokens)
+    picked += encode[:1] + encode[1:][-1:]
     return picked
 
 
@@ -153,15 +169,26 @@ def _label(p: Program) -> str:
     return f"{p.name}[t={p.tokens}]" if p.tokens is not None else f"{p.name}[r={p.rows}]"
 
 
+def _resident(runner: ModelRunner) -> list[Any]:
+    """What the runner holds throughout: weights, caches, adapter stacks, and with images
+    the tower's weights and the encoder cache."""
+    enc = runner.encoder
+    return [runner.params, runner.kv_caches, runner.lora_stacks] + \
+        ([enc.params, enc.cache] if enc is not None else [])
+
+
 def _input_bytes(runner: ModelRunner, args: tuple) -> int:
-    """Per-device bytes of a program's arguments other than the resident weights,
-    adapter stacks and caches (batch inputs, the hidden states it reads)."""
+    """Per-device bytes of a program's arguments other than the resident ones (_resident):
+    batch inputs, the hidden states it reads, an encoder call's pixels."""
+    resident = _resident(runner)
+    held = {id(x) for x in jax.tree_util.tree_leaves(resident)}
     total = 0
     for arg in args:
-        if arg is runner.params or arg is runner.kv_caches or arg is runner.lora_stacks:
+        if any(arg is r for r in resident):
             continue
         for x in jax.tree_util.tree_leaves(arg):
-            if hasattr(x, "shape") and hasattr(x, "dtype"):
+            # (the forward's inputs carry the encoder cache it reads: resident)
+            if hasattr(x, "shape") and hasattr(x, "dtype") and id(x) not in held:
                 sharding = getattr(x, "sharding", None)
                 shape = sharding.shard_shape(x.shape) if sharding is not None else x.shape
                 total += math.prod(shape) * x.dtype.itemsize
@@ -232,6 +259,7 @@ class AbstractEngine:
     weight_bytes_per_device: int          # the model's and a model drafter's
     lora_bytes_per_device: int            # --enable-lora: the adapters' stacks
     programs: list[Program]               # runner.warmup_programs()
+    vision: VisionFigures | None = None   # when it serves images (build/vision.py)
 
 
 def build_abstract_engine(config: EngineConfig, mc: ModelConfig, mesh: Mesh,
@@ -250,13 +278,29 @@ def build_abstract_engine(config: EngineConfig, mc: ModelConfig, mesh: Mesh,
     # their bytes as the planner counts them (LoRAStore.bytes_per_device).
     lora = lora_store(config, layout, model)
     stacks = lora.bytes_per_device(layout.model_axis) if lora else 0
-    # A TPU's pool is the chip's usable memory (build/device_pool.py).
+    vision, fig = _vision_side(config, mc, layout)
+    # A TPU's pool is the chip's usable memory (build/device_pool.py). The tower is held
+    # before the caches are sized, as in the engine (build/parts.py).
     plan = layout_cache_plan(config, layout, None,
-                             DeviceMemory(hbm_bytes, hbm_bytes, weights + stacks),
-                             drafter_specs=drafter.cache_specs if drafter else ())
+                             DeviceMemory(hbm_bytes, hbm_bytes, weights + stacks
+                                          + (fig.weight_bytes if fig else 0)),
+                             drafter_specs=drafter.cache_specs if drafter else (), vision=fig)
     runner = build_runner(config, layout, plan, model=model, params=params, mesh=mesh,
-                          drafter=drafter, abstract=True, lora=lora)
-    return AbstractEngine(runner, layout, plan, weights, stacks, runner.warmup_programs())
+                          drafter=drafter, abstract=True, lora=lora, vision=vision)
+    return AbstractEngine(runner, layout, plan, weights, stacks, runner.warmup_programs(),
+                          fig)
+
+
+def _vision_side(config: EngineConfig, mc: ModelConfig, layout: EngineLayout
+                 ) -> tuple[VisionParts | None, VisionFigures | None]:
+    """The engine's vision side for a checkpoint directory that serves images (a
+    built-in config has no tower): its parts (the tower read from the checkpoint; the
+    abstract runner keeps only its shapes) and figures."""
+    if not os.path.isdir(config.model):
+        return None, None
+    side = load_vision(image_front(config), layout.dtype, config.num_batched_tokens,
+                       mc.hidden_size, mc.image_attention_both_ways, layout.attention_backend)
+    return side or (None, None)
 
 
 def compile_plan(model: str, *, target: str, mesh: str = "1x1",
@@ -301,8 +345,10 @@ def compile_plan(model: str, *, target: str, mesh: str = "1x1",
             chosen.append(p)
     if not chosen:
         raise ValueError("--compile decode needs --decode-rows")
+    enc = eng.runner.encoder
     resident = (eng.weight_bytes_per_device + eng.lora_bytes_per_device
-                + bytes_per_device(eng.runner.kv_caches))
+                + bytes_per_device(eng.runner.kv_caches)
+                + (bytes_per_device([enc.params, enc.cache]) if enc is not None else 0))
     if workers is None:
         # One at a time unless JAXSERVE_COMPILE_WORKERS says otherwise: libtpu's deviceless
         # compiler crashed (SIGSEGV) twice here with programs compiling at once (stop 49:
@@ -319,6 +365,7 @@ def compile_plan(model: str, *, target: str, mesh: str = "1x1",
                           workers=workers,
                           on_done=None if progress is None else lambda _, r, __: progress(r))
     wall = time.perf_counter() - start
+    v = eng.vision
     by_label = {_label(p): r for p, r in zip(chosen, results)}
     decode = tuple(account_decode(eng, mc, rows, progs, texts, by_label, decode_context)
                    for rows, progs in steps.items())
@@ -329,7 +376,11 @@ def compile_plan(model: str, *, target: str, mesh: str = "1x1",
         kv_bytes_per_device=eng.cache_plan.kv_bytes,
         state_bytes_per_device=eng.cache_plan.state_bytes,
         planner_bytes_per_device=(plan.weight_bytes_per_device + plan.lora_bytes_per_device
-                                  + plan.cache.total_bytes),
+                                  + plan.cache.total_bytes
+                                  + (v.weight_bytes + v.cache_bytes if v else 0)),
+        vision_weight_bytes_per_device=v.weight_bytes if v else 0,
+        encoder_cache_bytes_per_device=v.cache_bytes if v else 0,
+        encoder_activation_bytes=v.activation_bytes if v else 0,
         warmup_programs=len(eng.programs), programs=tuple(results), compile_workers=workers,
         wall_seconds=wall, decode=decode)
 
@@ -374,6 +425,10 @@ def format_report(r: CompileReport) -> str:
                 else "")
              + f"KV {r.num_pages - 1:,} pages {_gib(r.kv_bytes_per_device)}"
              + (f" + state {_gib(r.state_bytes_per_device)}" if r.state_bytes_per_device else "")
+             + (f" + vision tower {_gib(r.vision_weight_bytes_per_device)} + encoder cache "
+                f"{_gib(r.encoder_cache_bytes_per_device)} (the largest encoder call's "
+                f"reserve ~{_gib(r.encoder_activation_bytes)})"
+                if r.vision_weight_bytes_per_device else "")
              + f" per device (planner: {_gib(r.planner_bytes_per_device)})",
              f"  warmup compiles {r.warmup_programs} programs; compiled here {len(r.programs)}, "
              f"{r.compile_workers} at a time, in {r.wall_seconds:.1f} s:",

@@ -45,12 +45,47 @@ def axial_inv_freq(head_dim: int, theta: float) -> np.ndarray:
     return (1.0 / theta ** (np.arange(0, spatial, 2, dtype=np.float32) / spatial)).astype(np.float32)
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float) -> jax.Array:
+# Queries per block of the towers' attention: one block's scores [heads, block, keys]
+# live at a time instead of [heads, patches, patches] (16 heads x 8192 patches would be
+# 4 GiB of float32 scores). At 1024, libtpu keeps a block's scores in VMEM.
+QUERY_BLOCK = 1024
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float,
+              block: int | None = None) -> jax.Array:
     """Softmax attention over [..., T, N, H] q and [..., T, K, H] k/v (N a multiple of
-    K); mask [..., T, T] True where a query may see a key; probabilities in float32."""
+    K); mask [..., T, T] True where a query may see a key; probabilities in float32.
+    Over T > block (default QUERY_BLOCK) queries, in equal blocks of at most `block`
+    queries, one after another: each query's softmax still spans all its keys, so the
+    result is the unblocked one's."""
     groups = q.shape[-2] // k.shape[-2]
     if groups > 1:
         k, v = jnp.repeat(k, groups, axis=-2), jnp.repeat(v, groups, axis=-2)
+    t = q.shape[-3]
+    size = query_block(t, block)
+    if size == t:
+        return _attend(q, k, v, mask, scale)
+    n = -(-t // size)
+    pad = n * size - t   # (padding queries see no key; their rows are dropped)
+    q = jnp.pad(q, [(0, 0)] * (q.ndim - 3) + [(0, pad), (0, 0), (0, 0)])
+    mask = jnp.pad(mask, [(0, 0)] * (mask.ndim - 2) + [(0, pad), (0, 0)])
+    qs = jnp.moveaxis(q.reshape(*q.shape[:-3], n, size, *q.shape[-2:]), -4, 0)
+    masks = jnp.moveaxis(mask.reshape(*mask.shape[:-2], n, size, t), -3, 0)
+    out = jax.lax.map(lambda qm: _attend(qm[0], k, v, qm[1], scale), (qs, masks))
+    out = jnp.moveaxis(out, 0, -4)
+    return out.reshape(*out.shape[:-4], n * size, *out.shape[-2:])[..., :t, :, :]
+
+
+def query_block(t: int, block: int | None = None) -> int:
+    """The queries in each of attention's blocks over t queries: all t up to `block`
+    (default QUERY_BLOCK), else as few equal blocks of at most `block` as cover them."""
+    block = block or QUERY_BLOCK
+    return t if t <= block else -(-t // -(-t // block))
+
+
+def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float
+            ) -> jax.Array:
+    """attention of queries [..., Q, N, H] over keys [..., T, N, H], mask [..., Q, T]."""
     logits = jnp.einsum("...tnh,...snh->...nts", q, k, preferred_element_type=jnp.float32) * scale
     logits = jnp.where(mask[..., None, :, :], logits, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.vision import gemma4_vision, qwen3_5_vision
-from models.vision.common import Params, count_params
+from models.vision.common import Params, count_params, query_block
 from models.vision.processing import GEMMA4, ImageTokens, ProcessedImage, vision_family
 
 
@@ -66,22 +66,24 @@ class VisionTower:
 
     def activation_bytes(self, bucket: int, max_tokens: int, itemsize: int) -> int:
         """Rough peak of one encoder call's temporaries at `bucket`, for the accelerator's
-        reserve: `encode`'s dense attention over [sequences, heads, patches, patches]
-        (Qwen: one sequence of the bucket's patches; Gemma 4: `bucket` images of
-        max_tokens x pooling^2 patches) holds, per score, up to three float32 arrays
-        (libtpu keeps the logits, their masked copy and the row maxima broadcast beside the
-        exponentials when the dot is in bfloat16), the probabilities in the model dtype
-        and the mask broadcast over the heads (a byte); beside it one layer's widest rows
-        (q, k, v and the MLP's hidden); the layers run under scan, so one layer's
-        temporaries live at a time. The compilers differ by 4x here (XLA:CPU, and libtpu
-        for most programs, keep one float32 array): this is the worst one's figure,
-        checked in tests/models/test_vision_activation.py."""
+        reserve: `encode`'s attention over `length` patches a sequence (Qwen: one sequence
+        of the bucket's patches; Gemma 4: `bucket` images of max_tokens x pooling^2
+        patches) computes one block of queries at a time (common.attention), whose
+        scores [sequences, heads, block, length] hold, per score, up to three float32
+        arrays (libtpu keeps the logits, their masked copy and the row maxima broadcast
+        beside the exponentials when the dot is in bfloat16), the probabilities in the
+        model dtype and the mask broadcast over the heads (a byte); beside them the whole
+        mask [sequences, length, length] (a byte) and one layer's widest rows (q, k, v
+        and the MLP's hidden); the layers run under scan, so one layer's temporaries live
+        at a time. The compilers differ by 4x here (XLA:CPU, and libtpu for most
+        programs, keep one float32 array): this is the worst one's figure, checked in
+        tests/models/test_vision_activation.py."""
         cfg = self.config
         seqs, length = (bucket, max_tokens * cfg.pooling_kernel_size ** 2) \
             if self.family == GEMMA4 else (1, bucket)
-        scores = seqs * cfg.num_heads * length * length * (3 * 4 + itemsize + 1)
+        scores = seqs * cfg.num_heads * query_block(length) * length * (3 * 4 + itemsize + 1)
         rows = seqs * length * (3 * cfg.hidden_size + cfg.intermediate_size) * itemsize
-        return scores + rows
+        return scores + seqs * length * length + rows
 
     def bucket_size(self, images: Sequence[ProcessedImage]) -> int:
         """What a bucket counts for these images: patches (Qwen) or images (Gemma 4)."""

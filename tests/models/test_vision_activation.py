@@ -1,10 +1,10 @@
 """VisionTower.activation_bytes (the accelerator's reserve for the largest encoder call,
 build/vision.py) against what the compilers allocate for that call: the temporaries of
-`encode` compiled for the largest bucket of a large image (the attention's scores
-dominate), by XLA:CPU (float32, bfloat16) and by libtpu for TPU v6e (deviceless, bfloat16).
-The figure is the worst compiler's: no compiler may need more than it (+20 %), and none
-may need less than a fifth of it (the compilers differ by 4x: XLA:CPU keeps one float32
-array of scores, libtpu up to four for Qwen's bfloat16 tower)."""
+`encode` compiled for the largest bucket of a large image (the attention's scores of one
+block of queries dominate), by XLA:CPU (float32, bfloat16) and by libtpu for TPU v6e
+(deviceless, bfloat16). The figure is the worst compiler's: no compiler may need more
+than it (+20 %), and XLA:CPU not less than a fifth of it (libtpu may keep a whole block's
+scores in VMEM: Gemma 4's 840-query blocks leave 2 MiB of temporaries in HBM)."""
 from __future__ import annotations
 
 import jax
@@ -15,9 +15,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 from models.vision.tower import VisionTower
 from tests.checkpoints import make_tiny_vision_checkpoint
 
-# (bucket, tokens an image): Qwen one image of 1024 tokens (4096 patches); Gemma 4 two
-# images of 280 tokens (2520 patches each).
-LARGEST = {"qwen3_5": (4096, 1024), "gemma4_vl": (2, 280)}
+# (bucket, tokens an image): Qwen one image of 2048 tokens (8192 patches: 8 blocks of
+# queries); Gemma 4 two images of 280 tokens (2520 patches each: 3 blocks).
+LARGEST = {"qwen3_5": (8192, 2048), "gemma4_vl": (2, 280)}
 
 
 @pytest.fixture(scope="module", params=sorted(LARGEST))
@@ -57,4 +57,9 @@ def test_the_formula_bounds_the_compilers_temporaries(tower, target, dtype):
     formula = tower.activation_bytes(bucket, max_tokens, jnp.dtype(dtype).itemsize)
     temp = compiled_temp_bytes(tower, path, kind, dtype, target)
     assert temp <= 1.2 * formula, (temp, formula)
-    assert formula <= 5 * temp, (temp, formula)
+    if target == "cpu":
+        assert formula <= 5 * temp, (temp, formula)
+    if kind == "qwen3_5":
+        # Blocked: well under one float32 array of the whole [heads, patches, patches]
+        # scores (unblocked, XLA:CPU kept one, libtpu in bfloat16 two).
+        assert temp < 0.6 * tower.config.num_heads * bucket ** 2 * 4, temp

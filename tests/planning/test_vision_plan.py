@@ -111,3 +111,29 @@ def test_the_engine_takes_the_encoder_cache_out_of_its_budget(path, monkeypatch)
         c = core.info.cache_plan
         assert budget - c.bytes_per_page - c.bytes_per_state_slot < c.total_bytes <= budget
     assert images.info.cache_plan.num_pages < text.info.cache_plan.num_pages
+
+
+@pytest.mark.parametrize("share", [0.5, 0.999])
+def test_on_cpu_the_rest_of_the_free_ram_holds_the_largest_encoder_call(path, monkeypatch,
+                                                                        share):
+    """The CPU engine's caches take a share of the free RAM, and the programs' temporaries
+    live in the rest: a share too large to leave the largest encoder call's activations
+    (here more than the step's) is cut to leave them, as an accelerator's reserve does;
+    a share that leaves them room keeps its meaning. The engine sizes its caches through
+    this cache_plan_for, with the planner's figures (test above)."""
+    from jaxserve.build import kv_budget
+    from jaxserve.build.layout import cache_plan_for
+    from jaxserve.build.parts import replica_shape
+    from jaxserve.config import EngineConfig
+    monkeypatch.setattr(kv_budget, "available_host_bytes", lambda: FREE_RAM)
+    big = {"max_pixels": LARGE}
+    config = EngineConfig(model=path, dtype="float32", max_model_len=256, max_num_seqs=4,
+                          max_num_batched_tokens=32, mm_processor_kwargs=big,
+                          hbm_utilization=share, compilation_cache_dir=None)
+    shape = replica_shape(config, ModelConfig.from_pretrained(path), None)
+    v = plan(path, dtype="float32", mm_processor_kwargs=big).vision
+    assert v.activation_bytes > shape.layout.activation_bytes
+    c = cache_plan_for(shape.config, shape.layout, jax.devices("cpu")[0], vision=v)
+    budget = min(int(share * FREE_RAM), FREE_RAM - v.activation_bytes) - v.cache_bytes
+    assert budget - c.bytes_per_page - c.bytes_per_state_slot < c.total_bytes <= budget
+    assert (budget < int(share * FREE_RAM) - v.cache_bytes) == (share > 0.9)

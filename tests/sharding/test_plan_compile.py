@@ -125,6 +125,59 @@ def test_lora_stacks_are_held_before_the_kv_cache_is_sized(tiny):
     assert "LoRA slots" in format_report(r)
 
 
+def test_a_vision_model_compiles_its_encoder_programs(tmp_path):
+    """A checkpoint that serves images (Qwen3.5's tower, 16 tokens an image: encoder
+    buckets of 16, 32 and 64 patches): --compile builds the vision side as the engine
+    does. The default selection compiles the smallest and largest encoder bucket; with the
+    KV cache's bytes fixed, the report exceeds the text-only one (--language-model-only)
+    by the tower and the encoder cache, which the forward takes as an argument; with the
+    engine's memory rule the KV pages are the planner's, which leaves out the tower, the
+    encoder cache and the largest encoder call's reserve."""
+    from jaxserve.checkpoints.model_names import load_model_config
+    from jaxserve.planning.plan import make_plan
+    from jaxserve.planning.plan_compile import compile_plan, default_selection, format_report
+    from tests.checkpoints import make_tiny_vision_serving_checkpoint
+    path = make_tiny_vision_serving_checkpoint(
+        "qwen3_5", tmp_path, num_attention_heads=8, num_key_value_heads=2, head_dim=128,
+        linear_num_key_heads=4, linear_num_value_heads=8)
+    kw = dict(target="tpu-v6e", max_model_len=256, max_num_seqs=4, max_num_batched_tokens=32)
+    kv = dict(kv_cache_memory_bytes=64 << 20)
+    first = lambda progs: progs[:1]   # the forward at 16 tokens
+    r = compile_plan(path, **kw, **kv, select=lambda progs: first(progs) + [
+        p for p in default_selection(progs) if p.kind == "encode"])
+    text = compile_plan(path, **kw, **kv, language_model_only=True, select=first)
+    assert r.fits, format_report(r)
+    assert r.warmup_programs == text.warmup_programs + 3
+    forward, *encode = r.programs
+    assert [(p.name, p.tokens) for p in encode] == [("encode", 16), ("encode", 64)]
+    v = make_plan(load_model_config(path), model=path, mesh="1x1", platform="tpu",
+                  hbm_bytes=V6E_HBM, **{k: w for k, w in kw.items() if k != "target"}).vision
+    assert (r.vision_weight_bytes_per_device, r.encoder_cache_bytes_per_device,
+            r.encoder_activation_bytes) == (v.weight_bytes, v.cache_bytes, v.activation_bytes)
+    assert text.vision_weight_bytes_per_device == text.encoder_cache_bytes_per_device == 0
+    assert r.num_pages == text.num_pages
+    assert r.planner_bytes_per_device - text.planner_bytes_per_device \
+        == v.weight_bytes + v.cache_bytes > 0
+    # The compiler's figures: the forward reads the encoder cache (its 64-wide rows laid
+    # out 128 lanes wide on TPU) and per-token image rows and 3-axis positions; an encoder
+    # call takes the tower and the cache, and its device peak counts the KV cache held
+    # beside it.
+    (text_forward,) = text.programs
+    extra = forward.argument_bytes - text_forward.argument_bytes
+    assert v.cache_bytes < extra <= 2 * v.cache_bytes + 8192
+    big = encode[-1]
+    assert big.argument_bytes > v.weight_bytes + v.cache_bytes
+    assert big.temp_bytes <= v.activation_bytes
+    assert big.device_peak_bytes >= r.kv_bytes_per_device + big.peak_bytes
+    assert "vision tower" in format_report(r)
+    # The engine's memory rule: the planner's pages, fewer than text-only's.
+    r = compile_plan(path, **kw, select=lambda progs: [p for p in progs if p.kind == "encode"][:1])
+    mk = lambda **x: make_plan(load_model_config(path), model=path, mesh="1x1", platform="tpu",
+                               hbm_bytes=V6E_HBM, max_model_len=256, max_num_seqs=4,
+                               max_num_batched_tokens=32, **x)
+    assert r.num_pages == mk().cache.num_pages < mk(language_model_only=True).cache.num_pages
+
+
 def test_an_engine_that_cannot_start_is_reported():
     """Qwen3-8B on one 16 GiB v5e: ~15.3 GiB of weights leave no room for one
     40,960-token sequence; the engine would refuse to start."""
