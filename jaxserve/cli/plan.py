@@ -19,7 +19,8 @@ from jaxserve.config.engine_args import (FLAGS, dashed, add_engine_args, add_vll
 from jaxserve.config.vllm_compat import ENGINE
 from jaxserve.errors import ConfigError
 from jaxserve.planning.plan import DEFAULT_LINK_GBPS, format_plan, parse_bytes, plan_from_config
-from jaxserve.planning.plan_compile import compile_plan, format_report
+from jaxserve.planning.compile_format import format_report
+from jaxserve.planning.plan_compile import compile_plan
 from sharding.tpu_targets import tpu_target
 
 

@@ -109,7 +109,8 @@ def test_lora_stacks_are_held_before_the_kv_cache_is_sized(tiny):
     LoRA off) and the forward takes weights + stacks + KV."""
     from jaxserve.checkpoints.model_names import load_model_config
     from jaxserve.planning.plan import make_plan
-    from jaxserve.planning.plan_compile import compile_plan, format_report
+    from jaxserve.planning.compile_format import format_report
+    from jaxserve.planning.plan_compile import compile_plan
     lora = dict(enable_lora=True, max_loras=4, max_lora_rank=16)
     r = compile_plan(tiny, target="tpu-v6e", select=lambda progs: progs[:1], **lora)
     kw = dict(model=tiny, mesh="1x1", platform="tpu", hbm_bytes=V6E_HBM)
@@ -135,7 +136,8 @@ def test_a_vision_model_compiles_its_encoder_programs(tmp_path):
     encoder cache and the largest encoder call's reserve."""
     from jaxserve.checkpoints.model_names import load_model_config
     from jaxserve.planning.plan import make_plan
-    from jaxserve.planning.plan_compile import compile_plan, default_selection, format_report
+    from jaxserve.planning.compile_format import format_report
+    from jaxserve.planning.plan_compile import compile_plan, default_selection
     from tests.checkpoints import make_tiny_vision_serving_checkpoint
     path = make_tiny_vision_serving_checkpoint(
         "qwen3_5", tmp_path, num_attention_heads=8, num_key_value_heads=2, head_dim=128,
