@@ -20,7 +20,8 @@ from typing import Any
 
 from benchmarks.shared.results_io import git_commit, markdown_table, write_json
 
-KERNEL_LOG = ("attention:", "linear attention:", "matmul:")   # the engine's kernel choices
+KERNEL_LOG = ("attention:", "linear attention:", "matmul:", "XLA:GPU flags:",
+              "JAX started before the engine")   # the engine's kernel choices and flags
 TOP_KERNELS = 8            # a profile's kernels in the summary (all 25 in details.tar.gz)
 TRACE_MAX_BYTES = 16 << 20  # traces carried back in details.tar.gz up to this size
 
