@@ -74,9 +74,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m jaxserve.api") ->
     if _multihost(args):
         # (jax.distributed starts first: size JAX's GPU pool before it, as make_engine does)
         from jaxserve.build.device_pool import set_device_pool
-        from jaxserve.build.gpu_xla_flags import set_gpu_xla_flags
+        from jaxserve.build.gpu_xla_flags import quantized_weights, set_gpu_xla_flags
         set_device_pool(args.hbm_utilization)
-        set_gpu_xla_flags()   # (make_engine logs it)
+        set_gpu_xla_flags(quantized_weights(args.quantization, args.model))   # (logged later)
         from jaxserve.engine import multihost   # (imports jax: after the pool is sized)
         if multihost.initialize(args.coordinator_address, args.num_processes,
                                 args.process_id) and not multihost.is_leader():

@@ -35,7 +35,7 @@ from jaxserve.errors import InputError
 from jaxserve.engine.input_processor import EngineRequest
 from jaxserve.engine.protocol import Engine, EngineInfo
 from jaxserve.build.device_pool import set_device_pool
-from jaxserve.build.gpu_xla_flags import set_gpu_xla_flags
+from jaxserve.build.gpu_xla_flags import quantized_weights, set_gpu_xla_flags
 from jaxserve.build.startup import READY, StartupProgress
 from sharding import DATA, make_mesh, replica_meshes
 
@@ -47,7 +47,7 @@ def make_engine(config: EngineConfig, *, stream_outputs: bool = False,
     """progress: follows the construction; READY once the engine is built."""
     # Before anything makes JAX's backends: its GPU pool is the engine's share.
     logger.info("%s", set_device_pool(config.hbm_utilization))
-    gpu_flags = set_gpu_xla_flags()
+    gpu_flags = set_gpu_xla_flags(quantized_weights(config.quantization, config.model))
     if gpu_flags:
         logger.info("%s", gpu_flags)
     multihost.initialize()   # from JAXSERVE_* env, when set (the CLI passes its flags first)

@@ -73,6 +73,21 @@ def test_gpu_xla_flags_are_set_before_jax_starts_unless_given(monkeypatch):
     monkeypatch.setattr(gpu_xla_flags, "_cuda_plugin_installed", lambda: False)
     assert gpu_xla_flags.set_gpu_xla_flags() is None
     assert gpu_xla_flags.os.environ["XLA_FLAGS"] == ""
+    # Quantized weights keep Triton's gemms (their dequantization fuses there).
+    monkeypatch.setattr(gpu_xla_flags, "_cuda_plugin_installed", lambda: True)
+    assert "keeps its Triton gemms" in gpu_xla_flags.set_gpu_xla_flags(quantized_weights=True)
+    assert gpu_xla_flags.os.environ["XLA_FLAGS"] == ""
+
+
+def test_quantized_weights_from_the_flag_or_the_checkpoint(tmp_path):
+    from jaxserve.build.gpu_xla_flags import quantized_weights
+    assert quantized_weights("fp8", "llama-3.1-8b")
+    assert not quantized_weights(None, "llama-3.1-8b") and not quantized_weights(None, None)
+    (tmp_path / "config.json").write_text('{"quantization_config": {"quant_method": "fp8"}}')
+    assert quantized_weights(None, str(tmp_path))
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    assert not quantized_weights(None, str(tmp_path))
+    assert not quantized_weights(None, "Org/not-in-any-cache")
 
 
 def test_make_engine_sizes_the_pool_before_the_mesh(monkeypatch):
