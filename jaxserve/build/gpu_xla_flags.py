@@ -21,6 +21,7 @@ import os
 import pkgutil
 
 from jaxserve.build.device_pool import backends_ready
+from jaxserve.checkpoints.model_names import builtin_config
 
 # (flag, value): the engine's defaults on a GPU
 GPU_DEFAULTS = (("xla_gpu_enable_triton_gemm", "false"),)
@@ -74,7 +75,6 @@ def quantized_weights(quantization: str | None, model: str | None) -> bool:
         return True
     if not model:   # the built-in default model
         return False
-    from jaxserve.checkpoints.model_names import builtin_config
     config = builtin_config(model)
     if config is None:
         path = os.path.join(os.path.expanduser(model), "config.json")
