@@ -69,7 +69,7 @@ def test_download_at_a_revision_then_serve(hub, tiny, tmp_path):
 
     llm = LLM("org/tiny", revision="v1", download_dir=str(dl), tokenizer="org/tok",
               trust_remote_code=True, dtype="float32", max_model_len=64, max_num_seqs=2,
-              max_num_batched_tokens=32)
+              max_num_batched_tokens=32, enforce_eager=True)   # (no warmup)
     repo = dl / "models--org--tiny"
     assert llm.engine.info.model == str(repo / "snapshots" / v1)
     assert (repo / "refs" / "v1").read_text() == v1

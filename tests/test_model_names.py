@@ -234,7 +234,7 @@ def test_engine_serves_a_repo_id_from_the_cache(offline):
     (snap.parent.parent / "refs").mkdir()
     (snap.parent.parent / "refs" / "main").write_text("c" * 40)
     llm = LLM("tiny/qwen3", dtype="float32", max_model_len=64, max_num_seqs=2,
-              max_num_batched_tokens=32)
+              max_num_batched_tokens=32, enforce_eager=True)   # (no warmup)
     assert llm.engine.info.model == str(snap)
     out = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3

@@ -16,8 +16,9 @@ from tests.engine.test_step_failure import (BUDGET, FILLS_A_STEP, GREEDY, OTHER,
 
 
 def build(checkpoint) -> LLM:
+    # (no warmup: as test_step_failure's engines; `expected` compiles the clean run first)
     return LLM(checkpoint("llama"), dtype="float32", max_model_len=64, max_num_seqs=4,
-               max_num_batched_tokens=BUDGET)
+               max_num_batched_tokens=BUDGET, enforce_eager=True)
 
 
 @pytest.fixture(scope="module")

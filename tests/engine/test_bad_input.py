@@ -9,8 +9,9 @@ from tests.engine.conftest import assert_no_leaks
 
 @pytest.fixture(scope="module")
 def llm(checkpoint):
+    # Refusals and outputs only: no warmup, a program compiles when a step first needs it.
     return LLM(checkpoint("llama"), dtype="float32", max_model_len=64, max_num_seqs=4,
-               max_num_batched_tokens=32)
+               max_num_batched_tokens=32, enforce_eager=True)
 
 
 OK = {"prompt_token_ids": [5, 6, 7]}

@@ -16,10 +16,11 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
 def engine(path: str, caching: bool, **kw) -> LLM:
-    """The engine without the cache only gives the reference tokens: it skips warmup and
-    compiles what its requests use (enforce_eager)."""
+    """These tests check tokens and cache hits, not compilation (test_no_recompile.py
+    checks a hybrid's warmup): every engine skips warmup and compiles what its requests
+    use (enforce_eager)."""
     kw = {"dtype": "float32", "max_model_len": 704, "max_num_seqs": 4,
-          "max_num_batched_tokens": 128, "page_size": PS, "enforce_eager": not caching, **kw}
+          "max_num_batched_tokens": 128, "page_size": PS, "enforce_eager": True, **kw}
     return LLM(path, enable_prefix_caching=caching, compilation_cache_dir=None, **kw)
 
 

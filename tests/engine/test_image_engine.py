@@ -182,11 +182,12 @@ def test_a_tensor_parallel_mesh_gives_the_same_answers(checkpoint, expected):
 def test_ngram_speculation_keeps_the_greedy_tokens_with_images(llm, checkpoint):
     """Speculative decoding (ngram) on image prompts: drafts verified by forwards that
     read the image rows and Qwen's 3-axis positions give the plain engine's greedy
-    tokens, and some drafts are accepted (the verify path ran)."""
+    tokens, and some drafts are accepted (the verify path ran). Tokens only: no warmup,
+    each program compiles when first used."""
     spec = LLM(checkpoint, dtype="float32", max_model_len=256, max_num_seqs=4,
                max_num_batched_tokens=BUDGET, speculative_config={
                    "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
-                   "prompt_lookup_max": 3})
+                   "prompt_lookup_max": 3}, enforce_eager=True)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     msgs = [ONE, TWO, chat("Now ", D, " then", A, TAIL)]
     want = [o.outputs[0].token_ids for o in llm.chat(msgs, params, use_tqdm=False)]

@@ -12,8 +12,9 @@ from tests.engine.conftest import assert_no_leaks
 
 @pytest.fixture(scope="module")
 def llm(checkpoint):
+    # Outputs only: no warmup, the programs greedy requests use compile when first run.
     return LLM(checkpoint("qwen3"), dtype="float32", max_model_len=160, max_num_seqs=8,
-               max_num_batched_tokens=64, page_size=16)
+               max_num_batched_tokens=64, page_size=16, enforce_eager=True)
 
 
 def _ids(n: int, seed: int) -> list[int]:

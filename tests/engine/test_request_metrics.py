@@ -10,8 +10,9 @@ from jaxserve.core.request_metrics import RequestMetrics
 
 
 def test_generate_outputs_carry_an_ordered_timeline(checkpoint):
+    # (no warmup: the timeline's order holds whether or not a step compiles first)
     llm = LLM(checkpoint("qwen3"), dtype="float32", max_model_len=64, max_num_seqs=2,
-              max_num_batched_tokens=16)
+              max_num_batched_tokens=16, enforce_eager=True)
     start = time.time()
     # Three prompts for two seats: the third waits for one; n=2 times its two together.
     prompts = [[5, 6, 7], [8, 9, 10, 11], [12, 13]]

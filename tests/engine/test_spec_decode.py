@@ -51,13 +51,16 @@ def peaked_checkpoint(kind: str, path) -> str:
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
-    """kind -> (plain LLM, speculative LLM), built once for this module's tests."""
+    """kind -> (plain LLM, speculative LLM), built once for this module's tests. The plain
+    engine only gives the reference outputs: it skips warmup and compiles what its
+    requests use (enforce_eager); the speculative one warms up (nothing compiles after)."""
     made: dict[str, tuple[LLM, LLM]] = {}
 
     def get(kind: str) -> tuple[LLM, LLM]:
         if kind not in made:
             path = peaked_checkpoint(kind, tmp_path_factory.mktemp(kind))
-            made[kind] = LLM(path, **ENGINE), LLM(path, speculative_config=SPEC, **ENGINE)
+            made[kind] = (LLM(path, enforce_eager=True, **ENGINE),
+                          LLM(path, speculative_config=SPEC, **ENGINE))
             for llm in made[kind]:
                 fail_if_stuck(llm.engine)
         return made[kind]
@@ -121,11 +124,25 @@ def tokens(outs) -> list[list[list[int]]]:
 @contextlib.contextmanager
 def speculating(plain: LLM, spec: LLM, *, min_accepted: int = 1):
     """Around a test's runs: drafts were verified and at least min_accepted accepted; no
-    program compiled; both engines gave back every page and state slot."""
+    program compiled but in the plain engine's steps (it compiles on first use, and the
+    count is the process's); both engines gave back every page and state slot."""
     sched = spec.engine.scheduler
     before = sched.stats()
     compiled = spec.engine.num_compilations
-    yield
+    plain_step, by_plain = plain.engine.step, [0]
+
+    def counted():
+        start = plain.engine.num_compilations
+        try:
+            return plain_step()
+        finally:
+            by_plain[0] += plain.engine.num_compilations - start
+    plain.engine.step = counted
+    try:
+        yield
+    finally:
+        plain.engine.step = plain_step
+    compiled += by_plain[0]
     after = sched.stats()
     assert after.spec_num_drafts > before.spec_num_drafts
     assert after.spec_num_draft_tokens > before.spec_num_draft_tokens

@@ -31,8 +31,9 @@ def overflowing_params(max_tokens: int = 6) -> SamplingParams:
 
 @pytest.fixture(scope="module")
 def llm(checkpoint):
+    # No warmup (every engine here): the failures are the runner's, not the compiler's.
     return LLM(checkpoint("llama"), dtype="float32", max_model_len=64, max_num_seqs=4,
-               max_num_batched_tokens=BUDGET)
+               max_num_batched_tokens=BUDGET, enforce_eager=True)
 
 
 @pytest.fixture(scope="module")
@@ -182,7 +183,7 @@ def test_llm_generate_raises_and_stays_usable(llm, expected):
 def test_lost_device_state_is_fatal(checkpoint):
     """A failure that took the donated KV cache with it cannot be survived."""
     llm = LLM(checkpoint("llama"), dtype="float32", max_model_len=64, max_num_seqs=4,
-              max_num_batched_tokens=BUDGET)
+              max_num_batched_tokens=BUDGET, enforce_eager=True)
     core = llm.engine
     assert core.runner.device_state_ok()
 
@@ -199,7 +200,7 @@ def test_lost_device_state_is_fatal(checkpoint):
 @pytest.fixture(scope="module")
 def dp_llm(checkpoint):
     return LLM(checkpoint("llama"), dtype="float32", mesh="2x1", max_model_len=64,
-               max_num_seqs=4, max_num_batched_tokens=BUDGET)
+               max_num_seqs=4, max_num_batched_tokens=BUDGET, enforce_eager=True)
 
 
 @pytest.mark.parametrize("where", ["dispatch", "collect"])
