@@ -16,6 +16,7 @@ without JAX's CUDA plugin (or with JAX_PLATFORMS naming no GPU) nothing is set.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import pkgutil
@@ -28,12 +29,10 @@ GPU_DEFAULTS = (("xla_gpu_enable_triton_gemm", "false"),)
 
 
 def _cuda_plugin_installed() -> bool:
-    """Whether JAX's CUDA plugin is there (found without importing jax)."""
-    try:
-        import jax_plugins   # the plugins' namespace package
-    except ImportError:
-        return False
-    return any(m.name.startswith("xla_cuda") for m in pkgutil.iter_modules(jax_plugins.__path__))
+    """Whether JAX's CUDA plugin is there (found, not imported: nor is jax)."""
+    spec = importlib.util.find_spec("jax_plugins")   # the plugins' namespace package
+    locations = spec.submodule_search_locations if spec is not None else None
+    return any(m.name.startswith("xla_cuda") for m in pkgutil.iter_modules(locations or []))
 
 
 def _gpu_wanted() -> bool:
