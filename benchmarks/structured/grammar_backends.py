@@ -35,7 +35,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from benchmarks.structured.grammar_adapters import BACKEND_CLASSES, installed, package_info
+from benchmarks.structured.grammar_adapters import backend_class, installed, package_info
 from benchmarks.structured.grammar_backend_runs import (measure_compile, measure_masks,
                                                         measure_schema_parts, timed)
 from benchmarks.structured.grammar_features import feature_tables, measure_features, text_table
@@ -62,7 +62,7 @@ def run_backend(name: str, hf_tokenizer: Any, *, threads: int, repeats: int, pas
     version = installed(name)
     if version is None:
         return {"installed": False}
-    backend = BACKEND_CLASSES[name](hf_tokenizer, threads)
+    backend = backend_class(name)(hf_tokenizer, threads)
     tokens = instance_tokens(hf_tokenizer)
     out: dict[str, Any] = {"installed": True, "version": version, "threads": threads,
                            "vocab_size": backend.vocab_size,
