@@ -150,7 +150,6 @@ def build_parts(shape: ReplicaShape, progress: StartupProgress, *,
     else:
         progress.set_phase(COMPILING, "listing the programs to compile")
         runner.warmup(partial(_report_compiling, progress))
-    runner.allocate_caches()   # (warmup has, after compiling: unless it was skipped)
     if tier is not None:   # after warmup, which times a restore
         cost = restore_cost(tier, plan, loaded.params, mc, mesh.devices.flat[0].platform,
                             runner.prefill_s_per_token)
@@ -169,7 +168,8 @@ def build_runner(config: EngineConfig, layout: EngineLayout, plan: CachePlan, *,
     LoRA is on)."""
     return ModelRunner(
         runner_config(config, layout, plan), model=model, params=params, mesh=mesh,
-        abstract=abstract, caches_after_compile=not config.enforce_eager, lora=lora or lora_store(config, layout, model), vision=vision,
+        abstract=abstract, caches_after_compile=not config.enforce_eager,
+        lora=lora or lora_store(config, layout, model), vision=vision,
         drafter=drafter and drafter.build(plan, config, layout, target_model=model, mesh=mesh,
                                           abstract=abstract))
 

@@ -28,7 +28,6 @@ class RunnerWarmup:
     """ModelRunner's warmup (a mixin: it lists and compiles the runner's own programs)."""
     # Seconds per token of the largest token bucket's forward, timed at warmup (0: none).
     prefill_s_per_token: float = 0.0
-    _caches_pending = False   # the caches are described, allocated once compiled
 
     def warmup_programs(self) -> list[Program]:
         """Every program warmup compiles, in its order: the forward per token bucket and
@@ -123,8 +122,7 @@ class RunnerWarmup:
         """Allocates the caches if they are only described (ModelRunner's
         caches_after_compile): warmup does after compiling, so that XLA:GPU autotunes the
         gemms in the memory the caches then take (the second H100 session ran out of
-        memory compiling llama-3.1-8b's lm_head with the caches allocated); an engine that
-        skips warmup, before its first step."""
+        memory compiling llama-3.1-8b's lm_head with the caches allocated)."""
         if self._caches_pending:
             self.kv_caches = (allocate or cache_allocator(self.kv_caches))()
             self._caches_pending = False

@@ -39,7 +39,7 @@ def no_warmup(monkeypatch):
     """Compile on first use: the numeric tests here start many engines, whose full
     warmups would dominate (the no-compilation test keeps its warmup)."""
     from jaxserve.runner.model_runner import ModelRunner
-    monkeypatch.setattr(ModelRunner, "warmup", lambda self, *a, **k: None)
+    monkeypatch.setattr(ModelRunner, "warmup", lambda self, *a, **k: self.allocate_caches())
 
 
 def test_kv_scales_int8_calibrated_fp8_one(checkpoint, no_warmup):

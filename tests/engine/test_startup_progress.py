@@ -50,7 +50,7 @@ def test_weight_loading_reports_bytes(checkpoint, monkeypatch):
     from jaxserve.config import EngineConfig
     from jaxserve.engine.engine_core import EngineCore
     from jaxserve.runner.model_runner import ModelRunner
-    monkeypatch.setattr(ModelRunner, "warmup", lambda self, *a, **k: None)
+    monkeypatch.setattr(ModelRunner, "warmup", lambda self, *a, **k: self.allocate_caches())
     seen = []
     progress = StartupProgress(on_change=seen.append)
     EngineCore(EngineConfig(model=checkpoint("qwen3"), max_model_len=64, max_num_seqs=4,

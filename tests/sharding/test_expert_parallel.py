@@ -30,7 +30,7 @@ EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
 def no_warmup(monkeypatch):
     """Numerics only: compile on first use (test_no_recompile covers warmup)."""
     from jaxserve.runner.model_runner import ModelRunner
-    monkeypatch.setattr(ModelRunner, "warmup", lambda self, *a, **k: None)
+    monkeypatch.setattr(ModelRunner, "warmup", lambda self, *a, **k: self.allocate_caches())
 
 
 def _prompts() -> list[list[int]]:

@@ -38,7 +38,7 @@ def no_warmup(monkeypatch):
     tests check numerics, and 15 engines' full warmups would dominate the run
     (test_no_recompile.py checks warmup under a mesh)."""
     from jaxserve.runner.model_runner import ModelRunner
-    monkeypatch.setattr(ModelRunner, "warmup", lambda self, *a, **k: None)
+    monkeypatch.setattr(ModelRunner, "warmup", lambda self, *a, **k: self.allocate_caches())
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True, logprobs=3)
