@@ -174,14 +174,14 @@ for s in $STEPS; do case $s in
     --output "$WORK/llama_bf16.json" ;;
   scan_probe) step scan_probe "$T_PROBE" $PY -m benchmarks.gpu.scan_weights_probe $PROBE \
     --output "$WORK/scan_probe.json" --best-flags "$WORK/best_scan_flags" ;;
-  tpot_triton) XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_triton_gemm=true" step tpot_triton \
+  tpot_triton) XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_gpu_enable_triton_gemm=true" step tpot_triton \
     "$T_TPOT" $PY -m benchmarks.gpu.gpu_engine_bench --model "$LLAMA" --dtype bfloat16 --rows "" \
     $TPOT $ENGINE --scan-layers on --profile-dir "$WORK/profile_tpot_triton" \
     --output "$WORK/tpot_triton.json" ;;
   tpot_loop) step tpot_loop "$T_TPOT" $PY -m benchmarks.gpu.gpu_engine_bench --model "$LLAMA" \
     --dtype bfloat16 --rows "" $TPOT $ENGINE --scan-layers off \
     --profile-dir "$WORK/profile_tpot_loop" --output "$WORK/tpot_loop.json" ;;
-  tpot_cmdbuf) XLA_FLAGS="${XLA_FLAGS:-} $CMDBUF" step tpot_cmdbuf "$T_TPOT" \
+  tpot_cmdbuf) XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }$CMDBUF" step tpot_cmdbuf "$T_TPOT" \
     $PY -m benchmarks.gpu.gpu_engine_bench --model "$LLAMA" --dtype bfloat16 --rows "" $TPOT \
     $ENGINE --scan-layers on --profile-dir "$WORK/profile_tpot_cmdbuf" \
     --output "$WORK/tpot_cmdbuf.json" ;;
