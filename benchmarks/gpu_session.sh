@@ -8,15 +8,23 @@
 # Steps, in the order they run (the first session, fd1fab1 on an H100, needed ~15 min for
 # all: give the ones a session should run as arguments; the default runs them in this
 # order until the 9 minutes are spent, the most wanted first):
+#   tpot_base    llama-3.1-8b dummy bf16, batch-1 TTFT and TPOT and a profile only (8 rows,
+#                token buckets up to 512: a short warmup), the engine's defaults: the
+#                baseline of the tpot_* A/B steps below, same engine, same run
+#   tpot_nomerge tpot_base with XLA's dot merger off (the third session's H200 profile: an
+#                `input_concatenate_fusion` of 24 us a layer before the q/k/v gemm, i.e.
+#                XLA concatenating the three weights every step to run one gemm)
+#   tpot_cmdbuf  tpot_base with command buffers over the while loop and conditionals, at a
+#                minimum graph size of 1 (the third session: the flag alone changed nothing,
+#                the loop still ran from the host, its body one CUDA graph per layer)
+#   qwen_w8a8    qwen3.6-27b --quantization fp8 --activation-quantization dynamic, batch 1
+#                (tpot_base's engine sizes): fp8 x fp8 gemms that cuBLAS could run in place
+#   qwen_tpot    the same without --activation-quantization (w8a16, Triton: the third
+#                session's profile spent 49 % of a step copying weights out of the stack)
 #   llama_bf16   llama-3.1-8b dummy bf16: batch-1 TTFT and TPOT, a jax.profiler trace of
 #                decode steps at 1 and 64 rows summarised per kernel (where a step's
 #                time goes), offline throughput at input 1024 / output 128 for 1 / 64 /
 #                256 rows; warmup seconds and programs; compilations after warmup (0)
-#   tpot_cmdbuf  batch-1 TPOT and profile of llama_bf16's model with XLA's command
-#                buffers (CUDA graphs) extended to while loops and conditionals (the
-#                second session's profile: with cuBLAS gemms the device is busy 10 ms of
-#                a 16.7 ms step, the host launching the layer loop's ~60 kernels a
-#                layer one by one, inside the forward's call)
 #   qwen_fp8     qwen3.6-27b --quantization fp8: batch 1 (TPOT, profile) and 64 rows
 #   llama_fp8    llama_bf16 with --quantization fp8 --kv-cache-dtype fp8
 #   checks       engine correctness, bf16: llama, qwen3.5 hybrid, gemma 4 through the
@@ -27,27 +35,25 @@
 #                torch.compile: batch 1 and 64
 #   serve_8b     the HTTP server (benchmarks/serving/serve.py: vLLM's bench serve
 #                metrics), 8B, 64 concurrent
-#   tpot_triton  tpot_cmdbuf's TPOT with XLA's Triton gemms (the engine's GPU default is
-#                cuBLAS, jaxserve/build/gpu_xla_flags.py: this is the A/B)
+#   tpot_triton  tpot_base with XLA's Triton gemms (the engine's GPU default is cuBLAS for
+#                16-bit weights, jaxserve/build/gpu_xla_flags.py: this is the A/B)
 #   roofline     donated best-of copy bandwidth, bf16 and fp8 matmul peaks
 #   scan_probe   benchmarks/gpu/scan_weights_probe.py: an 8B-shaped layer stack as
 #                jax.lax.scan and as a Python loop under a few XLA flags (the second
 #                session found Triton gemms copying each layer's weights out of the
 #                stack: 16.1 ms a step, against 7.2 with cuBLAS or unrolled)
-#   tpot_loop    batch-1 TPOT and profile with the layers in a Python loop instead of
-#                jax.lax.scan (no while loop; 10 programs took > 90 s to compile)
 # Usage, from the repository root:
 #   bash benchmarks/gpu_session.sh [STEP ...]         # on the device machine
 #   bash benchmarks/gpu_session.sh --tiny [STEP ...]  # tiny CPU mode: tiny models (CI)
 # The server step needs the web stack the GPU image lacks: run benchmarks/gpu_wheels.sh
 # here once and carry .whl (device tool: carry [".whl"]); without it the step is skipped.
 # Limits (seconds) can be overridden: SESSION_S (all), T_ROOFLINE, T_LLAMA, T_LLAMA_FP8,
-# T_TPOT (each variant), T_QWEN, T_TORCH, T_SERVE, T_CHECKS.
+# T_TPOT (each variant), T_QWEN_TPOT, T_QWEN, T_TORCH, T_SERVE, T_CHECKS.
 set -u
 MODE=full
 [ "${1:-}" = "--tiny" ] && { MODE=tiny; shift; }
-ALL_STEPS="llama_bf16 tpot_cmdbuf qwen_fp8 llama_fp8 checks transformers serve_8b tpot_triton"
-ALL_STEPS="$ALL_STEPS roofline scan_probe tpot_loop"
+ALL_STEPS="tpot_base tpot_nomerge tpot_cmdbuf qwen_w8a8 qwen_tpot llama_bf16 qwen_fp8 llama_fp8"
+ALL_STEPS="$ALL_STEPS checks transformers serve_8b tpot_triton roofline scan_probe"
 STEPS=${*:-$ALL_STEPS}
 for s in $STEPS; do
   case " $ALL_STEPS " in *" $s "*) ;; *) echo "unknown step $s (steps: $ALL_STEPS)"; exit 2;; esac
@@ -67,7 +73,7 @@ if [ "$MODE" = tiny ]; then
   SESSION_S=${SESSION_S:-900}
   T_ROOFLINE=${T_ROOFLINE:-120} T_LLAMA=${T_LLAMA:-240} T_LLAMA_FP8=${T_LLAMA_FP8:-240}
   T_QWEN=${T_QWEN:-240} T_TORCH=${T_TORCH:-120} T_SERVE=${T_SERVE:-240} T_CHECKS=${T_CHECKS:-240}
-  T_TPOT=${T_TPOT:-240} T_PROBE=${T_PROBE:-240}
+  T_TPOT=${T_TPOT:-240} T_PROBE=${T_PROBE:-240} T_QWEN_TPOT=${T_QWEN_TPOT:-240}
 else
   export JAX_PLATFORMS=${JAX_PLATFORMS:-cuda,cpu}
   SESSION_S=${SESSION_S:-540}
@@ -78,7 +84,8 @@ else
   # checks at once 122 s, scan_probe 59 s, roofline 47 s.
   T_ROOFLINE=${T_ROOFLINE:-55} T_LLAMA=${T_LLAMA:-135} T_LLAMA_FP8=${T_LLAMA_FP8:-130}
   T_QWEN=${T_QWEN:-220} T_TORCH=${T_TORCH:-120} T_SERVE=${T_SERVE:-90} T_CHECKS=${T_CHECKS:-150}
-  T_TPOT=${T_TPOT:-90} T_PROBE=${T_PROBE:-70}
+  # Third (87a97ce, H200, cold): tpot_cmdbuf 38 s, qwen_fp8 172 s (warmup 84 s).
+  T_TPOT=${T_TPOT:-90} T_PROBE=${T_PROBE:-70} T_QWEN_TPOT=${T_QWEN_TPOT:-160}
 fi
 DEADLINE=$((START + SESSION_S))
 
@@ -142,7 +149,7 @@ if [ "$MODE" = tiny ]; then
   CASES="llama-tiny" CHECK_ARGS="--prompt-lens 3,9,17 --new-tokens 4"
   TPOT="--input-len 16 --output-len 4 --iters 1 --max-num-seqs 4 --max-num-batched-tokens 16 \
     --profile-rows 1 --profile-steps 2"
-  CMDBUF=""   # the GPU flag is not XLA:CPU's
+  CMDBUF="" NOMERGE=""   # the GPU flags are not XLA:CPU's
   PROBE="--tiny --iters 2 --rows 1 --timeout 60 --variants scan,loop"
 else
   $PY -m pip install -q --no-deps --no-build-isolation -e . >"$WORK/install.log" 2>&1 \
@@ -162,9 +169,19 @@ else
   # Batch-1 latency only, few programs (8 rows, token buckets up to 512): short warmups.
   TPOT="--input-len 1024 --output-len 64 --iters 2 --max-num-seqs 8 \
     --max-num-batched-tokens 512 --profile-rows 1 --profile-steps 12"
-  CMDBUF="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"
+  CMDBUF="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL --xla_gpu_graph_min_graph_size=1"
+  NOMERGE="--xla_gpu_dot_merger_threshold_mb=0"
   PROBE="--rows 1,64 --iters 30 --timeout 25"
 fi
+
+# tpot NAME LIMIT EXTRA_XLA_FLAGS MODEL_ARGS...: batch-1 TTFT / TPOT and a profile, the TPOT
+# engine sizes, the given XLA flags added to the engine's (the A/B steps against tpot_base).
+tpot() {
+  local name=$1 limit=$2 flags=$3; shift 3
+  XLA_FLAGS="${XLA_FLAGS:-}${flags:+ $flags}" step "$name" "$limit" \
+    $PY -m benchmarks.gpu.gpu_engine_bench "$@" --rows "" $TPOT $ENGINE \
+    --profile-dir "$WORK/profile_$name" --output "$WORK/$name.json"
+}
 
 for s in $STEPS; do case $s in
   roofline) XLA_PYTHON_CLIENT_PREALLOCATE=false step roofline "$T_ROOFLINE" \
@@ -174,17 +191,14 @@ for s in $STEPS; do case $s in
     --output "$WORK/llama_bf16.json" ;;
   scan_probe) step scan_probe "$T_PROBE" $PY -m benchmarks.gpu.scan_weights_probe $PROBE \
     --output "$WORK/scan_probe.json" --best-flags "$WORK/best_scan_flags" ;;
-  tpot_triton) XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_gpu_enable_triton_gemm=true" step tpot_triton \
-    "$T_TPOT" $PY -m benchmarks.gpu.gpu_engine_bench --model "$LLAMA" --dtype bfloat16 --rows "" \
-    $TPOT $ENGINE --scan-layers on --profile-dir "$WORK/profile_tpot_triton" \
-    --output "$WORK/tpot_triton.json" ;;
-  tpot_loop) step tpot_loop "$T_TPOT" $PY -m benchmarks.gpu.gpu_engine_bench --model "$LLAMA" \
-    --dtype bfloat16 --rows "" $TPOT $ENGINE --scan-layers off \
-    --profile-dir "$WORK/profile_tpot_loop" --output "$WORK/tpot_loop.json" ;;
-  tpot_cmdbuf) XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }$CMDBUF" step tpot_cmdbuf "$T_TPOT" \
-    $PY -m benchmarks.gpu.gpu_engine_bench --model "$LLAMA" --dtype bfloat16 --rows "" $TPOT \
-    $ENGINE --scan-layers on --profile-dir "$WORK/profile_tpot_cmdbuf" \
-    --output "$WORK/tpot_cmdbuf.json" ;;
+  tpot_base) tpot tpot_base "$T_TPOT" "" --model "$LLAMA" --dtype bfloat16 ;;
+  tpot_nomerge) tpot tpot_nomerge "$T_TPOT" "$NOMERGE" --model "$LLAMA" --dtype bfloat16 ;;
+  tpot_cmdbuf) tpot tpot_cmdbuf "$T_TPOT" "$CMDBUF" --model "$LLAMA" --dtype bfloat16 ;;
+  tpot_triton) tpot tpot_triton "$T_TPOT" "--xla_gpu_enable_triton_gemm=true" --model "$LLAMA" \
+    --dtype bfloat16 ;;
+  qwen_tpot) tpot qwen_tpot "$T_QWEN_TPOT" "" --model "$QWEN" --quantization fp8 ;;
+  qwen_w8a8) tpot qwen_w8a8 "$T_QWEN_TPOT" "" --model "$QWEN" --quantization fp8 \
+    --activation-quantization dynamic ;;
   qwen_fp8) step qwen_fp8 "$T_QWEN" $PY -m benchmarks.gpu.gpu_engine_bench --model "$QWEN" \
     --quantization fp8 --rows $QWEN_ROWS $IO $ENGINE $QWEN_PROFILE \
     --profile-dir "$WORK/profile_qwen_fp8" --output "$WORK/qwen_fp8.json" ;;

@@ -12,8 +12,9 @@ import tarfile
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-STEPS = ["llama_bf16", "tpot_cmdbuf", "qwen_fp8", "llama_fp8", "check_llama-tiny", "transformers",
-         "serve_8b", "tpot_triton", "roofline", "scan_probe", "tpot_loop"]
+TPOT_STEPS = ["tpot_base", "tpot_nomerge", "tpot_cmdbuf", "qwen_w8a8", "qwen_tpot"]
+STEPS = [*TPOT_STEPS, "llama_bf16", "qwen_fp8", "llama_fp8", "check_llama-tiny", "transformers",
+         "serve_8b", "tpot_triton", "roofline", "scan_probe"]
 
 
 @pytest.fixture(scope="module")
@@ -77,16 +78,18 @@ def test_engine_steps_measure_what_the_issue_asks(session):
         assert any(k.startswith("matmul: xla dot for ") for k in f["kernels"])
     assert any("float8_e4m3fn cache" in k for k in steps["llama_fp8"]["kernels"])
     # the traced decode steps: each step's wall time and the host's launches in it
-    for name, rows in (("llama_bf16", [1, 2]), ("qwen_fp8", [1]), ("tpot_loop", [1]),
-                       ("tpot_cmdbuf", [1])):
+    for name, rows in (("llama_bf16", [1, 2]), ("qwen_fp8", [1]), ("tpot_base", [1]),
+                       ("qwen_w8a8", [1])):
         prof = steps[name]["profile"]
         assert [p["rows"] for p in prof] == rows, prof
         assert all(p["wall_ms"] > 0 and any("forward" in k for k in p["host_launch_ms"])
                    and p["rows_decoding"] == p["rows"] for p in prof), prof
     assert any(k.startswith("linear attention: ") for k in steps["qwen_fp8"]["kernels"])
     assert [b["batch"] for b in steps["transformers"]["batches"]] == [1, 2]
-    # the layer-loop variants: batch-1 latency alone, nothing compiled after warmup
-    for name in ("tpot_loop", "tpot_cmdbuf"):
+    # the A/B variants: batch-1 latency alone, nothing compiled after warmup
+    assert any("(w8a8)" in k for k in steps["qwen_w8a8"]["kernels"]), steps["qwen_w8a8"]
+    assert not any("(w8a8)" in k for k in steps["qwen_tpot"]["kernels"])
+    for name in (*TPOT_STEPS, "tpot_triton"):
         f = steps[name]
         assert f["throughput"] == [] and f["ttft_ms"] > 0 and f["tpot_ms"] is not None
         assert f["compilations_after_warmup"] == 0
