@@ -29,13 +29,12 @@ from jaxserve.checkpoints.converted import resolve_converted
 from jaxserve.checkpoints.model_names import resolve_model, resolve_tokenizer
 from jaxserve.config import EngineConfig
 from jaxserve.core.scheduler_config import SchedulerConfig
-from jaxserve.errors import ConfigError
 from jaxserve.multimodal.front import ImageFront
 from jaxserve.runner.image_encoder import VisionParts
 from jaxserve.runner.lora_store import LoRAConfig, LoRAStore
 from jaxserve.runner.model_runner import ModelRunner
 from models.config import ModelConfig
-from sharding import DATA, make_mesh
+from sharding import DATA, kv_head_repeats, make_mesh
 
 logger = logging.getLogger("jaxserve")
 
@@ -179,18 +178,12 @@ def lora_store(config: EngineConfig, layout: EngineLayout, model: Any) -> LoRASt
     dtype: --lora-dtype, auto = what the model computes in."""
     if not config.enable_lora:
         return None
-    mc = layout.model_config
-    if layout.kv_heads != mc.num_kv_heads or layout.global_kv_heads != mc.full_num_kv_heads:
-        # The loader repeats each KV head's kernel columns; adapters' B would need the same.
-        raise ConfigError("enable_lora", f"LoRA with KV heads repeated over the model axis "
-                          f"(the model's {mc.num_kv_heads} KV heads stored as "
-                          f"{layout.kv_heads} on {layout.model_axis} devices) is not "
-                          f"supported yet: use a model axis that divides the KV heads")
     dtype = (layout.compute_dtype or layout.dtype) if config.lora_dtype == "auto" \
         else jnp.dtype(config.lora_dtype)
     return LoRAStore(LoRAConfig(config.max_loras, config.max_lora_rank,
                                 config.max_cpu_loras or config.max_loras, dtype),
-                     model, layout.rules, config.model)
+                     model, layout.rules, config.model,
+                     kv_head_repeats(layout.model_config, layout.model_axis))
 
 
 def _report_loading(progress: StartupProgress, done: int, total: int) -> None:

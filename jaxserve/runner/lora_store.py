@@ -54,11 +54,14 @@ class _Fitted:
 class LoRAStore:
     """model: the model as it runs (its Einsum kernels are the targets); rules: the
     layout's logical axis -> mesh axis table (how each target is split); base_model:
-    the served model's path or name (an adapter trained on another is refused)."""
+    the served model's path or name (an adapter trained on another is refused);
+    kv_head_repeat: how often the model stores each KV head (sharding.kv_head_repeats)."""
 
-    def __init__(self, config: LoRAConfig, model: Any, rules: dict, base_model: str):
+    def __init__(self, config: LoRAConfig, model: Any, rules: dict, base_model: str,
+                 kv_head_repeat: dict[str, int] | int = 1):
         self.config = config
-        self.targets: dict[str, LoRATarget] = lora_targets(model, model.config, rules)
+        self.targets: dict[str, LoRATarget] = lora_targets(model, model.config, rules,
+                                                           kv_head_repeat)
         self._model_config = model.config
         self._base_model = served_name(base_model)
         self._cache: AdapterCache[LoRARequest, _Fitted] = AdapterCache(config.max_cpu_loras,

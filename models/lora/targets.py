@@ -8,6 +8,10 @@ gate/up/down (Llama 3, Qwen3, Gemma 4 and the shared expert of the MoE models), 
 Qwen3.5/3.6 DeltaNet's in_proj_qkv / in_proj_z / in_proj_b / in_proj_a / out_proj.
 Not targets: the routed experts (stacked, not Einsum kernels: refused by name), the
 DeltaNet's depthwise conv1d, the embeddings and lm_head.
+
+With fewer KV heads than the model axis has devices, the loader stores each KV head
+repeated (models/weights.py's kv_head_repeat): a k/v projection's B is repeated the
+same way, so the adapter's delta lands on every copy of its head.
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ from models.config import ModelConfig
 from models.lora.adapter import PeftAdapter
 from models.lora.ops import projection_split
 from models.weight_names import group_by_key_head
+from models.param_tree import KVHeadRepeat, kv_repeat_axes
 from models.weights import abstract_params, hf_names, param_logical_axes
 from sharding.rules import RULES
 
@@ -44,6 +49,10 @@ class LoRATarget:
     out_dim: int
     split: str | None
     regroup_qkv: bool = False   # DeltaNet in_proj_qkv: output channels regrouped per key head
+    # KV heads stored repeated (a k/v projection on a model axis wider than its heads): each
+    # head's kv_inner output channels appear kv_repeat times in a row; out_dim counts them all.
+    kv_repeat: int = 1
+    kv_inner: int = 1
     # Where its stacks sit (models/lora/slots.py): the Einsum module's path in the params
     # ("layers_3", "self_attn", "q_proj"), and its place on the path's stacked layer axes
     # (a scanned model's block: (3,); () unscanned).
@@ -51,13 +60,16 @@ class LoRATarget:
     index: tuple[int, ...] = ()
 
 
-def lora_targets(model: nn.Module, cfg: ModelConfig, rules: dict | None = None
-                 ) -> dict[str, LoRATarget]:
+def lora_targets(model: nn.Module, cfg: ModelConfig, rules: dict | None = None,
+                 kv_head_repeat: KVHeadRepeat = 1) -> dict[str, LoRATarget]:
     """name -> target, for every linear projection of the decoder layers, in layer order.
-    rules: logical axis -> mesh axis (sharding/rules.py's table by default)."""
+    rules: logical axis -> mesh axis (sharding/rules.py's table by default);
+    kv_head_repeat: how often `model` stores each of the checkpoint's KV heads
+    (sharding.kv_head_repeats; the loader's)."""
     rules = RULES if rules is None else rules
     shapes = flatten_dict(abstract_params(model))
     axes = flatten_dict(param_logical_axes(model))
+    repeats = kv_repeat_axes(model, kv_head_repeat)
     out: dict[str, LoRATarget] = {}
     for path, sds in shapes.items():
         if path[-1] != "kernel" or path[-2] == "conv1d" or not path[0].startswith("layers"):
@@ -68,13 +80,21 @@ def lora_targets(model: nn.Module, cfg: ModelConfig, rules: dict | None = None
         # A kernel contracts its leading "embed" axis, or else all but its last axis
         # (o_proj [N, H, E], down_proj [F, E], out_proj [Hv, Dv, E]).
         n = 1 if spec[0] == "embed" else len(inner) - 1
+        kv_repeat, kv_inner = 1, 1
+        if path in repeats:
+            axis, kv_repeat = repeats[path]
+            axis -= names.ndim
+            if axis != n:   # the heads axis must lead the outputs for B's repeat below
+                raise ValueError(f"LoRA on {path}: its KV heads are not its first output axis")
+            kv_inner = math.prod(inner[n + 1:])
         for index, name in np.ndenumerate(names):
             module_name = name[:-len(".weight")]
             out[module_name] = LoRATarget(
                 name=module_name, module=module_name.rsplit(".", 1)[1],
                 layer=int(_LAYER.match(module_name).group(1)), in_dim=math.prod(inner[:n]),
                 out_dim=math.prod(inner[n:]), split=projection_split(spec, n, rules),
-                regroup_qkv=path[-2] == "in_proj_qkv", path=tuple(path[:-1]), index=index)
+                regroup_qkv=path[-2] == "in_proj_qkv", kv_repeat=kv_repeat, kv_inner=kv_inner,
+                path=tuple(path[:-1]), index=index)
     return dict(sorted(out.items(), key=lambda kv: kv[1].layer))
 
 
@@ -117,11 +137,15 @@ def adapter_weights(adapter: PeftAdapter, targets: dict[str, LoRATarget], cfg: M
             raise ValueError(f"LoRA adapter {where}: module {module[:120]!r} is not a LoRA "
                              f"target of the model (its targets: {', '.join(modules)} in "
                              f"layers 0-{max(t.layer for t in targets.values())})")
-        if a.shape[1] != target.in_dim or b.shape[0] != target.out_dim:
+        out_dim = target.out_dim // target.kv_repeat   # the checkpoint's
+        if a.shape[1] != target.in_dim or b.shape[0] != out_dim:
             raise ValueError(f"LoRA adapter {where}: {name} maps {a.shape[1]} -> {b.shape[0]} "
-                             f"features, the model's {target.in_dim} -> {target.out_dim}: made "
+                             f"features, the model's {target.in_dim} -> {out_dim}: made "
                              f"for another base model ({adapter.base_model[:200]!r})")
         b_t = np.asarray(b, np.float32).T
+        if target.kv_repeat > 1:   # each head's channels repeated, as the loader stores them
+            b_t = np.repeat(b_t.reshape(b_t.shape[0], -1, target.kv_inner), target.kv_repeat,
+                            axis=1).reshape(b_t.shape[0], -1)
         if target.regroup_qkv:   # the base kernel's [all q | all k | all v] regrouping
             b_t = group_by_key_head(b_t, cfg).reshape(adapter.rank, -1)
         out[name] = (np.ascontiguousarray(np.asarray(a, np.float32).T), np.ascontiguousarray(b_t))

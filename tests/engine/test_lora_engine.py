@@ -133,17 +133,21 @@ def test_mixed_batch_gives_each_request_its_adapter(served):
     assert_no_leaks(engine)
 
 
-def test_mixed_batch_on_1x2_mesh(llama):
-    """The same llama and adapters under --mesh 1x2 (the stacks split as the base
-    kernels: A on row-parallel inputs, B on column-parallel outputs): a batch mixing
-    base rows and two adapters gives each request the greedy tokens and float32
-    logprobs of transformers + peft, which the engine without a mesh gives
-    (test_mixed_batch_gives_each_request_its_adapter; the unmeshed engine is not run
-    here, so the other tests' slot state stays theirs)."""
-    meshed = LLM(llama.path, dtype="float32", enable_lora=True, max_lora_rank=8, max_loras=2,
-                 max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64, mesh="1x2",
+def test_mixed_batch_on_1x4_mesh_with_repeated_kv_heads(llama):
+    """The same llama and adapters under --mesh 1x4 (the stacks split as the base
+    kernels: A on row-parallel inputs, B on column-parallel outputs; the llama's 2 KV
+    heads stored twice each over the 4 devices, so a k/v adapter's B is repeated as the
+    loader repeats the base kernel's heads): a batch mixing base rows and the adapters
+    gives each request the greedy tokens and float32 logprobs of transformers + peft,
+    which the engine without a mesh gives (test_mixed_batch_gives_each_request_its_adapter;
+    the unmeshed engine is not run here, so the other tests' slot state stays theirs).
+    All three adapters adapt k_proj or v_proj."""
+    meshed = LLM(llama.path, dtype="float32", enable_lora=True, max_lora_rank=8, max_loras=3,
+                 max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64, mesh="1x4",
                  enforce_eager=True)
-    jobs = [(a, _prompt(10 + 2 * i, seed=60 + i)) for i, a in enumerate((0, 1, 2, 1))]
+    layout = meshed.engine.runner.lora.targets["layers.0.self_attn.k_proj"]
+    assert layout.kv_repeat == 2   # the case this test is for
+    jobs = [(a, _prompt(10 + 2 * i, seed=60 + i)) for i, a in enumerate((0, 1, 2, 3))]
     outs = meshed.generate([{"prompt_token_ids": p} for _, p in jobs], GREEDY, use_tqdm=False,
                            lora_request=[llama.loras[a] for a, _ in jobs])
     llama.check(jobs, [(c.token_ids, [e[t].logprob for t, e in zip(c.token_ids, c.logprobs)])
