@@ -40,10 +40,16 @@ def format_report(r: CompileReport) -> str:
             lines.append(f"  {p.name:34} {bucket:>8} {p.compile_seconds:8.1f}  FAILED: {first}")
     failed = sum(not p.compiled for p in r.programs)
     why = f": {failed} of {len(r.programs)} programs did not compile" if failed else ""
+    if r.encoders_over_reserve:
+        why += (f"{'; ' if why else ': '}encoder temporaries over the reserve "
+                f"~{_gib(r.encoder_activation_bytes)}: " + ", ".join(
+                    f"t={p.tokens} {_gib(p.temp_bytes)}" for p in r.encoders_over_reserve))
     lines += [f"  (peak: the program's own, argument + output + temp - alias; device peak: "
               f"with everything resident beside it, the weights and caches it does not take)",
               f"  fits: {'yes' if r.fits else 'no'}{why} (the engine starts when every program "
-              f"compiles with a device peak within the {_gib(r.hbm_bytes)} of HBM)"]
+              f"compiles with a device peak within the {_gib(r.hbm_bytes)} of HBM"
+              + (", each encoder call's temporaries within its reserve"
+                 if r.encoder_activation_bytes else "") + ")"]
     return "\n".join(lines + [ln for d in r.decode for ln in format_decode(d)])
 
 

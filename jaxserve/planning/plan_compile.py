@@ -120,16 +120,27 @@ class CompileReport:
     encoder_activation_bytes: int = 0
 
     @property
+    def encoders_over_reserve(self) -> tuple[ProgramResult, ...]:
+        """The compiled encode programs whose own temporaries exceed the reserve the
+        engine keeps for the largest encoder call (encoder_activation_bytes): under the
+        engine's memory rule the KV cache would take the memory that call needs."""
+        return tuple(p for p in self.programs if p.name == "encode" and p.compiled
+                     and p.temp_bytes > self.encoder_activation_bytes)
+
+    @property
     def fits(self) -> bool:
-        """The engine could start: it was built, every program compiled, and the device's
-        peak while each runs is within the chip's HBM."""
+        """The engine could start and serve: it was built, every program compiled, the
+        device's peak while each runs is within the chip's HBM, and every encoder call's
+        temporaries are within the engine's reserve for them."""
         return (self.error is None and bool(self.programs)
                 and all(p.compiled and p.device_peak_bytes <= self.hbm_bytes
-                        for p in self.programs))
+                        for p in self.programs)
+                and not self.encoders_over_reserve)
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         out["fits"] = self.fits
+        out["encoders_over_reserve"] = [p.tokens for p in self.encoders_over_reserve]
         return out
 
 

@@ -45,49 +45,89 @@ def axial_inv_freq(head_dim: int, theta: float) -> np.ndarray:
     return (1.0 / theta ** (np.arange(0, spatial, 2, dtype=np.float32) / spatial)).astype(np.float32)
 
 
-# Queries per block of the towers' attention: one block's scores [heads, block, keys]
-# live at a time instead of [heads, patches, patches] (16 heads x 8192 patches would be
-# 4 GiB of float32 scores). At 1024, libtpu keeps a block's scores in VMEM.
+# Patches per block of the towers' attention, for queries and keys alike: over more
+# patches, one (query block, key block) tile of scores [heads, block, block] lives at a
+# time instead of [heads, patches, patches] (16 heads x 65536 patches, the published
+# 16-megapixel maximum, would be 256 GiB of float32 scores). At 1024, libtpu keeps a
+# tile's scores in VMEM.
 QUERY_BLOCK = 1024
+_MASKED = float(jnp.finfo(jnp.float32).min)   # a key the query may not see (as torch)
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float,
-              block: int | None = None) -> jax.Array:
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_segment: jax.Array,
+              k_segment: jax.Array, scale: float, block: int | None = None) -> jax.Array:
     """Softmax attention over [..., T, N, H] q and [..., T, K, H] k/v (N a multiple of
-    K); mask [..., T, T] True where a query may see a key; probabilities in float32.
-    Over T > block (default QUERY_BLOCK) queries, in equal blocks of at most `block`
-    queries, one after another: each query's softmax still spans all its keys, so the
-    result is the unblocked one's."""
+    K): a query sees a key when their segments ([..., T] int) are equal and the key's is
+    not negative (a query that sees no key averages every key, as torch's masked softmax
+    does; such rows are padding). Probabilities in float32. Over T > block (default
+    QUERY_BLOCK) patches, flash-style: equal blocks of at most `block` queries one after
+    another, each over equal blocks of keys with a running maximum and sum (online
+    softmax), the mask built per tile from the segments; the result is the unblocked
+    one's up to float rounding."""
     groups = q.shape[-2] // k.shape[-2]
     if groups > 1:
         k, v = jnp.repeat(k, groups, axis=-2), jnp.repeat(v, groups, axis=-2)
     t = q.shape[-3]
     size = query_block(t, block)
     if size == t:
-        return _attend(q, k, v, mask, scale)
+        return _attend(q, k, v, _visible(q_segment, k_segment), scale)
     n = -(-t // size)
-    pad = n * size - t   # (padding queries see no key; their rows are dropped)
-    q = jnp.pad(q, [(0, 0)] * (q.ndim - 3) + [(0, pad), (0, 0), (0, 0)])
-    mask = jnp.pad(mask, [(0, 0)] * (mask.ndim - 2) + [(0, pad), (0, 0)])
-    qs = jnp.moveaxis(q.reshape(*q.shape[:-3], n, size, *q.shape[-2:]), -4, 0)
-    masks = jnp.moveaxis(mask.reshape(*mask.shape[:-2], n, size, t), -3, 0)
-    out = jax.lax.map(lambda qm: _attend(qm[0], k, v, qm[1], scale), (qs, masks))
-    out = jnp.moveaxis(out, 0, -4)
+    pad = n * size - t   # padding queries are dropped; padding keys are never seen
+    blocks = lambda x, axis: jnp.moveaxis(            # [..., n * size, ...] -> [n, ..., size, ...]
+        x.reshape(*x.shape[:axis], n, size, *x.shape[axis + 1:]), axis, 0)
+    padded = lambda x, axis, fill: jnp.pad(
+        x, [(0, pad) if a == axis % x.ndim else (0, 0) for a in range(x.ndim)], constant_values=fill)
+    qs, ks, vs = (blocks(padded(x, -3, 0), q.ndim - 3) for x in (q, k, v))
+    q_seg, k_seg = (blocks(padded(s, -1, -1), s.ndim - 1) for s in (q_segment, k_segment))
+    real = np.arange(n * size).reshape(n, size) < t                     # [n, size] keys
+
+    def query_tile(args: tuple[jax.Array, jax.Array]) -> jax.Array:
+        qb, qsb = args
+        lead = qb.shape[:-3]
+        init = (jnp.full((*lead, qb.shape[-2], size), -jnp.inf, jnp.float32),   # running max
+                jnp.zeros((*lead, qb.shape[-2], size), jnp.float32),           # running sum
+                jnp.zeros(qb.shape, jnp.float32))                               # sum of p v
+
+        def key_tile(carry, kv):
+            top, total, acc = carry
+            kb, vb, ksb, kreal = kv
+            logits = jnp.einsum("...tnh,...snh->...nts", qb, kb,
+                                preferred_element_type=jnp.float32) * scale
+            logits = jnp.where(_visible(qsb, ksb)[..., None, :, :], logits, _MASKED)
+            logits = jnp.where(kreal, logits, -jnp.inf)   # the first tile has real keys
+            new_top = jnp.maximum(top, logits.max(-1))
+            probs = jnp.exp(logits - new_top[..., None])
+            rescale = jnp.exp(top - new_top)
+            total = total * rescale + probs.sum(-1)
+            acc = acc * jnp.swapaxes(rescale, -1, -2)[..., None] + jnp.einsum(
+                "...nts,...snh->...tnh", probs.astype(vb.dtype), vb, preferred_element_type=jnp.float32)
+            return (new_top, total, acc), None
+
+        (_, total, acc), _ = jax.lax.scan(key_tile, init, (ks, vs, k_seg, jnp.asarray(real)))
+        return (acc / jnp.swapaxes(total, -1, -2)[..., None]).astype(v.dtype)
+
+    out = jnp.moveaxis(jax.lax.map(query_tile, (qs, q_seg)), 0, -4)
     return out.reshape(*out.shape[:-4], n * size, *out.shape[-2:])[..., :t, :, :]
 
 
 def query_block(t: int, block: int | None = None) -> int:
-    """The queries in each of attention's blocks over t queries: all t up to `block`
-    (default QUERY_BLOCK), else as few equal blocks of at most `block` as cover them."""
+    """The patches in each of attention's blocks (queries, and keys) over t patches: all
+    t up to `block` (default QUERY_BLOCK), else as few equal blocks of at most `block`
+    as cover them."""
     block = block or QUERY_BLOCK
     return t if t <= block else -(-t // -(-t // block))
+
+
+def _visible(q_segment: jax.Array, k_segment: jax.Array) -> jax.Array:
+    """[..., Q, K]: True where a query may see a key (same segment, a real key)."""
+    return (q_segment[..., :, None] == k_segment[..., None, :]) & (k_segment[..., None, :] >= 0)
 
 
 def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float
             ) -> jax.Array:
     """attention of queries [..., Q, N, H] over keys [..., T, N, H], mask [..., Q, T]."""
     logits = jnp.einsum("...tnh,...snh->...nts", q, k, preferred_element_type=jnp.float32) * scale
-    logits = jnp.where(mask[..., None, :, :], logits, jnp.finfo(jnp.float32).min)
+    logits = jnp.where(mask[..., None, :, :], logits, _MASKED)
     probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
     return jnp.einsum("...nts,...snh->...tnh", probs, v)
 

@@ -124,13 +124,13 @@ def _rope_2d(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 def _layer(cfg: GemmaVisionConfig, x: jax.Array, p: Params, cos: tuple, sin: tuple,
-           mask: jax.Array) -> jax.Array:
+           keys: jax.Array) -> jax.Array:
     eps, clip = cfg.rms_norm_eps, p["clip"]
     h = rms_norm(x, p["input_layernorm"], eps)
     q = rms_norm(_clipped(h, p["q"], clip["q"], "btc,cnh->btnh"), p["q_norm"], eps)
     k = rms_norm(_clipped(h, p["k"], clip["k"], "btc,ckh->btkh"), p["k_norm"], eps)
     v = rms_norm(_clipped(h, p["v"], clip["v"], "btc,ckh->btkh"), None, eps)
-    o = attention(_rope_2d(q, cos, sin), _rope_2d(k, cos, sin), v, mask, 1.0)
+    o = attention(_rope_2d(q, cos, sin), _rope_2d(k, cos, sin), v, jnp.zeros_like(keys), keys, 1.0)
     x = x + rms_norm(_clipped(o, p["o"], clip["o"], "btnh,nhc->btc"), p["post_attention_layernorm"], eps)
     h = rms_norm(x, p["pre_feedforward_layernorm"], eps)
     gate = jax.nn.gelu(_clipped(h, p["gate"], clip["gate"], "btc,cf->btf"), approximate=True)
@@ -154,10 +154,12 @@ def encode(params: Params, cfg: GemmaVisionConfig, pixels: jax.Array,
     angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None]            # [B, P, 1, 2, H/2]
     cos = (jnp.cos(angles[..., 0, :]), jnp.cos(angles[..., 1, :]))
     sin = (jnp.sin(angles[..., 0, :]), jnp.sin(angles[..., 1, :]))
-    mask = jnp.broadcast_to(valid[:, None, :], (*valid.shape, valid.shape[-1]))
+    # Every patch (padding too) sees its image's real patches: queries all in segment 0,
+    # real keys in 0, padding keys in -1 (seen by none).
+    keys = jnp.where(valid, 0, -1).astype(jnp.int32)
 
     def body(x, p):
-        return _layer(cfg, x, p, cos, sin, mask), None
+        return _layer(cfg, x, p, cos, sin, keys), None
 
     x, _ = jax.lax.scan(body, x, params["layers"])
     # Pooling and scaling in float32, as the reference (the scale can overflow float16).

@@ -142,13 +142,13 @@ def encoder_inputs(cfg: QwenVisionConfig, grids: list[tuple[int, int, int]],
 # ---- the tower ------------------------------------------------------------------------
 
 def _block(cfg: QwenVisionConfig, x: jax.Array, p: Params, cos: jax.Array, sin: jax.Array,
-           mask: jax.Array) -> jax.Array:
+           seg: jax.Array) -> jax.Array:
     h = layer_norm(x, p["norm1_w"], p["norm1_b"], _EPS)
     qkv = jnp.einsum("tc,cknh->tknh", h, p["qkv_kernel"]) + p["qkv_bias"]
     q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]                     # [P, N, H]
     q = (q.astype(jnp.float32) * cos + rotate_half(q.astype(jnp.float32)) * sin).astype(x.dtype)
     k = (k.astype(jnp.float32) * cos + rotate_half(k.astype(jnp.float32)) * sin).astype(x.dtype)
-    o = attention(q, k, v, mask, cfg.head_dim ** -0.5)
+    o = attention(q, k, v, seg, seg, cfg.head_dim ** -0.5)   # within each frame
     x = x + jnp.einsum("tnh,nhc->tc", o, p["proj_kernel"]) + p["proj_bias"]
     h = layer_norm(x, p["norm2_w"], p["norm2_b"], _EPS)
     h = jax.nn.gelu(h @ p["fc1_kernel"] + p["fc1_bias"], approximate=True)
@@ -169,10 +169,9 @@ def encode(params: Params, cfg: QwenVisionConfig, pixels: jax.Array,
     angles = jnp.concatenate([freqs[:, 0], freqs[:, 1], freqs[:, 0], freqs[:, 1]], axis=-1)
     cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]     # [P, 1, H]
     seg = inputs["segment"]
-    mask = (seg[:, None] == seg[None, :]) & (seg[None, :] >= 0)
 
     def body(x, p):
-        return _block(cfg, x, p, cos, sin, mask), None
+        return _block(cfg, x, p, cos, sin, seg), None
 
     x, _ = jax.lax.scan(body, x, params["blocks"])
     m = params["merger"]

@@ -66,24 +66,37 @@ class VisionTower:
 
     def activation_bytes(self, bucket: int, max_tokens: int, itemsize: int) -> int:
         """Rough peak of one encoder call's temporaries at `bucket`, for the accelerator's
-        reserve: `encode`'s attention over `length` patches a sequence (Qwen: one sequence
+        reserve. `encode`'s attention over `length` patches a sequence (Qwen: one sequence
         of the bucket's patches; Gemma 4: `bucket` images of max_tokens x pooling^2
-        patches) computes one block of queries at a time (common.attention), whose
-        scores [sequences, heads, block, length] hold, per score, up to three float32
-        arrays (libtpu keeps the logits, their masked copy and the row maxima broadcast
-        beside the exponentials when the dot is in bfloat16), the probabilities in the
-        model dtype and the mask broadcast over the heads (a byte); beside them the whole
-        mask [sequences, length, length] (a byte) and one layer's widest rows (q, k, v
-        and the MLP's hidden); the layers run under scan, so one layer's temporaries live
-        at a time. The compilers differ by 4x here (XLA:CPU, and libtpu for most
-        programs, keep one float32 array): this is the worst one's figure, checked in
-        tests/models/test_vision_activation.py."""
+        patches) scores one tile of `block` queries x `block` keys at a time
+        (common.attention), whose scores [sequences, heads, block, block] hold, per score,
+        up to three float32 arrays (libtpu keeps the logits, their masked copy and the
+        row maxima broadcast beside the exponentials when the dot is in bfloat16), the
+        probabilities in the model dtype and the tile's mask broadcast over the heads (a
+        byte); beside them the query block's float32 accumulators (the running sum of
+        p v, before and after a tile) and one layer's widest rows: q, k, v, their
+        tile-major copies and the MLP's hidden, at 4 bytes an element (XLA:CPU computes a
+        16-bit dot on float32 copies of its operands; libtpu keeps them 16-bit, which
+        this overstates); a float32 copy of the pixels where one is made (Gemma 4
+        scales them to [-1, 1]; a 16-bit dtype rounds them), and Gemma 4's pooling
+        one-hot [sequences, length, max_tokens]. The layers run under scan, so one
+        layer's temporaries live at a time: the figure grows linearly in the patches
+        (Gemma 4's one-hot: in the patches x max_tokens). The compilers differ by 4x on
+        the scores (XLA:CPU, and libtpu for most programs, keep one float32 array): this
+        is the worst one's figure, checked in tests/models/test_vision_activation.py."""
         cfg = self.config
         seqs, length = (bucket, max_tokens * cfg.pooling_kernel_size ** 2) \
             if self.family == GEMMA4 else (1, bucket)
-        scores = seqs * cfg.num_heads * query_block(length) * length * (3 * 4 + itemsize + 1)
-        rows = seqs * length * (3 * cfg.hidden_size + cfg.intermediate_size) * itemsize
-        return scores + seqs * length * length + rows
+        block = query_block(length)
+        width = cfg.num_heads * cfg.head_dim
+        scores = seqs * cfg.num_heads * block * block * (3 * 4 + itemsize + 1)
+        accumulators = seqs * block * width * 2 * 4
+        rows = seqs * length * (6 * width + cfg.intermediate_size) * 4
+        gemma = self.family == GEMMA4
+        patch_dim = 3 * cfg.patch_size ** 2 if gemma else cfg.patch_dim
+        pixels = seqs * length * patch_dim * 4 if gemma or itemsize < 4 else 0
+        pooling = seqs * length * max_tokens * 4 if gemma else 0
+        return scores + accumulators + rows + pixels + pooling
 
     def bucket_size(self, images: Sequence[ProcessedImage]) -> int:
         """What a bucket counts for these images: patches (Qwen) or images (Gemma 4)."""

@@ -40,7 +40,7 @@ def test_a_larger_image_budget_gives_more_bytes(path):
     small, large = plan(path).vision, plan(path, mm_processor_kwargs={"max_pixels": LARGE}).vision
     assert (small.max_tokens, large.max_tokens) == (16, 64)
     assert large.buckets[-1] == 4 * small.buckets[-1]
-    assert large.activation_bytes > 4 * small.activation_bytes   # attention: patches squared
+    assert large.activation_bytes > 4 * small.activation_bytes   # one tile: patches squared
     # 64 tokens an image exceed the 32-token step: a step encodes one image, the cache
     # holds two steps' worth.
     assert (small.cache_rows, large.cache_rows) == (64, 128)

@@ -169,7 +169,7 @@ def test_a_vision_model_compiles_its_encoder_programs(tmp_path):
     assert v.cache_bytes < extra <= 2 * v.cache_bytes + 8192
     big = encode[-1]
     assert big.argument_bytes > v.weight_bytes + v.cache_bytes
-    assert big.temp_bytes <= v.activation_bytes
+    assert big.temp_bytes <= v.activation_bytes and not r.encoders_over_reserve
     assert big.device_peak_bytes >= r.kv_bytes_per_device + big.peak_bytes
     assert "vision tower" in format_report(r)
     # The engine's memory rule: the planner's pages, fewer than text-only's.
@@ -270,3 +270,30 @@ def test_too_many_rows_for_the_gated_delta_kernel_are_refused():
     assert "lower max_num_seqs to 21845" in p.compiler_limit
     assert make_plan(mc, max_num_seqs=21_845, max_num_batched_tokens=21_845,
                      **kw).compiler_limit is None
+
+
+def test_an_encoder_call_over_its_reserve_does_not_fit():
+    """Each encode program's own temporaries are checked against the reserve the engine
+    keeps for the largest encoder call (encoder_activation_bytes), not only the device's
+    peak: a larger one is named and the report does not fit."""
+    from dataclasses import replace
+
+    from jaxserve.planning.compile_format import format_report
+    from jaxserve.planning.plan_compile import CompileReport, ProgramResult
+    done = dict(compiled=True, compile_seconds=1.0, argument_bytes=GIB, output_bytes=GIB,
+                alias_bytes=0, peak_bytes=3 * GIB, device_peak_bytes=20 * GIB)
+    programs = (ProgramResult("forward", 16, None, temp_bytes=GIB, **done),
+                ProgramResult("encode", 16, None, temp_bytes=GIB // 2, **done),
+                ProgramResult("encode", 4096, None, temp_bytes=GIB, **done))
+    r = CompileReport(model="m", target="tpu-v6e", mesh="1x1", hbm_bytes=V6E_HBM,
+                      published_hbm_bytes=32 * GIB, max_model_len=256, max_num_seqs=4,
+                      num_pages=9, weight_bytes_per_device=GIB, kv_bytes_per_device=GIB,
+                      state_bytes_per_device=0, planner_bytes_per_device=3 * GIB,
+                      warmup_programs=3, programs=programs, vision_weight_bytes_per_device=GIB,
+                      encoder_cache_bytes_per_device=GIB, encoder_activation_bytes=GIB)
+    assert r.fits and not r.encoders_over_reserve        # at the reserve: fits
+    over = replace(r, encoder_activation_bytes=GIB - 1)  # the forward's temp is no encoder's
+    assert [p.tokens for p in over.encoders_over_reserve] == [4096]
+    assert not over.fits and over.to_json()["encoders_over_reserve"] == [4096]
+    assert "encoder temporaries over the reserve" in format_report(over)
+    assert "t=4096" in format_report(over).splitlines()[-1]
