@@ -86,7 +86,11 @@ def api_checkpoint(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def server(api_checkpoint):
-    srv = Server(api_checkpoint)
+    """Without warmup (--enforce-eager): its tests check what the API answers, and a
+    program compiles when a request first needs it, not every bucket at start-up. The
+    other servers (tool_server, test_startup.py's, ...) still warm up; warmup's programs
+    are counted in tests/engine/test_warmup_budget.py."""
+    srv = Server(api_checkpoint, "--enforce-eager")
     yield srv
     srv.stop()
 

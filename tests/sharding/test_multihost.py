@@ -57,7 +57,10 @@ def _close(a, b, path="") -> None:
 def test_two_processes_give_what_one_gives(checkpoint, tmp_path):
     path = checkpoint("llama")
     prompts = _prompts()
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+    # 2 CPU devices a process; the suite's other XLA flags (tests/conftest.py's compile
+    # speed ones) stay
+    xla = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
+    env = {**os.environ, "XLA_FLAGS": " ".join([*xla, "--xla_force_host_platform_device_count=2"]),
            "JAX_PLATFORMS": "cpu",
            "JAXSERVE_COORDINATOR_ADDRESS": f"127.0.0.1:{_free_port()}",
            "JAXSERVE_NUM_PROCESSES": "2"}
