@@ -194,9 +194,11 @@ class Scheduler(SchedulerLoRA, SpecScheduling):
         while i < len(running) and budget > 0:
             req = running[i]
             start = req.num_computed_tokens
-            num_new = min(req.num_tokens - start, budget)
-            if num_new <= 0:
-                i += 1
+            # Async scheduling: a token in flight is the next input (taken on device) ...
+            known = req.num_tokens + req.num_in_flight
+            num_new = min(known - start, budget)
+            if num_new <= 0 or (req.num_in_flight and self._ends_in_flight(req)):
+                i += 1   # (... unless it is the request's last: nothing is computed past it)
                 continue
             if req.spec_token_ids and num_new == req.num_tokens - start == 1:
                 # Drafts take only the budget the running rows after this one do not need
@@ -213,9 +215,9 @@ class Scheduler(SchedulerLoRA, SpecScheduling):
                 continue
             ahead = self._lookahead(req, start + num_new) if self.num_lookahead_tokens else 0
             while (new_pages := kv.allocate_slots(req, num_new + ahead)) is None:
-                if ahead or start + num_new > req.num_tokens:
+                if ahead or start + num_new > known:
                     # Drafts and the drafter's pages ahead go before anyone is preempted.
-                    num_new, ahead = min(num_new, req.num_tokens - start), 0
+                    num_new, ahead = min(num_new, known - start), 0
                     continue
                 victim = self._pick_victim()
                 vi = running.index(victim)
@@ -224,6 +226,9 @@ class Scheduler(SchedulerLoRA, SpecScheduling):
                     i -= 1
                     if victim.request_id in ids:
                         k = ids.index(victim.request_id)
+                        n = victim.num_in_flight   # (its row sampled: it counts itself)
+                        if n and starts[k] + lens[k] >= victim.num_tokens + n - 1:
+                            victim.num_in_flight -= 1   # it no longer samples this step
                         budget += lens[k]
                         kv.uncache_unwritten(victim, starts[k])
                         del ids[k], starts[k], lens[k], pages[k]
@@ -236,7 +241,9 @@ class Scheduler(SchedulerLoRA, SpecScheduling):
                 req.num_computed_tokens = start + num_new
                 if images:
                     enc.commit(req, start, num_new)
-                if (num_drafts := start + num_new - req.num_tokens) > 0:
+                if start + num_new >= known:   # it samples: one more token in flight
+                    req.num_in_flight += 1
+                if (num_drafts := start + num_new - known) > 0:
                     spec[req.request_id] = req.spec_token_ids[:num_drafts]
                     if kv.spec_backups:
                         kv.backup_state(req)
@@ -270,6 +277,8 @@ class Scheduler(SchedulerLoRA, SpecScheduling):
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
             req.num_computed_tokens = num_hit + num_new
+            if req.num_computed_tokens == req.num_tokens:   # it samples
+                req.num_in_flight += 1
             if images:
                 self.encoder.commit(req, num_hit, num_new)
             req.status = RequestStatus.RUNNING
@@ -354,18 +363,27 @@ class Scheduler(SchedulerLoRA, SpecScheduling):
             self.kv.snapshots.commit()
         if self.kv.host is not None:   # its offloads landed, its restores were read
             self.kv.host.commit()
-        requests = self.requests
-        for rid in scheduler_output.req_ids:
+        requests, preempted = self.requests, RequestStatus.PREEMPTED
+        for rid, start, num_new in scheduler_output.scheduled():
             req = requests.get(rid)
-            if req is None or req.status != running_status:
-                continue  # aborted or preempted since it was scheduled
-            if req.num_computed_tokens < req.num_tokens:
+            if req is None:
+                continue  # finished or aborted since it was scheduled
+            # (the step's own row: a later step may have advanced num_computed_tokens)
+            if start + num_new < req.num_tokens:
                 continue  # a prefill chunk short of the end: nothing sampled
+            status = req.status
+            if status != running_status and status != preempted:
+                continue
+            req.num_in_flight -= 1
+            # Preempted by a later step while this one ran (async scheduling): its token
+            # is real and kept; it resumes with it.
             if not req.output_token_ids:   # its prompt is done
                 self.num_prompt_tokens += req.num_prompt_tokens
             if req.sampling_params.max_tokens == 0:
                 # Prompt scoring: done once the prompt is computed (its logprobs came
                 # with this step); the token the runner sampled anyway is not kept.
+                if status == preempted:
+                    self.waiting.remove(req)
                 req.status = RequestStatus.FINISHED_LENGTH_CAPPED
                 self._release(req)
                 finished_any = True
@@ -387,6 +405,8 @@ class Scheduler(SchedulerLoRA, SpecScheduling):
                 req.status, req.stop_reason = RequestStatus.FINISHED_ERROR, None
                 stopped = True
             if stopped:
+                if status == preempted:
+                    self.waiting.remove(req)
                 self._release(req)
                 finished_any = True
             elif proposals is not None:
@@ -395,6 +415,14 @@ class Scheduler(SchedulerLoRA, SpecScheduling):
         if finished_any:
             self.running = [r for r in self.running if r.status == running_status]
         return out
+
+    def _ends_in_flight(self, req: Request) -> bool:
+        """Whether the tokens in flight end the request by length (max_tokens, the model
+        length): then no step computes past them."""
+        n = req.num_in_flight
+        max_tokens = req.sampling_params.max_tokens
+        return ((max_tokens is not None and req.num_output_tokens + n >= max_tokens)
+                or req.num_tokens + n >= self.max_len)
 
     # ---- queries -------------------------------------------------------
 

@@ -21,6 +21,8 @@ from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.scheduler import Scheduler, SchedulerOutput, SchedulerStats
 from jaxserve.engine import multihost
+from jaxserve.engine.async_scheduling import (SyncRequests, sync_reason_for_engine,
+                                              sync_reason_for_request)
 from jaxserve.engine.input_processor import EngineRequest, InputProcessor
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.protocol import EngineInfo
@@ -87,6 +89,28 @@ class EngineCore:
         self.num_scheduled_tokens = 0   # tokens computed on device, all steps
         self._seed_counter = seed_counter or engine_seeds(self.config.seed)
         self.info = _engine_info(parts, eos_ids)
+        self._init_async()
+
+    def _init_async(self) -> None:
+        """Async scheduling (engine/async_scheduling.py): on when asked for and nothing of
+        the engine's needs each step's tokens first."""
+        self.async_scheduling = self.config.async_scheduling
+        self._in_flight: _Step | None = None   # dispatched, not yet collected
+        self._sync_requests = SyncRequests()
+        self.num_overlapped_steps = 0   # steps dispatched while another was in flight
+        if not self.async_scheduling:
+            return
+        why = sync_reason_for_engine(
+            multi_host=self.channel is not None,
+            speculative=self.config.speculative_config is not None,
+            host_tier=self.runner.host_tier is not None,
+            hybrid=self.runner.num_state_slots > 0)
+        if why is not None:
+            self.async_scheduling = False
+            logger.warning("async scheduling: off for %s; steps run in order", why)
+        else:
+            logger.info("async scheduling: on (step N+1 is dispatched before step N's "
+                        "tokens are read back)")
 
     def _open_channel(self) -> multihost.StepChannel | None:
         """Several processes (multi-host): process 0 schedules and publishes each step."""
@@ -136,6 +160,9 @@ class EngineCore:
                     page_size=self.config.page_size, lora_request=request.lora_request,
                     multi_modal=request.multi_modal))
                 added.append(cid)
+            if self.async_scheduling:
+                self._sync_requests.add(child_ids, sync_reason_for_request(
+                    params, request.multi_modal))
         except BaseException as e:
             # Whatever went wrong, leave no half-added request behind.
             try:
@@ -153,12 +180,34 @@ class EngineCore:
 
     # ---- the loop ------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self._in_flight is not None or self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[RequestOutput]:
         """One step's outputs. A step that raises fails only its own requests (outputs
-        with `error`); EngineDeadError when the engine cannot go on."""
-        return self.finish_step(self.begin_step())
+        with `error`); EngineDeadError when the engine cannot go on. With async scheduling
+        a step stays in flight between calls: each call dispatches the next step, then
+        returns the outputs of the one before it."""
+        if not self.async_scheduling:
+            return self.finish_step(self.begin_step())
+        prev, self._in_flight = self._in_flight, None
+        outs: list[RequestOutput] = []
+        if prev is not None and (self._must_sync() or
+                                 not self.scheduler.has_unfinished_requests()):
+            outs, prev = self.finish_step(prev), None
+        step = self.begin_step()
+        if prev is not None:
+            self.num_overlapped_steps += 1
+            outs = self.finish_step(prev)
+        if (step.error is None and step.sched_out.num_scheduled_tokens
+                and not self._must_sync()):
+            self._in_flight = step
+        else:
+            outs += self.finish_step(step)
+        return outs
+
+    def _must_sync(self) -> bool:
+        """Whether an unfinished request needs each step's tokens before the next."""
+        return self._sync_requests.any_unfinished(self.scheduler.requests)
 
     def begin_step(self) -> _Step:
         """Schedules and dispatches one step; the device works while the host goes on."""

@@ -11,6 +11,12 @@ page 0 and the null state slot 0), not a rebuild from per-request copies.
 Rows of finished / preempted requests are freed and the last rows moved into the
 holes, so the held rows stay 0..num_rows-1.
 
+Async scheduling (the engine dispatches step N+1 before it reads step N's tokens): a
+row's `in_flight` is its batch index in the last dispatched step when that step samples
+its next token, not yet appended. A step computing that token's position takes it on the
+device from that step's sampled ids (HostBatch.token_src); append_sampled stores it once
+read back, finding the rows by request id when rows moved in between.
+
 A model whose sliding-window layers have a KV group of their own (sliding=True) has a
 second page-table row per request, for those layers' pages: it keeps the ids of pages
 the scheduler gave back as they left the window (jaxserve/core/sched_output.py says
@@ -90,6 +96,11 @@ class InputBatch(BatchSampling):
         self.num_tokens = np.zeros(r, np.int32)
         self.num_prompt = np.zeros(r, np.int32)
         self.state_slots = np.zeros(r, np.int32)
+        # Batch index, in the last dispatched step, of the token it samples for the row
+        # (not yet appended), or -1.
+        self.in_flight = np.full(r, -1, np.int32)
+        self._dispatch_id = 0   # steps dispatched (mark_in_flight)
+        self.generation = 0     # bumped when rows move (remove): a step's rows are stale
         # LoRA: each row's adapter slot (0 = none); None when LoRA is off.
         self.lora_slots = np.zeros(r, np.int32) if lora else None
         for name, dtype, fill in PARAM_COLUMNS:
@@ -113,6 +124,7 @@ class InputBatch(BatchSampling):
         self.has_dynamic = np.zeros(r, np.bool_)   # dynamic[row] is set: a numpy test per step
         # Every per-row array but the two wide ones: what moving a row copies.
         self._row_arrays = [self.num_pages, self.num_tokens, self.num_prompt, self.state_slots,
+                            self.in_flight,
                             self.want_logprobs, self.keys, self.seeded, self.min_tokens,
                             self.banned, self.has_penalties, self.greedy_only,
                             self.want_prompt_logprobs, self.has_mask, self.has_bias,
@@ -128,6 +140,7 @@ class InputBatch(BatchSampling):
         self._slots = np.zeros(t_max, np.int32)
         self._sliding_slots = np.zeros(t_max, np.int32)
         self._qsl = np.zeros(r + 1, np.int32)
+        self._token_src = np.full(t_max, -1, np.int32)
 
     # ---- the scheduler's diff --------------------------------------------------------
     def update(self, sched_out: SchedulerOutput, eos_token_ids: tuple[int, ...]) -> ScheduledRows:
@@ -160,7 +173,8 @@ class InputBatch(BatchSampling):
         rows_a = np.fromiter(rows, np.int32, n)
         starts_a = np.fromiter(starts, np.int32, n)
         lens_a = np.fromiter(lens, np.int32, n)
-        ends, known = starts_a + lens_a, self.num_tokens[rows_a]
+        ends = starts_a + lens_a
+        known = self.num_tokens[rows_a] + (self.in_flight[rows_a] >= 0)
         drafts = self._put_drafts(sched_out.spec_token_ids, c.req_ids, rows_a) \
             if sched_out.spec_token_ids else None
         if drafts is not None:
@@ -228,6 +242,7 @@ class InputBatch(BatchSampling):
                 holes.append(row)
         if not holes:
             return
+        self.generation += 1
         held = self.num_rows - len(holes)
         movers = (r for r in range(held, self.num_rows) if self.req_ids[r] is not None)
         for dst, src in zip(sorted(h for h in holes if h < held), movers):
@@ -274,6 +289,7 @@ class InputBatch(BatchSampling):
             pt[row, :len(ids)] = ids
         self.num_pages[row] = len(r.page_ids[0])
         self.state_slots[row] = r.state_slot
+        self.in_flight[row] = -1
         if self.lora_slots is not None:
             self.lora_slots[row] = r.lora_slot
         elif r.lora_slot:
@@ -306,13 +322,42 @@ class InputBatch(BatchSampling):
                              if self.has_dynamic[row] else None)
         return row
 
-    def append_sampled(self, step: ScheduledRows, token_ids: np.ndarray) -> dict[int, str]:
+    def mark_in_flight(self, step: ScheduledRows, sampled: bool) -> int:
+        """A step was dispatched (`sampled`: with its sampler): its sampling rows' next
+        tokens are in flight, and no others are (the step before was collected, or its
+        tokens are taken on device by this one). -> the step's dispatch id."""
+        self.in_flight[:self.num_rows] = -1
+        if sampled:
+            picked = np.flatnonzero(step.sample)
+            self.in_flight[step.rows[picked]] = picked
+        self._dispatch_id += 1
+        return self._dispatch_id
+
+    def rows_now(self, step: ScheduledRows, generation: int) -> np.ndarray:
+        """The persistent rows of `step`'s batch rows now (-1: no longer held), for a step
+        dispatched at `generation`."""
+        if generation == self.generation:
+            return step.rows
+        row_of = self.row_of
+        return np.fromiter((row_of.get(rid, -1) for rid in step.req_ids), np.int32,
+                           step.num_reqs)
+
+    def collected(self, dispatch_id: int) -> None:
+        """A step's results are read back: when it was the last one dispatched, no token
+        is in flight any more (its own are appended next)."""
+        if dispatch_id == self._dispatch_id:
+            self.in_flight[:self.num_rows] = -1
+
+    def append_sampled(self, step: ScheduledRows, token_ids: np.ndarray,
+                       generation: int | None = None) -> dict[int, str]:
         """Stores the tokens sampled for `step` (token_ids[i]: batch row i; rows that did
-        not sample are skipped): they are the next step's input and the history.
+        not sample, or are no longer held, are skipped): they are the next step's input and
+        the history. generation: the batch's at the step's dispatch (None: now).
         -> {batch row: why} for rows whose grammar failed on its token (see
         DynamicConstraints.accept)."""
-        picked = np.flatnonzero(step.sample)
-        rows = step.rows[picked]
+        now = step.rows if generation is None else self.rows_now(step, generation)
+        picked = np.flatnonzero(step.sample & (now >= 0))
+        rows = now[picked]
         at = self.num_tokens[rows]
         sampled = token_ids[:step.num_reqs][picked]
         self.tokens[rows, at] = sampled
@@ -356,6 +401,11 @@ class InputBatch(BatchSampling):
         token_ids = self._token_ids[:t]
         token_ids[num_tokens:] = 0
         token_ids[:num_tokens] = self.tokens[row_of_token, positions_real]
+        # A token past the known ones (drafts aside) is the one in flight: from the device.
+        token_src = self._token_src[:t]
+        token_src[num_tokens:] = -1
+        token_src[:num_tokens] = np.where(
+            positions_real >= self.num_tokens[row_of_token], self.in_flight[row_of_token], -1)
         positions = self._positions[:t]
         positions[num_tokens:] = 0
         positions[:num_tokens] = positions_real
@@ -404,7 +454,7 @@ class InputBatch(BatchSampling):
             sliding_slot_mapping=sliding_slots.copy() if sliding else None,
             sliding_page_table=sliding_table if sliding else None, lora_slot_ids=lora_ids,
             **copies)
-        return HostBatch(inputs, logits_idx, num_tokens, num_reqs)
+        return HostBatch(inputs, logits_idx, num_tokens, num_reqs, token_src.copy())
 
     def prompt_logprob_targets(self, step: ScheduledRows, cu: np.ndarray,
                                size: int) -> tuple[np.ndarray, list]:

@@ -79,6 +79,9 @@ class _InFlight:
     logprobs: bool = False       # whether a request wants the sampler's logprobs
     prompt_lps: Any = None       # (device arrays, spans), or None
     offloads: PendingOffload | None = None   # the host tier's copies to land
+    want_logprobs: np.ndarray | None = None   # bool[n] per batch row, read at dispatch
+    generation: int = 0          # InputBatch.generation at dispatch: rows moved since?
+    dispatch_id: int = 0         # InputBatch.mark_in_flight's
 
 
 # Prompt logprobs take the lm_head and the vocabulary's log_softmax over this many
@@ -150,7 +153,8 @@ class ModelRunner(RunnerWarmup):
         rep = self._rep
         self._init_lora(lora)
         self._forward = jax.jit(self._forward_fn, donate_argnums=(1,),
-                                in_shardings=(p_sh, kv_sh, rep, rep, *self._lora_sh),
+                                in_shardings=(p_sh, kv_sh, rep, rep, rep, rep,
+                                              *self._lora_sh),
                                 out_shardings=(rep, rep, kv_sh))
         # (num_rows, mode) are static; jit takes no keyword arguments with in_shardings.
         self._sample = jax.jit(self._sample_fn, static_argnums=(3, 4),
@@ -164,6 +168,11 @@ class ModelRunner(RunnerWarmup):
         self.warmup_seconds, self.warmup_compilations = 0.0, 0
         self.warmup_cache_hits = self.warmup_fresh_compilations = 0
         self._hidden_spec = None    # the forward's hidden states, traced on first need
+        # The forward's previous sampled ids when no step's are in flight (all rows' input
+        # tokens are then on the host).
+        self._no_prev_ids = None if abstract else jax.device_put(
+            np.zeros(self.batch.max_sample_rows, np.int32), self._rep)
+        self._prev_ids = self._no_prev_ids
         self.host_tier: HostTier | None = None   # the prefix cache's (attach_host_tier)
 
     def attach_host_tier(self, budget_bytes: int) -> HostTier:
@@ -202,15 +211,20 @@ class ModelRunner(RunnerWarmup):
                                                 self.lora.slot_rows(req))
 
     # ---- jitted bodies -------------------------------------------------------------
-    def _forward_fn(self, params, kv_caches, inputs: ModelInputs, logits_indices, lora=None):
+    def _forward_fn(self, params, kv_caches, inputs: ModelInputs, logits_indices, prev_ids,
+                    token_src, lora=None):
         """-> (every token's hidden state padded to the largest token bucket, the rows at
-        logits_indices, the caches). The padding (a [T_max, E] write, ~13 us of a v6e's
+        logits_indices, the caches). prev_ids: the last step's sampled ids (int32
+        [max_sample_rows], on device); token_src int32[T]: where a token's id is one of them
+        (async scheduling: sampled by the step still in flight), -1: inputs.token_ids'. The padding (a [T_max, E] write, ~13 us of a v6e's
         HBM bandwidth at E=5120) lets one prompt-logprobs program serve every bucket.
         A hybrid's state-slot copies (prefix caching) run here, in the same donated
         program: restores before the layers read the slots, saves after they wrote them."""
         if inputs.state_restores is not None:
             kv_caches = copy_state_slots(kv_caches, inputs.state_restores,
                                          inputs.num_state_restores, self.num_state_slots)
+        inputs = inputs.replace(token_ids=jnp.where(
+            token_src >= 0, prev_ids[jnp.maximum(token_src, 0)], inputs.token_ids))
         variables = {"params": params}
         if lora is not None:   # each token's adapter delta (models/lora)
             variables.update(forward_variables(lora, inputs.lora_slot_ids))
@@ -228,9 +242,12 @@ class ModelRunner(RunnerWarmup):
         # gathers them whole only in the branches that run when some row samples or
         # wants logprobs: a greedy batch's argmax reduces the per-shard maxima.
         logits = jax.lax.with_sharding_constraint(logits, self._vocab_parallel)
-        return sample(logits, tensors, penalties=mode == PENALTIES, greedy=mode == GREEDY,
-                      num_logprobs=self.max_logprobs,
-                      gather=partial(jax.lax.with_sharding_constraint, shardings=self._rep))
+        out = sample(logits, tensors, penalties=mode == PENALTIES, greedy=mode == GREEDY,
+                     num_logprobs=self.max_logprobs,
+                     gather=partial(jax.lax.with_sharding_constraint, shardings=self._rep))
+        # (SamplerOutput, its ids padded to max_sample_rows: the next forward's prev_ids)
+        pad = self.batch.max_sample_rows - num_rows
+        return out, jnp.pad(out.token_ids, (0, pad))
 
     def _prompt_logprobs_fn(self, params, hidden, targets):
         """hidden [T_max, E], targets int32[T_max] (-1: no logprob wanted) -> the
@@ -285,6 +302,7 @@ class ModelRunner(RunnerWarmup):
     def collect(self, step: _InFlight) -> ModelRunnerOutput:
         """Waits for a dispatched step and reads its results back to the host."""
         out = ModelRunnerOutput()
+        self.batch.collected(step.dispatch_id)
         if step.offloads is not None:   # stored before the scheduler makes them visible
             step.offloads.land(self.host_tier.arrays)
         if step.prompt_lps is not None:
@@ -313,14 +331,14 @@ class ModelRunner(RunnerWarmup):
         if rows.num_drafts is not None:
             self._collect_verified(rows, result, step.logprobs, out)
             return
-        failed = self.batch.append_sampled(rows, result.token_ids)
+        failed = self.batch.append_sampled(rows, result.token_ids, step.generation)
         out.failed = {rows.req_ids[i]: why for i, why in failed.items()}
         picked = np.flatnonzero(rows.sample)
         ids = [rows.req_ids[i] for i in picked]
         out.sampled = dict(zip(ids, result.token_ids[picked].tolist()))
         if step.logprobs:
             for i, rid in zip(picked, ids):
-                if self.batch.want_logprobs[rows.rows[i]]:
+                if step.want_logprobs[i]:
                     out.logprobs[rid] = [(result.logprob_token_ids[i], result.logprobs[i],
                                           int(result.sampled_rank[i]))]
 
@@ -398,17 +416,20 @@ class ModelRunner(RunnerWarmup):
         return True
 
     def _dispatch(self, rows: ScheduledRows) -> _InFlight:
-        step = _InFlight(rows)
-        if not rows.num_reqs:
-            return step
         batch = self.batch
+        step = _InFlight(rows, generation=batch.generation)
+        if not rows.num_reqs:
+            step.dispatch_id = batch.mark_in_flight(rows, False)
+            return step
         hb = batch.build(rows)
         inputs = hb.inputs if self.encoder is None else \
             hb.inputs.replace(image_embeds=self.encoder.cache)
         # numpy straight into the jitted call: its C++ path copies them in faster than a
         # separate jax.device_put of the pytree (~0.1 vs ~0.5 ms a step on CPU).
         hidden, hidden_rows, self.kv_caches = self._forward(
-            self.params, self.kv_caches, inputs, hb.logits_indices, *self._lora_args)
+            self.params, self.kv_caches, inputs, hb.logits_indices, self._prev_ids,
+            hb.token_src, *self._lora_args)
+        self._prev_ids = self._no_prev_ids
         if self.drafter is not None:
             step.hb, step.hidden = hb, hidden
 
@@ -416,6 +437,7 @@ class ModelRunner(RunnerWarmup):
         if batch.want_prompt_logprobs[r].any():
             step.prompt_lps = self._prompt_logprobs_async(rows, hb, hidden)
         if not rows.sample.any():
+            step.dispatch_id = batch.mark_in_flight(rows, False)
             return step
         # Penalties are rare and ship a [rows, max_model_len] history: one program for
         # them, at the largest row bucket, rather than one per bucket.
@@ -428,8 +450,11 @@ class ModelRunner(RunnerWarmup):
                                 self.sampling_row_buckets, num_sampled))
         tensors = batch.sampling_tensors(rows, num_rows, penalties=mode == PENALTIES,
                                          penalty_len=self.max_model_len)
-        step.sampled = self._sample(self.params, hidden_rows, tensors, num_rows, mode)
-        step.logprobs = bool(batch.want_logprobs[r].any())
+        step.sampled, self._prev_ids = self._sample(self.params, hidden_rows, tensors,
+                                                    num_rows, mode)
+        step.dispatch_id = batch.mark_in_flight(rows, True)
+        step.want_logprobs = batch.want_logprobs[r]
+        step.logprobs = bool(step.want_logprobs.any())
         return step
 
     def _prompt_logprobs_async(self, rows: ScheduledRows, hb, hidden):
