@@ -174,7 +174,7 @@ class EngineConfig:
                     "and dispatched before step N's tokens are read back (its input tokens "
                     "taken on the device); steps run in order where a feature needs the "
                     "tokens first (structured outputs, penalties, multi-token bad_words, "
-                    "images, speculative decoding, the host KV tier, hybrid models, "
+                    "images, speculative decoding, the host KV tier, a hybrid's prefix caching, "
                     "multi-host, data parallel), logged once")
     preemption_mode: str = _knob(
         "recompute", choices=("recompute", "swap"),

@@ -7,7 +7,9 @@ A row whose input token step N is still sampling takes it on the device, from st
 sampled ids (InputBatch's in_flight, the forward's token_src); the scheduler counts each
 request's tokens in flight (Request.num_in_flight) and never schedules past a length
 limit they reach. A request that a token of step N stops has computed one step more,
-whose token is dropped.
+whose token is dropped: its KV lands in its own pages past its tokens (never registered
+as full), a hybrid's state in its slot, whose next owner's first chunk starts from zeros
+(or a restore) in a later program.
 
 What needs the host to know step N's tokens before step N+1 is built runs in order
 instead: for the whole engine (sync_reason_for_engine), or for every step while a request
@@ -22,7 +24,7 @@ logger = logging.getLogger("jaxserve")
 
 
 def sync_reason_for_engine(*, multi_host: bool, speculative: bool, host_tier: bool,
-                           hybrid: bool) -> str | None:
+                           state_snapshots: bool) -> str | None:
     """Why this engine cannot overlap its steps at all, or None."""
     if multi_host:
         return "a multi-host engine (its followers run each step as published)"
@@ -30,8 +32,8 @@ def sync_reason_for_engine(*, multi_host: bool, speculative: bool, host_tier: bo
         return "speculative decoding (drafts are proposed from the tokens read back)"
     if host_tier:
         return "the host KV tier (its copies land when a step is read back)"
-    if hybrid:
-        return "a hybrid model's recurrent state slots (not handled yet)"
+    if state_snapshots:   # (a snapshot is keyed by its page's hash: the tokens first)
+        return "a hybrid model's prefix caching (its state snapshots)"
     return None
 
 

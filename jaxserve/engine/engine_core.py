@@ -104,7 +104,7 @@ class EngineCore:
             multi_host=self.channel is not None,
             speculative=self.config.speculative_config is not None,
             host_tier=self.runner.host_tier is not None,
-            hybrid=self.runner.num_state_slots > 0)
+            state_snapshots=self.scheduler.kv.snapshots is not None)
         if why is not None:
             self.async_scheduling = False
             logger.warning("async scheduling: off for %s; steps run in order", why)

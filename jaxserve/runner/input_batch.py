@@ -99,6 +99,7 @@ class InputBatch(BatchSampling):
         # Batch index, in the last dispatched step, of the token it samples for the row
         # (not yet appended), or -1.
         self.in_flight = np.full(r, -1, np.int32)
+        self.any_in_flight = False   # some row's in_flight is set (else all are -1)
         self._dispatch_id = 0   # steps dispatched (mark_in_flight)
         self.generation = 0     # bumped when rows move (remove): a step's rows are stale
         # LoRA: each row's adapter slot (0 = none); None when LoRA is off.
@@ -173,8 +174,9 @@ class InputBatch(BatchSampling):
         rows_a = np.fromiter(rows, np.int32, n)
         starts_a = np.fromiter(starts, np.int32, n)
         lens_a = np.fromiter(lens, np.int32, n)
-        ends = starts_a + lens_a
-        known = self.num_tokens[rows_a] + (self.in_flight[rows_a] >= 0)
+        ends, known = starts_a + lens_a, self.num_tokens[rows_a]
+        if self.any_in_flight:
+            known = known + (self.in_flight[rows_a] >= 0)
         drafts = self._put_drafts(sched_out.spec_token_ids, c.req_ids, rows_a) \
             if sched_out.spec_token_ids else None
         if drafts is not None:
@@ -326,10 +328,12 @@ class InputBatch(BatchSampling):
         """A step was dispatched (`sampled`: with its sampler): its sampling rows' next
         tokens are in flight, and no others are (the step before was collected, or its
         tokens are taken on device by this one). -> the step's dispatch id."""
-        self.in_flight[:self.num_rows] = -1
+        if self.any_in_flight:
+            self.in_flight[:self.num_rows] = -1
         if sampled:
             picked = np.flatnonzero(step.sample)
             self.in_flight[step.rows[picked]] = picked
+        self.any_in_flight = sampled
         self._dispatch_id += 1
         return self._dispatch_id
 
@@ -345,8 +349,9 @@ class InputBatch(BatchSampling):
     def collected(self, dispatch_id: int) -> None:
         """A step's results are read back: when it was the last one dispatched, no token
         is in flight any more (its own are appended next)."""
-        if dispatch_id == self._dispatch_id:
+        if dispatch_id == self._dispatch_id and self.any_in_flight:
             self.in_flight[:self.num_rows] = -1
+            self.any_in_flight = False
 
     def append_sampled(self, step: ScheduledRows, token_ids: np.ndarray,
                        generation: int | None = None) -> dict[int, str]:
@@ -403,9 +408,10 @@ class InputBatch(BatchSampling):
         token_ids[:num_tokens] = self.tokens[row_of_token, positions_real]
         # A token past the known ones (drafts aside) is the one in flight: from the device.
         token_src = self._token_src[:t]
-        token_src[num_tokens:] = -1
-        token_src[:num_tokens] = np.where(
-            positions_real >= self.num_tokens[row_of_token], self.in_flight[row_of_token], -1)
+        token_src[:] = -1
+        if self.any_in_flight:
+            token_src[:num_tokens] = np.where(positions_real >= self.num_tokens[row_of_token],
+                                              self.in_flight[row_of_token], -1)
         positions = self._positions[:t]
         positions[num_tokens:] = 0
         positions[:num_tokens] = positions_real

@@ -214,10 +214,11 @@ class ModelRunner(RunnerWarmup):
     def _forward_fn(self, params, kv_caches, inputs: ModelInputs, logits_indices, prev_ids,
                     token_src, lora=None):
         """-> (every token's hidden state padded to the largest token bucket, the rows at
-        logits_indices, the caches). prev_ids: the last step's sampled ids (int32
-        [max_sample_rows], on device); token_src int32[T]: where a token's id is one of them
-        (async scheduling: sampled by the step still in flight), -1: inputs.token_ids'. The padding (a [T_max, E] write, ~13 us of a v6e's
+        logits_indices, the caches). The padding (a [T_max, E] write, ~13 us of a v6e's
         HBM bandwidth at E=5120) lets one prompt-logprobs program serve every bucket.
+        prev_ids: the last step's sampled ids (int32[max_sample_rows], on device);
+        token_src int32[T]: where a token's id is one of them (async scheduling: sampled by
+        the step still in flight), -1: inputs.token_ids'.
         A hybrid's state-slot copies (prefix caching) run here, in the same donated
         program: restores before the layers read the slots, saves after they wrote them."""
         if inputs.state_restores is not None:

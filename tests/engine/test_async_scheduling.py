@@ -51,8 +51,8 @@ def _summary(out) -> tuple:
                  for c in out.outputs)
 
 
-def _run(core, items) -> dict[str, tuple]:
-    """Two arrivals every third step, the ABORTS at their steps; -> finished outputs."""
+def _run(core, items, aborts: dict[int, str] = ABORTS) -> dict[str, tuple]:
+    """Two arrivals every third step, `aborts` at their steps; -> finished outputs."""
     pending = list(enumerate(items))
     got, step = {}, 0
     while pending or core.has_unfinished_requests():
@@ -60,8 +60,8 @@ def _run(core, items) -> dict[str, tuple]:
             if pending:
                 i, (prompt, params) = pending.pop(0)
                 add(core, str(i), prompt, params)
-        if step in ABORTS:
-            core.abort_request(ABORTS[step])
+        if step in aborts:
+            core.abort_request(aborts[step])
         for o in core.step():
             assert o.error is None
             if o.finished:
@@ -193,3 +193,28 @@ def test_a_failed_step_fails_its_requests_only(engines):
     assert all(got[r] == want[r] for r in got)
     core.step()
     assert_no_leaks(core)
+
+
+def test_hybrid_without_prefix_caching(checkpoint):
+    """Qwen3.5 (recurrent state slots): a finished request's extra step writes its slot
+    before the slot's next owner starts from zeros, in device order; the same tokens as
+    in order, under preemption and an abort. (With prefix caching its state snapshots,
+    keyed by page hashes, make steps run in order.)"""
+    core = LLM(checkpoint("qwen3_5"), enforce_eager=True, async_scheduling=True,
+               enable_prefix_caching=False, **SETTINGS).engine
+    assert core.async_scheduling
+    rng = random.Random(5)
+    items = [([rng.randrange(3, 256) for _ in range(rng.randrange(5, 50))],
+              SamplingParams(max_tokens=8 + i % 7, ignore_eos=True, temperature=0.0,
+                             logprobs=1))
+             for i in range(8)]
+    runs = {}
+    for on in (False, True):
+        core.async_scheduling = on   # the same engine, steps in order then overlapped
+        before = core.num_overlapped_steps
+        runs[on] = _run(core, items, {6: "3"})
+        assert (core.num_overlapped_steps > before) == on
+        core.step()
+        assert_no_leaks(core)
+    assert runs[True] == runs[False] and len(runs[True]) == len(items) - 1
+    assert core.scheduler.num_preemptions > 0
