@@ -96,6 +96,7 @@ class EngineCore:
         the engine's needs each step's tokens first."""
         self.async_scheduling = self.config.async_scheduling
         self._in_flight: _Step | None = None   # dispatched, not yet collected
+        self._collected: list[RequestOutput] = []   # its outputs, when collected early
         self._sync_requests = SyncRequests()
         self.num_overlapped_steps = 0   # steps dispatched while another was in flight
         if not self.async_scheduling:
@@ -138,6 +139,7 @@ class EngineCore:
         taken = [c for c in child_ids if self.scheduler.get_request(c) is not None]
         if taken:
             raise InputError(f"request id {taken[0]!r} is already in use")
+        self._collect_before_reuse(child_ids)
         added: list[str] = []
         arrival = request.arrival_time if request.arrival_time is not None else time.monotonic()
         try:
@@ -180,7 +182,17 @@ class EngineCore:
 
     # ---- the loop ------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
-        return self._in_flight is not None or self.scheduler.has_unfinished_requests()
+        return (self._in_flight is not None or bool(self._collected)
+                or self.scheduler.has_unfinished_requests())
+
+    def _collect_before_reuse(self, ids: list[str]) -> None:
+        """An id of the step in flight given to a new request (the old one was aborted or
+        finished meanwhile): that step is collected first, so that its token is never
+        taken for the new request's; its outputs come with the next step's."""
+        step = self._in_flight
+        if step is not None and not set(ids).isdisjoint(step.sched_out.req_ids):
+            self._in_flight = None
+            self._collected += self.finish_step(step)
 
     def step(self) -> list[RequestOutput]:
         """One step's outputs. A step that raises fails only its own requests (outputs
@@ -190,14 +202,14 @@ class EngineCore:
         if not self.async_scheduling:
             return self.finish_step(self.begin_step())
         prev, self._in_flight = self._in_flight, None
-        outs: list[RequestOutput] = []
+        outs, self._collected = self._collected, []
         if prev is not None and (self._must_sync() or
                                  not self.scheduler.has_unfinished_requests()):
-            outs, prev = self.finish_step(prev), None
+            outs, prev = outs + self.finish_step(prev), None
         step = self.begin_step()
         if prev is not None:
             self.num_overlapped_steps += 1
-            outs = self.finish_step(prev)
+            outs += self.finish_step(prev)
         if (step.error is None and step.sched_out.num_scheduled_tokens
                 and not self._must_sync()):
             self._in_flight = step

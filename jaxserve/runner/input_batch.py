@@ -11,11 +11,7 @@ page 0 and the null state slot 0), not a rebuild from per-request copies.
 Rows of finished / preempted requests are freed and the last rows moved into the
 holes, so the held rows stay 0..num_rows-1.
 
-Async scheduling (the engine dispatches step N+1 before it reads step N's tokens): a
-row's `in_flight` is its batch index in the last dispatched step when that step samples
-its next token, not yet appended. A step computing that token's position takes it on the
-device from that step's sampled ids (HostBatch.token_src); append_sampled stores it once
-read back, finding the rows by request id when rows moved in between.
+Async scheduling: runner/in_flight.py (rows whose next token a dispatched step samples).
 
 A model whose sliding-window layers have a KV group of their own (sliding=True) has a
 second page-table row per request, for those layers' pages: it keeps the ids of pages
@@ -35,6 +31,7 @@ from jaxserve.core.sched_output import NewRequestData, SchedulerOutput
 from jaxserve.runner.batch_sampling import BatchSampling
 from jaxserve.runner.buckets import pick_bucket
 from jaxserve.runner.image_rows import ImageRows
+from jaxserve.runner.in_flight import InFlightRows
 from jaxserve.runner.sampler import only_greedy
 from jaxserve.runner.sampling_tensors import PARAM_COLUMNS, mask_words, seed_to_key_data
 from jaxserve.runner.step_rows import HostBatch, ScheduledRows, state_copy_inputs
@@ -44,7 +41,7 @@ from jaxserve.sampling_params import MAX_BANNED_TOKENS, MAX_LOGIT_BIAS
 from models.inputs import ModelInputs
 
 
-class InputBatch(BatchSampling):
+class InputBatch(BatchSampling, InFlightRows):
     """`page_buckets` are the page-table widths a step may use: the narrowest one that
     holds the longest request is passed, so attention that reads whole page-table
     rows (the jnp reference) reads no more context than the batch needs.
@@ -96,12 +93,7 @@ class InputBatch(BatchSampling):
         self.num_tokens = np.zeros(r, np.int32)
         self.num_prompt = np.zeros(r, np.int32)
         self.state_slots = np.zeros(r, np.int32)
-        # Batch index, in the last dispatched step, of the token it samples for the row
-        # (not yet appended), or -1.
-        self.in_flight = np.full(r, -1, np.int32)
-        self.any_in_flight = False   # some row's in_flight is set (else all are -1)
-        self._dispatch_id = 0   # steps dispatched (mark_in_flight)
-        self.generation = 0     # bumped when rows move (remove): a step's rows are stale
+        self._init_in_flight(r, token_buckets[-1])
         # LoRA: each row's adapter slot (0 = none); None when LoRA is off.
         self.lora_slots = np.zeros(r, np.int32) if lora else None
         for name, dtype, fill in PARAM_COLUMNS:
@@ -141,7 +133,6 @@ class InputBatch(BatchSampling):
         self._slots = np.zeros(t_max, np.int32)
         self._sliding_slots = np.zeros(t_max, np.int32)
         self._qsl = np.zeros(r + 1, np.int32)
-        self._token_src = np.full(t_max, -1, np.int32)
 
     # ---- the scheduler's diff --------------------------------------------------------
     def update(self, sched_out: SchedulerOutput, eos_token_ids: tuple[int, ...]) -> ScheduledRows:
@@ -324,35 +315,6 @@ class InputBatch(BatchSampling):
                              if self.has_dynamic[row] else None)
         return row
 
-    def mark_in_flight(self, step: ScheduledRows, sampled: bool) -> int:
-        """A step was dispatched (`sampled`: with its sampler): its sampling rows' next
-        tokens are in flight, and no others are (the step before was collected, or its
-        tokens are taken on device by this one). -> the step's dispatch id."""
-        if self.any_in_flight:
-            self.in_flight[:self.num_rows] = -1
-        if sampled:
-            picked = np.flatnonzero(step.sample)
-            self.in_flight[step.rows[picked]] = picked
-        self.any_in_flight = sampled
-        self._dispatch_id += 1
-        return self._dispatch_id
-
-    def rows_now(self, step: ScheduledRows, generation: int) -> np.ndarray:
-        """The persistent rows of `step`'s batch rows now (-1: no longer held), for a step
-        dispatched at `generation`."""
-        if generation == self.generation:
-            return step.rows
-        row_of = self.row_of
-        return np.fromiter((row_of.get(rid, -1) for rid in step.req_ids), np.int32,
-                           step.num_reqs)
-
-    def collected(self, dispatch_id: int) -> None:
-        """A step's results are read back: when it was the last one dispatched, no token
-        is in flight any more (its own are appended next)."""
-        if dispatch_id == self._dispatch_id and self.any_in_flight:
-            self.in_flight[:self.num_rows] = -1
-            self.any_in_flight = False
-
     def append_sampled(self, step: ScheduledRows, token_ids: np.ndarray,
                        generation: int | None = None) -> dict[int, str]:
         """Stores the tokens sampled for `step` (token_ids[i]: batch row i; rows that did
@@ -406,12 +368,7 @@ class InputBatch(BatchSampling):
         token_ids = self._token_ids[:t]
         token_ids[num_tokens:] = 0
         token_ids[:num_tokens] = self.tokens[row_of_token, positions_real]
-        # A token past the known ones (drafts aside) is the one in flight: from the device.
-        token_src = self._token_src[:t]
-        token_src[:] = -1
-        if self.any_in_flight:
-            token_src[:num_tokens] = np.where(positions_real >= self.num_tokens[row_of_token],
-                                              self.in_flight[row_of_token], -1)
+        token_src = self.token_sources(row_of_token, positions_real, t)
         positions = self._positions[:t]
         positions[num_tokens:] = 0
         positions[:num_tokens] = positions_real

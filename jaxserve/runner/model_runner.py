@@ -44,7 +44,7 @@ from jaxserve.runner.programs import GREEDY, PENALTIES, RANDOM
 from jaxserve.runner.runner_config import RunnerConfig
 from jaxserve.runner.runner_warmup import RunnerWarmup
 from jaxserve.runner.sampler import compute_prompt_logprobs, sample
-from jaxserve.runner.spec_decode import ngram_propose, num_accepted
+from jaxserve.runner.spec_collect import SpecCollect
 from jaxserve.runner.step_rows import HostBatch, ScheduledRows
 from models.inputs import ModelInputs
 from models.layer_stack import CONV, KV, KV_SLIDING, RECURRENT
@@ -89,7 +89,7 @@ class _InFlight:
 PROMPT_LOGPROBS_CHUNK = 256
 
 
-class ModelRunner(RunnerWarmup):
+class ModelRunner(RunnerWarmup, SpecCollect):
     def __init__(self, config: RunnerConfig, *, model: nn.Module, params: dict,
                  mesh: Mesh | None = None, abstract: bool = False,
                  drafter: ModelDrafter | None = None, lora: LoRAStore | None = None,
@@ -168,11 +168,7 @@ class ModelRunner(RunnerWarmup):
         self.warmup_seconds, self.warmup_compilations = 0.0, 0
         self.warmup_cache_hits = self.warmup_fresh_compilations = 0
         self._hidden_spec = None    # the forward's hidden states, traced on first need
-        # The forward's previous sampled ids when no step's are in flight (all rows' input
-        # tokens are then on the host).
-        self._no_prev_ids = None if abstract else jax.device_put(
-            np.zeros(self.batch.max_sample_rows, np.int32), self._rep)
-        self._prev_ids = self._no_prev_ids
+        self._init_prev_ids()
         self.host_tier: HostTier | None = None   # the prefix cache's (attach_host_tier)
 
     def attach_host_tier(self, budget_bytes: int) -> HostTier:
@@ -185,6 +181,13 @@ class ModelRunner(RunnerWarmup):
         self.host_tier = HostTier(caches, layers, budget_bytes, self.mesh.devices.flat[0],
                                   lambda: self.params)
         return self.host_tier
+
+    def _init_prev_ids(self) -> None:
+        """The forward's prev_ids when no step's tokens are in flight (every row's input
+        token is then on the host): zeros, replicated."""
+        self._no_prev_ids = None if self.abstract else jax.device_put(
+            np.zeros(self.batch.max_sample_rows, np.int32), self._rep)
+        self._prev_ids = self._no_prev_ids
 
     def _init_lora(self, lora: LoRAStore | None) -> None:
         """The adapters' device stacks (not donated to the forward: written between
@@ -342,65 +345,6 @@ class ModelRunner(RunnerWarmup):
                 if step.want_logprobs[i]:
                     out.logprobs[rid] = [(result.logprob_token_ids[i], result.logprobs[i],
                                           int(result.sampled_rank[i]))]
-
-    def _model_proposals(self, step: _InFlight) -> dict[str, list[int]]:
-        """The model drafter's catch-up on this step, and the drafts of the rows that
-        sampled (ModelDrafter: none once more rows are held than disable_by_batch_size)."""
-        rows, hb, batch = step.rows, step.hb, self.batch
-        n = rows.num_tokens
-        prow = rows.rows[np.repeat(np.arange(rows.num_reqs), rows.lens)]
-        # Each token's next token, now that the accepted ones and the bonus are known.
-        next_ids = np.zeros(len(hb.inputs.token_ids), np.int32)
-        next_ids[:n] = batch.tokens[prow, hb.inputs.positions[:n] + 1]
-        spec, cu = self.spec, hb.inputs.query_start_loc
-        picked = np.flatnonzero(rows.sample) if spec.disable_by_batch_size is None or \
-            batch.num_rows <= spec.disable_by_batch_size else np.zeros(0, np.int64)
-        proposing = []
-        for i in picked:
-            v = int(batch.num_tokens[rows.rows[i]]) - 1     # the bonus's position
-            proposing.append((int(cu[i]) + v - 1 - int(rows.starts[i]),
-                              int(batch.tokens[rows.rows[i], v]), v))
-        drafts = self.drafter.propose(self.params, step.hidden, hb.inputs, next_ids, proposing,
-                                      batch.page_table[rows.rows[picked]])
-        return {rows.req_ids[i]: d.tolist() for i, d in zip(picked, drafts)}
-
-    def _collect_verified(self, rows: ScheduledRows, result, logprobs: bool,
-                          out: ModelRunnerOutput) -> None:
-        """A step whose rows verified drafts: each sampling row's window of sampler rows
-        (ScheduledRows.sample_rows) -> the drafts accepted and the token after them."""
-        batch, tokens = self.batch, result.token_ids
-        first = 0
-        for i in np.flatnonzero(rows.sample):
-            row, k = rows.rows[i], int(rows.num_drafts[i])
-            drawn = tokens[first:first + k + 1]
-            known = batch.num_tokens[row]
-            a = num_accepted(drawn, batch.tokens[row, known:known + k]) if k else 0
-            new = drawn[:a + 1].tolist()
-            why = batch.append_verified(row, new)
-            rid = rows.req_ids[i]
-            if why is not None:
-                out.failed[rid] = why
-            out.sampled[rid] = new if k else new[0]
-            if logprobs and batch.want_logprobs[row]:
-                out.logprobs[rid] = [(result.logprob_token_ids[j], result.logprobs[j],
-                                      int(result.sampled_rank[j]))
-                                     for j in range(first, first + a + 1)]
-            first += k + 1
-
-    def _propose(self, rows: ScheduledRows) -> dict[str, list[int]]:
-        """Drafts for the rows that sampled, from their tokens (ngram prompt lookup); none
-        once more rows are held than disable_by_batch_size."""
-        spec, batch = self.spec, self.batch
-        if spec.disable_by_batch_size is not None and batch.num_rows > spec.disable_by_batch_size:
-            return {}
-        out = {}
-        for i in np.flatnonzero(rows.sample):
-            row = rows.rows[i]
-            d = ngram_propose(batch.tokens[row, :batch.num_tokens[row]], spec.prompt_lookup_min,
-                              spec.prompt_lookup_max, spec.num_speculative_tokens)
-            if d:
-                out[rows.req_ids[i]] = d
-        return out
 
     def device_state_ok(self) -> bool:
         """After a failed step: whether the KV caches / recurrent state still hold data.

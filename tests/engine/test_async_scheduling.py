@@ -218,3 +218,27 @@ def test_hybrid_without_prefix_caching(checkpoint):
         assert_no_leaks(core)
     assert runs[True] == runs[False] and len(runs[True]) == len(items) - 1
     assert core.scheduler.num_preemptions > 0
+
+
+def test_an_id_reused_while_its_step_is_in_flight(engines):
+    """A request aborted while its step is in flight, its id given at once to a new
+    request: the in-flight token is never taken for the new one's."""
+    in_order, core = engines
+    params = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0)
+    short, long_ = [9, 8, 7], [20 + i for i in range(12)]
+    add(in_order, "x", short, params)
+    want = []
+    while in_order.has_unfinished_requests():
+        want += [o.outputs[0].token_ids for o in in_order.step() if o.finished]
+    add(core, "x", long_, params)
+    for _ in range(3):
+        core.step()
+    assert core._in_flight is not None
+    core.abort_request("x")
+    add(core, "x", short, params)
+    got = []
+    while core.has_unfinished_requests():
+        got += [o.outputs[0].token_ids for o in core.step() if o.finished]
+    assert got == want and len(want) == 1
+    core.step()
+    assert_no_leaks(core)
