@@ -11,6 +11,7 @@
 #   tpot_base    llama-3.1-8b dummy bf16, batch-1 TTFT and TPOT and a profile only (8 rows,
 #                token buckets up to 512: a short warmup), the engine's defaults: the
 #                baseline of the tpot_* A/B steps below, same engine, same run
+#   tpot_async   tpot_base with --async-scheduling (the host's per-step work overlapped)
 #   tpot_nomerge tpot_base with XLA's dot merger off (the third session's H200 profile: an
 #                `input_concatenate_fusion` of 24 us a layer before the q/k/v gemm, i.e.
 #                XLA concatenating the three weights every step to run one gemm)
@@ -52,7 +53,7 @@
 set -u
 MODE=full
 [ "${1:-}" = "--tiny" ] && { MODE=tiny; shift; }
-ALL_STEPS="tpot_base tpot_nomerge tpot_cmdbuf qwen_w8a8 qwen_tpot llama_bf16 qwen_fp8 llama_fp8"
+ALL_STEPS="tpot_base tpot_async tpot_nomerge tpot_cmdbuf qwen_w8a8 qwen_tpot llama_bf16 qwen_fp8 llama_fp8"
 ALL_STEPS="$ALL_STEPS checks transformers serve_8b tpot_triton roofline scan_probe"
 STEPS=${*:-$ALL_STEPS}
 for s in $STEPS; do
@@ -192,6 +193,7 @@ for s in $STEPS; do case $s in
   scan_probe) step scan_probe "$T_PROBE" $PY -m benchmarks.gpu.scan_weights_probe $PROBE \
     --output "$WORK/scan_probe.json" --best-flags "$WORK/best_scan_flags" ;;
   tpot_base) tpot tpot_base "$T_TPOT" "" --model "$LLAMA" --dtype bfloat16 ;;
+  tpot_async) tpot tpot_async "$T_TPOT" "" --model "$LLAMA" --dtype bfloat16 --async-scheduling ;;
   tpot_nomerge) tpot tpot_nomerge "$T_TPOT" "$NOMERGE" --model "$LLAMA" --dtype bfloat16 ;;
   tpot_cmdbuf) tpot tpot_cmdbuf "$T_TPOT" "$CMDBUF" --model "$LLAMA" --dtype bfloat16 ;;
   tpot_triton) tpot tpot_triton "$T_TPOT" "--xla_gpu_enable_triton_gemm=true" --model "$LLAMA" \

@@ -170,8 +170,12 @@ class EngineConfig:
         True, help="split long prompts over steps of --max-num-batched-tokens; always on "
                    "(--no-enable-chunked-prefill is refused)")
     async_scheduling: bool = _knob(
-        False, help="overlap scheduling with the device step: not implemented (refused); "
-                    "jaxserve schedules each step after the last one's tokens are back")
+        False, help="overlap the host's work with the device step: step N+1 is scheduled "
+                    "and dispatched before step N's tokens are read back (its input tokens "
+                    "taken on the device); steps run in order where a feature needs the "
+                    "tokens first (structured outputs, penalties, multi-token bad_words, "
+                    "images, speculative decoding, the host KV tier, a hybrid's prefix caching, "
+                    "multi-host, data parallel), logged once")
     preemption_mode: str = _knob(
         "recompute", choices=("recompute", "swap"),
         help="what a preempted request loses: recompute (its KV pages, computed again when "
@@ -293,9 +297,6 @@ class EngineConfig:
         if not self.enable_chunked_prefill:
             raise bad("enable_chunked_prefill", "chunked prefill is always on in jaxserve "
                       "(a prompt longer than --max-num-batched-tokens runs over several steps)")
-        if self.async_scheduling:
-            raise bad("async_scheduling", "not implemented: jaxserve schedules each step after "
-                      "the previous step's tokens are back on the host")
         if self.preemption_mode != "recompute":
             raise bad("preemption_mode", "jaxserve preempts by recomputation only (a preempted "
                       "request's KV pages are freed and computed again when it resumes)")

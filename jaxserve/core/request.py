@@ -82,6 +82,7 @@ class Request:
         "output_token_ids", "all_token_ids", "num_computed_tokens",
         "num_cached_tokens", "num_preemptions", "status", "stop_reason",
         "page_hashes", "spec_token_ids", "lora_request", "lora_slot", "multi_modal",
+        "num_in_flight",
     )
 
     def __init__(
@@ -120,6 +121,9 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt)
         self.num_computed_tokens = 0
+        # Tokens sampled by dispatched steps, not yet appended (async scheduling: the next
+        # step is scheduled before the last one's tokens are back; 0 or 1 at schedule).
+        self.num_in_flight = 0
         self.num_cached_tokens = -1  # set when first scheduled
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING

@@ -4,7 +4,7 @@ next device step computes. Host only; hands the runner a SchedulerOutput."""
 from __future__ import annotations
 
 from collections import deque
-from typing import Container, Iterable
+from typing import Iterable
 
 from jaxserve.core.encoder_cache import EncoderCache
 from jaxserve.core.host_cache import HostCache
@@ -16,14 +16,14 @@ from jaxserve.core.sched_output import CachedRequestData, NewRequestData, Schedu
 from jaxserve.core.scheduler_config import SchedulerConfig
 from jaxserve.core.scheduler_stats import SchedulerStats
 from jaxserve.core.step_draft import StepDraft as _StepDraft
-from jaxserve.core.stopping import check_stop
+from jaxserve.core.step_update import StepUpdate
 from jaxserve.core.waiting_queue import PriorityQueue
 
 __all__ = ["CachedRequestData", "NewRequestData", "Scheduler", "SchedulerConfig",
            "SchedulerOutput", "SchedulerStats"]
 
 
-class Scheduler(SchedulerLoRA, SpecScheduling):
+class Scheduler(SchedulerLoRA, SpecScheduling, StepUpdate):
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = c = config
         self.page_size = c.page_size
@@ -194,9 +194,11 @@ class Scheduler(SchedulerLoRA, SpecScheduling):
         while i < len(running) and budget > 0:
             req = running[i]
             start = req.num_computed_tokens
-            num_new = min(req.num_tokens - start, budget)
-            if num_new <= 0:
-                i += 1
+            # Async scheduling: a token in flight is the next input (taken on device) ...
+            known = req.num_tokens + req.num_in_flight
+            num_new = min(known - start, budget)
+            if num_new <= 0 or (req.num_in_flight and self._ends_in_flight(req)):
+                i += 1   # (... unless it is the request's last: nothing is computed past it)
                 continue
             if req.spec_token_ids and num_new == req.num_tokens - start == 1:
                 # Drafts take only the budget the running rows after this one do not need
@@ -213,9 +215,9 @@ class Scheduler(SchedulerLoRA, SpecScheduling):
                 continue
             ahead = self._lookahead(req, start + num_new) if self.num_lookahead_tokens else 0
             while (new_pages := kv.allocate_slots(req, num_new + ahead)) is None:
-                if ahead or start + num_new > req.num_tokens:
+                if ahead or start + num_new > known:
                     # Drafts and the drafter's pages ahead go before anyone is preempted.
-                    num_new, ahead = min(num_new, req.num_tokens - start), 0
+                    num_new, ahead = min(num_new, known - start), 0
                     continue
                 victim = self._pick_victim()
                 vi = running.index(victim)
@@ -224,6 +226,9 @@ class Scheduler(SchedulerLoRA, SpecScheduling):
                     i -= 1
                     if victim.request_id in ids:
                         k = ids.index(victim.request_id)
+                        n = victim.num_in_flight   # (its row sampled: it counts itself)
+                        if n and starts[k] + lens[k] >= victim.num_tokens + n - 1:
+                            victim.num_in_flight -= 1   # it no longer samples this step
                         budget += lens[k]
                         kv.uncache_unwritten(victim, starts[k])
                         del ids[k], starts[k], lens[k], pages[k]
@@ -236,7 +241,9 @@ class Scheduler(SchedulerLoRA, SpecScheduling):
                 req.num_computed_tokens = start + num_new
                 if images:
                     enc.commit(req, start, num_new)
-                if (num_drafts := start + num_new - req.num_tokens) > 0:
+                if start + num_new >= known:   # it samples: one more token in flight
+                    req.num_in_flight += 1
+                if (num_drafts := start + num_new - known) > 0:
                     spec[req.request_id] = req.spec_token_ids[:num_drafts]
                     if kv.spec_backups:
                         kv.backup_state(req)
@@ -270,6 +277,8 @@ class Scheduler(SchedulerLoRA, SpecScheduling):
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
             req.num_computed_tokens = num_hit + num_new
+            if req.num_computed_tokens == req.num_tokens:   # it samples
+                req.num_in_flight += 1
             if images:
                 self.encoder.commit(req, num_hit, num_new)
             req.status = RequestStatus.RUNNING
@@ -336,65 +345,6 @@ class Scheduler(SchedulerLoRA, SpecScheduling):
             preempted_req_ids=step.preempted,
             finished_req_ids=finished,
         )
-
-    def update_from_output(
-        self, scheduler_output: SchedulerOutput, sampled: dict[str, int | list[int]],
-        proposals: dict[str, list[int]] | None = None, failed: Container[str] = (),
-    ) -> list[Request]:
-        """Append sampled tokens, apply stop conditions, free finished
-        requests. Returns the requests that got a token (finished or not).
-        A row that verified drafts gets a list: the drafts accepted, then the token
-        sampled after them. proposals: the drafts each request is to verify next.
-        failed: requests whose constraint failed on this step's tokens: they finish
-        with FINISHED_ERROR, whatever else would have stopped them."""
-        out: list[Request] = []
-        finished_any = False
-        running_status = RequestStatus.RUNNING
-        if self.kv.snapshots is not None:   # the step ran: its snapshots are taken
-            self.kv.snapshots.commit()
-        if self.kv.host is not None:   # its offloads landed, its restores were read
-            self.kv.host.commit()
-        requests = self.requests
-        for rid in scheduler_output.req_ids:
-            req = requests.get(rid)
-            if req is None or req.status != running_status:
-                continue  # aborted or preempted since it was scheduled
-            if req.num_computed_tokens < req.num_tokens:
-                continue  # a prefill chunk short of the end: nothing sampled
-            if not req.output_token_ids:   # its prompt is done
-                self.num_prompt_tokens += req.num_prompt_tokens
-            if req.sampling_params.max_tokens == 0:
-                # Prompt scoring: done once the prompt is computed (its logprobs came
-                # with this step); the token the runner sampled anyway is not kept.
-                req.status = RequestStatus.FINISHED_LENGTH_CAPPED
-                self._release(req)
-                finished_any = True
-                out.append(req)
-                continue
-            tok = sampled.get(rid)
-            if tok is None:  # it would never be scheduled again
-                raise ValueError(f"no sampled token for running request {rid!r}")
-            if type(tok) is not int:
-                stopped = self._append_verified(req, tok, scheduler_output)
-            elif rid in scheduler_output.spec_token_ids:
-                raise ValueError(f"request {rid!r} verified drafts: the runner must answer "
-                                 f"with a list of tokens, got {tok!r}")
-            else:
-                req.append_output_token_ids(tok)
-                self.num_generation_tokens += 1
-                stopped = check_stop(req, tok, self.max_len)
-            if failed and rid in failed:
-                req.status, req.stop_reason = RequestStatus.FINISHED_ERROR, None
-                stopped = True
-            if stopped:
-                self._release(req)
-                finished_any = True
-            elif proposals is not None:
-                req.spec_token_ids = proposals.get(rid, [])
-            out.append(req)
-        if finished_any:
-            self.running = [r for r in self.running if r.status == running_status]
-        return out
 
     # ---- queries -------------------------------------------------------
 

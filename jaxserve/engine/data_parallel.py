@@ -71,6 +71,9 @@ class DataParallelEngine:
         # One seed sequence for all replicas: a seedless request gets the same seed
         # whatever the mesh, as in a single engine.
         seeds: Iterator[int] = engine_seeds(config.seed)
+        if config.async_scheduling:   # (replicas are dispatched in turn, then collected)
+            logger.warning("async scheduling: off with data parallelism; steps run in order")
+            config = replace(config, async_scheduling=False)
         self.replicas = [EngineCore(config, stream_outputs=stream_outputs, mesh=sub,
                                     seed_counter=seeds, progress=progress)
                          for sub in replica_meshes(mesh)]

@@ -21,6 +21,8 @@ from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.scheduler import Scheduler, SchedulerOutput, SchedulerStats
 from jaxserve.engine import multihost
+from jaxserve.engine.async_scheduling import (SyncRequests, sync_reason_for_engine,
+                                              sync_reason_for_request)
 from jaxserve.engine.input_processor import EngineRequest, InputProcessor
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.protocol import EngineInfo
@@ -87,6 +89,29 @@ class EngineCore:
         self.num_scheduled_tokens = 0   # tokens computed on device, all steps
         self._seed_counter = seed_counter or engine_seeds(self.config.seed)
         self.info = _engine_info(parts, eos_ids)
+        self._init_async()
+
+    def _init_async(self) -> None:
+        """Async scheduling (engine/async_scheduling.py): on when asked for and nothing of
+        the engine's needs each step's tokens first."""
+        self.async_scheduling = self.config.async_scheduling
+        self._in_flight: _Step | None = None   # dispatched, not yet collected
+        self._collected: list[RequestOutput] = []   # its outputs, when collected early
+        self._sync_requests = SyncRequests()
+        self.num_overlapped_steps = 0   # steps dispatched while another was in flight
+        if not self.async_scheduling:
+            return
+        why = sync_reason_for_engine(
+            multi_host=self.channel is not None,
+            speculative=self.config.speculative_config is not None,
+            host_tier=self.runner.host_tier is not None,
+            state_snapshots=self.scheduler.kv.snapshots is not None)
+        if why is not None:
+            self.async_scheduling = False
+            logger.warning("async scheduling: off for %s; steps run in order", why)
+        else:
+            logger.info("async scheduling: on (step N+1 is dispatched before step N's "
+                        "tokens are read back)")
 
     def _open_channel(self) -> multihost.StepChannel | None:
         """Several processes (multi-host): process 0 schedules and publishes each step."""
@@ -114,6 +139,7 @@ class EngineCore:
         taken = [c for c in child_ids if self.scheduler.get_request(c) is not None]
         if taken:
             raise InputError(f"request id {taken[0]!r} is already in use")
+        self._collect_before_reuse(child_ids)
         added: list[str] = []
         arrival = request.arrival_time if request.arrival_time is not None else time.monotonic()
         try:
@@ -136,6 +162,9 @@ class EngineCore:
                     page_size=self.config.page_size, lora_request=request.lora_request,
                     multi_modal=request.multi_modal))
                 added.append(cid)
+            if self.async_scheduling:
+                self._sync_requests.add(child_ids, sync_reason_for_request(
+                    params, request.multi_modal))
         except BaseException as e:
             # Whatever went wrong, leave no half-added request behind.
             try:
@@ -153,12 +182,44 @@ class EngineCore:
 
     # ---- the loop ------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return (self._in_flight is not None or bool(self._collected)
+                or self.scheduler.has_unfinished_requests())
+
+    def _collect_before_reuse(self, ids: list[str]) -> None:
+        """An id of the step in flight given to a new request (the old one was aborted or
+        finished meanwhile): that step is collected first, so that its token is never
+        taken for the new request's; its outputs come with the next step's."""
+        step = self._in_flight
+        if step is not None and not set(ids).isdisjoint(step.sched_out.req_ids):
+            self._in_flight = None
+            self._collected += self.finish_step(step)
 
     def step(self) -> list[RequestOutput]:
         """One step's outputs. A step that raises fails only its own requests (outputs
-        with `error`); EngineDeadError when the engine cannot go on."""
-        return self.finish_step(self.begin_step())
+        with `error`); EngineDeadError when the engine cannot go on. With async scheduling
+        a step stays in flight between calls: each call dispatches the next step, then
+        returns the outputs of the one before it."""
+        if not self.async_scheduling:
+            return self.finish_step(self.begin_step())
+        prev, self._in_flight = self._in_flight, None
+        outs, self._collected = self._collected, []
+        if prev is not None and (self._must_sync() or
+                                 not self.scheduler.has_unfinished_requests()):
+            outs, prev = outs + self.finish_step(prev), None
+        step = self.begin_step()
+        if prev is not None:
+            self.num_overlapped_steps += 1
+            outs += self.finish_step(prev)
+        if (step.error is None and step.sched_out.num_scheduled_tokens
+                and not self._must_sync()):
+            self._in_flight = step
+        else:
+            outs += self.finish_step(step)
+        return outs
+
+    def _must_sync(self) -> bool:
+        """Whether an unfinished request needs each step's tokens before the next."""
+        return self._sync_requests.any_unfinished(self.scheduler.requests)
 
     def begin_step(self) -> _Step:
         """Schedules and dispatches one step; the device works while the host goes on."""

@@ -26,7 +26,10 @@ class BatchSampling:
         else:
             batch_row, offsets = step.sample_rows()
             rows, samples = step.rows[batch_row], None
-        known = self.num_tokens[rows] + offsets   # the tokens before each position
+        # The tokens before each position (a token in flight counts: async scheduling).
+        known = self.num_tokens[rows] + offsets
+        if self.any_in_flight:
+            known = known + (self.in_flight[rows] >= 0)
         num_out = (known - self.num_prompt[rows]).astype(np.int32)
         keys = self.keys[rows]
         unseeded = np.flatnonzero(~self.seeded[rows])

@@ -11,6 +11,8 @@ page 0 and the null state slot 0), not a rebuild from per-request copies.
 Rows of finished / preempted requests are freed and the last rows moved into the
 holes, so the held rows stay 0..num_rows-1.
 
+Async scheduling: runner/in_flight.py (rows whose next token a dispatched step samples).
+
 A model whose sliding-window layers have a KV group of their own (sliding=True) has a
 second page-table row per request, for those layers' pages: it keeps the ids of pages
 the scheduler gave back as they left the window (jaxserve/core/sched_output.py says
@@ -29,6 +31,7 @@ from jaxserve.core.sched_output import NewRequestData, SchedulerOutput
 from jaxserve.runner.batch_sampling import BatchSampling
 from jaxserve.runner.buckets import pick_bucket
 from jaxserve.runner.image_rows import ImageRows
+from jaxserve.runner.in_flight import InFlightRows
 from jaxserve.runner.sampler import only_greedy
 from jaxserve.runner.sampling_tensors import PARAM_COLUMNS, mask_words, seed_to_key_data
 from jaxserve.runner.step_rows import HostBatch, ScheduledRows, state_copy_inputs
@@ -38,7 +41,7 @@ from jaxserve.sampling_params import MAX_BANNED_TOKENS, MAX_LOGIT_BIAS
 from models.inputs import ModelInputs
 
 
-class InputBatch(BatchSampling):
+class InputBatch(BatchSampling, InFlightRows):
     """`page_buckets` are the page-table widths a step may use: the narrowest one that
     holds the longest request is passed, so attention that reads whole page-table
     rows (the jnp reference) reads no more context than the batch needs.
@@ -90,6 +93,7 @@ class InputBatch(BatchSampling):
         self.num_tokens = np.zeros(r, np.int32)
         self.num_prompt = np.zeros(r, np.int32)
         self.state_slots = np.zeros(r, np.int32)
+        self._init_in_flight(r, token_buckets[-1])
         # LoRA: each row's adapter slot (0 = none); None when LoRA is off.
         self.lora_slots = np.zeros(r, np.int32) if lora else None
         for name, dtype, fill in PARAM_COLUMNS:
@@ -113,6 +117,7 @@ class InputBatch(BatchSampling):
         self.has_dynamic = np.zeros(r, np.bool_)   # dynamic[row] is set: a numpy test per step
         # Every per-row array but the two wide ones: what moving a row copies.
         self._row_arrays = [self.num_pages, self.num_tokens, self.num_prompt, self.state_slots,
+                            self.in_flight,
                             self.want_logprobs, self.keys, self.seeded, self.min_tokens,
                             self.banned, self.has_penalties, self.greedy_only,
                             self.want_prompt_logprobs, self.has_mask, self.has_bias,
@@ -161,6 +166,8 @@ class InputBatch(BatchSampling):
         starts_a = np.fromiter(starts, np.int32, n)
         lens_a = np.fromiter(lens, np.int32, n)
         ends, known = starts_a + lens_a, self.num_tokens[rows_a]
+        if self.any_in_flight:
+            known = known + (self.in_flight[rows_a] >= 0)
         drafts = self._put_drafts(sched_out.spec_token_ids, c.req_ids, rows_a) \
             if sched_out.spec_token_ids else None
         if drafts is not None:
@@ -228,6 +235,7 @@ class InputBatch(BatchSampling):
                 holes.append(row)
         if not holes:
             return
+        self.generation += 1
         held = self.num_rows - len(holes)
         movers = (r for r in range(held, self.num_rows) if self.req_ids[r] is not None)
         for dst, src in zip(sorted(h for h in holes if h < held), movers):
@@ -274,6 +282,7 @@ class InputBatch(BatchSampling):
             pt[row, :len(ids)] = ids
         self.num_pages[row] = len(r.page_ids[0])
         self.state_slots[row] = r.state_slot
+        self.in_flight[row] = -1
         if self.lora_slots is not None:
             self.lora_slots[row] = r.lora_slot
         elif r.lora_slot:
@@ -306,13 +315,16 @@ class InputBatch(BatchSampling):
                              if self.has_dynamic[row] else None)
         return row
 
-    def append_sampled(self, step: ScheduledRows, token_ids: np.ndarray) -> dict[int, str]:
+    def append_sampled(self, step: ScheduledRows, token_ids: np.ndarray,
+                       generation: int | None = None) -> dict[int, str]:
         """Stores the tokens sampled for `step` (token_ids[i]: batch row i; rows that did
-        not sample are skipped): they are the next step's input and the history.
+        not sample, or are no longer held, are skipped): they are the next step's input and
+        the history. generation: the batch's at the step's dispatch (None: now).
         -> {batch row: why} for rows whose grammar failed on its token (see
         DynamicConstraints.accept)."""
-        picked = np.flatnonzero(step.sample)
-        rows = step.rows[picked]
+        now = step.rows if generation is None else self.rows_now(step, generation)
+        picked = np.flatnonzero(step.sample & (now >= 0))
+        rows = now[picked]
         at = self.num_tokens[rows]
         sampled = token_ids[:step.num_reqs][picked]
         self.tokens[rows, at] = sampled
@@ -356,6 +368,7 @@ class InputBatch(BatchSampling):
         token_ids = self._token_ids[:t]
         token_ids[num_tokens:] = 0
         token_ids[:num_tokens] = self.tokens[row_of_token, positions_real]
+        token_src = self.token_sources(row_of_token, positions_real, t)
         positions = self._positions[:t]
         positions[num_tokens:] = 0
         positions[:num_tokens] = positions_real
@@ -404,7 +417,7 @@ class InputBatch(BatchSampling):
             sliding_slot_mapping=sliding_slots.copy() if sliding else None,
             sliding_page_table=sliding_table if sliding else None, lora_slot_ids=lora_ids,
             **copies)
-        return HostBatch(inputs, logits_idx, num_tokens, num_reqs)
+        return HostBatch(inputs, logits_idx, num_tokens, num_reqs, token_src.copy())
 
     def prompt_logprob_targets(self, step: ScheduledRows, cu: np.ndarray,
                                size: int) -> tuple[np.ndarray, list]:

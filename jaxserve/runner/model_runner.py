@@ -44,7 +44,7 @@ from jaxserve.runner.programs import GREEDY, PENALTIES, RANDOM
 from jaxserve.runner.runner_config import RunnerConfig
 from jaxserve.runner.runner_warmup import RunnerWarmup
 from jaxserve.runner.sampler import compute_prompt_logprobs, sample
-from jaxserve.runner.spec_decode import ngram_propose, num_accepted
+from jaxserve.runner.spec_collect import SpecCollect
 from jaxserve.runner.step_rows import HostBatch, ScheduledRows
 from models.inputs import ModelInputs
 from models.layer_stack import CONV, KV, KV_SLIDING, RECURRENT
@@ -79,6 +79,9 @@ class _InFlight:
     logprobs: bool = False       # whether a request wants the sampler's logprobs
     prompt_lps: Any = None       # (device arrays, spans), or None
     offloads: PendingOffload | None = None   # the host tier's copies to land
+    want_logprobs: np.ndarray | None = None   # bool[n] per batch row, read at dispatch
+    generation: int = 0          # InputBatch.generation at dispatch: rows moved since?
+    dispatch_id: int = 0         # InputBatch.mark_in_flight's
 
 
 # Prompt logprobs take the lm_head and the vocabulary's log_softmax over this many
@@ -86,7 +89,7 @@ class _InFlight:
 PROMPT_LOGPROBS_CHUNK = 256
 
 
-class ModelRunner(RunnerWarmup):
+class ModelRunner(RunnerWarmup, SpecCollect):
     def __init__(self, config: RunnerConfig, *, model: nn.Module, params: dict,
                  mesh: Mesh | None = None, abstract: bool = False,
                  drafter: ModelDrafter | None = None, lora: LoRAStore | None = None,
@@ -150,7 +153,8 @@ class ModelRunner(RunnerWarmup):
         rep = self._rep
         self._init_lora(lora)
         self._forward = jax.jit(self._forward_fn, donate_argnums=(1,),
-                                in_shardings=(p_sh, kv_sh, rep, rep, *self._lora_sh),
+                                in_shardings=(p_sh, kv_sh, rep, rep, rep, rep,
+                                              *self._lora_sh),
                                 out_shardings=(rep, rep, kv_sh))
         # (num_rows, mode) are static; jit takes no keyword arguments with in_shardings.
         self._sample = jax.jit(self._sample_fn, static_argnums=(3, 4),
@@ -164,6 +168,7 @@ class ModelRunner(RunnerWarmup):
         self.warmup_seconds, self.warmup_compilations = 0.0, 0
         self.warmup_cache_hits = self.warmup_fresh_compilations = 0
         self._hidden_spec = None    # the forward's hidden states, traced on first need
+        self._init_prev_ids()
         self.host_tier: HostTier | None = None   # the prefix cache's (attach_host_tier)
 
     def attach_host_tier(self, budget_bytes: int) -> HostTier:
@@ -176,6 +181,13 @@ class ModelRunner(RunnerWarmup):
         self.host_tier = HostTier(caches, layers, budget_bytes, self.mesh.devices.flat[0],
                                   lambda: self.params)
         return self.host_tier
+
+    def _init_prev_ids(self) -> None:
+        """The forward's prev_ids when no step's tokens are in flight (every row's input
+        token is then on the host): zeros, replicated."""
+        self._no_prev_ids = None if self.abstract else jax.device_put(
+            np.zeros(self.batch.max_sample_rows, np.int32), self._rep)
+        self._prev_ids = self._no_prev_ids
 
     def _init_lora(self, lora: LoRAStore | None) -> None:
         """The adapters' device stacks (not donated to the forward: written between
@@ -202,15 +214,21 @@ class ModelRunner(RunnerWarmup):
                                                 self.lora.slot_rows(req))
 
     # ---- jitted bodies -------------------------------------------------------------
-    def _forward_fn(self, params, kv_caches, inputs: ModelInputs, logits_indices, lora=None):
+    def _forward_fn(self, params, kv_caches, inputs: ModelInputs, logits_indices, prev_ids,
+                    token_src, lora=None):
         """-> (every token's hidden state padded to the largest token bucket, the rows at
         logits_indices, the caches). The padding (a [T_max, E] write, ~13 us of a v6e's
         HBM bandwidth at E=5120) lets one prompt-logprobs program serve every bucket.
+        prev_ids: the last step's sampled ids (int32[max_sample_rows], on device);
+        token_src int32[T]: where a token's id is one of them (async scheduling: sampled by
+        the step still in flight), -1: inputs.token_ids'.
         A hybrid's state-slot copies (prefix caching) run here, in the same donated
         program: restores before the layers read the slots, saves after they wrote them."""
         if inputs.state_restores is not None:
             kv_caches = copy_state_slots(kv_caches, inputs.state_restores,
                                          inputs.num_state_restores, self.num_state_slots)
+        inputs = inputs.replace(token_ids=jnp.where(
+            token_src >= 0, prev_ids[jnp.maximum(token_src, 0)], inputs.token_ids))
         variables = {"params": params}
         if lora is not None:   # each token's adapter delta (models/lora)
             variables.update(forward_variables(lora, inputs.lora_slot_ids))
@@ -228,9 +246,12 @@ class ModelRunner(RunnerWarmup):
         # gathers them whole only in the branches that run when some row samples or
         # wants logprobs: a greedy batch's argmax reduces the per-shard maxima.
         logits = jax.lax.with_sharding_constraint(logits, self._vocab_parallel)
-        return sample(logits, tensors, penalties=mode == PENALTIES, greedy=mode == GREEDY,
-                      num_logprobs=self.max_logprobs,
-                      gather=partial(jax.lax.with_sharding_constraint, shardings=self._rep))
+        out = sample(logits, tensors, penalties=mode == PENALTIES, greedy=mode == GREEDY,
+                     num_logprobs=self.max_logprobs,
+                     gather=partial(jax.lax.with_sharding_constraint, shardings=self._rep))
+        # (SamplerOutput, its ids padded to max_sample_rows: the next forward's prev_ids)
+        pad = self.batch.max_sample_rows - num_rows
+        return out, jnp.pad(out.token_ids, (0, pad))
 
     def _prompt_logprobs_fn(self, params, hidden, targets):
         """hidden [T_max, E], targets int32[T_max] (-1: no logprob wanted) -> the
@@ -285,6 +306,7 @@ class ModelRunner(RunnerWarmup):
     def collect(self, step: _InFlight) -> ModelRunnerOutput:
         """Waits for a dispatched step and reads its results back to the host."""
         out = ModelRunnerOutput()
+        self.batch.collected(step.dispatch_id)
         if step.offloads is not None:   # stored before the scheduler makes them visible
             step.offloads.land(self.host_tier.arrays)
         if step.prompt_lps is not None:
@@ -313,75 +335,16 @@ class ModelRunner(RunnerWarmup):
         if rows.num_drafts is not None:
             self._collect_verified(rows, result, step.logprobs, out)
             return
-        failed = self.batch.append_sampled(rows, result.token_ids)
+        failed = self.batch.append_sampled(rows, result.token_ids, step.generation)
         out.failed = {rows.req_ids[i]: why for i, why in failed.items()}
         picked = np.flatnonzero(rows.sample)
         ids = [rows.req_ids[i] for i in picked]
         out.sampled = dict(zip(ids, result.token_ids[picked].tolist()))
         if step.logprobs:
             for i, rid in zip(picked, ids):
-                if self.batch.want_logprobs[rows.rows[i]]:
+                if step.want_logprobs[i]:
                     out.logprobs[rid] = [(result.logprob_token_ids[i], result.logprobs[i],
                                           int(result.sampled_rank[i]))]
-
-    def _model_proposals(self, step: _InFlight) -> dict[str, list[int]]:
-        """The model drafter's catch-up on this step, and the drafts of the rows that
-        sampled (ModelDrafter: none once more rows are held than disable_by_batch_size)."""
-        rows, hb, batch = step.rows, step.hb, self.batch
-        n = rows.num_tokens
-        prow = rows.rows[np.repeat(np.arange(rows.num_reqs), rows.lens)]
-        # Each token's next token, now that the accepted ones and the bonus are known.
-        next_ids = np.zeros(len(hb.inputs.token_ids), np.int32)
-        next_ids[:n] = batch.tokens[prow, hb.inputs.positions[:n] + 1]
-        spec, cu = self.spec, hb.inputs.query_start_loc
-        picked = np.flatnonzero(rows.sample) if spec.disable_by_batch_size is None or \
-            batch.num_rows <= spec.disable_by_batch_size else np.zeros(0, np.int64)
-        proposing = []
-        for i in picked:
-            v = int(batch.num_tokens[rows.rows[i]]) - 1     # the bonus's position
-            proposing.append((int(cu[i]) + v - 1 - int(rows.starts[i]),
-                              int(batch.tokens[rows.rows[i], v]), v))
-        drafts = self.drafter.propose(self.params, step.hidden, hb.inputs, next_ids, proposing,
-                                      batch.page_table[rows.rows[picked]])
-        return {rows.req_ids[i]: d.tolist() for i, d in zip(picked, drafts)}
-
-    def _collect_verified(self, rows: ScheduledRows, result, logprobs: bool,
-                          out: ModelRunnerOutput) -> None:
-        """A step whose rows verified drafts: each sampling row's window of sampler rows
-        (ScheduledRows.sample_rows) -> the drafts accepted and the token after them."""
-        batch, tokens = self.batch, result.token_ids
-        first = 0
-        for i in np.flatnonzero(rows.sample):
-            row, k = rows.rows[i], int(rows.num_drafts[i])
-            drawn = tokens[first:first + k + 1]
-            known = batch.num_tokens[row]
-            a = num_accepted(drawn, batch.tokens[row, known:known + k]) if k else 0
-            new = drawn[:a + 1].tolist()
-            why = batch.append_verified(row, new)
-            rid = rows.req_ids[i]
-            if why is not None:
-                out.failed[rid] = why
-            out.sampled[rid] = new if k else new[0]
-            if logprobs and batch.want_logprobs[row]:
-                out.logprobs[rid] = [(result.logprob_token_ids[j], result.logprobs[j],
-                                      int(result.sampled_rank[j]))
-                                     for j in range(first, first + a + 1)]
-            first += k + 1
-
-    def _propose(self, rows: ScheduledRows) -> dict[str, list[int]]:
-        """Drafts for the rows that sampled, from their tokens (ngram prompt lookup); none
-        once more rows are held than disable_by_batch_size."""
-        spec, batch = self.spec, self.batch
-        if spec.disable_by_batch_size is not None and batch.num_rows > spec.disable_by_batch_size:
-            return {}
-        out = {}
-        for i in np.flatnonzero(rows.sample):
-            row = rows.rows[i]
-            d = ngram_propose(batch.tokens[row, :batch.num_tokens[row]], spec.prompt_lookup_min,
-                              spec.prompt_lookup_max, spec.num_speculative_tokens)
-            if d:
-                out[rows.req_ids[i]] = d
-        return out
 
     def device_state_ok(self) -> bool:
         """After a failed step: whether the KV caches / recurrent state still hold data.
@@ -398,17 +361,20 @@ class ModelRunner(RunnerWarmup):
         return True
 
     def _dispatch(self, rows: ScheduledRows) -> _InFlight:
-        step = _InFlight(rows)
-        if not rows.num_reqs:
-            return step
         batch = self.batch
+        step = _InFlight(rows, generation=batch.generation)
+        if not rows.num_reqs:
+            step.dispatch_id = batch.mark_in_flight(rows, False)
+            return step
         hb = batch.build(rows)
         inputs = hb.inputs if self.encoder is None else \
             hb.inputs.replace(image_embeds=self.encoder.cache)
         # numpy straight into the jitted call: its C++ path copies them in faster than a
         # separate jax.device_put of the pytree (~0.1 vs ~0.5 ms a step on CPU).
         hidden, hidden_rows, self.kv_caches = self._forward(
-            self.params, self.kv_caches, inputs, hb.logits_indices, *self._lora_args)
+            self.params, self.kv_caches, inputs, hb.logits_indices, self._prev_ids,
+            hb.token_src, *self._lora_args)
+        self._prev_ids = self._no_prev_ids
         if self.drafter is not None:
             step.hb, step.hidden = hb, hidden
 
@@ -416,6 +382,7 @@ class ModelRunner(RunnerWarmup):
         if batch.want_prompt_logprobs[r].any():
             step.prompt_lps = self._prompt_logprobs_async(rows, hb, hidden)
         if not rows.sample.any():
+            step.dispatch_id = batch.mark_in_flight(rows, False)
             return step
         # Penalties are rare and ship a [rows, max_model_len] history: one program for
         # them, at the largest row bucket, rather than one per bucket.
@@ -428,8 +395,11 @@ class ModelRunner(RunnerWarmup):
                                 self.sampling_row_buckets, num_sampled))
         tensors = batch.sampling_tensors(rows, num_rows, penalties=mode == PENALTIES,
                                          penalty_len=self.max_model_len)
-        step.sampled = self._sample(self.params, hidden_rows, tensors, num_rows, mode)
-        step.logprobs = bool(batch.want_logprobs[r].any())
+        step.sampled, self._prev_ids = self._sample(self.params, hidden_rows, tensors,
+                                                    num_rows, mode)
+        step.dispatch_id = batch.mark_in_flight(rows, True)
+        step.want_logprobs = batch.want_logprobs[r]
+        step.logprobs = bool(step.want_logprobs.any())
         return step
 
     def _prompt_logprobs_async(self, rows: ScheduledRows, hb, hidden):

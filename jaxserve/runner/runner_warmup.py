@@ -53,7 +53,9 @@ class RunnerWarmup:
                 lora_slot_ids=z if self.lora is not None else None,
                 **copies, **self._image_inputs(t))
             return (self.params, self.kv_caches, inputs,
-                    np.zeros(self.batch.max_sample_rows, np.int32), *self._lora_args)
+                    np.zeros(self.batch.max_sample_rows, np.int32),
+                    self._put(np.zeros(self.batch.max_sample_rows, np.int32)),
+                    np.full(t, -1, np.int32), *self._lora_args)
 
         def hidden(rows: int) -> Any:
             """Hidden states [rows, E] as the forward returns them."""

@@ -52,6 +52,9 @@ class HostBatch:
     logits_indices: np.ndarray
     num_tokens: int              # real tokens (the rest of T is padding)
     num_reqs: int
+    # int32[T]: the index in the last step's sampled ids of each token whose id is still in
+    # flight (async scheduling), -1: token_ids holds it
+    token_src: np.ndarray
 
 
 def state_copy_inputs(restores: list[tuple[int, int]], saves: list[tuple[int, int]],

@@ -45,6 +45,7 @@ def config_of(*argv: str) -> EngineConfig:
     (["--swap-space", "0"], {"swap_space": 0.0}),
     (["--preemption-mode", "recompute"], {"preemption_mode": "recompute"}),
     (["--no-async-scheduling"], {"async_scheduling": False}),
+    (["--async-scheduling"], {"async_scheduling": True}),
     (["--block-size", "32"], {"page_size": 32}),
     (["--seed", "7"], {"seed": 7}),
     (["--max-model-len", "4096"], {"max_model_len": 4096}),
@@ -70,8 +71,6 @@ def test_vllm_engine_flags_parse_to_engine_config(argv, expected):
     (["--swap-space", "4"], "argument --swap-space: swap_space=4.0: jaxserve never swaps"),
     (["--preemption-mode", "swap"], "argument --preemption-mode: preemption_mode='swap': "
                                     "jaxserve preempts by recomputation only"),
-    (["--async-scheduling"], "argument --async-scheduling/--no-async-scheduling: "
-                             "async_scheduling=True: not implemented"),
     (["--no-enable-chunked-prefill"], "argument --enable-chunked-prefill/--no-enable-chunked-"
                                       "prefill/--disable-chunked-prefill: "
                                       "enable_chunked_prefill=False: chunked prefill is always on"),

@@ -656,7 +656,7 @@ VLLM_SERVE_FLAGS: dict[str, Flag] = {
         ("--disable-hybrid-kv-cache-manager", "--enable-hybrid-kv-cache-manager"), IF,
         ok=("--enable-hybrid-kv-cache-manager",), refused=("--disable-hybrid-kv-cache-manager",)),
     "--async-scheduling": Flag(("--async-scheduling", "--no-async-scheduling"), WORKS,
-        what="off only", ok=("--no-async-scheduling",), refused=("--async-scheduling",)),
+        ok=("--async-scheduling",), refused=None),
     "--stream-interval": Flag(("--stream-interval",), IF, ok=("--stream-interval", "1"),
         refused=("--stream-interval", "7")),
     "--cudagraph-capture-sizes": Flag(("--cudagraph-capture-sizes",), IF, ok=None,

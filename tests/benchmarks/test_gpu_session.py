@@ -12,7 +12,7 @@ import tarfile
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TPOT_STEPS = ["tpot_base", "tpot_nomerge", "tpot_cmdbuf", "qwen_w8a8", "qwen_tpot"]
+TPOT_STEPS = ["tpot_base", "tpot_async", "tpot_nomerge", "tpot_cmdbuf", "qwen_w8a8", "qwen_tpot"]
 STEPS = [*TPOT_STEPS, "llama_bf16", "qwen_fp8", "llama_fp8", "check_llama-tiny", "transformers",
          "serve_8b", "tpot_triton", "roofline", "scan_probe"]
 

@@ -70,7 +70,7 @@ def test_warmup_inputs_carry_the_sliding_group_when_there_is_one(cfg, num_slidin
     forwards = [p for p in runner.warmup_programs() if p.kind == FORWARD]
     assert forwards
     for prog in forwards:
-        _, caches, inputs, _ = prog.args()
+        _, caches, inputs, *_ = prog.args()
         assert caches is runner.kv_caches
         if num_sliding:
             assert inputs.sliding_slot_mapping.shape == inputs.slot_mapping.shape

@@ -355,8 +355,8 @@ def test_wrong_verifications_are_detected(variant):
 
 def test_the_harness_verifies_with_num_accepted(monkeypatch):
     # The verification measured above is spec_decode.num_accepted, as
-    # ModelRunner._collect_verified calls it.
-    import jaxserve.runner.model_runner as mr
+    # ModelRunner._collect_verified (runner/spec_collect.py) calls it.
+    import jaxserve.runner.spec_collect as mr
     calls = []
 
     def counting(sampled, drafts):
