@@ -80,7 +80,8 @@ def main() -> None:
     inputs, idx = jax.device_put((hb.inputs, hb.logits_indices))
 
     def forward():
-        hidden, _, runner.kv_caches = runner._forward(runner.params, runner.kv_caches, inputs, idx)
+        hidden, _, runner.kv_caches = runner._forward(runner.params, runner.kv_caches, inputs, idx,
+                                                      runner._no_prev_ids, hb.token_src)
         hidden.block_until_ready()
 
     forward_ms = timed(forward)

@@ -76,7 +76,8 @@ def measure_cpu(iters: int) -> dict[int, float]:
         for i in range(iters + 2):           # two warm calls (the first compiles)
             t0 = time.perf_counter()
             out = runner._forward(runner.params, runner.kv_caches, inputs,
-                                  np.zeros(rows, np.int32))
+                                  np.zeros(rows, np.int32), runner._no_prev_ids,
+                                  np.full(len(z), -1, np.int32))
             runner.kv_caches = out[2]
             jax.block_until_ready(out)
             if i >= 2:

@@ -95,7 +95,8 @@ def assert_step_collectives(core) -> None:
                          num_seqs=np.zeros(1, np.int32))
     with jax.set_mesh(runner.mesh):
         hlo = runner._forward.lower(runner.params, runner.kv_caches, inputs,
-                                    np.zeros(rows, np.int32)).compile().as_text()
+                                    np.zeros(rows, np.int32), runner._no_prev_ids,
+                                    np.full(t, -1, np.int32)).compile().as_text()
     ops = collectives(hlo)
     assert ops, "no collectives at all: the step is not sharded"
     assert {kind for _, kind in ops} == {"all-reduce"}, ops

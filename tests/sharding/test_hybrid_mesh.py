@@ -55,7 +55,8 @@ def _assert_step_collectives(core) -> None:
                          num_seqs=np.zeros(1, np.int32), state_slots=np.zeros(rows, np.int32))
     with jax.set_mesh(runner.mesh):
         hlo = runner._forward.lower(runner.params, runner.kv_caches, inputs,
-                                    np.zeros(rows, np.int32)).compile().as_text()
+                                    np.zeros(rows, np.int32), runner._no_prev_ids,
+                                    np.full(t, -1, np.int32)).compile().as_text()
     assert {kind for _, kind in collectives(hlo)} <= {"all-reduce"}
     # XLA may combine independent all-reduces (the MoE's routed and shared experts) into
     # one with a tuple of operands: read each op's whole result shape.
