@@ -17,14 +17,13 @@ from jaxserve.runner.step_rows import ScheduledRows
 class InFlightRows:
     """Reads the InputBatch's num_rows, num_tokens and row_of."""
 
-    def _init_in_flight(self, max_rows: int, max_tokens: int) -> None:
+    def _init_in_flight(self, max_rows: int) -> None:
         # Batch index, in the last dispatched step, of the token it samples for the row
         # (not yet appended), or -1; moved with the row (InputBatch._row_arrays).
         self.in_flight = np.full(max_rows, -1, np.int32)
         self.any_in_flight = False   # some row's in_flight is set (else all are -1)
         self._dispatch_id = 0   # steps dispatched (mark_in_flight)
         self.generation = 0     # bumped when rows move (remove): a step's rows are stale
-        self._token_src = np.full(max_tokens, -1, np.int32)
 
     def mark_in_flight(self, step: ScheduledRows, sampled: bool) -> int:
         """A step was dispatched (`sampled`: with its sampler): its sampling rows' next
@@ -59,9 +58,9 @@ class InFlightRows:
                       size: int) -> np.ndarray:
         """int32[size]: for each of a step's tokens (row, position) past the row's known
         ones, drafts aside, the in-flight token's index in the last step's sampled ids;
-        -1 elsewhere (the host has the token). A reused buffer."""
-        src = self._token_src[:size]
-        src[:] = -1
+        -1 elsewhere (the host has the token). The step's own array: the forward may read
+        it after the host has built the next step (XLA:CPU can take numpy zero-copy)."""
+        src = np.full(size, -1, np.int32)
         if self.any_in_flight:
             n = len(positions)
             src[:n] = np.where(positions >= self.num_tokens[row_of_token],

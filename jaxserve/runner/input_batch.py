@@ -93,7 +93,7 @@ class InputBatch(BatchSampling, InFlightRows):
         self.num_tokens = np.zeros(r, np.int32)
         self.num_prompt = np.zeros(r, np.int32)
         self.state_slots = np.zeros(r, np.int32)
-        self._init_in_flight(r, token_buckets[-1])
+        self._init_in_flight(r)
         # LoRA: each row's adapter slot (0 = none); None when LoRA is off.
         self.lora_slots = np.zeros(r, np.int32) if lora else None
         for name, dtype, fill in PARAM_COLUMNS:
@@ -417,7 +417,7 @@ class InputBatch(BatchSampling, InFlightRows):
             sliding_slot_mapping=sliding_slots.copy() if sliding else None,
             sliding_page_table=sliding_table if sliding else None, lora_slot_ids=lora_ids,
             **copies)
-        return HostBatch(inputs, logits_idx, num_tokens, num_reqs, token_src.copy())
+        return HostBatch(inputs, logits_idx, num_tokens, num_reqs, token_src)
 
     def prompt_logprob_targets(self, step: ScheduledRows, cu: np.ndarray,
                                size: int) -> tuple[np.ndarray, list]:

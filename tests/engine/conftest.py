@@ -1,6 +1,8 @@
 """Engine fixtures: tiny checkpoints (written once per session) and a leak check."""
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from tests.checkpoints import make_tiny_checkpoint
@@ -56,3 +58,16 @@ def run_staggered(engine, prompts, params, every: int) -> dict[str, list[int]]:
                 results[o.request_id] = o.outputs[0].token_ids
         step += 1
     return results
+
+
+def prompt_workload(seed: int, num: int, params_of, prefix_len: int, max_tail: int
+                    ) -> list[tuple[list[int], object]]:
+    """num random prompts, every other one behind a shared prefix of prefix_len tokens
+    (a prefix-cache hit once it is cached), the i-th with params_of(i)."""
+    rng = random.Random(seed)
+    prefix = [rng.randrange(3, 256) for _ in range(prefix_len)]
+    items = []
+    for i in range(num):
+        tail = [rng.randrange(3, 256) for _ in range(rng.randrange(5, max_tail))]
+        items.append((prefix + tail if i % 2 else tail, params_of(i)))
+    return items

@@ -14,7 +14,7 @@ import pytest
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.config import EngineConfig
-from tests.engine.conftest import add, assert_no_leaks
+from tests.engine.conftest import add, assert_no_leaks, prompt_workload
 
 PREFIX_LEN = 20   # more than a page of 16: later requests hit it in the prefix cache
 ABORTS = {9: "4", 23: "7"}   # step -> request aborted then (the same step in both runs)
@@ -36,13 +36,7 @@ def _params(i: int) -> SamplingParams:
 
 
 def _workload(num: int) -> list[tuple[list[int], SamplingParams]]:
-    rng = random.Random(11)
-    prefix = [rng.randrange(3, 256) for _ in range(PREFIX_LEN)]
-    items = []
-    for i in range(num):
-        tail = [rng.randrange(3, 256) for _ in range(rng.randrange(5, 40))]
-        items.append((prefix + tail if i % 2 else tail, _params(i)))
-    return items
+    return prompt_workload(11, num, _params, PREFIX_LEN, max_tail=40)
 
 
 def _summary(out) -> tuple:

@@ -12,7 +12,7 @@ import random
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from tests.engine.conftest import add, assert_no_leaks
+from tests.engine.conftest import add, assert_no_leaks, prompt_workload
 
 PREFIX_LEN = 20   # more than one page of 16: later requests hit it in the prefix cache
 
@@ -31,13 +31,7 @@ def _params(i: int) -> SamplingParams:
 
 
 def _workload(seed: int, num: int) -> list[tuple[list[int], SamplingParams]]:
-    rng = random.Random(seed)
-    prefix = [rng.randrange(3, 256) for _ in range(PREFIX_LEN)]
-    items = []
-    for i in range(num):
-        tail = [rng.randrange(3, 256) for _ in range(rng.randrange(5, 30))]
-        items.append((prefix + tail if i % 2 else tail, _params(i)))
-    return items
+    return prompt_workload(seed, num, _params, PREFIX_LEN, max_tail=30)
 
 
 def _summary(out) -> tuple:
