@@ -174,6 +174,73 @@ def test_an_abort_while_its_restore_is_in_flight_leaks_nothing(engines):
     assert_tier_settled(tiered)
 
 
+def evicted_prompt(tiered: LLM, seed: int) -> list[int]:
+    """A prompt whose pages the host tier holds and the device pool does not."""
+    rng = random.Random(seed)
+    prompt, *others = [[rng.randrange(3, 250) for _ in range(70)] for _ in range(4)]
+    tiered.reset_prefix_cache()
+    tiered.generate([{"prompt_token_ids": p} for p in [prompt, *others]], GREEDY,
+                    use_tqdm=False)   # the prompt's pages are evicted to host by the others
+    return prompt
+
+
+def finish(engine) -> dict[str, list[int]]:
+    """Steps until every request is done -> each finished request's tokens."""
+    out = {}
+    while engine.scheduler.has_unfinished_requests():
+        out.update({o.request_id: o.outputs[0].token_ids for o in engine.step()
+                    if o.finished})
+    return out
+
+
+def test_a_restore_is_sent_the_step_before_the_request_is_computed(engines):
+    """The step that restores a request's pages sends their rows and computes nothing of
+    it; the next scatters them into the pages before its forward, which computes the
+    request's first chunk after the hit (the runner's record of its restores)."""
+    _, plain, tiered = engines
+    prompt = evicted_prompt(tiered, 11)
+    want = plain.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)[0]
+    engine, tier = tiered.engine, tiered.engine.runner.host_tier
+    compiled = num_compilations()
+    add(engine, "x", prompt, GREEDY)
+    first = engine.begin_step()
+    pages = tuple(first.sched_out.host_copies.restore_pages)
+    assert pages and not first.sched_out.new_reqs
+    engine.finish_step(first)
+    assert tier.log[-1] == (tier.num_dispatches, "send", pages)
+    second = engine.begin_step()
+    (new,) = second.sched_out.new_reqs
+    assert new.req_id == "x" and new.num_computed_tokens >= len(pages) * PS
+    assert tier.log[-1] == (tier.num_dispatches, "scatter", pages)
+    assert set(pages) <= set(new.page_ids[0])
+    outs = engine.finish_step(second)
+    got = finish(engine) | {o.request_id: o.outputs[0].token_ids for o in outs if o.finished}
+    assert got["x"] == want.outputs[0].token_ids
+    assert num_compilations() == compiled
+    assert_tier_settled(tiered)
+
+
+def test_an_abort_between_the_send_and_the_scatter_leaks_nothing(engines):
+    """Aborted after the step that sent its rows, before the one that scatters them: its
+    pages and slots come back at once, the scatter still fills its pages, and the next
+    request over the prefix hits them with the right tokens."""
+    _, plain, tiered = engines
+    prompt = evicted_prompt(tiered, 13)
+    want = plain.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)[0]
+    engine = tiered.engine
+    add(engine, "x", prompt, GREEDY)
+    first = engine.begin_step()
+    assert first.sched_out.host_copies.restore_pages and not first.sched_out.new_reqs
+    engine.finish_step(first)
+    engine.abort_request("x")
+    assert not engine.scheduler.restoring
+    assert_tier_settled(tiered)
+    again = tiered.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)[0]
+    assert again.outputs[0].token_ids == want.outputs[0].token_ids
+    assert again.num_cached_tokens > 0
+    assert_tier_settled(tiered)
+
+
 def test_reset_prefix_cache_empties_both_tiers(engines):
     _, _, tiered = engines
     tiered.generate({"prompt_token_ids": list(range(3, 60))}, GREEDY, use_tqdm=False)
