@@ -5,25 +5,31 @@ abort, a preemption or a failed step between the two steps leaks nothing, and th
 look-up still hits."""
 from __future__ import annotations
 
-from jaxserve.core.request import RequestStatus
+from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.scheduler import Scheduler, SchedulerConfig
-from tests.core.test_host_cache import PS, make, settled
+from jaxserve.lora_request import LoRARequest
+from tests.core.test_host_cache import PS, SP, settled
 
 A = list(range(10, 23))   # 13 tokens: 3 full pages
 
 
-def scheduler(num_pages: int = 5) -> Scheduler:
-    """num_pages - 1 device pages of 4 tokens; A's pages evicted to the host tier by a
-    request that takes them all."""
+def scheduler(num_pages: int = 5, lora: LoRARequest | None = None) -> Scheduler:
+    """num_pages - 1 device pages of 4 tokens; A's pages (under the adapter `lora`)
+    evicted to the host tier by a request that takes them all."""
     sched = Scheduler(SchedulerConfig(num_pages=num_pages, page_size=PS, max_num_seqs=2,
                                       max_num_batched_tokens=64, max_model_len=32,
-                                      num_host_pages=16))
+                                      num_host_pages=16, max_loras=1 if lora else 0))
     for rid, tokens in (("a", A), ("b", range(100, 100 + (num_pages - 2) * PS + 1))):
-        sched.add_request(make(rid, tokens))
+        sched.add_request(make(rid, tokens, lora))
         sched.update_from_output(sched.schedule(), {rid: 1})
         sched.finish_requests(rid, RequestStatus.FINISHED_STOPPED)
     assert len(sched.kv.host.index) == 3
     return sched
+
+
+def make(rid: str, tokens, lora: LoRARequest | None = None) -> Request:
+    return Request(rid, list(tokens), SP, eos_token_id=None, arrival_time=0.0, page_size=PS,
+                   lora_request=lora)
 
 
 def restores(out) -> int:
@@ -117,3 +123,25 @@ def test_a_failed_step_after_the_send_forgets_the_restored_pages():
     assert kv.get_num_free_pages() == 4 and settled(kv.host) and not sched.requests
     sched.add_request(make("a3", A))
     assert sched.schedule().host_copies.restore_slots == first.host_copies.restore_slots
+
+
+def test_an_adapters_request_holds_its_slot_while_its_pages_are_restored():
+    """The adapter salts the hashes (the same tokens without it miss); the request holds
+    its LoRA slot from the step that restores its pages, gives it back when aborted, and
+    the next request under the adapter hits the restored pages on the device."""
+    adapter = LoRARequest("a1", 1, "/adapters/1")
+    sched = scheduler(lora=adapter)
+    assert sched.kv.get_computed_pages(make("p", A))[1] == 0   # no adapter: another prefix
+    sched.add_request(make("a2", A, adapter))
+    first = sched.schedule()
+    assert first.host_copies.restore_pages and list(sched.restoring) == ["a2"]
+    assert sched.lora.refs(1) == 1
+    sched.update_from_output(first, {})
+    sched.abort_requests("a2")
+    assert sched.lora.refs(1) == 0 and sched.kv.get_num_free_pages() == 4
+    sched.update_from_output(sched.schedule(), {})
+    sched.add_request(make("a3", A, adapter))
+    out = sched.schedule()
+    assert not restores(out)
+    assert [(r.req_id, r.num_computed_tokens, r.lora_slot) for r in out.new_reqs] == \
+        [("a3", 12, 1)]
