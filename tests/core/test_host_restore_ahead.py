@@ -145,3 +145,44 @@ def test_an_adapters_request_holds_its_slot_while_its_pages_are_restored():
     assert not restores(out)
     assert [(r.req_id, r.num_computed_tokens, r.lora_slot) for r in out.new_reqs] == \
         [("a3", 12, 1)]
+
+
+def hybrid_scheduler() -> Scheduler:
+    """A hybrid's (state snapshots) with host pages but no host state slots: A's pages go
+    to host, the device snapshot at their end stays."""
+    sched = Scheduler(SchedulerConfig(num_pages=5, page_size=PS, max_num_seqs=2,
+                                      max_num_batched_tokens=64, max_model_len=32,
+                                      num_state_slots=3, num_snapshot_slots=4,
+                                      num_host_pages=16))
+    for rid, tokens in (("a", A), ("b", range(100, 113))):
+        sched.add_request(make(rid, tokens))
+        while not sched.get_request(rid).output_token_ids:   # chunks cut at a snapshot
+            sched.update_from_output(sched.schedule(), {rid: 1})
+        sched.finish_requests(rid, RequestStatus.FINISHED_STOPPED)
+    assert len(sched.kv.host.index) == 3 and sched.kv.host.index.num_state_slots == 0
+    return sched
+
+
+def test_a_hybrids_device_snapshot_is_copied_in_the_step_that_computes_it():
+    """Host pages ending on a device snapshot: the state copy goes with the request's
+    first forward (step k+1), not with the step that restores its pages."""
+    sched = hybrid_scheduler()
+    sched.add_request(make("a2", A))
+    first = sched.schedule()
+    assert first.host_copies.restore_pages and not first.state_restores
+    sched.update_from_output(first, {})
+    second = sched.schedule()
+    (new,) = second.new_reqs
+    snap = sched.kv.snapshots.lookup(make("x", A).page_hashes[2], 12)
+    assert new.num_computed_tokens == 12 and second.state_restores == [(snap.slot,
+                                                                        new.state_slot)]
+
+
+def test_a_hybrid_whose_snapshot_went_meanwhile_looks_up_again():
+    sched = hybrid_scheduler()
+    sched.add_request(make("a2", A))
+    sched.update_from_output(sched.schedule(), {})
+    sched.reset_prefix_cache()   # the snapshot (and the restored pages' hashes) go
+    second = sched.schedule()
+    assert not second.state_restores and [r.num_computed_tokens for r in second.new_reqs] == [0]
+    assert not sched.restoring
