@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING
 
 from jaxserve.core.host_cache import HostCache
 from jaxserve.core.host_pages import HostPage
-from jaxserve.core.sched_output import HostCopies
 from jaxserve.core.page_pool import KVCachePage
 from jaxserve.core.req_pages import GLOBAL, SLIDING
 from jaxserve.core.request import Request
+from jaxserve.core.sched_output import HostCopies
 
 if TYPE_CHECKING:
     from jaxserve.core.kv_cache_manager import GroupPages

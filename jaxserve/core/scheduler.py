@@ -367,6 +367,7 @@ class Scheduler(SchedulerLoRA, SpecScheduling, StepUpdate, Restoring):
             encoder_jobs=jobs, encoder_frees=frees,
             state_restores=restores, state_saves=saves, spec_token_ids=step.spec,
             host_copies=None if kv.host is None else kv.take_host_copies(),
+            restoring_req_ids=list(self.restoring),
             lora_loads=step.lora_loads, new_reqs=step.new_reqs,
             cached_reqs=CachedRequestData(step.ids, step.starts, step.lens, step.pages),
             num_scheduled_tokens=(self.max_num_batched_tokens - step.budget

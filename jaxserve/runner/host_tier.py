@@ -352,10 +352,11 @@ class HostTier:
         other KV scales than their pages') -> (the caches, the offloads to land)."""
         self.num_dispatches += 1
         t0 = time.perf_counter()
-        if self._staged:
-            caches = self.copier.scatter(caches, self._staged)
-            self.log.append((self.num_dispatches, "scatter", self._staged_pages))
+        if self._staged:   # (taken first: a failed scatter is not run again)
+            staged, pages = self._staged, self._staged_pages
             self._staged, self._staged_pages = [], ()
+            caches = self.copier.scatter(caches, staged)
+            self.log.append((self.num_dispatches, "scatter", pages))
             self.restore_seconds += time.perf_counter() - t0
         pending = None
         c = copies

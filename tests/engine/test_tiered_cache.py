@@ -184,13 +184,17 @@ def evicted_prompt(tiered: LLM, seed: int) -> list[int]:
     return prompt
 
 
-def finish(engine) -> dict[str, list[int]]:
-    """Steps until every request is done -> each finished request's tokens."""
+def finish_outputs(engine) -> dict[str, object]:
+    """Steps until every request is done -> each request's final output."""
     out = {}
     while engine.scheduler.has_unfinished_requests():
-        out.update({o.request_id: o.outputs[0].token_ids for o in engine.step()
-                    if o.finished})
+        out.update({o.request_id: o for o in engine.step() if o.finished})
     return out
+
+
+def finish(engine) -> dict[str, list[int]]:
+    """Steps until every request is done -> each finished request's tokens."""
+    return {rid: o.outputs[0].token_ids for rid, o in finish_outputs(engine).items()}
 
 
 def test_a_restore_is_sent_the_step_before_the_request_is_computed(engines):
@@ -234,6 +238,33 @@ def test_an_abort_between_the_send_and_the_scatter_leaks_nothing(engines):
     engine.finish_step(first)
     engine.abort_request("x")
     assert not engine.scheduler.restoring
+    assert_tier_settled(tiered)
+    again = tiered.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)[0]
+    assert again.outputs[0].token_ids == want.outputs[0].token_ids
+    assert again.num_cached_tokens > 0
+    assert_tier_settled(tiered)
+
+
+@pytest.mark.parametrize("half", ["send", "scatter"])
+def test_a_failed_send_or_scatter_fails_the_request_and_leaks_nothing(engines, half,
+                                                                       monkeypatch):
+    """The step that sends a request's restore, or the next one that scatters it, raises:
+    the request fails with the step (an output with the error), its pages forget their
+    hashes, nothing leaks, and the next request over the prefix restores it again."""
+    _, plain, tiered = engines
+    prompt = evicted_prompt(tiered, 17)
+    want = plain.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)[0]
+    engine, copier = tiered.engine, tiered.engine.runner.host_tier.copier
+    real = getattr(copier, half)
+
+    def fails_once(*args, **kwargs):
+        monkeypatch.setattr(copier, half, real)
+        raise RuntimeError(f"injected: the {half} failed")
+
+    monkeypatch.setattr(copier, half, fails_once)
+    add(engine, "x", prompt, GREEDY)
+    outs = finish_outputs(engine)
+    assert outs["x"].error and f"the {half} failed" in outs["x"].error
     assert_tier_settled(tiered)
     again = tiered.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)[0]
     assert again.outputs[0].token_ids == want.outputs[0].token_ids
