@@ -8,7 +8,7 @@ from typing import Iterable
 
 from jaxserve.core.encoder_cache import EncoderCache
 from jaxserve.core.host_cache import HostCache
-from jaxserve.core.kv_cache_manager import KVCacheManager
+from jaxserve.core.kv_cache_manager import GroupPages, KVCacheManager
 from jaxserve.core.lora_slots import LoRASlotManager, SchedulerLoRA
 from jaxserve.core.restoring import Restoring
 from jaxserve.core.spec_scheduling import SpecScheduling
@@ -269,8 +269,9 @@ class Scheduler(SchedulerLoRA, SpecScheduling, StepUpdate, Restoring):
         pages allow: each goes out whole (new to the runner, or resumed: preemption
         dropped its row), after its cached prefix. One whose LoRA adapter finds no slot
         stays waiting, in its place, and the next is tried."""
-        kv, running, waiting, budget = self.kv, self.running, self.waiting, step.budget
+        running, waiting, budget = self.running, self.waiting, step.budget
         skipped: list[Request] = []
+        # (requests taken to restore hold rows too)
         while waiting and budget > 0 and len(running) + len(self.restoring) < self.max_num_seqs:
             req = self._peek_waiting()
             if not self._take_lora_slot(req, step.lora_loads):
@@ -325,8 +326,8 @@ class Scheduler(SchedulerLoRA, SpecScheduling, StepUpdate, Restoring):
         fit = self._fit_chunk(req, num_hit, budget - restore, hit, num_hit)
         return None if fit is None else (num_hit, fit[0], restore, fit[1])
 
-    def _fit_chunk(self, req: Request, start: int, budget: int, hit=None, num_hit: int = 0
-                   ) -> tuple[int, bool] | None:
+    def _fit_chunk(self, req: Request, start: int, budget: int,
+                   hit: GroupPages | None = None, num_hit: int = 0) -> tuple[int, bool] | None:
         """A new row's first chunk from `start` within `budget`, its pages allocated (with
         the hit's: num_hit tokens past the request's computed ones) -> (new tokens, has
         images); None: something does not fit."""
