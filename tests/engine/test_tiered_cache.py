@@ -1,8 +1,10 @@
 """The prefix cache's host tier (--kv-offloading-size) on a multi-turn trace whose
 conversations need several times the device pool (--num-gpu-blocks-override): greedy
 tokens are those of the same engine without the tier, the later turns hit pages the host
-tier kept (its metrics say so), preemption and an abort while the step's copies are in
-flight leak nothing, and nothing compiles after warmup. Llama, the Qwen3.5 hybrid (whose
+tier kept (its metrics say so), a restore's rows are sent the step before the request's
+first forward and scattered in that forward's step, preemption, an abort while the step's
+copies are in flight or between a send and its scatter, and a failed send or scatter leak
+nothing, and nothing compiles after warmup. Llama, the Qwen3.5 hybrid (whose
 state snapshots travel with their pages) and Gemma 4 (whose sliding-window pages come
 back only as far as a hit's window needs); an int8 KV cache travels as stored."""
 from __future__ import annotations
