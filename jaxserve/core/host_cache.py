@@ -6,7 +6,10 @@ which host entries a prefix hit restores into fresh device pages (`pin`, then
 the step's forward, and settles them when the step's results come back: landed offloads
 become visible to look-ups (`commit`), a failed step's are dropped unlanded (`fail`).
 Only one step is in flight per scheduler, so everything taken with a step's copies is
-settled by that step's commit or fail. A sliding-window KV group (Gemma 4) has an index
+settled by that step's commit or fail -- but a restore's rows, sent in its step, are
+scattered into their pages by the runner's next dispatch: until the step after it is
+settled too, the pages it fills are `unsettled_restores` (a failure forgets them).
+A sliding-window KV group (Gemma 4) has an index
 of its own (`sliding`): its pages leave the device on their own schedule, and a hit
 needs only its last window's. Plain Python: the arrays are the runner's
 (jaxserve/runner/host_tier.py).
@@ -14,7 +17,7 @@ needs only its last window's. Plain Python: the arrays are the runner's
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from jaxserve.core.host_pages import HostPage, HostPageIndex
 from jaxserve.core.restore_cost import RestoreCost
@@ -63,7 +66,7 @@ class _Step:
     copies: HostCopies = field(default_factory=HostCopies)
     offloading: list[HostPage] = field(default_factory=list)
     restoring: list[HostPage] = field(default_factory=list)
-    restored_from: list[tuple[str, int]] = field(default_factory=list)
+    restored: list[Any] = field(default_factory=list)   # the pages filled, the caller's
     offloading_sliding: list[HostPage] = field(default_factory=list)
     restoring_sliding: list[HostPage] = field(default_factory=list)
 
@@ -84,6 +87,7 @@ class HostCache:
         self.sliding_page_bytes = sliding_page_bytes
         self._next = _Step()        # the step being scheduled
         self._in_flight = _Step()   # dispatched, not yet settled
+        self._scattering: list[Any] = []   # the settled step's restored pages: see above
         self.queries = self.hits = 0
         # pages out, pages in, states out, states in, sliding pages out, sliding pages in
         self._counts = [0] * 6
@@ -150,12 +154,13 @@ class HostCache:
             self.sliding.pin(sliding)
             self._next.restoring_sliding.extend(sliding)
 
-    def restore(self, request_id: str, entries: list[HostPage], page_ids: list[int],
-                first_token: int, state: tuple[int, int] | None = None,
-                sliding: tuple[list[HostPage], list[int]] = ((), ())) -> None:
+    def restore(self, entries: list[HostPage], page_ids: list[int],
+                state: tuple[int, int] | None = None,
+                sliding: tuple[list[HostPage], list[int]] = ((), ()),
+                restored: list[Any] = ()) -> None:
         """Copy the pinned entries into device pages page_ids; state: (host state slot, the
         request's state slot); sliding: (sliding entries, the sliding pages they go
-        into). first_token: where the request's restored pages start (in either group)."""
+        into); restored: the caller's record of the pages filled (unsettled_restores)."""
         c = self._next.copies
         c.restore_slots.extend(e.slot for e in entries)
         c.restore_pages.extend(page_ids)
@@ -164,7 +169,7 @@ class HostCache:
             c.restore_state_ids.append(state[1])
         c.restore_sliding_slots.extend(e.slot for e in sliding[0])
         c.restore_sliding_pages.extend(sliding[1])
-        self._next.restored_from.append((request_id, first_token))
+        self._next.restored.extend(restored)
 
     # ---- a step's life -------------------------------------------------------------
     def take_copies(self) -> HostCopies | None:
@@ -173,7 +178,7 @@ class HostCache:
         fl = self._in_flight
         fl.offloading += step.offloading
         fl.restoring += step.restoring
-        fl.restored_from += step.restored_from
+        fl.restored += step.restored
         fl.offloading_sliding += step.offloading_sliding
         fl.restoring_sliding += step.restoring_sliding
         c = step.copies
@@ -184,14 +189,20 @@ class HostCache:
         return c if c.num_offloads or c.num_restores else None
 
     @property
-    def restored_in_flight(self) -> list[tuple[str, int]]:
-        """(request id, first restored token) of the restores in flight."""
-        return self._in_flight.restored_from
+    def restored_in_flight(self) -> list[Any]:
+        """The pages the restores of the step in flight fill (their record)."""
+        return self._in_flight.restored
+
+    def unsettled_restores(self) -> list[Any]:
+        """The pages that the step in flight's restores, and the settled step's (whose
+        rows the step in flight scatters), fill: what a failure of it must forget."""
+        return self._scattering + self._in_flight.restored
 
     def commit(self) -> None:
         """The step ran: its offloads landed (the runner stored them), its restores read
-        their entries."""
+        their entries (their rows were sent; the next step scatters them)."""
         fl, self._in_flight = self._in_flight, _Step()
+        self._scattering = fl.restored
         self.index.finish_offload(fl.offloading)
         self.index.unpin(fl.restoring)
         if self.sliding is not None:
@@ -201,6 +212,7 @@ class HostCache:
     def fail(self) -> None:
         """The step failed: its offloads are dropped unlanded, its entries unpinned."""
         fl, self._in_flight = self._in_flight, _Step()
+        self._scattering = []
         self.index.abort_offload(fl.offloading)
         self.index.unpin(fl.restoring)
         if self.sliding is not None:

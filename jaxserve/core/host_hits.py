@@ -8,7 +8,9 @@ device's cached pages into the host tier's; those pages are restored into fresh 
 pages, taken with the hit, when the cost model says a restore beats recomputing them. A
 hybrid's hit must end where a state is kept: a device snapshot, or a host entry's; a
 sliding group's hit needs its last window's sliding pages, from either tier
-(core/sliding_pages.py).
+(core/sliding_pages.py). A restore's rows reach the device a step ahead of the forward
+that reads them: a hit with a host part, or one over pages restored in the step being
+scheduled, waits a step (`hit_waits`; the scheduler's core/restoring.py).
 """
 from __future__ import annotations
 
@@ -20,8 +22,10 @@ from jaxserve.core.host_pages import HostPage
 from jaxserve.core.page_pool import KVCachePage
 from jaxserve.core.req_pages import GLOBAL, SLIDING
 from jaxserve.core.request import Request
+from jaxserve.core.sched_output import HostCopies
 
 if TYPE_CHECKING:
+    from jaxserve.core.kv_cache_manager import GroupPages
     from jaxserve.core.req_pages import ReqPages
 
 
@@ -41,6 +45,10 @@ class HostHits:
     def _init_host(self, host: HostCache | None) -> None:
         self.host = host
         self._host_hits: dict[str, HostHit] = {}   # request id -> its hit's host part
+        # (group, page id) of the pages the step being scheduled restores into
+        self._sending: set[tuple[int, int]] = set()
+        # request id -> the end of its hit, whose device snapshot it takes when it resumes
+        self._deferred_states: dict[str, int] = {}
         if host is not None:
             self.pool.on_evict = self._offload_evicted
             if self.sliding_pool is not None:
@@ -84,12 +92,45 @@ class HostHits:
         part = None if self.host is None else self._host_hits.get(request.request_id)
         return min(self.host.budget_tokens(part.tokens), most) if part else 0
 
-    def fail_host_copies(self, requests: dict[str, Request]) -> None:
-        """The step in flight failed: the pages its restores were to fill forget their
-        hashes, its offloads are dropped, its host entries unpinned."""
-        for rid, first in self.host.restored_in_flight:
-            if (req := requests.get(rid)) is not None:
-                self.uncache_unwritten(req, first, shared_too=True)
+    def hit_waits(self, request: Request, hit: GroupPages) -> bool:
+        """Whether the request's last looked-up hit (`hit`: its device pages) is restored
+        before it can be computed: it has a host part, or takes pages the step being
+        scheduled restores into. Then it is taken in this step (allocate_slots with no
+        new token) and computed from the next, after the rows have been scattered."""
+        if self.host is None:
+            return False
+        return request.request_id in self._host_hits or any(
+            (g, b.page_id) in self._sending for g, pages in enumerate(hit) for b in pages)
+
+    def resume(self, request: Request) -> bool:
+        """A request whose hit waited a step is computed in the coming one: a hybrid's
+        state from a device snapshot is copied now (before that step's forward). False:
+        the snapshot is gone (evicted, reset); the request must look up again."""
+        end = self._deferred_states.pop(request.request_id, None)
+        if end is None:
+            return True
+        snap = self.snapshots.lookup(request.page_hashes[end // self.page_size - 1], end)
+        if snap is None:
+            return False
+        self.snapshots.use(snap)
+        self._restores.append((snap.slot, self.req_pages[request.request_id].state_slot))
+        return True
+
+    def take_host_copies(self) -> HostCopies | None:
+        """The scheduled step's host copies (HostCache.take_copies); from the next step
+        on, the pages it restores into are read after their scatter."""
+        self._sending.clear()
+        return self.host.take_copies()
+
+    def fail_host_copies(self) -> None:
+        """The step in flight failed: the pages its restores, and the settled step's
+        (scattered by it), were to fill forget their hashes; its offloads are dropped,
+        its host entries unpinned."""
+        for g, page in self.host.unsettled_restores():
+            cached = self.pools[g].cached_pages
+            if page.page_hash is not None and cached.get(page.page_hash) is page:
+                del cached[page.page_hash]
+                page.page_hash = None
         self.host.fail()
 
     def _pending_host_hit(self, request: Request, rp: ReqPages | None,
@@ -121,7 +162,6 @@ class HostHits:
         ones after the device's, the sliding ones in the window's places (the null page
         there) -- and, state_from_host, the state at its end into the request's state
         slot. Its entries were pinned first, so these allocations cannot evict them."""
-        first = len(rp.ids[GLOBAL])
         new = self.pool.get_new_pages(len(part.pages))
         rp.pages[GLOBAL].extend(new)
         rp.ids[GLOBAL].extend(b.page_id for b in new)
@@ -130,9 +170,9 @@ class HostHits:
         for i, page in zip(places, fresh):
             rp.pages[SLIDING][i], rp.ids[SLIDING][i] = page, page.page_id
         state = (part.pages[-1].state_slot, rp.state_slot) if state_from_host else None
-        # (a failed step forgets the request's pages from its first restored one on)
-        first_token = min([first, *places]) * self.page_size
-        self.host.restore(request.request_id, part.pages, [b.page_id for b in new],
-                          first_token, state,
-                          ([part.sliding[i] for i in places], [b.page_id for b in fresh]))
+        restored = [(GLOBAL, b) for b in new] + [(SLIDING, b) for b in fresh]
+        self._sending.update((g, b.page_id) for g, b in restored)
+        self.host.restore(part.pages, [b.page_id for b in new], state,
+                          ([part.sliding[i] for i in places], [b.page_id for b in fresh]),
+                          restored)
         del self._host_hits[request.request_id]

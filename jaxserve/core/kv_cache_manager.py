@@ -229,10 +229,12 @@ class KVCacheManager(SlidingPages, HostHits):
         new_computed_pages: a prefix hit, as get_computed_pages gives it.
 
         A sliding group first gives back the pages that lie wholly before the request's
-        window. Returns the newly allocated pages per group (the same number in each,
+        window. num_new_tokens may be 0 only with a hit: its pages alone are taken (a hit
+        restored a step ahead, core/host_hits.hit_waits).
+        Returns the newly allocated pages per group (the same number in each,
         possibly none), or None, changing nothing, when a pool cannot supply them.
         """
-        if num_new_tokens <= 0:
+        if num_new_tokens < 0 or not (num_new_tokens or num_new_computed_tokens):
             raise ValueError(f"num_new_tokens must be positive, got {num_new_tokens}")
         rid = request.request_id
         rp = self.req_pages.get(rid)
@@ -262,8 +264,8 @@ class KVCacheManager(SlidingPages, HostHits):
             rp = self._new_req_pages(rid)
             if rp is None:
                 return None
-        if hit:
-            self._take_hit(request, rp, hit, part)
+        if hit:   # (a hit taken alone is computed a step later)
+            self._take_hit(request, rp, hit, part, defer_state=not num_new_tokens)
         elif self.sliding_pool is not None:
             self._drop_out_of_window(request, rp)
         new_pages = self._no_pages()
@@ -312,10 +314,11 @@ class KVCacheManager(SlidingPages, HostHits):
         return rp
 
     def _take_hit(self, request: Request, rp: ReqPages, hit: GroupPages,
-                  part: HostHit | None) -> None:
+                  part: HostHit | None, defer_state: bool = False) -> None:
         """A new request's prefix hit: its pages (and a hybrid's state snapshot at the
         hit's end, restored first) become the request's; the host entries of its host
-        part stay pinned until the step that restores them ends."""
+        part stay pinned until the step that restores them ends. defer_state: the
+        request is computed a step later, its snapshot copied then (resume)."""
         if rp.pages[GLOBAL]:
             raise ValueError(f"request {request.request_id!r} already has pages; prefix hits "
                              f"only apply to new requests")
@@ -323,7 +326,9 @@ class KVCacheManager(SlidingPages, HostHits):
         from_host = self._state_from_host(request, n, part)
         if part is not None:
             self.host.pin(part.pages, list(part.sliding.values()))
-        if self.snapshots is not None and not from_host:   # restored before the forward
+        if self.snapshots is not None and not from_host and defer_state:
+            self._deferred_states[request.request_id] = n * self.page_size
+        elif self.snapshots is not None and not from_host:   # restored before the forward
             snap = self.snapshots.lookup(request.page_hashes[n - 1], n * self.page_size)
             self.snapshots.use(snap)
             self._restores.append((snap.slot, rp.state_slot))
@@ -375,6 +380,7 @@ class KVCacheManager(SlidingPages, HostHits):
             self.snapshots.release(request.request_id)
             self._branch.pop(request.request_id, None)
         self._host_hits.pop(request.request_id, None)
+        self._deferred_states.pop(request.request_id, None)
 
     def get_page_ids(self, request_id: str, group: int = GLOBAL) -> list[int]:
         """A copy of the request's page ids in one KV group, in order."""

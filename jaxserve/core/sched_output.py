@@ -109,6 +109,9 @@ class SchedulerOutput:
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # The prefix cache's host tier: this step's offloads and restores (None: no tier).
     host_copies: HostCopies | None = None
+    # Requests taken this step whose hits it restores: computed from the next step
+    # (core/restoring.py); a failure of this step fails them with its own.
+    restoring_req_ids: list[str] = field(default_factory=list)
     # LoRA: (slot, adapter) whose weights the runner writes into that device slot before
     # this step (the adapter is a LoRARequest: plain data a follower host loads too).
     lora_loads: list[tuple[int, Any]] = field(default_factory=list)

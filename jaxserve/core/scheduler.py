@@ -8,8 +8,9 @@ from typing import Iterable
 
 from jaxserve.core.encoder_cache import EncoderCache
 from jaxserve.core.host_cache import HostCache
-from jaxserve.core.kv_cache_manager import KVCacheManager
+from jaxserve.core.kv_cache_manager import GroupPages, KVCacheManager
 from jaxserve.core.lora_slots import LoRASlotManager, SchedulerLoRA
+from jaxserve.core.restoring import Restoring
 from jaxserve.core.spec_scheduling import SpecScheduling
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
@@ -23,7 +24,7 @@ __all__ = ["CachedRequestData", "NewRequestData", "Scheduler", "SchedulerConfig"
            "SchedulerOutput", "SchedulerStats"]
 
 
-class Scheduler(SchedulerLoRA, SpecScheduling, StepUpdate):
+class Scheduler(SchedulerLoRA, SpecScheduling, StepUpdate, Restoring):
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = c = config
         self.page_size = c.page_size
@@ -47,6 +48,8 @@ class Scheduler(SchedulerLoRA, SpecScheduling, StepUpdate):
             if c.encoder_cache_rows else None
         self.requests: dict[str, Request] = {}  # unfinished only
         self.running: list[Request] = []
+        # Taken with a hit restored this step; computed from the next (core/restoring.py).
+        self.restoring: dict[str, Request] = {}
         self.waiting: deque[Request] | PriorityQueue = (
             deque() if c.policy == "fcfs" else PriorityQueue()
         )
@@ -99,7 +102,9 @@ class Scheduler(SchedulerLoRA, SpecScheduling, StepUpdate):
             req = self.requests.get(rid)
             if req is None:
                 continue
-            if req.status == RequestStatus.RUNNING:
+            if rid in self.restoring:
+                del self.restoring[rid]
+            elif req.status == RequestStatus.RUNNING:
                 leave_running.add(rid)
             else:
                 self.waiting.remove(req)
@@ -126,7 +131,8 @@ class Scheduler(SchedulerLoRA, SpecScheduling, StepUpdate):
         if self.kv.snapshots is not None:
             self.kv.snapshots.discard_pending()
         if self.kv.host is not None:   # its restores and offloads may not have run either
-            self.kv.fail_host_copies(self.requests)
+            self.kv.fail_host_copies()
+            self._unpark_all()
         done = self.abort_requests(req_ids)
         # update_from_output may have stopped (and released) some before it failed,
         # leaving finished requests in `running`.
@@ -178,6 +184,7 @@ class Scheduler(SchedulerLoRA, SpecScheduling, StepUpdate):
     def schedule(self) -> SchedulerOutput:
         step = _StepDraft(self.max_num_batched_tokens)
         self._schedule_running(step)
+        self._schedule_restoring(step)
         if not step.preempted:   # waiting requests, unless this step had to preempt
             self._schedule_waiting(step)
         return self._close_step(step)
@@ -262,9 +269,10 @@ class Scheduler(SchedulerLoRA, SpecScheduling, StepUpdate):
         pages allow: each goes out whole (new to the runner, or resumed: preemption
         dropped its row), after its cached prefix. One whose LoRA adapter finds no slot
         stays waiting, in its place, and the next is tried."""
-        kv, running, waiting, budget = self.kv, self.running, self.waiting, step.budget
+        running, waiting, budget = self.running, self.waiting, step.budget
         skipped: list[Request] = []
-        while waiting and budget > 0 and len(running) < self.max_num_seqs:
+        # (requests taken to restore hold rows too)
+        while waiting and budget > 0 and len(running) + len(self.restoring) < self.max_num_seqs:
             req = self._peek_waiting()
             if not self._take_lora_slot(req, step.lora_loads):
                 skipped.append(self._pop_waiting())
@@ -274,45 +282,67 @@ class Scheduler(SchedulerLoRA, SpecScheduling, StepUpdate):
                 break
             num_hit, num_new, restore, images = fit
             self._pop_waiting()
-            if req.num_cached_tokens < 0:
-                req.num_cached_tokens = num_hit
-            req.num_computed_tokens = num_hit + num_new
-            if req.num_computed_tokens == req.num_tokens:   # it samples
-                req.num_in_flight += 1
-            if images:
-                self.encoder.commit(req, num_hit, num_new)
-            req.status = RequestStatus.RUNNING
-            running.append(req)
-            rid = req.request_id
-            step.new_reqs.append(NewRequestData(
-                rid, req.prompt_token_ids, req.output_token_ids[:], req.sampling_params,
-                kv.get_group_page_ids(rid), num_hit, num_new, kv.get_state_slot(rid),
-                req.lora_slot, req.multi_modal))
             budget -= num_new + restore
             step.restore_tokens += restore
+            if num_new:
+                self._admit(req, step, num_hit, num_new, images)
+            else:   # its hit is restored in this step, computed from the next
+                self._park(req, num_hit)
         for req in reversed(skipped):
             self._push_waiting(req, front=True)
         step.budget = budget
 
+    def _admit(self, req: Request, step: _StepDraft, num_hit: int, num_new: int,
+               images: bool) -> None:
+        """req goes out as a new row: num_new tokens after its hit of num_hit."""
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = num_hit
+        req.num_computed_tokens = num_hit + num_new
+        if req.num_computed_tokens == req.num_tokens:   # it samples
+            req.num_in_flight += 1
+        if images:
+            self.encoder.commit(req, num_hit, num_new)
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        rid, kv = req.request_id, self.kv
+        step.new_reqs.append(NewRequestData(
+            rid, req.prompt_token_ids, req.output_token_ids[:], req.sampling_params,
+            kv.get_group_page_ids(rid), num_hit, num_new, kv.get_state_slot(rid),
+            req.lora_slot, req.multi_modal))
+
     def _fit_waiting(self, req: Request, budget: int) -> tuple[int, int, int, bool] | None:
         """A waiting request's first chunk within `budget`, pages allocated -> (cached, new
-        tokens, its host-tier restore's budget, has images); None: something does not fit."""
-        kv, enc = self.kv, self.encoder
+        tokens, its host-tier restore's budget, has images); None: something does not fit.
+        No new tokens: its hit is restored first, its pages alone taken (core/restoring.py)."""
+        kv = self.kv
         hit, num_hit = kv.get_computed_pages(req)
         restore = kv.restore_budget(req, self.max_num_batched_tokens - 1)
         if restore >= budget:
             return None
-        num_new = min(req.num_tokens - num_hit, budget - restore)
-        if kv.snapshots is not None and (cut := kv.state_cut(req, num_hit)) is not None:
-            num_new = min(num_new, cut - num_hit)
+        if kv.hit_waits(req, hit):
+            if kv.allocate_slots(req, 0, hit, num_hit) is None:
+                return None
+            return num_hit, 0, restore, False
+        fit = self._fit_chunk(req, num_hit, budget - restore, hit, num_hit)
+        return None if fit is None else (num_hit, fit[0], restore, fit[1])
+
+    def _fit_chunk(self, req: Request, start: int, budget: int,
+                   hit: GroupPages | None = None, num_hit: int = 0) -> tuple[int, bool] | None:
+        """A new row's first chunk from `start` within `budget`, its pages allocated (with
+        the hit's: num_hit tokens past the request's computed ones) -> (new tokens, has
+        images); None: something does not fit."""
+        kv, enc = self.kv, self.encoder
+        num_new = min(req.num_tokens - start, budget)
+        if kv.snapshots is not None and (cut := kv.state_cut(req, start)) is not None:
+            num_new = min(num_new, cut - start)
         if (images := enc is not None and req.multi_modal is not None) and \
-                (num_new := enc.fit(req, num_hit, num_new)) <= 0:
+                (num_new := enc.fit(req, start, num_new)) <= 0:
             return None   # its first image waits for encoder budget or rows
-        ahead = self._lookahead(req, num_hit + num_new)
+        ahead = self._lookahead(req, start + num_new)
         if kv.allocate_slots(req, num_new + ahead, hit, num_hit) is None and (
                 not ahead or kv.allocate_slots(req, num_new, hit, num_hit) is None):
             return None   # (the drafter's pages ahead are dropped first)
-        return num_hit, num_new, restore, images
+        return num_new, images
 
     def _close_step(self, step: _StepDraft) -> SchedulerOutput:
         """The step's SchedulerOutput: its rows, the requests finished since the last
@@ -337,7 +367,8 @@ class Scheduler(SchedulerLoRA, SpecScheduling, StepUpdate):
         return SchedulerOutput(
             encoder_jobs=jobs, encoder_frees=frees,
             state_restores=restores, state_saves=saves, spec_token_ids=step.spec,
-            host_copies=None if kv.host is None else kv.host.take_copies(),
+            host_copies=None if kv.host is None else kv.take_host_copies(),
+            restoring_req_ids=list(self.restoring),
             lora_loads=step.lora_loads, new_reqs=step.new_reqs,
             cached_reqs=CachedRequestData(step.ids, step.starts, step.lens, step.pages),
             num_scheduled_tokens=(self.max_num_batched_tokens - step.budget
@@ -356,7 +387,7 @@ class Scheduler(SchedulerLoRA, SpecScheduling, StepUpdate):
 
     @property
     def num_running(self) -> int:
-        return len(self.running)
+        return len(self.running) + len(self.restoring)
 
     @property
     def num_waiting(self) -> int:
@@ -379,7 +410,7 @@ class Scheduler(SchedulerLoRA, SpecScheduling, StepUpdate):
     def stats(self) -> SchedulerStats:
         pc = self.kv.prefix_cache_stats
         return SchedulerStats(
-            num_running=len(self.running), num_waiting=len(self.waiting),
+            num_running=self.num_running, num_waiting=len(self.waiting),
             kv_cache_usage=self.kv.usage, prefix_cache_queries=pc.queries,
             prefix_cache_hits=pc.hits, num_preemptions=self.num_preemptions,
             num_prompt_tokens=self.num_prompt_tokens,

@@ -278,7 +278,7 @@ class EngineCore:
         returns one finished output with `error` per request; `done`: outputs the step
         had already produced, kept for requests it finished before failing."""
         message = f"{type(error).__name__}: {error}"
-        child_ids = sched_out.req_ids
+        child_ids = sched_out.req_ids + sched_out.restoring_req_ids
         parents = self.outputs.parents_of(child_ids)
         logger.error("engine step %d failed (%s); failing requests %s", self.num_steps,
                      message, parents, exc_info=error)

@@ -12,14 +12,17 @@ restore under other scales is refused.
 HostCopier: two jitted programs of fixed shape, compiled once: offload reads
 pages_per_call page ids and states_per_call state slots out of the caches (its result
 placed in pinned host memory where the device has it, then fetched asynchronously);
-restore writes as many into the donated caches in place (models/page_copies.py). A
-longer list is split into several calls; a short one is padded with id 0 (the null page
+restore writes as many into the donated caches in place (models/page_copies.py), from
+rows sent ahead into device staging buffers (`send`, then `scatter`: the transfer
+overlaps whatever runs between them).
+A longer list is split into several calls; a short one is padded with id 0 (the null page
 / slot) and host slot 0 (the dummy), so nothing recompiles.
 """
 from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
@@ -36,8 +39,11 @@ PAGE_KINDS = (KV, KV_SLIDING)
 STATE_KINDS = (CONV, RECURRENT)
 PINNED_HOST = "pinned_host"
 TIMING_S = 0.05   # at most this much start-up time (past one call) timing the restore
+LOG_LENGTH = 64   # HostTier.log's latest restores
 # Page ids or host slots of a copy, per KV kind (a sliding-window array has slots of its own).
 PerKind = Mapping[str, Sequence[int]]
+# One restore call's device ids per kind (padded) and its rows, sent to the device.
+Staged = tuple[dict[str, np.ndarray], dict[str, jax.Array]]
 
 
 @dataclass(frozen=True)
@@ -252,16 +258,17 @@ class HostCopier:
             pending.add(self._offload(dict(caches), ids), slots)
         return pending
 
-    def restore(self, caches: Mapping[str, jax.Array], host: HostPageArrays,
-                host_slots: PerKind, page_ids: PerKind,
-                host_state_slots: Sequence[int] = (), state_ids: Sequence[int] = (),
-                kv_scales: Mapping[str, Any] | None = None) -> dict[str, jax.Array]:
-        """caches (donated) with host slot host_slots[kind][i] written into page
-        page_ids[kind][i] of each KV kind given (a kind not given is left alone),
-        and host state slot j into state slot state_ids[j]. Every call has the same
-        shapes and kinds. The host rows are gathered and sent now (asynchronously)."""
+    def send(self, host: HostPageArrays, host_slots: PerKind, page_ids: PerKind,
+             host_state_slots: Sequence[int] = (), state_ids: Sequence[int] = (),
+             kv_scales: Mapping[str, Any] | None = None) -> list[Staged]:
+        """The first half of a restore: host slot host_slots[kind][i] (for page
+        page_ids[kind][i] of each KV kind given; a kind not given is left alone) and host
+        state slot j (for state slot state_ids[j]) gathered now and sent to the device
+        (asynchronously) in staging buffers, one per call. No cache is read or written:
+        a step's forward dispatched after it does not wait for the transfer. The host
+        rows are copied out at once, so their slots may change afterwards."""
         host.check_scales(kv_scales)
-        caches = dict(caches)
+        staged = []
         for ids, slots in self._calls(page_ids, host_slots, state_ids, host_state_slots):
             values = {}
             for kind in ids:
@@ -269,8 +276,25 @@ class HostCopier:
                 take = _pad(slots[kind], len(ids[kind]))
                 values[kind] = jax.device_put(pool[take].reshape(-1, *pool.shape[2:]),
                                               self._shardings[kind])
+            staged.append((ids, values))
+        return staged
+
+    def scatter(self, caches: Mapping[str, jax.Array], staged: Sequence[Staged]
+                ) -> dict[str, jax.Array]:
+        """The second half: caches (donated) with the staged rows written into their page
+        ids and state slots, in place; every call has the same shapes and kinds."""
+        caches = dict(caches)
+        for ids, values in staged:
             caches = self._restore(caches, ids, values)
         return caches
+
+    def restore(self, caches: Mapping[str, jax.Array], host: HostPageArrays,
+                host_slots: PerKind, page_ids: PerKind,
+                host_state_slots: Sequence[int] = (), state_ids: Sequence[int] = (),
+                kv_scales: Mapping[str, Any] | None = None) -> dict[str, jax.Array]:
+        """send, then scatter at once (the program waits for the transfer)."""
+        return self.scatter(caches, self.send(host, host_slots, page_ids, host_state_slots,
+                                              state_ids, kv_scales))
 
 
 def _pad(ids: list[int], n: int) -> np.ndarray:
@@ -279,8 +303,11 @@ def _pad(ids: list[int], n: int) -> np.ndarray:
 
 class HostTier:
     """The runner's host tier: the arrays, the copy programs, and what was copied. The
-    scheduler decides every copy (core/host_cache.py); the runner dispatches a step's
-    before its forward and lands its offloads when it collects the step."""
+    scheduler decides every copy (core/host_cache.py); the runner hands each step's to
+    `dispatch` before its forward and lands its offloads when it collects the step. A
+    restore is split over two steps: its rows are sent in the step that schedules it
+    and scattered into the caches at the start of the next dispatch, before anything
+    else reads or writes them, so no forward waits for a host->device transfer."""
 
     def __init__(self, caches: Mapping[str, jax.Array], layers: Mapping[str, int],
                  budget_bytes: int, device: jax.Device,
@@ -293,8 +320,13 @@ class HostTier:
         self.copier = HostCopier(self.layout, {k: caches[k].sharding for k in self.layout.rows},
                                  memory_kind=host_memory_kind(device))
         self.page_kinds = [k for k in PAGE_KINDS if k in self.layout.rows]
-        self.restore_seconds = 0.0   # host time to gather and send restores (asynchronous)
+        self.restore_seconds = 0.0   # host time to send and scatter restores (asynchronous)
         self.restore_call_s = 0.0    # one restore call, timed at warmup (0: not timed)
+        self._staged: list[Staged] = []   # the last dispatch's sends, scattered by the next
+        self._staged_pages: tuple[int, ...] = ()
+        self.num_dispatches = 0
+        # (dispatch number, "send" / "scatter", the global page ids) of the latest restores
+        self.log: deque[tuple[int, str, tuple[int, ...]]] = deque(maxlen=LOG_LENGTH)
 
     def kv_scales(self) -> dict[str, Any]:
         """The runner's KV scale params now (models/kv_scales.py; none: a float cache)."""
@@ -311,26 +343,36 @@ class HostTier:
         self.arrays.adopt_scales(scales)
         return True
 
-    def dispatch(self, caches: dict[str, jax.Array], copies: HostCopies
+    def dispatch(self, caches: dict[str, jax.Array], copies: HostCopies | None
                  ) -> tuple[dict[str, jax.Array], PendingOffload | None]:
-        """copies (core/sched_output.HostCopies): the offloads issued (their reads go
-        before any later write of those pages), then the restores (caches donated;
-        refused under other KV scales than their pages') -> (the caches, the offloads to
-        land)."""
+        """Every step, before its forward: the previous dispatch's sends scattered (caches
+        donated; device-local copies, first: this step's offloads may read those pages),
+        then copies' (core/sched_output.HostCopies) offloads issued (their reads go
+        before any later write of those pages) and its restores sent (refused under
+        other KV scales than their pages') -> (the caches, the offloads to land)."""
+        self.num_dispatches += 1
+        t0 = time.perf_counter()
+        if self._staged:   # (taken first: a failed scatter is not run again)
+            staged, pages = self._staged, self._staged_pages
+            self._staged, self._staged_pages = [], ()
+            caches = self.copier.scatter(caches, staged)
+            self.log.append((self.num_dispatches, "scatter", pages))
+            self.restore_seconds += time.perf_counter() - t0
         pending = None
         c = copies
-        if c.num_offloads:
+        if c is not None and c.num_offloads:
             pages, slots = self._by_kind((c.offload_pages, c.offload_slots),
                                          (c.offload_sliding_pages, c.offload_sliding_slots))
             pending = self.copier.offload(caches, pages, slots, c.offload_state_ids,
                                           c.offload_state_slots)
-        if c.num_restores:
+        if c is not None and c.num_restores:
             t0 = time.perf_counter()
             pages, slots = self._by_kind((c.restore_pages, c.restore_slots),
                                          (c.restore_sliding_pages, c.restore_sliding_slots))
-            caches = self.copier.restore(caches, self.arrays, slots, pages,
-                                         c.restore_state_slots, c.restore_state_ids,
-                                         self.kv_scales())
+            self._staged = self.copier.send(self.arrays, slots, pages, c.restore_state_slots,
+                                            c.restore_state_ids, self.kv_scales())
+            self._staged_pages = tuple(c.restore_pages)
+            self.log.append((self.num_dispatches, "send", self._staged_pages))
             self.restore_seconds += time.perf_counter() - t0
         return caches, pending
 

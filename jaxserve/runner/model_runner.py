@@ -296,7 +296,7 @@ class ModelRunner(RunnerWarmup, SpecCollect):
                                         scheduler_output.encoder_jobs)
                 self.encoder.run(scheduler_output.encoder_jobs)
             offloads = None
-            if scheduler_output.host_copies is not None:   # before the forward, in order
+            if self.host_tier is not None:   # before the forward, in order
                 self.kv_caches, offloads = self.host_tier.dispatch(
                     self.kv_caches, scheduler_output.host_copies)
             step = self._dispatch(rows)

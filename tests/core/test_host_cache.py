@@ -143,8 +143,12 @@ def test_a_failed_step_forgets_the_pages_its_restores_were_to_fill():
     finish("b", range(100, 113))            # a's pages go to host
     assert len(host.index) == 3
     sched.add_request(make("a2", a))
-    out = sched.schedule()
-    assert out.host_copies.restore_pages and out.new_reqs[0].num_computed_tokens == 12
-    sched.fail_step(out, ["a2"])
+    out = sched.schedule()   # its pages are restored; it computes from the next step
+    assert out.host_copies.restore_pages and not out.new_reqs and "a2" in sched.restoring
+    sched.fail_step(out, [])
     assert not any(h in kv.pool.cached_pages for h in make("x", a).page_hashes)
     assert len(host.index) == 3 and settled(host) and not host.restored_in_flight
+    # it looks up again: the host tier still has its pages
+    assert not sched.restoring and sched.waiting[0].request_id == "a2"
+    assert kv.get_num_free_pages() == 4
+    assert sched.schedule().host_copies.restore_pages

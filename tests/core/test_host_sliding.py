@@ -112,7 +112,7 @@ def test_a_failed_step_forgets_the_restored_pages_in_both_groups():
     hit, num_hit = kv.get_computed_pages(again)
     assert kv.allocate_slots(again, 1, hit, num_hit) is not None
     host.take_copies()
-    kv.fail_host_copies({"a2": again})
+    kv.fail_host_copies()
     assert not any(h in pool.cached_pages for pool in kv.pools for h in again.page_hashes)
     again.num_computed_tokens = again.num_tokens
     kv.free(again)

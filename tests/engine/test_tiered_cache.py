@@ -1,8 +1,10 @@
 """The prefix cache's host tier (--kv-offloading-size) on a multi-turn trace whose
 conversations need several times the device pool (--num-gpu-blocks-override): greedy
 tokens are those of the same engine without the tier, the later turns hit pages the host
-tier kept (its metrics say so), preemption and an abort while the step's copies are in
-flight leak nothing, and nothing compiles after warmup. Llama, the Qwen3.5 hybrid (whose
+tier kept (its metrics say so), a restore's rows are sent the step before the request's
+first forward and scattered in that forward's step, preemption, an abort while the step's
+copies are in flight or between a send and its scatter, and a failed send or scatter leak
+nothing, and nothing compiles after warmup. Llama, the Qwen3.5 hybrid (whose
 state snapshots travel with their pages) and Gemma 4 (whose sliding-window pages come
 back only as far as a hit's window needs); an int8 KV cache travels as stored."""
 from __future__ import annotations
@@ -167,6 +169,104 @@ def test_an_abort_while_its_restore_is_in_flight_leaks_nothing(engines):
     assert copies is not None and copies.restore_slots   # its pages come from the host
     engine.abort_request("x")
     engine.finish_step(step)
+    assert_tier_settled(tiered)
+    again = tiered.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)[0]
+    assert again.outputs[0].token_ids == want.outputs[0].token_ids
+    assert again.num_cached_tokens > 0
+    assert_tier_settled(tiered)
+
+
+def evicted_prompt(tiered: LLM, seed: int) -> list[int]:
+    """A prompt whose pages the host tier holds and the device pool does not."""
+    rng = random.Random(seed)
+    prompt, *others = [[rng.randrange(3, 250) for _ in range(70)] for _ in range(4)]
+    tiered.reset_prefix_cache()
+    tiered.generate([{"prompt_token_ids": p} for p in [prompt, *others]], GREEDY,
+                    use_tqdm=False)   # the prompt's pages are evicted to host by the others
+    return prompt
+
+
+def finish_outputs(engine) -> dict[str, object]:
+    """Steps until every request is done -> each request's final output."""
+    out = {}
+    while engine.scheduler.has_unfinished_requests():
+        out.update({o.request_id: o for o in engine.step() if o.finished})
+    return out
+
+
+def finish(engine) -> dict[str, list[int]]:
+    """Steps until every request is done -> each finished request's tokens."""
+    return {rid: o.outputs[0].token_ids for rid, o in finish_outputs(engine).items()}
+
+
+def test_a_restore_is_sent_the_step_before_the_request_is_computed(engines):
+    """The step that restores a request's pages sends their rows and computes nothing of
+    it; the next scatters them into the pages before its forward, which computes the
+    request's first chunk after the hit (the runner's record of its restores)."""
+    _, plain, tiered = engines
+    prompt = evicted_prompt(tiered, 11)
+    want = plain.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)[0]
+    engine, tier = tiered.engine, tiered.engine.runner.host_tier
+    compiled = num_compilations()
+    add(engine, "x", prompt, GREEDY)
+    first = engine.begin_step()
+    pages = tuple(first.sched_out.host_copies.restore_pages)
+    assert pages and not first.sched_out.new_reqs
+    engine.finish_step(first)
+    assert tier.log[-1] == (tier.num_dispatches, "send", pages)
+    second = engine.begin_step()
+    (new,) = second.sched_out.new_reqs
+    assert new.req_id == "x" and new.num_computed_tokens >= len(pages) * PS
+    assert tier.log[-1] == (tier.num_dispatches, "scatter", pages)
+    assert set(pages) <= set(new.page_ids[0])
+    outs = engine.finish_step(second)
+    got = finish(engine) | {o.request_id: o.outputs[0].token_ids for o in outs if o.finished}
+    assert got["x"] == want.outputs[0].token_ids
+    assert num_compilations() == compiled
+    assert_tier_settled(tiered)
+
+
+def test_an_abort_between_the_send_and_the_scatter_leaks_nothing(engines):
+    """Aborted after the step that sent its rows, before the one that scatters them: its
+    pages and slots come back at once, the scatter still fills its pages, and the next
+    request over the prefix hits them with the right tokens."""
+    _, plain, tiered = engines
+    prompt = evicted_prompt(tiered, 13)
+    want = plain.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)[0]
+    engine = tiered.engine
+    add(engine, "x", prompt, GREEDY)
+    first = engine.begin_step()
+    assert first.sched_out.host_copies.restore_pages and not first.sched_out.new_reqs
+    engine.finish_step(first)
+    engine.abort_request("x")
+    assert not engine.scheduler.restoring
+    assert_tier_settled(tiered)
+    again = tiered.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)[0]
+    assert again.outputs[0].token_ids == want.outputs[0].token_ids
+    assert again.num_cached_tokens > 0
+    assert_tier_settled(tiered)
+
+
+@pytest.mark.parametrize("half", ["send", "scatter"])
+def test_a_failed_send_or_scatter_fails_the_request_and_leaks_nothing(engines, half,
+                                                                       monkeypatch):
+    """The step that sends a request's restore, or the next one that scatters it, raises:
+    the request fails with the step (an output with the error), its pages forget their
+    hashes, nothing leaks, and the next request over the prefix restores it again."""
+    _, plain, tiered = engines
+    prompt = evicted_prompt(tiered, 17)
+    want = plain.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)[0]
+    engine, copier = tiered.engine, tiered.engine.runner.host_tier.copier
+    real = getattr(copier, half)
+
+    def fails_once(*args, **kwargs):
+        monkeypatch.setattr(copier, half, real)
+        raise RuntimeError(f"injected: the {half} failed")
+
+    monkeypatch.setattr(copier, half, fails_once)
+    add(engine, "x", prompt, GREEDY)
+    outs = finish_outputs(engine)
+    assert outs["x"].error and f"the {half} failed" in outs["x"].error
     assert_tier_settled(tiered)
     again = tiered.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)[0]
     assert again.outputs[0].token_ids == want.outputs[0].token_ids

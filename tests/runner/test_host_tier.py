@@ -254,3 +254,30 @@ def test_arrays_sized_from_bytes_stay_within_them():
         1.0, layout.page_bytes / layout.sliding_page_bytes))
     with pytest.raises(ValueError, match="holds no page"):
         HostPageArrays.for_budget(layout, layout.page_bytes)
+
+
+def test_a_restore_is_sent_in_its_dispatch_and_scattered_first_in_the_next():
+    """HostTier.dispatch sends a restore's rows without touching the caches (the step's
+    forward does not wait for them); the next dispatch scatters them first, before its own
+    offloads (which read the restored page as restored), with the rows as they were sent
+    (their host slot rewritten since); nothing compiles after warmup."""
+    rng = np.random.default_rng(6)
+    caches = {KV: random_caches(jnp.bfloat16, rng)[KV]}
+    tier = HostTier(caches, LAYERS, 8 * HostTierLayout.of(caches, LAYERS).page_bytes,
+                    jax.devices()[0])
+    caches = tier.warmup(caches)
+    start = num_compilations()
+    want = rows(np.array(caches[KV]), A, [3])
+    caches, pending = tier.dispatch(caches, HostCopies(offload_pages=[3], offload_slots=[2]))
+    pending.land(tier.arrays)
+    before = np.array(caches[KV])
+    caches, _ = tier.dispatch(caches, HostCopies(restore_slots=[2], restore_pages=[5]))
+    assert np.array(caches[KV]).tobytes() == before.tobytes()   # sent, not scattered
+    assert tier.log[-1] == (2, "send", (5,))
+    tier.arrays.arrays[KV][2] = 0   # the slot reused before the scatter
+    caches, pending = tier.dispatch(caches, HostCopies(offload_pages=[5], offload_slots=[4]))
+    assert list(tier.log) == [(2, "send", (5,)), (3, "scatter", (5,))]
+    pending.land(tier.arrays)
+    assert rows(np.array(caches[KV]), A, [5]).tobytes() == want.tobytes()
+    assert tier.arrays.arrays[KV][[4]].tobytes() == want.tobytes()
+    assert num_compilations() == start
