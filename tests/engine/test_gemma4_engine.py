@@ -63,10 +63,13 @@ def test_preemption_resumes_to_the_same_tokens(checkpoint, expected):
     assert_no_leaks(engine)
 
 
-def test_prefix_cache_hit_gives_the_same_tokens(checkpoint, expected):
+def test_prefix_cache_hit_gives_the_same_tokens(chunked, expected):
+    """On the batching test's engine (prefix caching is on by default): its programs
+    are compiled already, and its 16-token chunks make the hit cover several."""
     kind = "gemma4_kv"
-    llm = LLM(checkpoint(kind), dtype="float32", max_model_len=160, max_num_seqs=4,
-              max_num_batched_tokens=64, enable_prefix_caching=True, enforce_eager=True)
+    llm = chunked(kind)
+    assert llm.engine.prefix_caching
+    llm.reset_prefix_cache()     # (the batching test ran this prompt): computed afresh
     prompt = _prompts()[2]                          # 70 tokens: 4 full pages
     first = llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)[0]
     second = llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)[0]
