@@ -4,9 +4,10 @@ lowered for cuda (Mosaic GPU), on this CPU machine.
 TPU: the kernel compiles with fp8 (e4m3, e5m2) and int8 caches on v5e and v6e, at
 a production decode shape (Qwen3-8B, 256 rows at 262,144 tokens; e5m2 on the small
 shape only) and a small mixed one; fp8 compiles on v5e too, which has no fp8
-arithmetic (the kernel casts tiles to bf16 in VMEM). The kernel reads the cache as stored: no cache-sized convert or
-copy runs before it. write_kv followed by the kernel, the cache donated (one layer
-of the engine's step), updates the quantized cache in place.
+arithmetic (the kernel casts tiles to bf16 in VMEM). The kernel reads the cache as
+stored: no cache-sized convert or copy runs before it. write_kv followed by the
+kernel, the cache donated (one layer of the engine's step), updates the quantized
+cache in place.
 cuda: the Mosaic GPU kernel lowers for fp8 and int8 caches (cast in shared memory
 before the WGMMAs); where it cannot (odd page sizes) the reference runs.
 """
