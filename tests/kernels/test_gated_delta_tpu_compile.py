@@ -10,7 +10,8 @@ array and its traffic every step), and the kernel's cost estimate reaches XLA.
 Shapes: small ones, and Qwen3.6-27B's linear attention (16 key heads, 48 value heads,
 Dk = Dv = 128, 257 state slots) both sharded over a 1x8 mesh as the model shards it
 (2 key / 6 value heads per chip, under shard_map) and whole on 1 chip; decode buckets
-of 1, 64 and 256 rows and a prefill bucket of 2048 tokens over 16 rows.
+of 1 and 256 rows and a prefill bucket of 2048 tokens over 16 rows (the whole-model
+1x1 shape, the slowest compile, on v6e only).
 """
 from __future__ import annotations
 
@@ -32,10 +33,12 @@ SHAPES = [  # (name, mesh, T, R, key heads, value heads, Dk, Dv, slots) at full 
     ("small-dk32-dv128", "1x1", 64, 8, 1, 3, 32, 128, 16),
     ("qwen3.6-27b-1x8-decode-256", "1x8", 256, 256, 16, 48, 128, 128, SLOTS),
     ("qwen3.6-27b-1x8-prefill-2048x16", "1x8", 2048, 16, 16, 48, 128, 128, SLOTS),
-    ("qwen3.6-27b-1x8-decode-64", "1x8", 64, 64, 16, 48, 128, 128, SLOTS),
     ("qwen3.6-27b-1x8-decode-1", "1x8", 16, 1, 16, 48, 128, 128, SLOTS),
-    ("qwen3.6-27b-1x1-decode-256", "1x1", 256, 256, 16, 48, 128, 128, SLOTS),
 ]
+# The whole model on one chip (48 value heads per chip, not 6): v6e only, the kernel's
+# v5e build at 256 rows is the 1x8 case's.
+CASES = [(shape, target) for shape in SHAPES for target in ("tpu-v5e", "tpu-v6e")] + [
+    (("qwen3.6-27b-1x1-decode-256", "1x1", 256, 256, 16, 48, 128, 128, SLOTS), "tpu-v6e")]
 STATES_ARG = 5
 
 
@@ -72,9 +75,8 @@ def whole_state_copies(hlo: str, states_shape: str) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("target", ["tpu-v5e", "tpu-v6e"])
-@pytest.mark.parametrize("shape", SHAPES, ids=[s[0] for s in SHAPES])
-def test_gated_delta_compiles_for_tpu(target, shape):
+@pytest.mark.parametrize("shape, target", CASES, ids=[f"{s[0]}-{t}" for s, t in CASES])
+def test_gated_delta_compiles_for_tpu(shape, target):
     name, mesh, t, r, hk, hv, dk, dv, s = shape
     fn, specs = _entry(mesh)
     compiled = compile_on_tpu(fn, *_args(t, r, hk, hv, dk, dv, s), target=target, mesh=mesh,

@@ -2,11 +2,12 @@
 lowered for cuda (Mosaic GPU), on this CPU machine.
 
 TPU: the kernel compiles with fp8 (e4m3, e5m2) and int8 caches on v5e and v6e, at
-a production decode shape (Qwen3-8B, 256 rows at 262,144 tokens) and a small mixed
-one; fp8 compiles on v5e too, which has no fp8 arithmetic (the kernel casts tiles
-to bf16 in VMEM). The kernel reads the cache as stored: no cache-sized convert or
-copy runs before it. write_kv followed by the kernel, the cache donated (one layer
-of the engine's step), updates the quantized cache in place.
+a production decode shape (Qwen3-8B, 256 rows at 262,144 tokens; e5m2 on the small
+shape only) and a small mixed one; fp8 compiles on v5e too, which has no fp8
+arithmetic (the kernel casts tiles to bf16 in VMEM). The kernel reads the cache as
+stored: no cache-sized convert or copy runs before it. write_kv followed by the
+kernel, the cache donated (one layer of the engine's step), updates the quantized
+cache in place.
 cuda: the Mosaic GPU kernel lowers for fp8 and int8 caches (cast in shared memory
 before the WGMMAs); where it cannot (odd page sizes) the reference runs.
 """
@@ -52,12 +53,18 @@ def _cache_lines(hlo: str, cache_shape, dtype) -> list[str]:
     return [ln for ln in hlo_lines(hlo) if re.search(r"= " + re.escape(text) + r"\{", ln)]
 
 
-@pytest.mark.parametrize("target,dtype", [
-    ("tpu-v6e", jnp.float8_e4m3fn), ("tpu-v6e", jnp.float8_e5m2), ("tpu-v6e", jnp.int8),
-    ("tpu-v5e", jnp.int8), ("tpu-v5e", jnp.float8_e4m3fn)],
-    ids=["v6e-e4m3", "v6e-e5m2", "v6e-int8", "v5e-int8", "v5e-e4m3"])
-@pytest.mark.parametrize("shape", SHAPES, ids=list(SHAPES))
-def test_kernel_compiles_for_tpu_reading_the_narrow_cache(shape, target, dtype):
+TARGET_DTYPES = {"v6e-e4m3": ("tpu-v6e", jnp.float8_e4m3fn), "v6e-e5m2": ("tpu-v6e", jnp.float8_e5m2),
+                 "v6e-int8": ("tpu-v6e", jnp.int8), "v5e-int8": ("tpu-v5e", jnp.int8),
+                 "v5e-e4m3": ("tpu-v5e", jnp.float8_e4m3fn)}
+# Every chip and cache dtype on the small shape; the production one leaves out e5m2 (an
+# fp8 cache read as e4m3's is, on v6e and on v5e).
+CASES = [(shape, name) for shape in SHAPES for name in TARGET_DTYPES
+         if not (shape == "qwen3-8b-decode-256" and name == "v6e-e5m2")]
+
+
+@pytest.mark.parametrize("shape, name", CASES, ids=[f"{s}-{n}" for s, n in CASES])
+def test_kernel_compiles_for_tpu_reading_the_narrow_cache(shape, name):
+    target, dtype = TARGET_DTYPES[name]
     args = _args(*SHAPES[shape], dtype)
     compiled = compile_on_tpu(functools.partial(_attend, impl="pallas"), *args, target=target)
     hlo = compiled.as_text()
