@@ -138,7 +138,8 @@ if [ "$MODE" = tiny ]; then
   # The same steps on tiny models, seconds each: only the code paths, no figure worth keeping.
   MODELS=$($PY -m benchmarks.gpu.gpu_session tiny-models --dir "$WORK/models") || exit 1
   LLAMA=$(echo "$MODELS" | sed -n 1p) QWEN=$(echo "$MODELS" | sed -n 2p) BIG_LLAMA=$LLAMA
-  IO="--input-len 16 --output-len 4 --iters 1 --max-num-batched-tokens 16"
+  # 4 rows everywhere: qwen_fp8 (rows 1,2) then loads qwen_tpot's programs from the cache
+  IO="--input-len 16 --output-len 4 --iters 1 --max-num-seqs 4 --max-num-batched-tokens 16"
   ENGINE="--max-model-len 32 --compilation-cache-dir $CACHE"
   ROWS="1,2,4" QWEN_ROWS="1,2" PROFILE="--profile-rows 1,2 --profile-steps 2"
   QWEN_PROFILE="--profile-rows 1 --profile-steps 2"
@@ -150,7 +151,8 @@ if [ "$MODE" = tiny ]; then
   CASES="llama-tiny" CHECK_ARGS="--prompt-lens 3,9,17 --new-tokens 4"
   TPOT="--input-len 16 --output-len 4 --iters 1 --max-num-seqs 4 --max-num-batched-tokens 16 \
     --profile-rows 1 --profile-steps 2"
-  CMDBUF="" NOMERGE=""   # the GPU flags are not XLA:CPU's
+  CMDBUF="" NOMERGE="" TRITON=""   # the GPU flags are not XLA:CPU's (and, in XLA_FLAGS,
+  # would key the compilation cache apart: tpot_triton loads tpot_base's programs)
   PROBE="--tiny --iters 2 --rows 1 --timeout 60 --variants scan,loop"
 else
   $PY -m pip install -q --no-deps --no-build-isolation -e . >"$WORK/install.log" 2>&1 \
@@ -171,7 +173,7 @@ else
   TPOT="--input-len 1024 --output-len 64 --iters 2 --max-num-seqs 8 \
     --max-num-batched-tokens 512 --profile-rows 1 --profile-steps 12"
   CMDBUF="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL --xla_gpu_graph_min_graph_size=1"
-  NOMERGE="--xla_gpu_dot_merger_threshold_mb=0"
+  NOMERGE="--xla_gpu_dot_merger_threshold_mb=0" TRITON="--xla_gpu_enable_triton_gemm=true"
   PROBE="--rows 1,64 --iters 30 --timeout 25"
 fi
 
@@ -196,7 +198,7 @@ for s in $STEPS; do case $s in
   tpot_async) tpot tpot_async "$T_TPOT" "" --model "$LLAMA" --dtype bfloat16 --async-scheduling ;;
   tpot_nomerge) tpot tpot_nomerge "$T_TPOT" "$NOMERGE" --model "$LLAMA" --dtype bfloat16 ;;
   tpot_cmdbuf) tpot tpot_cmdbuf "$T_TPOT" "$CMDBUF" --model "$LLAMA" --dtype bfloat16 ;;
-  tpot_triton) tpot tpot_triton "$T_TPOT" "--xla_gpu_enable_triton_gemm=true" --model "$LLAMA" \
+  tpot_triton) tpot tpot_triton "$T_TPOT" "$TRITON" --model "$LLAMA" \
     --dtype bfloat16 ;;
   qwen_tpot) tpot qwen_tpot "$T_QWEN_TPOT" "" --model "$QWEN" --quantization fp8 ;;
   qwen_w8a8) tpot qwen_w8a8 "$T_QWEN_TPOT" "" --model "$QWEN" --quantization fp8 \

@@ -260,12 +260,14 @@ def summary(work: str, out: str, mode: str) -> dict[str, Any]:
 
 def tiny_models(root: str) -> None:
     """The tiny mode's checkpoints: a llama and a Qwen3.5 hybrid (random, float32), as few
-    layers as each kind has (compile time is most of a tiny step)."""
+    layers as each kind has (compile time is most of a tiny step, and XLA:CPU's layers are
+    unrolled): the hybrid one DeltaNet layer, then one full-attention layer."""
     from tests.checkpoints import make_tiny_checkpoint
-    for kind, layers in (("llama", 1), ("qwen3_5", 4)):
+    for kind, shape in (("llama", dict(num_hidden_layers=1)),
+                        ("qwen3_5", dict(num_hidden_layers=2, full_attention_interval=2))):
         path = os.path.join(root, kind)
         if not os.path.exists(os.path.join(path, "config.json")):
-            make_tiny_checkpoint(kind, path, num_hidden_layers=layers)
+            make_tiny_checkpoint(kind, path, **shape)
         print(path)
 
 

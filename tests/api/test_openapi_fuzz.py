@@ -145,7 +145,9 @@ def fuzz(url: str, headers: dict[str, str], vocab_size: int) -> dict[str, Any]:
 
 def test_openapi_fuzz(api_checkpoint: str) -> None:
     vocab_size = json.loads((Path(api_checkpoint) / "config.json").read_text())["vocab_size"]
-    srv = Server(api_checkpoint)
+    # The fewest rows and tokens a drawn request needs (n <= 4; a prompt longer than a step
+    # is chunked): a fraction of the default sizes' warmup programs.
+    srv = Server(api_checkpoint, "--max-num-seqs", "4", "--max-num-batched-tokens", "32")
     try:
         report = fuzz(srv.url, {"Authorization": f"Bearer {API_KEY}"}, vocab_size)
     finally:

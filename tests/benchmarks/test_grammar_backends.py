@@ -79,9 +79,25 @@ def test_a_mask_refuses_what_the_grammar_does_not_allow(hf):
     assert gb.mask_failures(failed) == {"rows_8_threads_1": (3, 1)}
 
 
-def test_llguidance_run_at_toy_size(hf):
-    r = gb.run_backend("llguidance", hf, threads=1, repeats=2, passes=2, batch_rows=[4],
-                       batch_steps=12, batch_threads=[1, 2])
+@pytest.fixture(scope="module")
+def run(hf, tmp_path_factory) -> tuple[dict, object]:
+    """One main() at toy size with xgrammar reported missing: the llguidance figures and
+    the files it writes (one run: the backend's drive is most of a test's time)."""
+    tmp = tmp_path_factory.mktemp("grammar_run")
+    hf.save_pretrained(tmp / "tok")
+    real = gb.installed
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gb, "installed", lambda name: None if name == "xgrammar" else real(name))
+        # --threads 2 without --batch-threads: the batched drive runs on 1 and 2 threads
+        results = gb.main(["--output-dir", str(tmp / "out"), "--vocab-size", str(VOCAB),
+                           "--tokenizer-dir", str(tmp / "tok"), "--repeats", "2",
+                           "--passes", "2", "--batch-rows", "4", "--batch-steps", "12",
+                           "--threads", "2"])
+    return results, tmp / "out"
+
+
+def test_llguidance_run_at_toy_size(run, hf):
+    r = run[0]["backends"]["llguidance"]
     assert r["installed"] and r["vocab_size"] == VOCAB
     assert set(r["compile"]) == set(gb.grammar_kinds())
     for label, c in r["compile"].items():
@@ -118,16 +134,9 @@ def test_llguidance_run_at_toy_size(hf):
     assert all(e and e != "ACCEPTED (no error)" for e in errors.values()), errors
 
 
-def test_main_writes_results_and_reports_a_missing_backend(hf, tmp_path, monkeypatch):
-    real = gb.installed
-    monkeypatch.setattr(gb, "installed", lambda name: None if name == "xgrammar" else real(name))
-    tok_dir = tmp_path / "tok"
-    hf.save_pretrained(tok_dir)
-    out = tmp_path / "out"
-    results = gb.main(["--output-dir", str(out), "--vocab-size", str(VOCAB),
-                       "--tokenizer-dir", str(tok_dir), "--repeats", "1", "--passes", "2",
-                       "--batch-rows", "2", "--batch-steps", "4", "--threads", "1"])
-    assert results["config"]["batch_threads"] == [1]
+def test_main_writes_results_and_reports_a_missing_backend(run):
+    results, out = run
+    assert results["config"]["batch_threads"] == [1, 2]
     assert results["backends"]["xgrammar"] == {"installed": False}
     assert "xgrammar" not in results["packages"]
     doc = json.loads((out / "grammar_backends.json").read_text())
