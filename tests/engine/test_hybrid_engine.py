@@ -46,9 +46,25 @@ def single_prefill(checkpoint):
     return get
 
 
+@pytest.fixture(scope="module")
+def small_budget(checkpoint):
+    """kind -> an engine with a 32-token budget and 14 pages of 16 tokens (the four
+    requests need 24 at their longest), built once for the module (the parity test's
+    staggered run and the preemption test share qwen3_5's)."""
+    made: dict[str, LLM] = {}
+
+    def get(kind: str) -> LLM:
+        if kind not in made:
+            made[kind] = LLM(checkpoint(kind), dtype="float32", max_model_len=176,
+                             max_num_seqs=4, max_num_batched_tokens=32, num_pages=15,
+                             enforce_eager=True)
+        return made[kind]
+    return get
+
+
 @pytest.mark.parametrize("kind", HYBRID_KINDS)
-def test_greedy_matches_transformers(kind, checkpoint, expected, single_prefill):
-    path, prompts, want = checkpoint(kind), _prompts(), expected[kind]
+def test_greedy_matches_transformers(kind, expected, single_prefill, small_budget):
+    prompts, want = _prompts(), expected[kind]
     # One at a time, each prompt in a single prefill.
     llm = single_prefill(kind)
     for p, w in zip(prompts, want):
@@ -56,21 +72,21 @@ def test_greedy_matches_transformers(kind, checkpoint, expected, single_prefill)
     assert_no_leaks(llm.engine)
     # Together, arriving at different steps, with a 32-token budget: prefills continue
     # across steps from the slot's state and share steps with other requests' decodes.
-    engine = LLM(path, dtype="float32", max_model_len=256, max_num_seqs=4,
-                 max_num_batched_tokens=32, enforce_eager=True).engine
+    engine = small_budget(kind).engine
     results = run_staggered(engine, prompts, GREEDY, every=3)
     assert [results[str(i)] for i in range(len(prompts))] == want
     assert_no_leaks(engine)
 
 
-def test_preemption_resumes_to_the_same_tokens(checkpoint, expected):
+def test_preemption_resumes_to_the_same_tokens(expected, small_budget):
     kind = "qwen3_5"
-    path, prompts, want = checkpoint(kind), _prompts(), expected[kind]
-    # 14 pages of 16 tokens: the four requests need 24 at their longest.
-    engine = LLM(path, dtype="float32", max_model_len=176, max_num_seqs=4,
-                 max_num_batched_tokens=64, num_pages=15, enforce_eager=True).engine
+    prompts, want = _prompts(), expected[kind]
+    llm = small_budget(kind)   # 14 pages: all four at once need 24
+    llm.reset_prefix_cache()   # (no hits on the parity test's pages)
+    engine = llm.engine
+    before = engine.scheduler.num_preemptions
     results = run_staggered(engine, prompts, GREEDY, every=1)
-    assert engine.scheduler.num_preemptions > 0
+    assert engine.scheduler.num_preemptions > before
     assert [results[str(i)] for i in range(len(prompts))] == want
     assert_no_leaks(engine)
 

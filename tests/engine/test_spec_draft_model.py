@@ -33,6 +33,15 @@ def plain(paths):
     return LLM(paths[0], enforce_eager=True, **ENGINE)
 
 
+@pytest.fixture(scope="module")
+def self_draft(paths):
+    """The target drafting for itself (k=3) in a pool of 16 pages, too small for every
+    request at once: the parity test's self-draft case and the preemption test share it."""
+    return LLM(paths[0], speculative_config={"method": "draft_model", "model": paths[0],
+                                             "num_speculative_tokens": 3},
+               **{**ENGINE, "num_pages": 17})
+
+
 def prompts(seed: int, n: int = 6) -> list[dict]:
     rng = random.Random(seed)
     return [{"prompt_token_ids": [rng.randrange(3, 250) for _ in range(rng.randrange(5, 60))]}
@@ -44,9 +53,10 @@ def run(llm: LLM, ps, params=GREEDY) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("draft, k", [(0, 3), (1, 2)], ids=["self-draft", "other-draft"])
-def test_draft_model_outputs_are_the_targets(paths, plain, draft, k):
-    spec = LLM(paths[0], speculative_config={"method": "draft_model", "model": paths[draft],
-                                             "num_speculative_tokens": k}, **ENGINE)
+def test_draft_model_outputs_are_the_targets(paths, plain, self_draft, draft, k):
+    spec = self_draft if draft == 0 else LLM(
+        paths[0], speculative_config={"method": "draft_model", "model": paths[draft],
+                                      "num_speculative_tokens": k}, **ENGINE)
     compiled = spec.engine.num_compilations   # (a process-wide count: spec runs first)
     ps = prompts(k)
     got = run(spec, ps)
@@ -82,20 +92,22 @@ def test_draft_models_it_cannot_serve_are_refused(paths, tmp_path):
         LLM(hybrid, speculative_config={"method": "mtp"}, enforce_eager=True, **ENGINE)
 
 
-def test_draft_model_under_preemption_and_prefix_hits(paths, plain):
+def test_draft_model_under_preemption_and_prefix_hits(plain, self_draft):
     """A pool too small for every request: the drafter's pages ahead are dropped first,
     then requests are preempted and resumed; shared prompts hit the prefix cache (the
     drafter's KV on those pages is the one the first request computed)."""
-    spec = LLM(paths[0], speculative_config={"method": "draft_model", "model": paths[0],
-                                             "num_speculative_tokens": 3},
-               enforce_eager=True, **{**ENGINE, "num_pages": 17})
+    spec = self_draft
+    assert spec.reset_prefix_cache()
+    s0 = spec.engine.scheduler.stats()
     rng = random.Random(3)
     shared = [rng.randrange(3, 250) for _ in range(40)]
     ps = [{"prompt_token_ids": shared + [rng.randrange(3, 250) for _ in range(rng.randrange(3, 30))]}
           for _ in range(6)]
     params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
     assert run(spec, ps, params) == run(plain, ps, params)
-    s = spec.engine.scheduler.stats()
-    assert s.num_preemptions > 0 and s.prefix_cache_hits > 0, s
-    assert s.spec_num_accepted_tokens == s.spec_num_draft_tokens > 0, s
+    s = spec.engine.scheduler.stats()   # (counts since the engine started: this run's)
+    assert s.num_preemptions > s0.num_preemptions, s
+    assert s.prefix_cache_hits > s0.prefix_cache_hits, s
+    drafted = s.spec_num_draft_tokens - s0.spec_num_draft_tokens
+    assert s.spec_num_accepted_tokens - s0.spec_num_accepted_tokens == drafted > 0, s
     assert_no_leaks(spec.engine)
