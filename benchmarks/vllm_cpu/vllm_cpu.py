@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -180,7 +181,7 @@ def online_runs(args: argparse.Namespace, venv: VllmVenv, vllm_env: dict[str, st
         try:
             server = online.start_server(system, ckpts[model]["path"], dtype, limits, venv,
                                          vllm_env, os.path.join(work, tag + "-server.log"),
-                                         args.run_timeout)
+                                         args.run_timeout, args.jaxserve_server_flags)
         except RuntimeError as e:
             runs.append({**base, "error": str(e)[-2000:]})
             log(f"FAILED {tag}: {str(e)[-600:]}")
@@ -234,6 +235,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                  "max-num-batched-tokens"):
         a(f"--{name}", type=int, help=f"full {FULL_DEFAULTS[name.replace('-', '_')]}, "
                                       f"tiny {TINY_DEFAULTS[name.replace('-', '_')]}")
+    a("--jaxserve-server-flags", default="",
+      help="more flags for jaxserve's server, e.g. '--async-scheduling' (online only)")
     a("--seed", type=int, default=0)
     a("--work-dir", default="/tmp/jaxserve-bench-vllm-cpu", help="checkpoints, logs, raw runs")
     a("--output-dir", help="JSON + Markdown (full: benchmarks/results; tiny: WORK_DIR/results)")
@@ -255,6 +258,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.models, args.dtypes, args.online_dtypes = split(args.models), split(args.dtypes), \
         split(args.online_dtypes)
     args.parts, args.endpoints = split(args.parts), split(args.endpoints)
+    args.jaxserve_server_flags = shlex.split(args.jaxserve_server_flags)
     args.concurrency = [int(x) for x in split(args.concurrency)]
     for m in args.models:
         if m not in MODELS:
@@ -264,6 +268,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             p.error(f"--endpoints: unknown {e!r} (known: {', '.join(online.ENDPOINTS)})")
     if not set(args.parts) <= {"offline", "online"}:
         p.error("--parts: offline and/or online")
+    if args.jaxserve_server_flags and "online" not in args.parts:
+        p.error("--jaxserve-server-flags: only the online part starts a server")
     if args.concurrency and max(args.concurrency) > args.max_num_seqs:
         log(f"note: concurrency {max(args.concurrency)} > max_num_seqs {args.max_num_seqs}: "
             "both servers queue the rest")

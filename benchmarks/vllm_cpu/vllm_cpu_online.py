@@ -22,7 +22,7 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 from benchmarks.vllm_cpu.vllm_cpu_env import VllmVenv
 
@@ -52,12 +52,13 @@ def free_port() -> int:
 
 
 def server_command(system: str, model: str, dtype: str, port: int, limits: Limits,
-                   venv: VllmVenv) -> list[str]:
+                   venv: VllmVenv, jaxserve_flags: Sequence[str] = ()) -> list[str]:
+    """jaxserve_flags: more of jaxserve's flags (an A/B of one, e.g. --async-scheduling)."""
     common = ["--dtype", dtype, "--host", "127.0.0.1", "--port", str(port),
               "--served-model-name", SERVED_NAME, *limits.flags()]
     if system == "jaxserve":
         return [sys.executable, "-m", "jaxserve.api", "--model", model, *common,
-                "--disable-log-requests"]
+                "--disable-log-requests", *jaxserve_flags]
     return [venv.vllm, "serve", model, *common, "--disable-uvicorn-access-log"]
 
 
@@ -85,10 +86,11 @@ class Server:
 
 
 def start_server(system: str, model: str, dtype: str, limits: Limits, venv: VllmVenv,
-                 vllm_env: dict[str, str], log_path: str, timeout_s: float = 1200.0) -> Server:
+                 vllm_env: dict[str, str], log_path: str, timeout_s: float = 1200.0,
+                 jaxserve_flags: Sequence[str] = ()) -> Server:
     """Starts the server and waits until GET /health answers 200."""
     port = free_port()
-    cmd = server_command(system, model, dtype, port, limits, venv)
+    cmd = server_command(system, model, dtype, port, limits, venv, jaxserve_flags)
     env = jaxserve_env() if system == "jaxserve" else vllm_env
     t0 = time.monotonic()
     with open(log_path, "w", encoding="utf-8") as log:

@@ -154,6 +154,10 @@ def test_both_servers_get_the_same_limits_and_the_client_the_same_workload(tmp_p
         tail = " ".join(cmd)
         assert "--max-num-seqs 64" in tail and "--max-num-batched-tokens 2048" in tail
         assert "--dtype bfloat16" in tail and "--served-model-name bench" in tail
+    # an A/B flag reaches jaxserve's server alone
+    ab = vllm_cpu_online.server_command("jaxserve", "/m", "bfloat16", 9000, limits, venv,
+                                        ["--async-scheduling"])
+    assert ab == [*cmds["jaxserve"], "--async-scheduling"]
     server = vllm_cpu_online.Server("vllm", None, "http://127.0.0.1:9000", "log")
     client = " ".join(vllm_cpu_online.client_command(venv, server, "chat", 16, 48, 128, 128,
                                                      "/m", 0, "/r", "x.json"))
@@ -172,6 +176,10 @@ def test_tiny_defaults_fill_only_what_was_not_given(tmp_path):
     assert args.num_prompts == 3 and args.input_len == vllm_cpu.TINY_DEFAULTS["input_len"]
     assert args.output_dir == os.path.join(str(tmp_path), "results")
     assert args.concurrency == [4, 8] and args.models == ["llama", "qwen3"]
+    assert vllm_cpu.parse_args(["--jaxserve-server-flags", "--async-scheduling --seed 1"]
+                               ).jaxserve_server_flags == ["--async-scheduling", "--seed", "1"]
+    with pytest.raises(SystemExit):
+        vllm_cpu.parse_args(["--parts", "offline", "--jaxserve-server-flags", "--async-scheduling"])
     full = vllm_cpu.parse_args([])
     assert (full.num_prompts, full.input_len, full.output_len) == (48, 200, 96)
     assert full.output_dir.endswith(os.path.join("benchmarks", "results"))
