@@ -18,6 +18,8 @@
 #   tpot_cmdbuf  tpot_base with command buffers over the while loop and conditionals, at a
 #                minimum graph size of 1 (the third session: the flag alone changed nothing,
 #                the loop still ran from the host, its body one CUDA graph per layer)
+#   host_tier    benchmarks/cache/host_tier_copies.py: the host KV tier's offload and
+#                restore bandwidth (llama-3.1-8b's KV pages) against the link's (issue 44)
 #   qwen_w8a8    qwen3.6-27b --quantization fp8 --activation-quantization dynamic, batch 1
 #                (tpot_base's engine sizes): fp8 x fp8 gemms that cuBLAS could run in place
 #   qwen_tpot    the same without --activation-quantization (w8a16, Triton: the third
@@ -53,7 +55,8 @@
 set -u
 MODE=full
 [ "${1:-}" = "--tiny" ] && { MODE=tiny; shift; }
-ALL_STEPS="tpot_base tpot_async tpot_nomerge tpot_cmdbuf qwen_w8a8 qwen_tpot llama_bf16 qwen_fp8 llama_fp8"
+ALL_STEPS="tpot_base tpot_async tpot_nomerge tpot_cmdbuf host_tier qwen_w8a8 qwen_tpot llama_bf16"
+ALL_STEPS="$ALL_STEPS qwen_fp8 llama_fp8"
 ALL_STEPS="$ALL_STEPS checks transformers serve_8b tpot_triton roofline scan_probe"
 STEPS=${*:-$ALL_STEPS}
 for s in $STEPS; do
@@ -75,6 +78,7 @@ if [ "$MODE" = tiny ]; then
   T_ROOFLINE=${T_ROOFLINE:-120} T_LLAMA=${T_LLAMA:-240} T_LLAMA_FP8=${T_LLAMA_FP8:-240}
   T_QWEN=${T_QWEN:-240} T_TORCH=${T_TORCH:-120} T_SERVE=${T_SERVE:-240} T_CHECKS=${T_CHECKS:-240}
   T_TPOT=${T_TPOT:-240} T_PROBE=${T_PROBE:-240} T_QWEN_TPOT=${T_QWEN_TPOT:-240}
+  T_HOST=${T_HOST:-120}
 else
   export JAX_PLATFORMS=${JAX_PLATFORMS:-cuda,cpu}
   SESSION_S=${SESSION_S:-540}
@@ -87,6 +91,7 @@ else
   T_QWEN=${T_QWEN:-220} T_TORCH=${T_TORCH:-120} T_SERVE=${T_SERVE:-90} T_CHECKS=${T_CHECKS:-150}
   # Third (87a97ce, H200, cold): tpot_cmdbuf 38 s, qwen_fp8 172 s (warmup 84 s).
   T_TPOT=${T_TPOT:-90} T_PROBE=${T_PROBE:-70} T_QWEN_TPOT=${T_QWEN_TPOT:-160}
+  T_HOST=${T_HOST:-45}   # not yet measured on a GPU
 fi
 DEADLINE=$((START + SESSION_S))
 
@@ -154,6 +159,7 @@ if [ "$MODE" = tiny ]; then
   CMDBUF="" NOMERGE="" TRITON=""   # the GPU flags are not XLA:CPU's (and, in XLA_FLAGS,
   # would key the compilation cache apart: tpot_triton loads tpot_base's programs)
   PROBE="--tiny --iters 2 --rows 1 --timeout 60 --variants scan,loop"
+  HOST="--layers 2 --kv-heads 2 --head-dim 16 --pages 64 --copy-pages 8 --repeats 2"
 else
   $PY -m pip install -q --no-deps --no-build-isolation -e . >"$WORK/install.log" 2>&1 \
     || { echo "install failed"; cat "$WORK/install.log"; }
@@ -175,6 +181,8 @@ else
   CMDBUF="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL --xla_gpu_graph_min_graph_size=1"
   NOMERGE="--xla_gpu_dot_merger_threshold_mb=0" TRITON="--xla_gpu_enable_triton_gemm=true"
   PROBE="--rows 1,64 --iters 30 --timeout 25"
+  # llama-3.1-8b's pages (2 MiB each), 512 MiB copied each way
+  HOST="--layers 32 --kv-heads 8 --head-dim 128 --pages 4096 --copy-pages 256 --repeats 5"
 fi
 
 # tpot NAME LIMIT EXTRA_XLA_FLAGS MODEL_ARGS...: batch-1 TTFT / TPOT and a profile, the TPOT
@@ -198,6 +206,8 @@ for s in $STEPS; do case $s in
   tpot_async) tpot tpot_async "$T_TPOT" "" --model "$LLAMA" --dtype bfloat16 --async-scheduling ;;
   tpot_nomerge) tpot tpot_nomerge "$T_TPOT" "$NOMERGE" --model "$LLAMA" --dtype bfloat16 ;;
   tpot_cmdbuf) tpot tpot_cmdbuf "$T_TPOT" "$CMDBUF" --model "$LLAMA" --dtype bfloat16 ;;
+  host_tier) step host_tier "$T_HOST" $PY -m benchmarks.cache.host_tier_copies $HOST \
+    --json "$WORK/host_tier.json" ;;
   tpot_triton) tpot tpot_triton "$T_TPOT" "$TRITON" --model "$LLAMA" \
     --dtype bfloat16 ;;
   qwen_tpot) tpot qwen_tpot "$T_QWEN_TPOT" "" --model "$QWEN" --quantization fp8 ;;

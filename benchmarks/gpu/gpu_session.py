@@ -100,6 +100,9 @@ def figures(name: str, work: str) -> tuple[dict[str, Any] | None, str | None]:
     doc = load(path)
     if doc is None:
         return None, None
+    if "restore_share_of_link" in doc:   # benchmarks/cache/host_tier_copies.py
+        return {k: doc[k] for k in ("device", "memory_kind", "copied_bytes", "gb_per_s",
+                                    "restore_share_of_link")}, path
     kind, r = doc.get("benchmark"), doc.get("results", {})
     if kind == "roofline":
         return {"copy_gb_per_s": r["best"]["copy_gb_per_s"],
@@ -153,6 +156,12 @@ def step_markdown(step: dict[str, Any]) -> list[str]:
         rows += [[f"matmul {d} (best)", "n/a" if t is None else f"{t:.1f} TFLOP/s"]
                  for d, t in (f["matmul_tflops_by_dtype"] or {}).items()]
         lines.append(markdown_table(["roofline", "figure"], rows))
+    elif "restore_share_of_link" in f:
+        lines.append(f"{f['copied_bytes'] / 2**20:.0f} MiB each way, host memory kind "
+                     f"{f['memory_kind'] or '(default)'}")
+        lines += [""] + [markdown_table(["copy", "GB/s"], [
+            [k, f"{v:.2f}"] for k, v in f["gb_per_s"].items()] + [
+            ["restore / link to device", f"{f['restore_share_of_link']:.0%}"]])]
     elif "throughput" in f:
         lines.append(f"start-up {f['startup_s'] and round(f['startup_s'], 1)} s (warmup "
                      f"{f['warmup_s'] and round(f['warmup_s'], 1)} s, {f['warmup_programs']} "

@@ -13,8 +13,8 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TPOT_STEPS = ["tpot_base", "tpot_async", "tpot_nomerge", "tpot_cmdbuf", "qwen_w8a8", "qwen_tpot"]
-STEPS = [*TPOT_STEPS, "llama_bf16", "qwen_fp8", "llama_fp8", "check_llama-tiny", "transformers",
-         "serve_8b", "tpot_triton", "roofline", "scan_probe"]
+STEPS = [*TPOT_STEPS[:4], "host_tier", *TPOT_STEPS[4:], "llama_bf16", "qwen_fp8", "llama_fp8",
+         "check_llama-tiny", "transformers", "serve_8b", "tpot_triton", "roofline", "scan_probe"]
 
 
 @pytest.fixture(scope="module")
@@ -97,6 +97,9 @@ def test_engine_steps_measure_what_the_issue_asks(session):
     assert serve["completed"] == 4 and serve["failed"] == 0 and serve["output_throughput"] > 0
     # the server's engine is llama_bf16's: its programs come from the compilation cache
     assert serve["warmup"]["fresh"] == 0 and serve["warmup"]["from_cache"] > 0
+    host = steps["host_tier"]   # the host KV tier's copies and the link, each way
+    assert set(host["gb_per_s"]) == {"offload", "restore", "link_to_device", "link_to_host"}
+    assert all(v > 0 for v in host["gb_per_s"].values()) and host["restore_share_of_link"] > 0
     roof = steps["roofline"]
     assert set(roof["matmul_tflops_by_dtype"]) == {"float32", "float8_e4m3fn"}
     check = steps["check_llama-tiny"]["rows"][0]
