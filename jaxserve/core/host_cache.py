@@ -17,14 +17,18 @@ needs only its last window's. Plain Python: the arrays are the runner's
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Sequence
 
 from jaxserve.core.host_pages import HostPage, HostPageIndex
+from jaxserve.core.page_pool import KVCachePage
 from jaxserve.core.restore_cost import RestoreCost
 from jaxserve.core.sched_output import HostCopies
 
 if TYPE_CHECKING:
     from jaxserve.core.scheduler_config import SchedulerConfig
+
+# (KV group, device page) a restore fills
+RestoredPage = tuple[int, KVCachePage]
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +70,7 @@ class _Step:
     copies: HostCopies = field(default_factory=HostCopies)
     offloading: list[HostPage] = field(default_factory=list)
     restoring: list[HostPage] = field(default_factory=list)
-    restored: list[Any] = field(default_factory=list)   # the pages filled, the caller's
+    restored: list[RestoredPage] = field(default_factory=list)   # the pages filled
     offloading_sliding: list[HostPage] = field(default_factory=list)
     restoring_sliding: list[HostPage] = field(default_factory=list)
 
@@ -87,7 +91,7 @@ class HostCache:
         self.sliding_page_bytes = sliding_page_bytes
         self._next = _Step()        # the step being scheduled
         self._in_flight = _Step()   # dispatched, not yet settled
-        self._scattering: list[Any] = []   # the settled step's restored pages: see above
+        self._scattering: list[RestoredPage] = []   # the settled step's: see above
         self.queries = self.hits = 0
         # pages out, pages in, states out, states in, sliding pages out, sliding pages in
         self._counts = [0] * 6
@@ -157,7 +161,7 @@ class HostCache:
     def restore(self, entries: list[HostPage], page_ids: list[int],
                 state: tuple[int, int] | None = None,
                 sliding: tuple[list[HostPage], list[int]] = ((), ()),
-                restored: list[Any] = ()) -> None:
+                restored: Sequence[RestoredPage] = ()) -> None:
         """Copy the pinned entries into device pages page_ids; state: (host state slot, the
         request's state slot); sliding: (sliding entries, the sliding pages they go
         into); restored: the caller's record of the pages filled (unsettled_restores)."""
@@ -189,11 +193,11 @@ class HostCache:
         return c if c.num_offloads or c.num_restores else None
 
     @property
-    def restored_in_flight(self) -> list[Any]:
-        """The pages the restores of the step in flight fill (their record)."""
+    def restored_in_flight(self) -> list[RestoredPage]:
+        """The pages the restores of the step in flight fill."""
         return self._in_flight.restored
 
-    def unsettled_restores(self) -> list[Any]:
+    def unsettled_restores(self) -> list[RestoredPage]:
         """The pages that the step in flight's restores, and the settled step's (whose
         rows the step in flight scatters), fill: what a failure of it must forget."""
         return self._scattering + self._in_flight.restored

@@ -40,7 +40,8 @@ class HostHit:
 
 
 class HostHits:
-    """Needs the manager's page_size, pools and snapshots (None: not a hybrid)."""
+    """Needs the manager's page_size, pools, req_pages, snapshots (None: not a hybrid) and
+    _copy_snapshot."""
 
     def _init_host(self, host: HostCache | None) -> None:
         self.host = host
@@ -99,7 +100,7 @@ class HostHits:
         new token) and computed from the next, after the rows have been scattered."""
         if self.host is None:
             return False
-        return request.request_id in self._host_hits or any(
+        return request.request_id in self._host_hits or bool(self._sending) and any(
             (g, b.page_id) in self._sending for g, pages in enumerate(hit) for b in pages)
 
     def resume(self, request: Request) -> bool:
@@ -107,14 +108,8 @@ class HostHits:
         state from a device snapshot is copied now (before that step's forward). False:
         the snapshot is gone (evicted, reset); the request must look up again."""
         end = self._deferred_states.pop(request.request_id, None)
-        if end is None:
-            return True
-        snap = self.snapshots.lookup(request.page_hashes[end // self.page_size - 1], end)
-        if snap is None:
-            return False
-        self.snapshots.use(snap)
-        self._restores.append((snap.slot, self.req_pages[request.request_id].state_slot))
-        return True
+        return end is None or self._copy_snapshot(
+            request, end, self.req_pages[request.request_id].state_slot)
 
     def take_host_copies(self) -> HostCopies | None:
         """The scheduled step's host copies (HostCache.take_copies); from the next step
@@ -127,10 +122,7 @@ class HostHits:
         (scattered by it), were to fill forget their hashes; its offloads are dropped,
         its host entries unpinned."""
         for g, page in self.host.unsettled_restores():
-            cached = self.pools[g].cached_pages
-            if page.page_hash is not None and cached.get(page.page_hash) is page:
-                del cached[page.page_hash]
-                page.page_hash = None
+            self.pools[g].uncache(page)
         self.host.fail()
 
     def _pending_host_hit(self, request: Request, rp: ReqPages | None,

@@ -326,12 +326,13 @@ class KVCacheManager(SlidingPages, HostHits):
         from_host = self._state_from_host(request, n, part)
         if part is not None:
             self.host.pin(part.pages, list(part.sliding.values()))
-        if self.snapshots is not None and not from_host and defer_state:
-            self._deferred_states[request.request_id] = n * self.page_size
-        elif self.snapshots is not None and not from_host:   # restored before the forward
-            snap = self.snapshots.lookup(request.page_hashes[n - 1], n * self.page_size)
-            self.snapshots.use(snap)
-            self._restores.append((snap.slot, rp.state_slot))
+        if self.snapshots is not None and not from_host:   # restored before the forward
+            end = n * self.page_size
+            if defer_state:
+                self._deferred_states[request.request_id] = end
+            elif not self._copy_snapshot(request, end, rp.state_slot):
+                raise RuntimeError(f"request {request.request_id!r}: the snapshot its hit "
+                                   f"ends on is gone")
         for g, pool in enumerate(self.pools):
             pool.touch(hit[g])
             rp.pages[g].extend(hit[g])
@@ -340,6 +341,16 @@ class KVCacheManager(SlidingPages, HostHits):
             self._take_host_part(request, rp, part, from_host)
         if self.sliding_pool is not None:
             rp.num_dropped = sum(1 for b in rp.pages[SLIDING] if b.page_id == 0)
+
+    def _copy_snapshot(self, request: Request, end: int, state_slot: int) -> bool:
+        """The device snapshot of the request's state at token `end` (a page boundary)
+        copied into state_slot before the next forward; False: none is cached."""
+        snap = self.snapshots.lookup(request.page_hashes[end // self.page_size - 1], end)
+        if snap is None:
+            return False
+        self.snapshots.use(snap)
+        self._restores.append((snap.slot, state_slot))
+        return True
 
     def uncache_unwritten(self, request: Request, num_written_tokens: int,
                           shared_too: bool = False) -> None:
@@ -355,13 +366,10 @@ class KVCacheManager(SlidingPages, HostHits):
             return
         first = num_written_tokens // self.page_size
         for pool, pages in zip(self.pools, rp.pages):
-            cached = pool.cached_pages
             for b in pages[first:]:
                 # ref_cnt == 1: nobody else shares it (shared pages hold valid KV).
-                if (b.page_hash is not None and (shared_too or b.ref_cnt == 1)
-                        and cached.get(b.page_hash) is b):
-                    del cached[b.page_hash]
-                    b.page_hash = None
+                if b.page_hash is not None and (shared_too or b.ref_cnt == 1):
+                    pool.uncache(b)
 
     def free(self, request: Request) -> None:
         """Give back the request's pages tail first (its last are evicted first)."""

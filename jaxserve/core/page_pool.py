@@ -117,12 +117,14 @@ class PagePool:
             if b.page_hash is not None:
                 if self.on_evict is not None and self.cached_pages.get(b.page_hash) is b:
                     self.on_evict(b)
-                self._evict(b)
+                self.uncache(b)
             b.ref_cnt = 1
             out.append(b)
         return out
 
-    def _evict(self, page: KVCachePage) -> None:
+    def uncache(self, page: KVCachePage) -> None:
+        """The page's hash forgotten: no look-up finds it (its KV is gone or never
+        written)."""
         if self.cached_pages.get(page.page_hash) is page:
             del self.cached_pages[page.page_hash]
         page.page_hash = None

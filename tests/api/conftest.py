@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -77,6 +78,33 @@ class Server:
                 self.proc.kill()
                 self.proc.wait()
         return self.proc.returncode
+
+
+def metric(srv: Server, name: str) -> float:
+    text = httpx.get(srv.url + "/metrics").text
+    m = re.search(rf"^{re.escape(name)}{{[^}}]*}} (\S+)$", text, re.M)
+    assert m, f"{name} missing from /metrics"
+    return float(m.group(1))
+
+
+def wait_for(cond, timeout: float) -> float:
+    """Seconds until cond() held; fails after timeout."""
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < timeout, "condition not reached in time"
+        time.sleep(0.05)
+    return time.monotonic() - t0
+
+
+def leave_mid_stream(srv: Server, model: str) -> None:
+    """A streamed 100-token completion whose client hangs up after its first chunk."""
+    with httpx.stream("POST", srv.url + "/v1/completions", timeout=60,
+                      headers={"Authorization": f"Bearer {API_KEY}"},
+                      json={"model": model, "prompt": [5, 6, 7], "max_tokens": 100,
+                            "ignore_eos": True, "stream": True}) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                break
 
 
 @pytest.fixture(scope="session")

@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 
-import httpx
 import openai
 import pytest
 
-from tests.api.conftest import API_KEY, Server
-from tests.api.test_hardening import metric, wait_for
+from tests.api.conftest import API_KEY, Server, leave_mid_stream, metric, wait_for
 
 PROMPTS = ["The capital of France is", "Once upon a time", [5, 6, 7, 8, 9], "1 2 3 4",
            "Hello", [11] * 40, "The quick brown fox", "A B C"]
@@ -77,13 +75,7 @@ def test_n_and_logprobs_equal_the_in_order_server(async_server, server, api_chec
 
 
 def test_a_client_that_leaves_mid_stream_leaves_nothing_running(async_server, api_checkpoint):
-    with httpx.stream("POST", async_server.url + "/v1/completions", timeout=60,
-                      headers={"Authorization": f"Bearer {API_KEY}"},
-                      json={"model": api_checkpoint, "prompt": [5, 6, 7], "max_tokens": 100,
-                            "ignore_eos": True, "stream": True}) as resp:
-        for line in resp.iter_lines():
-            if line.startswith("data: {"):
-                break   # leave mid-stream
+    leave_mid_stream(async_server, api_checkpoint)
     wait_for(lambda: metric(async_server, "vllm:num_requests_running") == 0, 30)
     wait_for(lambda: metric(async_server, "vllm:kv_cache_usage_perc") == 0, 30)
     # and it still answers

@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from tests.api.conftest import Server
+from tests.api.conftest import Server, metric, wait_for
 from tests.checkpoints import make_tiny_checkpoint
 
 VOCAB = 256          # the tiny checkpoint's vocabulary
@@ -57,22 +57,6 @@ def error(resp: httpx.Response, status: int) -> dict:
     err = resp.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["code"] == status
     return err
-
-
-def metric(srv: Server, name: str) -> float:
-    text = httpx.get(srv.url + "/metrics").text
-    m = re.search(rf"^{re.escape(name)}{{[^}}]*}} (\S+)$", text, re.M)
-    assert m, f"{name} missing from /metrics"
-    return float(m.group(1))
-
-
-def wait_for(cond, timeout: float) -> float:
-    """Seconds until cond() held; fails after timeout."""
-    t0 = time.monotonic()
-    while not cond():
-        assert time.monotonic() - t0 < timeout, "condition not reached in time"
-        time.sleep(0.05)
-    return time.monotonic() - t0
 
 
 def idle(srv: Server) -> bool:

@@ -20,7 +20,7 @@ from jaxserve.core.outputs import CompletionOutput, RequestOutput
 from jaxserve.core.request_metrics import RequestMetrics
 from jaxserve.engine.async_engine import EngineStats
 from jaxserve.engine.input_processor import InputProcessor
-from tests.api.conftest import API_KEY
+from tests.api.conftest import API_KEY, leave_mid_stream
 
 DASHBOARD = Path(__file__).parents[2] / "docs" / "grafana" / "jaxserve-vllm.json"
 
@@ -315,13 +315,7 @@ def test_a_client_that_leaves_counts_as_aborted(server, api_checkpoint):
     aborted = lambda: value(_scrape(server), "vllm:request_success_total",  # noqa: E731
                             finished_reason="abort")
     before = aborted()
-    with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
-                      headers={"Authorization": f"Bearer {API_KEY}"},
-                      json={"model": api_checkpoint, "prompt": [5, 6, 7], "max_tokens": 100,
-                            "ignore_eos": True, "stream": True}) as resp:
-        for line in resp.iter_lines():
-            if line.startswith("data: {"):
-                break   # leave mid-stream
+    leave_mid_stream(server, api_checkpoint)
     deadline = time.monotonic() + 20
     while aborted() < before + 1:
         assert time.monotonic() < deadline, "the aborted request was not counted"

@@ -61,16 +61,16 @@ def test_tiny_server_within_budget(kind, checkpoint, tmp_path, monkeypatch):
         return EngineCore(config).runner
 
     listed = runner(argv, warm=False)
-    programs = listed.warmup_programs()
-    print(f"{kind}: {len(programs)} warmup programs {dict(kinds(programs))}")
-    assert len(programs) <= TINY_BUDGET
-    assert kinds(programs)[FORWARD] == len(listed.token_buckets)
+    defaults = listed.warmup_programs()
+    print(f"{kind}: {len(defaults)} warmup programs {dict(kinds(defaults))}")
+    assert len(defaults) <= TINY_BUDGET
+    assert kinds(defaults)[FORWARD] == len(listed.token_buckets)
     if kind != "default":
         warm = runner(argv + ["--max-model-len", "128", "--max-num-seqs", "4",
                               "--max-num-batched-tokens", "32"], warm=True)
         programs = warm.warmup_programs()
         print(f"{kind} (small step): {len(programs)} programs {dict(kinds(programs))}, "
               f"{warm.warmup_compilations} compilations in {warm.warmup_seconds:.1f} s")
-        assert set(kinds(programs)) == set(kinds(listed.warmup_programs()))
+        assert set(kinds(programs)) == set(kinds(defaults))
         assert kinds(programs)[FORWARD] == len(warm.token_buckets)
         assert warm.warmup_compilations == len(programs)
