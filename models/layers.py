@@ -7,6 +7,7 @@ Weights are stored [in..., out...] so each projection is one einsum.
 """
 from __future__ import annotations
 
+import math
 from functools import partial
 from collections.abc import Callable
 from typing import Any
@@ -28,6 +29,10 @@ from sharding.rules import RULES
 
 Dtype = Any
 INIT_STD = 0.02
+# A projection kernel stored [out..., in...] instead of "kernel"'s [in..., out...]:
+# XLA:CPU's bf16 dot reads a weight whose contracted axis is its minor one ~1.7x faster
+# at decode batch sizes (benchmarks/README.md, "bf16 kernels [out, in]").
+KERNEL_OUT_IN = "kernel_out_in"
 
 
 def logical_param(module: nn.Module, name: str, init: Callable[..., Any], shape: tuple[int, ...], axes: tuple[str | None, ...],
@@ -97,7 +102,7 @@ class Einsum(nn.Module):
                                                      self.quant), n, self.quant.block_in,
                                  self.dtype, self.out_dtype, self.quant.dynamic_activations)
             return self._add_lora(x, self._add_bias(y))
-        w = logical_param(self, "kernel", nn.initializers.normal(INIT_STD), self.shape, self.axes, self.dtype)
+        w, out_in = self._kernel()
         x_dtype, out_dtype = self.dtype, self.out_dtype
         if jnp.dtype(w.dtype).itemsize < jnp.dtype(self.dtype).itemsize:
             # A 16-bit kernel in a float32 model (CPU with native bf16 dots: models/registry.
@@ -105,16 +110,35 @@ class Einsum(nn.Module):
             # float32, as a bf16 model does on any accelerator; converting the kernel instead
             # would cost a whole-weight convert per call.
             x_dtype, out_dtype = w.dtype, out_dtype or self.dtype
-        if n > 1:
+        rows, xd = x.shape[:-n], x.astype(x_dtype)
+        if out_in:
+            # [out..., in...] read as [out, in]: both reshapes are free on row-major arrays.
+            y = jax.lax.dot_general(xd.reshape(*rows, -1), w.reshape(-1, math.prod(self.shape[:n])),
+                                    (((len(rows),), (1,)), ((), ())),
+                                    preferred_element_type=out_dtype)
+            y = y.reshape(*rows, *self.shape[n:])
+        elif n > 1:
             # x's last n axes contract with the kernel's first n (as in "TNH,NHE->TE"). One
             # merged axis instead: both reshapes are free on row-major arrays, while the
             # two-axis contraction made XLA CPU copy the whole kernel on every call.
-            y = jnp.tensordot(x.astype(x_dtype).reshape(*x.shape[:-n], -1),
-                              w.reshape(-1, *self.shape[n:]), axes=1,
+            y = jnp.tensordot(xd.reshape(*rows, -1), w.reshape(-1, *self.shape[n:]), axes=1,
                               preferred_element_type=out_dtype)
         else:
-            y = jnp.einsum(self.eq, x.astype(x_dtype), w, preferred_element_type=out_dtype)
+            y = jnp.einsum(self.eq, xd, w, preferred_element_type=out_dtype)
         return self._add_lora(x, self._add_bias(y))
+
+    def _kernel(self) -> tuple[jax.Array, bool]:
+        """The kernel, and whether it is stored [out..., in...] (KERNEL_OUT_IN, set by the
+        loader on a CPU with native bf16 dots: models/weights.store_kernels_out_in)."""
+        if not self.has_variable("params", KERNEL_OUT_IN):
+            return logical_param(self, "kernel", nn.initializers.normal(INIT_STD), self.shape,
+                                 self.axes, self.dtype), False
+        w = nn.unbox(self.get_variable("params", KERNEL_OUT_IN))
+        n = self.num_contract
+        if w.shape != (*self.shape[n:], *self.shape[:n]):
+            raise ValueError(f"param {'/'.join((*self.path, KERNEL_OUT_IN))} has shape {w.shape}, "
+                             f"the model expects {(*self.shape[n:], *self.shape[:n])}")
+        return w, True
 
     def _add_lora(self, x: jax.Array, y: jax.Array) -> jax.Array:
         """y plus each token's adapter delta when the forward has LoRA stacks for this

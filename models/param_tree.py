@@ -90,6 +90,13 @@ def stacked_axes(model: nn.Module) -> dict[Path_, int]:
     return out
 
 
+def contracted_axes(inner_axes: tuple[str | None, ...]) -> int:
+    """How many leading axes of a projection kernel (models/layers.Einsum; its logical axes
+    without stacked ones) contract: its leading "embed" axis alone, or else all but its
+    last (o_proj [N, H, E], down_proj [F, E], out_proj [Hv, Dv, E])."""
+    return 1 if inner_axes[0] == "embed" else len(inner_axes) - 1
+
+
 # Logical axes of KV heads (Gemma 4's global layers have their own count).
 _KV_HEAD_AXES = ("kv_heads", "global_kv_heads")
 KVHeadRepeat = int | dict[str, int]

@@ -28,7 +28,7 @@ from models.config import ModelConfig
 from models.lora.adapter import PeftAdapter
 from models.lora.ops import projection_split
 from models.weight_names import group_by_key_head
-from models.param_tree import KVHeadRepeat, kv_repeat_axes
+from models.param_tree import KVHeadRepeat, contracted_axes, kv_repeat_axes
 from models.weights import abstract_params, hf_names, param_logical_axes
 from sharding.rules import RULES
 
@@ -77,9 +77,7 @@ def lora_targets(model: nn.Module, cfg: ModelConfig, rules: dict | None = None,
         names = hf_names(path, cfg, prefix="")
         spec = tuple(axes[path])[names.ndim:]      # without a scanned model's layer axis
         inner = sds.shape[names.ndim:]
-        # A kernel contracts its leading "embed" axis, or else all but its last axis
-        # (o_proj [N, H, E], down_proj [F, E], out_proj [Hv, Dv, E]).
-        n = 1 if spec[0] == "embed" else len(inner) - 1
+        n = contracted_axes(spec)
         kv_repeat, kv_inner = 1, 1
         if path in repeats:
             axis, kv_repeat = repeats[path]

@@ -18,6 +18,7 @@ import torch
 import models.registry
 from jaxserve import LLM, SamplingParams
 from models.layer_stack import KV
+from models.layers import KERNEL_OUT_IN
 from models.weights import is_projection_kernel
 from tests.checkpoints import make_tiny_checkpoint
 
@@ -64,7 +65,8 @@ def _dtypes(llm) -> dict[str, set[str]]:
             for k, v in tree.items():
                 visit(v, (*path, k))
         else:
-            key = "projection" if is_projection_kernel(path) else path[-1]
+            key = ("projection" if is_projection_kernel(path) else
+                   "projection [out, in]" if path[-1] == KERNEL_OUT_IN else path[-1])
             out.setdefault(key, set()).add(str(tree.dtype))
     visit(llm.engine.runner.params)
     return out
@@ -100,7 +102,8 @@ def test_native_bf16_dots_keep_bf16_kernels_and_score_like_float32(engines):
     core = engines["native"].engine
     assert jnp.dtype(core.model.dtype) == jnp.float32
     dtypes = _dtypes(engines["native"])
-    assert dtypes.pop("projection") == {"bfloat16"}            # linear layers and lm_head
+    # linear layers and lm_head, stored [out, in] (models/weights.store_kernels_out_in)
+    assert dtypes.pop("projection [out, in]") == {"bfloat16"} and "projection" not in dtypes
     assert set().union(*dtypes.values()) == {"float32"}        # the rest upcast
     assert core.runner.kv_caches[KV].dtype == jnp.uint16
     # Rounding each dot's input to bf16 (as a bf16 model does on an accelerator) moves
