@@ -89,11 +89,18 @@ def _ragged_add(y: jax.Array, x: jax.Array, groups: SlotGroups, a: jax.Array, b:
     return y + jnp.take(d, groups.inverse, axis=0).astype(x.dtype).astype(y.dtype)
 
 
+# A window's iteration costs far more than its masked rows (rank-R dots): with one-row
+# windows a 16-row decode step of one adapter ran 16 iterations per projection. A floor
+# of 8 (docs/LORA.md, run 6): 1 adapter x1.22 -> x1.12, 4 adapters x1.29 -> x1.15.
+MIN_CPU_WINDOW = 8
+
+
 def cpu_window(num_tokens: int, num_slots: int) -> int:
     """Rows per window of the CPU form: the tokens an adapter gets when the step's are
-    spread evenly over every slot, as a power of two in [1, 64] (at most T). Smaller
-    windows waste fewer rows at each adapter's end, larger ones take fewer iterations."""
-    t = max(1, num_tokens // max(num_slots - 1, 1))
+    spread evenly over every slot, as a power of two in [MIN_CPU_WINDOW, 64] (at most T).
+    Smaller windows waste fewer rows at each adapter's end, larger ones take fewer
+    iterations."""
+    t = max(MIN_CPU_WINDOW, num_tokens // max(num_slots - 1, 1))
     return min(64, 1 << (t.bit_length() - 1))
 
 

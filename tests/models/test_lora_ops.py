@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from models.lora.ops import (SPLIT_IN, SPLIT_OUT, dense_reference, group_by_slot, lora_delta,
-                             sharded_lora_delta)
+from models.lora.ops import (MIN_CPU_WINDOW, SPLIT_IN, SPLIT_OUT, _windows, cpu_window,
+                             dense_reference, group_by_slot, lora_delta, sharded_lora_delta)
 from sharding.mesh import MODEL, make_mesh
 
 T, I, O, R, S = 13, 32, 48, 8, 4   # 3 adapters + slot 0
@@ -163,3 +163,16 @@ def test_cpu_form_widens_narrow_stacks_instead_of_rounding_the_activations():
     assert got.dtype == jnp.float32
     want = dense_reference(x, ids, a.astype(jnp.float32), b.astype(jnp.float32), scales)
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * float(jnp.abs(want).max()))
+
+
+def test_cpu_windows_hold_at_least_eight_rows():
+    """One adapter's 16 decode rows among 17 slots run as two windows, not sixteen of one
+    row (each window is a loop iteration of its own: docs/LORA.md, run 6); a step
+    shorter than the floor is one window."""
+    assert MIN_CPU_WINDOW == 8 and cpu_window(16, 17) == 8
+    one_adapter = group_by_slot(jnp.ones(16, jnp.int32), 17)
+    assert int(_windows(one_adapter, 16, 17).count) == 2
+    spread = group_by_slot(jnp.arange(16, dtype=jnp.int32) % 16 + 1, 17)   # 16 adapters
+    assert int(_windows(spread, 16, 17).count) == 16
+    short = _windows(group_by_slot(jnp.ones(4, jnp.int32), 17), 4, 17)
+    assert (short.rows, int(short.count)) == (4, 1)
