@@ -1,10 +1,14 @@
 """The batched LoRA op: every token's low-rank delta from its own adapter, in one step.
 
 The adapters live stacked in S slots (slot 0 = no adapter, zeros; models/lora/slots.py):
-A [S, I, R], B [S, R, O], padded to the rank R. Tokens are sorted by slot once per step
-(group_by_slot), then each projection's delta is two grouped matmuls over the sorted
-tokens (jax.lax.ragged_dot: each token's row meets only its own slot's matrix, as
-Punica's SGMV and S-LoRA do) instead of gathering a whole [I, R] matrix per token.
+A [S, R, I] (each slot's as PEFT stores it, [r, in]), B [S, R, O], padded to the rank R.
+Tokens are sorted by slot once per step (group_by_slot), then each projection's delta is
+two grouped matmuls over the sorted tokens (a ragged dot: each token's row meets only its
+own slot's matrix, as Punica's SGMV and S-LoRA do) instead of gathering a whole matrix
+per token. XLA:CPU has no grouped matmul worth the name; it runs one of two forms chosen
+per step (_cpu_add): a loop over each adapter's windows of rows, or, for many adapters of
+few rows each, one pass over every slot (A read as one [S * R, I] matrix: free in this
+layout).
 
 Under a mesh the delta follows its base projection (sharded_lora_add):
   - column-parallel base (q/k/v, gate/up: output split over the model axis): B split on
@@ -66,27 +70,37 @@ def group_by_slot(slot_ids: jax.Array, num_slots: int) -> SlotGroups:
 
 def _grouped_add(y: jax.Array, x: jax.Array, groups: SlotGroups, a: jax.Array,
                  b: jax.Array, scales: jax.Array, sum_axis: str | None = None) -> jax.Array:
-    """y [T, O] + delta, delta [T, O] = scale[s] * (x [T, I] @ A[s]) @ B[s], s the token's
-    slot: by XLA's ragged dot where it is native (TPU, GPU), by a loop over each adapter's
-    windows of sorted tokens on XLA:CPU, whose ragged dot runs every group over all the
-    tokens (chosen when lowering)."""
+    """y [T, O] + delta, delta [T, O] = scale[s] * (x [T, I] @ A[s]^T) @ B[s], s the
+    token's slot: by XLA's ragged dot where it is native (TPU, GPU), by _cpu_add on
+    XLA:CPU, whose ragged dot runs every group over all the tokens (chosen when
+    lowering). The delta is added in y's dtype."""
     return jax.lax.platform_dependent(
-        y, x, groups, a, b, scales, cpu=partial(_windowed_add, sum_axis=sum_axis),
+        y, x, groups, a, b, scales, cpu=partial(_cpu_add, sum_axis=sum_axis),
         default=partial(_ragged_add, sum_axis=sum_axis))
+
+
+def _contract_a(ragged: bool = False):
+    """Dimension numbers of x [T, I] against A [S, R, I] (ragged: grouped by S) or one
+    slot's [R, I]: x's I with A's I, read in place (no transposed copy of the stack)."""
+    dims = (((1,), (2,) if ragged else (1,)), ((), ()))
+    if not ragged:
+        return dims
+    return jax.lax.RaggedDotDimensionNumbers(dims, lhs_ragged_dimensions=[0],
+                                             rhs_group_dimensions=[0])
 
 
 def _ragged_add(y: jax.Array, x: jax.Array, groups: SlotGroups, a: jax.Array, b: jax.Array,
                 scales: jax.Array, sum_axis: str | None = None) -> jax.Array:
     xs = jnp.take(x, groups.order, axis=0)
-    h = jax.lax.ragged_dot(xs.astype(a.dtype), a, groups.group_sizes,
-                           preferred_element_type=jnp.float32)          # [T, R]
+    h = jax.lax.ragged_dot_general(xs.astype(a.dtype), a, groups.group_sizes, _contract_a(True),
+                                   preferred_element_type=jnp.float32)  # [T, R]
     if sum_axis is not None:   # row-parallel: each device had a slice of I
         h = jax.lax.psum(h, sum_axis)
     h = h * jnp.take(scales.astype(jnp.float32), groups.token_slots)[:, None]
     d = jax.lax.ragged_dot(h.astype(b.dtype), b, groups.group_sizes,
                            preferred_element_type=jnp.float32)          # [T, O]
     # back to the tokens' order
-    return y + jnp.take(d, groups.inverse, axis=0).astype(x.dtype).astype(y.dtype)
+    return y + jnp.take(d, groups.inverse, axis=0).astype(y.dtype)
 
 
 # A window's iteration costs far more than its masked rows (rank-R dots): with one-row
@@ -142,7 +156,7 @@ def _windowed_add(y: jax.Array, x: jax.Array, groups: SlotGroups, a: jax.Array,
     rows of x and adds its delta into theirs of y: no pass over all T rows (a sorted
     copy of x, a zeroed delta put back in order, then added: 20-40 % of the delta's
     time at 1,024 tokens on the 512-wide benchmark model)."""
-    (T, _), (S, _, R), O = x.shape, a.shape, b.shape[-1]
+    (T, _), (S, R, _) = x.shape, a.shape
     win = _windows(groups, T, S)
     a, b, scales = jnp.asarray(a), jnp.asarray(b), jnp.asarray(scales, jnp.float32)
     # Narrow stacks (--lora-dtype bfloat16) under wider activations: XLA:CPU has no
@@ -155,8 +169,8 @@ def _windowed_add(y: jax.Array, x: jax.Array, groups: SlotGroups, a: jax.Array,
         return s, jax.lax.dynamic_slice_in_dim(groups.order, at, win.rows), mask
 
     def project_a(s, tokens, mask):   # the window's [rows, R] low-rank activations
-        h = jnp.dot(jnp.take(x, tokens, axis=0).astype(wide), a[s].astype(wide),
-                    preferred_element_type=jnp.float32)
+        h = jax.lax.dot_general(jnp.take(x, tokens, axis=0).astype(wide), a[s].astype(wide),
+                                _contract_a(), preferred_element_type=jnp.float32)
         return jnp.where(mask[:, None], h, 0.0)
 
     def project_b(s, h):
@@ -170,7 +184,7 @@ def _windowed_add(y: jax.Array, x: jax.Array, groups: SlotGroups, a: jax.Array,
     def fused():
         def body(k, out):
             s, tokens, mask = window(k)
-            return add(out, tokens, project_b(s, project_a(s, tokens, mask)).astype(x.dtype))
+            return add(out, tokens, project_b(s, project_a(s, tokens, mask)))
         return jax.lax.fori_loop(0, win.count, body, y)
 
     def low_rank():
@@ -183,7 +197,7 @@ def _windowed_add(y: jax.Array, x: jax.Array, groups: SlotGroups, a: jax.Array,
         def body(k, out):
             s, tokens, mask = window(k)
             hk = jnp.where(mask[:, None], jnp.take(h, tokens, axis=0), 0.0)
-            return add(out, tokens, project_b(s, hk).astype(x.dtype))
+            return add(out, tokens, project_b(s, hk))
         return jax.lax.fori_loop(0, win.count, body, y)
 
     busy = win.count > 0
@@ -195,12 +209,66 @@ def _windowed_add(y: jax.Array, x: jax.Array, groups: SlotGroups, a: jax.Array,
     return jax.lax.cond(busy, lambda: expand(jax.lax.psum(h, sum_axis)), lambda: y)
 
 
+def _all_slots_add(y: jax.Array, x: jax.Array, groups: SlotGroups, a: jax.Array,
+                   b: jax.Array, scales: jax.Array, sum_axis: str | None = None) -> jax.Array:
+    """The CPU form for many adapters of few rows each: every token against every slot in
+    two plain dots, A as one [S * R, I] matrix and B as one [S * R, O] (free reshapes of
+    the stacks), each token keeping only its own slot's R products in between. Reads
+    every slot's A and B once, in one parallel dot each, where the windowed form runs a
+    loop iteration (and copies a slot's matrices out) per adapter; computes S times the
+    low-rank products it needs, so it is for decode-sized steps (_cpu_add)."""
+    (T, I), (S, R, _) = x.shape, a.shape
+    h = jax.lax.dot_general(x.astype(a.dtype), a.reshape(S * R, I), _contract_a(),
+                            preferred_element_type=jnp.float32)          # [T, S * R]
+    if sum_axis is not None:   # row-parallel: each device had a slice of I
+        h = jax.lax.psum(h, sum_axis)
+    slot = groups.token_slots[groups.inverse]                            # in x's order
+    own = jnp.arange(S)[None, :] == slot[:, None]                        # [T, S]
+    h = jnp.where(own, scales.astype(jnp.float32)[None, :], 0.0)[:, :, None] * h.reshape(T, S, R)
+    d = jnp.dot(h.reshape(T, S * R).astype(b.dtype), b.reshape(S * R, -1),
+                preferred_element_type=jnp.float32)
+    return y + d.astype(y.dtype)
+
+
+# The all-slots form reads every slot once and computes T x S x R x (I + O) products;
+# the windowed one computes only its rows' products but costs a loop iteration per
+# window, and XLA:CPU copies the window's slot matrices out before each dot. Measured
+# per projection (docs/LORA.md, run 7; 17 slots, rank 16): at Qwen3-8B's widths in
+# bfloat16 and 16 tokens the windowed loop cost 0.47 ms with 2 windows and 3.0 ms with 16,
+# the all-slots pass 0.8-0.95 ms whatever the adapters (the base dot: 4.3 ms); at 512
+# wide in float32, where all the slots weigh as much as the base kernel, the pass never
+# won; at 1,024 tokens neither won clearly.
+ALL_SLOTS_MAX_TOKENS = 256
+ALL_SLOTS_MIN_WINDOWS = 1 / 4    # windows in use per slot
+ALL_SLOTS_MAX_WEIGHT = 1 / 4     # every slot's A and B against the base kernel, in elements
+
+
+def _cpu_add(y: jax.Array, x: jax.Array, groups: SlotGroups, a: jax.Array, b: jax.Array,
+             scales: jax.Array, sum_axis: str | None = None) -> jax.Array:
+    """XLA:CPU's form, chosen per step: nothing without adapter rows; the all-slots pass
+    for many windows (ALL_SLOTS_MIN_WINDOWS per slot or more: a cond on the step's
+    count) where it can pay (static: at most ALL_SLOTS_MAX_TOKENS tokens, every slot's
+    matrices at most ALL_SLOTS_MAX_WEIGHT of the base kernel, the stacks in the
+    activations' dtype); else the windowed loop. Stacks narrower than the activations
+    (--lora-dtype bfloat16 under a float32 model) take the windowed loop, which widens
+    one slot at a time, not the whole stacks."""
+    (T, I), (S, R, _), O = x.shape, a.shape, b.shape[-1]
+    windowed = partial(_windowed_add, sum_axis=sum_axis)
+    if (T > ALL_SLOTS_MAX_TOKENS or jnp.promote_types(x.dtype, a.dtype) != a.dtype
+            or S * R * (I + O) > ALL_SLOTS_MAX_WEIGHT * I * O):
+        return windowed(y, x, groups, a, b, scales)
+    count = _windows(groups, T, S).count
+    pick = lambda *args: jax.lax.cond(count >= ALL_SLOTS_MIN_WINDOWS * S,
+                                      partial(_all_slots_add, sum_axis=sum_axis), windowed, *args)
+    return jax.lax.cond(count > 0, pick, lambda y, *_: y, y, x, groups, a, b, scales)
+
+
 def lora_delta(x: jax.Array, groups: SlotGroups, a: jax.Array, b: jax.Array,
                scales: jax.Array) -> jax.Array:
     """The LoRA delta of one projection for a batch mixing adapters.
 
     x [T, I] (the projection's input, contraction axes merged), groups from
-    group_by_slot, a [S, I, R], b [S, R, O], scales float32[S] (alpha / r, or
+    group_by_slot, a [S, R, I], b [S, R, O], scales float32[S] (alpha / r, or
     alpha / sqrt(r) with rsLoRA; anything for slot 0, whose matrices are zero).
     Returns [T, O] in x's dtype, to add to the base projection's output."""
     return sharded_lora_delta(x, groups, a, b, scales, None)
@@ -232,7 +300,7 @@ def sharded_lora_add(y: jax.Array, x: jax.Array, groups: SlotGroups, a: jax.Arra
         if context_model_axis_size() == 1:
             return _grouped_add(y, x, groups, a, b, scales)
         body = lambda *args: _grouped_add(*args, sum_axis=MODEL)
-        fn = over_model_axis(body, in_specs=(rep, heads_spec(2, 1), g, heads_spec(3, 1), rep,
+        fn = over_model_axis(body, in_specs=(rep, heads_spec(2, 1), g, heads_spec(3, 2), rep,
                                              rep), out_specs=rep)
         return fn(y, x, groups, a, b, scales)
     if split is not None:
@@ -244,6 +312,6 @@ def dense_reference(x: jax.Array, slot_ids: jax.Array, a: jax.Array, b: jax.Arra
                     scales: jax.Array) -> jax.Array:
     """The same delta by gathering each token's whole matrices (for tests only: this is
     the per-token gather the grouped form avoids)."""
-    h = jnp.einsum("TI,TIR->TR", x, a[slot_ids], precision="highest")
+    h = jnp.einsum("TI,TRI->TR", x, a[slot_ids], precision="highest")
     return jnp.einsum("TR,TRO->TO", h * scales[slot_ids][:, None], b[slot_ids],
                       precision="highest")

@@ -1,6 +1,8 @@
 """The adapters' device layout: every target's A and B stacked in slots.
 
-For each target (models/lora/targets.py) A [S, in_dim, R] and B [S, R, out_dim], kept
+For each target (models/lora/targets.py) A [S, R, in_dim] (each slot's [r, in] as PEFT
+stores it: the CPU reads all slots' A as one [S * R, in] matrix, ops._all_slots_add) and
+B [S, R, out_dim], kept
 in a tree shaped as the model's params (a scanned model's blocks stacked before the
 slot axis, as its kernels are: the scan slices them with no copy), with
 S = max_loras + 1 slots (slot 0 = no adapter: zeros) and R = max_lora_rank (a smaller
@@ -42,12 +44,12 @@ def stack_shapes(targets: dict[str, LoRATarget], max_loras: int, max_rank: int, 
                  ) -> dict:
     """The stacks as ShapeDtypeStructs (for the planner's bytes and ahead-of-time compiles):
     a tree shaped as the model's params (the Einsum module paths, models/lora/targets.py)
-    with leaves "a" [*layers, S, in, R] and "b" [*layers, S, R, out] (*layers: a scanned
+    with leaves "a" [*layers, S, R, in] and "b" [*layers, S, R, out] (*layers: a scanned
     model's stacked blocks, as its kernels have them), plus SCALES float32[S]."""
     s = max_loras + 1
     flat: dict = {(SCALES,): jax.ShapeDtypeStruct((s,), jnp.float32)}
     for path, (lead, t) in _paths(targets).items():
-        flat[(*path, "a")] = jax.ShapeDtypeStruct((*lead, s, t.in_dim, max_rank), dtype)
+        flat[(*path, "a")] = jax.ShapeDtypeStruct((*lead, s, max_rank, t.in_dim), dtype)
         flat[(*path, "b")] = jax.ShapeDtypeStruct((*lead, s, max_rank, t.out_dim), dtype)
     return unflatten_dict(flat)
 
@@ -59,7 +61,7 @@ def stack_shardings(targets: dict[str, LoRATarget], mesh: Mesh) -> dict:
     flat: dict = {(SCALES,): rep}
     for path, (lead, t) in _paths(targets).items():
         none = (None,) * (len(lead) + 1)
-        flat[(*path, "a")] = (NamedSharding(mesh, PartitionSpec(*none, MODEL, None))
+        flat[(*path, "a")] = (NamedSharding(mesh, PartitionSpec(*none, None, MODEL))
                               if t.split == SPLIT_IN else rep)
         flat[(*path, "b")] = (NamedSharding(mesh, PartitionSpec(*none, None, MODEL))
                               if t.split == SPLIT_OUT else rep)
@@ -77,7 +79,7 @@ def init_stacks(targets: dict[str, LoRATarget], max_loras: int, max_rank: int, d
 
 
 def target_stacks(stacks: dict, target: LoRATarget) -> tuple[jax.Array, jax.Array]:
-    """One target's A [S, in, R] and B [S, R, out] out of the stacks."""
+    """One target's A [S, R, in] and B [S, R, out] out of the stacks."""
     node = stacks
     for key in target.path:
         node = node[key]
@@ -89,18 +91,18 @@ def target_stacks(stacks: dict, target: LoRATarget) -> tuple[jax.Array, jax.Arra
 def slot_weights(weights: dict[str, tuple[np.ndarray, np.ndarray]], scaling: float,
                  targets: dict[str, LoRATarget], max_rank: int, dtype: Any) -> dict:
     """One adapter as one slot's rows of every stack (host numpy, the stacks' tree without
-    their slot axis): its A [in, r] and B [r, out] (targets.adapter_weights) padded to
+    their slot axis): its A [r, in] and B [r, out] (targets.adapter_weights) padded to
     max_rank, zeros for the targets it does not adapt."""
     unknown = weights.keys() - targets.keys()
     if unknown:
         raise ValueError(f"LoRA weights for unknown targets: {', '.join(sorted(unknown))[:200]}")
     flat: dict = {(SCALES,): np.float32(scaling)}
     for path, (lead, t) in _paths(targets).items():
-        flat[(*path, "a")] = np.zeros((*lead, t.in_dim, max_rank), dtype)
+        flat[(*path, "a")] = np.zeros((*lead, max_rank, t.in_dim), dtype)
         flat[(*path, "b")] = np.zeros((*lead, max_rank, t.out_dim), dtype)
     for name, (wa, wb) in weights.items():
         t = targets[name]
-        flat[(*t.path, "a")][t.index][:, :wa.shape[1]] = wa
+        flat[(*t.path, "a")][t.index][:wa.shape[0]] = wa
         flat[(*t.path, "b")][t.index][:wb.shape[0]] = wb
     return unflatten_dict(flat)
 

@@ -106,7 +106,7 @@ def _same_model(a: str, b: str) -> bool:
 def adapter_weights(adapter: PeftAdapter, targets: dict[str, LoRATarget], cfg: ModelConfig, *,
                     max_rank: int, base_model: str | None = None
                     ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """target name -> (A [in_dim, r], B [r, out_dim]) in the model's layout (float32; the
+    """target name -> (A [r, in_dim], B [r, out_dim]) in the stacks' layout (float32; the
     scaling is not folded in: adapter.scaling). ValueError naming the cause when the
     adapter does not fit: its rank above max_rank, a module the model lacks or does not
     adapt (experts, embeddings), matrices of another model's sizes, or a different base
@@ -146,7 +146,7 @@ def adapter_weights(adapter: PeftAdapter, targets: dict[str, LoRATarget], cfg: M
                             axis=1).reshape(b_t.shape[0], -1)
         if target.regroup_qkv:   # the base kernel's [all q | all k | all v] regrouping
             b_t = group_by_key_head(b_t, cfg).reshape(adapter.rank, -1)
-        out[name] = (np.ascontiguousarray(np.asarray(a, np.float32).T), np.ascontiguousarray(b_t))
+        out[name] = (np.asarray(a, np.float32), np.ascontiguousarray(b_t))
     return out
 
 

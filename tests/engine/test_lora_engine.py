@@ -239,7 +239,8 @@ def test_bad_adapters_are_refused_by_name(llama, tmp_path):
     (tmp_path / "odd" / "adapter_config.json").write_text(json.dumps(cfg))
     refused(LoRARequest("odd", 8, str(tmp_path / "odd")), "qkv_fused not in the model")
     refused(LoRARequest("none", 9, str(tmp_path / "missing")), "no adapter_config.json")
-    # One id, two adapters.
+    # One id, two adapters (ok's id known first: the test does not lean on earlier ones).
+    inputs.process("x", [5, 6, 7], GREEDY, lora_request=ok)
     refused(LoRARequest("a2", ok.lora_int_id, llama.loras[2].lora_path), "one id per adapter")
     # LoRA off: the adapter is refused, naming the switch.
     off = InputProcessor(tokenizer=None, vocab_size=256, max_model_len=64)

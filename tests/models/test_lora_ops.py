@@ -18,10 +18,10 @@ T, I, O, R, S = 13, 32, 48, 8, 4   # 3 adapters + slot 0
 def case():
     rng = np.random.default_rng(0)
     x = rng.standard_normal((T, I), np.float32)
-    a = rng.standard_normal((S, I, R), np.float32)
+    a = rng.standard_normal((S, R, I), np.float32)
     b = rng.standard_normal((S, R, O), np.float32)
     a[0], b[0] = 0, 0                  # slot 0: no adapter
-    a[2, :, 5:], b[2, 5:] = 0, 0       # slot 2: a rank-5 adapter padded to R
+    a[2, 5:], b[2, 5:] = 0, 0          # slot 2: a rank-5 adapter padded to R
     scales = np.array([0.0, 2.0, 0.5, 1.25], np.float32)
     # Mixed and unsorted, slot 3 absent from neither, slot 0 among them.
     slots = np.array([2, 0, 1, 1, 3, 0, 2, 2, 1, 0, 3, 1, 0], np.int32)
@@ -42,7 +42,7 @@ def test_grouped_delta_absent_slots_and_one_adapter(case):
     x, _, a, b, scales = case
     slots = np.full(T, 3, np.int32)     # every token one adapter; slots 0-2 empty groups
     got = lora_delta(jnp.asarray(x), group_by_slot(jnp.asarray(slots), S), a, b, scales)
-    np.testing.assert_allclose(got, scales[3] * (x @ a[3]) @ b[3], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got, scales[3] * (x @ a[3].T) @ b[3], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("split", [SPLIT_OUT, SPLIT_IN])
@@ -56,7 +56,7 @@ def test_sharded_delta_on_1x2_mesh(case, split):
         args = put(x), put(a), put(b, None, None, MODEL)
         want_spec = PartitionSpec(None, MODEL)
     else:
-        args = put(x, None, MODEL), put(a, None, MODEL, None), put(b)
+        args = put(x, None, MODEL), put(a, None, None, MODEL), put(b)
         want_spec = PartitionSpec()
     xs, as_, bs = args
     with jax.set_mesh(mesh):
@@ -75,14 +75,15 @@ def test_bad_split_is_refused(case):
 @pytest.mark.parametrize("num_tokens,num_slots,seed", [(64, 17, 0), (5, 17, 1), (256, 2, 2),
                                                        (33, 5, 3)])
 def test_cpu_tiles_and_ragged_dot_agree_with_the_gather(num_tokens, num_slots, seed):
-    """Both forms (platform_dependent picks one per platform), each adding the delta into
-    the base projection's output, against the per-token gather, for skewed slot mixes:
-    many slots for few tokens, one adapter, empty slots."""
-    from models.lora.ops import _ragged_add, _windowed_add
+    """Every form (platform_dependent picks the ragged dot or the CPU's two, _cpu_add one
+    of those per step), each adding the delta into the base projection's output, against
+    the per-token gather, for skewed slot mixes: many slots for few tokens, one adapter,
+    empty slots."""
+    from models.lora.ops import _all_slots_add, _cpu_add, _ragged_add, _windowed_add
     rng = np.random.default_rng(seed)
     i, o, r = 24, 40, 4
     x = jnp.asarray(rng.standard_normal((num_tokens, i)), jnp.float32)
-    a = jnp.asarray(rng.standard_normal((num_slots, i, r)), jnp.float32).at[0].set(0)
+    a = jnp.asarray(rng.standard_normal((num_slots, r, i)), jnp.float32).at[0].set(0)
     b = jnp.asarray(rng.standard_normal((num_slots, r, o)), jnp.float32).at[0].set(0)
     scales = jnp.asarray(rng.uniform(0.5, 2, num_slots), jnp.float32)
     slots = jnp.asarray(rng.integers(0, num_slots, num_tokens) * (rng.random(num_tokens) < 0.8),
@@ -90,7 +91,7 @@ def test_cpu_tiles_and_ragged_dot_agree_with_the_gather(num_tokens, num_slots, s
     y = jnp.asarray(rng.standard_normal((num_tokens, o)), jnp.float32)   # the base's output
     want = y + dense_reference(x, slots, a, b, scales)
     groups = group_by_slot(slots, num_slots)
-    for form in (_windowed_add, _ragged_add):
+    for form in (_windowed_add, _all_slots_add, _cpu_add, _ragged_add):
         np.testing.assert_allclose(jax.jit(form)(y, x, groups, a, b, scales), want, rtol=1e-4,
                                    atol=1e-4, err_msg=form.__name__)
 
@@ -113,7 +114,7 @@ def test_einsum_adds_the_float_delta_to_a_quantized_base(method, num_contract):
     params = {**params, "kernel": jnp.asarray(rng.integers(-100, 100, shape)).astype(
         params["kernel"].dtype), "kernel_scale": params["kernel_scale"] * 0.01}
     s, r = 3, 4
-    a = jnp.asarray(rng.standard_normal((s, in_dim, r)), jnp.float32).at[0].set(0)
+    a = jnp.asarray(rng.standard_normal((s, r, in_dim)), jnp.float32).at[0].set(0)
     b = jnp.asarray(rng.standard_normal((s, r, out_dim)), jnp.float32).at[0].set(0)
     scales = jnp.asarray([1.0, 0.5, 2.0], jnp.float32)
     slots = jnp.asarray([2, 0, 1, 1, 2, 0, 2], jnp.int32)
@@ -134,7 +135,7 @@ def test_cpu_form_reads_each_slot_once_and_copies_no_stack():
     t, s, i, o, r = 16, 17, 256, 256, 16
     rng = np.random.default_rng(5)
     x = jnp.asarray(rng.standard_normal((t, i)), jnp.float32)
-    a = jnp.asarray(rng.standard_normal((s, i, r)), jnp.float32).at[0].set(0)
+    a = jnp.asarray(rng.standard_normal((s, r, i)), jnp.float32).at[0].set(0)
     b = jnp.asarray(rng.standard_normal((s, r, o)), jnp.float32).at[0].set(0)
     scales = jnp.ones(s, jnp.float32)
     fn = jax.jit(lambda x, ids, a, b, c: lora_delta(x, group_by_slot(ids, s), a, b, c))
@@ -155,7 +156,7 @@ def test_cpu_form_widens_narrow_stacks_instead_of_rounding_the_activations():
     rng = np.random.default_rng(6)
     t, s, i, o, r = 24, 4, 64, 48, 8
     x = jnp.asarray(rng.standard_normal((t, i)), jnp.float32)
-    a = jnp.asarray(rng.standard_normal((s, i, r)), jnp.bfloat16).at[0].set(0)
+    a = jnp.asarray(rng.standard_normal((s, r, i)), jnp.bfloat16).at[0].set(0)
     b = jnp.asarray(rng.standard_normal((s, r, o)), jnp.bfloat16).at[0].set(0)
     scales = jnp.asarray([0, 2.0, 0.5, 1.0], jnp.float32)
     ids = jnp.asarray(rng.integers(0, s, t), jnp.int32)
@@ -176,3 +177,50 @@ def test_cpu_windows_hold_at_least_eight_rows():
     assert int(_windows(spread, 16, 17).count) == 16
     short = _windows(group_by_slot(jnp.ones(4, jnp.int32), 17), 4, 17)
     assert (short.rows, int(short.count)) == (4, 1)
+
+
+def test_cpu_form_takes_one_pass_over_all_slots_for_many_adapters_of_few_rows():
+    """Four adapters over four slots, a few decode rows each, take the all-slots pass (two
+    plain dots, no loop) rather than a window iteration per adapter; one window of one
+    adapter's rows keeps the windowed loop (the cond's predicate, below); base rows alone
+    get nothing. Never compiled in: a step over ALL_SLOTS_MAX_TOKENS, stacks narrower
+    than the activations, stacks that weigh more than ALL_SLOTS_MAX_WEIGHT of the base
+    kernel (read off the compiled program: the pass's [T, S * R] products). Each gives
+    the per-token gather's delta."""
+    from models.lora.ops import (ALL_SLOTS_MAX_TOKENS, ALL_SLOTS_MAX_WEIGHT,
+                                 ALL_SLOTS_MIN_WINDOWS, _cpu_add)
+    s, i, o, r = 5, 96, 96, 2
+    assert s * r * (i + o) <= ALL_SLOTS_MAX_WEIGHT * i * o
+    rng = np.random.default_rng(7)
+
+    def stacks(i, o, dtype=jnp.float32):
+        a = jnp.asarray(rng.standard_normal((s, r, i)), jnp.float32).at[0].set(0)
+        b = jnp.asarray(rng.standard_normal((s, r, o)), jnp.float32).at[0].set(0)
+        return a.astype(dtype), b.astype(dtype)
+
+    a, b = stacks(i, o)
+    scales = jnp.asarray(rng.uniform(0.5, 2, s), jnp.float32)
+
+    def compiled(ids, a=a, b=b):
+        (t,), i, o = ids.shape, a.shape[-1], b.shape[-1]
+        x = jnp.asarray(rng.standard_normal((t, i)), jnp.float32)
+        y = jnp.zeros((t, o), jnp.float32)
+        fn = jax.jit(lambda y, x, ids: _cpu_add(y, x, group_by_slot(ids, s), a, b, scales))
+        want = dense_reference(x, ids, a.astype(jnp.float32), b.astype(jnp.float32), scales)
+        np.testing.assert_allclose(fn(y, x, ids), want, rtol=1e-4,
+                                   atol=1e-4 * float(jnp.abs(want).max()))
+        return f"f32[{t},{s * r}]" in fn.lower(y, x, ids).compile().as_text()
+
+    many = lambda ids: bool(_windows(group_by_slot(ids, s), ids.shape[0], s).count
+                            >= ALL_SLOTS_MIN_WINDOWS * s)
+    spread = jnp.asarray(np.arange(16) % 4 + 1, jnp.int32)           # 4 adapters
+    assert many(spread) and compiled(spread)
+    few = jnp.asarray([3] * 6 + [0] * 10, jnp.int32)                  # one window's rows
+    assert not many(few) and compiled(few)
+    assert not np.any(np.asarray(jax.jit(lambda x, ids: _cpu_add(
+        jnp.zeros((16, o)), x, group_by_slot(ids, s), a, b, scales))(
+        jnp.ones((16, i)), jnp.zeros(16, jnp.int32))))                # base rows only
+    big = ALL_SLOTS_MAX_TOKENS + 8
+    assert not compiled(jnp.asarray(np.arange(big) % 4 + 1, jnp.int32))
+    assert not compiled(spread, *stacks(i, o, jnp.bfloat16))          # narrow stacks
+    assert not compiled(spread, *stacks(16, 16))                      # heavy stacks

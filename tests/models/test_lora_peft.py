@@ -129,7 +129,7 @@ def test_write_and_clear_slot_in_place(llama, peft_dirs):
     q = stacks["layers_0"]["self_attn"]["q_proj"]
     np.testing.assert_array_equal(q["a"][2], one["layers_0"]["self_attn"]["q_proj"]["a"])
     assert not np.any(q["a"][:2]) and float(stacks[SCALES][2]) == pytest.approx(4.0)
-    assert not np.any(q["a"][2][:, adapter.rank:]), "rank 4 padded to 8 with zeros"
+    assert not np.any(q["a"][2][adapter.rank:]), "rank 4 padded to 8 with zeros ([r, in] rows)"
     stacks = clear_slot(stacks, jnp.int32(2))
     assert not any(np.any(x) for x in jax.tree_util.tree_leaves(stacks))
     # In place: the compiled writer's outputs are its donated inputs, no stack copied.
@@ -218,7 +218,7 @@ def test_stacks_sharded_as_their_base_kernels_on_1x2(llama, peft_dirs):
     plain = write_slot(init_stacks(targets, 2, MAX_RANK, jnp.float32), jnp.int32(1), one)
     spec = lambda name, ab: target_stacks(stacks, targets[name])["ab".index(ab)].sharding.spec
     assert spec("layers.0.self_attn.q_proj", "b") == PartitionSpec(None, None, MODEL)
-    assert spec("layers.0.self_attn.o_proj", "a") == PartitionSpec(None, MODEL, None)
+    assert spec("layers.0.self_attn.o_proj", "a") == PartitionSpec(None, None, MODEL)   # [S, R, in]
     assert spec("layers.0.self_attn.q_proj", "a") == spec("layers.0.mlp.down_proj", "b") == PartitionSpec()
     slots = jnp.array([1, 0, 1, 2, 1], jnp.int32)
     for name in ("layers.0.self_attn.q_proj", "layers.0.self_attn.o_proj"):
