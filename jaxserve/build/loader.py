@@ -18,6 +18,7 @@ from flax.traverse_util import flatten_dict, unflatten_dict
 from jax.sharding import Mesh
 
 from jaxserve.build.blas_threads import limit_openblas_threads
+from jaxserve.build.cpu_malloc import keep_freed_memory
 from jaxserve.checkpoints.converted import (PARAMS_DIR, check_settings, check_tree,
                                             is_converted, read_manifest, tree_settings)
 from jaxserve.config import EngineConfig
@@ -105,8 +106,10 @@ def load_model(config: EngineConfig, layout: EngineLayout, mesh: Mesh, *,
                        mc.num_kv_heads, m, layout.kv_heads // mc.num_kv_heads, layout.kv_heads,
                        layout.kv_heads // m)
     model, params = load_weights(config, layout, mesh, on_progress=on_progress)
-    if mesh.devices.flat[0].platform == "cpu" and (note := limit_openblas_threads()):
-        logger.info(note)
+    if mesh.devices.flat[0].platform == "cpu":
+        for note in (limit_openblas_threads(), keep_freed_memory()):
+            if note:
+                logger.info(note)
     if mc.tie_word_embeddings and mesh.devices.flat[0].platform == "cpu":
         shardings_of = lambda module: layout_param_shardings(module, mesh, layout)
         model, params = untie_lm_head(model, params, shardings_of)
