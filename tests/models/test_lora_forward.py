@@ -88,8 +88,9 @@ class Family:
         with torch.no_grad():
             return model.eval()(input_ids=torch.tensor(tokens, dtype=torch.long)[None]).logits[0].numpy()
 
-    def run(self, rows: list[int], stacks=None, params=None) -> list[np.ndarray]:
-        """Prompts `rows` (index i = adapter i) in one step; stacks=None: no LoRA at all."""
+    def run(self, rows: list[int], stacks=None, params=None, apply=None) -> list[np.ndarray]:
+        """Prompts `rows` (index i = adapter i) in one step; stacks=None: no LoRA at all;
+        apply: a jitted model.apply of the caller's (default: the family's)."""
         params = self.params if params is None else params
         seqs = [(self.prompts[i], 0, [1 + 2 * j, 2 + 2 * j]) for j, i in enumerate(rows)]
         hybrid = self.cfg.is_hybrid
@@ -106,7 +107,7 @@ class Family:
             for (a, b), i in zip(spans, rows):
                 slot_ids[a:b] = i
             variables.update(forward_variables(stacks, jnp.asarray(slot_ids)))
-        hidden, _ = self.apply(variables, caches, inputs)
+        hidden, _ = (apply or self.apply)(variables, caches, inputs)
         logits = np.asarray(self.logits_fn(params, hidden))
         return [logits[a:b] for a, b in spans]
 
@@ -172,5 +173,39 @@ def test_mixed_batch_on_1x2_mesh(families):
     stacks = jax.device_put(fam.stacks, stack_shardings(lora_targets(fam.model, cfg), mesh))
     with jax.set_mesh(mesh):
         got = fam.run([0, 1, 2, 3], stacks, params)
+    for i, g in enumerate(got):
+        assert_close(g, fam.want[i])
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
+def test_mixed_batch_through_the_cpu_all_slots_pass(families, kind, monkeypatch):
+    """The CPU's all-slots pass (models/lora/ops._all_slots_add) inside the real forward:
+    a scanned Qwen3 and the hybrid's attention, MLP and DeltaNet projections. The tiny
+    models are too narrow for _cpu_add to pick it (their slots weigh more than the
+    kernels), so its bounds are lifted here, for a fresh trace; the pass's [T, S * R]
+    products appear in the lowered step only then, and every row still gets its
+    adapter's logits."""
+    from models.lora import ops
+    fam = families(kind)
+    products = f"tensor<{T_PAD}x{fam.stacks['scales'].shape[0] * MAX_RANK}xf32>"
+
+    def lowered() -> str:
+        inputs, _ = make_inputs([(fam.prompts[0], 0, [1])], page_size=PAGE, num_tokens=T_PAD,
+                                num_rows=R_PAD, pages_per_row=P_PAD,
+                                state_slots=[1] if fam.cfg.is_hybrid else None)
+        shapes = cache_shapes(fam.cfg, num_pages=NUM_PAGES, page_size=PAGE,
+                              kv_dtype=jnp.float32,
+                              num_state_slots=STATE_SLOTS if fam.cfg.is_hybrid else 0,
+                              conv_state_dtype=jnp.float32)
+        caches = {k: jnp.zeros(s.shape, s.dtype) for k, s in shapes.items()}
+        variables = {"params": fam.params,
+                     **forward_variables(fam.stacks, jnp.zeros(T_PAD, jnp.int32))}
+        return jax.jit(lambda *a: fam.model.apply(*a)).lower(variables, caches, inputs).as_text()
+
+    without = lowered().count(products)
+    monkeypatch.setattr(ops, "ALL_SLOTS_MAX_WEIGHT", float("inf"))
+    monkeypatch.setattr(ops, "ALL_SLOTS_MIN_WINDOWS", 0.0)
+    assert lowered().count(products) > without
+    got = fam.run([0, 1, 2, 3], fam.stacks, apply=jax.jit(lambda *a: fam.model.apply(*a)))
     for i, g in enumerate(got):
         assert_close(g, fam.want[i])
