@@ -83,6 +83,17 @@ class Family:
             self.stacks = write_slot(self.stacks, jnp.int32(slot), slot_weights(
                 weights, adapter.scaling, targets, MAX_RANK, np.float32))
 
+    def one_row(self) -> tuple[dict, object]:
+        """Empty caches and the inputs of prompt 0 alone (for tracing, not for logits)."""
+        hybrid = self.cfg.is_hybrid
+        inputs, _ = make_inputs([(self.prompts[0], 0, [1])], page_size=PAGE, num_tokens=T_PAD,
+                                num_rows=R_PAD, pages_per_row=P_PAD,
+                                state_slots=[1] if hybrid else None)
+        shapes = cache_shapes(self.cfg, num_pages=NUM_PAGES, page_size=PAGE, kv_dtype=jnp.float32,
+                              num_state_slots=STATE_SLOTS if hybrid else 0,
+                              conv_state_dtype=jnp.float32)
+        return {k: jnp.zeros(s.shape, s.dtype) for k, s in shapes.items()}, inputs
+
     @staticmethod
     def _torch_logits(model, tokens) -> np.ndarray:
         with torch.no_grad():
@@ -146,13 +157,7 @@ def test_mixed_batch_gives_each_row_its_adapter(family):
 
 
 def test_no_lora_traces_no_lora_op(family):
-    inputs, _ = make_inputs([(family.prompts[0], 0, [1])], page_size=PAGE, num_tokens=T_PAD,
-                            num_rows=R_PAD, pages_per_row=P_PAD,
-                            state_slots=[1] if family.cfg.is_hybrid else None)
-    shapes = cache_shapes(family.cfg, num_pages=NUM_PAGES, page_size=PAGE, kv_dtype=jnp.float32,
-                          num_state_slots=STATE_SLOTS if family.cfg.is_hybrid else 0,
-                          conv_state_dtype=jnp.float32)
-    caches = {k: jnp.zeros(s.shape, s.dtype) for k, s in shapes.items()}
+    caches, inputs = family.one_row()
     text = str(jax.make_jaxpr(family.model.apply)({"params": family.params}, caches, inputs))
     # The LoRA op's per-platform choice (ops._grouped_delta) is its mark.
     assert "platform_index" not in text
@@ -190,14 +195,7 @@ def test_mixed_batch_through_the_cpu_all_slots_pass(families, kind, monkeypatch)
     products = f"tensor<{T_PAD}x{fam.stacks['scales'].shape[0] * MAX_RANK}xf32>"
 
     def lowered() -> str:
-        inputs, _ = make_inputs([(fam.prompts[0], 0, [1])], page_size=PAGE, num_tokens=T_PAD,
-                                num_rows=R_PAD, pages_per_row=P_PAD,
-                                state_slots=[1] if fam.cfg.is_hybrid else None)
-        shapes = cache_shapes(fam.cfg, num_pages=NUM_PAGES, page_size=PAGE,
-                              kv_dtype=jnp.float32,
-                              num_state_slots=STATE_SLOTS if fam.cfg.is_hybrid else 0,
-                              conv_state_dtype=jnp.float32)
-        caches = {k: jnp.zeros(s.shape, s.dtype) for k, s in shapes.items()}
+        caches, inputs = fam.one_row()
         variables = {"params": fam.params,
                      **forward_variables(fam.stacks, jnp.zeros(T_PAD, jnp.int32))}
         return jax.jit(lambda *a: fam.model.apply(*a)).lower(variables, caches, inputs).as_text()
