@@ -26,36 +26,19 @@ import argparse
 import json
 import os
 import random
-import tempfile
 import time
 
 import jax.numpy as jnp
 import numpy as np
 from safetensors.numpy import save_file
 
-from benchmarks.shared.common import SMALL_QWEN3, make_qwen3, make_small_qwen3
+from benchmarks.shared.common import base_model
 from jaxserve import LLM, LoRARequest, SamplingParams
 from models.config import ModelConfig
 from models.lora.targets import lora_targets
 from models.registry import build_model
 
 COUNTS = (1, 4, 16)
-# Qwen3-8B's layer widths (its config.json), vocab cut to the small model's.
-QWEN3_8B_LAYERS = dict(vocab_size=32000, hidden_size=4096, intermediate_size=12288,
-                       num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                       max_position_embeddings=2048, tie_word_embeddings=False)
-
-
-def base_model(shape: str, layers: int | None, dtype: str) -> str:
-    """The base checkpoint's directory (written once per shape, layer count and dtype)."""
-    if shape == "small" and layers is None and dtype == "float32":
-        return make_small_qwen3(os.path.join(tempfile.gettempdir(), "jaxserve-bench-qwen3-small"))
-    config = dict(SMALL_QWEN3 if shape == "small" else QWEN3_8B_LAYERS)
-    config["num_hidden_layers"] = layers or (config.get("num_hidden_layers") or 2)
-    name = f"jaxserve-bench-qwen3-{shape}-l{config['num_hidden_layers']}-{dtype}"
-    return make_qwen3(os.path.join(tempfile.gettempdir(), name), config, dtype=dtype)
-
-
 def write_adapters(path: str, base: str, num: int, rank: int) -> list[LoRARequest]:
     """`num` random rank-`rank` PEFT adapters over every projection of the model."""
     cfg = ModelConfig.from_pretrained(base)
@@ -121,8 +104,8 @@ def main() -> None:
     # machine lands on every case alike, not on one engine's runs.
     best = {label: (0.0, 0.0) for label, _, _ in rows}
     for _ in range(args.repeats):
-        for label, engine_, loras in rows:
-            best[label] = tuple(map(max, best[label], once(engine_, loras)))
+        for label, runner, loras in rows:
+            best[label] = tuple(map(max, best[label], once(runner, loras)))
     print(f"{path}: {args.dtype}, {args.prompts} requests x ({args.prompt_len} prompt + "
           f"{args.max_tokens} output) tokens, rank {args.rank}, best of {args.repeats} "
           f"(load average {os.getloadavg()[0]:.1f})")

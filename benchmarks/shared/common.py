@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import random
+import tempfile
 from dataclasses import dataclass
 
 SMALL_QWEN3 = dict(vocab_size=32000, hidden_size=512, intermediate_size=1536,
@@ -45,6 +46,23 @@ def make_qwen3(path: str, config: dict, seed: int = 0, dtype: str = "float32") -
 def make_small_qwen3(path: str, seed: int = 0) -> str:
     """The small Qwen3 of the CPU figures (hidden 512, 8 layers, vocab 32000)."""
     return make_qwen3(path, SMALL_QWEN3, seed)
+
+
+# Qwen3-8B's layer widths (its config.json), vocab cut to the small model's.
+QWEN3_8B_LAYERS = dict(vocab_size=32000, hidden_size=4096, intermediate_size=12288,
+                       num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                       max_position_embeddings=2048, tie_word_embeddings=False)
+
+
+def base_model(shape: str, layers: int | None, dtype: str) -> str:
+    """A random Qwen3's directory under the temp dir, written once per shape ("small":
+    SMALL_QWEN3; "8b": QWEN3_8B_LAYERS), layer count (default: the shape's) and dtype."""
+    if shape == "small" and layers is None and dtype == "float32":
+        return make_small_qwen3(os.path.join(tempfile.gettempdir(), "jaxserve-bench-qwen3-small"))
+    config = dict(SMALL_QWEN3 if shape == "small" else QWEN3_8B_LAYERS)
+    config["num_hidden_layers"] = layers or (config.get("num_hidden_layers") or 2)
+    name = f"jaxserve-bench-qwen3-{shape}-l{config['num_hidden_layers']}-{dtype}"
+    return make_qwen3(os.path.join(tempfile.gettempdir(), name), config, dtype=dtype)
 
 
 @dataclass(frozen=True)

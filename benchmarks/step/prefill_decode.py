@@ -1,5 +1,5 @@
 """One prefill step and the decode steps after it, timed apart, on a model of Qwen3-8B's
-layer widths (benchmarks/lora/lora_engine.py's --shape 8b).
+layer widths (benchmarks/shared/common.base_model's "8b").
 
     python -m benchmarks.step.prefill_decode [--layers 2] [--rows 16] [--prompt-len 64]
                                              [--output-len 16] [--repeats 4]
@@ -15,7 +15,7 @@ import argparse
 import random
 import time
 
-from benchmarks.lora.lora_engine import base_model
+from benchmarks.shared.common import base_model
 from jaxserve import LLM, SamplingParams
 
 

@@ -5,10 +5,10 @@ temporaries) from malloc. glibc serves a request above its mmap threshold (32 Mi
 most) with a fresh mmap and unmaps it when freed, so every step writes to new pages,
 which the kernel faults in and zeroes one 4 KiB page at a time: writing a [1024, 12288]
 float32 dot output took 19 ms that way and 1.9 ms in reused memory; decode steps of a
-model of Qwen3-8B's layer widths ran 5-9 % faster without the faults (benchmarks/
-README.md; its prefill step unchanged within the noise). With mmap off (M_MMAP_MAX 0) and trimming as good as off
-(M_TRIM_THRESHOLD 2 GiB), freed blocks stay in the heap for the next step, as
-tcmalloc (which vLLM's CPU build preloads) keeps them. The price: the process holds
+model of Qwen3-8B's layer widths ran 5-9 % faster without the faults, its prefill step
+unchanged within the noise (benchmarks/README.md). With mmap off (M_MMAP_MAX 0) and
+trimming as good as off (M_TRIM_THRESHOLD 2 GiB), freed blocks stay in the heap for the
+next step, as tcmalloc (which vLLM's CPU build preloads) keeps them. The price: the process holds
 on to its peak heap. JAXSERVE_CPU_MALLOC=default leaves malloc as it is.
 """
 from __future__ import annotations

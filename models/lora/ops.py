@@ -235,9 +235,10 @@ def _all_slots_add(y: jax.Array, x: jax.Array, groups: SlotGroups, a: jax.Array,
 # window, and XLA:CPU copies the window's slot matrices out before each dot. Measured
 # per projection (docs/LORA.md, run 7; 17 slots, rank 16): at Qwen3-8B's widths in
 # bfloat16 and 16 tokens the windowed loop cost 0.47 ms with 2 windows and 3.0 ms with 16,
-# the all-slots pass 0.8-0.95 ms whatever the adapters (the base dot: 4.3 ms); at 512
+# the all-slots pass 0.76-0.95 ms whatever the adapters (the base dot: 4.3 ms); at 512
 # wide in float32, where all the slots weigh as much as the base kernel, the pass never
-# won; at 1,024 tokens neither won clearly.
+# won; at 1,024 tokens the windowed loop cost less (a layer's projections x1.17-1.35
+# against x1.33-1.49).
 ALL_SLOTS_MAX_TOKENS = 256
 ALL_SLOTS_MIN_WINDOWS = 1 / 4    # windows in use per slot
 ALL_SLOTS_MAX_WEIGHT = 1 / 4     # every slot's A and B against the base kernel, in elements

@@ -53,11 +53,10 @@ def test_a_cpu_engine_stops_mapping_each_large_buffer():
 
 
 def test_the_environment_can_leave_malloc_alone():
-    from jaxserve.build.cpu_malloc import ENV
     got = _run("""
         from jaxserve.build.cpu_malloc import keep_freed_memory
         print(keep_freed_memory(), mapped_by_64_mib())
-    """, **{ENV: "default"})
+    """, **{cpu_malloc.ENV: "default"})
     assert got[-1] == "None 1", got
     got = _run("""
         from jaxserve.build.cpu_malloc import keep_freed_memory
