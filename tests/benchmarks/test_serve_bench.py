@@ -1,7 +1,7 @@
 """jaxserve.bench (the client, datasets and metrics of `jaxserve bench serve` and
 benchmarks/serving/serve.py) and benchmarks/serving/serve.py's sweep CLI: metric maths on synthetic timestamps (exact), SSE parsing, datasets,
 arrivals, and whole runs against a fake streaming server on 127.0.0.1 whose sleeps are
-known (the timing checks are lower bounds or wide bands, never tight)."""
+known (wall-clock checks are lower bounds only: sleeps can only make things later)."""
 from __future__ import annotations
 
 import asyncio
@@ -235,13 +235,15 @@ def test_run_against_fake_server(server):
     assert [r.output_tokens for r in recs] == [5] * 4 and a["total_output_tokens"] == 20
     assert a["total_input_tokens"] == 48
     assert all(len(r.chunk_times) == 5 and r.send < r.chunk_times[0] <= r.end for r in recs)
-    # sleeps only make things later: lower bounds are firm, upper bounds are wide
+    # sleeps only make things later, so only lower bounds are wall-clock facts (a loaded CI
+    # machine stretched one TTFT to 1.45 s); the means are checked against the records instead
     assert all(ttft(r) >= FIRST_DELAY - 0.005 for r in recs)
-    assert FIRST_DELAY - 0.005 <= a["ttft"]["mean_ms"] / 1e3 <= FIRST_DELAY + 0.4
-    assert GAP - 0.04 <= a["tpot"]["mean_ms"] / 1e3 <= GAP + 0.1
-    assert GAP - 0.04 <= a["itl"]["mean_ms"] / 1e3 <= GAP + 0.1
-    assert a["ttft"]["mean_ms"] > a["tpot"]["mean_ms"]
-    assert a["e2el"]["mean_ms"] / 1e3 >= FIRST_DELAY + 4 * GAP - 0.01
+    assert all(tpot(r) >= GAP - 0.04 for r in recs)
+    assert all(e2e(r) >= FIRST_DELAY + 4 * GAP - 0.01 for r in recs)
+    assert a["ttft"]["mean_ms"] == pytest.approx(1e3 * np.mean([ttft(r) for r in recs]))
+    assert a["tpot"]["mean_ms"] == pytest.approx(1e3 * np.mean([tpot(r) for r in recs]))
+    assert a["itl"]["mean_ms"] == pytest.approx(1e3 * np.mean([g for r in recs for g in itls(r)]))
+    assert a["e2el"]["mean_ms"] == pytest.approx(1e3 * np.mean([e2e(r) for r in recs]))
     assert a["output_throughput"] == pytest.approx(20 / a["duration_s"])
 
 
