@@ -125,7 +125,9 @@ class Einsum(nn.Module):
                               preferred_element_type=out_dtype)
         else:
             y = jnp.einsum(self.eq, xd, w, preferred_element_type=out_dtype)
-        return self._add_lora(x, self._add_bias(y))
+        # The adapters read the input as the base dot did (rounded to a 16-bit kernel's
+        # dtype: the LoRA stacks are in it too under --lora-dtype auto, build/parts.py).
+        return self._add_lora(xd, self._add_bias(y))
 
     def _kernel(self) -> tuple[jax.Array, bool]:
         """The kernel, and whether it is stored [out..., in...] (KERNEL_OUT_IN, set by the

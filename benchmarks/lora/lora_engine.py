@@ -4,6 +4,7 @@
     python -m benchmarks.lora.lora_engine [--prompts 32] [--prompt-len 64] [--max-tokens 32]
                                      [--rank 16] [--repeats 2] [--shape small|8b]
                                      [--layers N] [--dtype float32|bfloat16]
+                                     [--lora-dtype auto|float32|bfloat16]
 
 --shape small (default): the small Qwen3 of the CPU figures (hidden 512, 8 layers).
 --shape 8b: Qwen3-8B's layer widths (hidden 4096, MLP 12288, 32 query / 8 kv heads of
@@ -18,7 +19,8 @@ LLM.generate with the requests spread evenly over N adapters (0: the LoRA engine
 rows), the cases in turn, --repeats rounds. Prints the output tokens per second (best
 of the rounds, prefix cache reset between runs) and the ratio to the LoRA-off engine,
 measured in one run; also per second of this process's CPU time (every thread's), which
-other processes on a shared machine move less than the wall time, and the load average.
+other processes on a shared machine move less than the wall time; the median over the
+rounds of each round's time ratio to LoRA off (paired); and the load average.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ import argparse
 import json
 import os
 import random
+import statistics
 import time
 
 import jax.numpy as jnp
@@ -73,6 +76,7 @@ def main() -> None:
     ap.add_argument("--shape", choices=("small", "8b"), default="small")
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    ap.add_argument("--lora-dtype", choices=("auto", "float32", "bfloat16"), default="auto")
     args = ap.parse_args()
     path = base_model(args.shape, args.layers, args.dtype)
     adapters = write_adapters(os.path.join(path + "-lora", f"r{args.rank}"), path, max(COUNTS),
@@ -94,28 +98,33 @@ def main() -> None:
         return n / (time.perf_counter() - t), n / (time.process_time() - c)
 
     base = LLM(path, **engine)
-    llm = LLM(path, enable_lora=True, max_loras=max(COUNTS), max_lora_rank=args.rank, **engine)
+    llm = LLM(path, enable_lora=True, max_loras=max(COUNTS), max_lora_rank=args.rank,
+              lora_dtype=args.lora_dtype, **engine)
     rows = [("LoRA off", base, None), ("LoRA on, base rows", llm, None)] + [
         (f"LoRA on, {n:2d} adapters", llm, [adapters[i % n] for i in range(args.prompts)])
         for n in COUNTS]
     once(base, None)
     once(llm, [adapters[i % max(COUNTS)] for i in range(args.prompts)])   # every slot loaded
-    # Round robin over the cases, best of --repeats each: a slow spell of the shared
-    # machine lands on every case alike, not on one engine's runs.
-    best = {label: (0.0, 0.0) for label, _, _ in rows}
+    # Round robin over the cases: a slow spell of the shared machine lands on every case
+    # alike, not on one engine's runs. Reported: the best of --repeats per case, and the
+    # median over the rounds of each case's time against LoRA off's in the same round
+    # (paired: steadier than the best-of ratio, which one lucky run moves).
+    runs: dict[str, list[tuple[float, float]]] = {label: [] for label, _, _ in rows}
     for _ in range(args.repeats):
         for label, runner, loras in rows:
-            best[label] = tuple(map(max, best[label], once(runner, loras)))
-    print(f"{path}: {args.dtype}, {args.prompts} requests x ({args.prompt_len} prompt + "
-          f"{args.max_tokens} output) tokens, rank {args.rank}, best of {args.repeats} "
-          f"(load average {os.getloadavg()[0]:.1f})")
+            runs[label].append(once(runner, loras))
+    print(f"{path}: {args.dtype} (LoRA stacks: {args.lora_dtype}), {args.prompts} requests "
+          f"x ({args.prompt_len} prompt + {args.max_tokens} output) tokens, rank {args.rank}, "
+          f"{args.repeats} rounds (load average {os.getloadavg()[0]:.1f})")
+    best = {label: tuple(map(max, *r)) if len(r) > 1 else r[0] for label, r in runs.items()}
     base_rate, base_cpu = best["LoRA off"]
     for label, _, _ in rows:
         rate, cpu = best[label]
+        paired = statistics.median(b[0] / r[0] for b, r in zip(runs["LoRA off"], runs[label]))
         ratio = "" if label == "LoRA off" else \
-            f"  (x{base_rate / rate:.2f} the time, x{base_cpu / cpu:.2f} the CPU time)"
+            (f"  (best: x{base_rate / rate:.2f} the time, x{base_cpu / cpu:.2f} the CPU time;"
+             f" paired median x{paired:.2f} the time)")
         print(f"  {label:22s}  {rate:8.1f} tok/s  {cpu:8.1f} tok/CPU-s{ratio}")
-
 
 if __name__ == "__main__":
     main()

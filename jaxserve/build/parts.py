@@ -175,11 +175,13 @@ def build_runner(config: EngineConfig, layout: EngineLayout, plan: CachePlan, *,
 
 def lora_store(config: EngineConfig, layout: EngineLayout, model: Any) -> LoRAStore | None:
     """The served adapters' store (runner/lora_store.py), None with LoRA off. The stacks'
-    dtype: --lora-dtype, auto = what the model computes in."""
+    dtype: --lora-dtype, auto = what the projections' dots take (layout.matmul_dtype: a
+    bf16 model's own dtype on a CPU with native bf16 dots, where bf16 stacks halve the
+    adapters' bytes and run the CPU's all-slots pass as fast as the base dots)."""
     if not config.enable_lora:
         return None
-    dtype = (layout.compute_dtype or layout.dtype) if config.lora_dtype == "auto" \
-        else jnp.dtype(config.lora_dtype)
+    dtype = (layout.matmul_dtype or layout.compute_dtype or layout.dtype) \
+        if config.lora_dtype == "auto" else jnp.dtype(config.lora_dtype)
     return LoRAStore(LoRAConfig(config.max_loras, config.max_lora_rank,
                                 config.max_cpu_loras or config.max_loras, dtype),
                      model, layout.rules, config.model,

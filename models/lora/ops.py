@@ -233,34 +233,42 @@ def _all_slots_add(y: jax.Array, x: jax.Array, groups: SlotGroups, a: jax.Array,
 # The all-slots form reads every slot once and computes T x S x R x (I + O) products;
 # the windowed one computes only its rows' products but costs a loop iteration per
 # window, and XLA:CPU copies the window's slot matrices out before each dot. Measured
-# per projection (docs/LORA.md, run 7; 17 slots, rank 16): at Qwen3-8B's widths in
-# bfloat16 and 16 tokens the windowed loop cost 0.47 ms with 2 windows and 3.0 ms with 16,
-# the all-slots pass 0.76-0.95 ms whatever the adapters (the base dot: 4.3 ms); at 512
-# wide in float32, where all the slots weigh as much as the base kernel, the pass never
-# won; at 1,024 tokens the windowed loop cost less (a layer's projections x1.17-1.35
-# against x1.33-1.49).
-ALL_SLOTS_MAX_TOKENS = 256
-ALL_SLOTS_MIN_WINDOWS = 1 / 4    # windows in use per slot
-ALL_SLOTS_MAX_WEIGHT = 1 / 4     # every slot's A and B against the base kernel, in elements
+# per projection (docs/LORA.md, runs 7-8; 17 slots, rank 16, Qwen3-8B's widths): float32
+# stacks, 16 tokens: the windowed loop 0.47 ms with 2 windows and 3.0 ms with 16, the pass
+# 0.76-0.95 ms whatever the adapters (the base dot: 4.3 ms); at 1,024 tokens the windowed
+# loop cost less (a layer's projections x1.17-1.35 against x1.33-1.49); at 512 wide, where
+# all the slots weigh as much as the base kernel, the pass never won. bfloat16 stacks
+# under bf16 dots (a bf16 model on a CPU with native bf16 dots): the pass's two dots run
+# as fast as the base's, ~x1.12 of the gate projection at 1,024 tokens as at 16, so they
+# take it at any size; in bf16 the windows were slower than in float32 (x1.24 end to end
+# with one adapter, against x1.12 by the pass).
+ALL_SLOTS_MAX_TOKENS = 256        # float32 stacks
+ALL_SLOTS_MIN_WINDOWS = 1 / 4     # windows in use per slot (float32 stacks)
+ALL_SLOTS_MAX_WEIGHT = 1 / 4      # every slot's A and B against the base kernel, in elements
 
 
 def _cpu_add(y: jax.Array, x: jax.Array, groups: SlotGroups, a: jax.Array, b: jax.Array,
              scales: jax.Array, sum_axis: str | None = None) -> jax.Array:
     """XLA:CPU's form, chosen per step: nothing without adapter rows; the all-slots pass
-    for many windows (ALL_SLOTS_MIN_WINDOWS per slot or more: a cond on the step's
-    count) where it can pay (static: at most ALL_SLOTS_MAX_TOKENS tokens, every slot's
-    matrices at most ALL_SLOTS_MAX_WEIGHT of the base kernel, the stacks in the
-    activations' dtype); else the windowed loop. Stacks narrower than the activations
-    (--lora-dtype bfloat16 under a float32 model) take the windowed loop, which widens
-    one slot at a time, not the whole stacks."""
+    where it can pay (static: every slot's matrices at most ALL_SLOTS_MAX_WEIGHT of the
+    base kernel, the activations in the stacks' dtype), which for 16-bit stacks (the base
+    dots' own dtype: the activations come rounded to it, Einsum) is every step with
+    adapter rows, for float32 stacks one of at most ALL_SLOTS_MAX_TOKENS tokens and many
+    windows (ALL_SLOTS_MIN_WINDOWS per slot or more: a cond on the step's count); else
+    the windowed loop. Stacks narrower than the activations (--lora-dtype bfloat16 under
+    a float32 model) take the windowed loop, which widens one slot at a time, not the
+    whole stacks."""
     (T, I), (S, R, _), O = x.shape, a.shape, b.shape[-1]
     windowed = partial(_windowed_add, sum_axis=sum_axis)
-    if (T > ALL_SLOTS_MAX_TOKENS or jnp.promote_types(x.dtype, a.dtype) != a.dtype
-            or S * R * (I + O) > ALL_SLOTS_MAX_WEIGHT * I * O):
+    every = partial(_all_slots_add, sum_axis=sum_axis)
+    narrow = jnp.dtype(a.dtype).itemsize < 4
+    if (jnp.promote_types(x.dtype, a.dtype) != a.dtype
+            or S * R * (I + O) > ALL_SLOTS_MAX_WEIGHT * I * O
+            or (not narrow and T > ALL_SLOTS_MAX_TOKENS)):
         return windowed(y, x, groups, a, b, scales)
     count = _windows(groups, T, S).count
-    pick = lambda *args: jax.lax.cond(count >= ALL_SLOTS_MIN_WINDOWS * S,
-                                      partial(_all_slots_add, sum_axis=sum_axis), windowed, *args)
+    pick = every if narrow else lambda *args: jax.lax.cond(
+        count >= ALL_SLOTS_MIN_WINDOWS * S, every, windowed, *args)
     return jax.lax.cond(count > 0, pick, lambda y, *_: y, y, x, groups, a, b, scales)
 
 

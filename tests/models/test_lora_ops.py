@@ -183,10 +183,10 @@ def test_cpu_form_takes_one_pass_over_all_slots_for_many_adapters_of_few_rows():
     """Four adapters over four slots, a few decode rows each, take the all-slots pass (two
     plain dots, no loop) rather than a window iteration per adapter; one window of one
     adapter's rows keeps the windowed loop (the cond's predicate, below); base rows alone
-    get nothing. Never compiled in: a step over ALL_SLOTS_MAX_TOKENS, stacks narrower
-    than the activations, stacks that weigh more than ALL_SLOTS_MAX_WEIGHT of the base
-    kernel (read off the compiled program: the pass's [T, S * R] products). Each gives
-    the per-token gather's delta."""
+    get nothing. Never compiled in: a float32 step over ALL_SLOTS_MAX_TOKENS, stacks
+    narrower than the activations, stacks that weigh more than ALL_SLOTS_MAX_WEIGHT of
+    the base kernel (read off the compiled program: the pass's [T, S * R] products).
+    Each gives the per-token gather's delta."""
     from models.lora.ops import (ALL_SLOTS_MAX_TOKENS, ALL_SLOTS_MAX_WEIGHT,
                                  ALL_SLOTS_MIN_WINDOWS, _cpu_add)
     s, i, o, r = 5, 96, 96, 2
@@ -224,6 +224,67 @@ def test_cpu_form_takes_one_pass_over_all_slots_for_many_adapters_of_few_rows():
     assert not compiled(jnp.asarray(np.arange(big) % 4 + 1, jnp.int32))
     assert not compiled(spread, *stacks(i, o, jnp.bfloat16))          # narrow stacks
     assert not compiled(spread, *stacks(16, 16))                      # heavy stacks
+
+
+def test_cpu_form_16bit_stacks_under_16bit_dots_take_the_pass_at_any_size():
+    """bfloat16 stacks and activations (a bf16 model on a CPU with native bf16 dots:
+    --lora-dtype auto, and Einsum hands the adapters the input its base dot rounded):
+    the all-slots pass whatever the step's size and adapter count (its dots run as fast
+    as the base's there; the bf16 windows were slower: docs/LORA.md, run 8), a single
+    adapter's rows past ALL_SLOTS_MAX_TOKENS included; the delta is the per-token
+    gather's on the same bf16 numbers (bf16 rounding of the low-rank products allowed);
+    base rows alone still run nothing. Float32 stacks at that size keep the loop."""
+    from models.lora.ops import ALL_SLOTS_MAX_TOKENS, _cpu_add
+    s, i, o, r, t = 5, 96, 96, 2, ALL_SLOTS_MAX_TOKENS + 8
+    rng = np.random.default_rng(9)
+    a = jnp.asarray(rng.standard_normal((s, r, i)), jnp.bfloat16).at[0].set(0)
+    b = jnp.asarray(rng.standard_normal((s, r, o)), jnp.bfloat16).at[0].set(0)
+    scales = jnp.asarray(rng.uniform(0.5, 2, s), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((t, i)), jnp.bfloat16)
+    y = jnp.zeros((t, o), jnp.float32)
+
+    def run(ids, a=a, b=b, x=x):
+        fn = jax.jit(lambda y, x, ids: _cpu_add(y, x, group_by_slot(ids, s), a, b, scales))
+        return fn(y, x, ids), f"f32[{t},{s * r}]" in fn.lower(y, x, ids).compile().as_text()
+
+    f32 = lambda v: v.astype(jnp.float32)
+    for ids in (np.where(np.arange(t) < 40, 3, 0), np.arange(t) % 4 + 1):   # 1 and 4 adapters
+        ids = jnp.asarray(ids, jnp.int32)
+        got, took_pass = run(ids)
+        want = dense_reference(f32(x), ids, f32(a), f32(b), scales)
+        assert took_pass and got.dtype == jnp.float32
+        np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * float(jnp.abs(want).max()))
+    base_only, _ = run(jnp.zeros(t, jnp.int32))
+    assert not np.any(np.asarray(base_only))
+    _, took_pass = run(ids, f32(a), f32(b), f32(x))
+    assert not took_pass
+
+
+def test_einsum_gives_the_adapters_the_input_its_16bit_dot_took():
+    """A float32 model's projection with a bf16 [out, in] kernel (native bf16 dots,
+    models/registry.matmul_dtype) and bf16 stacks: the adapters read the input rounded to
+    bf16 as the base dot did, so the CPU's all-slots pass runs (its products in the
+    compiled program) and the delta is that of the rounded input."""
+    from models.layers import KERNEL_OUT_IN, Einsum
+    from models.lora.ops import LORA, LORA_STEP
+    s, i, o, r, t = 5, 96, 96, 2, 24
+    rng = np.random.default_rng(10)
+    x = jnp.asarray(rng.standard_normal((t, i)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((o, i)) * 0.1, jnp.bfloat16)
+    a = jnp.asarray(rng.standard_normal((s, r, i)), jnp.bfloat16).at[0].set(0)
+    b = jnp.asarray(rng.standard_normal((s, r, o)), jnp.bfloat16).at[0].set(0)
+    scales = jnp.asarray(rng.uniform(0.5, 2, s), jnp.float32)
+    ids = jnp.asarray(np.arange(t) % 4 + 1, jnp.int32)
+    module = Einsum("ti,io->to", (i, o), ("embed", "mlp"), dtype=jnp.float32)
+    variables = {"params": {KERNEL_OUT_IN: w}, LORA: {"a": a, "b": b},
+                 LORA_STEP: {**group_by_slot(ids, s)._asdict(), "scales": scales}}
+    fn = jax.jit(module.apply)
+    got = fn(variables, x)
+    xr = x.astype(jnp.bfloat16).astype(jnp.float32)
+    want = xr @ w.astype(jnp.float32).T + dense_reference(
+        xr, ids, a.astype(jnp.float32), b.astype(jnp.float32), scales)
+    np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * float(jnp.abs(want).max()))
+    assert f"f32[{t},{s * r}]" in fn.lower(variables, x).compile().as_text()
 
 
 @pytest.mark.parametrize("split", [SPLIT_OUT, SPLIT_IN])
