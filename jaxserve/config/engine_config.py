@@ -221,7 +221,9 @@ class EngineConfig:
     max_cpu_loras: int | None = _knob(None, help="adapters kept loaded on the host (at least "
                                                  "--max-loras)", default_help="--max-loras")
     lora_dtype: str = _knob("auto", choices=LORA_DTYPES,
-                            help="the adapters' dtype on the device; auto = the model's")
+                            help="the adapters' dtype on the device; auto = what the model's "
+                                 "projections multiply in (the model's dtype, float32 on a "
+                                 "CPU that upcasts bf16 weights)")
     compilation_cache_dir: str | None = _knob(
         default_factory=_compilation_cache_default,
         help="persistent XLA compilation cache: a second start loads the programs compiled "
