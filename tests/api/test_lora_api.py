@@ -171,6 +171,64 @@ def test_runtime_load_use_and_unload(lora_server, client, adapters):
     assert e.value.status_code == 404
 
 
+def test_load_inplace_replaces_an_adapter_under_its_name(lora_server, client, adapters):
+    """vLLM's load_inplace: a name already served is refused without it (naming the
+    field), and replaced with it: the same name then answers as the new files."""
+    url, auth = lora_server.url, {"Authorization": f"Bearer {API_KEY}"}
+    load = lambda path, **kw: httpx.post(url + "/v1/load_lora_adapter", headers=auth,
+                                         json={"lora_name": "swap", "lora_path": path, **kw})
+    prompt = _prompt(9)
+    assert load(adapters.dirs["a3"]).status_code == 200
+    _check(_completion(client, "swap", prompt), adapters.want("a3", prompt))
+    again = load(adapters.dirs["a1"])
+    assert again.status_code == 400 and "load_inplace" in again.text
+    bad = load("/no/such/dir", load_inplace=True)
+    assert bad.status_code == 400 and "adapter_config.json" in bad.text
+    _check(_completion(client, "swap", prompt), adapters.want("a3", prompt))   # kept
+    r = load(adapters.dirs["a1"], load_inplace=True)
+    assert r.status_code == 200, r.text
+    _check(_completion(client, "swap", prompt), adapters.want("a1", prompt))
+    r = httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "swap"}, headers=auth)
+    assert r.status_code == 200, r.text
+
+
+def test_a_replaced_version_is_unloaded_once_its_requests_end():
+    """The version load_inplace replaced is unloaded by id as soon as the engine lets it
+    (it refuses while a request uses it); an engine that stops ends the wait."""
+    import asyncio
+
+    from jaxserve.api.lora_adapters import LoRAAdapters
+    from jaxserve.lora_request import LoRARequest
+
+    class Engine:
+        def __init__(self, busy_polls: int, error: type[Exception] = ValueError):
+            self.busy_polls, self.error, self.removed = busy_polls, error, []
+
+        async def remove_lora(self, lora_int_id: int) -> None:
+            if self.busy_polls:
+                self.busy_polls -= 1
+                raise self.error("in use by 1 unfinished request(s)")
+            self.removed.append(lora_int_id)
+
+    class Inputs:
+        checked_lora = staticmethod(lambda req: None)
+
+    async def replace(engine) -> tuple[LoRAAdapters, LoRARequest]:
+        loras = LoRAAdapters((LoRARequest("x", 1, "/v1"),), True, Inputs())
+        await loras.load("x", "/v2", None, engine, load_inplace=True)
+        new = loras.get("x")
+        await asyncio.gather(*loras._retiring)
+        return loras, new
+
+    engine = Engine(busy_polls=3)
+    loras, new = asyncio.run(replace(engine))
+    assert (new.lora_int_id, new.lora_path) == (2, "/v2") and engine.removed == [1]
+    assert not loras._retiring
+    dead = Engine(busy_polls=1, error=RuntimeError)
+    asyncio.run(replace(dead))
+    assert dead.removed == []
+
+
 def test_an_adapter_in_use_is_not_unloaded(lora_server, client):
     url, auth = lora_server.url, {"Authorization": f"Bearer {API_KEY}"}
     started, done = threading.Event(), threading.Event()

@@ -17,6 +17,7 @@ class LoadLoRAAdapterRequest(BaseModel):
     lora_name: str = Field(min_length=1, max_length=MAX_LORA_NAME_CHARS)
     lora_path: str = Field(min_length=1, max_length=MAX_LORA_PATH_CHARS)
     base_model_name: str | None = Field(default=None, max_length=MAX_LORA_NAME_CHARS)
+    load_inplace: bool = False   # vLLM's: replace an adapter already served under lora_name
 
 
 class UnloadLoRAAdapterRequest(BaseModel):
@@ -28,8 +29,10 @@ class UnloadLoRAAdapterRequest(BaseModel):
 @router.post("/v1/load_lora_adapter", response_class=PlainTextResponse)
 async def load_lora_adapter(body: LoadLoRAAdapterRequest, raw: Request) -> PlainTextResponse:
     """Serves the PEFT adapter at lora_path under lora_name (checked first: 400 naming
-    why it cannot be served)."""
-    await raw.app.state.serving.loras.load(body.lora_name, body.lora_path, body.base_model_name)
+    why it cannot be served); load_inplace replaces one already served."""
+    serving = raw.app.state.serving
+    await serving.loras.load(body.lora_name, body.lora_path, body.base_model_name,
+                             serving.engine, body.load_inplace)
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
 
