@@ -162,6 +162,7 @@ def _windowed_add(y: jax.Array, x: jax.Array, groups: SlotGroups, a: jax.Array,
     # Narrow stacks (--lora-dtype bfloat16) under wider activations: XLA:CPU has no
     # 16-bit arithmetic, so the window's matrices are widened (exactly) rather than the
     # activations rounded down to them; the stacks keep the bytes the flag asked for.
+    # (16-bit stacks under 16-bit activations never get here: _cpu_add.)
     wide = jnp.promote_types(x.dtype, a.dtype)
 
     def window(k):   # window k: its slot, its tokens (positions in x) and which are its
@@ -238,33 +239,36 @@ def _all_slots_add(y: jax.Array, x: jax.Array, groups: SlotGroups, a: jax.Array,
 # 0.76-0.95 ms whatever the adapters (the base dot: 4.3 ms); at 1,024 tokens the windowed
 # loop cost less (a layer's projections x1.17-1.35 against x1.33-1.49); at 512 wide, where
 # all the slots weigh as much as the base kernel, the pass never won. bfloat16 stacks
-# under bf16 dots (a bf16 model on a CPU with native bf16 dots): the pass's two dots run
-# as fast as the base's, ~x1.12 of the gate projection at 1,024 tokens as at 16, so they
-# take it at any size; in bf16 the windows were slower than in float32 (x1.24 end to end
-# with one adapter, against x1.12 by the pass).
+# under bf16 dots (a bf16 model on a CPU with native bf16 dots): the pass's dots are as
+# fast as the base's and it beat the bf16 windows at every width and size measured, the
+# heavy slots of k / v and of a 512-wide model included, so it runs in every such step.
 ALL_SLOTS_MAX_TOKENS = 256        # float32 stacks
 ALL_SLOTS_MIN_WINDOWS = 1 / 4     # windows in use per slot (float32 stacks)
-ALL_SLOTS_MAX_WEIGHT = 1 / 4      # every slot's A and B against the base kernel, in elements
+ALL_SLOTS_MAX_WEIGHT = 1 / 4      # all slots' A and B against the base kernel, in elements (float32)
+
+
+def all_slots_pass_fits(num_slots: int, rank: int, in_dim: int, out_dim: int) -> bool:
+    """Whether every slot's A and B together weigh at most ALL_SLOTS_MAX_WEIGHT of the
+    base kernel: where XLA:CPU's all-slots pass may run (_cpu_add)."""
+    return num_slots * rank * (in_dim + out_dim) <= ALL_SLOTS_MAX_WEIGHT * in_dim * out_dim
 
 
 def _cpu_add(y: jax.Array, x: jax.Array, groups: SlotGroups, a: jax.Array, b: jax.Array,
              scales: jax.Array, sum_axis: str | None = None) -> jax.Array:
     """XLA:CPU's form, chosen per step: nothing without adapter rows; the all-slots pass
-    where it can pay (static: every slot's matrices at most ALL_SLOTS_MAX_WEIGHT of the
-    base kernel, the activations in the stacks' dtype), which for 16-bit stacks (the base
-    dots' own dtype: the activations come rounded to it, Einsum) is every step with
-    adapter rows, for float32 stacks one of at most ALL_SLOTS_MAX_TOKENS tokens and many
-    windows (ALL_SLOTS_MIN_WINDOWS per slot or more: a cond on the step's count); else
-    the windowed loop. Stacks narrower than the activations (--lora-dtype bfloat16 under
-    a float32 model) take the windowed loop, which widens one slot at a time, not the
-    whole stacks."""
+    where it can pay: for 16-bit stacks under activations of their dtype (the base dots'
+    own: Einsum rounds the input for both) every step with adapter rows; for float32
+    stacks (static) every slot's matrices at most ALL_SLOTS_MAX_WEIGHT of the base kernel
+    and at most ALL_SLOTS_MAX_TOKENS tokens, and many windows (ALL_SLOTS_MIN_WINDOWS per
+    slot or more: a cond on the step's count); else the windowed loop. Stacks narrower
+    than the activations (--lora-dtype bfloat16 under a float32 model) take the windowed
+    loop, which widens one slot at a time, not the whole stacks."""
     (T, I), (S, R, _), O = x.shape, a.shape, b.shape[-1]
     windowed = partial(_windowed_add, sum_axis=sum_axis)
     every = partial(_all_slots_add, sum_axis=sum_axis)
     narrow = jnp.dtype(a.dtype).itemsize < 4
-    if (jnp.promote_types(x.dtype, a.dtype) != a.dtype
-            or S * R * (I + O) > ALL_SLOTS_MAX_WEIGHT * I * O
-            or (not narrow and T > ALL_SLOTS_MAX_TOKENS)):
+    if jnp.promote_types(x.dtype, a.dtype) != a.dtype or (not narrow and (
+            T > ALL_SLOTS_MAX_TOKENS or not all_slots_pass_fits(S, R, I, O))):
         return windowed(y, x, groups, a, b, scales)
     count = _windows(groups, T, S).count
     pick = every if narrow else lambda *args: jax.lax.cond(

@@ -233,7 +233,8 @@ def test_cpu_form_16bit_stacks_under_16bit_dots_take_the_pass_at_any_size():
     as the base's there; the bf16 windows were slower: docs/LORA.md, run 8), a single
     adapter's rows past ALL_SLOTS_MAX_TOKENS included; the delta is the per-token
     gather's on the same bf16 numbers (bf16 rounding of the low-rank products allowed);
-    base rows alone still run nothing. Float32 stacks at that size keep the loop."""
+    base rows alone still run nothing. Float32 stacks at that size keep the loop; bf16
+    ones too heavy for the float32 rule still take the pass."""
     from models.lora.ops import ALL_SLOTS_MAX_TOKENS, _cpu_add
     s, i, o, r, t = 5, 96, 96, 2, ALL_SLOTS_MAX_TOKENS + 8
     rng = np.random.default_rng(9)
@@ -258,6 +259,16 @@ def test_cpu_form_16bit_stacks_under_16bit_dots_take_the_pass_at_any_size():
     assert not np.any(np.asarray(base_only))
     _, took_pass = run(ids, f32(a), f32(b), f32(x))
     assert not took_pass
+    # Slots heavier than ALL_SLOTS_MAX_WEIGHT of the kernel: still the pass in bf16 (its
+    # dots beat the bf16 windows at every width measured: docs/LORA.md, run 8).
+    heavy = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.bfloat16).at[0].set(0)
+    xs = jnp.asarray(rng.standard_normal((t, 16)), jnp.bfloat16)
+    ah, bh = heavy(s, r, 16), heavy(s, r, 16)
+    got = jax.jit(lambda x, ids: _cpu_add(jnp.zeros((t, 16)), x, group_by_slot(ids, s), ah, bh,
+                                          scales))
+    assert f"f32[{t},{s * r}]" in got.lower(xs, ids).compile().as_text()
+    want = dense_reference(f32(xs), ids, f32(ah), f32(bh), scales)
+    np.testing.assert_allclose(got(xs, ids), want, rtol=2e-2, atol=2e-2 * float(jnp.abs(want).max()))
 
 
 def test_einsum_gives_the_adapters_the_input_its_16bit_dot_took():
