@@ -116,7 +116,7 @@ def main() -> None:
     print(f"{path}: {args.dtype} (LoRA stacks: {args.lora_dtype}), {args.prompts} requests "
           f"x ({args.prompt_len} prompt + {args.max_tokens} output) tokens, rank {args.rank}, "
           f"{args.repeats} rounds (load average {os.getloadavg()[0]:.1f})")
-    best = {label: tuple(map(max, *r)) if len(r) > 1 else r[0] for label, r in runs.items()}
+    best = {label: tuple(max(v) for v in zip(*r)) for label, r in runs.items()}
     base_rate, base_cpu = best["LoRA off"]
     for label, _, _ in rows:
         rate, cpu = best[label]

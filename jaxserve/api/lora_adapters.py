@@ -9,6 +9,7 @@ import os
 from typing import Any
 
 from jaxserve.api.errors import APIError
+from jaxserve.errors import EngineDeadError
 from jaxserve.lora_request import LoRARequest
 
 RUNTIME_UPDATES_ENV = ("JAXSERVE_ALLOW_RUNTIME_LORA_UPDATING", "VLLM_ALLOW_RUNTIME_LORA_UPDATING")
@@ -36,7 +37,7 @@ class LoRAAdapters:
     def get(self, name: str | None) -> LoRARequest | None:
         return None if name is None else self.by_name.get(name)
 
-    async def load(self, name: str, path: str, base_model_name: str, engine: Any = None,
+    async def load(self, name: str, path: str, base_model_name: str | None, engine: Any,
                    load_inplace: bool = False) -> None:
         """Checks the adapter (read, fitted to the model) off the event loop, then serves
         it under `name`: 400 naming why not. A name already served is a 400 unless
@@ -72,7 +73,7 @@ class LoRAAdapters:
                 return
             except ValueError:
                 await asyncio.sleep(poll_s)
-            except Exception:   # the engine died or is stopping: nothing left to unload
+            except EngineDeadError:   # stopped or stopping: nothing left to unload
                 return
 
     async def unload(self, name: str, engine: Any) -> None:

@@ -247,12 +247,6 @@ ALL_SLOTS_MIN_WINDOWS = 1 / 4     # windows in use per slot (float32 stacks)
 ALL_SLOTS_MAX_WEIGHT = 1 / 4      # all slots' A and B against the base kernel, in elements (float32)
 
 
-def all_slots_pass_fits(num_slots: int, rank: int, in_dim: int, out_dim: int) -> bool:
-    """Whether every slot's A and B together weigh at most ALL_SLOTS_MAX_WEIGHT of the
-    base kernel: where XLA:CPU's all-slots pass may run (_cpu_add)."""
-    return num_slots * rank * (in_dim + out_dim) <= ALL_SLOTS_MAX_WEIGHT * in_dim * out_dim
-
-
 def _cpu_add(y: jax.Array, x: jax.Array, groups: SlotGroups, a: jax.Array, b: jax.Array,
              scales: jax.Array, sum_axis: str | None = None) -> jax.Array:
     """XLA:CPU's form, chosen per step: nothing without adapter rows; the all-slots pass
@@ -268,7 +262,7 @@ def _cpu_add(y: jax.Array, x: jax.Array, groups: SlotGroups, a: jax.Array, b: ja
     every = partial(_all_slots_add, sum_axis=sum_axis)
     narrow = jnp.dtype(a.dtype).itemsize < 4
     if jnp.promote_types(x.dtype, a.dtype) != a.dtype or (not narrow and (
-            T > ALL_SLOTS_MAX_TOKENS or not all_slots_pass_fits(S, R, I, O))):
+            T > ALL_SLOTS_MAX_TOKENS or S * R * (I + O) > ALL_SLOTS_MAX_WEIGHT * I * O)):
         return windowed(y, x, groups, a, b, scales)
     count = _windows(groups, T, S).count
     pick = every if narrow else lambda *args: jax.lax.cond(

@@ -200,6 +200,8 @@ def test_a_replaced_version_is_unloaded_once_its_requests_end():
     from jaxserve.api.lora_adapters import LoRAAdapters
     from jaxserve.lora_request import LoRARequest
 
+    from jaxserve.errors import EngineDeadError
+
     class Engine:
         def __init__(self, busy_polls: int, error: type[Exception] = ValueError):
             self.busy_polls, self.error, self.removed = busy_polls, error, []
@@ -224,7 +226,7 @@ def test_a_replaced_version_is_unloaded_once_its_requests_end():
     loras, new = asyncio.run(replace(engine))
     assert (new.lora_int_id, new.lora_path) == (2, "/v2") and engine.removed == [1]
     assert not loras._retiring
-    dead = Engine(busy_polls=1, error=RuntimeError)
+    dead = Engine(busy_polls=1, error=EngineDeadError)
     asyncio.run(replace(dead))
     assert dead.removed == []
 
