@@ -14,16 +14,19 @@ and the one-token rows (decodes) still get one-token items, in a second loop.
 
 Scheduling. Items need very different step counts (a decode batch mixes 20-
 and 480-token contexts), and a loop that steps all items together runs as long
-as the longest one while the others compute masked garbage: with such a mix
-about half of all gathered pages are wasted. Instead the loop has L = I / F
-lanes and each lane runs a queue of F items one after the other (the state is
-reset between them): items sorted longest first are dealt to the queues in a
-snake (lane 0 gets the longest and, in the next round, the shortest of that
-round), which balances the queues, so the loop's trip count is about the mean,
-not the maximum, of F items' steps. When a lane's item ends, its output is
-written into the item's row and the lane starts its next item at the next step.
+as the longest one while the others compute masked garbage. So the items, sorted
+longest first, run in F rounds of L = I / F lanes: round f takes the f-th L of
+them, one item a lane, and loops as long as its own longest item. Sorted, a
+round's items need about as many steps as each other, so the F loops together
+run about as many steps as the items need, and each round starts and ends
+outside its loop: the per-step work is the item's KV step and nothing else.
 
-Glossary: T tokens, R request rows, I items, F items per lane, L lanes, K kv
+Per step a lane reads its item's KV pages as (page, kv head) tiles, K and V
+apart, so they arrive as [K, C, H] with no relayout, and both dots take them as
+stored (bf16 into the CPU's bf16 dots, float32 accumulation); other caches are
+read as float32.
+
+Glossary: T tokens, R request rows, I items, F rounds, L lanes, K kv
 heads, G = N // K query heads per kv head, M = block * G query rows per item,
 S page size, P pages per step, C = P * S KV tokens per step, H head dim.
 """
@@ -36,18 +39,19 @@ from pallas_kernels.ragged_paged_attention.blocks import (KV_LEN, KV_LO, NUM_STE
                                                           Q_POS, Q_START, REQ, gather_queries,
                                                           plan_items, scatter_outputs,
                                                           window_start)
-from pallas_kernels.held_dtypes import as_values
+from pallas_kernels.held_dtypes import as_values, value_dtype
 from pallas_kernels.ragged_paged_attention.cache import cache_dims
 
 BLOCK_Q = 16
-# KV tokens per loop iteration (whole pages): fewer, larger iterations amortise the
-# per-iteration cost of XLA's loop on CPU; 32 measured best on the CPU benchmark
-# (16 costs 1.6x, 64 about 1.1x in the decode benchmark).
+# KV tokens per loop step (whole pages), measured on the CPU benchmarks (a 48-row decode at
+# ~270 tokens of context; a 2048-token prefill chunk of 200-token prompts): one-token items
+# (decodes) 32 (16 costs 1.8x, 64 and 128 1.0-1.2x), BLOCK_Q-token items (prefill chunks)
+# 64 (16 costs 2.2x, 32 1.3x, 128 1.0-1.1x).
 KV_STEP_TOKENS = 32
-# Items each lane runs in turn (F). 1 is the old lock-step loop; 2 and 4 both cut
-# the decode benchmark's attention by about a third (less waste), 4 slightly more;
-# 8 loses when all contexts are equally long (too many thin iterations).
-ITEMS_PER_LANE = 4
+KV_STEP_TOKENS_BLOCKS = 64
+# Rounds (F). 1 is one lock-step loop over all items (as long as the longest); on the same
+# benchmarks 4 beat 1 by 1.4-1.5x, 2 by 1.1-1.5x and 8 by 1.1-1.2x.
+ROUNDS = 4
 
 
 def ragged_paged_attention(
@@ -90,106 +94,93 @@ def _attend(q, cache, kv_lens, page_table, query_start_loc, num_seqs, *, block, 
     group = num_heads // num_kv
     pages_per_req = page_table.shape[1]
     rows = block * group
-    per_step = max(1, min(KV_STEP_TOKENS // page_size, pages_per_req))   # pages per iteration
+    step_tokens = KV_STEP_TOKENS if block == 1 else KV_STEP_TOKENS_BLOCKS
+    per_step = max(1, min(step_tokens // page_size, pages_per_req))   # pages per step
     kv_step = per_step * page_size
     meta, token_item, token_row, token_valid = plan_items(
         query_start_loc, kv_lens, num_seqs, num_tokens=num_tokens, block_q=block,
         kv_step=kv_step, page_size=page_size, sliding_window=sliding_window,
         row_mask=row_mask, num_items=num_items, horizon=horizon)
+    # bf16 K / V go into bf16 dots as stored (float32 accumulation); other caches in float32.
+    dot_dtype = jnp.bfloat16 if value_dtype(cache.dtype) == jnp.bfloat16 else jnp.float32
     qb = gather_queries(q, meta, num_kv_heads=num_kv, block_q=block, rows=rows)
-    qb = qb.astype(jnp.float32) * sm_scale                       # [I, K, M, H]
+    qb = (qb.astype(jnp.float32) * sm_scale).astype(dot_dtype)   # [I, K, M, H]
 
     n_items = meta.shape[0]
-    fold = min(ITEMS_PER_LANE, n_items)
+    fold = min(ROUNDS, n_items)
     n_lanes = -(-n_items // fold)
     n_pad = n_lanes * fold                                       # padding items have 0 steps
     meta = jnp.pad(meta, ((0, n_pad - n_items), (0, 0)))
     qb = jnp.pad(qb, ((0, n_pad - n_items), (0, 0), (0, 0), (0, 0)))
-    order = jnp.argsort(-meta[:, NUM_STEPS], stable=True)        # longest first
-    deal = jnp.arange(n_pad, dtype=jnp.int32).reshape(fold, n_lanes)
-    deal = jnp.where((jnp.arange(fold) % 2 == 1)[:, None], deal[:, ::-1], deal)
-    queue = order[deal]                                          # [F, L] item ids
-    steps = meta[queue, NUM_STEPS]
-    ends = jnp.cumsum(steps, axis=0)                             # [F, L] loop step after each
-    starts = ends - steps
-    trips = jnp.max(ends[-1])
+    order = jnp.argsort(-meta[:, NUM_STEPS], stable=True).astype(jnp.int32)   # longest first
 
     tok = jnp.arange(rows, dtype=jnp.int32) // group             # token of each query row
     offsets = jnp.arange(kv_step, dtype=jnp.int32)
-    lanes = jnp.arange(n_lanes, dtype=jnp.int32)
-    # One row per page: all its kv heads' K and V tiles, contiguous. A 2-D gather of
-    # whole rows is XLA CPU's fastest gather per byte (long contiguous runs; gathering
-    # K alone, or transposing inside the gather, was several times slower per byte),
-    # and the K / V relayouts below then read the freshly gathered rows from cache.
-    page_rows = cache.reshape(num_pages, num_kv * 2 * page_size * head_dim)
-
-    def position(t):
-        """[L] index into each lane's queue of the item it runs at step t (F: none)."""
-        return jnp.sum(ends <= t, axis=0)
-
-    def schedule(t):
-        f = position(t)
-        fi = jnp.minimum(f, fold - 1)
-        item = queue[fi, lanes]                                  # [L]
-        mt = meta[item]
-        active = f < fold                                        # t is one of its steps
-        first = mt[:, KV_LO] // page_size + (t - starts[fi, lanes]) * per_step   # first page
-        idx = jnp.clip(first[:, None] + jnp.arange(per_step)[None, :], 0, pages_per_req - 1)
-        page = jnp.where(active[:, None], page_table[mt[:, REQ, None], idx], 0)   # [L, P]
-        slot = first[:, None] * page_size + offsets[None, :]                  # [L, C]
-        slot_ok = active[:, None] & (slot < mt[:, KV_LEN, None])              # [L, C]
-        if sliding_window is not None:
-            # Slots before the window of the item's first query: never needed, and
-            # selected away like those past KV_LEN (the first page's may be garbage).
-            slot_ok &= slot >= window_start(mt[:, Q_POS, None], sliding_window)
-        row_pos = mt[:, Q_POS, None] + tok[None, :]                           # [L, M]
-        row_last = row_pos if horizon is None else jnp.maximum(
-            row_pos, horizon[jnp.minimum(mt[:, Q_START, None] + tok[None, :], num_tokens - 1)])
-        mask = (slot_ok[:, None, :] & (tok[None, :] < mt[:, Q_COUNT, None])[:, :, None]
-                & (slot[:, None, :] <= row_last[:, :, None]))                 # [L, M, C]
-        if sliding_window is not None:
-            mask &= slot[:, None, :] > row_pos[:, :, None] - sliding_window
-        return item, page, slot_ok, mask
-
+    # One row per (page, kv head) tile, K and V rows apart: gathered [L, K, P] tiles are
+    # [L, K, C, H] as the dots take them (gathering whole pages needed two relayouts).
+    tiles = cache.reshape(num_pages * 2 * num_kv, page_size * head_dim)
+    k_tile = 2 * jnp.arange(num_kv, dtype=jnp.int32)             # K rows of a page; V: + 1
     shape = (n_lanes, num_kv, rows)
     init = (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32),
             jnp.zeros(shape + (head_dim,), jnp.float32))
 
-    def retire(t, m, l, acc, out):
-        """Lanes whose item ran its last step at t - 1 write its output; their state restarts."""
-        prev = position(t - 1)
-        done = (prev != position(t)) & (t > 0)                  # [L]
-        dest = jnp.where(done, queue[jnp.minimum(prev, fold - 1), lanes], n_pad)   # n_pad: dropped
-        out = out.at[dest].set(acc / jnp.where(l > 0, l, 1.0)[..., None], mode="drop")
-        m, l, acc = (jnp.where(done.reshape((-1,) + (1,) * (x.ndim - 1)), x0, x)
-                     for x, x0 in zip((m, l, acc), init))
-        return m, l, acc, out
+    def run_round(item):
+        """Items `item` [L], one a lane, each over its own steps: the loop runs as long as the
+        longest of them."""
+        mt = meta[item]
+        q_round = qb[item]                                                    # [L, K, M, H]
+        row_pos = mt[:, Q_POS, None] + tok[None, :]                           # [L, M]
+        row_last = row_pos if horizon is None else jnp.maximum(
+            row_pos, horizon[jnp.minimum(mt[:, Q_START, None] + tok[None, :], num_tokens - 1)])
+        row_ok = tok[None, :] < mt[:, Q_COUNT, None]
 
-    def step(t, carry):
-        m, l, acc, out = retire(t, *carry)
-        item, page, slot_ok, mask = schedule(t)
-        kv = as_values(page_rows[page.reshape(-1)]).reshape(
-            n_lanes, per_step, num_kv, 2, page_size, head_dim)
-        # K as [L, K, H, C] so that q @ K is a plain matmul (XLA CPU's dot is several times
-        # slower on the transposed form); the select after the transpose keeps XLA from
-        # folding the transpose back into the dot. Both selects zero every KV slot that
-        # must not be read (NaN-safe: p == 0 would not cancel a NaN in V).
-        kT = kv[:, :, :, 0].transpose(0, 2, 4, 1, 3).reshape(n_lanes, num_kv, head_dim, kv_step)
-        kT = jnp.where(slot_ok[:, None, None, :], kT.astype(jnp.float32), 0.0)
-        v = kv[:, :, :, 1].transpose(0, 2, 1, 3, 4).reshape(n_lanes, num_kv, kv_step, head_dim)
-        v = jnp.where(slot_ok[:, None, :, None], v.astype(jnp.float32), 0.0)
-        scores = jnp.einsum("LKMH,LKHC->LKMC", qb[item], kT, precision="highest")
-        if soft_cap is not None:
-            scores = soft_cap * jnp.tanh(scores / soft_cap)
-        scores = jnp.where(mask[:, None], scores, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
-        base = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-        p = jnp.where(mask[:, None], jnp.exp(scores - base[..., None]), 0.0)
-        scale = jnp.where(jnp.isfinite(m), jnp.exp(m - base), 0.0)
-        acc = acc * scale[..., None] + jnp.einsum("LKMC,LKCH->LKMH", p, v, precision="highest")
-        return m_new, l * scale + jnp.sum(p, axis=-1), acc, out
+        def step(s, carry):
+            m, l, acc = carry
+            active = s < mt[:, NUM_STEPS]                                     # [L]
+            first = mt[:, KV_LO] // page_size + s * per_step                  # first page
+            idx = jnp.clip(first[:, None] + jnp.arange(per_step)[None, :], 0, pages_per_req - 1)
+            page = jnp.where(active[:, None], page_table[mt[:, REQ, None], idx], 0)   # [L, P]
+            slot = first[:, None] * page_size + offsets[None, :]              # [L, C]
+            slot_ok = active[:, None] & (slot < mt[:, KV_LEN, None])
+            if sliding_window is not None:
+                # Slots before the window of the item's first query: never needed, and
+                # selected away like those past KV_LEN (the first page's may be garbage).
+                slot_ok &= slot >= window_start(mt[:, Q_POS, None], sliding_window)
+            mask = (slot_ok[:, None, :] & row_ok[:, :, None]
+                    & (slot[:, None, :] <= row_last[:, :, None]))             # [L, M, C]
+            if sliding_window is not None:
+                mask &= slot[:, None, :] > row_pos[:, :, None] - sliding_window
+            tile = page[:, None, :] * (2 * num_kv) + k_tile[None, :, None]    # [L, K, P]
+            k = as_values(tiles[tile]).reshape(n_lanes, num_kv, kv_step, head_dim)
+            v = as_values(tiles[tile + 1]).reshape(n_lanes, num_kv, kv_step, head_dim)
+            # Slots that must not be read may hold anything: their scores are selected away
+            # below, and V's are zeroed (p == 0 would not cancel a NaN there).
+            v = jnp.where(slot_ok[:, None, :, None], v, jnp.zeros((), v.dtype))
+            # K as the dot's left operand: XLA:CPU runs [C, H] x [H, M] faster than the
+            # [M, H] x [H, C] it would otherwise transpose K for.
+            scores = jnp.einsum("LKCH,LKMH->LKCM", k.astype(dot_dtype), q_round,
+                                preferred_element_type=jnp.float32).swapaxes(-1, -2)
+            if soft_cap is not None:
+                scores = soft_cap * jnp.tanh(scores / soft_cap)
+            scores = jnp.where(mask[:, None], scores, -jnp.inf)
+            m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
+            base = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+            p = jnp.where(mask[:, None], jnp.exp(scores - base[..., None]), 0.0)
+            scale = jnp.where(jnp.isfinite(m), jnp.exp(m - base), 0.0)
+            pv = jnp.einsum("LKMC,LKCH->LKMH", p.astype(dot_dtype), v.astype(dot_dtype),
+                            preferred_element_type=jnp.float32)
+            return m_new, l * scale + jnp.sum(p, axis=-1), acc * scale[..., None] + pv
 
-    carry = jax.lax.fori_loop(0, trips, step, init + (jnp.zeros(qb.shape, jnp.float32),))
-    *_, out = retire(trips, *carry)                              # items ending at the last step
+        _, l, acc = jax.lax.fori_loop(0, jnp.max(mt[:, NUM_STEPS]), step, init)
+        return acc / jnp.where(l > 0, l, 1.0)[..., None]
+
+    def next_round(f, out):
+        # one loop over the rounds, not F copies of the step loop: compiles like one
+        item = jax.lax.dynamic_slice_in_dim(order, f * n_lanes, n_lanes)
+        return jax.lax.dynamic_update_index_in_dim(out, run_round(item), f, 0)
+
+    out = jax.lax.fori_loop(0, fold, next_round, jnp.zeros((fold,) + shape + (head_dim,),
+                                                           jnp.float32))
+    out = out.reshape((n_pad,) + out.shape[2:])[jnp.argsort(order)]   # back to item order
     return scatter_outputs(out[:n_items].astype(q.dtype), token_item, token_row, token_valid,
                            num_heads=num_heads, block_q=block)
