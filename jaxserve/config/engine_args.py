@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import re
 import types
 import typing
@@ -15,6 +14,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NoReturn
 
 from jaxserve.config import DTYPE_ALIASES, EngineConfig
+from jaxserve.config.engine_config import compilation_cache_setting
 from jaxserve.config.speculative import SpeculativeConfig
 from jaxserve.config.vllm_compat import BOOL, FLOAT, INT, JSON, LIST, OPTIONAL, SWITCH, Setting, \
     parse_json
@@ -33,11 +33,6 @@ NOT_FLAGS: dict[str, str] = {
                    "(python -m jaxserve.convert has its own --scan-layers: the layout it "
                    "writes)",
 }
-
-
-def _cache_dir(value: str) -> str | None:
-    """--compilation-cache-dir: '' or 'none' turns the cache off (None)."""
-    return None if value.strip().lower() in ("", "none") else os.path.expanduser(value)
 
 
 # Size suffixes as vLLM reads them: lower case decimal, upper case binary.
@@ -81,7 +76,7 @@ def _model_len(text: str) -> int | None:
 
 # Fields whose flag parses its text with more than the field's type.
 _PARSERS: dict[str, typing.Callable[[str], Any]] = {
-    "compilation_cache_dir": _cache_dir,
+    "compilation_cache_dir": compilation_cache_setting,
     "dtype": lambda value: DTYPE_ALIASES.get(value, value),   # half -> float16
     "speculative_config": str,   # JSON, parsed (and checked) by EngineConfig
     "max_model_len": _model_len,

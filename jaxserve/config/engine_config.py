@@ -60,9 +60,17 @@ def _knob(default: Any = dataclasses.MISSING, *, help: str, aliases: tuple[str, 
                                        "default_help": default_help, "nargs": nargs})
 
 
-def _compilation_cache_default() -> str:
-    return os.environ.get("JAXSERVE_COMPILATION_CACHE",
-                          os.path.expanduser("~/.cache/jaxserve/xla"))
+def compilation_cache_setting(value: str | None) -> str | None:
+    """A compilation cache setting as given (flag, environment, Python): '' or 'none' (any
+    case) turns the cache off (None); a path has its ~ expanded."""
+    if value is None or value.strip().lower() in ("", "none"):
+        return None
+    return os.path.expanduser(value)
+
+
+def _compilation_cache_default() -> str | None:
+    return compilation_cache_setting(os.environ.get("JAXSERVE_COMPILATION_CACHE",
+                                                    "~/.cache/jaxserve/xla"))
 
 
 @dataclass(frozen=True)
@@ -228,7 +236,8 @@ class EngineConfig:
         default_factory=_compilation_cache_default,
         help="persistent XLA compilation cache: a second start loads the programs compiled "
              "by the first from here instead of compiling them again; '' or 'none' turns it off",
-        default_help="env JAXSERVE_COMPILATION_CACHE, else ~/.cache/jaxserve/xla")
+        default_help="env JAXSERVE_COMPILATION_CACHE (where '' or 'none' turns it off too), "
+                     "else ~/.cache/jaxserve/xla")
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> ConfigError:
@@ -241,6 +250,8 @@ class EngineConfig:
                                   mm_processor_kwargs=self.mm_processor_kwargs)
         if self.dtype in DTYPE_ALIASES:
             object.__setattr__(self, "dtype", DTYPE_ALIASES[self.dtype])
+        object.__setattr__(self, "compilation_cache_dir",
+                           compilation_cache_setting(self.compilation_cache_dir))
         if self.dtype not in _DTYPES:
             raise bad("dtype", f"must be one of {_DTYPE_CHOICES}")
         if self.kv_cache_dtype not in _KV_CACHE_DTYPES:

@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
 from jaxserve.cli.serve import engine_config, generation_defaults, parser
+from jaxserve.config import EngineConfig
 from jaxserve.api.protocol import CompletionRequest, sampling_params
 
 
@@ -46,6 +48,18 @@ def test_compilation_cache_dir_flag(flag, expected, monkeypatch, tmp_path):
     if expected == "default":   # no flag: EngineConfig's default (here: the env variable)
         expected = str(tmp_path / "from-env")
     assert cfg.compilation_cache_dir == expected
+
+
+@pytest.mark.parametrize("value", ["none", "None", ""])
+def test_the_environment_turns_the_compilation_cache_off_as_the_flag_does(value, monkeypatch):
+    """JAXSERVE_COMPILATION_CACHE=none once made a cache folder named "none" in the working
+    directory; from the flag, the environment and Python alike 'none' means no cache."""
+    monkeypatch.setenv("JAXSERVE_COMPILATION_CACHE", value)
+    assert engine_config(parser().parse_args(["--model", "/m"])).compilation_cache_dir is None
+    assert EngineConfig(model="/m").compilation_cache_dir is None
+    monkeypatch.setenv("JAXSERVE_COMPILATION_CACHE", "~/xla-here")
+    assert EngineConfig(model="/m").compilation_cache_dir == os.path.expanduser("~/xla-here")
+    assert EngineConfig(model="/m", compilation_cache_dir="NONE").compilation_cache_dir is None
 
 
 def test_no_model_means_the_builtin_random_model(tmp_path, monkeypatch):
