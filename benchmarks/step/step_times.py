@@ -38,6 +38,25 @@ def timed(times: list, fn):
     return wrapper
 
 
+def time_steps(llm) -> dict[str, list]:
+    """Times every later step of llm's engine by phase (lists "schedule", "build",
+    "dispatch", "collect", seconds) and records each step's "rows" and "tokens"."""
+    core, runner = llm.engine, llm.engine.runner
+    t: dict[str, list] = collections.defaultdict(list)
+    core.scheduler.schedule = timed(t["schedule"], core.scheduler.schedule)
+    runner.dispatch = timed(t["dispatch"], runner.dispatch)
+    runner.collect = timed(t["collect"], runner.collect)
+    build = runner.batch.build
+
+    def build_and_count(rows):
+        t["rows"].append(rows.num_reqs)
+        t["tokens"].append(rows.num_tokens)
+        return timed(t["build"], build)(rows)
+
+    runner.batch.build = build_and_count
+    return t
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workload", choices=["decode", "prefill"], default="decode")
@@ -51,19 +70,7 @@ def main() -> None:
     split_cpu(args.cpu_devices)
     mesh = {"mesh": args.mesh} if args.mesh else {}
     llm, _ = make_llm(make_small_qwen3(args.checkpoint), **ENGINE_ARGS, **mesh)
-    core, runner = llm.engine, llm.engine.runner
-    t = collections.defaultdict(list)
-    core.scheduler.schedule = timed(t["schedule"], core.scheduler.schedule)
-    runner.dispatch = timed(t["dispatch"], runner.dispatch)
-    runner.collect = timed(t["collect"], runner.collect)
-    build = runner.batch.build
-
-    def build_and_count(rows):
-        t["rows"].append(rows.num_reqs)
-        t["tokens"].append(rows.num_tokens)
-        return timed(t["build"], build)(rows)
-
-    runner.batch.build = build_and_count
+    t = time_steps(llm)
     items = workload(args.workload, args.num_prompts)
     compiles = llm.engine.num_compilations
     t0 = time.perf_counter()

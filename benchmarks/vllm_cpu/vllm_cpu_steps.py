@@ -18,7 +18,6 @@ the offline comparison's (vllm_cpu_run.py). XLA:CPU only: other platforms run ot
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import os
 import statistics
@@ -75,32 +74,23 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     if args.worker == "no_attention":
         without_attention()
     from benchmarks.shared.jaxserve_offline import generate, make_llm
-    from benchmarks.step.step_times import timed
+    from benchmarks.step.step_times import time_steps
     items = load_items(args)
     llm, startup = make_llm(args.model, dtype=args.dtype, max_model_len=args.max_model_len,
                             max_num_seqs=args.max_num_seqs, seed=args.seed,
                             max_num_batched_tokens=args.max_num_batched_tokens)
     generate(llm, items[:2], progress=False)
     llm.reset_prefix_cache()
-    runner = llm.engine.runner
-    t: dict[str, list] = collections.defaultdict(list)
-    runner.dispatch = timed(t["dispatch"], runner.dispatch)
-    runner.collect = timed(t["collect"], runner.collect)
-    build = runner.batch.build
-
-    def build_and_count(rows):
-        # a decode-only step has one token a row; more carry a prefill chunk
-        t["prefill"].append(rows.num_tokens > rows.num_reqs)
-        return build(rows)
-
-    runner.batch.build = build_and_count
+    t = time_steps(llm)
     compiles = llm.engine.num_compilations
     t0 = time.perf_counter()
     outputs = generate(llm, items, progress=False)
     seconds = time.perf_counter() - t0
     steps = [d + c for d, c in zip(t["dispatch"], t["collect"])]
-    prefill = [s for s, p in zip(steps, t["prefill"]) if p]
-    decode = [s for s, p in zip(steps, t["prefill"]) if not p]
+    # a decode-only step has one token a row; more carry a prefill chunk
+    carries = [n > r for n, r in zip(t["tokens"], t["rows"])]
+    prefill = [s for s, p in zip(steps, carries) if p]
+    decode = [s for s, p in zip(steps, carries) if not p]
     return {"variant": args.worker, "seconds": seconds, "startup_s": startup,
             "output_tok_s": sum(map(len, outputs)) / seconds, "steps": len(steps),
             "prefill_steps": len(prefill), "prefill_s": sum(prefill),

@@ -68,9 +68,9 @@ def compilation_cache_setting(value: str | None) -> str | None:
     return os.path.expanduser(value)
 
 
-def _compilation_cache_default() -> str | None:
-    return compilation_cache_setting(os.environ.get("JAXSERVE_COMPILATION_CACHE",
-                                                    "~/.cache/jaxserve/xla"))
+def _compilation_cache_default() -> str:
+    """As given: __post_init__ reads it as every setting is read (compilation_cache_setting)."""
+    return os.environ.get("JAXSERVE_COMPILATION_CACHE", "~/.cache/jaxserve/xla")
 
 
 @dataclass(frozen=True)

@@ -198,9 +198,8 @@ def test_a_replaced_version_is_unloaded_once_its_requests_end():
     import asyncio
 
     from jaxserve.api.lora_adapters import LoRAAdapters
-    from jaxserve.lora_request import LoRARequest
-
     from jaxserve.errors import EngineDeadError
+    from jaxserve.lora_request import LoRARequest
 
     class Engine:
         def __init__(self, busy_polls: int, error: type[Exception] = ValueError):
