@@ -112,8 +112,7 @@ def build_parts(shape: ReplicaShape, progress: StartupProgress, *,
     loaded = load_model(config, layout, mesh, on_progress=partial(_report_loading, progress))
     drafter = load_drafter(config, layout, mesh)
     side = images and load_vision(images, layout.dtype, config.num_batched_tokens,
-                                  mc.hidden_size, mc.image_attention_both_ways,
-                                  layout.attention_backend)
+                                  mc.hidden_size, mc.image_attention_both_ways)
     vision, vision_figures = side or (None, None)
     if mc.linear_attention_layers:
         logger.info("hybrid model: %d of %d layers are linear attention with recurrent "

@@ -12,7 +12,6 @@ import jax.numpy as jnp
 from jaxserve.multimodal.front import ImageFront
 from jaxserve.runner.image_encoder import VisionParts
 from models.vision.tower import VisionTower
-from pallas_kernels.ragged_paged_attention import backend_options
 
 logger = logging.getLogger("jaxserve")
 
@@ -76,27 +75,13 @@ def vision_budget(fig: VisionFigures | None, step_activation: int) -> tuple[int,
     return fig.cache_bytes, max(step_activation, fig.activation_bytes)
 
 
-def refuse_unserved(front: ImageFront, whole_images: bool, attention_backend: str) -> None:
-    """whole_images: image tokens see their whole image (Gemma 4); the Pallas kernels do
-    not take that mask yet, so with them the front refuses images (the text model is
-    served)."""
-    if whole_images and front.refusal is None and \
-            backend_options(attention_backend)[0] == "pallas":
-        front.refusal = ("Gemma 4's image tokens attend to their whole image, which the "
-                         "Pallas attention kernels do not do yet: images need "
-                         "--attention-backend xla")
-        logger.warning("images are refused: %s", front.refusal)
-
-
 def load_vision(front: ImageFront, dtype: Any, num_batched_tokens: int, hidden_size: int,
-                whole_images: bool = False, attention_backend: str = "xla"
-                ) -> tuple[VisionParts, VisionFigures] | None:
+                whole_images: bool = False) -> tuple[VisionParts, VisionFigures] | None:
     """The runner's vision parts (the tower's weights loaded) and their figures; None
     when the replica serves no images (a text-only model, --language-model-only, no
-    image processor, Gemma 4 on the Pallas kernels: the front's refusal says which).
+    image processor: the front's refusal says which).
     A step encodes up to its token budget of image tokens, or one largest image if that
     is more."""
-    refuse_unserved(front, whole_images, attention_backend)
     if front.refusal is not None:
         return None
     fig = vision_figures(front, dtype, num_batched_tokens, hidden_size, whole_images)
@@ -108,9 +93,7 @@ def load_vision(front: ImageFront, dtype: Any, num_batched_tokens: int, hidden_s
 
 
 def vision_parts(front: ImageFront, dtype: Any, num_batched_tokens: int, hidden_size: int,
-                 whole_images: bool = False, attention_backend: str = "xla"
-                 ) -> VisionParts | None:
+                 whole_images: bool = False) -> VisionParts | None:
     """load_vision's parts alone."""
-    side = load_vision(front, dtype, num_batched_tokens, hidden_size, whole_images,
-                       attention_backend)
+    side = load_vision(front, dtype, num_batched_tokens, hidden_size, whole_images)
     return side and side[0]

@@ -49,7 +49,7 @@ from jaxserve.build.drafter_loader import drafter_model
 from jaxserve.build.layout import (attention_shapes, build_layout_model, cache_plan_for,
                                    layout_for, tpu_kernel_limit_error)
 from jaxserve.build.parts import lora_store
-from jaxserve.build.vision import (VisionFigures, refuse_unserved, vision_budget,
+from jaxserve.build.vision import (VisionFigures, vision_budget,
                                   vision_figures)
 from jaxserve.config import EngineConfig
 from jaxserve.build.cache_plan import CachePlan
@@ -378,7 +378,6 @@ def _vision(config: EngineConfig, mc: ModelConfig, layout: Any) -> VisionFigures
     if not config.model or not os.path.isdir(config.model):
         return None
     front = image_front(config)
-    refuse_unserved(front, mc.image_attention_both_ways, layout.attention_backend)
     if front.refusal is not None:
         return None
     return vision_figures(front, layout.dtype, config.num_batched_tokens, mc.hidden_size,

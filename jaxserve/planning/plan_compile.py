@@ -309,7 +309,7 @@ def _vision_side(config: EngineConfig, mc: ModelConfig, layout: EngineLayout
     if not os.path.isdir(config.model):
         return None, None
     side = load_vision(image_front(config), layout.dtype, config.num_batched_tokens,
-                       mc.hidden_size, mc.image_attention_both_ways, layout.attention_backend)
+                       mc.hidden_size, mc.image_attention_both_ways)
     return side or (None, None)
 
 

@@ -109,13 +109,9 @@ def ragged_paged_attention(
     horizon: jax.Array | None = None,    # int32[T] the last position each token sees
 ) -> jax.Array:                   # [T, N, H]
     """Causal attention of each packed token over its own request's pages (see reference.py;
-    horizon: Gemma 4's image tokens see their whole image, reference and xla only)."""
+    horizon: Gemma 4's image tokens see their whole image)."""
     _validate(q, cache, kv_lens, page_table, query_start_loc, num_seqs, sliding_window, soft_cap)
     check_kv_scale(cache, kv_scale)
-    if horizon is not None and impl == "pallas":
-        raise ValueError("the Pallas attention kernels take no horizon (Gemma 4's "
-                         "bidirectional image mask): use attention_backend 'xla' or "
-                         "'reference' to serve Gemma 4 images")
     kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, impl=impl,
               interpret=interpret, horizon=horizon)
     if kv_scale is None:
@@ -133,11 +129,12 @@ def _attend(q, cache, kv_lens, page_table, query_start_loc, num_seqs, *, sm_scal
     """The impl on a cache whose values are used as stored (scales already folded)."""
     args = (q, cache, kv_lens.astype(jnp.int32), page_table.astype(jnp.int32),
             query_start_loc.astype(jnp.int32), num_seqs.astype(jnp.int32))
-    kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+              horizon=horizon)
     if impl == "reference":
-        return reference.ragged_paged_attention(*args, **kw, horizon=horizon)
+        return reference.ragged_paged_attention(*args, **kw)
     if impl == "xla":
-        return paged_loop.ragged_paged_attention(*args, **kw, horizon=horizon)
+        return paged_loop.ragged_paged_attention(*args, **kw)
     if impl != "pallas":
         raise ValueError(f"impl={impl!r}: expected one of {IMPLS}")
     # The kernels read float caches as they are: one held as bits (a CPU engine's,

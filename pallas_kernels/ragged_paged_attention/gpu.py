@@ -32,7 +32,8 @@ f16 (exact; fp8 -> bf16 needs a newer ptxas), int8 to q's 16-bit dtype.
 Masking is positional: row m is token t = m // G of the block, position
 Q_POS + min(t, Q_COUNT - 1) (padding rows copy the last real row so they
 stay finite); column c of step s is position KV_LO + s * KV_STEP + c; a
-score is kept when kv <= q (and kv > q - window). Pages past the request's
+score is kept when kv <= q (and kv > q - window); with a horizon (Gemma 4's image
+tokens) kv <= the row's horizon instead, loaded into shared memory with the queries. Pages past the request's
 NUM_PAGES are never fetched: such page slots re-read the request's last page
 and are masked; with a window, pages entirely before the window of the item's
 first query are never fetched either (KV_LO, blocks.py). On the last step (and,
@@ -93,10 +94,9 @@ _MASK_M = -1e30               # running-max floor: fully masked rows stay finite
 LOG2E = math.log2(math.e)
 
 
-def _kernel(meta_ref, pages_ref, q_ref, cache_ref, o_ref, q_smem, k_smem, v_smem,
-            q_bar, k_full, v_full, k_free, v_free, *extra, cfg: GpuConfig, group: int,
+def _kernel(meta_ref, pages_ref, q_ref, cache_ref, *refs, cfg: GpuConfig, group: int,
             num_kv_heads: int, page_size: int, sm_scale: float, soft_cap: float | None,
-            sliding_window: int | None, interpreted: bool, splits: int):
+            sliding_window: int | None, interpreted: bool, splits: int, has_horizon: bool):
     """splits: column blocks of the head dim (cols_per_unit). With one, q_smem [ROWS, H] and
     the K and V rings [stages, kv_step, H] hold whole rows and q_smem stages the
     output. With more, q_smem [splits, ROWS, cols] and the K ring [stages, splits,
@@ -104,7 +104,12 @@ def _kernel(meta_ref, pages_ref, q_ref, cache_ref, o_ref, q_smem, k_smem, v_smem
     ring [stages, kv_step, cols] only the unit's output columns, and extra[0] is
     the [ROWS, cols] output tile (GPU interpret mode cannot TMA from a block of
     q_smem). The rest of extra: the (K, V) 16-bit tiles of a quantized cache (K in
-    column blocks like its ring), none for a 16-bit cache."""
+    column blocks like its ring), none for a 16-bit cache.
+    has_horizon: refs start with the row horizons [I, ROWS] (blocks.row_horizons) and
+    extra ends with their [ROWS] SMEM tile, loaded with the unit's queries."""
+    hz_ref, refs = (refs[0], refs[1:]) if has_horizon else (None, refs)
+    o_ref, q_smem, k_smem, v_smem, q_bar, k_full, v_full, k_free, v_free, *extra = refs
+    hz_smem = extra.pop() if has_horizon else None
     cta = lax.axis_index("cta")
     wg = lax.axis_index("wg")
     kv_step, piece, stages = cfg.kv_step, cfg.piece, cfg.stages
@@ -148,11 +153,19 @@ def _kernel(meta_ref, pages_ref, q_ref, cache_ref, o_ref, q_smem, k_smem, v_smem
             for c, q_part in enumerate(q_parts):
                 src = q_ref.at[item, head] if splits == 1 else q_ref.at[item, head, c]
                 plgpu.copy_gmem_to_smem(src, q_part, q_bar)
+            if has_horizon:
+                plgpu.copy_gmem_to_smem(hz_ref.at[item], hz_smem, q_bar)
             plgpu.barrier_wait(q_bar)
 
             row = iota((ROWS, kv_step), 0)
             col = iota((ROWS, kv_step), 1)
             q_of_row = q_pos + jnp.minimum(lax.div(row, group), q_count - 1)
+            # Causal, or up to each row's horizon (an image token sees its whole image).
+            row_last = q_of_row
+            if has_horizon:
+                hz = hz_smem[...] if interpreted else \
+                    plgpu.load(hz_smem, (), layout=wgmma_layout.reduce(1))
+                row_last = lax.broadcast_in_dim(hz, (ROWS, kv_step), [0])
             m_i = cast(jnp.full((ROWS,), _MASK_M, jnp.float32), wgmma_layout.reduce(1))
             l_i = cast(jnp.full((ROWS,), 0.0, jnp.float32), wgmma_layout.reduce(1))
             acc = cast(jnp.full((ROWS, cols), 0.0, jnp.float32), wgmma_layout)
@@ -179,7 +192,7 @@ def _kernel(meta_ref, pages_ref, q_ref, cache_ref, o_ref, q_smem, k_smem, v_smem
                 if soft_cap is not None:
                     scores = soft_cap * jnp.tanh(scores * (1.0 / soft_cap))
                 kv_pos = base + col
-                keep = kv_pos <= q_of_row
+                keep = kv_pos <= row_last
                 if sliding_window is not None:
                     keep &= kv_pos > q_of_row - sliding_window
                 scores = jnp.where(keep, scores * LOG2E, -jnp.inf)     # log2 domain
@@ -287,10 +300,12 @@ def ragged_paged_attention_gpu(q: jax.Array, cache: jax.Array, kv_lens: jax.Arra
                                page_table: jax.Array, query_start_loc: jax.Array,
                                num_seqs: jax.Array, *, sm_scale: float,
                                sliding_window: int | None = None, soft_cap: float | None = None,
-                               interpret: Any = False, config: GpuConfig | None = None
-                               ) -> jax.Array:
+                               interpret: Any = False, config: GpuConfig | None = None,
+                               horizon: jax.Array | None = None) -> jax.Array:
     """interpret: False, or GPU interpret-mode params (see interpret_params()).
-    config: block sizes and CTA count; default choose_config(...)."""
+    config: block sizes and CTA count; default choose_config(...).
+    horizon: int32[T] the last position each token sees (reference.py); the window still
+    bounds the past side from the token's own position."""
     num_tokens, num_heads, head_dim = q.shape
     _, page_size, num_kv, _ = cache_dims(cache)
     group = num_heads // num_kv
@@ -304,7 +319,7 @@ def ragged_paged_attention_gpu(q: jax.Array, cache: jax.Array, kv_lens: jax.Arra
         raise ValueError(f"inconsistent {cfg} for page_size {page_size}, G {group}")
     meta, token_item, token_row, token_valid = blocks.plan_items(
         query_start_loc, kv_lens, num_seqs, num_tokens=num_tokens, block_q=cfg.block_q,
-        kv_step=cfg.kv_step, page_size=page_size, sliding_window=sliding_window)
+        kv_step=cfg.kv_step, page_size=page_size, sliding_window=sliding_window, horizon=horizon)
     cols = cols_per_unit(head_dim)
     splits = head_dim // cols
     q_blocks = blocks.gather_queries(q.astype(compute), meta, num_kv_heads=num_kv,
@@ -317,11 +332,14 @@ def ragged_paged_attention_gpu(q: jax.Array, cache: jax.Array, kv_lens: jax.Arra
     if compute != cache.dtype:                      # the cast K and V tiles
         extra += [plgpu.SMEM((*blk, cfg.kv_step, cols), compute, transforms=transforms),
                   plgpu.SMEM((cfg.kv_step, cols), compute, transforms=v_transforms)]
+    with_horizon = () if horizon is None else (blocks.row_horizons(
+        meta, horizon.astype(jnp.int32), group=group, rows=ROWS)[..., 0],)
+    extra += [plgpu.SMEM((ROWS,), jnp.int32)] * len(with_horizon)
     pieces = cfg.kv_step // cfg.piece
     kernel = functools.partial(
         _kernel, cfg=cfg, group=group, num_kv_heads=num_kv, page_size=page_size, sm_scale=sm_scale,
         soft_cap=soft_cap, sliding_window=sliding_window, interpreted=bool(interpret),
-        splits=splits)
+        splits=splits, has_horizon=horizon is not None)
     # Split: Q and the output as column blocks [I, K, splits, ROWS, cols], so the kernel
     # moves a block with one TMA copy at a leading-axis index.
     n_items = q_blocks.shape[0]
@@ -336,7 +354,7 @@ def ragged_paged_attention_gpu(q: jax.Array, cache: jax.Array, kv_lens: jax.Arra
                        transforms=kv_transforms),
             plgpu.SMEM((cfg.stages, cfg.kv_step, cols), cache.dtype,
                        transforms=kv_transforms if compute != cache.dtype else v_transforms),
-            plgpu.Barrier(num_arrivals=splits, num_barriers=1),
+            plgpu.Barrier(num_arrivals=splits + len(with_horizon), num_barriers=1),
             plgpu.Barrier(num_arrivals=pieces * splits, num_barriers=cfg.stages),
             plgpu.Barrier(num_arrivals=pieces, num_barriers=cfg.stages),
             plgpu.Barrier(num_barriers=cfg.stages),
@@ -349,7 +367,7 @@ def ragged_paged_attention_gpu(q: jax.Array, cache: jax.Array, kv_lens: jax.Arra
         thread_name="wg",
         compiler_params=compiler_params(approx_math=True),
         interpret=interpret,
-    )(meta, page_table.astype(jnp.int32), q_in, cache)
+    )(meta, page_table.astype(jnp.int32), q_in, cache, *with_horizon)
     if splits > 1:
         out_blocks = out_blocks.transpose(0, 1, 3, 2, 4).reshape(q_blocks.shape)
     out = blocks.scatter_outputs(out_blocks, token_item, token_row, token_valid,

@@ -36,8 +36,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.ragged_paged_attention.blocks import (KV_LEN, KV_LO, NUM_STEPS, Q_COUNT,
-                                                          Q_POS, Q_START, REQ, gather_queries,
-                                                          plan_items, scatter_outputs,
+                                                          Q_POS, REQ, gather_queries, plan_items,
+                                                          row_horizons, scatter_outputs,
                                                           window_start)
 from pallas_kernels.held_dtypes import as_values, value_dtype
 from pallas_kernels.ragged_paged_attention.cache import cache_dims
@@ -130,8 +130,8 @@ def _attend(q, cache, kv_lens, page_table, query_start_loc, num_seqs, *, block, 
         mt = meta[item]
         q_round = qb[item]                                                    # [L, K, M, H]
         row_pos = mt[:, Q_POS, None] + tok[None, :]                           # [L, M]
-        row_last = row_pos if horizon is None else jnp.maximum(
-            row_pos, horizon[jnp.minimum(mt[:, Q_START, None] + tok[None, :], num_tokens - 1)])
+        row_last = row_pos if horizon is None else \
+            row_horizons(mt, horizon, group=group, rows=rows)[..., 0]   # padding rows: masked
         row_ok = tok[None, :] < mt[:, Q_COUNT, None]
 
         def step(s, carry):

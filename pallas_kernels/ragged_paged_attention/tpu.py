@@ -16,7 +16,8 @@ covering all K kv heads, so one DMA per page brings K and V of every head
     before step s is computed. Page slots past the request's last page re-read
     that last page (never an unlisted page) and are masked.
   - Per step and kv head: S = Q K^T on the MXU (f32 accumulation), positional
-    mask, online softmax with the running max / sum in VMEM scratch, then
+    mask (kv <= the row's position, or its horizon: a [M, 1] tile beside the queries
+    when Gemma 4's image tokens see their whole image), online softmax with the running max / sum in VMEM scratch, then
     P V. V rows at or past KV_LEN are selected to zero first (stale slots may
     hold NaN and 0 * NaN is NaN).
 Decode and prefill chunks are the same code path.
@@ -136,10 +137,13 @@ def _windows(pages_per_req: int, cfg: TpuConfig) -> _Windows:
     return _Windows(cfg.idx_window, steps, cfg.idx_align, row)
 
 
-def _kernel(meta_ref, q_ref, cache_hbm, pages_hbm, o_ref, kv_buf, sems, idx_buf, idx_sems,
-            m_scr, l_scr, acc_scr, *, cfg: TpuConfig, win: _Windows, group: int,
+def _kernel(meta_ref, q_ref, *refs, cfg: TpuConfig, win: _Windows, group: int,
             num_kv_heads: int, page_size: int, sm_scale: float, soft_cap: float | None,
-            sliding_window: int | None):
+            sliding_window: int | None, has_horizon: bool):
+    """refs: with has_horizon, first the item's row horizons [rows, 1] (blocks.row_horizons);
+    then the cache, the page table, the output tile and the scratch buffers."""
+    hz_ref, refs = (refs[0], refs[1:]) if has_horizon else (None, refs)
+    cache_hbm, pages_hbm, o_ref, kv_buf, sems, idx_buf, idx_sems, m_scr, l_scr, acc_scr = refs
     item = pl.program_id(0)
     field = lambda f: meta_ref[item * blocks.NUM_FIELDS + f]
     num_steps = field(blocks.NUM_STEPS)
@@ -222,7 +226,8 @@ def _kernel(meta_ref, q_ref, cache_hbm, pages_hbm, o_ref, kv_buf, sems, idx_buf,
             tok = ((row + 0.5) * (1.0 / group)).astype(jnp.int32)
             q_of_row = q_pos + jnp.minimum(tok, q_count - 1)
             kv_pos = base + lax.broadcasted_iota(jnp.int32, (rows, kv_step), 1)
-            keep = kv_pos <= q_of_row
+            # Causal, or up to each row's horizon (an image token sees its whole image).
+            keep = kv_pos <= (q_of_row if hz_ref is None else hz_ref[...])
             if sliding_window is not None:
                 keep &= kv_pos > q_of_row - sliding_window
             v_pos = base + lax.broadcasted_iota(jnp.int32, (kv_step, kv_buf.shape[-1]), 0)
@@ -265,9 +270,12 @@ def ragged_paged_attention_tpu(q: jax.Array, cache: jax.Array, kv_lens: jax.Arra
                                sliding_window: int | None = None,
                                soft_cap: float | None = None,
                                interpret: bool | pltpu.InterpretParams = False,
-                               config: TpuConfig | None = None) -> jax.Array:
+                               config: TpuConfig | None = None,
+                               horizon: jax.Array | None = None) -> jax.Array:
     """interpret: False, or TPU interpret-mode params (pltpu.InterpretParams()).
-    config: block sizes (tests use small ones); default choose_config(...)."""
+    config: block sizes (tests use small ones); default choose_config(...).
+    horizon: int32[T] the last position each token sees (reference.py); the window still
+    bounds the past side from the token's own position."""
     num_tokens, num_heads, head_dim = q.shape
     _, page_size, num_kv, _ = cache_dims(cache)
     group = num_heads // num_kv
@@ -279,10 +287,12 @@ def ragged_paged_attention_tpu(q: jax.Array, cache: jax.Array, kv_lens: jax.Arra
         raise ValueError(f"inconsistent {cfg} for page_size {page_size}, G {group}")
     meta, token_item, token_row, token_valid = blocks.plan_items(
         query_start_loc, kv_lens, num_seqs, num_tokens=num_tokens, block_q=cfg.block_q,
-        kv_step=cfg.kv_step, page_size=page_size, sliding_window=sliding_window)
+        kv_step=cfg.kv_step, page_size=page_size, sliding_window=sliding_window, horizon=horizon)
     q_blocks = blocks.gather_queries(q.astype(compute), meta, num_kv_heads=num_kv,
                                      block_q=cfg.block_q, rows=cfg.rows)
     n_items = meta.shape[0]
+    with_horizon = () if horizon is None else (
+        blocks.row_horizons(meta, horizon.astype(jnp.int32), group=group, rows=cfg.rows),)
     num_pages, pages_per_req = cache.shape[0], page_table.shape[1]
     win = _windows(pages_per_req, cfg)
     # [R, 1, P]: the row axis untiled, so a DMA may start at any row.
@@ -290,8 +300,10 @@ def ragged_paged_attention_tpu(q: jax.Array, cache: jax.Array, kv_lens: jax.Arra
     pages = pages.reshape(page_table.shape[0], 1, win.row)
     kernel = functools.partial(
         _kernel, cfg=cfg, win=win, group=group, num_kv_heads=num_kv, page_size=page_size,
-        sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
+        sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
+        has_horizon=horizon is not None)
     tile = pl.BlockSpec((None, num_kv, cfg.rows, head_dim), lambda i, *_: (i, 0, 0, 0))
+    hz_tile = pl.BlockSpec((None, cfg.rows, 1), lambda i, *_: (i, 0, 0))
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     out_blocks = pl.pallas_call(
         kernel,
@@ -299,7 +311,7 @@ def ragged_paged_attention_tpu(q: jax.Array, cache: jax.Array, kv_lens: jax.Arra
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1,
             grid=(n_items,),
-            in_specs=[tile, hbm, hbm],
+            in_specs=[tile, *(hz_tile,) * len(with_horizon), hbm, hbm],
             out_specs=tile,
             scratch_shapes=[
                 pltpu.VMEM((2, cfg.pages_per_step, 2 * num_kv, page_size, head_dim), cache.dtype),
@@ -322,7 +334,7 @@ def ragged_paged_attention_tpu(q: jax.Array, cache: jax.Array, kv_lens: jax.Arra
             num_pages=num_pages, num_kv_heads=num_kv, itemsize=jnp.dtype(cache.dtype).itemsize,
             sliding_window=sliding_window),
         interpret=interpret,
-    )(meta.reshape(-1), q_blocks, cache, pages)
+    )(meta.reshape(-1), q_blocks, *with_horizon, cache, pages)
     out = blocks.scatter_outputs(out_blocks, token_item, token_row, token_valid,
                                  num_heads=num_heads, block_q=cfg.block_q)
     return out.astype(q.dtype)

@@ -90,3 +90,16 @@ def test_prefix_hits_end_outside_images(llm, checkpoint, expected):
     assert swapped.num_cached_tokens <= mm.images[0].offset
     check(swapped, reference(checkpoint, ids, [C, B], "gemma4_vl"))
     assert_no_leaks(engine)
+
+
+def test_images_on_the_pallas_kernel_match_transformers(checkpoint, expected):
+    """The same requests on the Pallas attention kernel (its TPU body in interpret mode):
+    the image mask (each token's horizon) is the kernel's, not a refusal."""
+    llm = LLM(checkpoint, dtype="float32", max_model_len=512, max_num_seqs=4,
+              max_num_batched_tokens=BUDGET, attention_backend="pallas_interpret",
+              enforce_eager=True)
+    assert llm.engine.inputs.image_front.refusal is None
+    outs = llm.chat([ONE, TEXT, TWO], GREEDY, use_tqdm=False)
+    for out, name in zip(outs, ("one", "text", "two")):
+        check(out, expected[name])
+    assert_no_leaks(llm.engine)

@@ -1,7 +1,7 @@
 """Gemma 4's image mask in the attention (horizon: an image token sees its whole image,
 the window bounding only the past side), in the reference and the XLA page loop, against
 the float64 oracle and against models/vision/gemma4_mask.sliding_mask, the mask
-transformers' model was checked with; the Pallas kernels refuse it by name."""
+transformers' model was checked with."""
 from __future__ import annotations
 
 import numpy as np
@@ -33,17 +33,35 @@ def horizons(reqs, images, num_tokens) -> np.ndarray:
     return h
 
 
-@pytest.mark.parametrize("impl", ["reference", "xla"])
-def test_image_tokens_see_their_whole_image(impl):
+@pytest.mark.parametrize("impl,interpret", [("reference", False), ("xla", False),
+                                            ("pallas", "tpu")])
+def test_image_tokens_see_their_whole_image(impl, interpret):
+    """pallas/tpu: the TPU kernel in TPU interpret mode."""
     b = make_batch(REQS, page_size=PAGE, num_kv_heads=2, group=2, head_dim=16,
                    num_tokens=64, num_rows=4, pages_per_req=8, sliding_window=WINDOW)
     h = horizons(REQS, IMAGES, 64)
     got = np.asarray(ragged_paged_attention(*b.args(), sm_scale=0.5, sliding_window=WINDOW,
-                                            impl=impl, horizon=jnp.asarray(h)))
+                                            impl=impl, interpret=interpret,
+                                            horizon=jnp.asarray(h)))
     want = oracle(b, sm_scale=0.5, sliding_window=WINDOW, horizon=h)
     np.testing.assert_allclose(got, want, **tolerance(jnp.float32))
     causal = oracle(b, sm_scale=0.5, sliding_window=WINDOW)
     assert np.abs(want - causal).max() > 1e-2      # the horizon changes image tokens
+
+
+def test_gpu_kernel_takes_the_horizon():
+    """The Mosaic GPU kernel (GPU interpret mode: bf16, head_dim 64) against the oracle."""
+    b = make_batch(REQS, page_size=PAGE, num_kv_heads=2, group=2, head_dim=64,
+                   num_tokens=64, num_rows=4, pages_per_req=8, sliding_window=WINDOW,
+                   dtype=jnp.bfloat16)
+    h = horizons(REQS, IMAGES, 64)
+    got = np.asarray(ragged_paged_attention(*b.args(), sm_scale=0.125, sliding_window=WINDOW,
+                                            impl="pallas", interpret="gpu",
+                                            horizon=jnp.asarray(h))).astype(np.float32)
+    want = oracle(b, sm_scale=0.125, sliding_window=WINDOW, horizon=h)
+    np.testing.assert_allclose(got, want, **tolerance(jnp.bfloat16))
+    causal = oracle(b, sm_scale=0.125, sliding_window=WINDOW)
+    assert np.abs(want - causal).max() > 5e-2
 
 
 def test_horizon_is_gemma4s_sliding_mask():
@@ -58,11 +76,3 @@ def test_horizon_is_gemma4s_sliding_mask():
     kv = np.arange(kv_len)[None, :]
     rule = (kv <= last[:, None]) & (kv > pos[:, None] - WINDOW)
     np.testing.assert_array_equal(rule, mask)
-
-
-def test_pallas_refuses_a_horizon():
-    b = make_batch([(4, 4)], page_size=PAGE, num_kv_heads=2, group=2, head_dim=16,
-                   num_tokens=8, num_rows=2, pages_per_req=4)
-    with pytest.raises(ValueError, match="Pallas attention kernels take no horizon"):
-        ragged_paged_attention(*b.args(), sm_scale=0.5, impl="pallas",
-                               horizon=jnp.zeros(8, jnp.int32))

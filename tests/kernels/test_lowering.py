@@ -71,6 +71,17 @@ def test_pallas_exports_gemma4_windows(platform, shape):
     assert MARKER[platform] in text
 
 
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+@pytest.mark.parametrize("shape", [(2, 2, 256, 16), (4, 2, 128, 64)], ids=["gemma4", "h128"])
+def test_pallas_exports_image_horizon(platform, shape):
+    """Gemma 4's image mask (each token's horizon) in the kernels: the row horizons ride
+    with the queries (a TMA into shared memory on cuda, a VMEM tile on tpu)."""
+    specs = _specs(jnp.bfloat16, *shape) + (jax.ShapeDtypeStruct((T,), jnp.int32),)
+    fn = jax.jit(lambda *a: ragged_paged_attention(*a[:6], horizon=a[6], impl="pallas",
+                                                   sm_scale=0.1, sliding_window=1024))
+    assert MARKER[platform] in export.export(fn, platforms=[platform])(*specs).mlir_module()
+
+
 def test_float32_and_quantized_head_dim_512():
     """f32, and fp8 at head_dim 512, lower the TPU kernel; on cuda they take the XLA
     reference (WGMMA would run f32 as TF32; a quantized cache's cast needs 64-token KV

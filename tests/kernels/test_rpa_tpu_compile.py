@@ -116,6 +116,29 @@ def test_gemma4_shapes_compile(name):
         assert pages * page_bytes * 4 < min(r, t) * GEMMA4_P * page_bytes
 
 
+@pytest.mark.parametrize("name", ["31b-1x8-sliding-decode", "31b-1x8-sliding-prefill-fp8"])
+def test_gemma4_image_horizon_compiles(name):
+    """Gemma 4's sliding layers with images (each token's horizon: its image's last
+    position) compile within the scoped VMEM, the cache still read as stored."""
+    target, dtype, t, r, k, g, h, w = GEMMA4[name]
+    q, cache, *rest = _args(t, r, GEMMA4_P, k, g, h, 16, 32_768)
+    cache = jax.ShapeDtypeStruct(cache.shape, dtype)
+    scale = jax.ShapeDtypeStruct((k, 2), jnp.float32)
+
+    def fn(q, cache, kv_lens, table, starts, num_seqs, horizon, kv_scale):
+        return ragged_paged_attention(q, cache, kv_lens, table, starts, num_seqs, impl="pallas",
+                                      sm_scale=1.0, sliding_window=w, horizon=horizon,
+                                      kv_scale=kv_scale if dtype != jnp.bfloat16 else None)
+
+    compiled = compile_on_tpu(fn, q, cache, *rest, jax.ShapeDtypeStruct((t,), jnp.int32), scale,
+                              target=target)
+    hlo = compiled.as_text()
+    assert 0 < kernel_vmem_bytes(hlo) <= SCOPED_VMEM[target]
+    dims = ",".join(map(str, cache.shape))
+    assert not [ln for ln in hlo_lines(hlo) if re.search(r"= \w+\[{}\]\{{".format(dims), ln)
+                and " parameter(" not in ln]
+
+
 def test_sliding_window_and_soft_cap_compile():
     fn = functools.partial(ragged_paged_attention, impl="pallas", sm_scale=0.1,
                            sliding_window=1024, soft_cap=30.0)
