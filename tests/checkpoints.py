@@ -320,17 +320,20 @@ VISION_TEMPLATE = (
 
 
 def make_tiny_vision_serving_checkpoint(kind: str, path: str | Path, *, seed: int = 0,
+                                        vision: dict[str, Any] | None = None,
                                         **config_overrides: Any) -> str:
     """make_tiny_vision_checkpoint's model ("qwen3_5" or "gemma4_vl") with what serving
     images needs: the image markers as special tokens (ids 256-258, the vocabulary grown to
     264), their ids in config.json, a chat template writing them for image parts and a
     small image processor (preprocessor_config.json naming the torchvision class, as the
     published checkpoints do). Qwen: at most 16 tokens an image; Gemma 4: at most 70.
-    config_overrides: of the text model (e.g. use_bidirectional_attention="vision")."""
+    vision: the tower's config updated by it (make_tiny_vision_model); config_overrides: of
+    the text model (e.g. use_bidirectional_attention="vision")."""
     import json
 
     from transformers import AutoTokenizer, Gemma4ImageProcessorPil, Qwen2VLImageProcessorPil
-    make_tiny_vision_checkpoint(kind, path, seed=seed, vocab_size=264, **config_overrides)
+    make_tiny_vision_checkpoint(kind, path, seed=seed, vision=vision, vocab_size=264,
+                                **config_overrides)
     tok = AutoTokenizer.from_pretrained(str(path))
     marks = VISION_MARKERS[kind]
     tok.add_special_tokens({"additional_special_tokens": [m for m, _ in marks]})
