@@ -2,7 +2,7 @@
 and the image again (an encoder-cache and prefix-cache hit), against transformers.
 
     python -m benchmarks.multimodal.vision_ttft [--model DIR] [--size 448] [--repeats 3]
-        [--prefix-caching] [--json]
+        [--prefix-caching] [--turns N] [--json]
 
 Model: the tests' tiny Qwen3.5 vision-language checkpoint
 (tests.checkpoints.make_tiny_vision_serving_checkpoint("qwen3_5"), float32, 4096
@@ -21,6 +21,12 @@ at a time:
 - transformers: the full model's `generate(max_new_tokens=1)` on the image chat
   (preprocessed pixels given; wall time of the call).
 TTFT is RequestOutput.metrics.time_to_first_token (arrival to first token).
+
+--turns N: instead, one conversation of N turns that keeps its first turn's image (each turn
+resends the history with the last reply and a new question, TURN_TOKENS out a turn): the
+first turn's TTFT and the later turns' median, and the encoder cache's hit rate over the
+turns' image spans (each span the step reached: a hit, or an image encoded). With prefix
+caching on a later turn's image is a prefix hit, which never reaches the encoder.
 """
 from __future__ import annotations
 
@@ -77,12 +83,40 @@ def transformers_seconds(path: str, ids: list[int], image) -> float:
     return time.perf_counter() - t0
 
 
+TURN_TOKENS = 8
+
+
+def serve(path: str, size: int, prefix_caching: bool) -> LLM:
+    return LLM(path, dtype="float32", max_model_len=2048, max_num_seqs=4,
+               max_num_batched_tokens=2048, mm_processor_kwargs={"max_pixels": size * size},
+               enable_prefix_caching=prefix_caching)
+
+
+def conversation(path: str, size: int, turns: int, prefix_caching: bool = False) -> dict:
+    llm = serve(path, size, prefix_caching)
+    for seed in range(WARM):         # untimed, as in run()
+        ttft(llm, image_chat(noise_image(size, size, 1000 + seed)))
+    enc = llm.engine.scheduler.encoder
+    encoded, hits = enc.num_encoded, enc.num_hits
+    reply = SamplingParams(temperature=0.0, max_tokens=TURN_TOKENS, ignore_eos=True)
+    messages, times = image_chat(noise_image(size, size, 0)), []
+    for turn in range(turns):
+        out = llm.chat(messages, reply, use_tqdm=False)[0]
+        times.append(out.metrics.time_to_first_token)
+        messages = messages + [{"role": "assistant", "content": out.outputs[0].text},
+                               {"role": "user", "content": f"And what else, {turn}?"}]
+    encoded, hits = enc.num_encoded - encoded, enc.num_hits - hits
+    return {"image_size": size, "prefix_caching": prefix_caching, "turns": turns,
+            "ttft_ms": {"first turn": round(1000 * times[0], 2),
+                        "later turns": round(1000 * statistics.median(times[1:]), 2)},
+            "images_encoded": encoded, "encoder_cache_hits": hits,
+            "encoder_hit_rate": round(hits / (hits + encoded), 3) if hits + encoded else 0.0}
+
+
 def run(path: str, size: int, repeats: int, prefix_caching: bool = False) -> dict:
     # Without prefix caching every case computes its whole prompt (the repeated image is
     # an encoder-cache hit only).
-    llm = LLM(path, dtype="float32", max_model_len=2048, max_num_seqs=4,
-              max_num_batched_tokens=2048, mm_processor_kwargs={"max_pixels": size * size},
-              enable_prefix_caching=prefix_caching)
+    llm = serve(path, size, prefix_caching)
     images = [noise_image(size, size, seed) for seed in range(repeats + WARM)]
     ids, mm = llm.engine.inputs.render_chat_mm(image_chat(images[0]))
     text = text_chat(llm, len(ids))
@@ -109,14 +143,26 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--prefix-caching", action="store_true",
                    help="serve with prefix caching on (the engine's default)")
+    p.add_argument("--turns", type=int, default=0, help="a conversation of this many turns")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     if not os.path.exists(os.path.join(args.model, "config.json")):
         make_tiny_vision_serving_checkpoint("qwen3_5", args.model, max_position_embeddings=4096)
     np.random.seed(0)
-    out = run(args.model, args.size, args.repeats, args.prefix_caching)
+    if args.turns:
+        out = conversation(args.model, args.size, args.turns, args.prefix_caching)
+    else:
+        out = run(args.model, args.size, args.repeats, args.prefix_caching)
     if args.json:
         print(json.dumps(out))
+        return
+    if args.turns:
+        print(f"{out['image_size']}x{out['image_size']} image, {out['turns']} turns, prefix "
+              f"caching {'on' if out['prefix_caching'] else 'off'}: TTFT first turn "
+              f"{out['ttft_ms']['first turn']:.2f} ms, later turns (median) "
+              f"{out['ttft_ms']['later turns']:.2f} ms; images encoded {out['images_encoded']}, "
+              f"encoder cache hits {out['encoder_cache_hits']} (hit rate "
+              f"{out['encoder_hit_rate']:.3f})")
         return
     print(f"{out['image_size']}x{out['image_size']} image: {out['image_tokens']} image tokens "
           f"of a {out['prompt_tokens']}-token prompt, prefix caching "
