@@ -59,15 +59,17 @@ def case_args(case: str, context: int, num_pages: int = NUM_PAGES) -> tuple:
                                           np.asarray([n], np.int32)))
 
 
-def module_at(rev: str) -> ModuleType:
-    """paged_loop.py as it was at git revision `rev`, imported under another name."""
-    path = "pallas_kernels/ragged_paged_attention/paged_loop.py"
+def module_at(rev: str, path: str = "pallas_kernels/ragged_paged_attention/paged_loop.py"
+              ) -> ModuleType:
+    """A module file (default paged_loop.py) as it was at git revision `rev`, imported
+    under another name."""
     text = subprocess.run(["git", "show", f"{rev}:{path}"], check=True, capture_output=True,
                           text=True).stdout
     fd, file = tempfile.mkstemp(suffix=".py")
     with os.fdopen(fd, "w") as f:
         f.write(text)
-    spec = importlib.util.spec_from_file_location(f"paged_loop_{rev}", file)
+    name = os.path.splitext(os.path.basename(path))[0]
+    spec = importlib.util.spec_from_file_location(f"{name}_{rev}", file)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

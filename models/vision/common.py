@@ -62,8 +62,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_segment: jax.Array,
     does; such rows are padding). Probabilities in float32. Over T > block (default
     QUERY_BLOCK) patches, flash-style: equal blocks of at most `block` queries one after
     another, each over equal blocks of keys with a running maximum and sum (online
-    softmax), the mask built per tile from the segments; the result is the unblocked
-    one's up to float rounding."""
+    softmax), the mask built per tile from the segments, tiles where no query sees a key
+    skipped; the result is the unblocked one's up to float rounding."""
     groups = q.shape[-2] // k.shape[-2]
     if groups > 1:
         k, v = jnp.repeat(k, groups, axis=-2), jnp.repeat(v, groups, axis=-2)
@@ -81,32 +81,43 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_segment: jax.Array,
     q_seg, k_seg = (blocks(padded(s, -1, -1), s.ndim - 1) for s in (q_segment, k_segment))
     real = np.arange(n * size).reshape(n, size) < t                     # [n, size] keys
 
-    def query_tile(args: tuple[jax.Array, jax.Array]) -> jax.Array:
-        qb, qsb = args
+    def query_tile(args: tuple[jax.Array, jax.Array, jax.Array]) -> jax.Array:
+        qb, qsb, sees = args
         lead = qb.shape[:-3]
         init = (jnp.full((*lead, qb.shape[-2], size), -jnp.inf, jnp.float32),   # running max
                 jnp.zeros((*lead, qb.shape[-2], size), jnp.float32),           # running sum
                 jnp.zeros(qb.shape, jnp.float32))                               # sum of p v
+        # A query that sees no key at all averages every key, so a block holding one
+        # (padding) runs every tile; the others skip the tiles where no query of the block
+        # sees a key (other images' patches, padding keys): those add exactly nothing.
+        every_tile = ~sees.all()
 
         def key_tile(carry, kv):
-            top, total, acc = carry
             kb, vb, ksb, kreal = kv
-            logits = jnp.einsum("...tnh,...snh->...nts", qb, kb,
-                                preferred_element_type=jnp.float32) * scale
-            logits = jnp.where(_visible(qsb, ksb)[..., None, :, :], logits, _MASKED)
-            logits = jnp.where(kreal, logits, -jnp.inf)   # the first tile has real keys
-            new_top = jnp.maximum(top, logits.max(-1))
-            probs = jnp.exp(logits - new_top[..., None])
-            rescale = jnp.exp(top - new_top)
-            total = total * rescale + probs.sum(-1)
-            acc = acc * jnp.swapaxes(rescale, -1, -2)[..., None] + jnp.einsum(
-                "...nts,...snh->...tnh", probs.astype(vb.dtype), vb, preferred_element_type=jnp.float32)
-            return (new_top, total, acc), None
+            visible = _visible(qsb, ksb)
+
+            def run(carry):
+                top, total, acc = carry
+                logits = jnp.einsum("...tnh,...snh->...nts", qb, kb,
+                                    preferred_element_type=jnp.float32) * scale
+                logits = jnp.where(visible[..., None, :, :], logits, _MASKED)
+                logits = jnp.where(kreal, logits, -jnp.inf)   # the first tile has real keys
+                new_top = jnp.maximum(top, logits.max(-1))
+                probs = jnp.exp(logits - new_top[..., None])
+                rescale = jnp.exp(top - new_top)
+                total = total * rescale + probs.sum(-1)
+                acc = acc * jnp.swapaxes(rescale, -1, -2)[..., None] + jnp.einsum(
+                    "...nts,...snh->...tnh", probs.astype(vb.dtype), vb,
+                    preferred_element_type=jnp.float32)
+                return new_top, total, acc
+
+            return jax.lax.cond(every_tile | visible.any(), run, lambda c: c, carry), None
 
         (_, total, acc), _ = jax.lax.scan(key_tile, init, (ks, vs, k_seg, jnp.asarray(real)))
         return (acc / jnp.swapaxes(total, -1, -2)[..., None]).astype(v.dtype)
 
-    out = jnp.moveaxis(jax.lax.map(query_tile, (qs, q_seg)), 0, -4)
+    sees = blocks(padded(_sees_some_key(q_segment, k_segment), -1, True), q_segment.ndim - 1)
+    out = jnp.moveaxis(jax.lax.map(query_tile, (qs, q_seg, sees)), 0, -4)
     return out.reshape(*out.shape[:-4], n * size, *out.shape[-2:])[..., :t, :, :]
 
 
@@ -116,6 +127,19 @@ def query_block(t: int, block: int | None = None) -> int:
     as cover them."""
     block = block or QUERY_BLOCK
     return t if t <= block else -(-t // -(-t // block))
+
+
+def _sees_some_key(q_segment: jax.Array, k_segment: jax.Array) -> jax.Array:
+    """[..., Q] bool: whether each query sees at least one key (its segment is among the
+    real keys'), by a search in the sorted key segments: no [Q, K] mask."""
+    never = jnp.iinfo(jnp.int32).max
+    keys = jnp.sort(jnp.where(k_segment >= 0, k_segment, never).astype(jnp.int32), axis=-1)
+    flat_k = keys.reshape(-1, keys.shape[-1])
+    flat_q = jnp.broadcast_to(q_segment, (*keys.shape[:-1], q_segment.shape[-1])).reshape(
+        flat_k.shape[0], -1).astype(jnp.int32)
+    at = jnp.minimum(jax.vmap(jnp.searchsorted)(flat_k, flat_q), flat_k.shape[-1] - 1)
+    found = (jnp.take_along_axis(flat_k, at, -1) == flat_q) & (flat_q >= 0)
+    return found.reshape(*keys.shape[:-1], q_segment.shape[-1])
 
 
 def _visible(q_segment: jax.Array, k_segment: jax.Array) -> jax.Array:

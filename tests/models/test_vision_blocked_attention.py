@@ -112,3 +112,25 @@ def test_both_towers_encode_the_same_in_blocks(kind, tmp_path, monkeypatch):
     alone = np.asarray(jax.jit(tower.encode)(params, *tower.pack(images[1:2], bucket)))
     got = tower.unpack(out[64], images)[1]
     np.testing.assert_allclose(got, tower.unpack(alone, images[1:2])[0], rtol=1e-5, atol=1e-5)
+
+
+def test_tiles_no_query_sees_are_skipped():
+    """Four images packed one per block: a query block runs only its own image's key tile.
+    Another image's V poisoned with NaN reaches no other image's output (a computed tile
+    would add 0 * NaN), and the blocks holding a padding query (which averages every key)
+    still run every tile, as the whole softmax does."""
+    rng = np.random.default_rng(0)
+    t, n, h, size = 32, 2, 4, 8
+    q, k, v = (jnp.asarray(rng.standard_normal((t, n, h)), jnp.float32) for _ in range(3))
+    seg = jnp.asarray(np.repeat(np.arange(4), size), jnp.int32)
+    v = v.at[3 * size:].set(jnp.nan)                              # image 3's values
+    out = np.asarray(attention(q, k, v, seg, seg, 0.5, block=size))
+    finite = jnp.nan_to_num(v)          # the oracle's whole softmax would spread the NaN
+    want = oracle(q[None], k[None], finite[None], np.asarray(seg)[None], np.asarray(seg)[None],
+                  0.5)[0]
+    np.testing.assert_allclose(out[:3 * size], want[:3 * size], rtol=1e-5, atol=1e-5)
+    assert np.isnan(out[3 * size:]).all()
+    padded = seg.at[5].set(-1)              # a padding query in the first block
+    out = np.asarray(attention(q, k, v, padded, padded, 0.5, block=size))
+    assert np.isnan(out[5]).all()          # it averaged every key, image 3's NaN included
+    assert np.isfinite(out[size:3 * size]).all()
