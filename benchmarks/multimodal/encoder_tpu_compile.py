@@ -49,15 +49,14 @@ def make_checkpoint(path: Path, tiny: bool) -> str:
 
 def compile_buckets(model_dir: str, *, target: str, mesh: str, num_batched_tokens: int,
                     hidden_size: int, buckets: set[int] | None) -> dict[str, Any]:
-    from jaxserve.build.vision import vision_figures, vision_parts
+    from jaxserve.build.vision import load_vision
     from jaxserve.config.media import MediaConfig
     from jaxserve.multimodal.front import ImageFront
     from jaxserve.runner.image_encoder import ImageEncoder
     from sharding.tpu_targets import abstract_tpu_mesh
 
-    front = ImageFront.for_model(model_dir, MediaConfig())
-    fig = vision_figures(front, jnp.bfloat16, num_batched_tokens, hidden_size)
-    parts = vision_parts(front, jnp.bfloat16, num_batched_tokens, hidden_size)
+    parts, fig = load_vision(ImageFront.for_model(model_dir, MediaConfig()), jnp.bfloat16,
+                             num_batched_tokens, hidden_size)
     devices = abstract_tpu_mesh(target, mesh)
     encoder = ImageEncoder(parts, hidden_size=hidden_size, dtype=jnp.bfloat16, mesh=devices,
                            abstract=True)

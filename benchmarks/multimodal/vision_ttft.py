@@ -110,7 +110,8 @@ def conversation(path: str, size: int, turns: int, prefix_caching: bool = False)
             "ttft_ms": {"first turn": round(1000 * times[0], 2),
                         "later turns": round(1000 * statistics.median(times[1:]), 2)},
             "images_encoded": encoded, "encoder_cache_hits": hits,
-            "encoder_hit_rate": round(hits / (hits + encoded), 3) if hits + encoded else 0.0}
+            # None: no step reached the image (a prefix hit held it), nothing looked up
+            "encoder_hit_rate": round(hits / (hits + encoded), 3) if hits + encoded else None}
 
 
 def run(path: str, size: int, repeats: int, prefix_caching: bool = False) -> dict:
@@ -162,7 +163,7 @@ def main() -> None:
               f"{out['ttft_ms']['first turn']:.2f} ms, later turns (median) "
               f"{out['ttft_ms']['later turns']:.2f} ms; images encoded {out['images_encoded']}, "
               f"encoder cache hits {out['encoder_cache_hits']} (hit rate "
-              f"{out['encoder_hit_rate']:.3f})")
+              f"{'-' if out['encoder_hit_rate'] is None else out['encoder_hit_rate']})")
         return
     print(f"{out['image_size']}x{out['image_size']} image: {out['image_tokens']} image tokens "
           f"of a {out['prompt_tokens']}-token prompt, prefix caching "

@@ -8,8 +8,9 @@ benchmarks/vllm_cpu calls it (16 heads, 4 kv heads of 64, 16-token pages, 12 lay
 decode: 48 one-token rows of a 64-token program at --context (+0-47) tokens each;
 prefill: one 2048-token chunk of ten 200-token prompts and 48 tokens of an 11th. Each
 case is checked against the reference kernel (max deviation printed), then timed (best and
-median of 8 calls; glibc's malloc set as the engine sets it, jaxserve/build/cpu_malloc.py). --against REV also loads paged_loop.py as it was at git revision REV
-and times the two alternately, REV first in every round.
+median of 8 calls; glibc's malloc set as the engine sets it, jaxserve/build/cpu_malloc.py).
+--against REV also loads paged_loop.py as it was at git revision REV and times the two
+alternately, REV first in every round.
 """
 from __future__ import annotations
 

@@ -128,7 +128,7 @@ def gather_queries(q: jax.Array, meta: jax.Array, *, num_kv_heads: int, block_q:
 
 
 def row_horizons(meta: jax.Array, horizon: jax.Array, *, group: int, rows: int) -> jax.Array:
-    """int32[I, rows, 1]: the last KV position each query row of an item sees -- its token's
+    """int32[I, rows]: the last KV position each query row of an item sees -- its token's
     horizon (int32[T], plan_items), at least the token's own position. Row m is token
     m // G of the item as gather_queries lays them out; padding rows copy the last real
     token's, as the kernels' positional masks do."""
@@ -136,7 +136,7 @@ def row_horizons(meta: jax.Array, horizon: jax.Array, *, group: int, rows: int) 
     tok = jnp.minimum(tok, jnp.maximum(meta[:, Q_COUNT, None] - 1, 0))              # [I, rows]
     pos = meta[:, Q_POS, None] + tok
     seen = horizon[jnp.minimum(meta[:, Q_START, None] + tok, horizon.shape[0] - 1)]
-    return jnp.maximum(pos, seen).astype(jnp.int32)[..., None]
+    return jnp.maximum(pos, seen).astype(jnp.int32)
 
 
 def scatter_outputs(out_blocks: jax.Array, token_item: jax.Array, token_row: jax.Array,

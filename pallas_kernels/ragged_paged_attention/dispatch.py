@@ -130,7 +130,7 @@ def _attend(q, cache, kv_lens, page_table, query_start_loc, num_seqs, *, sm_scal
     args = (q, cache, kv_lens.astype(jnp.int32), page_table.astype(jnp.int32),
             query_start_loc.astype(jnp.int32), num_seqs.astype(jnp.int32))
     kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-              horizon=horizon)
+              horizon=None if horizon is None else horizon.astype(jnp.int32))
     if impl == "reference":
         return reference.ragged_paged_attention(*args, **kw)
     if impl == "xla":

@@ -33,8 +33,8 @@ Masking is positional: row m is token t = m // G of the block, position
 Q_POS + min(t, Q_COUNT - 1) (padding rows copy the last real row so they
 stay finite); column c of step s is position KV_LO + s * KV_STEP + c; a
 score is kept when kv <= q (and kv > q - window); with a horizon (Gemma 4's image
-tokens) kv <= the row's horizon instead, loaded into shared memory with the queries. Pages past the request's
-NUM_PAGES are never fetched: such page slots re-read the request's last page
+tokens) kv <= the row's horizon instead, loaded into shared memory with the queries.
+Pages past the request's NUM_PAGES are never fetched: such page slots re-read the request's last page
 and are masked; with a window, pages entirely before the window of the item's
 first query are never fetched either (KV_LO, blocks.py). On the last step (and,
 with a window, the first), V rows at or past KV_LEN (before the window start)
@@ -332,8 +332,8 @@ def ragged_paged_attention_gpu(q: jax.Array, cache: jax.Array, kv_lens: jax.Arra
     if compute != cache.dtype:                      # the cast K and V tiles
         extra += [plgpu.SMEM((*blk, cfg.kv_step, cols), compute, transforms=transforms),
                   plgpu.SMEM((cfg.kv_step, cols), compute, transforms=v_transforms)]
-    with_horizon = () if horizon is None else (blocks.row_horizons(
-        meta, horizon.astype(jnp.int32), group=group, rows=ROWS)[..., 0],)
+    with_horizon = () if horizon is None else (
+        blocks.row_horizons(meta, horizon, group=group, rows=ROWS),)
     extra += [plgpu.SMEM((ROWS,), jnp.int32)] * len(with_horizon)
     pieces = cfg.kv_step // cfg.piece
     kernel = functools.partial(

@@ -131,7 +131,7 @@ def _attend(q, cache, kv_lens, page_table, query_start_loc, num_seqs, *, block, 
         q_round = qb[item]                                                    # [L, K, M, H]
         row_pos = mt[:, Q_POS, None] + tok[None, :]                           # [L, M]
         row_last = row_pos if horizon is None else \
-            row_horizons(mt, horizon, group=group, rows=rows)[..., 0]   # padding rows: masked
+            row_horizons(mt, horizon, group=group, rows=rows)   # padding rows: masked
         row_ok = tok[None, :] < mt[:, Q_COUNT, None]
 
         def step(s, carry):
@@ -156,8 +156,9 @@ def _attend(q, cache, kv_lens, page_table, query_start_loc, num_seqs, *, block, 
             # Slots that must not be read may hold anything: their scores are selected away
             # below, and V's are zeroed (p == 0 would not cancel a NaN there).
             v = jnp.where(slot_ok[:, None, :, None], v, jnp.zeros((), v.dtype))
-            # K as the dot's left operand: XLA:CPU runs [C, H] x [H, M] faster than the
-            # [M, H] x [H, C] it would otherwise transpose K for.
+            # Written K x q^T, then transposed: XLA folds that into dot(q, K), K the operand
+            # YNNPACK packs each step; of the forms measured (benchmarks/README.md, "Where
+            # the rest of the gap is") none was faster.
             scores = jnp.einsum("LKCH,LKMH->LKCM", k.astype(dot_dtype), q_round,
                                 preferred_element_type=jnp.float32).swapaxes(-1, -2)
             if soft_cap is not None:

@@ -292,7 +292,7 @@ def ragged_paged_attention_tpu(q: jax.Array, cache: jax.Array, kv_lens: jax.Arra
                                      block_q=cfg.block_q, rows=cfg.rows)
     n_items = meta.shape[0]
     with_horizon = () if horizon is None else (
-        blocks.row_horizons(meta, horizon.astype(jnp.int32), group=group, rows=cfg.rows),)
+        blocks.row_horizons(meta, horizon, group=group, rows=cfg.rows)[..., None],)
     num_pages, pages_per_req = cache.shape[0], page_table.shape[1]
     win = _windows(pages_per_req, cfg)
     # [R, 1, P]: the row axis untiled, so a DMA may start at any row.
