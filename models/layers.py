@@ -48,6 +48,25 @@ def logical_param(module: nn.Module, name: str, init: Callable[..., Any], shape:
     return module.param(name, nn.with_logical_partitioning(init, axes), shape, dtype)
 
 
+# Up to this many rows an out_in dot (XLA:CPU) takes the weight as its left operand.
+WEIGHT_LEFT_MAX_ROWS = 64
+
+
+def out_in_dot(x: jax.Array, w: jax.Array, out_dtype: Any) -> jax.Array:
+    """x [rows, in] times a kernel stored [out, in]: [rows, out]. XLA:CPU's dot packs its
+    right operand on every call, so up to WEIGHT_LEFT_MAX_ROWS rows (decode sizes) the
+    weight goes on the left (y^T = W x^T: only x is packed) and the small result is
+    transposed; the barrier keeps XLA from folding that transpose back into the other
+    form. 12 layers of the benchmark llama's bf16 projections (benchmarks/step/cpu_linear.py
+    --stack 12): 16 rows 1.27x faster, 32 1.14x, 48 and 64 1.09x, but 96 rows 0.86x and
+    256 0.48x; its decode step at 48 rows ~1.1x (benchmarks/README.md)."""
+    contract = (((1,), (1,)), ((), ()))
+    if x.shape[0] > WEIGHT_LEFT_MAX_ROWS:
+        return jax.lax.dot_general(x, w, contract, preferred_element_type=out_dtype)
+    y_t = jax.lax.dot_general(w, x, contract, preferred_element_type=out_dtype)
+    return jax.lax.optimization_barrier(y_t).T
+
+
 class RMSNorm(nn.Module):
     """x * rsqrt(mean(x^2) + eps) * w, normalised in float32.
 
@@ -113,9 +132,8 @@ class Einsum(nn.Module):
         rows, xd = x.shape[:-n], x.astype(x_dtype)
         if out_in:
             # [out..., in...] read as [out, in]: both reshapes are free on row-major arrays.
-            y = jax.lax.dot_general(xd.reshape(*rows, -1), w.reshape(-1, math.prod(self.shape[:n])),
-                                    (((len(rows),), (1,)), ((), ())),
-                                    preferred_element_type=out_dtype)
+            y = out_in_dot(xd.reshape(-1, math.prod(self.shape[:n])),
+                           w.reshape(-1, math.prod(self.shape[:n])), out_dtype)
             y = y.reshape(*rows, *self.shape[n:])
         elif n > 1:
             # x's last n axes contract with the kernel's first n (as in "TNH,NHE->TE"). One

@@ -2,14 +2,19 @@
 this machine's memory bandwidth (what a decode step's weight reads are bound by).
 
     python -m benchmarks.step.cpu_linear [--rows 16,48,64,256,2048] [--shape 2816x1024]
+    python -m benchmarks.step.cpu_linear --stack 12 [--rows 16,32,48,64,96,128,256]
 
 Forms, each y = x W^T for x [rows, in] bf16 and a bf16 weight, float32 out:
   out_in   W stored [out, in], contracted on its second axis (the engine's form on a
            CPU with native bf16 dots, models/weights.store_kernels_out_in);
   in_out   W stored [in, out] (flax's own layout);
   w_lhs    W [out, in] as the dot's left operand: y^T = W x^T, left transposed [out, rows]
-           (a model would have to keep its activations feature-major to use it: XLA folds
-           a transpose of the result back into the out_in form).
+           (XLA folds a transpose of the result back into the out_in form);
+  w_lhs_t  w_lhs, then transposed to [rows, out] behind an optimization barrier that stops
+           that fold: what models/layers.out_in_dot does up to WEIGHT_LEFT_MAX_ROWS rows.
+--stack N times N layers of the benchmark llama's projections instead (q/k/v 1536x1024,
+o 1024x1024, gate/up 5632x1024, down 1024x2816, residual adds between them) in the forms
+out_in and w_lhs_t: the dots as a decode step chains them, each result read by the next op.
 XLA:CPU hands these dots to YNNPACK, which packs its right operand on every call (here:
 the whole weight; with w_lhs only x). Bandwidth: jnp.sum over 256 MiB of int32.
 Each figure is the best of --repeats rounds of --calls calls (per call), after one warm call.
@@ -21,7 +26,9 @@ import time
 
 import numpy as np
 
-FORMS = ("out_in", "in_out", "w_lhs")
+FORMS = ("out_in", "in_out", "w_lhs", "w_lhs_t")
+# The llama of benchmarks/vllm_cpu: one layer's projections [out, in].
+LLAMA_LAYER = ((1536, 1024), (1024, 1024), (5632, 1024), (1024, 2816))
 
 
 def dot_fn(form: str):
@@ -35,7 +42,28 @@ def dot_fn(form: str):
     if form == "w_lhs":
         return lambda x, w: jax.lax.dot_general(w, x, (((1,), (1,)), ((), ())),
                                                 preferred_element_type=jnp.float32)
+    if form == "w_lhs_t":
+        w_lhs = dot_fn("w_lhs")
+        return lambda x, w: jax.lax.optimization_barrier(w_lhs(x, w)).T
     raise ValueError(f"form {form!r}: expected one of {FORMS}")
+
+
+def stack_fn(form: str):
+    """A decode step's chain of projections over the LLAMA_LAYER weights of each layer."""
+    import jax
+    import jax.numpy as jnp
+    dot = dot_fn(form)
+
+    def f(x, weights):
+        for qkv_w, o_w, gate_up_w, down_w in zip(*[iter(weights)] * 4):
+            attn = dot(x, qkv_w)[:, :x.shape[1]].astype(jnp.bfloat16)
+            x = x + dot(attn, o_w).astype(jnp.bfloat16)
+            gate_up = dot(x, gate_up_w)
+            half = gate_up.shape[1] // 2
+            act = (jax.nn.silu(gate_up[:, :half]) * gate_up[:, half:]).astype(jnp.bfloat16)
+            x = x + dot(act, down_w).astype(jnp.bfloat16)
+        return x
+    return f
 
 
 def per_call_ms(fn, args: tuple, calls: int, repeats: int) -> float:
@@ -66,14 +94,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--bandwidth-mib", type=int, default=256)
+    ap.add_argument("--stack", type=int, default=0, help="layers of LLAMA_LAYER instead")
     args = ap.parse_args(argv)
     from jaxserve.build.cpu_malloc import keep_freed_memory
     keep_freed_memory()      # as the engine does
     import jax.numpy as jnp
+    if args.stack:
+        return time_stack(args)
     n_out, n_in = (int(v) for v in args.shape.split("x"))
     rng = np.random.default_rng(0)
     w_oi = jnp.asarray(rng.standard_normal((n_out, n_in)), jnp.bfloat16)
-    weights = {"out_in": w_oi, "in_out": w_oi.T.copy(), "w_lhs": w_oi}
+    weights = {"out_in": w_oi, "in_out": w_oi.T.copy(), "w_lhs": w_oi, "w_lhs_t": w_oi}
     print(f"weight {n_out}x{n_in} bf16 ({w_oi.nbytes / 2**20:.1f} MiB); ms a call "
           f"(best of {args.repeats} x {args.calls})")
     print("rows  " + "  ".join(f"{f:>8s}" for f in FORMS) + "   out_in / w_lhs")
@@ -86,6 +117,27 @@ def main(argv: list[str] | None = None) -> int:
     if args.bandwidth_mib:
         print(f"memory bandwidth (jnp.sum over {args.bandwidth_mib} MiB): "
               f"{bandwidth_gbs(args.bandwidth_mib, args.repeats):.1f} GB/s")
+    return 0
+
+
+def time_stack(args: argparse.Namespace) -> int:
+    """out_in against w_lhs_t over --stack layers, alternating, best of --repeats each."""
+    import jax.numpy as jnp
+    rng = np.random.default_rng(0)
+    weights = [jnp.asarray(0.03 * rng.standard_normal(shape), jnp.bfloat16)
+               for shape in LLAMA_LAYER * args.stack]
+    mib = sum(w.nbytes for w in weights) / 2**20
+    print(f"{args.stack} layers of {LLAMA_LAYER} bf16 ({mib:.0f} MiB); ms a stack (best of "
+          f"{args.repeats} x {args.calls})")
+    print("rows    out_in   w_lhs_t   out_in / w_lhs_t")
+    for rows in (int(r) for r in args.rows.split(",")):
+        x = jnp.asarray(rng.standard_normal((rows, LLAMA_LAYER[0][1])), jnp.bfloat16)
+        best = {f: float("inf") for f in ("out_in", "w_lhs_t")}
+        for _ in range(args.repeats):      # alternating: the machine's drift hits both
+            for f in best:
+                best[f] = min(best[f], per_call_ms(stack_fn(f), (x, weights), args.calls, 1))
+        print(f"{rows:5d} {best['out_in']:8.2f} {best['w_lhs_t']:8.2f}   "
+              f"{best['out_in'] / best['w_lhs_t']:.2f}", flush=True)
     return 0
 
 

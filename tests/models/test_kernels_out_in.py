@@ -14,7 +14,7 @@ from flax.traverse_util import flatten_dict
 
 from models.config import ModelConfig
 from models.layer_stack import cache_shapes
-from models.layers import KERNEL_OUT_IN
+from models.layers import KERNEL_OUT_IN, WEIGHT_LEFT_MAX_ROWS, out_in_dot
 from models.param_tree import stacked_axes
 from models.registry import build_model
 from models.weights import (is_projection_kernel, load_params, param_logical_axes,
@@ -128,3 +128,19 @@ def test_tensor_parallel_kernels_keep_their_sharding(tmp_path):
     assert spec("layers_0", "self_attn", "o_proj") == (None, "model", None)   # [E, N, H]
     assert spec("layers_0", "mlp", "up_proj") == ("model", None)              # [F, E]
     assert spec("layers_0", "mlp", "down_proj") == (None, "model")            # [E, F]
+
+
+def test_decode_sized_dots_take_the_kernel_as_left_operand():
+    """Up to WEIGHT_LEFT_MAX_ROWS rows the compiled dot is W x^T (result [out, rows]: XLA:CPU
+    packs only x), above it x W^T; both give x W^T's numbers."""
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.standard_normal((96, 48)), jnp.bfloat16)
+    for rows in (1, 16, WEIGHT_LEFT_MAX_ROWS, WEIGHT_LEFT_MAX_ROWS + 1, 200):
+        x = jnp.asarray(rng.standard_normal((rows, 48)), jnp.bfloat16)
+        compiled = jax.jit(lambda a, b: out_in_dot(a, b, jnp.float32)).lower(x, w).compile()
+        got = np.asarray(compiled(x, w))
+        want = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+        dots = re.findall(r"= f32\[(\d+),(\d+)\]\{[\d,]*\} dot\(", compiled.as_text())
+        left = rows <= WEIGHT_LEFT_MAX_ROWS
+        assert dots == [("96", str(rows)) if left else (str(rows), "96")], (rows, dots)
