@@ -20,13 +20,18 @@ Where the numbers come from:
   speculative decoding is on: registered when the Metrics is made with
   num_speculative_tokens, else at the first stats snapshot that has per-position
   counts (the scheduler keeps one per draft position only when it drafts).
+- the host tier's restore transfer times: a histogram whose bucket counts the engine
+  keeps itself (runner/transfer_timer.py), exposed as they stand at each scrape.
 """
 from __future__ import annotations
 
+import itertools
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import HistogramMetricFamily
 
+from jaxserve.core.host_cache import RESTORE_TIME_BUCKETS
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.request_metrics import RequestMetrics
 from jaxserve.core.scheduler import SchedulerStats
@@ -94,6 +99,27 @@ _HOST_SLIDING_TOTALS = {
                                "Sliding-window KV pages copied host -> device (a hit's "
                                "last window's, at most)."),
 }
+
+
+class _RestoreTimes:
+    """The host tier's restore transfer-time histogram, from the engine's own bucket
+    counts (HostCacheStats.restore_time_buckets: RESTORE_TIME_BUCKETS then +Inf)."""
+
+    NAME = "jaxserve:host_cache_restore_transfer_seconds"
+    HELP = ("Time from a step's host-tier restore send until its rows were on the device "
+            "(the host -> device transfer), one per step that restored.")
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.buckets: tuple[int, ...] = (0,) * (len(RESTORE_TIME_BUCKETS) + 1)
+        self.sum = 0.0
+
+    def collect(self):
+        family = HistogramMetricFamily(self.NAME, self.HELP, labels=["model_name"])
+        bounds = [str(b) for b in RESTORE_TIME_BUCKETS] + ["+Inf"]
+        family.add_metric([self.model_name], list(zip(bounds, itertools.accumulate(self.buckets))),
+                          self.sum)
+        yield family
 
 
 class Metrics:
@@ -251,6 +277,11 @@ class Metrics:
             self.host_sliding_usage = self._gauge(
                 "jaxserve:host_cache_sliding_usage_perc", "Fraction of the host tier's "
                 "sliding-window page slots in use (0-1).") if host.sliding_capacity else None
+            self.restore_times = _RestoreTimes(self._model_name)
+            self.registry.register(self.restore_times)
+        if host.restore_time_buckets:
+            self.restore_times.buckets = host.restore_time_buckets
+            self.restore_times.sum = host.restore_time_sum
         for field, counter in self._host.items():
             self._host_seen[field] = _advance(counter, self._host_seen[field],
                                               getattr(host, field))

@@ -29,13 +29,18 @@ if TYPE_CHECKING:
 
 # (KV group, device page) a restore fills
 RestoredPage = tuple[int, KVCachePage]
+# Upper bounds (seconds) of the restore transfer-time histogram's buckets (then +Inf):
+# a few pages over a host link take ~0.1 ms, a 30k-token prefix of a large model ~100 ms.
+RESTORE_TIME_BUCKETS = (0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0)
 
 
 @dataclass(frozen=True, slots=True)
 class HostCacheStats:
     """Totals since start: tokens looked up in the host tier (a look-up's tokens past its
     device hit) and found there, pages and state snapshots copied each way, their bytes,
-    and the host's time to dispatch restores (the runner's)."""
+    and the host's time to dispatch restores (the runner's), and the restores' transfer
+    times (the runner's runner/transfer_timer.py: counts per RESTORE_TIME_BUCKETS bucket
+    then +Inf, and their sum; one per step that sent restores)."""
     queries: int = 0
     hits: int = 0
     pages_offloaded: int = 0
@@ -51,6 +56,8 @@ class HostCacheStats:
     sliding_num_pages: int = 0  # the sliding-window index's (Gemma 4; 0: none)
     sliding_capacity: int = 0
     restore_seconds: float = 0.0
+    restore_time_buckets: tuple[int, ...] = ()
+    restore_time_sum: float = 0.0
 
     @property
     def hit_rate(self) -> float:

@@ -1,6 +1,7 @@
 """SchedulerStats: what the scheduler counts, the engine's one statistics record."""
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, fields
 
 from jaxserve.core.host_cache import HostCacheStats
@@ -68,7 +69,11 @@ def _merge_host(parts: list[HostCacheStats | None]) -> HostCacheStats | None:
     given = [p for p in parts if p is not None]
     if not given:
         return None
-    return HostCacheStats(**{f.name: sum(getattr(p, f.name) for p in given)
+    def total(values: list):   # a histogram's bucket counts add up bucket by bucket
+        if isinstance(values[0], tuple):
+            return tuple(map(sum, itertools.zip_longest(*values, fillvalue=0)))
+        return sum(values)
+    return HostCacheStats(**{f.name: total([getattr(p, f.name) for p in given])
                              for f in fields(HostCacheStats)})
 
 

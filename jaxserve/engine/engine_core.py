@@ -316,9 +316,12 @@ class EngineCore:
             self.runner.execute(sched_out)
 
     def shutdown(self) -> None:
-        """Process 0 of a multi-host run: release the followers (no-op otherwise)."""
+        """Process 0 of a multi-host run: release the followers; the host tier's timer
+        thread stops."""
         if self.channel is not None and multihost.is_leader():
             self.channel.close()
+        if self.runner.host_tier is not None:
+            self.runner.host_tier.timer.close()
 
     # ---- load, for the data-parallel front door and the metrics ------------------------
     def num_unfinished(self) -> int:
@@ -341,8 +344,11 @@ class EngineCore:
     def stats(self) -> SchedulerStats:
         stats = self.scheduler.stats()
         if stats.host is not None:   # the runner times the restores it dispatches
+            tier = self.runner.host_tier
+            buckets, total = tier.timer.counts()
             stats = replace(stats, host=replace(
-                stats.host, restore_seconds=self.runner.host_tier.restore_seconds))
+                stats.host, restore_seconds=tier.restore_seconds,
+                restore_time_buckets=buckets, restore_time_sum=total))
         return stats
 
     def remove_lora(self, lora_int_id: int) -> None:

@@ -30,7 +30,8 @@ def format_report(r: CompileReport) -> str:
              f"  {'program':34} {'bucket':>8} {'seconds':>8} {'argument':>11} {'temp':>11} "
              f"{'peak':>11} {'device peak':>11}"]
     for p in r.programs:
-        bucket = f"t={p.tokens}" if p.tokens is not None else f"r={p.rows}"
+        bucket = f"t={p.tokens}" if p.tokens is not None else \
+            f"r={p.rows}" if p.rows is not None else ""
         if p.compiled:
             lines.append(f"  {p.name:34} {bucket:>8} {p.compile_seconds:8.1f} "
                          f"{_gib(p.argument_bytes):>11} {_gib(p.temp_bytes):>11} "

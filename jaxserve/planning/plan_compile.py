@@ -40,7 +40,8 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import jax
-from jax.sharding import Mesh
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxserve.build.cache_plan import CachePlan
 from jaxserve.build.drafter_loader import load_drafter
@@ -57,6 +58,7 @@ from jaxserve.planning.plan import plan_from_config
 from jaxserve.planning.hlo_text import Module, parse_module
 from jaxserve.planning.step_bytes import decode_step, roofline
 from jaxserve.runner.buckets import pick_bucket
+from jaxserve.runner.host_tier import PAGE_KINDS, PINNED_HOST, HostCopier, HostTierLayout
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.runner.parallel_compile import compile_all, default_compile_workers
 from jaxserve.runner.programs import (DRAFT, ENCODE, FORWARD, GREEDY, PENALTIES, SAMPLE,
@@ -228,27 +230,35 @@ def compile_program(runner: ModelRunner, program: Program, resident_bytes: int,
     with the error's first lines, not raised. resident_bytes: per device, what the
     engine holds throughout (weights, KV pages, state). gate: shared by the programs of
     one compile_plan. texts: where to keep the parsed compiled program, by _label."""
+    return _compile(lambda: runner.lower(program), program.name, program.tokens, program.rows,
+                    _input_bytes(runner, program.args()), resident_bytes, gate,
+                    texts, _label(program))
+
+
+def _compile(lower: Callable[[], Any], name: str, tokens: int | None, rows: int | None,
+             inputs: int, resident_bytes: int, gate: SerialAfterFailure,
+             texts: dict[str, Module] | None = None, label: str = "") -> ProgramResult:
+    """compile_program for any lowering: inputs, per device, what the program takes
+    beside the resident arrays."""
     start = time.perf_counter()
     try:
         with gate.turn():
-            compiled = runner.lower(program).compile()
+            compiled = lower().compile()
     except Exception as e:   # noqa: BLE001 -- any compiler error is a result here
         gate.failed()
         lines = [ln for ln in str(e).splitlines() if ln.strip()][:_ERROR_LINES]
-        return ProgramResult(program.name, program.tokens, program.rows, False,
-                             time.perf_counter() - start,
+        return ProgramResult(name, tokens, rows, False, time.perf_counter() - start,
                              error=f"{type(e).__name__}: " + "\n".join(lines))
     seconds = time.perf_counter() - start
     if texts is not None:
-        texts[_label(program)] = parse_module(compiled.as_text())
-    inputs = _input_bytes(runner, program.args())
+        texts[label] = parse_module(compiled.as_text())
     ma = compiled.memory_analysis()
     cost = compiled.cost_analysis() or {}
     if isinstance(cost, list):   # older jax: one dict per computation
         cost = cost[0] if cost else {}
     arg, out = ma.argument_size_in_bytes, ma.output_size_in_bytes
     temp, alias = ma.temp_size_in_bytes, ma.alias_size_in_bytes
-    return ProgramResult(program.name, program.tokens, program.rows, True, seconds,
+    return ProgramResult(name, tokens, rows, True, seconds,
                          argument_bytes=arg, output_bytes=out, temp_bytes=temp,
                          alias_bytes=alias, peak_bytes=arg + out + temp - alias,
                          # What is resident or an input but no argument of the program
@@ -258,6 +268,37 @@ def compile_program(runner: ModelRunner, program: Program, resident_bytes: int,
                          + max(0, resident_bytes + inputs - arg),
                          flops=cost.get("flops"), bytes_accessed=cost.get("bytes accessed"),
                          optimal_seconds=cost.get("optimal_seconds"))
+
+
+def compile_host_copies(runner: ModelRunner, resident_bytes: int, gate: SerialAfterFailure,
+                        texts: dict[str, Module] | None = None) -> list[ProgramResult]:
+    """--kv-offloading-size: the host tier's copy programs as the engine's HostTier builds
+    them (runner/host_tier.HostCopier over the runner's caches and shardings, the offload's
+    result in pinned host memory), one call each: "host_offload" and "host_restore" (the
+    caches donated). texts: where to keep their parsed programs, by name."""
+    caches = runner.kv_caches
+    layout = HostTierLayout.of(caches, runner.host_tier_layers())
+    mine = {k: caches[k] for k in layout.rows}
+    copier = HostCopier(layout, {k: c.sharding for k, c in mine.items()},
+                        memory_kind=PINNED_HOST)
+    rep = NamedSharding(runner.mesh, PartitionSpec())
+    per_call = {k: copier.pages_per_call if k in PAGE_KINDS else copier.states_per_call
+                for k in mine}
+    ids = {k: jax.ShapeDtypeStruct((n,), jnp.int32, sharding=rep) for k, n in per_call.items()}
+    values = {k: jax.ShapeDtypeStruct((per_call[k] * layout.layers[k], *c.shape[1:]), c.dtype,
+                                      sharding=c.sharding) for k, c in mine.items()}
+    programs = copier.programs()
+
+    def lowering(name: str, *args: Any) -> Callable[[], Any]:
+        def lower() -> Any:
+            with jax.set_mesh(runner.mesh):
+                return programs[name].lower(*args)
+        return lower
+    return [_compile(lowering("offload", mine, ids), "host_offload", None, None,
+                     bytes_per_device(ids), resident_bytes, gate, texts, "host_offload"),
+            _compile(lowering("restore", mine, ids, values), "host_restore", None, None,
+                     bytes_per_device([ids, values]), resident_bytes, gate, texts,
+                     "host_restore")]
 
 
 @dataclass(frozen=True)
@@ -374,6 +415,8 @@ def compile_plan(model: str, *, target: str, mesh: str = "1x1",
                               texts if _label(prog) in keep else None),
                           workers=workers,
                           on_done=None if progress is None else lambda _, r, __: progress(r))
+    if config.kv_offloading_size:   # the host tier's copies, as the engine would run them
+        results = [*results, *compile_host_copies(eng.runner, resident, gate)]
     wall = time.perf_counter() - start
     v = eng.vision
     by_label = {_label(p): r for p, r in zip(chosen, results)}

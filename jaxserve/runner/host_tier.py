@@ -32,6 +32,7 @@ import numpy as np
 from jaxserve.core import host_pages
 from jaxserve.core.host_pages import size_host_tier, size_sliding_host_tier
 from jaxserve.core.sched_output import HostCopies
+from jaxserve.runner.transfer_timer import TransferTimer
 from models.layer_stack import CONV, KV, KV_SCALES, KV_SLIDING, RECURRENT
 from models.page_copies import gather_pages, scatter_pages
 
@@ -213,6 +214,11 @@ class HostCopier:
         self._offload = jax.jit(self.offload_fn, out_shardings=out)
         self._restore = jax.jit(self.restore_fn, donate_argnums=0)
 
+    def programs(self) -> dict[str, Any]:
+        """The jitted copy programs, "offload" (caches, ids) and "restore" (caches donated,
+        ids, values), as the engine runs them: to lower for another target."""
+        return {"offload": self._offload, "restore": self._restore}
+
     # ---- batching -------------------------------------------------------------------
     def _calls(self, page_ids: PerKind, host_slots: PerKind, state_ids: Sequence[int],
                host_state_slots: Sequence[int]):
@@ -322,6 +328,7 @@ class HostTier:
         self.page_kinds = [k for k in PAGE_KINDS if k in self.layout.rows]
         self.restore_seconds = 0.0   # host time to send and scatter restores (asynchronous)
         self.restore_call_s = 0.0    # one restore call, timed at warmup (0: not timed)
+        self.timer = TransferTimer()   # each send's transfer time, for /metrics
         self._staged: list[Staged] = []   # the last dispatch's sends, scattered by the next
         self._staged_pages: tuple[int, ...] = ()
         self.num_dispatches = 0
@@ -372,6 +379,7 @@ class HostTier:
             self._staged = self.copier.send(self.arrays, slots, pages, c.restore_state_slots,
                                             c.restore_state_ids, self.kv_scales())
             self._staged_pages = tuple(c.restore_pages)
+            self.timer.watch(t0, [values for _, values in self._staged])
             self.log.append((self.num_dispatches, "send", self._staged_pages))
             self.restore_seconds += time.perf_counter() - t0
         return caches, pending

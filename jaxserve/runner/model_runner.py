@@ -174,13 +174,16 @@ class ModelRunner(RunnerWarmup, SpecCollect):
     def attach_host_tier(self, budget_bytes: int) -> HostTier:
         """Gives the runner a host tier of budget_bytes (before warmup, which compiles its
         copy programs); ValueError when that holds no page."""
+        self.host_tier = HostTier(self.kv_caches, self.host_tier_layers(), budget_bytes,
+                                  self.mesh.devices.flat[0], lambda: self.params)
+        return self.host_tier
+
+    def host_tier_layers(self) -> dict[str, int]:
+        """Per cache kind, the layers stacked in it (what a host slot holds rows of)."""
         c, caches = self.config, self.kv_caches
         per_kind = {KV: c.num_pages, KV_SLIDING: c.num_sliding_pages or c.num_pages,
                     CONV: c.num_state_slots, RECURRENT: c.num_state_slots}
-        layers = {k: caches[k].shape[0] // n for k, n in per_kind.items() if k in caches}
-        self.host_tier = HostTier(caches, layers, budget_bytes, self.mesh.devices.flat[0],
-                                  lambda: self.params)
-        return self.host_tier
+        return {k: caches[k].shape[0] // n for k, n in per_kind.items() if k in caches}
 
     def _init_prev_ids(self) -> None:
         """The forward's prev_ids when no step's tokens are in flight (every row's input

@@ -21,6 +21,7 @@ from jaxserve.engine.async_engine import EngineStats
 from jaxserve.engine.engine_core import prompt_page_hashes
 from jaxserve.engine.llm_kwargs import engine_config
 from jaxserve.runner.compile_counter import num_compilations
+from jaxserve.runner.host_tier import LOG_LENGTH
 from models.layer_stack import KV
 from tests.api.test_metrics_vllm import samples, value
 from tests.engine.conftest import add, assert_no_leaks
@@ -119,6 +120,16 @@ def test_a_trace_over_the_host_tier_gives_the_same_tokens_and_hits_it(engines):
         assert value(snap, "jaxserve:host_cache_sliding_restored_pages_total") == \
             stats.host.sliding_pages_restored
         assert 0 < value(snap, "jaxserve:host_cache_sliding_usage_perc") <= 1
+    # Each send's transfer timed, in the stats and on /metrics as a histogram.
+    tier = runner.host_tier
+    assert tier.timer.wait_idle()
+    timed = tiered.engine.stats().host
+    sends = sum(what == "send" for _, what, _ in tier.log)
+    count = sum(timed.restore_time_buckets)
+    assert sends > 0 and (count == sends if len(tier.log) < LOG_LENGTH else count >= sends)
+    assert count <= tier.num_dispatches and timed.restore_time_sum > 0
+    snap = samples(Metrics("m").render(EngineStats(host=timed), admitted=0).decode())
+    assert value(snap, "jaxserve:host_cache_restore_transfer_seconds_count") == count
     # num_cached_tokens counts hits from either tier; later turns hit the host's pages.
     assert sum(tier_cached) >= sum(plain_cached) + stats.host.hits
     assert all(c > 0 for c in tier_cached[CONVERSATIONS:])

@@ -126,6 +126,33 @@ def test_lora_stacks_are_held_before_the_kv_cache_is_sized(tiny):
     assert "LoRA slots" in format_report(r)
 
 
+def test_the_host_tiers_copies_compile_as_the_engine_runs_them(tmp_path):
+    """--kv-offloading-size: a hybrid's (KV pages, conv and recurrent state slots) copy
+    programs as its HostTier builds them, on the engine's caches split over 1x4: the
+    restore writes one call's pages and slots into the donated caches in place (every
+    cache aliased), the offload reads only the rows it names, neither with a temporary
+    near a layer's share of the KV cache; both in the report's programs and its text."""
+    from jaxserve.planning.compile_format import format_report
+    from jaxserve.planning.plan_compile import compile_plan
+    path = make_tiny_checkpoint("qwen3_5", tmp_path, num_attention_heads=8,
+                                num_key_value_heads=2, head_dim=128, linear_num_key_heads=4,
+                                linear_num_value_heads=8)
+    kw = dict(target="tpu-v6e", mesh="1x4", max_model_len=256, max_num_seqs=4,
+              kv_cache_memory_bytes=256 << 20, select=lambda progs: progs[:1])
+    r = compile_plan(path, **kw, kv_offloading_size=1)
+    assert [p.name for p in r.programs] == ["forward", "host_offload", "host_restore"]
+    assert r.fits, format_report(r)
+    forward, offload, restore = r.programs
+    held = r.kv_bytes_per_device + r.state_bytes_per_device
+    assert restore.alias_bytes >= held > 0
+    layer_share = r.kv_bytes_per_device // 2   # the tiny Qwen3.5's 2 full-attention layers
+    assert restore.temp_bytes < layer_share and offload.temp_bytes < layer_share
+    assert offload.alias_bytes == 0 and offload.argument_bytes >= held
+    assert "host_restore" in format_report(r)
+    # Without the flag, no copy programs.
+    assert [p.name for p in compile_plan(path, **kw).programs] == ["forward"]
+
+
 def test_a_vision_model_compiles_its_encoder_programs(tmp_path):
     """A checkpoint that serves images (Qwen3.5's tower, 16 tokens an image: encoder
     buckets of 16, 32 and 64 patches): --compile builds the vision side as the engine
