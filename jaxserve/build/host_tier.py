@@ -5,12 +5,13 @@ counts, slot bytes, the restore-or-recompute cost model).
 The cost model, measured at start-up where warmup runs: a restore's cost from one timed
 restore call (HostTier.warmup; every call moves pages_per_call pages, padding included,
 so a restore costs a whole call, and a call more per pages_per_call pages), a prefill's
-per token from the largest token bucket's forward (timed as warmup runs it anyway).
-Without warmup (enforce_eager) they are nominal, per platform (NOMINAL: a host->device
-bandwidth and a copy's fixed latency; 2 FLOPs per parameter per token over a nominal
-throughput). Attention's quadratic part (4 * layers * heads * head_dim FLOPs per pair of
-tokens) is always nominal: warmup's forwards attend to nothing. The model only decides
-which short prefixes are recomputed rather than restored.
+per token from the largest token bucket's forward (timed as warmup runs it anyway), and
+attention's quadratic part per (query, key) pair from that forward run once more over a
+long context (RunnerWarmup._time_attention). Without warmup (enforce_eager), or where the
+attention timing came out at noise level, they are nominal, per platform (NOMINAL: a
+host->device bandwidth and a copy's fixed latency; 2 FLOPs per parameter per token, and
+4 * layers * heads * head_dim per pair, over a nominal throughput). The model only
+decides which short prefixes are recomputed rather than restored.
 """
 from __future__ import annotations
 
@@ -62,9 +63,10 @@ def attach_host_tier(config: EngineConfig, runner: ModelRunner) -> HostTier:
 
 
 def restore_cost(tier: HostTier, plan: CachePlan, params: Any, mc: Any, platform: str,
-                 prefill_s_per_token: float = 0.0) -> RestoreCost:
-    """Restore or recompute (see the module docstring); prefill_s_per_token: measured
-    (the runner's warmup), 0: nominal."""
+                 prefill_s_per_token: float = 0.0,
+                 attention_s_per_pair: float = 0.0) -> RestoreCost:
+    """Restore or recompute (see the module docstring); prefill_s_per_token and
+    attention_s_per_pair: measured (the runner's warmup), 0: nominal."""
     bandwidth, latency, flops = NOMINAL.get(platform, NOMINAL["gpu"])
     num_params = sum(x.size for x in jax.tree_util.tree_leaves(params))
     prefill = prefill_s_per_token or 2 * num_params / flops
@@ -77,11 +79,13 @@ def restore_cost(tier: HostTier, plan: CachePlan, params: Any, mc: Any, platform
         bandwidth = tier.copier.pages_per_call * layout.page_bytes / tier.restore_call_s
     return RestoreCost(bytes_per_token=layout.page_bytes / plan.page_size,
                        bandwidth_bytes_per_s=bandwidth, prefill_s_per_token=prefill,
-                       attention_s_per_pair=pair_flops / flops, latency_s=latency,
+                       attention_s_per_pair=attention_s_per_pair or pair_flops / flops,
+                       latency_s=latency,
                        state_bytes=fixed)
 
 
-def describe_cost(tier: HostTier, cost: RestoreCost, plan: CachePlan) -> str:
+def describe_cost(tier: HostTier, cost: RestoreCost, plan: CachePlan,
+                  attention_measured: bool = False) -> str:
     """The start-up log's line on the cost model."""
     where = "nominal" if not tier.restore_call_s else (
         f"measured: a call of {tier.copier.pages_per_call} pages "
@@ -90,7 +94,9 @@ def describe_cost(tier: HostTier, cost: RestoreCost, plan: CachePlan) -> str:
     even = cost.break_even_tokens(plan.max_model_len)
     return (f"host tier restores: {cost.bandwidth_bytes_per_s / 1e9:.2f} GB/s, "
             f"{cost.latency_s * 1e3:.3f} ms per restore ({where}); prefill "
-            f"{cost.prefill_s_per_token * 1e6:.2f} us per token; "
+            f"{cost.prefill_s_per_token * 1e6:.2f} us per token, attention "
+            f"{cost.attention_s_per_pair * 1e9:.3f} ns per pair of tokens "
+            f"({'measured' if attention_measured else 'nominal'}); "
             + ("host hits are always recomputed" if even is None else
                "every host hit is restored" if even <= 1 else
                f"host hits under {even} tokens are recomputed"))

@@ -28,6 +28,9 @@ class RunnerWarmup:
     """ModelRunner's warmup (a mixin: it lists and compiles the runner's own programs)."""
     # Seconds per token of the largest token bucket's forward, timed at warmup (0: none).
     prefill_s_per_token: float = 0.0
+    # Attention's seconds per (query, key) pair on top of that, timed at warmup with a host
+    # tier (its restore-or-recompute cost model; 0: not timed).
+    attention_s_per_pair: float = 0.0
 
     def warmup_programs(self) -> list[Program]:
         """Every program warmup compiles, in its order: the forward per token bucket and
@@ -120,6 +123,39 @@ class RunnerWarmup:
         with jax.set_mesh(self.mesh):
             return program.fn.lower(*program.args())
 
+    def _time_attention(self, prog: Program) -> float:
+        """Attention's cost per (query, key) pair: the forward `prog` (the largest token
+        bucket, the widest page table) run twice more, as warmup ran it (no row: nothing
+        attended) and as one sequence's chunk of all its tokens after as long a context
+        as its pages and max_model_len allow; the difference over the pairs. (Warmup's
+        own run of it is no baseline: a program's first call costs more.) The same
+        program: nothing compiles. Its KV writes go to the null page and it reads pages
+        no request holds yet. 0 when the difference is not positive (noise: the caller
+        keeps the nominal figure)."""
+        t, page_size = prog.tokens, self.config.page_size
+        context = max(0, min(prog.pages * page_size, self.max_model_len) - t)
+        params, caches, inputs, *rest = prog.args()
+        r = inputs.seq_lens.shape[0]
+        pages = np.zeros((r, prog.pages), np.int32)
+        pages[0] = np.arange(prog.pages) % max(1, self.config.num_pages - 1) + 1
+        attend = inputs.replace(
+            positions=np.arange(context, context + t, dtype=np.int32),
+            query_start_loc=np.minimum(np.arange(r + 1), 1).astype(np.int32) * t,
+            seq_lens=np.asarray([context + t] + [0] * (r - 1), np.int32),
+            page_table=pages, num_seqs=np.ones(1, np.int32))
+        if attend.sliding_page_table is not None:
+            attend = attend.replace(sliding_page_table=pages)
+        seconds = []
+        for batch in (inputs, attend):
+            t0 = time.perf_counter()
+            out = prog.fn(params, caches, batch, *rest)
+            caches = out[2]         # the old ones were donated
+            jax.block_until_ready(out)
+            seconds.append(time.perf_counter() - t0)
+        self.kv_caches = caches
+        extra = seconds[1] - seconds[0]
+        return extra / (t * context + t * (t + 1) / 2) if extra > 0 else 0.0
+
     def allocate_caches(self, allocate: Callable[[], dict] | None = None) -> None:
         """Allocates the caches if they are only described (ModelRunner's
         caches_after_compile): warmup does after compiling, so that XLA:GPU autotunes the
@@ -173,6 +209,10 @@ class RunnerWarmup:
             if forward_s else 0.0
         if self.host_tier is not None:   # its offload and restore programs
             self.kv_caches = self.host_tier.warmup(self.kv_caches)
+            largest = max((p for p in programs if p.kind == FORWARD),
+                          key=lambda p: (p.tokens, p.pages), default=None)
+            if largest is not None:
+                self.attention_s_per_pair = self._time_attention(largest)
         summary = report.finish()
         self.warmup_seconds = summary.seconds
         self.warmup_compilations = summary.counts.lowered

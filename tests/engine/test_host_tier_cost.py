@@ -1,5 +1,6 @@
 """The host tier's restore-or-recompute model as the engine builds it (build/host_tier.py):
-from the restore call and the prefill timed at warmup, or nominal without them."""
+from the restore call, the prefill and attention's pairs timed at warmup, or nominal
+without them."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -33,6 +34,14 @@ def test_measured_a_restore_costs_a_call_and_a_call_more_per_call_of_pages():
     line = describe_cost(tier(2e-3), cost, PLAN)
     assert "measured" in line and "2.00 ms" in line
     assert "host hits under 30 tokens are recomputed" in line
+    assert "(nominal)" in line   # attention's pairs: not timed
+    # attention timed: its pairs' cost is the runner's, and the line says so
+    slow = restore_cost(tier(2e-3), PLAN, PARAMS, MC, "cpu", prefill_s_per_token=1e-4,
+                        attention_s_per_pair=1e-6)
+    assert slow.attention_s_per_pair == 1e-6
+    assert slow.break_even_tokens(4096) < cost.break_even_tokens(4096)
+    line = describe_cost(tier(2e-3), slow, PLAN, attention_measured=True)
+    assert "attention 1000.000 ns per pair of tokens (measured)" in line
 
 
 def test_nominal_without_timings():
@@ -40,6 +49,7 @@ def test_nominal_without_timings():
     cost = restore_cost(tier(0.0), PLAN, PARAMS, MC, "cpu")
     assert (cost.bandwidth_bytes_per_s, cost.latency_s) == (bandwidth, latency)
     assert cost.prefill_s_per_token == 2 * 1000 / flops
+    assert cost.attention_s_per_pair == 4 * 2 * 4 * 8 / flops
     assert cost.state_bytes == 4096
     assert "nominal" in describe_cost(tier(0.0), cost, PLAN)
     fast = restore_cost(tier(1e-6), PLAN, PARAMS, MC, "cpu", prefill_s_per_token=1e-3)
