@@ -40,8 +40,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from jaxserve.build.cache_plan import CachePlan
 from jaxserve.build.drafter_loader import load_drafter
@@ -54,11 +53,11 @@ from jaxserve.config import EngineConfig
 from jaxserve.checkpoints.model_names import load_model_config
 from jaxserve.multimodal.front import image_front
 from jaxserve.runner.image_encoder import VisionParts
+from jaxserve.planning.host_copies import compile_host_copies
 from jaxserve.planning.plan import plan_from_config
 from jaxserve.planning.hlo_text import Module, parse_module
 from jaxserve.planning.step_bytes import decode_step, roofline
 from jaxserve.runner.buckets import pick_bucket
-from jaxserve.runner.host_tier import PAGE_KINDS, PINNED_HOST, HostCopier, HostTierLayout
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.runner.parallel_compile import compile_all, default_compile_workers
 from jaxserve.runner.programs import (DRAFT, ENCODE, FORWARD, GREEDY, PENALTIES, SAMPLE,
@@ -270,37 +269,6 @@ def _compile(lower: Callable[[], Any], name: str, tokens: int | None, rows: int 
                          optimal_seconds=cost.get("optimal_seconds"))
 
 
-def compile_host_copies(runner: ModelRunner, resident_bytes: int, gate: SerialAfterFailure,
-                        texts: dict[str, Module] | None = None) -> list[ProgramResult]:
-    """--kv-offloading-size: the host tier's copy programs as the engine's HostTier builds
-    them (runner/host_tier.HostCopier over the runner's caches and shardings, the offload's
-    result in pinned host memory), one call each: "host_offload" and "host_restore" (the
-    caches donated). texts: where to keep their parsed programs, by name."""
-    caches = runner.kv_caches
-    layout = HostTierLayout.of(caches, runner.host_tier_layers())
-    mine = {k: caches[k] for k in layout.rows}
-    copier = HostCopier(layout, {k: c.sharding for k, c in mine.items()},
-                        memory_kind=PINNED_HOST)
-    rep = NamedSharding(runner.mesh, PartitionSpec())
-    per_call = {k: copier.pages_per_call if k in PAGE_KINDS else copier.states_per_call
-                for k in mine}
-    ids = {k: jax.ShapeDtypeStruct((n,), jnp.int32, sharding=rep) for k, n in per_call.items()}
-    values = {k: jax.ShapeDtypeStruct((per_call[k] * layout.layers[k], *c.shape[1:]), c.dtype,
-                                      sharding=c.sharding) for k, c in mine.items()}
-    programs = copier.programs()
-
-    def lowering(name: str, *args: Any) -> Callable[[], Any]:
-        def lower() -> Any:
-            with jax.set_mesh(runner.mesh):
-                return programs[name].lower(*args)
-        return lower
-    return [_compile(lowering("offload", mine, ids), "host_offload", None, None,
-                     bytes_per_device(ids), resident_bytes, gate, texts, "host_offload"),
-            _compile(lowering("restore", mine, ids, values), "host_restore", None, None,
-                     bytes_per_device([ids, values]), resident_bytes, gate, texts,
-                     "host_restore")]
-
-
 @dataclass(frozen=True)
 class AbstractEngine:
     """One replica as EngineCore would build it, with nothing allocated."""
@@ -400,12 +368,7 @@ def compile_plan(model: str, *, target: str, mesh: str = "1x1",
     resident = (eng.weight_bytes_per_device + eng.lora_bytes_per_device
                 + bytes_per_device(eng.runner.kv_caches)
                 + (bytes_per_device([enc.params, enc.cache]) if enc is not None else 0))
-    if workers is None:
-        # One at a time unless JAXSERVE_COMPILE_WORKERS says otherwise: libtpu's deviceless
-        # compiler crashed (SIGSEGV) twice here with programs compiling at once (stop 49:
-        # this module's test in a full suite run, and a --decode-rows 1,64 plan).
-        workers = default_compile_workers() if os.environ.get("JAXSERVE_COMPILE_WORKERS") \
-            else 1
+    workers = _compile_workers() if workers is None else workers
     start = time.perf_counter()
     gate = SerialAfterFailure()
     texts: dict[str, Module] = {}
@@ -416,7 +379,8 @@ def compile_plan(model: str, *, target: str, mesh: str = "1x1",
                           workers=workers,
                           on_done=None if progress is None else lambda _, r, __: progress(r))
     if config.kv_offloading_size:   # the host tier's copies, as the engine would run them
-        results = [*results, *compile_host_copies(eng.runner, resident, gate)]
+        results = [*results, *compile_host_copies(eng.runner, lambda lower, name, inputs: _compile(
+            lower, name, None, None, inputs, resident, gate))]
     wall = time.perf_counter() - start
     v = eng.vision
     by_label = {_label(p): r for p, r in zip(chosen, results)}
@@ -436,6 +400,13 @@ def compile_plan(model: str, *, target: str, mesh: str = "1x1",
         encoder_activation_bytes=v.activation_bytes if v else 0,
         warmup_programs=len(eng.programs), programs=tuple(results), compile_workers=workers,
         wall_seconds=wall, decode=decode)
+
+
+def _compile_workers() -> int:
+    """One at a time unless JAXSERVE_COMPILE_WORKERS says otherwise: libtpu's deviceless
+    compiler crashed (SIGSEGV) twice here with programs compiling at once (stop 49: this
+    module's test in a full suite run, and a --decode-rows 1,64 plan)."""
+    return default_compile_workers() if os.environ.get("JAXSERVE_COMPILE_WORKERS") else 1
 
 
 def account_decode(eng: AbstractEngine, mc: ModelConfig, rows: int, progs: list[Program],

@@ -136,15 +136,18 @@ class RunnerWarmup:
         context = max(0, min(prog.pages * page_size, self.max_model_len) - t)
         params, caches, inputs, *rest = prog.args()
         r = inputs.seq_lens.shape[0]
-        pages = np.zeros((r, prog.pages), np.int32)
-        pages[0] = np.arange(prog.pages) % max(1, self.config.num_pages - 1) + 1
+        def table(num_pages: int) -> np.ndarray:   # row 0: real pages (not the null one)
+            pages = np.zeros((r, prog.pages), np.int32)
+            pages[0] = np.arange(prog.pages) % max(1, num_pages - 1) + 1
+            return pages
         attend = inputs.replace(
             positions=np.arange(context, context + t, dtype=np.int32),
             query_start_loc=np.minimum(np.arange(r + 1), 1).astype(np.int32) * t,
             seq_lens=np.asarray([context + t] + [0] * (r - 1), np.int32),
-            page_table=pages, num_seqs=np.ones(1, np.int32))
-        if attend.sliding_page_table is not None:
-            attend = attend.replace(sliding_page_table=pages)
+            page_table=table(self.config.num_pages), num_seqs=np.ones(1, np.int32))
+        if attend.sliding_page_table is not None:   # Gemma 4's own, smaller, sliding pool
+            attend = attend.replace(sliding_page_table=table(
+                self.config.num_sliding_pages or self.config.num_pages))
         seconds = []
         for batch in (inputs, attend):
             t0 = time.perf_counter()

@@ -1,0 +1,49 @@
+"""`plan --compile --kv-offloading-size`: the host tier's copy programs for a TPU target.
+
+The engine's HostTier (runner/host_tier.py) builds a HostCopier over the runner's caches:
+their shardings, their page layout, the offload's result in pinned host memory. Here the
+same copier is built over an abstract runner's caches (planning/plan_compile.py) and its
+two programs are lowered with one call's arguments, for the caller to compile and report
+("host_offload"; "host_restore", the caches donated).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxserve.runner.host_tier import PAGE_KINDS, PINNED_HOST, HostCopier, HostTierLayout
+from jaxserve.runner.model_runner import ModelRunner
+from sharding import bytes_per_device
+
+Result = TypeVar("Result")
+# compile_one(lower, name, per-device input bytes beside the resident arrays) -> a result
+CompileOne = Callable[[Callable[[], Any], str, int], Result]
+
+
+def compile_host_copies(runner: ModelRunner, compile_one: CompileOne) -> list[Result]:
+    """[offload's result, restore's result], each from compile_one."""
+    caches = runner.kv_caches
+    layout = HostTierLayout.of(caches, runner.host_tier_layers())
+    mine = {k: caches[k] for k in layout.rows}
+    copier = HostCopier(layout, {k: c.sharding for k, c in mine.items()},
+                        memory_kind=PINNED_HOST)
+    rep = NamedSharding(runner.mesh, PartitionSpec())
+    per_call = {k: copier.pages_per_call if k in PAGE_KINDS else copier.states_per_call
+                for k in mine}
+    ids = {k: jax.ShapeDtypeStruct((n,), jnp.int32, sharding=rep) for k, n in per_call.items()}
+    values = {k: jax.ShapeDtypeStruct((per_call[k] * layout.layers[k], *c.shape[1:]), c.dtype,
+                                      sharding=c.sharding) for k, c in mine.items()}
+    programs = copier.programs()
+
+    def lowering(name: str, *args: Any) -> Callable[[], Any]:
+        def lower() -> Any:
+            with jax.set_mesh(runner.mesh):
+                return programs[name].lower(*args)
+        return lower
+    return [compile_one(lowering("offload", mine, ids), "host_offload", bytes_per_device(ids)),
+            compile_one(lowering("restore", mine, ids, values), "host_restore",
+                        bytes_per_device([ids, values]))]
