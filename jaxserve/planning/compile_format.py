@@ -45,8 +45,8 @@ def format_report(r: CompileReport) -> str:
         why += (f"{'; ' if why else ': '}encoder temporaries over the reserve "
                 f"~{_gib(r.encoder_activation_bytes)}: " + ", ".join(
                     f"t={p.tokens} {_gib(p.temp_bytes)}" for p in r.encoders_over_reserve))
-    lines += [f"  (peak: the program's own, argument + output + temp - alias; device peak: "
-              f"with everything resident beside it, the weights and caches it does not take)",
+    lines += ["  (peak: the program's own, argument + output + temp - alias; device peak: "
+              "with everything resident beside it, the weights and caches it does not take)",
               f"  fits: {'yes' if r.fits else 'no'}{why} (the engine starts when every program "
               f"compiles with a device peak within the {_gib(r.hbm_bytes)} of HBM"
               + (", each encoder call's temporaries within its reserve"
