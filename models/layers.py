@@ -60,10 +60,15 @@ def out_in_dot(x: jax.Array, w: jax.Array, out_dtype: Any) -> jax.Array:
     form. 12 layers of the benchmark llama's bf16 projections (benchmarks/step/cpu_linear.py
     --stack 12): 16 rows 1.27x faster, 32 1.14x, 48 and 64 1.09x, but 96 rows 0.86x and
     256 0.48x; its decode step at 48 rows ~1.1x (benchmarks/README.md)."""
-    contract = (((1,), (1,)), ((), ()))
     if x.shape[0] > WEIGHT_LEFT_MAX_ROWS:
-        return jax.lax.dot_general(x, w, contract, preferred_element_type=out_dtype)
-    y_t = jax.lax.dot_general(w, x, contract, preferred_element_type=out_dtype)
+        return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())),
+                                   preferred_element_type=out_dtype)
+    return weight_left_dot(x, w, out_dtype)
+
+
+def weight_left_dot(x: jax.Array, w: jax.Array, out_dtype: Any) -> jax.Array:
+    """out_in_dot's small-batch form at any size: (W x^T)^T, the transpose kept apart."""
+    y_t = jax.lax.dot_general(w, x, (((1,), (1,)), ((), ())), preferred_element_type=out_dtype)
     return jax.lax.optimization_barrier(y_t).T
 
 

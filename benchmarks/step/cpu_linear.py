@@ -11,7 +11,8 @@ Forms, each y = x W^T for x [rows, in] bf16 and a bf16 weight, float32 out:
   w_lhs    W [out, in] as the dot's left operand: y^T = W x^T, left transposed [out, rows]
            (XLA folds a transpose of the result back into the out_in form);
   w_lhs_t  w_lhs, then transposed to [rows, out] behind an optimization barrier that stops
-           that fold: what models/layers.out_in_dot does up to WEIGHT_LEFT_MAX_ROWS rows.
+           that fold: models/layers.weight_left_dot, which out_in_dot uses up to
+           WEIGHT_LEFT_MAX_ROWS rows.
 --stack N times N layers of the benchmark llama's projections instead (q/k/v 1536x1024,
 o 1024x1024, gate/up 5632x1024, down 1024x2816, residual adds between them) in the forms
 out_in and w_lhs_t: the dots as a decode step chains them, each result read by the next op.
@@ -43,8 +44,8 @@ def dot_fn(form: str):
         return lambda x, w: jax.lax.dot_general(w, x, (((1,), (1,)), ((), ())),
                                                 preferred_element_type=jnp.float32)
     if form == "w_lhs_t":
-        w_lhs = dot_fn("w_lhs")
-        return lambda x, w: jax.lax.optimization_barrier(w_lhs(x, w)).T
+        from models.layers import weight_left_dot
+        return lambda x, w: weight_left_dot(x, w, jnp.float32)
     raise ValueError(f"form {form!r}: expected one of {FORMS}")
 
 
@@ -130,12 +131,13 @@ def time_stack(args: argparse.Namespace) -> int:
     print(f"{args.stack} layers of {LLAMA_LAYER} bf16 ({mib:.0f} MiB); ms a stack (best of "
           f"{args.repeats} x {args.calls})")
     print("rows    out_in   w_lhs_t   out_in / w_lhs_t")
+    stacks = {f: stack_fn(f) for f in ("out_in", "w_lhs_t")}
     for rows in (int(r) for r in args.rows.split(",")):
         x = jnp.asarray(rng.standard_normal((rows, LLAMA_LAYER[0][1])), jnp.bfloat16)
-        best = {f: float("inf") for f in ("out_in", "w_lhs_t")}
+        best = {f: float("inf") for f in stacks}
         for _ in range(args.repeats):      # alternating: the machine's drift hits both
-            for f in best:
-                best[f] = min(best[f], per_call_ms(stack_fn(f), (x, weights), args.calls, 1))
+            for f, fn in stacks.items():   # (the same functions: compiled once per size)
+                best[f] = min(best[f], per_call_ms(fn, (x, weights), args.calls, 1))
         print(f"{rows:5d} {best['out_in']:8.2f} {best['w_lhs_t']:8.2f}   "
               f"{best['out_in'] / best['w_lhs_t']:.2f}", flush=True)
     return 0

@@ -6,7 +6,7 @@ The cost model, measured at start-up where warmup runs: a restore's cost from on
 restore call (HostTier.warmup; every call moves pages_per_call pages, padding included,
 so a restore costs a whole call, and a call more per pages_per_call pages), a prefill's
 per token from the largest token bucket's forward (timed as warmup runs it anyway), and
-attention's quadratic part per (query, key) pair from that forward run once more over a
+attention's quadratic part per (query, key) pair from that forward run again over a
 long context (RunnerWarmup._time_attention). Without warmup (enforce_eager), or where the
 attention timing came out at noise level, they are nominal, per platform (NOMINAL: a
 host->device bandwidth and a copy's fixed latency; 2 FLOPs per parameter per token, and

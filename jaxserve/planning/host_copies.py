@@ -12,10 +12,9 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxserve.runner.host_tier import PAGE_KINDS, PINNED_HOST, HostCopier, HostTierLayout
+from jaxserve.runner.host_tier import PINNED_HOST, HostCopier
 from jaxserve.runner.model_runner import ModelRunner
 from sharding import bytes_per_device
 
@@ -27,16 +26,9 @@ CompileOne = Callable[[Callable[[], Any], str, int], Result]
 def compile_host_copies(runner: ModelRunner, compile_one: CompileOne) -> list[Result]:
     """[offload's result, restore's result], each from compile_one."""
     caches = runner.kv_caches
-    layout = HostTierLayout.of(caches, runner.host_tier_layers())
-    mine = {k: caches[k] for k in layout.rows}
-    copier = HostCopier(layout, {k: c.sharding for k, c in mine.items()},
-                        memory_kind=PINNED_HOST)
-    rep = NamedSharding(runner.mesh, PartitionSpec())
-    per_call = {k: copier.pages_per_call if k in PAGE_KINDS else copier.states_per_call
-                for k in mine}
-    ids = {k: jax.ShapeDtypeStruct((n,), jnp.int32, sharding=rep) for k, n in per_call.items()}
-    values = {k: jax.ShapeDtypeStruct((per_call[k] * layout.layers[k], *c.shape[1:]), c.dtype,
-                                      sharding=c.sharding) for k, c in mine.items()}
+    copier = HostCopier.for_caches(caches, runner.host_tier_layers(), PINNED_HOST)
+    mine = {k: caches[k] for k in copier.layout.rows}
+    ids, values = copier.abstract_call(NamedSharding(runner.mesh, PartitionSpec()))
     programs = copier.programs()
 
     def lowering(name: str, *args: Any) -> Callable[[], Any]:

@@ -214,6 +214,26 @@ class HostCopier:
         self._offload = jax.jit(self.offload_fn, out_shardings=out)
         self._restore = jax.jit(self.restore_fn, donate_argnums=0)
 
+    @classmethod
+    def for_caches(cls, caches: Mapping[str, Any], layers: Mapping[str, int],
+                   memory_kind: str | None) -> HostCopier:
+        """The copier of these caches (arrays or ShapeDtypeStructs with shardings), each
+        kind's `layers` stacked in it."""
+        layout = HostTierLayout.of(caches, layers)
+        return cls(layout, {k: caches[k].sharding for k in layout.rows}, memory_kind=memory_kind)
+
+    def abstract_call(self, replicated: jax.sharding.Sharding
+                      ) -> tuple[dict[str, jax.ShapeDtypeStruct], dict[str, jax.ShapeDtypeStruct]]:
+        """One call's (ids, values) as ShapeDtypeStructs: the padded ids of each kind
+        (`replicated`), the rows of those ids in every layer (placed as the cache)."""
+        n = {k: self.pages_per_call if k in PAGE_KINDS else self.states_per_call
+             for k in self.layout.rows}
+        ids = {k: jax.ShapeDtypeStruct((n[k],), np.int32, sharding=replicated) for k in n}
+        values = {k: jax.ShapeDtypeStruct((n[k] * self.layout.layers[k], *row), dtype,
+                                          sharding=self._shardings[k])
+                  for k, (row, dtype) in self.layout.rows.items()}
+        return ids, values
+
     def programs(self) -> dict[str, Any]:
         """The jitted copy programs, "offload" (caches, ids) and "restore" (caches donated,
         ids, values), as the engine runs them: to lower for another target."""
@@ -321,10 +341,9 @@ class HostTier:
         """params: the runner's params now, whose KV scales (a quantized cache's) say
         what the pages stored mean."""
         self._params = params
-        self.layout = HostTierLayout.of(caches, layers)
+        self.copier = HostCopier.for_caches(caches, layers, host_memory_kind(device))
+        self.layout = self.copier.layout
         self.arrays = HostPageArrays.for_budget(self.layout, budget_bytes, self.kv_scales())
-        self.copier = HostCopier(self.layout, {k: caches[k].sharding for k in self.layout.rows},
-                                 memory_kind=host_memory_kind(device))
         self.page_kinds = [k for k in PAGE_KINDS if k in self.layout.rows]
         self.restore_seconds = 0.0   # host time to send and scatter restores (asynchronous)
         self.restore_call_s = 0.0    # one restore call, timed at warmup (0: not timed)
