@@ -104,8 +104,11 @@ def test_a_trace_over_the_host_tier_gives_the_same_tokens_and_hits_it(engines):
     runner = tiered.engine.runner   # restore or recompute by what warmup timed
     assert host.cost.latency_s == runner.host_tier.restore_call_s > 0
     assert host.cost.prefill_s_per_token == runner.prefill_s_per_token > 0
-    # attention's pairs timed too (the largest forward over a long context, run again)
-    assert host.cost.attention_s_per_pair == runner.attention_s_per_pair > 0
+    # attention's pairs timed too (the largest forward over a long context, run again;
+    # tests/runner/test_attention_timing.py times it), or nominal where noise hid them
+    assert host.cost.attention_s_per_pair > 0 and runner.attention_s_per_pair >= 0
+    if runner.attention_s_per_pair:
+        assert host.cost.attention_s_per_pair == runner.attention_s_per_pair
     assert stats.host.bytes_restored == stats.host.pages_restored * host.page_bytes + \
         stats.host.states_restored * host.state_bytes + \
         stats.host.sliding_pages_restored * host.sliding_page_bytes
