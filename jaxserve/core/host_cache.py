@@ -78,6 +78,8 @@ class _Step:
     offloading: list[HostPage] = field(default_factory=list)
     restoring: list[HostPage] = field(default_factory=list)
     restored: list[RestoredPage] = field(default_factory=list)   # the pages filled
+    offloading_states: list[HostPage] = field(default_factory=list)
+    restoring_states: list[HostPage] = field(default_factory=list)
     offloading_sliding: list[HostPage] = field(default_factory=list)
     restoring_sliding: list[HostPage] = field(default_factory=list)
 
@@ -91,7 +93,9 @@ class HostCache:
     def __init__(self, num_slots: int, num_state_slots: int = 0, *, num_sliding_slots: int = 0,
                  page_bytes: int = 0, state_bytes: int = 0, sliding_page_bytes: int = 0,
                  cost: RestoreCost | None = None) -> None:
-        self.index = HostPageIndex(num_slots, num_state_slots)
+        self.index = HostPageIndex(num_slots)
+        # a hybrid's state snapshots, by the hash of the page each ends (None: no state)
+        self.states = HostPageIndex(num_state_slots) if num_state_slots else None
         self.sliding = HostPageIndex(num_sliding_slots) if num_sliding_slots else None
         self.cost = cost
         self.page_bytes, self.state_bytes = page_bytes, state_bytes
@@ -117,17 +121,27 @@ class HostCache:
     def offload(self, page_hash: int, page_id: int, state_slot: int | None = None) -> None:
         """The device pool evicts page_id (cached as page_hash; state_slot: the snapshot of
         the state at its end, if one is kept): copy it to host, unless it is there."""
-        with_state = state_slot is not None and self.index.num_state_slots > 0
-        entry = self.index.begin_offload(page_hash, with_state=with_state)
-        if entry is None:
-            return
-        c = self._next.copies
-        c.offload_pages.append(page_id)
-        c.offload_slots.append(entry.slot)
-        if entry.state_slot is not None:
-            c.offload_state_ids.append(state_slot)
-            c.offload_state_slots.append(entry.state_slot)
-        self._next.offloading.append(entry)
+        entry = self.index.begin_offload(page_hash)
+        if entry is not None:
+            self._next.copies.offload_pages.append(page_id)
+            self._next.copies.offload_slots.append(entry.slot)
+            self._next.offloading.append(entry)
+        if state_slot is not None:
+            self.offload_state(page_hash, state_slot)
+
+    def offload_state(self, page_hash: int, state_slot: int) -> None:
+        """The snapshot in device state slot state_slot (the state at the end of page
+        page_hash) goes to host, unless it is there: with its page, or alone (the device
+        gives it up and keeps the page)."""
+        entry = self.states.begin_offload(page_hash) if self.states is not None else None
+        if entry is not None:
+            self._next.copies.offload_state_ids.append(state_slot)
+            self._next.copies.offload_state_slots.append(entry.slot)
+            self._next.offloading_states.append(entry)
+
+    def state_entry(self, page_hash: int) -> HostPage | None:
+        """The landed host snapshot of the state at the end of page page_hash, or None."""
+        return self.states.lookup(page_hash) if self.states is not None else None
 
     def offload_sliding(self, page_hash: int, page_id: int) -> None:
         """The sliding group's pool evicts page_id (cached as page_hash): copy it to host,
@@ -156,27 +170,32 @@ class HostCache:
         return self.cost.budget_tokens(num_tokens) if self.cost is not None and num_tokens \
             else 0
 
-    def pin(self, entries: list[HostPage], sliding: list[HostPage] = ()) -> None:
-        """A hit is taken: its entries (and sliding entries) stay put until the step that
-        restores them ends."""
+    def pin(self, entries: list[HostPage], sliding: list[HostPage] = (),
+            state: HostPage | None = None) -> None:
+        """A hit is taken: its entries (sliding entries, state entry) stay put until the
+        step that restores them ends."""
         self.index.pin(entries)
         self._next.restoring.extend(entries)
         if sliding:
             self.sliding.pin(sliding)
             self._next.restoring_sliding.extend(sliding)
+        if state is not None:
+            self.states.pin([state])
+            self._next.restoring_states.append(state)
 
     def restore(self, entries: list[HostPage], page_ids: list[int],
-                state: tuple[int, int] | None = None,
+                state: tuple[HostPage, int] | None = None,
                 sliding: tuple[list[HostPage], list[int]] = ((), ()),
                 restored: Sequence[RestoredPage] = ()) -> None:
-        """Copy the pinned entries into device pages page_ids; state: (host state slot, the
-        request's state slot); sliding: (sliding entries, the sliding pages they go
-        into); restored: the caller's record of the pages filled (unsettled_restores)."""
+        """Copy the pinned entries into device pages page_ids; state: (the pinned state
+        entry, the request's state slot); sliding: (sliding entries, the sliding pages
+        they go into); restored: the caller's record of the pages filled
+        (unsettled_restores)."""
         c = self._next.copies
         c.restore_slots.extend(e.slot for e in entries)
         c.restore_pages.extend(page_ids)
         if state is not None:
-            c.restore_state_slots.append(state[0])
+            c.restore_state_slots.append(state[0].slot)
             c.restore_state_ids.append(state[1])
         c.restore_sliding_slots.extend(e.slot for e in sliding[0])
         c.restore_sliding_pages.extend(sliding[1])
@@ -192,6 +211,8 @@ class HostCache:
         fl.restored += step.restored
         fl.offloading_sliding += step.offloading_sliding
         fl.restoring_sliding += step.restoring_sliding
+        fl.offloading_states += step.offloading_states
+        fl.restoring_states += step.restoring_states
         c = step.copies
         counts = (len(c.offload_slots), len(c.restore_slots), len(c.offload_state_slots),
                   len(c.restore_state_slots), len(c.offload_sliding_slots),
@@ -219,6 +240,9 @@ class HostCache:
         if self.sliding is not None:
             self.sliding.finish_offload(fl.offloading_sliding)
             self.sliding.unpin(fl.restoring_sliding)
+        if self.states is not None:
+            self.states.finish_offload(fl.offloading_states)
+            self.states.unpin(fl.restoring_states)
 
     def fail(self) -> None:
         """The step failed: its offloads are dropped unlanded, its entries unpinned."""
@@ -229,11 +253,14 @@ class HostCache:
         if self.sliding is not None:
             self.sliding.abort_offload(fl.offloading_sliding)
             self.sliding.unpin(fl.restoring_sliding)
+        if self.states is not None:
+            self.states.abort_offload(fl.offloading_states)
+            self.states.unpin(fl.restoring_states)
 
     def reset(self) -> None:
-        self.index.reset()
-        if self.sliding is not None:
-            self.sliding.reset()
+        for index in (self.index, self.sliding, self.states):
+            if index is not None:
+                index.reset()
 
     def stats(self) -> HostCacheStats:
         po, pi, so, si, lo, li = self._counts

@@ -6,7 +6,9 @@ first, with the snapshot of a hybrid's state at its end when one is kept
 sliding index as its own pool evicts them. Look-up: a prefix hit goes on past the
 device's cached pages into the host tier's; those pages are restored into fresh device
 pages, taken with the hit, when the cost model says a restore beats recomputing them. A
-hybrid's hit must end where a state is kept: a device snapshot, or a host entry's; a
+hybrid's hit must end where a state is kept: a device snapshot, or a host one (which
+came with its page, or alone when the device gave up a snapshot whose page it kept:
+`_offload_snapshot`; a hit over device pages alone may then restore just the state); a
 sliding group's hit needs its last window's sliding pages, from either tier
 (core/sliding_pages.py). A restore's rows reach the device a step ahead of the forward
 that reads them: a hit with a host part, or one over pages restored in the step being
@@ -23,6 +25,7 @@ from jaxserve.core.page_pool import KVCachePage
 from jaxserve.core.req_pages import GLOBAL, SLIDING
 from jaxserve.core.request import Request
 from jaxserve.core.sched_output import HostCopies
+from jaxserve.core.state_snapshots import Snapshot
 
 if TYPE_CHECKING:
     from jaxserve.core.kv_cache_manager import GroupPages
@@ -32,11 +35,13 @@ if TYPE_CHECKING:
 @dataclass(slots=True)
 class HostHit:
     """The host part of a prefix hit: the global pages after the device's hit, in order;
-    sliding-window pages by page index (those of the hit's window the device lacks); and
-    the tokens it saves computing (what its restore is priced against)."""
+    sliding-window pages by page index (those of the hit's window the device lacks); the
+    tokens it saves computing (what its restore is priced against); and a hybrid's state
+    at the hit's end when no device snapshot has it."""
     pages: list[HostPage]
     sliding: dict[int, HostPage]
     tokens: int
+    state: HostPage | None = None
 
 
 class HostHits:
@@ -52,6 +57,8 @@ class HostHits:
         self._deferred_states: dict[str, int] = {}
         if host is not None:
             self.pool.on_evict = self._offload_evicted
+            if self.snapshots is not None and host.states is not None:
+                self.snapshots.on_evict = self._offload_snapshot
             if self.sliding_pool is not None:
                 if host.sliding is None:
                     raise ValueError("a sliding-window group needs a host tier with "
@@ -62,6 +69,13 @@ class HostHits:
         snapshot = None if self.snapshots is None else self.snapshots.get(page.page_hash)
         self.host.offload(page.page_hash, page.page_id,
                           None if snapshot is None else snapshot.slot)
+
+    def _offload_snapshot(self, snapshot: Snapshot) -> None:
+        """The device gives up a snapshot: to host, if its page is still cached on device
+        (one whose page left went with it, or serves no hit). Its slot is written only
+        after the coming step's forward, and the copy is dispatched before it."""
+        if snapshot.page_hash in self.pool.cached_pages:
+            self.host.offload_state(snapshot.page_hash, snapshot.slot)
 
     def _offload_evicted_sliding(self, page: KVCachePage) -> None:
         self.host.offload_sliding(page.page_hash, page.page_id)
@@ -139,21 +153,11 @@ class HostHits:
             return (0,) * num_groups
         return (len(part.pages), len(part.sliding))[:num_groups]
 
-    def _state_from_host(self, request: Request, num_pages: int,
-                         part: HostHit | None) -> bool:
-        """Whether a hybrid's hit of num_pages pages takes its state from the host entry at
-        its end (no device snapshot there)."""
-        if self.snapshots is None or part is None or not part.pages:
-            return False
-        return self.snapshots.lookup(request.page_hashes[num_pages - 1],
-                                     num_pages * self.page_size) is None
-
-    def _take_host_part(self, request: Request, rp: ReqPages, part: HostHit,
-                        state_from_host: bool) -> None:
+    def _take_host_part(self, request: Request, rp: ReqPages, part: HostHit) -> None:
         """After the hit's device pages: its host part goes into fresh pages -- the global
         ones after the device's, the sliding ones in the window's places (the null page
-        there) -- and, state_from_host, the state at its end into the request's state
-        slot. Its entries were pinned first, so these allocations cannot evict them."""
+        there) -- and its state, if it has one, into the request's state slot. Its entries
+        were pinned first, so these allocations cannot evict them."""
         new = self.pool.get_new_pages(len(part.pages))
         rp.pages[GLOBAL].extend(new)
         rp.ids[GLOBAL].extend(b.page_id for b in new)
@@ -161,7 +165,7 @@ class HostHits:
         fresh = self.sliding_pool.get_new_pages(len(places)) if places else []
         for i, page in zip(places, fresh):
             rp.pages[SLIDING][i], rp.ids[SLIDING][i] = page, page.page_id
-        state = (part.pages[-1].state_slot, rp.state_slot) if state_from_host else None
+        state = (part.state, rp.state_slot) if part.state is not None else None
         restored = [(GLOBAL, b) for b in new] + [(SLIDING, b) for b in fresh]
         self._sending.update((g, b.page_id) for g, b in restored)
         self.host.restore(part.pages, [b.page_id for b in new], state,

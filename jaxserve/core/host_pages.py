@@ -1,10 +1,13 @@
 """The host tier's bookkeeping: which page hash sits in which host slot (docs/TIERED_CACHE.md).
 
 Pages the device pool evicts are copied to host memory under the same chained page
-hash (Request.page_hashes), into one of a fixed number of host page slots; a hybrid
-model's state snapshot at the end of that page (core/state_snapshots.py) travels with it
-into a host state slot of its own, beside the page. Arrays live elsewhere
-(jaxserve/runner/host_tier.py); this is plain Python, so the scheduler can own it.
+hash (Request.page_hashes), into one of a fixed number of host page slots. The same
+index, over host state slots, keeps a hybrid model's state snapshots
+(core/state_snapshots.py) by the hash of the page they end: one travels with its page,
+or goes alone when the device gives up a snapshot whose page it keeps; each kind has its
+own LRU (a state whose page left both tiers is of no use and ages out). Arrays live
+elsewhere (jaxserve/runner/host_tier.py); this is plain Python, so the scheduler can own
+it.
 
 Life of an entry: `begin_offload` gives it a slot (evicting the least recently used
 unpinned entries if needed) and pins it while the device->host copy is in flight; it
@@ -27,7 +30,6 @@ from typing import Iterable
 class HostPage:
     page_hash: int
     slot: int
-    state_slot: int | None = None   # the snapshot at this page's end (hybrid models)
     ready: bool = False             # the device->host copy landed
     pins: int = 0                   # copies in flight that read or write its slots
     dropped: bool = False           # forgotten while pinned: slots free at the last unpin
@@ -71,16 +73,14 @@ def size_sliding_host_tier(budget_bytes: int, page_bytes: int, sliding_bytes: in
 
 
 class HostPageIndex:
-    """LRU over host page slots 1..num_slots-1 (and state slots 1..num_state_slots-1)."""
+    """LRU over host slots 1..num_slots-1 (page slots, or state slots)."""
 
-    def __init__(self, num_slots: int, num_state_slots: int = 0) -> None:
-        if num_slots < 2 or num_state_slots < 0 or num_state_slots == 1:
-            raise ValueError(f"host tier needs >= 2 page slots and 0 or >= 2 state slots "
-                             f"(slot 0 is the dummy), got {num_slots} and {num_state_slots}")
+    def __init__(self, num_slots: int) -> None:
+        if num_slots < 2:
+            raise ValueError(f"a host index needs >= 2 slots (slot 0 is the dummy), got "
+                             f"{num_slots}")
         self.num_slots = num_slots
-        self.num_state_slots = num_state_slots
         self._free = list(range(num_slots - 1, 0, -1))
-        self._free_states = list(range(num_state_slots - 1, 0, -1))
         self._lru: OrderedDict[int, HostPage] = OrderedDict()   # front: least recent
         self.num_evicted = 0
 
@@ -119,20 +119,16 @@ class HostPageIndex:
         return out
 
     # ---- device -> host ------------------------------------------------------------
-    def begin_offload(self, page_hash: int, with_state: bool = False) -> HostPage | None:
-        """A slot (and with_state: a state slot) for a page about to be copied here,
-        pinned until finish_offload / abort_offload. None: nothing to copy (the hash is
-        here already, or in flight) or no room (every entry is pinned)."""
+    def begin_offload(self, page_hash: int) -> HostPage | None:
+        """A slot for a page about to be copied here, pinned until finish_offload /
+        abort_offload. None: nothing to copy (the hash is here already, or in flight)
+        or no room (every entry is pinned)."""
         if page_hash in self._lru:
             self._lru.move_to_end(page_hash)
             return None
-        if with_state and not self.num_state_slots:
-            raise ValueError("with_state: this host tier has no state slots")
         if not self._free and not self._evict_page():
             return None
         page = HostPage(page_hash, self._free.pop(), pins=1)
-        if with_state and (self._free_states or self._evict_state()):
-            page.state_slot = self._free_states.pop()
         self._lru[page_hash] = page
         return page
 
@@ -180,16 +176,6 @@ class HostPageIndex:
                 return True
         return False
 
-    def _evict_state(self) -> bool:
-        """The least recently used unpinned entry gives up its snapshot (its page stays:
-        a longer prefix that ends on a later snapshot still needs it)."""
-        for page in self._lru.values():
-            if page.pins == 0 and page.state_slot is not None:
-                self._free_states.append(page.state_slot)
-                page.state_slot = None
-                return True
-        return False
-
     def _drop(self, page: HostPage) -> None:
         if page.dropped:
             return
@@ -200,6 +186,3 @@ class HostPageIndex:
 
     def _free_slots(self, page: HostPage) -> None:
         self._free.append(page.slot)
-        if page.state_slot is not None:
-            self._free_states.append(page.state_slot)
-            page.state_slot = None

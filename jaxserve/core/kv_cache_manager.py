@@ -135,14 +135,16 @@ class KVCacheManager(SlidingPages, HostHits):
         if self.sliding_pool is not None:
             pages, part, num_device = self._sliding_hit(request, hashes, hit, extra)
         else:
+            state = None
             if self.snapshots is not None:
-                hit, extra = self._snapshot_hit(request, hashes, hit, extra)
+                hit, extra, state = self._snapshot_hit(request, hashes, hit, extra)
             if extra and not self.host.worth_restoring(len(extra) * self.page_size):
                 extra = []   # recomputing them is cheaper
                 if self.snapshots is not None:
-                    hit, _ = self._snapshot_hit(request, hashes, hit, extra)
+                    hit, _, state = self._snapshot_hit(request, hashes, hit, extra)
             pages, num_device = (hit,), len(hit)
-            part = HostHit(extra, {}, len(extra) * self.page_size) if extra else None
+            part = HostHit(extra, {}, len(extra) * self.page_size, state) \
+                if extra or state else None
         self._note_host_hit(request, num_device, part)
         num_tokens = (len(pages[GLOBAL]) + (len(part.pages) if part else 0)) * self.page_size
         self._queries += request.num_tokens
@@ -150,22 +152,26 @@ class KVCacheManager(SlidingPages, HostHits):
         return pages, num_tokens
 
     def _snapshot_hit(self, request: Request, hashes: list[int], hit: list[KVCachePage],
-                      extra: list[HostPage]) -> tuple[list[KVCachePage], list[HostPage]]:
+                      extra: list[HostPage]
+                      ) -> tuple[list[KVCachePage], list[HostPage], HostPage | None]:
         """A hybrid's hit: the longest prefix of the cached pages (device, then host: extra)
-        with a snapshot of the state at its end (a device one, or a host entry's). Cached
-        pages past it mark a branch point: the request keeps a snapshot there while it
-        computes them again, for the next request that shares them (a shared system
-        prompt hits from the third request on)."""
+        with a snapshot of the state at its end -- a device one, else a host one (then
+        returned: the hit restores it). Cached pages past it mark a branch point: the
+        request keeps a snapshot there while it computes them again, for the next request
+        that shares them (a shared system prompt hits from the third request on)."""
         ps, d = self.page_size, len(hit)
         n = total = d + len(extra)
-        while n and self.snapshots.lookup(hashes[n - 1], n * ps) is None and not (
-                n > d and extra[n - d - 1].state_slot is not None):
+        state = None
+        while n and self.snapshots.lookup(hashes[n - 1], n * ps) is None:
+            state = None if self.host is None else self.host.state_entry(hashes[n - 1])
+            if state is not None:
+                break
             n -= 1
         if total > n:
             self._branch[request.request_id] = total * ps
         else:
             self._branch.pop(request.request_id, None)
-        return hit[:n], extra[:max(n - d, 0)]
+        return hit[:n], extra[:max(n - d, 0)], state
 
     def state_cut(self, request: Request, start: int) -> int | None:
         """Hybrid prefix caching: the first position past `start` where the request's
@@ -323,9 +329,9 @@ class KVCacheManager(SlidingPages, HostHits):
             raise ValueError(f"request {request.request_id!r} already has pages; prefix hits "
                              f"only apply to new requests")
         n = len(hit[GLOBAL]) + (len(part.pages) if part else 0)
-        from_host = self._state_from_host(request, n, part)
+        from_host = part is not None and part.state is not None
         if part is not None:
-            self.host.pin(part.pages, list(part.sliding.values()))
+            self.host.pin(part.pages, list(part.sliding.values()), part.state)
         if self.snapshots is not None and not from_host:   # restored before the forward
             end = n * self.page_size
             if defer_state:
@@ -338,7 +344,7 @@ class KVCacheManager(SlidingPages, HostHits):
             rp.pages[g].extend(hit[g])
             rp.ids[g].extend(b.page_id for b in hit[g])
         if part is not None:
-            self._take_host_part(request, rp, part, from_host)
+            self._take_host_part(request, rp, part)
         if self.sliding_pool is not None:
             rp.num_dropped = sum(1 for b in rp.pages[SLIDING] if b.page_id == 0)
 

@@ -33,6 +33,7 @@ recency and the FLOPs a state saves, in a simpler rule.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 HALF_LIFE = 64   # hits and takes after which an unused snapshot's value halves
 
@@ -71,6 +72,9 @@ class SnapshotCache:
         self._pending: list[PendingSave] = []
         self._clock = 0
         self.num_restored_tokens = 0   # tokens hits skipped thanks to a snapshot
+        # told of each committed snapshot eviction gives up, before its slot is reused
+        # (the host tier keeps it: core/host_hits.py)
+        self.on_evict: Callable[[Snapshot], None] | None = None
 
     # ---- look-ups ----------------------------------------------------------------
     def lookup(self, page_hash: int, num_tokens: int) -> Snapshot | None:
@@ -188,8 +192,11 @@ class SnapshotCache:
         if not victims:
             return False
         clock = self._clock
-        self._drop(min(victims, key=lambda s: s.num_tokens * (1 + s.num_hits)
-                       * 0.5 ** ((clock - s.last_used) / HALF_LIFE)))
+        victim = min(victims, key=lambda s: s.num_tokens * (1 + s.num_hits)
+                     * 0.5 ** ((clock - s.last_used) / HALF_LIFE))
+        if self.on_evict is not None:
+            self.on_evict(victim)
+        self._drop(victim)
         return True
 
     def _drop(self, s: Snapshot) -> None:

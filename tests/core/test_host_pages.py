@@ -1,5 +1,6 @@
 """The host tier's bookkeeping: slots, LRU eviction, pins while copies are in flight,
-state snapshots beside their pages, reset, and sizing from bytes."""
+reset, and sizing from bytes (a hybrid's state snapshots have an index of their own:
+tests/core/test_host_cache.py)."""
 from __future__ import annotations
 
 import pytest
@@ -7,8 +8,8 @@ import pytest
 from jaxserve.core.host_pages import HostPageIndex, size_host_tier
 
 
-def offloaded(index: HostPageIndex, *hashes: int, with_state: bool = False) -> list:
-    pages = [index.begin_offload(h, with_state) for h in hashes]
+def offloaded(index: HostPageIndex, *hashes: int) -> list:
+    pages = [index.begin_offload(h) for h in hashes]
     index.finish_offload(pages)
     return pages
 
@@ -63,32 +64,6 @@ def test_match_is_the_longest_landed_run_from_the_start():
     assert index.match([9, 1]) == []
 
 
-def test_state_snapshots_sit_beside_their_pages_and_go_first():
-    index = HostPageIndex(8, num_state_slots=3)      # two usable state slots
-    a, b = offloaded(index, 1, 2, with_state=True)
-    assert {a.state_slot, b.state_slot} == {1, 2}
-    c = offloaded(index, 3, with_state=True)[0]
-    # The least recent entry gave up its snapshot; its page stays.
-    assert a.state_slot is None and 1 in index and c.state_slot == 1
-    index.pin([b])
-    index.pin([c])
-    d = offloaded(index, 4, with_state=True)[0]      # every snapshot pinned: page only
-    assert d.state_slot is None and index.lookup(4) is d
-
-
-def test_evicting_a_page_frees_its_state_slot():
-    index = HostPageIndex(3, num_state_slots=2)      # two pages, one state slot
-    offloaded(index, 1, with_state=True)
-    offloaded(index, 2, 3)                           # 3 evicts 1
-    assert 1 not in index
-    assert offloaded(index, 4, with_state=True)[0].state_slot == 1
-
-
-def test_with_state_needs_state_slots():
-    with pytest.raises(ValueError, match="no state slots"):
-        HostPageIndex(3).begin_offload(1, with_state=True)
-
-
 def test_reset_forgets_all_and_a_pinned_slot_returns_at_its_last_unpin():
     index = HostPageIndex(4)
     a, b = offloaded(index, 1, 2)
@@ -117,10 +92,10 @@ def test_unbalanced_unpin_is_refused():
         index.unpin([page])
 
 
-@pytest.mark.parametrize("slots,states", [(1, 0), (0, 0), (4, 1), (4, -1)])
-def test_bad_slot_counts_are_refused(slots, states):
-    with pytest.raises(ValueError):
-        HostPageIndex(slots, states)
+@pytest.mark.parametrize("slots", [1, 0, -1])
+def test_bad_slot_counts_are_refused(slots):
+    with pytest.raises(ValueError, match="needs >= 2 slots"):
+        HostPageIndex(slots)
 
 
 def test_sizing_from_bytes():

@@ -159,7 +159,7 @@ def hybrid_scheduler() -> Scheduler:
         while not sched.get_request(rid).output_token_ids:   # chunks cut at a snapshot
             sched.update_from_output(sched.schedule(), {rid: 1})
         sched.finish_requests(rid, RequestStatus.FINISHED_STOPPED)
-    assert len(sched.kv.host.index) == 3 and sched.kv.host.index.num_state_slots == 0
+    assert len(sched.kv.host.index) == 3 and sched.kv.host.states is None
     return sched
 
 

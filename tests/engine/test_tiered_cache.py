@@ -10,6 +10,7 @@ back only as far as a hit's window needs); an int8 KV cache travels as stored.""
 from __future__ import annotations
 
 import random
+import weakref
 
 import numpy as np
 import pytest
@@ -43,9 +44,8 @@ def assert_tier_settled(llm: LLM) -> None:
     host = llm.engine.scheduler.kv.host
     if host is None:
         return
-    index = host.index
     assert not host.restored_in_flight
-    for index in (host.index, host.sliding) if host.sliding is not None else (host.index,):
+    for index in (i for i in (host.index, host.sliding, host.states) if i is not None):
         assert all(e.pins == 0 and e.ready for e in index._lru.values())
         assert index.num_free + len(index) == index.num_slots - 1
     if (pool := llm.engine.scheduler.kv.sliding_pool) is not None:
@@ -59,11 +59,18 @@ def llama_engines(checkpoint):
     return LLM(path, **PLAIN), LLM(path, kv_offloading_size=0.02, **SIZES)
 
 
+@pytest.fixture(scope="module")
+def qwen3_5_engines(checkpoint):
+    """The same for the Qwen3.5 hybrid."""
+    path = checkpoint("qwen3_5")
+    return LLM(path, **PLAIN), LLM(path, kv_offloading_size=0.02, **SIZES)
+
+
 @pytest.fixture(scope="module", params=["llama", "qwen3_5", "gemma4"])
 def engines(request, checkpoint):
     """(kind, engine without the tier, engine with it), for the module."""
-    if request.param == "llama":
-        return ("llama", *request.getfixturevalue("llama_engines"))
+    if request.param in ("llama", "qwen3_5"):
+        return (request.param, *request.getfixturevalue(f"{request.param}_engines"))
     path = checkpoint(request.param)
     return request.param, LLM(path, **PLAIN), LLM(path, kv_offloading_size=0.02, **SIZES)
 
@@ -85,6 +92,17 @@ def trace(llm: LLM) -> tuple[list[list[int]], list[int]]:
     return tokens, cached
 
 
+_REFERENCE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def reference(plain: LLM) -> tuple[list[list[int]], list[int]]:
+    """trace() on an engine without the tier, run once per engine (greedy: the same
+    tokens every time; its cached tokens are its first run's)."""
+    if plain not in _REFERENCE:
+        _REFERENCE[plain] = trace(plain)
+    return _REFERENCE[plain]
+
+
 def test_the_trace_needs_several_times_the_device_pool():
     rng_len = 30 + (TURNS - 1) * 28 + 8   # a conversation's last length
     assert CONVERSATIONS * -(-rng_len // PS) >= 4 * (POOL - 1)
@@ -92,7 +110,7 @@ def test_the_trace_needs_several_times_the_device_pool():
 
 def test_a_trace_over_the_host_tier_gives_the_same_tokens_and_hits_it(engines):
     kind, plain, tiered = engines
-    want, plain_cached = trace(plain)
+    want, plain_cached = reference(plain)
     compiled = num_compilations()
     got, tier_cached = trace(tiered)
     assert got == want
@@ -290,11 +308,32 @@ def test_a_failed_send_or_scatter_fails_the_request_and_leaks_nothing(engines, h
     assert_tier_settled(tiered)
 
 
+def test_a_hybrid_keeps_on_host_the_snapshots_its_device_gives_up(qwen3_5_engines,
+                                                                  checkpoint):
+    """A device pool that keeps every conversation's pages, and too few snapshot slots for
+    their states (8 for 8 conversations of a snapshot per prompt and one rolling): the host
+    tier takes each snapshot the device gives up alone, and a later turn restores just
+    the state. Same tokens; every later turn hits (with the device pool alone 6 of the 16
+    did, 96 tokens in all against 768 with the tier, when this was written)."""
+    plain, _ = qwen3_5_engines
+    want, _ = reference(plain)
+    tiered = LLM(checkpoint("qwen3_5"), kv_offloading_size=0.02,
+                 **dict(PLAIN, num_gpu_blocks_override=64))
+    got, cached = trace(tiered)
+    assert got == want
+    stats = tiered.engine.stats().host
+    assert stats.pages_offloaded == stats.pages_restored == stats.hits == 0
+    assert stats.states_offloaded > 0 and stats.states_restored > 0
+    assert all(c > 0 for c in cached[CONVERSATIONS:])
+    assert_tier_settled(tiered)
+
+
 def test_reset_prefix_cache_empties_both_tiers(engines):
     _, _, tiered = engines
     tiered.generate({"prompt_token_ids": list(range(3, 60))}, GREEDY, use_tqdm=False)
     assert tiered.reset_prefix_cache()
-    assert len(tiered.engine.scheduler.kv.host.index) == 0
+    host = tiered.engine.scheduler.kv.host
+    assert len(host.index) == 0 and (host.states is None or len(host.states) == 0)
     assert not tiered.engine.scheduler.kv.pool.cached_pages
 
 
@@ -356,7 +395,7 @@ def test_data_parallel_replicas_each_keep_their_own_tier(checkpoint, llama_engin
     test checks that nothing compiles after it.)"""
     plain, _ = llama_engines
     dp = LLM(checkpoint("llama"), kv_offloading_size=0.02, mesh="2x1", **PLAIN)
-    want, _ = trace(plain)
+    want, _ = reference(plain)
     got, _ = trace(dp)
     assert got == want
     tiers = [r.scheduler.kv.host for r in dp.engine.replicas]

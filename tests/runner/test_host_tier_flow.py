@@ -13,40 +13,41 @@ from models.layer_stack import CONV, KV, KV_SLIDING, RECURRENT
 from tests.runner.test_host_tier import A, D, W, make_tier, random_caches, rows, same
 
 
-def offload(index, copier, host, caches, evicted, snapshot=None):
-    """evicted: (hash, page id) in prefix order; snapshot: (hash, state slot)."""
-    started = [(index.begin_offload(h, with_state=snapshot is not None and h == snapshot[0]), p)
-               for h, p in evicted]
+def offload(index, copier, host, caches, evicted, snapshot=None, state_index=None):
+    """evicted: (hash, page id) in prefix order; snapshot: (hash, state slot), kept in
+    state_index."""
+    started = [(index.begin_offload(h), p) for h, p in evicted]
     started = [(e, p) for e, p in started if e is not None]
-    states = [(e.state_slot, snapshot[1]) for e, _ in started
-              if snapshot and e.page_hash == snapshot[0] and e.state_slot is not None]
+    state = state_index.begin_offload(snapshot[0]) if snapshot else None
+    states = [(snapshot[1], state.slot)] if state is not None else []
     pages = [p for _, p in started]
     pending = copier.offload(caches, {KV: pages, KV_SLIDING: pages},
-                             same([e.slot for e, _ in started]), [s for _, s in states],
-                             [h for h, _ in states])
-    return pending, [e for e, _ in started]
+                             same([e.slot for e, _ in started]), [i for i, _ in states],
+                             [h for _, h in states])
+    return pending, [e for e, _ in started] + ([state] if state is not None else [])
 
 
 def test_evicted_prefix_comes_back_from_host():
     caches = random_caches(jnp.bfloat16, np.random.default_rng(0), hybrid=True)
     want = {k: np.array(v) for k, v in caches.items()}
     copier, host = make_tier(caches, slots=4, state_slots=3)
-    index = HostPageIndex(4, num_state_slots=3)
+    index, states = HostPageIndex(4), HostPageIndex(3)
     # A three-page prefix (hashes 101..103 on pages 2, 5, 3) is evicted, with the
     # snapshot at its end (state slot 4).
     pending, entries = offload(index, copier, host, caches, [(101, 2), (102, 5), (103, 3)],
-                               snapshot=(103, 4))
-    assert index.match([101, 102, 103]) == []            # not landed yet
+                               snapshot=(103, 4), state_index=states)
+    assert index.match([101, 102, 103]) == [] and states.lookup(103) is None  # not landed
     pending.land(host)
-    index.finish_offload(entries)
+    index.finish_offload(entries[:3])
+    states.finish_offload(entries[3:])
 
     # A request with that prefix: host hit of three pages and the snapshot.
-    hit = index.match([101, 102, 103, 104])
-    assert [e.page_hash for e in hit] == [101, 102, 103] and hit[-1].state_slot is not None
+    hit, state = index.match([101, 102, 103, 104]), states.lookup(103)
+    assert [e.page_hash for e in hit] == [101, 102, 103] and state is not None
     index.pin(hit)
     new_pages, new_slot = [6, 1, 4], 2
     caches = copier.restore(caches, host, same([e.slot for e in hit]),
-                            {KV: new_pages, KV_SLIDING: new_pages}, [hit[-1].state_slot],
+                            {KV: new_pages, KV_SLIDING: new_pages}, [state.slot],
                             [new_slot])
     index.unpin(hit)
     got = {k: np.array(v) for k, v in caches.items()}
