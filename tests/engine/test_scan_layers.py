@@ -14,17 +14,21 @@ from jaxserve.build.layout import engine_layout
 from models.config import ModelConfig
 from sharding import make_mesh
 from sharding.tpu_targets import abstract_tpu_mesh
+from tests.checkpoints import make_tiny_checkpoint
 from tests.engine.conftest import assert_no_leaks
 
 
 @pytest.mark.parametrize("kind,mesh", [("llama", "1x1"), ("qwen3_5", "1x2")])
-def test_scanned_layers_serve_the_loops_greedy_tokens(checkpoint, kind, mesh):
+def test_scanned_layers_serve_the_loops_greedy_tokens(checkpoint, tmp_path, kind, mesh):
+    # two periods of a hybrid's layer pattern, so the scan steps over blocks
+    path = checkpoint(kind) if kind == "llama" else \
+        make_tiny_checkpoint(kind, tmp_path, num_hidden_layers=8)
     prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % 250 + 3 for j in range(n)]}
                for i, n in enumerate([5, 40, 17, 63, 2, 29])]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     tokens = {}
     for scan in (False, True):
-        llm = LLM(checkpoint(kind), dtype="float32", max_model_len=128, max_num_seqs=4,
+        llm = LLM(path, dtype="float32", max_model_len=128, max_num_seqs=4,
                   max_num_batched_tokens=32, mesh=mesh, scan_layers=scan, enforce_eager=True)
         assert llm.engine.layout.scan_layers is scan
         params_tree = llm.engine.params

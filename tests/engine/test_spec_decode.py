@@ -373,7 +373,9 @@ def test_stop_token_ids_inside_an_accepted_run(pair):
         inside = accepted_positions(steps[o.request_id])
         first = [p for p in inside if toks.index(toks[p]) == p]
         stop = toks[(first or inside or [len(toks) - 1])[0]]
-        params.append(SamplingParams(temperature=0.0, max_tokens=32, stop_token_ids=[stop]))
+        # (eos still ignored, as in the free run: the stop id must be what ends it)
+        params.append(SamplingParams(temperature=0.0, max_tokens=32, stop_token_ids=[stop],
+                                     ignore_eos=True))
     with speculating(plain, spec), recording(spec) as steps:
         want = generate(plain, prompts, params)
         got = generate(spec, prompts, params)

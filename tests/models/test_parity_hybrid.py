@@ -55,8 +55,9 @@ class Hybrid:
                 ids=[f"{k}-{'scan_layers' if s else 'layer_loop'}" for k in HYBRID_KINDS
                      for s in (False, True)])
 def hybrid(request, tmp_path_factory):
-    kind, scan = request.param
-    return Hybrid(make_tiny_checkpoint(kind, tmp_path_factory.mktemp(kind)), kind, scan)
+    kind, scan = request.param   # two periods of the layer pattern: the scan steps over blocks
+    return Hybrid(make_tiny_checkpoint(kind, tmp_path_factory.mktemp(kind), num_hidden_layers=8),
+                  kind, scan)
 
 
 def test_prefill_and_cached_decode_match_transformers(hybrid):
