@@ -120,7 +120,9 @@ def adapter_weights(adapter: PeftAdapter, targets: dict[str, LoRATarget], cfg: M
                          f"not on the served model {base_model[:200]!r}")
     modules = sorted({t.module for t in targets.values()})
     if isinstance(adapter.target_modules, tuple):
-        lacking = [m for m in adapter.target_modules if m not in modules]
+        # peft lists a few targets by their full names ("model.layers.0.mlp.up_proj": it
+        # shortens the list to module names only past 20 of them)
+        lacking = [m for m in adapter.target_modules if m.rsplit(".", 1)[-1] not in modules]
         if lacking:
             raise ValueError(f"LoRA adapter {where}: target module(s) {', '.join(lacking)[:200]} "
                              f"not in the model; its LoRA targets are {', '.join(modules)}")

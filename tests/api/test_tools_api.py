@@ -183,7 +183,7 @@ def test_structured_output_waits_for_the_think_block(client, model):
     """With --reasoning-parser, when the template opened a think block the grammar waits
     for its end: the first tokens are free reasoning (here never closed: all of it is
     reasoning_content); without the block the answer is JSON from its first token."""
-    kw = dict(model=model, messages=CHAT, temperature=1.0, seed=9, max_tokens=12,
+    kw = dict(model=model, messages=CHAT, temperature=1.0, seed=10, max_tokens=12,
               response_format={"type": "json_object"})
     thinking = client.chat.completions.create(
         extra_body={"chat_template_kwargs": {"think": True}}, **kw).choices[0].message

@@ -38,7 +38,12 @@ def test_logprobs_past_max_logprobs_is_a_400(server):
     assert "max_logprobs=20" in err["message"]
     ok = _post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "logprobs": 20})
     assert ok.status_code == 200, ok.text
-    assert len(ok.json()["choices"][0]["logprobs"]["top_logprobs"][0]) >= 20
+    # (completions key top_logprobs by token text: two tokens of one text are one entry)
+    ok = _post(server, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logprobs": True,
+        "top_logprobs": 20})
+    assert ok.status_code == 200, ok.text
+    assert len(ok.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 20
 
 
 def test_truncate_prompt_tokens(server):

@@ -61,8 +61,9 @@ def test_the_check_finds_a_copy():
 
 
 CHECKPOINTS = {
+    # four layers: the LoRA test's stacks (per layer) must outweigh its per-token temporaries
     "llama": dict(num_attention_heads=8, num_key_value_heads=4, intermediate_size=256,
-                  head_dim=128),
+                  head_dim=128, num_hidden_layers=4),
     # Linear-attention heads of 128 as in every Qwen3.5/3.6 (at 16, narrower than a
     # lane tile, XLA:TPU relayouts the small recurrent state around the kernel).
     "qwen3_5": dict(num_attention_heads=8, num_key_value_heads=2, head_dim=128,
