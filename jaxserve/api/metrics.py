@@ -277,6 +277,10 @@ class Metrics:
             self.host_sliding_usage = self._gauge(
                 "jaxserve:host_cache_sliding_usage_perc", "Fraction of the host tier's "
                 "sliding-window page slots in use (0-1).") if host.sliding_capacity else None
+            self.host_state_usage = self._gauge(
+                "jaxserve:host_cache_state_usage_perc", "Fraction of the host tier's "
+                "state snapshot slots (hybrid models) in use (0-1).") \
+                if host.state_capacity else None
             self.restore_times = _RestoreTimes(self._model_name)
             self.registry.register(self.restore_times)
         if host.restore_time_buckets:
@@ -288,6 +292,8 @@ class Metrics:
         self.host_usage.set(host.usage)
         if self.host_sliding_usage is not None:
             self.host_sliding_usage.set(host.sliding_usage)
+        if self.host_state_usage is not None:
+            self.host_state_usage.set(host.state_usage)
 
     # ---- per request ---------------------------------------------------------------
     def track(self, num_prompt_tokens: int, n: int) -> RequestTracker:

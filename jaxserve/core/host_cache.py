@@ -55,6 +55,8 @@ class HostCacheStats:
     capacity: int = 0         # host page slots, the dummy left out
     sliding_num_pages: int = 0  # the sliding-window index's (Gemma 4; 0: none)
     sliding_capacity: int = 0
+    state_num_slots: int = 0  # the state snapshots' index (a hybrid's; 0: none)
+    state_capacity: int = 0
     restore_seconds: float = 0.0
     restore_time_buckets: tuple[int, ...] = ()
     restore_time_sum: float = 0.0
@@ -70,6 +72,10 @@ class HostCacheStats:
     @property
     def sliding_usage(self) -> float:
         return self.sliding_num_pages / self.sliding_capacity if self.sliding_capacity else 0.0
+
+    @property
+    def state_usage(self) -> float:
+        return self.state_num_slots / self.state_capacity if self.state_capacity else 0.0
 
 
 @dataclass
@@ -274,4 +280,6 @@ class HostCache:
             + li * self.sliding_page_bytes,
             num_pages=len(self.index), capacity=self.index.num_slots - 1,
             sliding_num_pages=len(self.sliding) if self.sliding is not None else 0,
-            sliding_capacity=self.sliding.num_slots - 1 if self.sliding is not None else 0)
+            sliding_capacity=self.sliding.num_slots - 1 if self.sliding is not None else 0,
+            state_num_slots=len(self.states) if self.states is not None else 0,
+            state_capacity=self.states.num_slots - 1 if self.states is not None else 0)

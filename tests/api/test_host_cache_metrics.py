@@ -77,6 +77,19 @@ def test_a_sliding_window_index_has_its_own_page_counts_and_usage():
     assert value(snap, "jaxserve:host_cache_sliding_usage_perc") == 0.5
 
 
+def test_a_hybrids_state_index_has_its_usage():
+    """A hybrid's host state slots (HostCache.states): their usage beside the pages', only
+    when the tier has them; replicas' slots are summed."""
+    assert "state_usage" not in Metrics("m").render(EngineStats(host=HOST),
+                                                    admitted=0).decode()
+    host = HostCacheStats(states_offloaded=4, state_num_slots=3, state_capacity=12,
+                          capacity=40)
+    snap = samples(Metrics("m").render(EngineStats(host=host), admitted=0).decode())
+    assert value(snap, "jaxserve:host_cache_state_usage_perc") == 0.25
+    merged = SchedulerStats.merge([SchedulerStats(host=host), SchedulerStats(host=host)])
+    assert (merged.host.state_num_slots, merged.host.state_capacity) == (6, 24)
+
+
 def test_the_stats_line_shows_the_external_hit_rate():
     line = stats_line(SchedulerStats(prefix_cache_queries=400, prefix_cache_hits=100,
                                      host=HOST), 1.0, 2.0)

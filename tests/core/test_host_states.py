@@ -48,7 +48,9 @@ def test_a_snapshot_the_device_gives_up_goes_to_host_alone():
     assert sched.kv.snapshots.lookup(make("x", A).page_hashes[2], 12) is None
     assert sched.kv.host.state_entry(make("x", A).page_hashes[2]).slot == \
         c.offload_state_slots[0]
-    assert sched.kv.host.stats().states_offloaded == 1
+    stats = sched.kv.host.stats()
+    assert stats.states_offloaded == 1
+    assert (stats.state_num_slots, stats.state_capacity) == (1, 3)
 
 
 def test_a_hit_over_device_pages_restores_the_state_from_host():
