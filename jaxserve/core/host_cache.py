@@ -78,16 +78,16 @@ class HostCacheStats:
         return self.state_num_slots / self.state_capacity if self.state_capacity else 0.0
 
 
+# An entry of one of the tier's indices (pages, states, sliding pages) and that index
+Entry = tuple[HostPageIndex, HostPage]
+
+
 @dataclass
 class _Step:
     copies: HostCopies = field(default_factory=HostCopies)
-    offloading: list[HostPage] = field(default_factory=list)
-    restoring: list[HostPage] = field(default_factory=list)
+    offloading: list[Entry] = field(default_factory=list)   # offloads to land
+    restoring: list[Entry] = field(default_factory=list)    # pinned by restores
     restored: list[RestoredPage] = field(default_factory=list)   # the pages filled
-    offloading_states: list[HostPage] = field(default_factory=list)
-    restoring_states: list[HostPage] = field(default_factory=list)
-    offloading_sliding: list[HostPage] = field(default_factory=list)
-    restoring_sliding: list[HostPage] = field(default_factory=list)
 
 
 class HostCache:
@@ -131,7 +131,7 @@ class HostCache:
         if entry is not None:
             self._next.copies.offload_pages.append(page_id)
             self._next.copies.offload_slots.append(entry.slot)
-            self._next.offloading.append(entry)
+            self._next.offloading.append((self.index, entry))
         if state_slot is not None:
             self.offload_state(page_hash, state_slot)
 
@@ -143,7 +143,7 @@ class HostCache:
         if entry is not None:
             self._next.copies.offload_state_ids.append(state_slot)
             self._next.copies.offload_state_slots.append(entry.slot)
-            self._next.offloading_states.append(entry)
+            self._next.offloading.append((self.states, entry))
 
     def state_entry(self, page_hash: int) -> HostPage | None:
         """The landed host snapshot of the state at the end of page page_hash, or None."""
@@ -157,7 +157,7 @@ class HostCache:
             return
         self._next.copies.offload_sliding_pages.append(page_id)
         self._next.copies.offload_sliding_slots.append(entry.slot)
-        self._next.offloading_sliding.append(entry)
+        self._next.offloading.append((self.sliding, entry))
 
     # ---- host -> device ------------------------------------------------------------
     def match(self, page_hashes: list[int]) -> list[HostPage]:
@@ -180,14 +180,11 @@ class HostCache:
             state: HostPage | None = None) -> None:
         """A hit is taken: its entries (sliding entries, state entry) stay put until the
         step that restores them ends."""
-        self.index.pin(entries)
-        self._next.restoring.extend(entries)
-        if sliding:
-            self.sliding.pin(sliding)
-            self._next.restoring_sliding.extend(sliding)
-        if state is not None:
-            self.states.pin([state])
-            self._next.restoring_states.append(state)
+        taken = [(self.index, e) for e in entries] + [(self.sliding, e) for e in sliding] \
+            + ([(self.states, state)] if state is not None else [])
+        for index, entry in taken:
+            index.pin([entry])
+        self._next.restoring += taken
 
     def restore(self, entries: list[HostPage], page_ids: list[int],
                 state: tuple[HostPage, int] | None = None,
@@ -215,10 +212,6 @@ class HostCache:
         fl.offloading += step.offloading
         fl.restoring += step.restoring
         fl.restored += step.restored
-        fl.offloading_sliding += step.offloading_sliding
-        fl.restoring_sliding += step.restoring_sliding
-        fl.offloading_states += step.offloading_states
-        fl.restoring_states += step.restoring_states
         c = step.copies
         counts = (len(c.offload_slots), len(c.restore_slots), len(c.offload_state_slots),
                   len(c.restore_state_slots), len(c.offload_sliding_slots),
@@ -241,27 +234,19 @@ class HostCache:
         their entries (their rows were sent; the next step scatters them)."""
         fl, self._in_flight = self._in_flight, _Step()
         self._scattering = fl.restored
-        self.index.finish_offload(fl.offloading)
-        self.index.unpin(fl.restoring)
-        if self.sliding is not None:
-            self.sliding.finish_offload(fl.offloading_sliding)
-            self.sliding.unpin(fl.restoring_sliding)
-        if self.states is not None:
-            self.states.finish_offload(fl.offloading_states)
-            self.states.unpin(fl.restoring_states)
+        for index, entry in fl.offloading:
+            index.finish_offload([entry])
+        for index, entry in fl.restoring:
+            index.unpin([entry])
 
     def fail(self) -> None:
         """The step failed: its offloads are dropped unlanded, its entries unpinned."""
         fl, self._in_flight = self._in_flight, _Step()
         self._scattering = []
-        self.index.abort_offload(fl.offloading)
-        self.index.unpin(fl.restoring)
-        if self.sliding is not None:
-            self.sliding.abort_offload(fl.offloading_sliding)
-            self.sliding.unpin(fl.restoring_sliding)
-        if self.states is not None:
-            self.states.abort_offload(fl.offloading_states)
-            self.states.unpin(fl.restoring_states)
+        for index, entry in fl.offloading:
+            index.abort_offload([entry])
+        for index, entry in fl.restoring:
+            index.unpin([entry])
 
     def reset(self) -> None:
         for index in (self.index, self.sliding, self.states):
