@@ -23,7 +23,6 @@ from jaxserve.build.cache_plan import CachePlan
 from jaxserve.build.kv_budget import available_host_bytes
 from jaxserve.config import EngineConfig
 from jaxserve.errors import ConfigError
-from jaxserve.config.speculative import NGRAM
 from jaxserve.core.restore_cost import RestoreCost
 from jaxserve.runner.host_tier import HostTier
 from jaxserve.runner.model_runner import ModelRunner
@@ -38,12 +37,9 @@ NOMINAL = {"cpu": (10e9, 50e-6, 2e11), "gpu": (25e9, 50e-6, 4e14), "tpu": (16e9,
 def check_host_tier(config: EngineConfig, plan: CachePlan) -> None:
     """ConfigError naming the flag where this engine cannot keep a host tier."""
     why = None
-    spec = config.speculative_config
     replicas = parse_mesh(config.mesh or "1x1")[0]   # each holds a tier of this size
     if not config.enable_prefix_caching:
         why = "the host tier is a second tier of the prefix cache: --enable-prefix-caching"
-    elif spec is not None and spec.method != NGRAM:
-        why = f"not with a model drafter ({spec.method}): its own KV is not copied"
     elif jax.process_count() > 1:
         why = "not on a multi-host mesh"
     elif replicas * config.kv_offloading_bytes > available_host_bytes():
@@ -63,13 +59,17 @@ def attach_host_tier(config: EngineConfig, runner: ModelRunner) -> HostTier:
 
 
 def restore_cost(tier: HostTier, plan: CachePlan, params: Any, mc: Any, platform: str,
-                 prefill_s_per_token: float = 0.0,
-                 attention_s_per_pair: float = 0.0) -> RestoreCost:
+                 prefill_s_per_token: float = 0.0, attention_s_per_pair: float = 0.0,
+                 drafter_params: Any = None) -> RestoreCost:
     """Restore or recompute (see the module docstring); prefill_s_per_token and
-    attention_s_per_pair: measured (the runner's warmup), 0: nominal."""
+    attention_s_per_pair: measured (the runner's warmup), 0: nominal. drafter_params: a
+    model drafter's, whose KV a restore brings back too (the page bytes count it) and a
+    recompute computes again: a prefill costs its share of the parameters more."""
     bandwidth, latency, flops = NOMINAL.get(platform, NOMINAL["gpu"])
-    num_params = sum(x.size for x in jax.tree_util.tree_leaves(params))
-    prefill = prefill_s_per_token or 2 * num_params / flops
+    count = lambda tree: sum(x.size for x in jax.tree_util.tree_leaves(tree))
+    num_params = count(params)
+    prefill = (prefill_s_per_token or 2 * num_params / flops) * \
+        (1 + count(drafter_params) / num_params)
     layout = tier.layout
     pair_flops = 4 * len(mc.full_attention_layers) * mc.num_heads * mc.head_dim
     # A restore's fixed part: a hybrid's state, or a sliding group's window of pages.

@@ -150,7 +150,8 @@ def build_parts(shape: ReplicaShape, progress: StartupProgress, *,
         runner.warmup(partial(_report_compiling, progress))
     if tier is not None:   # after warmup, which times a restore
         cost = restore_cost(tier, plan, loaded.params, mc, mesh.devices.flat[0].platform,
-                            runner.prefill_s_per_token, runner.attention_s_per_pair)
+                            runner.prefill_s_per_token, runner.attention_s_per_pair,
+                            runner.drafter.params if runner.drafter else None)
         logger.info("%s", describe_cost(tier, cost, plan, runner.attention_s_per_pair > 0))
         sched = replace(sched, **host_tier_slice(tier, plan, cost))
     return EngineParts(shape, loaded.model, loaded.params, loaded.weight_bytes,

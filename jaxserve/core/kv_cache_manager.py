@@ -55,7 +55,7 @@ class KVCacheManager(SlidingPages, HostHits):
     whole_images (Gemma 4): a hit never ends inside an image (its tokens see each other).
 
     host: the prefix cache's host tier (core/host_hits.py), None: evicted pages are
-    dropped. Not with drop_last_hit_page (build/ refuses).
+    dropped.
     """
 
     def __init__(self, num_pages: int, page_size: int, enable_caching: bool = True,
@@ -72,8 +72,6 @@ class KVCacheManager(SlidingPages, HostHits):
                              f"{num_sliding_pages} and {sliding_window}")
         if sliding_window is not None and sliding_window <= 0:
             raise ValueError(f"sliding_window must be positive, got {sliding_window}")
-        if host is not None and drop_last_hit_page:
-            raise ValueError("the host tier takes no MTP drafter")
         self.num_pages = num_pages
         self.page_size = page_size
         self.enable_caching = enable_caching
@@ -127,11 +125,11 @@ class KVCacheManager(SlidingPages, HostHits):
             if b is None:
                 break
             hit.append(b)
-        if self.drop_last_hit_page and hit:
-            hit.pop()
         while self.whole_images and hit and request.splits_image(len(hit) * self.page_size):
             hit.pop()
         extra = self._host_match(hashes, len(hit), min(max_pages, len(hashes)))
+        if self.drop_last_hit_page and (extra or hit):   # the hit's last, on either tier
+            (extra or hit).pop()
         if self.sliding_pool is not None:
             pages, part, num_device = self._sliding_hit(request, hashes, hit, extra)
         else:

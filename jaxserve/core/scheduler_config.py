@@ -63,8 +63,6 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
-        if self.num_host_pages and self.drop_last_hit_page:
-            raise ValueError("the host tier takes no MTP drafter yet")
         if self.num_host_pages and (self.sliding_window is not None) != bool(
                 self.num_host_sliding_pages):
             raise ValueError(f"num_host_sliding_pages={self.num_host_sliding_pages}: a host "

@@ -25,7 +25,7 @@ CompileOne = Callable[[Callable[[], Any], str, int], Result]
 
 def compile_host_copies(runner: ModelRunner, compile_one: CompileOne) -> list[Result]:
     """[offload's result, restore's result], each from compile_one."""
-    caches = runner.kv_caches
+    caches = runner.host_tier_caches()
     copier = HostCopier.for_caches(caches, runner.host_tier_layers(), PINNED_HOST)
     mine = {k: caches[k] for k in copier.layout.rows}
     ids, values = copier.abstract_call(NamedSharding(runner.mesh, PartitionSpec()))

@@ -155,7 +155,8 @@ def _cache_lines(p: Plan) -> list[str]:
 
 def _host_tier_line(p: Plan) -> str:
     """The prefix cache's host tier: what --kv-offloading-size holds (whole pages of every
-    KV head: the host keeps a replica's pages, not one device's share)."""
+    KV head: the host keeps a replica's pages, not one device's share; a model drafter's
+    KV layers in each page, as the cache plan counts them)."""
     c, m = p.cache, p.mesh[1]
     state_bytes = p.state_bytes_per_seq if p.has_state else 0
     if c.has_sliding:   # Gemma 4: the sliding group's pages in slots of their own
@@ -163,8 +164,7 @@ def _host_tier_line(p: Plan) -> str:
             p.host_tier_bytes, c.bytes_per_page * m, c.bytes_per_sliding_page * m,
             sliding_per_page(c.bytes_per_page, c.bytes_per_sliding_page), state_bytes)
     else:
-        page_bytes = p.kv_bytes_per_token_per_device * m * c.page_size
-        (pages, states), sliding = size_host_tier(p.host_tier_bytes, page_bytes,
+        (pages, states), sliding = size_host_tier(p.host_tier_bytes, c.bytes_per_page * m,
                                                   state_bytes), 0
     snaps = f", {max(states - 1, 0):,} state snapshots" if state_bytes else ""
     if c.has_sliding:

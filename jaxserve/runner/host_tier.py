@@ -4,7 +4,9 @@
 HostPageArrays: numpy pools, one per cache kind: [slots, A, *row] for a KV array (a host
 page slot holds one page id's rows in all A layers; a sliding-window KV array has slots
 of its own, fewer: a cached prefix needs only its last window's), [state slots, D, *row] for the conv
-and recurrent state (one snapshot's rows in all D linear-attention layers). Entries
+and recurrent state (one snapshot's rows in all D linear-attention layers). A model
+drafter's KV (DRAFT_KV: its own array on the target's page ids) travels with the target's
+KV: same page ids, same host slots, a pool of its own. Entries
 keep the cache's dtype as held (bf16 as uint16 bits on CPU, fp8 / int8 as stored); a
 quantized cache's scales (per layer and head, not per page) are kept once, and a
 restore under other scales is refused.
@@ -36,7 +38,8 @@ from jaxserve.runner.transfer_timer import TransferTimer
 from models.layer_stack import CONV, KV, KV_SCALES, KV_SLIDING, RECURRENT
 from models.page_copies import gather_pages, scatter_pages
 
-PAGE_KINDS = (KV, KV_SLIDING)
+DRAFT_KV = "draft_kv"   # a model drafter's KV array (runner/drafter.py), paged as KV
+PAGE_KINDS = (KV, KV_SLIDING, DRAFT_KV)
 STATE_KINDS = (CONV, RECURRENT)
 PINNED_HOST = "pinned_host"
 TIMING_S = 0.05   # at most this much start-up time (past one call) timing the restore
@@ -67,8 +70,9 @@ class HostTierLayout:
 
     @property
     def page_bytes(self) -> int:
-        """Bytes of one host page slot (the global KV array's rows of one page id)."""
-        return self._bytes((KV,))
+        """Bytes of one host page slot (the global KV array's rows of one page id, and the
+        drafter's)."""
+        return self._bytes((KV, DRAFT_KV))
 
     @property
     def sliding_page_bytes(self) -> int:
@@ -88,8 +92,8 @@ class HostPageArrays:
         """num_sliding_slots: the sliding KV array's (None: num_slots)."""
         self.layout = layout
         self.arrays = {}
-        count = {KV: num_slots, KV_SLIDING: num_slots if num_sliding_slots is None
-                 else num_sliding_slots}
+        count = {KV: num_slots, DRAFT_KV: num_slots,
+                 KV_SLIDING: num_slots if num_sliding_slots is None else num_sliding_slots}
         for kind, (row, dtype) in layout.rows.items():
             n = count.get(kind, num_state_slots)
             self.arrays[kind] = np.zeros((n, layout.layers[kind], *row), dtype)
@@ -405,9 +409,9 @@ class HostTier:
 
     def _by_kind(self, glob: tuple[list[int], list[int]], sliding: tuple[list[int], list[int]]
                  ) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
-        """(device page ids, host slots) per KV kind: the global array's, and the sliding
-        array's (its own ids and slots)."""
-        parts = {KV: glob, KV_SLIDING: sliding}
+        """(device page ids, host slots) per KV kind: the global array's (the drafter's
+        the same), and the sliding array's (its own ids and slots)."""
+        parts = {KV: glob, KV_SLIDING: sliding, DRAFT_KV: glob}
         return ({k: parts[k][0] for k in self.page_kinds},
                 {k: parts[k][1] for k in self.page_kinds})
 

@@ -34,7 +34,7 @@ from jaxserve.core.sched_output import SchedulerOutput
 from jaxserve.runner.buckets import (page_buckets, pick_bucket, row_buckets,
                                      sampling_row_buckets, token_buckets)
 from jaxserve.runner.drafter import ModelDrafter
-from jaxserve.runner.host_tier import HostTier, PendingOffload
+from jaxserve.runner.host_tier import DRAFT_KV, HostTier, PendingOffload
 from jaxserve.runner.image_encoder import ImageEncoder, VisionParts
 from jaxserve.runner.image_rows import ImageRows
 from jaxserve.runner.input_batch import InputBatch
@@ -174,15 +174,32 @@ class ModelRunner(RunnerWarmup, SpecCollect):
     def attach_host_tier(self, budget_bytes: int) -> HostTier:
         """Gives the runner a host tier of budget_bytes (before warmup, which compiles its
         copy programs); ValueError when that holds no page."""
-        self.host_tier = HostTier(self.kv_caches, self.host_tier_layers(), budget_bytes,
-                                  self.mesh.devices.flat[0], lambda: self.params)
+        self.host_tier = HostTier(self.host_tier_caches(), self.host_tier_layers(),
+                                  budget_bytes, self.mesh.devices.flat[0], lambda: self.params)
         return self.host_tier
+
+    def host_tier_caches(self) -> dict[str, jax.Array]:
+        """The caches the host tier copies pages of: the target's, and a model drafter's KV
+        (DRAFT_KV: on the same page ids, so its pages go and come back with the target's)."""
+        if self.drafter is None:
+            return dict(self.kv_caches)
+        if set(self.drafter.caches) != {KV}:   # draft models and MTP layers: full attention
+            raise ValueError(f"a drafter with caches {sorted(self.drafter.caches)}: only a "
+                             f"full-attention drafter's KV is copied")
+        return {**self.kv_caches, DRAFT_KV: self.drafter.caches[KV]}
+
+    def adopt_host_tier_caches(self, caches: dict[str, jax.Array]) -> None:
+        """host_tier_caches() after the tier's copies (which donate them)."""
+        if self.drafter is not None:
+            self.drafter.caches = {KV: caches[DRAFT_KV]}
+        self.kv_caches = {k: caches[k] for k in self.kv_caches}
 
     def host_tier_layers(self) -> dict[str, int]:
         """Per cache kind, the layers stacked in it (what a host slot holds rows of)."""
-        c, caches = self.config, self.kv_caches
+        c, caches = self.config, self.host_tier_caches()
         per_kind = {KV: c.num_pages, KV_SLIDING: c.num_sliding_pages or c.num_pages,
-                    CONV: c.num_state_slots, RECURRENT: c.num_state_slots}
+                    CONV: c.num_state_slots, RECURRENT: c.num_state_slots,
+                    DRAFT_KV: c.num_pages}
         return {k: caches[k].shape[0] // n for k, n in per_kind.items() if k in caches}
 
     def _init_prev_ids(self) -> None:
@@ -300,8 +317,9 @@ class ModelRunner(RunnerWarmup, SpecCollect):
                 self.encoder.run(scheduler_output.encoder_jobs)
             offloads = None
             if self.host_tier is not None:   # before the forward, in order
-                self.kv_caches, offloads = self.host_tier.dispatch(
-                    self.kv_caches, scheduler_output.host_copies)
+                caches, offloads = self.host_tier.dispatch(
+                    self.host_tier_caches(), scheduler_output.host_copies)
+                self.adopt_host_tier_caches(caches)
             step = self._dispatch(rows)
         step.offloads = offloads
         return step

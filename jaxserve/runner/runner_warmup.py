@@ -218,7 +218,7 @@ class RunnerWarmup:
         self.prefill_s_per_token = forward_s[max(forward_s)] / max(forward_s) \
             if forward_s else 0.0
         if self.host_tier is not None:   # its offload and restore programs
-            self.kv_caches = self.host_tier.warmup(self.kv_caches)
+            self.adopt_host_tier_caches(self.host_tier.warmup(self.host_tier_caches()))
             largest = max((p for p in programs if p.kind == FORWARD),
                           key=lambda p: (p.tokens, p.pages), default=None)
             if largest is not None:

@@ -54,3 +54,16 @@ def test_nominal_without_timings():
     assert "nominal" in describe_cost(tier(0.0), cost, PLAN)
     fast = restore_cost(tier(1e-6), PLAN, PARAMS, MC, "cpu", prefill_s_per_token=1e-3)
     assert "every host hit is restored" in describe_cost(tier(1e-6), fast, PLAN)
+
+
+def test_a_model_drafters_share_of_the_parameters_adds_to_a_prefill():
+    """A recompute runs the drafter's catch-up too (its KV comes back with the pages: the
+    tier's page bytes count it): measured or nominal, a prefill costs its share more."""
+    drafter = {"w": np.zeros((10, 30), np.float32)}   # 30 % of the target's parameters
+    for kw in (dict(prefill_s_per_token=1e-4), {}):
+        alone = restore_cost(tier(2e-3), PLAN, PARAMS, MC, "cpu", **kw)
+        drafting = restore_cost(tier(2e-3), PLAN, PARAMS, MC, "cpu", **kw,
+                                drafter_params=drafter)
+        assert drafting.prefill_s_per_token == pytest.approx(1.3 * alone.prefill_s_per_token)
+        if kw:   # (nominal: this model's prefill is too cheap for any restore)
+            assert drafting.break_even_tokens(4096) < alone.break_even_tokens(4096)

@@ -303,3 +303,35 @@ def test_mtp_kv_after_prefix_cache_hit(setup):
     with torch.inference_mode():
         hidden = ref.target_hidden(snap["tokens"][:-1])
     _check(ref, snap, hidden, _Tally(), f"{kind} after a 32-token prefix hit")
+
+
+def test_mtp_kv_after_a_host_tier_hit(setup):
+    """The same hit after A's pages went to the prefix cache's host tier (a device pool
+    of 8 pages, which the requests after A fill): it comes back from host, leaves out its
+    last page as a device hit does, and the drafter's KV, restored with the target's pages,
+    is the reference's."""
+    kind, ref, plain = setup
+    engine = LLM(plain.config.model, kv_offloading_size=0.02, num_gpu_blocks_override=9,
+                 **{**ENGINE_KW, "max_model_len": 128}).engine
+    rng = random.Random(1)
+    prompt = [rng.randrange(3, 256) for _ in range(64)]   # (16 tokens: recomputed)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    out = None
+    for rid, tokens in [("A", prompt)] + [(f"fill{i}", [rng.randrange(3, 256) for _ in
+                                                         range(90)]) for i in range(2)]:
+        add(engine, rid, tokens, params)
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                out = list(o.outputs[0].token_ids) if o.request_id == "A" and o.finished else out
+    assert engine.stats().host.pages_offloaded >= 2
+    other = 3 + (out[0] + 7) % 250
+    add(engine, "B", prompt + [other, 5], params)
+    while not engine.scheduler.requests["B"].spec_token_ids:
+        engine.step()
+    req = engine.scheduler.requests["B"]
+    assert req.num_cached_tokens == 48       # from host: the last page left out
+    assert engine.stats().host.pages_restored == 3
+    snap = _snapshot(engine, req)
+    with torch.inference_mode():
+        hidden = ref.target_hidden(snap["tokens"][:-1])
+    _check(ref, snap, hidden, _Tally(), f"{kind} after a 64-token host tier hit")

@@ -22,7 +22,7 @@ from jaxserve.engine.async_engine import EngineStats
 from jaxserve.engine.engine_core import prompt_page_hashes
 from jaxserve.engine.llm_kwargs import engine_config
 from jaxserve.runner.compile_counter import num_compilations
-from jaxserve.runner.host_tier import LOG_LENGTH
+from jaxserve.runner.host_tier import DRAFT_KV, LOG_LENGTH
 from models.layer_stack import KV
 from tests.api.test_metrics_vllm import samples, value
 from tests.engine.conftest import add, assert_no_leaks
@@ -406,3 +406,22 @@ def test_data_parallel_replicas_each_keep_their_own_tier(checkpoint, llama_engin
     assert dp.engine.stats().host.hits == sum(r.stats().host.hits for r in dp.engine.replicas)
     for replica in dp.engine.replicas:
         assert not replica.scheduler.requests
+
+
+def test_a_model_drafters_kv_comes_back_with_the_targets_pages(checkpoint, llama_engines):
+    """A draft model keeps its KV on the target's page ids: the tier copies it with the
+    target's (runner DRAFT_KV). The target drafting for itself has every greedy draft
+    accepted only if the drafter's KV at a restored prefix is what it computed there."""
+    plain, _ = llama_engines
+    path = checkpoint("llama")
+    spec = LLM(path, kv_offloading_size=0.02, **PLAIN, speculative_config={
+        "method": "draft_model", "model": path, "num_speculative_tokens": 3})
+    got, cached = trace(spec)
+    assert got == reference(plain)[0]
+    s = spec.engine.scheduler.stats()
+    assert s.spec_num_accepted_tokens == s.spec_num_draft_tokens > 0, s
+    assert spec.engine.stats().host.pages_restored > 0 and sum(cached[CONVERSATIONS:]) > 0
+    layout = spec.engine.runner.host_tier.layout
+    assert layout.rows[DRAFT_KV] == layout.rows[KV]   # the target's shapes, its own pool
+    assert layout.page_bytes == 2 * spec.engine.runner.host_tier.arrays.arrays[KV][0].nbytes
+    assert_tier_settled(spec)

@@ -41,3 +41,17 @@ def test_sliding_window_models_count_their_sliding_pages_apart():
     line = next(ln for ln in format_plan(p).splitlines() if "host tier" in ln)
     assert f"{pages - 1:,} pages" in line and f"{sliding - 1:,} sliding-window pages" in line, \
         line
+
+
+def test_a_model_drafters_kv_goes_with_the_pages():
+    """An MTP layer's KV is on the target's pages (the cache plan counts it in each page):
+    the host tier holds fewer pages of the heavier size."""
+    mtp = {"method": "mtp", "num_speculative_tokens": 3}
+    alone = plan("qwen3.6-27b", kv_offloading_size=64)
+    drafting = plan("qwen3.6-27b", kv_offloading_size=64, speculative_config=mtp)
+    assert drafting.cache.bytes_per_page > alone.cache.bytes_per_page
+    pages, _ = size_host_tier(64 * 2**30, drafting.cache.bytes_per_page * 2,
+                              drafting.state_bytes_per_seq)
+    line = next(ln for ln in format_plan(drafting).splitlines() if "host tier" in ln)
+    assert f" {pages - 1:,} pages" in line and f" {pages - 1:,} pages" not in \
+        next(ln for ln in format_plan(alone).splitlines() if "host tier" in ln), line
