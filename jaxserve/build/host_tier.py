@@ -40,8 +40,6 @@ def check_host_tier(config: EngineConfig, plan: CachePlan) -> None:
     replicas = parse_mesh(config.mesh or "1x1")[0]   # each holds a tier of this size
     if not config.enable_prefix_caching:
         why = "the host tier is a second tier of the prefix cache: --enable-prefix-caching"
-    elif jax.process_count() > 1:
-        why = "not on a multi-host mesh"
     elif replicas * config.kv_offloading_bytes > available_host_bytes():
         # (numpy's zeroed pools take their memory as they fill: counted up front here)
         why = (f"{replicas} replica(s) x {config.kv_offloading_size} GiB is more than the "

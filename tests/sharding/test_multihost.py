@@ -24,7 +24,8 @@ from jaxserve.engine import multihost
 from jaxserve.engine.bad_words import BadWords
 from jaxserve.engine.grammar import GrammarCompiler
 from jaxserve.structured_outputs import StructuredOutputsParams as SO
-from tests.sharding.multihost_worker import ENGINE, run_all
+from tests.engine.test_tiered_cache import PLAIN, trace
+from tests.sharding.multihost_worker import ENGINE, TIERED, run_all
 from tests.sharding.test_mesh_parity import _prompts, _reference
 
 WORKER = os.path.join(os.path.dirname(__file__), "multihost_worker.py")
@@ -100,6 +101,15 @@ def test_two_processes_give_what_one_gives(checkpoint, tmp_path):
     # (constrained at temperature 1: the grammars held, so they were applied)
     texts = [c["text"] for f in one["features"] for c in f["completions"]]
     assert texts[3] in ("yes", "no", "maybe") and texts[5].startswith("x")
+    # The host tier: each process kept its heads of the pages; restored, they give the
+    # tokens (and hits) one process gives.
+    tiered, hits = leader["tiered"], follower["tiered"]
+    assert hits is None and tiered["host"][2] > 0, tiered["host"]
+    one = LLM(path, **TIERED, **PLAIN)
+    want, cached = trace(one)
+    assert tiered["tokens"] == [list(t) for t in want] and tiered["cached"] == cached
+    assert tiered["host"] == [one.engine.stats().host.hits, one.engine.stats().host.pages_offloaded,
+                              one.engine.stats().host.pages_restored]
 
 
 def _step(params: SamplingParams) -> SchedulerOutput:
