@@ -28,7 +28,7 @@ from models.config import SLIDING_ATTENTION, ModelConfig
 from models.inputs import ModelInputs, merge_image_embeds
 from models.layer_stack import KV_KIND, KV_SCALES, per_layer
 from models.layers import (MLP, Einsum, Embed, RMSNorm, activation, apply_rope, kv_heads_axis,
-                           logical_param, paged_attention, rope_inv_freq)
+                           logical_param, paged_attention, rope_inv_freq, rope_tables)
 from models.llama import LlamaForCausalLM
 from models.qwen3_moe import Experts, routed_experts
 
@@ -63,14 +63,15 @@ class Gemma4Attention(nn.Module):
         bias = cfg.attention_bias
         q = Einsum("TE,ENH->TNH", (E, N, H), ("embed", "heads", "head_dim"), 1, bias, dt,
                    quant=wq, name="q_proj")(x)
-        q = apply_rope(_norm(cfg, H, dt, "q_norm")(q), inputs.positions, inv_freq)
+        tables = rope_tables(inputs.positions, inv_freq)
+        q = apply_rope(_norm(cfg, H, dt, "q_norm")(q), inputs.positions, inv_freq, tables)
         k = v = None
         if not cfg.is_kv_shared(i):
             kv_axes = ("embed", kv_heads_axis(cfg, i), "head_dim")
             k = Einsum("TE,EKH->TKH", (E, K, H), kv_axes, 1, bias, dt, quant=wq, name="k_proj")(x)
             v = k if cfg.attention_k_eq_v and not sliding else \
                 Einsum("TE,EKH->TKH", (E, K, H), kv_axes, 1, bias, dt, quant=wq, name="v_proj")(x)
-            k = apply_rope(_norm(cfg, H, dt, "k_norm")(k), inputs.positions, inv_freq)
+            k = apply_rope(_norm(cfg, H, dt, "k_norm")(k), inputs.positions, inv_freq, tables)
             v = _norm(cfg, H, dt, "v_norm", use_weight=False)(v)
         if cache is None:   # init: parameter shapes only
             o = q

@@ -248,15 +248,43 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
     raise ValueError(f"unsupported rope type {kind!r}")
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """Rotate-half RoPE on the first 2 * len(inv_freq) dims of x [T, n, H] (dim i pairs
-    with i + len(inv_freq)); the rest pass through (partial RoPE) at positions int32[T],
-    or int32[T, rot/2]: a position per frequency (mrope_positions)."""
-    rot = 2 * len(inv_freq)
+RopeTables = tuple[jax.Array, jax.Array]   # cos, sin float32[T, 1, rot/2]
+
+
+def rope_tables(positions: jax.Array, inv_freq: np.ndarray) -> RopeTables:
+    """cos and sin of each token's angles, at positions int32[T], or int32[T, rot/2]: a
+    position per frequency (mrope_positions). On XLA:CPU they are computed in a loop of
+    one trip, whose results no fusion can take in (and which XLA keeps once for every
+    layer: the same computation): fused into their consumers, as XLA fuses them, each is
+    recomputed per head and per half of the rotation, in every layer (the benchmark
+    llama's 2048-token prefill spent ~8 % of its step there; benchmarks/README.md)."""
     if positions.ndim == 1:
         positions = positions[:, None]
     freqs = positions.astype(jnp.float32) * jnp.asarray(inv_freq)[None, :]   # [T, rot/2]
-    cos, sin = jnp.cos(freqs)[:, None, :], jnp.sin(freqs)[:, None, :]
+    cos, sin = jax.lax.platform_dependent(freqs, cpu=_cos_sin_apart, default=_cos_sin)
+    return cos[:, None, :], sin[:, None, :]
+
+
+def _cos_sin(freqs: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return jnp.cos(freqs), jnp.sin(freqs)
+
+
+def _cos_sin_apart(freqs: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """_cos_sin in a while loop XLA cannot count the trips of (a flag ends it), so it
+    keeps the loop and its results are buffers."""
+    zeros = jnp.zeros_like(freqs)
+    _, cos, sin = jax.lax.while_loop(lambda c: ~c[0], lambda c: (True, *_cos_sin(freqs)),
+                                     (jnp.bool_(False), zeros, zeros))
+    return cos, sin
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray,
+               tables: RopeTables | None = None) -> jax.Array:
+    """Rotate-half RoPE on the first 2 * len(inv_freq) dims of x [T, n, H] (dim i pairs
+    with i + len(inv_freq)); the rest pass through (partial RoPE). tables: rope_tables
+    (positions, inv_freq) when the caller has them (q and k share them)."""
+    rot = 2 * len(inv_freq)
+    cos, sin = tables if tables is not None else rope_tables(positions, inv_freq)
     x1, x2 = jnp.split(x[..., :rot].astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
     return out if rot == x.shape[-1] else jnp.concatenate([out, x[..., rot:]], axis=-1)
@@ -324,8 +352,9 @@ class Attention(nn.Module):
             k = RMSNorm(H, cfg.rms_norm_eps, dt, cfg.norm_plus_one, name="k_norm")(k)
         inv_freq = rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling)
         positions = mrope_positions(inputs, cfg.mrope_section, len(inv_freq))
-        q = apply_rope(q, positions, inv_freq)
-        k = apply_rope(k, positions, inv_freq)
+        tables = rope_tables(positions, inv_freq)
+        q = apply_rope(q, positions, inv_freq, tables)
+        k = apply_rope(k, positions, inv_freq, tables)
         if self.is_initializing():
             # init only needs parameter shapes; the cache layout belongs to the kernel
             # module, so init callers may pass any placeholder cache.

@@ -12,6 +12,7 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
+from models import gemma4, layers
 from models.config import ModelConfig
 from models.layer_stack import cache_shapes
 from models.lora.adapter import load_peft_adapter
@@ -156,10 +157,16 @@ def test_mixed_batch_gives_each_row_its_adapter(family):
         assert_close(g, family.want[i])
 
 
-def test_no_lora_traces_no_lora_op(family):
+def test_no_lora_traces_no_lora_op(family, monkeypatch):
+    # The LoRA op's per-platform choice (ops._grouped_add) is its mark; the RoPE tables
+    # choose per platform too (layers.rope_tables): plain ones here.
+    def plain_tables(positions, inv_freq):
+        freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
+        return jnp.cos(freqs)[:, None, :], jnp.sin(freqs)[:, None, :]
+    for module in (layers, gemma4):
+        monkeypatch.setattr(module, "rope_tables", plain_tables)
     caches, inputs = family.one_row()
     text = str(jax.make_jaxpr(family.model.apply)({"params": family.params}, caches, inputs))
-    # The LoRA op's per-platform choice (ops._grouped_delta) is its mark.
     assert "platform_index" not in text
     slot_ids = jnp.zeros(T_PAD, jnp.int32)
     lora = str(jax.make_jaxpr(family.model.apply)(
