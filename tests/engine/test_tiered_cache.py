@@ -75,15 +75,15 @@ def engines(request, checkpoint):
     return request.param, LLM(path, **PLAIN), LLM(path, kv_offloading_size=0.02, **SIZES)
 
 
-def trace(llm: LLM) -> tuple[list[list[int]], list[int]]:
-    """CONVERSATIONS chats of TURNS turns, taken round-robin (every conversation's
+def trace(llm: LLM, conversations: int = CONVERSATIONS) -> tuple[list[list[int]], list[int]]:
+    """`conversations` chats of TURNS turns, taken round-robin (every conversation's
     history is evicted from the device pool before its next turn): each turn sends the
     whole history, the answer and a new user message. -> tokens, cached tokens per turn."""
     rng = random.Random(0)
-    history = [[rng.randrange(3, 250) for _ in range(30)] for _ in range(CONVERSATIONS)]
+    history = [[rng.randrange(3, 250) for _ in range(30)] for _ in range(conversations)]
     tokens, cached = [], []
     for _ in range(TURNS):
-        for i in range(CONVERSATIONS):
+        for i in range(conversations):
             out = llm.generate({"prompt_token_ids": history[i]}, GREEDY, use_tqdm=False)[0]
             tokens.append(out.outputs[0].token_ids)
             cached.append(out.num_cached_tokens)

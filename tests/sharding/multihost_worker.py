@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 ENGINE = dict(dtype="float32", mesh="1x4", max_model_len=128, max_num_seqs=4,
               max_num_batched_tokens=32, compilation_cache_dir=None)
 TIERED = dict(mesh="1x4", kv_offloading_size=0.02)   # with test_tiered_cache's PLAIN
+TIERED_CONVERSATIONS = 5   # (its trace's histories outgrow the 11-page pool: 20 pages by turn 3)
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string", "maxLength": 6},
@@ -135,9 +136,9 @@ def main(path: str, out_dir: str, prompts_json: str, max_tokens: int) -> None:
 
 def run_tiered(path: str) -> dict | None:
     """A second engine, with the prefix cache's host tier, over test_tiered_cache's
-    multi-turn trace (a device pool of 11 pages): each process keeps its devices' heads
-    of every page it offloads. The leader returns the trace's tokens, cached tokens and
-    host-tier counts; the follower follows (None)."""
+    multi-turn trace of TIERED_CONVERSATIONS conversations (a device pool of 11 pages):
+    each process keeps its devices' heads of every page it offloads. The leader returns
+    the trace's tokens, cached tokens and host-tier counts; the follower follows (None)."""
     from jaxserve import LLM
     from jaxserve.engine import multihost
     from tests.engine.test_tiered_cache import PLAIN, trace
@@ -146,7 +147,7 @@ def run_tiered(path: str) -> dict | None:
     if not multihost.is_leader():
         llm.engine.follow()
         return None
-    tokens, cached = trace(llm)
+    tokens, cached = trace(llm, TIERED_CONVERSATIONS)
     llm.engine.shutdown()
     host = llm.engine.stats().host
     return {"tokens": [list(t) for t in tokens], "cached": cached,

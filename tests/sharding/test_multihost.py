@@ -25,7 +25,7 @@ from jaxserve.engine.bad_words import BadWords
 from jaxserve.engine.grammar import GrammarCompiler
 from jaxserve.structured_outputs import StructuredOutputsParams as SO
 from tests.engine.test_tiered_cache import PLAIN, trace
-from tests.sharding.multihost_worker import ENGINE, TIERED, run_all
+from tests.sharding.multihost_worker import ENGINE, TIERED, TIERED_CONVERSATIONS, run_all
 from tests.sharding.test_mesh_parity import _prompts, _reference
 
 WORKER = os.path.join(os.path.dirname(__file__), "multihost_worker.py")
@@ -106,7 +106,7 @@ def test_two_processes_give_what_one_gives(checkpoint, tmp_path):
     tiered, hits = leader["tiered"], follower["tiered"]
     assert hits is None and tiered["host"][2] > 0, tiered["host"]
     one = LLM(path, **TIERED, **PLAIN)
-    want, cached = trace(one)
+    want, cached = trace(one, TIERED_CONVERSATIONS)
     assert tiered["tokens"] == [list(t) for t in want] and tiered["cached"] == cached
     assert tiered["host"] == [one.engine.stats().host.hits, one.engine.stats().host.pages_offloaded,
                               one.engine.stats().host.pages_restored]
