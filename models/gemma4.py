@@ -64,14 +64,14 @@ class Gemma4Attention(nn.Module):
         q = Einsum("TE,ENH->TNH", (E, N, H), ("embed", "heads", "head_dim"), 1, bias, dt,
                    quant=wq, name="q_proj")(x)
         tables = rope_tables(inputs.positions, inv_freq)
-        q = apply_rope(_norm(cfg, H, dt, "q_norm")(q), inputs.positions, inv_freq, tables)
+        q = apply_rope(_norm(cfg, H, dt, "q_norm")(q), tables)
         k = v = None
         if not cfg.is_kv_shared(i):
             kv_axes = ("embed", kv_heads_axis(cfg, i), "head_dim")
             k = Einsum("TE,EKH->TKH", (E, K, H), kv_axes, 1, bias, dt, quant=wq, name="k_proj")(x)
             v = k if cfg.attention_k_eq_v and not sliding else \
                 Einsum("TE,EKH->TKH", (E, K, H), kv_axes, 1, bias, dt, quant=wq, name="v_proj")(x)
-            k = apply_rope(_norm(cfg, H, dt, "k_norm")(k), inputs.positions, inv_freq, tables)
+            k = apply_rope(_norm(cfg, H, dt, "k_norm")(k), tables)
             v = _norm(cfg, H, dt, "v_norm", use_weight=False)(v)
         if cache is None:   # init: parameter shapes only
             o = q

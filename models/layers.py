@@ -278,13 +278,11 @@ def _cos_sin_apart(freqs: jax.Array) -> tuple[jax.Array, jax.Array]:
     return cos, sin
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray,
-               tables: RopeTables | None = None) -> jax.Array:
-    """Rotate-half RoPE on the first 2 * len(inv_freq) dims of x [T, n, H] (dim i pairs
-    with i + len(inv_freq)); the rest pass through (partial RoPE). tables: rope_tables
-    (positions, inv_freq) when the caller has them (q and k share them)."""
-    rot = 2 * len(inv_freq)
-    cos, sin = tables if tables is not None else rope_tables(positions, inv_freq)
+def apply_rope(x: jax.Array, tables: RopeTables) -> jax.Array:
+    """Rotate-half RoPE by rope_tables' angles on the first rot = 2 * (their width) dims of
+    x [T, n, H] (dim i pairs with i + rot / 2); the rest pass through (partial RoPE)."""
+    cos, sin = tables
+    rot = 2 * cos.shape[-1]
     x1, x2 = jnp.split(x[..., :rot].astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
     return out if rot == x.shape[-1] else jnp.concatenate([out, x[..., rot:]], axis=-1)
@@ -353,8 +351,7 @@ class Attention(nn.Module):
         inv_freq = rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling)
         positions = mrope_positions(inputs, cfg.mrope_section, len(inv_freq))
         tables = rope_tables(positions, inv_freq)
-        q = apply_rope(q, positions, inv_freq, tables)
-        k = apply_rope(k, positions, inv_freq, tables)
+        q, k = apply_rope(q, tables), apply_rope(k, tables)
         if self.is_initializing():
             # init only needs parameter shapes; the cache layout belongs to the kernel
             # module, so init callers may pass any placeholder cache.

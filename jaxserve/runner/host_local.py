@@ -25,16 +25,12 @@ def local_box(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> tuple[
     return tuple(slice(a, b) for a, b in zip(starts, stops))
 
 
-def local_shape(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> tuple[int, ...]:
-    return tuple(s.stop - s.start for s in local_box(sharding, shape))
-
-
 def to_local(x: jax.Array) -> np.ndarray:
     """x's process-local block (all of x where it is fully addressable)."""
     if x.is_fully_addressable:
         return np.asarray(x)
     box = local_box(x.sharding, x.shape)
-    out = np.empty(local_shape(x.sharding, x.shape), x.dtype)
+    out = np.empty(tuple(b.stop - b.start for b in box), x.dtype)
     for shard in x.addressable_shards:
         out[tuple(slice(s.indices(n)[0] - b.start, s.indices(n)[1] - b.start)
                   for s, b, n in zip(shard.index, box, x.shape))] = np.asarray(shard.data)

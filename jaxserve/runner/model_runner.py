@@ -173,7 +173,11 @@ class ModelRunner(RunnerWarmup, SpecCollect):
 
     def attach_host_tier(self, budget_bytes: int) -> HostTier:
         """Gives the runner a host tier of budget_bytes (before warmup, which compiles its
-        copy programs); ValueError when that holds no page."""
+        copy programs); ValueError when that holds no page (or the drafter keeps more than
+        one full-attention KV array: draft models and MTP layers keep one)."""
+        if self.drafter is not None and set(self.drafter.caches) != {KV}:
+            raise ValueError(f"a drafter with caches {sorted(self.drafter.caches)}: only a "
+                             f"full-attention drafter's KV is copied")
         self.host_tier = HostTier(self.host_tier_caches(), self.host_tier_layers(),
                                   budget_bytes, self.mesh.devices.flat[0], lambda: self.params)
         return self.host_tier
@@ -183,9 +187,6 @@ class ModelRunner(RunnerWarmup, SpecCollect):
         (DRAFT_KV: on the same page ids, so its pages go and come back with the target's)."""
         if self.drafter is None:
             return dict(self.kv_caches)
-        if set(self.drafter.caches) != {KV}:   # draft models and MTP layers: full attention
-            raise ValueError(f"a drafter with caches {sorted(self.drafter.caches)}: only a "
-                             f"full-attention drafter's KV is copied")
         return {**self.kv_caches, DRAFT_KV: self.drafter.caches[KV]}
 
     def adopt_host_tier_caches(self, caches: dict[str, jax.Array]) -> None:

@@ -25,6 +25,7 @@ from sharding import kv_head_layout, make_mesh, mesh_rules, param_shardings
 from tests.checkpoints import make_tiny_checkpoint, model_class
 from tests.models.batch_util import make_inputs
 from tests.models.test_parity import assert_close, prompt
+from tests.models.test_rope_tables import plain_tables
 
 PAGE, NUM_PAGES, STATE_SLOTS, MAX_RANK = 16, 24, 6, 8
 T_PAD, R_PAD, P_PAD = 64, 4, 4
@@ -160,9 +161,6 @@ def test_mixed_batch_gives_each_row_its_adapter(family):
 def test_no_lora_traces_no_lora_op(family, monkeypatch):
     # The LoRA op's per-platform choice (ops._grouped_add) is its mark; the RoPE tables
     # choose per platform too (layers.rope_tables): plain ones here.
-    def plain_tables(positions, inv_freq):
-        freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
-        return jnp.cos(freqs)[:, None, :], jnp.sin(freqs)[:, None, :]
     for module in (layers, gemma4):
         monkeypatch.setattr(module, "rope_tables", plain_tables)
     caches, inputs = family.one_row()
