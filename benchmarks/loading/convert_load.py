@@ -25,7 +25,6 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import argparse  # noqa: E402
-import gc  # noqa: E402
 import shutil  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
@@ -74,8 +73,9 @@ def timed_load(model: str, mesh_spec: str, **engine_args: Any) -> tuple[float, i
     jax.block_until_ready(loaded.params)
     seconds = time.perf_counter() - t0
     nbytes = loaded.weight_bytes
+    # Its arrays go with their last reference (no gc.collect(): a walk of the whole heap,
+    # seconds a call inside a long test worker).
     del loaded
-    gc.collect()
     return seconds, nbytes
 
 

@@ -126,7 +126,8 @@ def run_ref_side(args: argparse.Namespace, path: str, wl: Workload, dtype: str,
         reference.run_static_batches(model, wl.items, run.batch_size, pad_id, run.cache).seconds
         for _ in range(args.repeats - 1)]
     run.seconds = statistics.median(run.seconds_each)
-    reference.free(model)
+    del model
+    reference.free_gpu_memory()
     return run, tried, threads
 
 

@@ -139,7 +139,8 @@ def reference_side(args: argparse.Namespace, path: str, dtype: str, device: str,
         probe = reference.probe_cache(model, [item], pad_id)
         cache = probe["chosen"]
     res = measure(reference_fn(model, pad_id, cache), lens, args, vocab, "reference")
-    reference.free(model)
+    del model
+    reference.free_gpu_memory()
     return {**res, "cache": cache, "cache_probe": probe, "device": device,
             "torch_threads": threads}
 

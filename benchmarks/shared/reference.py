@@ -51,12 +51,14 @@ def load_model(path: str, dtype: str, device: str) -> Any:
     return model
 
 
-def free(model: Any) -> None:
-    """Give the device memory back before jaxserve allocates its own."""
+def free_gpu_memory() -> None:
+    """Give the GPU memory the reference's dropped tensors held back to the device before
+    jaxserve allocates its own (the caller drops its model first). On CPU there is
+    nothing to give back: tensors go with their last reference, and a gc.collect() would
+    walk the whole heap (seconds a call inside a long test worker)."""
     import torch
-    del model
-    gc.collect()
     if torch.cuda.is_available():
+        gc.collect()
         torch.cuda.empty_cache()
 
 
@@ -181,9 +183,7 @@ def run_reference(model: Any, items: list[Item], sizes: list[int], first_fit: bo
             if not is_oom(e):
                 raise
         if run is None:   # out of the except block: its traceback no longer pins tensors
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+            free_gpu_memory()
             tried.append({"batch_size": bs, "out_of_memory": True})
             continue
         tried.append({"batch_size": bs, "cache": run.cache, "seconds": run.seconds,

@@ -19,8 +19,10 @@ from benchmarks.structured.grammar_fixtures import Grammar, grammar_kinds, schem
 
 @contextlib.contextmanager
 def no_gc() -> Iterator[None]:
-    """Garbage collection off while timing: a collection inside one step is noise."""
-    gc.collect()
+    """Garbage collection off while timing: a collection inside one step is noise. No
+    gc.collect() first: it walks the whole heap, 2-3 s a call inside a test worker that
+    has run a hundred files (tests/benchmarks/test_grammar_backends.py's run took 39-51 s
+    in the suite against 1.8 s alone), and disabled is all the timing needs."""
     gc.disable()
     try:
         yield
