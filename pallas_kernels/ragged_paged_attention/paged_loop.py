@@ -103,15 +103,15 @@ def _attend(q, cache, kv_lens, page_table, query_start_loc, num_seqs, *, block, 
         row_mask=row_mask, num_items=num_items, horizon=horizon)
     # bf16 K / V go into bf16 dots as stored (float32 accumulation); other caches in float32.
     dot_dtype = jnp.bfloat16 if value_dtype(cache.dtype) == jnp.bfloat16 else jnp.float32
-    qb = gather_queries(q, meta, num_kv_heads=num_kv, block_q=block, rows=rows)
-    qb = (qb.astype(jnp.float32) * sm_scale).astype(dot_dtype)   # [I, K, M, H]
+    # Each round gathers its own items' query tiles (from q scaled once): no [I, K, M, H]
+    # tiles of every item up front (a prefill chunk's: a 12.6 MB pass; 3-4 % of its call).
+    q_scaled = (q.astype(jnp.float32) * sm_scale).astype(dot_dtype)   # [T, N, H]
 
     n_items = meta.shape[0]
     fold = min(ROUNDS, n_items)
     n_lanes = -(-n_items // fold)
     n_pad = n_lanes * fold                                       # padding items have 0 steps
     meta = jnp.pad(meta, ((0, n_pad - n_items), (0, 0)))
-    qb = jnp.pad(qb, ((0, n_pad - n_items), (0, 0), (0, 0), (0, 0)))
     order = jnp.argsort(-meta[:, NUM_STEPS], stable=True).astype(jnp.int32)   # longest first
 
     tok = jnp.arange(rows, dtype=jnp.int32) // group             # token of each query row
@@ -128,7 +128,8 @@ def _attend(q, cache, kv_lens, page_table, query_start_loc, num_seqs, *, block, 
         """Items `item` [L], one a lane, each over its own steps: the loop runs as long as the
         longest of them."""
         mt = meta[item]
-        q_round = qb[item]                                                    # [L, K, M, H]
+        q_round = gather_queries(q_scaled, mt, num_kv_heads=num_kv, block_q=block,
+                                 rows=rows)                                   # [L, K, M, H]
         row_pos = mt[:, Q_POS, None] + tok[None, :]                           # [L, M]
         row_last = row_pos if horizon is None else \
             row_horizons(mt, horizon, group=group, rows=rows)   # padding rows: masked
