@@ -173,18 +173,16 @@ class ModelRunner(RunnerWarmup, SpecCollect):
 
     def attach_host_tier(self, budget_bytes: int) -> HostTier:
         """Gives the runner a host tier of budget_bytes (before warmup, which compiles its
-        copy programs); ValueError when that holds no page (or the drafter keeps more than
-        one full-attention KV array: draft models and MTP layers keep one)."""
-        if self.drafter is not None and set(self.drafter.caches) != {KV}:
-            raise ValueError(f"a drafter with caches {sorted(self.drafter.caches)}: only a "
-                             f"full-attention drafter's KV is copied")
+        copy programs); ValueError when that holds no page."""
         self.host_tier = HostTier(self.host_tier_caches(), self.host_tier_layers(),
                                   budget_bytes, self.mesh.devices.flat[0], lambda: self.params)
         return self.host_tier
 
     def host_tier_caches(self) -> dict[str, jax.Array]:
         """The caches the host tier copies pages of: the target's, and a model drafter's KV
-        (DRAFT_KV: on the same page ids, so its pages go and come back with the target's)."""
+        (DRAFT_KV: on the same page ids, so its pages go and come back with the target's).
+        A drafter keeps that one KV array and nothing else: an MTP layer is full attention,
+        and build/drafter_loader refuses a draft model with any other kind of layer."""
         if self.drafter is None:
             return dict(self.kv_caches)
         return {**self.kv_caches, DRAFT_KV: self.drafter.caches[KV]}
