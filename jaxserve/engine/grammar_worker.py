@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import queue
+import sys
 import threading
 import time
 from concurrent.futures import Future
@@ -53,6 +54,7 @@ class CompileWorkers:
     """num_threads daemon threads of stack_bytes each, fed from one queue."""
 
     def __init__(self, num_threads: int, stack_bytes: int, name: str = "grammar-compile"):
+        _drop_interrupts_that_landed_elsewhere()
         self._queue: queue.SimpleQueue[Job] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._stopping: set[Job] = set()        # cancelled, still in an interruptible section
@@ -89,7 +91,7 @@ class CompileWorkers:
     def _resend(self) -> None:
         """Sends Cancelled again while a cancelled job is still in its section: one that
         lands in a weakref callback or __del__ (the collector runs them in whatever
-        thread allocates) is printed and dropped there, not raised in the job."""
+        thread allocates) is dropped there, not raised in the job."""
         with self._lock:
             while True:
                 self._stop_wanted.wait_for(lambda: self._stopping)
@@ -180,6 +182,24 @@ def _settle(future: Future, *, result: Any = None, error: BaseException | None =
         future.set_exception(error)
     else:
         future.set_result(result)
+
+
+def _drop_interrupts_that_landed_elsewhere() -> None:
+    """Wraps sys.unraisablehook (once) so that a Cancelled that landed in a weakref
+    callback or __del__ of a job's thread is dropped without a word: _resend sends it
+    again. Any other unraisable exception goes to the hook that was there before (a
+    test runner's, which would report the interrupt as an error of whatever test ran)."""
+    previous = sys.unraisablehook
+    if getattr(previous, "_drops_landed_interrupts", False):
+        return
+
+    def hook(unraisable: Any) -> None:
+        if not (issubclass(unraisable.exc_type, Cancelled)
+                and getattr(_local, "job", None) is not None):
+            previous(unraisable)
+
+    hook._drops_landed_interrupts = True   # type: ignore[attr-defined]
+    sys.unraisablehook = hook
 
 
 def _raise_in(thread_id: int, exc: type[BaseException] | None) -> None:
