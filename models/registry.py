@@ -12,6 +12,7 @@ from models.gemma4 import Gemma4ForCausalLM
 from models.llama import LlamaForCausalLM, Qwen3ForCausalLM
 from models.qwen3_5 import Qwen3_5ForCausalLM
 from models.qwen3_moe import Qwen3MoeForCausalLM
+from pallas_kernels.held_dtypes import cpu_has_bf16_dot
 from pallas_kernels.kv_cache_dtypes import KV_QUANT_DTYPE_NAMES
 from pallas_kernels.ragged_paged_attention import resolve_backend
 
@@ -57,18 +58,6 @@ def compute_dtype(dtype: Any, platform: str) -> jnp.dtype:
     dtype = jnp.dtype(dtype)
     narrow = dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
     return jnp.dtype(jnp.float32) if platform == "cpu" and narrow else dtype
-
-
-def cpu_has_bf16_dot() -> bool:
-    """Whether this host's CPU multiplies bfloat16 natively (AVX512-BF16 or AMX-BF16),
-    where XLA:CPU's bf16 x bf16 -> float32 dot runs ~2x a float32 one (issue 38)."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f
-                          if line.startswith("flags")), [])
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def matmul_dtype(dtype: Any, platform: str) -> jnp.dtype:

@@ -23,8 +23,8 @@ outside its loop: the per-step work is the item's KV step and nothing else.
 
 Per step a lane reads its item's KV pages as (page, kv head) tiles, K and V
 apart, so they arrive as [K, C, H] with no relayout, and both dots take them as
-stored (bf16 into the CPU's bf16 dots, float32 accumulation); other caches are
-read as float32.
+stored (bf16 into bf16 dots with float32 accumulation where the CPU has them,
+attention_dot_dtype); other caches are read as float32.
 
 Glossary: T tokens, R request rows, I items, F rounds, L lanes, K kv
 heads, G = N // K query heads per kv head, M = block * G query rows per item,
@@ -39,7 +39,7 @@ from pallas_kernels.ragged_paged_attention.blocks import (KV_LEN, KV_LO, NUM_STE
                                                           Q_POS, REQ, gather_queries, plan_items,
                                                           row_horizons, scatter_outputs,
                                                           window_start)
-from pallas_kernels.held_dtypes import as_values, value_dtype
+from pallas_kernels.held_dtypes import as_values, cpu_has_bf16_dot, value_dtype
 from pallas_kernels.ragged_paged_attention.cache import cache_dims
 
 BLOCK_Q = 16
@@ -52,6 +52,16 @@ KV_STEP_TOKENS_BLOCKS = 64
 # Rounds (F). 1 is one lock-step loop over all items (as long as the longest); on the same
 # benchmarks 4 beat 1 by 1.4-1.5x, 2 by 1.1-1.5x and 8 by 1.1-1.2x.
 ROUNDS = 4
+
+
+def attention_dot_dtype(cache_dtype) -> jnp.dtype:
+    """bf16 K / V go into bf16 dots as stored (float32 accumulation), except on a CPU that
+    emulates bf16 dots: there float32 ones on the same values are faster (a 48-row decode
+    1.24x, a 2048-token prefill chunk 1.15x on an AVX2 EPYC) and exact. Other caches in
+    float32."""
+    native = jax.default_backend() != "cpu" or cpu_has_bf16_dot()
+    bf16 = value_dtype(cache_dtype) == jnp.bfloat16 and native
+    return jnp.dtype(jnp.bfloat16 if bf16 else jnp.float32)
 
 
 def ragged_paged_attention(
@@ -101,8 +111,7 @@ def _attend(q, cache, kv_lens, page_table, query_start_loc, num_seqs, *, block, 
         query_start_loc, kv_lens, num_seqs, num_tokens=num_tokens, block_q=block,
         kv_step=kv_step, page_size=page_size, sliding_window=sliding_window,
         row_mask=row_mask, num_items=num_items, horizon=horizon)
-    # bf16 K / V go into bf16 dots as stored (float32 accumulation); other caches in float32.
-    dot_dtype = jnp.bfloat16 if value_dtype(cache.dtype) == jnp.bfloat16 else jnp.float32
+    dot_dtype = attention_dot_dtype(cache.dtype)
     # Each round gathers its own items' query tiles (from q scaled once): no [I, K, M, H]
     # tiles of every item up front (a prefill chunk's: a 12.6 MB pass; 3-4 % of its call).
     q_scaled = (q.astype(jnp.float32) * sm_scale).astype(dot_dtype)   # [T, N, H]

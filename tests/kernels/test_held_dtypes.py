@@ -17,7 +17,7 @@ from models.registry import build_model
 from models.weights import load_params
 from pallas_kernels.gated_delta import ragged_causal_conv1d
 from pallas_kernels.held_dtypes import as_values, held_dtype, value_dtype
-from pallas_kernels.ragged_paged_attention import make_kv_cache, write_kv
+from pallas_kernels.ragged_paged_attention import make_kv_cache, paged_loop, write_kv
 from pallas_kernels.ragged_paged_attention.dispatch import ragged_paged_attention
 from tests.checkpoints import make_tiny_checkpoint
 from tests.models.batch_util import make_inputs
@@ -65,6 +65,33 @@ def test_kv_cache_held_as_bits(dtype):
         want = ragged_paged_attention(q, as_floats, impl=impl, **meta)
         got = ragged_paged_attention(q, as_bits, impl=impl, **meta)
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_cpu_attention_dots_are_bf16_only_where_the_cpu_has_them(monkeypatch, native):
+    """A bf16 cache's K / V go into bf16 dots where the CPU multiplies bf16 natively, into
+    float32 ones where XLA would emulate them (slower there)."""
+    monkeypatch.setattr(paged_loop, "cpu_has_bf16_dot", lambda: native)
+    cache = make_kv_cache(4, 16, 2, 8, held_dtype(jnp.bfloat16, "cpu"))
+    args = (jnp.zeros((2, 4, 8), jnp.float32), cache, jnp.array([3, 5], jnp.int32),
+            jnp.array([[0], [1]], jnp.int32), jnp.array([0, 1, 2], jnp.int32),
+            jnp.array([2], jnp.int32))
+    jaxpr = jax.make_jaxpr(lambda *a: paged_loop.ragged_paged_attention(
+        *a, sm_scale=0.3))(*args).jaxpr
+    kinds = [str(v.aval.dtype) for eqn in _equations(jaxpr)
+             if eqn.primitive.name == "dot_general" for v in eqn.invars]
+    assert len(kinds) == 4 and set(kinds) == {"bfloat16" if native else "float32"}, kinds
+
+
+def _equations(jaxpr):
+    """Every equation of jaxpr, those of the loops' and conditions' bodies included."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (list, tuple)) else [param]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _equations(inner)
 
 
 def test_conv_state_held_as_bits():
