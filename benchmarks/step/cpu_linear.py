@@ -2,7 +2,8 @@
 this machine's memory bandwidth (what a decode step's weight reads are bound by).
 
     python -m benchmarks.step.cpu_linear [--rows 16,48,64,256,2048] [--shape 2816x1024]
-    python -m benchmarks.step.cpu_linear --stack 12 [--rows 16,32,48,64,96,128,256]
+    python -m benchmarks.step.cpu_linear --stack 12 [--rows 16,32,48,64,96,128,256] \
+        [--dtype float32]
 
 Forms, each y = x W^T for x [rows, in] bf16 and a bf16 weight, float32 out:
   out_in   W stored [out, in], contracted on its second axis (the engine's form on a
@@ -15,7 +16,9 @@ Forms, each y = x W^T for x [rows, in] bf16 and a bf16 weight, float32 out:
            WEIGHT_LEFT_MAX_ROWS rows.
 --stack N times N layers of the benchmark llama's projections instead (q/k/v 1536x1024,
 o 1024x1024, gate/up 5632x1024, down 1024x2816, residual adds between them) in the forms
-out_in and w_lhs_t: the dots as a decode step chains them, each result read by the next op.
+in_out, out_in and w_lhs_t, in --dtype (bfloat16; float32: a float32 model's dots, or a
+bf16 model's on a CPU without native bf16 dots, models/registry.matmul_dtype): the dots
+as a decode step chains them, each result read by the next op.
 XLA:CPU hands these dots to YNNPACK, which packs its right operand on every call (here:
 the whole weight; with w_lhs only x). Bandwidth: jnp.sum over 256 MiB of int32.
 Each figure is the best of --repeats rounds of --calls calls (per call), after one warm call.
@@ -50,19 +53,19 @@ def dot_fn(form: str):
 
 
 def stack_fn(form: str):
-    """A decode step's chain of projections over the LLAMA_LAYER weights of each layer."""
+    """A decode step's chain of projections over the LLAMA_LAYER weights of each layer
+    ([out, in]; in_out's transposed), activations in the weights' dtype."""
     import jax
-    import jax.numpy as jnp
     dot = dot_fn(form)
 
     def f(x, weights):
         for qkv_w, o_w, gate_up_w, down_w in zip(*[iter(weights)] * 4):
-            attn = dot(x, qkv_w)[:, :x.shape[1]].astype(jnp.bfloat16)
-            x = x + dot(attn, o_w).astype(jnp.bfloat16)
+            attn = dot(x, qkv_w)[:, :x.shape[1]].astype(x.dtype)
+            x = x + dot(attn, o_w).astype(x.dtype)
             gate_up = dot(x, gate_up_w)
             half = gate_up.shape[1] // 2
-            act = (jax.nn.silu(gate_up[:, :half]) * gate_up[:, half:]).astype(jnp.bfloat16)
-            x = x + dot(act, down_w).astype(jnp.bfloat16)
+            act = (jax.nn.silu(gate_up[:, :half]) * gate_up[:, half:]).astype(x.dtype)
+            x = x + dot(act, down_w).astype(x.dtype)
         return x
     return f
 
@@ -96,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--bandwidth-mib", type=int, default=256)
     ap.add_argument("--stack", type=int, default=0, help="layers of LLAMA_LAYER instead")
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                    help="the stack's weights and activations")
     args = ap.parse_args(argv)
     from jaxserve.build.cpu_malloc import keep_freed_memory
     keep_freed_memory()      # as the engine does
@@ -121,25 +126,29 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+STACK_FORMS = ("in_out", "out_in", "w_lhs_t")
+
+
 def time_stack(args: argparse.Namespace) -> int:
-    """out_in against w_lhs_t over --stack layers, alternating, best of --repeats each."""
+    """The STACK_FORMS over --stack layers, alternating, best of --repeats each."""
     import jax.numpy as jnp
     rng = np.random.default_rng(0)
-    weights = [jnp.asarray(0.03 * rng.standard_normal(shape), jnp.bfloat16)
-               for shape in LLAMA_LAYER * args.stack]
-    mib = sum(w.nbytes for w in weights) / 2**20
-    print(f"{args.stack} layers of {LLAMA_LAYER} bf16 ({mib:.0f} MiB); ms a stack (best of "
-          f"{args.repeats} x {args.calls})")
-    print("rows    out_in   w_lhs_t   out_in / w_lhs_t")
-    stacks = {f: stack_fn(f) for f in ("out_in", "w_lhs_t")}
+    out_in = [jnp.asarray(0.03 * rng.standard_normal(shape), args.dtype)
+              for shape in LLAMA_LAYER * args.stack]
+    weights = {"in_out": [w.T.copy() for w in out_in], "out_in": out_in, "w_lhs_t": out_in}
+    mib = sum(w.nbytes for w in out_in) / 2**20
+    print(f"{args.stack} layers of {LLAMA_LAYER} {args.dtype} ({mib:.0f} MiB); ms a stack "
+          f"(best of {args.repeats} x {args.calls})")
+    print("rows " + "".join(f"{f:>9s}" for f in STACK_FORMS) + "   in_out / w_lhs_t")
+    stacks = {f: stack_fn(f) for f in STACK_FORMS}
     for rows in (int(r) for r in args.rows.split(",")):
-        x = jnp.asarray(rng.standard_normal((rows, LLAMA_LAYER[0][1])), jnp.bfloat16)
+        x = jnp.asarray(rng.standard_normal((rows, LLAMA_LAYER[0][1])), args.dtype)
         best = {f: float("inf") for f in stacks}
-        for _ in range(args.repeats):      # alternating: the machine's drift hits both
+        for _ in range(args.repeats):      # alternating: the machine's drift hits all
             for f, fn in stacks.items():   # (the same functions: compiled once per size)
-                best[f] = min(best[f], per_call_ms(fn, (x, weights), args.calls, 1))
-        print(f"{rows:5d} {best['out_in']:8.2f} {best['w_lhs_t']:8.2f}   "
-              f"{best['out_in'] / best['w_lhs_t']:.2f}", flush=True)
+                best[f] = min(best[f], per_call_ms(fn, (x, weights[f]), args.calls, 1))
+        print(f"{rows:5d}" + "".join(f" {best[f]:8.2f}" for f in STACK_FORMS)
+              + f"   {best['in_out'] / best['w_lhs_t']:.2f}", flush=True)
     return 0
 
 

@@ -34,15 +34,21 @@ def test_a_small_run_prints_every_row(capsys):
 
 
 def test_a_stack_run_prints_every_row(capsys):
-    """One layer of the llama's projections in both forms, same numbers, a row a size."""
+    """One layer of the llama's projections in the three forms, same numbers, a row a size."""
     import jax
     rng = np.random.default_rng(0)
     weights = [jnp.asarray(0.03 * rng.standard_normal(s), jnp.bfloat16)
                for s in cpu_linear.LLAMA_LAYER]
     x = jnp.asarray(rng.standard_normal((3, 1024)), jnp.bfloat16)
-    a, b = (np.asarray(jax.jit(cpu_linear.stack_fn(f))(x, weights), np.float32)
-            for f in ("out_in", "w_lhs_t"))
+    a, b, c = (np.asarray(jax.jit(cpu_linear.stack_fn(f))(
+        x, [w.T for w in weights] if f == "in_out" else weights), np.float32)
+        for f in cpu_linear.STACK_FORMS)
     np.testing.assert_allclose(a, b, rtol=0.02, atol=0.02)
-    assert cpu_linear.main(["--stack", "1", "--rows", "2", "--calls", "1", "--repeats", "1"]) == 0
-    rows = re.findall(r"^\s*(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)$", capsys.readouterr().out, re.M)
-    assert [int(r[0]) for r in rows] == [2] and all(float(v) > 0 for v in rows[0][1:])
+    np.testing.assert_allclose(c, b, rtol=0.02, atol=0.02)
+    for dtype in ("bfloat16", "float32"):
+        assert cpu_linear.main(["--stack", "1", "--rows", "2", "--calls", "1", "--repeats", "1",
+                                "--dtype", dtype]) == 0
+        out = capsys.readouterr().out
+        rows = re.findall(r"^\s*(\d+)" + r"\s+([\d.]+)" * 4 + "$", out, re.M)
+        assert dtype in out and [int(r[0]) for r in rows] == [2]
+        assert all(float(v) > 0 for v in rows[0][1:])
