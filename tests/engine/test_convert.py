@@ -51,14 +51,13 @@ def _convert(src: str, out: Path, **kw) -> Path:
     return out
 
 
-def _load(path: str, mesh: str = "1x1", restored: bool = False, **kw):
+def _load(path: str, mesh: str = "1x1", tied: bool = False, **kw):
     """(params, the shardings the engine places them in) as an engine on `mesh` loads
-    `path`; restored: as read, before the CPU's own layout (the lm_head untie, the
-    kernels stored [out, in]: jaxserve/build/loader.load_model)."""
+    `path`; tied: before the CPU-only lm_head untie."""
     config = resolve_converted(EngineConfig(model=path, mesh=mesh, **kw)).for_platform("cpu")
     m = make_mesh(mesh)
     layout = engine_layout(config, ModelConfig.from_pretrained(path), m)
-    if restored:
+    if tied:
         model, params = load_weights(config, layout, m)
     else:
         loaded = load_model(config, layout, m)
@@ -114,8 +113,8 @@ def test_params_restore_bit_for_bit_into_the_engines_shardings(kind, convert_on,
                                                                 checkpoint, tmp_path):
     src = checkpoint(kind)
     out = _convert(src, tmp_path / "c", mesh=convert_on)
-    got, shardings = _load(str(out), load_on, restored=True)
-    want, _ = _load(src, load_on, restored=True)
+    got, shardings = _load(str(out), load_on)
+    want, _ = _load(src, load_on)
     _assert_same(got, want)
     _assert_placed(got, shardings)
 
@@ -124,7 +123,7 @@ def test_the_tree_is_saved_before_the_cpu_untie(checkpoint, tmp_path):
     # The tied embedding's transposed copy is a CPU choice: an accelerator must not get it.
     out = _convert(checkpoint("qwen3"), tmp_path / "c")
     assert not any(leaf.path[0] == "lm_head" for leaf in read_manifest(out).leaves)
-    tied, _ = _load(str(out), restored=True)
+    tied, _ = _load(str(out), tied=True)
     assert "lm_head" not in tied
     untied, _ = _load(str(out))
     np.testing.assert_array_equal(np.asarray(untied["lm_head"]["kernel"]),
