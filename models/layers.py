@@ -29,9 +29,8 @@ from sharding.rules import RULES
 
 Dtype = Any
 INIT_STD = 0.02
-# A projection kernel stored [out..., in...] instead of "kernel"'s [in..., out...]:
-# XLA:CPU's bf16 dot reads a weight whose contracted axis is its minor one ~1.7x faster
-# at decode batch sizes (benchmarks/README.md, "bf16 kernels [out, in]").
+# A projection kernel stored [out..., in...] instead of "kernel"'s [in..., out...] (the
+# loader's choice on CPU, models/weights.store_kernels_out_in): out_in_dot below.
 KERNEL_OUT_IN = "kernel_out_in"
 
 
@@ -59,7 +58,8 @@ def out_in_dot(x: jax.Array, w: jax.Array, out_dtype: Any) -> jax.Array:
     transposed; the barrier keeps XLA from folding that transpose back into the other
     form. 12 layers of the benchmark llama's bf16 projections (benchmarks/step/cpu_linear.py
     --stack 12): 16 rows 1.27x faster, 32 1.14x, 48 and 64 1.09x, but 96 rows 0.86x and
-    256 0.48x; its decode step at 48 rows ~1.1x (benchmarks/README.md)."""
+    256 0.48x; its decode step at 48 rows ~1.1x (benchmarks/README.md). In float32 on an
+    AVX2 EPYC: 16 rows 3.3x, 48 1.7x, 64 1.2x against flax's [in, out], 96 even, 256 0.94x."""
     if x.shape[0] > WEIGHT_LEFT_MAX_ROWS:
         return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())),
                                    preferred_element_type=out_dtype)
@@ -154,7 +154,7 @@ class Einsum(nn.Module):
 
     def _kernel(self) -> tuple[jax.Array, bool]:
         """The kernel, and whether it is stored [out..., in...] (KERNEL_OUT_IN, set by the
-        loader on a CPU with native bf16 dots: models/weights.store_kernels_out_in)."""
+        loader on CPU: models/weights.store_kernels_out_in)."""
         if not self.has_variable("params", KERNEL_OUT_IN):
             return logical_param(self, "kernel", nn.initializers.normal(INIT_STD), self.shape,
                                  self.axes, self.dtype), False

@@ -24,6 +24,7 @@ from jaxserve.checkpoints.converted import (PARAMS_DIR, check_settings, check_tr
 from jaxserve.config import EngineConfig
 from jaxserve.build.layout import EngineLayout, build_layout_model, layout_param_shardings
 from models.kv_scales import calculates_scales, kv_scales
+from models.layers import WEIGHT_LEFT_MAX_ROWS
 from models.orbax_io import restore_params
 from models.weights import (abstract_params, load_params, param_bytes, store_kernels_out_in,
                             untie_lm_head, widen_params)
@@ -129,11 +130,14 @@ def load_model(config: EngineConfig, layout: EngineLayout, mesh: Mesh, *,
                         if keep else " (exact)"),
                        narrow / 2**30, param_bytes(params) / 2**30,
                        jnp.dtype(layout.dtype).name, jnp.dtype(layout.kv_dtype).name)
-        if keep:
-            params = store_kernels_out_in(model, params)
-            logger.info("CPU: the %s projection kernels are stored [out, in] (XLA:CPU's %s "
-                        "dot reads them ~1.7x faster at decode batch sizes)",
-                        *(jnp.dtype(layout.dtype).name,) * 2)
+    # Not where the model axis splits the kernels: there a row-parallel weight-left dot
+    # would all-reduce its transposed [E, T] result, and a CPU mesh stands in for an
+    # accelerator's plan (tests/sharding checks its collectives).
+    if mesh.devices.flat[0].platform == "cpu" and m == 1:
+        params = store_kernels_out_in(model, params)
+        logger.info("CPU: the projection kernels are stored [out, in]: up to %d rows the "
+                    "dot takes the weight as its left operand (XLA:CPU packs a dot's right "
+                    "operand on every call)", WEIGHT_LEFT_MAX_ROWS)
     loaded = LoadedModel(model, params, param_bytes(params), bytes_per_device(params))
     # The load's time and rate are models.weights' line; this one is what is in memory.
     logger.info("model %s (%s, %s): %.2f GiB of weights, %.2f GiB per device "

@@ -24,6 +24,7 @@ from jaxserve.build.layout import engine_layout, layout_param_shardings
 from jaxserve.build.loader import load_model, load_weights
 from jaxserve.checkpoints.model_names import load_model_config
 from models.config import ModelConfig
+from models.layers import KERNEL_OUT_IN
 from sharding import make_mesh
 from tests.engine.conftest import assert_no_leaks
 
@@ -74,8 +75,13 @@ def _assert_same(got, want) -> None:
 
 
 def _assert_placed(params, shardings) -> None:
+    # A kernel the CPU stores [out, in] (on a model axis of 1 only: replicated, as the
+    # kernel was; models/weights.store_kernels_out_in) is placed as its kernel.
+    placed = {(*p[:-1], "kernel") if p[-1] == KERNEL_OUT_IN else p: x
+              for p, x in flatten_dict(params).items()}
+    assert placed.keys() == flatten_dict(shardings).keys()
     for path, sharding in flatten_dict(shardings).items():
-        assert flatten_dict(params)[path].sharding.is_equivalent_to(sharding, 2), path
+        assert placed[path].sharding.is_equivalent_to(sharding, 2), path
 
 
 # ---- serving from DIR ------------------------------------------------------------
@@ -126,8 +132,10 @@ def test_the_tree_is_saved_before_the_cpu_untie(checkpoint, tmp_path):
     tied, _ = _load(str(out), tied=True)
     assert "lm_head" not in tied
     untied, _ = _load(str(out))
-    np.testing.assert_array_equal(np.asarray(untied["lm_head"]["kernel"]),
-                                  np.asarray(tied["embed_tokens"]["embedding"]).T)
+    # On CPU the untied copy is the embedding transposed, which the CPU then stores
+    # [out, in]: the embedding's values, as a leaf of its own.
+    np.testing.assert_array_equal(np.asarray(untied["lm_head"][KERNEL_OUT_IN]),
+                                  np.asarray(tied["embed_tokens"]["embedding"]))
 
 
 def test_scanned_layers_and_other_dtypes_convert_too(checkpoint, tmp_path):

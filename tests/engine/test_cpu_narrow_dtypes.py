@@ -77,7 +77,10 @@ def test_upcast_bf16_computes_in_float32_on_cpu_with_a_bf16_cache(engines, bf16_
     core = engines["upcast"].engine
     assert jnp.dtype(core.layout.dtype) == jnp.bfloat16        # what was asked
     assert jnp.dtype(core.model.dtype) == jnp.float32          # what runs
-    assert {d for v in _dtypes(engines["upcast"]).values() for d in v} == {"float32"}
+    dtypes = _dtypes(engines["upcast"])
+    assert {d for v in dtypes.values() for d in v} == {"float32"}
+    # float32 kernels stored [out, in] too (the weight-left dot at decode sizes)
+    assert "projection [out, in]" in dtypes and "projection" not in dtypes
     assert core.runner.kv_caches[KV].dtype == jnp.uint16       # bf16 values, as bits
     # The upcast is exact and complete: the same greedy tokens as float32 weights read
     # from the same bf16 file with a bf16 cache.
