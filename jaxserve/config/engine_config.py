@@ -41,8 +41,9 @@ DEFAULT_HBM_UTILIZATION = 0.9
 def default_max_num_seqs(platform: str) -> int:
     """max_num_seqs when none is given, for the platform the engine runs on ("cpu",
     "gpu", "tpu"). Each sampler row bucket up to max_num_seqs is a warmup program
-    (runner/buckets.py): on CPU 64 keeps the built-in tiny model's server at 23
-    programs (96: 25, 256: 29, over its budget of 24, tests/engine/test_warmup_budget.py);
+    (runner/buckets.py), and on CPU each token bucket of a decode's size: there 64
+    keeps the built-in tiny model's server at its budget of 24 programs (more rows, more
+    programs; tests/engine/test_warmup_budget.py);
     accelerators take vLLM's 256, where the programs are worth the batch (the TPU plans
     and compile checks are made at 256), so one number cannot serve both. LLM, the
     server and the planner all take it from here."""

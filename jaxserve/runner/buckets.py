@@ -11,6 +11,13 @@ from __future__ import annotations
 # (v6e: 918 TFLOP/s over 1.6 TB/s, ~570 tokens for bf16 weights), so padding a step to
 # the next power of two costs little there; above, compute grows with the padding too.
 _COMPUTE_BOUND_TOKENS = 512
+# A CPU's is a few dozen (2 AVX2 cores: ~100 GFLOP/s over ~10 GB/s, ~20 tokens for
+# float32 weights), so there the decode sizes also get the midpoints from here up: a
+# decode step of 33-48 rows runs a 48-token program, not the 64 (the benchmark llama's
+# float32 decode step at 48 rows ~330 -> ~267 ms on an AVX2 EPYC; benchmarks/README.md,
+# "Token buckets on CPU"). Not the prefill sizes: they are mostly full chunks, and each
+# midpoint is a warmup program.
+_CPU_MIDPOINTS_FROM = 48
 
 
 def pick_bucket(buckets: tuple[int, ...], n: int) -> int:
@@ -58,12 +65,15 @@ def midpoint_buckets(smallest: int, largest: int) -> tuple[int, ...]:
     return tuple(out)
 
 
-def token_buckets(largest: int) -> tuple[int, ...]:
+def token_buckets(largest: int, cpu_decode_tokens: int = 0) -> tuple[int, ...]:
     """Tokens of the forward: powers of two from 16 (a step pads at most half) up to
     _COMPUTE_BOUND_TOKENS, then the midpoints too (768, 1024, 1536, ...: at most a
-    third) until one covers `largest`."""
+    third) until one covers `largest`. cpu_decode_tokens: on CPU, the most tokens a
+    decode step has (max_num_seqs, times 1 + the speculative tokens): the midpoints
+    from _CPU_MIDPOINTS_FROM up to there as well."""
     return tuple(b for b in midpoint_buckets(16, largest)
-                 if b >= _COMPUTE_BOUND_TOKENS or b & (b - 1) == 0)
+                 if b >= _COMPUTE_BOUND_TOKENS or b & (b - 1) == 0
+                 or _CPU_MIDPOINTS_FROM <= b <= cpu_decode_tokens)
 
 
 def row_buckets(max_num_seqs: int) -> tuple[int, ...]:

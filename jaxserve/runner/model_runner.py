@@ -116,10 +116,12 @@ class ModelRunner(RunnerWarmup, SpecCollect):
         # Set by the engine once its tokenizer is loaded (after warmup: no program reads it).
         self.eos_token_ids: tuple[int, ...] = ()   # held back by min_tokens
         self.max_model_len = c.max_model_len
-        self.token_buckets = token_buckets(c.max_num_batched_tokens)
+        max_sample_rows = c.max_num_seqs * (1 + c.num_speculative_tokens)
+        cpu = self.mesh.devices.flat[0].platform == "cpu"
+        self.token_buckets = token_buckets(c.max_num_batched_tokens,
+                                           cpu_decode_tokens=max_sample_rows if cpu else 0)
         self.spec = c.speculative_config
         self.drafter = drafter
-        max_sample_rows = c.max_num_seqs * (1 + c.num_speculative_tokens)
         self.row_buckets = row_buckets(max_sample_rows)
         self.sampling_row_buckets = sampling_row_buckets(max_sample_rows)
         # The jnp reference attention reads whole page-table rows: bucket their width.

@@ -1,6 +1,7 @@
 """The runner's bucket ladders: every size a step can have maps to a bucket that pads
 at most a third of it (beyond the smallest; tokens: half below 512, where a step on an
-accelerator is bound by the weights' reads), and the largest bucket is the cap."""
+accelerator is bound by the weights' reads, but for a CPU's decode sizes from 48), and the
+largest bucket is the cap."""
 from __future__ import annotations
 
 import pytest
@@ -12,6 +13,10 @@ from jaxserve.runner.buckets import (page_buckets, pick_bucket, power_of_two_at_
 def test_ladders():
     assert token_buckets(512) == (16, 32, 64, 128, 256, 512)
     assert token_buckets(2048) == (16, 32, 64, 128, 256, 512, 768, 1024, 1536, 2048)
+    # On CPU a step is compute-bound from a few dozen tokens: the decode sizes (here up
+    # to 100 tokens) get the midpoints from 48.
+    assert token_buckets(512, cpu_decode_tokens=100) == (16, 32, 48, 64, 96, 128, 256, 512)
+    assert token_buckets(512, cpu_decode_tokens=47) == token_buckets(512)
     assert row_buckets(64) == (8, 12, 16, 24, 32, 48, 64)
     assert row_buckets(100) == (8, 12, 16, 24, 32, 48, 64, 96, 100)
     assert row_buckets(5) == (5,)
@@ -30,11 +35,13 @@ def test_a_size_past_the_ladder_is_refused():
         pick_bucket(token_buckets(2048), 2049)
 
 
-@pytest.mark.parametrize("ladder", [token_buckets(8192), row_buckets(64), row_buckets(100)])
-def test_padding_at_most_a_third(ladder):
-    tokens = ladder == token_buckets(8192)
+@pytest.mark.parametrize("ladder,pads_half", [
+    (token_buckets(8192), lambda b: b <= 512),
+    (token_buckets(8192, cpu_decode_tokens=256), lambda b: b <= 32 or 256 < b <= 512),
+    (row_buckets(64), lambda b: False), (row_buckets(100), lambda b: False)])
+def test_padding_at_most_a_third(ladder, pads_half):
     for n in range(1, ladder[-1] + 1):
         b = pick_bucket(ladder, n)
         assert b >= n
         if n > ladder[0]:
-            assert b - n < b / (2 if tokens and b <= 512 else 3) + 1e-9, (n, b)
+            assert b - n < b / (2 if pads_half(b) else 3) + 1e-9, (n, b)
