@@ -117,9 +117,8 @@ class ModelRunner(RunnerWarmup, SpecCollect):
         self.eos_token_ids: tuple[int, ...] = ()   # held back by min_tokens
         self.max_model_len = c.max_model_len
         max_sample_rows = c.max_num_seqs * (1 + c.num_speculative_tokens)
-        cpu = self.mesh.devices.flat[0].platform == "cpu"
-        self.token_buckets = token_buckets(c.max_num_batched_tokens,
-                                           cpu_decode_tokens=max_sample_rows if cpu else 0)
+        self.token_buckets = token_buckets(c.max_num_batched_tokens, cpu_decode_tokens=(
+            max_sample_rows if self.mesh.devices.flat[0].platform == "cpu" else 0))
         self.spec = c.speculative_config
         self.drafter = drafter
         self.row_buckets = row_buckets(max_sample_rows)
@@ -155,8 +154,7 @@ class ModelRunner(RunnerWarmup, SpecCollect):
         rep = self._rep
         self._init_lora(lora)
         self._forward = jax.jit(self._forward_fn, donate_argnums=(1,),
-                                in_shardings=(p_sh, kv_sh, rep, rep, rep, rep,
-                                              *self._lora_sh),
+                                in_shardings=(p_sh, kv_sh, rep, rep, rep, rep, *self._lora_sh),
                                 out_shardings=(rep, rep, kv_sh))
         # (num_rows, mode) are static; jit takes no keyword arguments with in_shardings.
         self._sample = jax.jit(self._sample_fn, static_argnums=(3, 4),
