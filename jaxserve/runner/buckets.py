@@ -14,9 +14,9 @@ _COMPUTE_BOUND_TOKENS = 512
 # A CPU's is a few dozen (2 AVX2 cores: ~100 GFLOP/s over ~10 GB/s, ~20 tokens for
 # float32 weights), so there the decode sizes also get the midpoints from here up: a
 # decode step of 33-48 rows runs a 48-token program, not the 64 (the benchmark llama's
-# float32 decode step at 48 rows ~330 -> ~267 ms on an AVX2 EPYC; benchmarks/README.md,
-# "Token buckets on CPU"). Not the prefill sizes: they are mostly full chunks, and each
-# midpoint is a warmup program.
+# float32 decode step at 48 rows 322.5 / 303.3 -> 270.4 / 274.7 ms on an AVX2 EPYC:
+# benchmarks/README.md, "Token buckets on CPU"). Not the prefill sizes: they are mostly
+# full chunks, and each midpoint is a warmup program.
 _CPU_MIDPOINTS_FROM = 48
 
 
